@@ -1,0 +1,24 @@
+"""opcache: a content-addressed disk cache for operator (kernel) compiles.
+
+It behaves as CANN's operator compile cache is documented to behave
+(``enable`` / ``force`` / ``disable``, op_cache.ini, aging of entries unused for
+30 minutes, debug options that bypass the cache) and does better where CANN is
+weak.  See README.md for the whole picture.
+"""
+
+from __future__ import annotations
+
+from .errors import CompileError, ConfigError
+from .ini import ensure_ini_file
+from .settings import Settings, resolve_settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileError",
+    "ConfigError",
+    "Settings",
+    "__version__",
+    "ensure_ini_file",
+    "resolve_settings",
+]

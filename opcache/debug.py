@@ -1,0 +1,108 @@
+"""Debug options that turn the cache off, for every operator or for some.
+
+CANN's rules: ``op_debug_level`` other than 0 bypasses the cache for every
+operator; an ``op_debug_config`` file without an ``op_debug_list`` line bypasses
+it for every operator; with ``op_debug_list`` only the listed operators (by
+operator name, or by type as ``OpType::Name``) are bypassed; and
+``NPU_COLLECT_PATH`` forces debug options on, so it bypasses every operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+OPTIONS_KEY = "op_debug_config"
+LIST_KEY = "op_debug_list"
+_TYPE_PREFIX = "optype::"
+# A .cfg is a few lines; a larger file is a wrong path, not a config.
+_MAX_FILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """What an op_debug_config .cfg file says."""
+
+    options: tuple[str, ...]
+    op_list: tuple[str, ...] | None  # None: the file has no op_debug_list line
+
+
+def _split_list(value: str) -> tuple[str, ...]:
+    return tuple(item for item in "".join(value.split()).split(",") if item)
+
+
+def read_debug_config(path: Path) -> DebugConfig:
+    """Parse an op_debug_config file; raise ConfigError if it cannot be used.
+
+    Lines are ``key = value``; blank lines and lines starting with ``#`` are
+    skipped; keys other than op_debug_config and op_debug_list are ignored.
+    """
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(
+            f"op_debug_config={str(path)!r}: {why}; expected a .cfg file with lines "
+            f"'{OPTIONS_KEY} = opt1,opt2' and optionally '{LIST_KEY} = Name,OpType::Type'"
+        )
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise bad("the file does not exist") from None
+    except IsADirectoryError:
+        raise bad("it is a folder") from None
+    except OSError as e:
+        raise bad(f"cannot read it ({e.strerror or e})") from None
+    if len(raw) > _MAX_FILE_BYTES:
+        raise bad(f"larger than {_MAX_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise bad("not UTF-8 text") from None
+    options: tuple[str, ...] = ()
+    op_list: tuple[str, ...] | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep:
+            raise bad(f"line {number} is not 'key = value': {line[:60]!r}")
+        name = name.strip()
+        if name == OPTIONS_KEY:
+            options = _split_list(value)
+        elif name == LIST_KEY:
+            op_list = _split_list(value)
+    return DebugConfig(options, op_list)
+
+
+def bypass_reason(
+    op_name: str,
+    op_type: str,
+    *,
+    level: int,
+    config: DebugConfig | None,
+    collect_path: str | None,
+) -> str | None:
+    """Why the cache must not be used for this operator, or None if it may be.
+
+    The reasons are few and fixed (no operator names in them) so that stats can
+    count bypasses by reason.
+    """
+    if level != 0:
+        return f"op_debug_level is {level}"
+    if collect_path:
+        return "NPU_COLLECT_PATH is set"
+    if config is None:
+        return None
+    if config.op_list is None:
+        return "op_debug_config is set without op_debug_list"
+    for entry in config.op_list:
+        if entry.lower().startswith(_TYPE_PREFIX):
+            if entry[len(_TYPE_PREFIX) :] == op_type:
+                return "op_debug_list names the operator type"
+        elif entry == op_name:
+            return "op_debug_list names the operator"
+    return None

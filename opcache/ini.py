@@ -1,0 +1,167 @@
+"""op_cache.ini: CANN's size-limit file, read and created the way CANN does.
+
+The file has a section ``[op_compiler_cache]`` with ``max_op_cache_size`` (MB,
+-1 turns aging off) and ``remain_cache_size_ratio`` (percent).  The two keys
+take effect only together: a file that lacks either, or holds a bad value, is
+ignored as a whole.  A file opcache creates carries the keys commented out, so
+the environment variables keep their effect until a person sets them here.
+"""
+
+from __future__ import annotations
+
+import configparser
+import contextlib
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SECTION = "op_compiler_cache"
+MAX_KEY = "max_op_cache_size"
+RATIO_KEY = "remain_cache_size_ratio"
+
+MAX_SIZE_LIMIT = 2147483646
+DEFAULT_MAX_SIZE_MB = 500
+DEFAULT_RATIO = 50
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+# Far larger than any real op_cache.ini; a bigger file is a mistake, not a config.
+_MAX_FILE_BYTES = 1 << 20
+
+_TEMPLATE = f"""\
+# Operator compile cache settings (CANN's op_cache.ini format), created by opcache.
+[{SECTION}]
+# Size limit of each chip folder in MB (1 MB = 1048576 bytes): -1 turns aging
+# off, otherwise 1..{MAX_SIZE_LIMIT}.  The two keys below take effect only when
+# both are set and valid; until then ASCEND_MAX_OP_CACHE_SIZE and
+# ASCEND_REMAIN_CACHE_SIZE_RATIO apply, then the defaults shown.
+#{MAX_KEY}={DEFAULT_MAX_SIZE_MB}
+# Percent of the limit kept when the folder is trimmed, 1..100.
+#{RATIO_KEY}={DEFAULT_RATIO}
+"""
+
+
+def parse_max_size(text: str) -> int | None:
+    """``max_op_cache_size`` / ``ASCEND_MAX_OP_CACHE_SIZE``: -1 or 1..2147483646."""
+    value = _parse_int(text)
+    if value is None or not (value == -1 or 1 <= value <= MAX_SIZE_LIMIT):
+        return None
+    return value
+
+
+def parse_ratio(text: str) -> int | None:
+    """``remain_cache_size_ratio`` / ``ASCEND_REMAIN_CACHE_SIZE_RATIO``: 1..100."""
+    value = _parse_int(text)
+    if value is None or not 1 <= value <= 100:
+        return None
+    return value
+
+
+def _parse_int(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if _INTEGER.fullmatch(text) else None
+
+
+@dataclass(frozen=True)
+class SizeLimits:
+    """The two size keys of an op_cache.ini that supplies both."""
+
+    max_op_cache_size_mb: int
+    remain_cache_size_ratio: int
+
+
+def read_size_limits(path: Path) -> SizeLimits | None:
+    """Return the size limits ``path`` supplies, or None.
+
+    A missing file, or one with neither size key, is silent.  Anything else that
+    keeps the file from supplying both keys logs one warning naming the file and
+    what is wrong with it.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("ignoring %s: cannot read it (%s)", path, e.strerror or e)
+        return None
+    problem, limits = _parse(raw)
+    if problem:
+        log.warning("ignoring the size settings of %s: %s", path, problem)
+    return limits
+
+
+def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
+    """(what is wrong, limits): both None for a file with neither size key."""
+    if len(raw) > _MAX_FILE_BYTES:
+        return f"larger than {_MAX_FILE_BYTES} bytes", None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return "not UTF-8 text", None
+    parser = configparser.ConfigParser(interpolation=None, strict=False)
+    try:
+        parser.read_string(text)
+    except configparser.Error as e:
+        first_line = str(e).splitlines()[0]
+        return f"not an ini file ({first_line})", None
+    if not parser.has_section(SECTION):
+        # An empty or comment-only file is a file with neither key: silent.
+        return (f"no [{SECTION}] section", None) if parser.sections() else (None, None)
+    section = parser[SECTION]
+    max_text, ratio_text = section.get(MAX_KEY), section.get(RATIO_KEY)
+    if max_text is None and ratio_text is None:
+        return None, None
+    if max_text is None or ratio_text is None:
+        missing = MAX_KEY if max_text is None else RATIO_KEY
+        return f"{missing} is missing (the two size keys work only together)", None
+    max_mb, ratio = parse_max_size(max_text), parse_ratio(ratio_text)
+    if max_mb is None:
+        return f"{MAX_KEY}={max_text!r} is not -1 or 1..{MAX_SIZE_LIMIT}", None
+    if ratio is None:
+        return f"{RATIO_KEY}={ratio_text!r} is not 1..100", None
+    return None, SizeLimits(max_mb, ratio)
+
+
+def ensure_ini_file(path: Path) -> bool:
+    """Create op_cache.ini at ``path`` when it is missing; True if this call made it.
+
+    The file gets the section header and the size keys commented out with their
+    defaults.  It appears whole or not at all (written aside, then linked into
+    place), and a file that already exists, whoever wrote it, is never replaced.
+    """
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".op_cache.ini.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(_TEMPLATE)
+        os.chmod(tmp, 0o640)
+        try:
+            # link() fails if the name exists: the no-overwrite rename POSIX lacks.
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:
+            # Filesystems without hard links: O_EXCL still never overwrites, at
+            # the price of a short window where the file exists but is empty.
+            return _create_exclusive(path)
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _create_exclusive(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(_TEMPLATE)
+    return True

@@ -1,0 +1,278 @@
+"""Every configuration rule of opcache, decided in one place.
+
+``resolve_settings`` turns the options a compile tool was given and the
+environment into a ``Settings``: the cache mode, where the cache lives, the
+size limit for aging and the debug options that bypass the cache, each with
+the place its value came from.  It reads files (op_cache.ini, the debug .cfg)
+but writes none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import debug, ini
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODES = ("enable", "force", "disable")
+DEFAULT_MODE = "disable"  # ATC's default
+MB = 1024 * 1024
+AGE_SECONDS = 1800  # CANN ages only entries not used for half an hour
+
+KERNEL_CACHE = "kernel_cache"
+INI_NAME = "op_cache.ini"
+ENV_CACHE_PATH = "ASCEND_CACHE_PATH"
+ENV_MAX_SIZE = "ASCEND_MAX_OP_CACHE_SIZE"
+ENV_RATIO = "ASCEND_REMAIN_CACHE_SIZE_RATIO"
+ENV_COLLECT_PATH = "NPU_COLLECT_PATH"
+
+# CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
+_CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"
+_VALID_DIR = re.compile(rf"[A-Za-z0-9_.\-/{_CJK}]+")
+_VALID_DIR_TEXT = "ASCII letters, digits, '_', '-', '.', '/' and CJK ideographs"
+_SOC = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_HOST_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved configuration of the cache; build it with ``resolve_settings``.
+
+    ``sources`` maps each setting's name to where its value came from:
+    ``"argument"``, ``"op_cache.ini"``, ``"env:NAME"`` or ``"default"``.
+    """
+
+    mode: str
+    root: Path
+    ini_path: Path
+    max_op_cache_size_mb: int
+    remain_cache_size_ratio: int
+    debug_level: int
+    debug_config_path: Path | None
+    debug_config: debug.DebugConfig | None
+    collect_path: str | None
+    sources: dict[str, str] = field(compare=False)
+
+    @property
+    def debug_options(self) -> list[str]:
+        """The options of the op_debug_config file (empty without one)."""
+        return list(self.debug_config.options) if self.debug_config else []
+
+    @property
+    def debug_list(self) -> list[str] | None:
+        """The op_debug_list entries, or None when the file has no such line."""
+        if self.debug_config is None or self.debug_config.op_list is None:
+            return None
+        return list(self.debug_config.op_list)
+
+    @property
+    def aging_enabled(self) -> bool:
+        """False when ``max_op_cache_size_mb`` is -1: no aging, no access stamps."""
+        return self.max_op_cache_size_mb != -1
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The per-chip size limit in bytes, or None when aging is off."""
+        return self.max_op_cache_size_mb * MB if self.aging_enabled else None
+
+    def chip_dir(self, soc_version: str) -> Path:
+        """The folder of one chip's entries: ``root / soc_version``."""
+        return self.root / check_soc_version(soc_version)
+
+    def bypass_reason(self, op_name: str, op_type: str) -> str | None:
+        """None when the cache may be used for this operator, else why not."""
+        return debug.bypass_reason(
+            op_name,
+            op_type,
+            level=self.debug_level,
+            config=self.debug_config,
+            collect_path=self.collect_path,
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """Every setting as plain JSON-ready values."""
+        return {
+            "mode": self.mode,
+            "root": str(self.root),
+            "ini_path": str(self.ini_path),
+            "max_op_cache_size_mb": self.max_op_cache_size_mb,
+            "remain_cache_size_ratio": self.remain_cache_size_ratio,
+            "aging_enabled": self.aging_enabled,
+            "debug_level": self.debug_level,
+            "debug_config": None if self.debug_config_path is None else str(self.debug_config_path),
+            "debug_options": list(self.debug_options),
+            "debug_list": None if self.debug_list is None else list(self.debug_list),
+            "npu_collect_path": self.collect_path,
+            "sources": dict(self.sources),
+        }
+
+
+def check_soc_version(soc_version: str) -> str:
+    """Return ``soc_version`` if it is a safe folder name, else raise ConfigError."""
+    if not isinstance(soc_version, str) or not _SOC.fullmatch(soc_version):
+        raise ConfigError(
+            f"soc_version={soc_version!r} is not valid; use letters, digits, '_', '-' and '.' "
+            "(not starting with '.'), e.g. 'Ascend910B1'"
+        )
+    return soc_version
+
+
+def resolve_settings(
+    *,
+    op_compiler_cache_mode: str | None = None,
+    op_compiler_cache_dir: str | os.PathLike[str] | None = None,
+    op_debug_level: int | str | None = None,
+    op_debug_config: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    hostname: str | None = None,
+    default_mode: str = DEFAULT_MODE,
+) -> Settings:
+    """Resolve the cache settings from options, environment and op_cache.ini.
+
+    Options left as None or "" are unset, as in CANN's tools.  ``environ``
+    defaults to ``os.environ``; ``hostname`` (for the per-host folder under
+    ``ASCEND_CACHE_PATH``) defaults to this machine's name; ``default_mode`` is
+    the mode when none is given (ATC's ``disable`` unless a tool says otherwise).
+
+    Raises ConfigError for an invalid option or ``ASCEND_CACHE_PATH``.  A bad
+    op_cache.ini or size variable only logs a warning and falls back.
+    """
+    env = os.environ if environ is None else environ
+    sources: dict[str, str] = {}
+
+    mode, sources["mode"] = _resolve_mode(op_compiler_cache_mode, default_mode)
+
+    cache_dir = None
+    if _is_set(op_compiler_cache_dir):
+        cache_dir = _absolute_dir("op_compiler_cache_dir", op_compiler_cache_dir, env)
+        root, sources["root"] = cache_dir / KERNEL_CACHE, "argument"
+    elif env.get(ENV_CACHE_PATH):
+        base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env)
+        host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else socket.gethostname())
+        root, sources["root"] = base / f"{KERNEL_CACHE}_{host}", f"env:{ENV_CACHE_PATH}"
+    else:
+        root, sources["root"] = _home(env) / "atc_data" / KERNEL_CACHE, "default"
+
+    ini_path, max_mb, ratio = _resolve_size_limits(root, cache_dir, env, sources)
+
+    level = _resolve_debug_level(op_debug_level)
+    sources["debug_level"] = "argument" if _is_set(op_debug_level) else "default"
+    config_path, config = None, None
+    if _is_set(op_debug_config):
+        config_path = _expand(str(op_debug_config), env)
+        config = debug.read_debug_config(config_path)
+    sources["debug_config"] = "argument" if config_path else "default"
+    collect_path = env.get(ENV_COLLECT_PATH) or None
+
+    return Settings(
+        mode=mode,
+        root=root,
+        ini_path=ini_path,
+        max_op_cache_size_mb=max_mb,
+        remain_cache_size_ratio=ratio,
+        debug_level=level,
+        debug_config_path=config_path,
+        debug_config=config,
+        collect_path=collect_path,
+        sources=sources,
+    )
+
+
+def _is_set(value: object) -> bool:
+    return value is not None and value != ""
+
+
+def _resolve_mode(value: str | None, default: str) -> tuple[str, str]:
+    if not _is_set(value):
+        return default, "default"
+    mode = value.lower() if isinstance(value, str) else value
+    if mode not in MODES:
+        raise ConfigError(
+            f"op_compiler_cache_mode={value!r} is not valid; use one of {', '.join(MODES)}"
+        )
+    return mode, "argument"
+
+
+def _resolve_debug_level(value: int | str | None) -> int:
+    if not _is_set(value):
+        return 0
+    if isinstance(value, bool):
+        level = None
+    elif isinstance(value, int):
+        level = value
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        level = int(value.strip())
+    else:
+        level = None
+    if level is None or not 0 <= level <= 4:
+        raise ConfigError(f"op_debug_level={value!r} is not valid; use an integer from 0 to 4")
+    return level
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    return Path(env.get("HOME") or Path.home())
+
+
+def _expand(text: str, env: Mapping[str, str]) -> Path:
+    """``~`` from the given environment's HOME; relative paths against the cwd."""
+    if text == "~" or text.startswith("~/"):
+        text = str(_home(env)) + text[1:]
+    elif text.startswith("~"):
+        text = os.path.expanduser(text)
+    return Path(os.path.abspath(text))
+
+
+def _absolute_dir(option: str, value: str | os.PathLike[str], env: Mapping[str, str]) -> Path:
+    path = _expand(os.fspath(value), env)
+    if not _VALID_DIR.fullmatch(str(path)):
+        raise ConfigError(
+            f"{option}={os.fspath(value)!r} is not valid: the path {str(path)!r} may contain "
+            f"only {_VALID_DIR_TEXT}"
+        )
+    return path
+
+
+def _resolve_size_limits(
+    root: Path, cache_dir: Path | None, env: Mapping[str, str], sources: dict[str, str]
+) -> tuple[Path, int, int]:
+    """(ini_path, max MB, ratio): op_cache.ini if it supplies both, else env, else defaults."""
+    candidates = [root / INI_NAME]
+    if cache_dir is not None:
+        candidates.append(cache_dir / INI_NAME)
+    for path in candidates:
+        limits = ini.read_size_limits(path)
+        if limits is not None:
+            sources["max_op_cache_size_mb"] = sources["remain_cache_size_ratio"] = INI_NAME
+            return path, limits.max_op_cache_size_mb, limits.remain_cache_size_ratio
+    max_mb, sources["max_op_cache_size_mb"] = _env_limit(
+        env, ENV_MAX_SIZE, ini.parse_max_size, ini.DEFAULT_MAX_SIZE_MB, "-1 or 1..2147483646"
+    )
+    ratio, sources["remain_cache_size_ratio"] = _env_limit(
+        env, ENV_RATIO, ini.parse_ratio, ini.DEFAULT_RATIO, "1..100"
+    )
+    return candidates[0], max_mb, ratio
+
+
+def _env_limit(
+    env: Mapping[str, str],
+    name: str,
+    parse: Callable[[str], int | None],
+    default: int,
+    valid: str,
+) -> tuple[int, str]:
+    text = env.get(name)
+    if text is None or text == "":
+        return default, "default"
+    value = parse(text)
+    if value is None:
+        log.warning("ignoring %s=%r: not %s; using %s", name, text, valid, default)
+        return default, "default"
+    return value, f"env:{name}"
