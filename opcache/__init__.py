@@ -8,17 +8,27 @@ weak.  See README.md for the whole picture.
 
 from __future__ import annotations
 
+from .cache import AgingReport, OpCache, VerifyReport
 from .errors import CompileError, ConfigError
 from .ini import ensure_ini_file
+from .key import explain_key
+from .request import Compiler, CompileResult, OpRequest
 from .settings import Settings, resolve_settings
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgingReport",
     "CompileError",
+    "CompileResult",
+    "Compiler",
     "ConfigError",
+    "OpCache",
+    "OpRequest",
     "Settings",
+    "VerifyReport",
     "__version__",
     "ensure_ini_file",
+    "explain_key",
     "resolve_settings",
 ]

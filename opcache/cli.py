@@ -76,12 +76,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool) -> tuple[logging.Handler, int]:
+    """Install the stderr handler; returns it and the level to restore after the run."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter())
     logger = logging.getLogger("opcache")
+    previous_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    return handler, previous_level
 
 
 class _Formatter(logging.Formatter):
@@ -91,13 +94,20 @@ class _Formatter(logging.Formatter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    installed = None
     try:
         args = _build_parser().parse_args(argv)
-        _setup_logging(args.verbose)
+        installed = _setup_logging(args.verbose)
         return args.func(args)
     except (_UsageError, ConfigError) as e:
         print(f"opcache: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        # A second main() in the same process must not print every warning twice.
+        if installed is not None:
+            logger = logging.getLogger("opcache")
+            logger.removeHandler(installed[0])
+            logger.setLevel(installed[1])
 
 
 if __name__ == "__main__":

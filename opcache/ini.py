@@ -63,7 +63,12 @@ def parse_ratio(text: str) -> int | None:
 
 def _parse_int(text: str) -> int | None:
     text = text.strip()
-    return int(text) if _INTEGER.fullmatch(text) else None
+    if not _INTEGER.fullmatch(text):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        return None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""Aging: CANN's rule for trimming a chip folder that outgrew its limit.
+
+When a chip folder's used bytes reach ``max``, whole entries are deleted in
+ascending order of last access until ``used - max * ratio / 100`` bytes are
+gone, never one used in the last 30 minutes.  One process trims a folder at a
+time (the others skip, they do not wait), and compiling never waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import filelock
+
+from . import fsutil
+from .settings import AGE_SECONDS
+from .store import LocalStore
+
+log = logging.getLogger(__name__)
+
+# Access stamps are written at most once a minute, so a stamp may be up to a
+# minute older than the last access: keep that much more to never delete an
+# entry used within AGE_SECONDS.
+STAMP_GRANULARITY = 60
+MIN_IDLE_SECONDS = AGE_SECONDS + STAMP_GRANULARITY
+
+
+@dataclass
+class ChipAging:
+    """What one aging pass over one chip folder did (or would do, on a dry run)."""
+
+    soc: str
+    bytes_before: int
+    bytes_after: int
+    entries_before: int
+    removed_entries: int = 0
+    freed_bytes: int = 0
+    skipped: str | None = None  # why no pass ran although the folder is over its limit
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def age_chip(
+    store: LocalStore,
+    soc: str,
+    *,
+    max_bytes: int | None,
+    ratio: int,
+    now: float,
+    dry_run: bool = False,
+    progress: Callable[[int], None] | None = None,
+    on_evict: Callable[[int], None] | None = None,
+) -> ChipAging:
+    """One aging pass over one chip folder; cheap (no walk) when under the limit."""
+    entries, used = store.used(soc)
+    report = ChipAging(soc, used, used, entries)
+    if max_bytes is None or used < max_bytes:
+        return report
+    lock = filelock.FileLock(
+        store.locks_dir / f"{soc}.cleanup", timeout=0, mode=fsutil.masked(store.modes.file)
+    )
+    try:
+        fsutil.makedirs(store.locks_dir, store.modes)
+        lock.acquire()
+    except filelock.Timeout:
+        report.skipped = "another process is trimming this chip folder"
+        return report
+    try:
+        _trim(store, soc, used - max_bytes * ratio // 100, now, dry_run, report, progress, on_evict)
+    finally:
+        lock.release()
+    report.bytes_after = used - report.freed_bytes
+    return report
+
+
+def _trim(
+    store: LocalStore,
+    soc: str,
+    to_free: int,
+    now: float,
+    dry_run: bool,
+    report: ChipAging,
+    progress: Callable[[int], None] | None,
+    on_evict: Callable[[int], None] | None,
+) -> None:
+    oldest_first = sorted(store.scan(soc, progress), key=lambda info: info.stamp)
+    for info in oldest_first:
+        if report.freed_bytes >= to_free:
+            return
+        if now - info.stamp < MIN_IDLE_SECONDS:
+            return  # the rest are younger still
+        # A hit since the scan moves the stamp: that entry is in use again.
+        # (An entry with no manifest has stamp 0.0 and goes first.)
+        if (store.stamp(soc, info.key) or 0.0) != info.stamp:
+            continue
+        if dry_run:
+            size = fsutil.tree_size(store.entry_dir(soc, info.key))
+        else:
+            size = store.discard(soc, info.key)
+            if size is None:
+                continue
+            if on_evict:
+                on_evict(size)
+        log.debug("aged out %s/%s (%d bytes)", soc, info.key, size)
+        report.removed_entries += 1
+        report.freed_bytes += size

@@ -1,0 +1,445 @@
+"""OpCache: the operator compile cache that compile tools call in-process.
+
+This is where CANN's rules meet the store: modes (enable / force / disable),
+debug bypasses, single-flight compiles, access stamps and aging, stats, and
+the promise that the cache never fails a compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import fsutil, stats
+from .aging import STAMP_GRANULARITY, ChipAging, age_chip
+from .ini import ensure_ini_file
+from .key import compute_key, key_inputs
+from .locks import KeyLock
+from .request import Compiler, CompileResult, OpRequest, is_plain_name
+from .settings import INI_NAME, Settings, check_soc_version
+from .store import MANIFEST, CorruptEntry, Entry, LocalStore
+
+log = logging.getLogger(__name__)
+
+LOCK_TIMEOUT_SECONDS = 600.0
+# While a chip folder stays over its limit (everything young), retry aging this often.
+AGING_RETRY_SECONDS = 300.0
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class AgingReport:
+    """One aging pass: what each chip folder lost, and the totals."""
+
+    chips: dict[str, ChipAging] = field(default_factory=dict)
+    leftovers_removed: int = 0
+
+    @property
+    def removed_entries(self) -> int:
+        return sum(c.removed_entries for c in self.chips.values())
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(c.freed_bytes for c in self.chips.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "removed_entries": self.removed_entries,
+            "freed_bytes": self.freed_bytes,
+            "leftovers_removed": self.leftovers_removed,
+            "chips": {soc: chip.as_dict() for soc, chip in self.chips.items()},
+        }
+
+
+@dataclass
+class VerifyReport:
+    """A full check: entries read and verified, corrupt ones removed, sizes recounted."""
+
+    chips: dict[str, dict[str, int]] = field(default_factory=dict)
+    leftovers_removed: int = 0
+
+    @property
+    def corrupt(self) -> int:
+        return sum(c["corrupt"] for c in self.chips.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "corrupt": self.corrupt,
+            "leftovers_removed": self.leftovers_removed,
+            "chips": self.chips,
+        }
+
+
+class OpCache:
+    """A compile cache over the folder ``settings`` names.
+
+    ``clock`` (seconds since the epoch) stamps every access and decides every
+    aging question.  ``lock_timeout`` bounds how long a process waits for
+    another one compiling the same operator before compiling it itself.
+    Usable as a context manager; ``close()`` writes the pending stats.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+        lock_timeout: float = LOCK_TIMEOUT_SECONDS,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._lock_timeout = lock_timeout
+        self._store = LocalStore(settings.root)
+        self._stats = stats.StatsRecorder(self._store.stats_dir, modes=self._store.modes)
+        self._mutex = threading.Lock()
+        self._ready_chips: set[str] = set()
+        self._last_aging: dict[str, float] = {}
+        self._warned: set[str] = set()
+        self._fingerprints: dict[int, tuple[Compiler, str]] = {}
+
+    # -- compiling -----------------------------------------------------------
+
+    def compile(
+        self, request: OpRequest, compiler: Compiler, out_dir: str | os.PathLike[str]
+    ) -> CompileResult:
+        """Compile ``request`` (or reuse a cached compile) into ``out_dir``.
+
+        Raises CompileError when the compiler fails; nothing is stored then.  A
+        cache that cannot be read or written never fails the call: the compile
+        runs, a warning is logged once, and stats count the error.
+        """
+        started = time.perf_counter()
+        out = Path(out_dir)
+        soc = request.soc_version
+        if self.settings.mode == "disable":
+            files = _compile_uncached(request, compiler, out)
+            return CompileResult("disabled", "", files, time.perf_counter() - started)
+        reason = self.settings.bypass_reason(request.op_name, request.op_type)
+        if reason is not None:
+            files = _compile_uncached(request, compiler, out)
+            self._stats.add(soc, stats.BYPASS_PREFIX + reason)
+            log.debug(
+                "bypassing the cache for %s (%s): %s", request.op_name, request.op_type, reason
+            )
+            return CompileResult("bypass", "", files, time.perf_counter() - started, reason)
+
+        fingerprint = self._fingerprint(compiler)
+        key, _ = compute_key(request, compiler.name, fingerprint)
+        self._prepare_chip(soc)
+        entry = self._lookup(soc, key)
+        if entry is None:
+            lock = KeyLock(self._store.lock_path(soc, key), self._store.modes)
+            held = self._acquire(lock, soc, key)
+            try:
+                # The process we waited for has probably stored it.
+                entry = self._lookup(soc, key) if held else None
+                if entry is None:
+                    files, note = self._compile_and_store(request, compiler, key, fingerprint, out)
+                    self._stats.add(soc, "misses")
+                    seconds = time.perf_counter() - started
+                    return CompileResult("miss", key, files, seconds, note)
+            finally:
+                lock.release()
+        files = _deliver(out, entry.files)
+        self._record_hit(soc, entry)
+        return CompileResult("hit", key, files, time.perf_counter() - started)
+
+    def _fingerprint(self, compiler: Compiler) -> str:
+        known = self._fingerprints.get(id(compiler))
+        if known is None or known[0] is not compiler:
+            known = (compiler, compiler.fingerprint())
+            self._fingerprints[id(compiler)] = known
+        return known[1]
+
+    def _acquire(self, lock: KeyLock, soc: str, key: str) -> bool:
+        try:
+            if lock.acquire(self._lock_timeout):
+                return True
+            log.warning(
+                "waited %.0f s for another process compiling %s/%s; compiling it here too",
+                self._lock_timeout,
+                soc,
+                key,
+            )
+        except OSError as e:
+            self._cache_error("lock", f"cannot lock {lock.path}: {e}", soc)
+        return False
+
+    def _lookup(self, soc: str, key: str) -> Entry | None:
+        try:
+            return self._store.read(soc, key)
+        except CorruptEntry as e:
+            log.warning("corrupt cache entry %s/%s removed: %s", soc, key, e)
+            self._stats.add(soc, "corrupt")
+            try:
+                self._store.discard(soc, key)
+            except OSError as err:
+                self._cache_error("write", f"cannot remove a corrupt entry: {err}", soc)
+        except OSError as e:
+            self._cache_error("read", f"cannot read the cache at {self._store.root}: {e}", soc)
+        return None
+
+    def _record_hit(self, soc: str, entry: Entry) -> None:
+        self._stats.add(soc, "hits")
+        self._stats.add(soc, "time_saved_seconds", entry.compile_seconds)
+        if not self.settings.aging_enabled:
+            return  # CANN: with aging off, a hit writes nothing
+        now = self._clock()
+        if now - entry.stamp >= STAMP_GRANULARITY:
+            try:
+                self._store.touch(soc, entry.key, now)
+            except OSError as e:
+                self._cache_error("stamp", f"cannot record an access: {e}", soc)
+
+    def _compile_and_store(
+        self, request: OpRequest, compiler: Compiler, key: str, fingerprint: str, out: Path
+    ) -> tuple[dict[str, Path], str | None]:
+        soc = request.soc_version
+        try:
+            workdir = self._store.new_workdir(key)
+        except OSError as e:
+            self._cache_error("write", f"cannot write the cache at {self._store.root}: {e}", soc)
+            return _compile_uncached(
+                request, compiler, out
+            ), "not stored: the cache is not writable"
+        try:
+            compile_started = time.perf_counter()
+            compiler.compile(request, workdir)
+            seconds = time.perf_counter() - compile_started
+            artifacts = _collect(workdir)
+            files = _deliver(out, artifacts)
+            if MANIFEST in artifacts:
+                self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
+                return files, f"not stored: an artifact is named {MANIFEST}"
+            inputs = key_inputs(request, compiler.name, fingerprint)
+            try:
+                size = self._store.publish(
+                    soc,
+                    key,
+                    workdir,
+                    artifacts,
+                    compile_seconds=seconds,
+                    inputs=inputs,
+                    now=self._clock(),
+                )
+            except OSError as e:
+                self._cache_error("write", f"cannot store in the cache: {e}", soc)
+                return files, "not stored: the cache is not writable"
+            if size is not None:
+                self._stats.add(soc, "stores")
+                self._after_store(soc, size)
+            return files, None
+        finally:
+            try:
+                fsutil.remove_tree(workdir)
+            except OSError as e:
+                log.debug("cannot remove %s: %s", workdir, e)
+
+    # -- chip folders and aging ---------------------------------------------
+
+    def _prepare_chip(self, soc: str) -> None:
+        """First touch of a chip folder: op_cache.ini, ``force``'s wipe, an aging pass."""
+        with self._mutex:
+            if soc in self._ready_chips:
+                return
+            self._ready_chips.add(soc)
+            first = len(self._ready_chips) == 1
+        try:
+            if first:
+                ensure_ini_file(self.settings.root / INI_NAME)
+            if self.settings.mode == "force" and self._store.clear_chip(soc):
+                log.info("force: cleared the cache of %s", soc)
+            self._age_chip(soc)
+        except OSError as e:
+            self._cache_error("write", f"cannot prepare the cache at {self._store.root}: {e}", soc)
+
+    def _after_store(self, soc: str, size: int) -> None:
+        max_bytes = self.settings.max_bytes
+        if max_bytes is None:
+            return
+        try:
+            _, used = self._store.used(soc)
+        except OSError:
+            return
+        if used < max_bytes:
+            return
+        crossed = used - size < max_bytes
+        last = self._last_aging.get(soc)
+        if crossed or last is None or self._clock() - last >= AGING_RETRY_SECONDS:
+            self._age_chip(soc)
+
+    def _age_chip(
+        self, soc: str, *, dry_run: bool = False, progress: Progress | None = None
+    ) -> ChipAging:
+        now = self._clock()
+        self._last_aging[soc] = now
+
+        def evicted(size: int) -> None:
+            self._stats.add(soc, "evicted_entries")
+            self._stats.add(soc, "evicted_bytes", size)
+
+        report = age_chip(
+            self._store,
+            soc,
+            max_bytes=self.settings.max_bytes,
+            ratio=self.settings.remain_cache_size_ratio,
+            now=now,
+            dry_run=dry_run,
+            progress=progress,
+            on_evict=evicted,
+        )
+        if report.removed_entries and not dry_run:
+            log.info(
+                "aged %s: removed %d entries, %d bytes",
+                soc,
+                report.removed_entries,
+                report.freed_bytes,
+            )
+        return report
+
+    # -- maintenance ----------------------------------------------------------
+
+    def _chips(self, soc_version: str | None) -> list[str]:
+        if soc_version is not None:
+            return [check_soc_version(soc_version)]
+        return self._store.chips()
+
+    def age(
+        self,
+        soc_version: str | None = None,
+        *,
+        dry_run: bool = False,
+        progress: Progress | None = None,
+    ) -> AgingReport:
+        """One aging pass per chip folder (or one chip); also drops leftovers of dead writers."""
+        report = AgingReport()
+        for soc in self._chips(soc_version):
+            report.chips[soc] = self._age_chip(soc, dry_run=dry_run, progress=progress)
+        if not dry_run:
+            report.leftovers_removed = self._store.clean_leftovers(self._clock())
+        return report
+
+    def verify(
+        self, soc_version: str | None = None, *, progress: Progress | None = None
+    ) -> VerifyReport:
+        """Read and check every entry, remove corrupt ones and leftovers, recount sizes."""
+        report = VerifyReport()
+        for soc in self._chips(soc_version):
+            before_entries, before_bytes = self._store.used(soc)
+            corrupt = checked = 0
+            for info in self._store.scan(soc, progress):
+                checked += 1
+                try:
+                    self._store.read(soc, info.key)
+                except CorruptEntry as e:
+                    log.warning("corrupt cache entry %s/%s removed: %s", soc, info.key, e)
+                    corrupt += 1
+                    self._stats.add(soc, "corrupt")
+                    self._store.discard(soc, info.key)
+            entries, size = self._store.recount(soc)
+            report.chips[soc] = {
+                "checked": checked,
+                "corrupt": corrupt,
+                "entries": entries,
+                "bytes": size,
+                "counted_entries": before_entries,
+                "counted_bytes": before_bytes,
+            }
+        report.leftovers_removed = self._store.clean_leftovers(self._clock())
+        return report
+
+    def clear(self, soc_version: str | None = None) -> list[str]:
+        """Delete every entry (of one chip, or of all); returns the chips cleared."""
+        return [soc for soc in self._chips(soc_version) if self._store.clear_chip(soc)]
+
+    def stats(self, soc_version: str | None = None) -> dict[str, Any]:
+        """Counters and sizes per chip and in total (see README, 'opcache stats')."""
+        self._stats.flush()
+        socs = set(self._chips(soc_version))
+        if soc_version is None:
+            with contextlib.suppress(OSError):
+                socs.update(n for n in os.listdir(self._store.stats_dir) if not n.startswith("."))
+        chips = {}
+        for soc in sorted(socs):
+            entries, size = self._store.used(soc)
+            chips[soc] = stats.chip_report(self._stats.files(soc).totals(), entries, size)
+        return stats.total_report(chips)
+
+    def zero_stats(self, soc_version: str | None = None) -> None:
+        """Set the hit, miss, ... counters to zero (entries and bytes stay)."""
+        self._stats.flush()
+        for soc in self.stats(soc_version)["chips"]:
+            self._stats.files(soc).reset()
+
+    def close(self) -> None:
+        """Write the pending stats; the cache stays usable for maintenance calls."""
+        self._stats.close()
+
+    def __enter__(self) -> OpCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- warnings ---------------------------------------------------------------
+
+    def _cache_error(self, kind: str, message: str, soc: str) -> None:
+        self._stats.add(soc, "errors")
+        self._warn_once(kind, message + " (the compile goes on without the cache)")
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        with self._mutex:
+            if kind in self._warned:
+                log.debug("%s", message)
+                return
+            self._warned.add(kind)
+        log.warning("%s", message)
+
+
+def _collect(workdir: Path) -> dict[str, bytes]:
+    """The compiler's artifacts: the plain files it wrote; anything else is dropped."""
+    artifacts = {}
+    for entry in os.scandir(workdir):
+        if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
+            with open(entry.path, "rb") as f:
+                artifacts[entry.name] = f.read()
+        else:
+            log.debug("ignoring %s: not a plain file", entry.path)
+            fsutil.remove_tree(entry.path)
+    return artifacts
+
+
+def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, data in files.items():
+        path = out / name
+        with open(path, "wb") as f:
+            f.write(data)
+        paths[name] = path
+    return paths
+
+
+def _compile_uncached(request: OpRequest, compiler: Compiler, out: Path) -> dict[str, Path]:
+    """Compile into ``out`` without touching the cache folder."""
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=".opcache-", dir=out))
+    try:
+        compiler.compile(request, workdir)
+        files = {}
+        for entry in os.scandir(workdir):
+            if entry.is_file(follow_symlinks=False):
+                os.replace(entry.path, out / entry.name)
+                files[entry.name] = out / entry.name
+        return files
+    finally:
+        fsutil.remove_tree(workdir)

@@ -1,0 +1,135 @@
+"""Small filesystem helpers every part of the cache shares.
+
+Files are created 0640 and folders 0750 (0660 / 2770 for a group-shared
+cache), narrowed further by the user's umask, never widened.  Writes that
+others may read appear whole or not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Modes:
+    """Permission bits for what the cache creates."""
+
+    file: int
+    dir: int
+
+
+PRIVATE = Modes(file=0o640, dir=0o750)
+GROUP_SHARED = Modes(file=0o660, dir=0o2770)
+
+# Errors that mean "someone else removed it first", including NFS's stale handles.
+GONE = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+
+
+def _read_umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    # No /proc: the classic read-by-setting, racy only against other threads doing the same.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+
+
+def masked(mode: int) -> int:
+    """``mode`` narrowed by the user's umask (setgid kept for shared folders)."""
+    return mode & ~UMASK & 0o7777
+
+
+def makedirs(path: Path, modes: Modes) -> None:
+    """Create ``path`` and missing parents with the cache's folder mode."""
+    try:
+        os.mkdir(path, modes.dir)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        makedirs(path.parent, modes)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, modes.dir)
+    if modes.dir & 0o7000:
+        # mkdir drops setgid and group-write under a strict umask only; make it exact.
+        with contextlib.suppress(OSError):
+            os.chmod(path, masked(modes.dir))
+
+
+def write_atomic(path: Path, data: bytes, modes: Modes) -> None:
+    """Write ``data`` to ``path`` through a temp file and a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), masked(modes.file))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def remove_tree(path: Path | str) -> None:
+    """Delete a folder tree without following links, tolerating parts that vanish.
+
+    A ``.nfsXXXX`` file (an NFS client's placeholder for a file still open
+    elsewhere) can keep a folder from going; that folder is left for a later pass.
+    """
+    try:
+        entries = list(os.scandir(path))
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:
+            _ignore_gone(os.unlink, path)
+        elif e.errno not in GONE:
+            raise
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            remove_tree(entry.path)
+        else:
+            _ignore_gone(os.unlink, entry.path)
+    try:
+        os.rmdir(path)
+    except OSError as e:
+        if e.errno not in (*GONE, errno.ENOTEMPTY, errno.EBUSY):
+            raise
+
+
+def _ignore_gone(func: Callable[[str], None], path: Path | str) -> None:
+    try:
+        func(path)
+    except OSError as e:
+        if e.errno not in (*GONE, errno.EBUSY):
+            raise
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of the regular files below ``path`` (links not followed)."""
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                total += tree_size(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return total

@@ -1,0 +1,74 @@
+"""The cache key: what makes two compiles the same compile.
+
+The key is XXH3-128 over a canonical JSON of the request's key inputs (op_type,
+soc_version, inputs, outputs, attrs, options, the digest of every source) and
+the compiler's name and fingerprint.  ``op_name`` is left out on purpose: the
+same kernel under two node names is one entry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import xxhash
+
+from .request import Compiler, OpRequest
+
+log = logging.getLogger(__name__)
+
+# Bump when the meaning of a key changes: old entries then simply stop matching.
+SCHEMA = 1
+
+
+def digest(data: bytes) -> str:
+    """XXH3-128 of ``data`` as 32 hex digits: the one hash opcache uses."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: equal values give equal bytes."""
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
+        ).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"an OpRequest field is not JSON data: {e}") from None
+
+
+def key_inputs(request: OpRequest, compiler_name: str, fingerprint: str) -> dict[str, Any]:
+    """Every part that goes into the key, as plain JSON data."""
+    return {
+        "schema": SCHEMA,
+        "op_type": request.op_type,
+        "soc_version": request.soc_version,
+        "inputs": request.inputs,
+        "outputs": request.outputs,
+        "attrs": request.attrs,
+        "options": request.options,
+        "sources": {name: digest(data) for name, data in request.source_bytes.items()},
+        "compiler": {"name": compiler_name, "fingerprint": fingerprint},
+    }
+
+
+def compute_key(request: OpRequest, compiler_name: str, fingerprint: str) -> tuple[str, bytes]:
+    """(key, canonical bytes of its inputs)."""
+    blob = canonical_json(key_inputs(request, compiler_name, fingerprint))
+    key = digest(blob)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("key %s for %s/%s: %s", key, request.soc_version, request.op_type, blob.decode())
+    return key, blob
+
+
+def explain_key(request: OpRequest, compiler: Compiler) -> dict[str, Any]:
+    """What went into a request's key: each part, its own digest, and the key.
+
+    Compare two explanations to see which part made a miss.
+    """
+    parts = key_inputs(request, compiler.name, compiler.fingerprint())
+    return {
+        "key": digest(canonical_json(parts)),
+        "parts": parts,
+        "part_digests": {name: digest(canonical_json(value)) for name, value in parts.items()},
+    }

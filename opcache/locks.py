@@ -1,0 +1,78 @@
+"""Single-flight: one compile per key at a time, across threads and processes.
+
+Each key being compiled has a lock file held with ``flock``, which the
+operating system releases when its holder dies, so a crashed compiler never
+blocks anyone.  The holder deletes the file before releasing it, so lock files
+do not pile up; a waiter that wins the lock on a file that was deleted (or
+replaced) meanwhile notices by comparing inodes and tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from . import fsutil
+
+_POLL_FIRST = 0.002
+_POLL_MAX = 0.05
+
+
+class KeyLock:
+    """An exclusive, deletable lock file.  Not reentrant."""
+
+    def __init__(self, path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> None:
+        self.path = path
+        self._modes = modes
+        self._fd: int | None = None
+
+    def acquire(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the lock; True if it is now held."""
+        deadline = time.monotonic() + timeout
+        delay = _POLL_FIRST
+        fsutil.makedirs(self.path.parent, self._modes)
+        while True:
+            if self._try_once():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, _POLL_MAX)
+
+    def _try_once(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self._modes.file)
+        except FileNotFoundError:
+            fsutil.makedirs(self.path.parent, self._modes)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        try:
+            current = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is None or (current.st_ino, current.st_dev) != (held.st_ino, held.st_dev):
+            os.close(fd)  # we locked a file its holder had already deleted
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        """Delete the lock file and let the next waiter in."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None

@@ -1,0 +1,441 @@
+"""Where entries live on disk: layout, atomic publishing, verified reads.
+
+Layout under the cache root (``settings.root``)::
+
+    op_cache.ini
+    <soc>/<k0k1>/<key>/MANIFEST     one entry: its manifest and its artifacts
+    <soc>/<k0k1>/<key>/<artifact>
+    <soc>/_size/                    entry and byte counters of the chip folder
+    .opcache/tmp/                   entries being built (same filesystem: rename)
+    .opcache/trash/                 entries and chip folders being deleted
+    .opcache/locks/<soc>/<key>      single-flight locks
+    .opcache/stats/<soc>/           hit / miss / ... counters
+
+Entries are fanned out over 256 folders by the key's first two hex digits.
+An entry is built in ``tmp`` and renamed into place, so a reader sees nothing
+or a whole entry.  Deletion renames into ``trash`` first for the same reason.
+Every read checks the manifest's own checksum and every artifact's size and
+XXH3 digest; nothing below the root is reached through a symbolic link.
+
+This module knows bytes and folders, not modes or aging: that is the cache's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import fsutil
+from .counters import CounterFiles
+from .key import canonical_json, digest
+from .request import is_plain_name
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "MANIFEST"
+BOOKKEEPING = ".opcache"
+SIZE_FOLDER = "_size"
+_KEY = re.compile(r"[0-9a-f]{32}")
+_BUCKET = re.compile(r"[0-9a-f]{2}")
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_MANIFEST = 16 << 20
+# A worker of another host, or one whose pid we cannot check, gets this long.
+TMP_GRACE_SECONDS = 6 * 3600
+
+
+class CorruptEntry(Exception):
+    """An entry exists but cannot be trusted; the message says why."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A verified entry: its artifacts' bytes and what the manifest recorded."""
+
+    key: str
+    files: dict[str, bytes]
+    compile_seconds: float
+    stamp: float  # last recorded access, seconds since the epoch
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """An entry found by a scan: where it is and when it was last used."""
+
+    soc: str
+    key: str
+    stamp: float
+
+
+def is_key(name: str) -> bool:
+    return bool(_KEY.fullmatch(name))
+
+
+class LocalStore:
+    """The entries of one cache root on the local (or a mounted) filesystem."""
+
+    def __init__(self, root: Path, *, modes: fsutil.Modes = fsutil.PRIVATE) -> None:
+        # Resolved once: the root may be a link; nothing below it may be.
+        self.root = Path(os.path.realpath(root))
+        self.modes = modes
+        book = self.root / BOOKKEEPING
+        self.tmp_dir = book / "tmp"
+        self.trash_dir = book / "trash"
+        self.locks_dir = book / "locks"
+        self.stats_dir = book / "stats"
+
+    # -- paths ---------------------------------------------------------------
+
+    def chip_dir(self, soc: str) -> Path:
+        return self.root / soc
+
+    def entry_dir(self, soc: str, key: str) -> Path:
+        return self.root / soc / key[:2] / key
+
+    def lock_path(self, soc: str, key: str) -> Path:
+        return self.locks_dir / soc / key
+
+    def sizes(self, soc: str) -> CounterFiles:
+        """The chip's entry and byte counters (they live and die with the chip folder)."""
+        return CounterFiles(self.chip_dir(soc) / SIZE_FOLDER, modes=self.modes)
+
+    def used(self, soc: str) -> tuple[int, int]:
+        """(entries, bytes) of a chip folder, from its counters: no walk."""
+        totals = self.sizes(soc).totals()
+        return int(totals.get("entries", 0)), int(totals.get("bytes", 0))
+
+    def chips(self) -> list[str]:
+        """The chip folders present under the root."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        return sorted(n for n in names if not n.startswith(".") and (self.root / n).is_dir())
+
+    # -- reading -------------------------------------------------------------
+
+    def read(self, soc: str, key: str) -> Entry | None:
+        """The verified entry, None if absent; CorruptEntry if it cannot be trusted."""
+        fds = self._open_entry(soc, key)
+        if fds is None:
+            return None
+        bucket_fd, entry_fd = fds
+        try:
+            return self._read_entry(key, entry_fd)
+        except CorruptEntry:
+            if not _still_linked(bucket_fd, key, entry_fd):
+                return None  # removed by someone else while we read: a plain miss
+            raise
+        finally:
+            os.close(entry_fd)
+            os.close(bucket_fd)
+
+    def _open_entry(self, soc: str, key: str) -> tuple[int, int] | None:
+        """File descriptors of the bucket and entry folders, opened without links."""
+        fds: list[int] = []
+        try:
+            fds.append(os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW))
+            for name in (soc, key[:2], key):
+                fds.append(os.open(name, _DIR_FLAGS, dir_fd=fds[-1]))
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            if e.errno in fsutil.GONE:
+                return None
+            if e.errno == errno.ELOOP and len(fds) == 4:
+                raise CorruptEntry("the entry is a symbolic link") from None
+            raise
+        os.close(fds[0])
+        os.close(fds[1])
+        return fds[2], fds[3]
+
+    def _read_entry(self, key: str, entry_fd: int) -> Entry:
+        raw, mtime = _read_file(entry_fd, MANIFEST, _MAX_MANIFEST)
+        manifest = parse_manifest(raw, key)
+        files = {}
+        for name, size, want in manifest["artifacts"]:
+            data, _ = _read_file(entry_fd, name, size + 1)
+            if len(data) != size:
+                raise CorruptEntry(f"{name}: {len(data)} bytes, the manifest says {size}")
+            if digest(data) != want:
+                raise CorruptEntry(f"{name}: its digest does not match the manifest")
+            files[name] = data
+        return Entry(key, files, manifest["compile_seconds"], mtime)
+
+    def stamp(self, soc: str, key: str) -> float | None:
+        """The entry's last recorded access, or None if it is gone."""
+        try:
+            return os.stat(self.entry_dir(soc, key) / MANIFEST, follow_symlinks=False).st_mtime
+        except OSError:
+            return None
+
+    def touch(self, soc: str, key: str, when: float) -> None:
+        """Record an access at ``when`` (the manifest's mtime holds it: atime is unreliable)."""
+        os.utime(self.entry_dir(soc, key) / MANIFEST, (when, when), follow_symlinks=False)
+
+    def scan(self, soc: str, progress: Callable[[int], None] | None = None) -> Iterator[EntryInfo]:
+        """Every entry of a chip folder with its stamp (one stat per entry)."""
+        chip = self.chip_dir(soc)
+        try:
+            buckets = sorted(e.name for e in os.scandir(chip) if _BUCKET.fullmatch(e.name))
+        except OSError:
+            return
+        for done, bucket in enumerate(buckets, 1):
+            try:
+                names = os.listdir(chip / bucket)
+            except OSError:
+                continue
+            for name in names:
+                if not (is_key(name) and name.startswith(bucket)):
+                    continue
+                try:
+                    st = os.stat(chip / bucket / name / MANIFEST, follow_symlinks=False)
+                except OSError:
+                    st = None
+                yield EntryInfo(soc, name, st.st_mtime if st else 0.0)
+            if progress:
+                progress(done * 100 // len(buckets))
+
+    # -- writing -------------------------------------------------------------
+
+    def new_workdir(self, key: str) -> Path:
+        """A fresh private folder on the cache's filesystem for building an entry."""
+        fsutil.makedirs(self.tmp_dir, self.modes)
+        path = self.tmp_dir / f"{key}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+        os.mkdir(path, self.modes.dir)
+        return path
+
+    def publish(
+        self,
+        soc: str,
+        key: str,
+        workdir: Path,
+        artifacts: dict[str, bytes],
+        *,
+        compile_seconds: float,
+        inputs: dict[str, Any],
+        now: float,
+    ) -> int | None:
+        """Turn ``workdir`` (holding exactly ``artifacts``) into the entry for ``key``.
+
+        Returns the bytes stored, or None when another writer published the key
+        first (its entry stands; ours is dropped).  Raises OSError when the cache
+        cannot be written.
+        """
+        manifest = make_manifest(key, artifacts, compile_seconds, inputs, now)
+        file_mode = fsutil.masked(self.modes.file)
+        for name in artifacts:
+            os.chmod(workdir / name, file_mode, follow_symlinks=False)
+        fd = os.open(
+            workdir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode
+        )
+        with os.fdopen(fd, "wb") as f:
+            f.write(manifest)
+        os.utime(workdir / MANIFEST, (now, now))
+        size = len(manifest) + sum(map(len, artifacts.values()))
+        target = self.entry_dir(soc, key)
+        for _attempt in range(3):
+            fsutil.makedirs(target.parent, self.modes)
+            try:
+                os.rename(workdir, target)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return None
+                if e.errno in fsutil.GONE:
+                    continue  # the chip folder was renamed away under us (force, clear)
+                raise
+            self.sizes(soc).add({"entries": 1, "bytes": size})
+            return size
+        raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(target))
+
+    def discard(self, soc: str, key: str) -> int | None:
+        """Remove one entry; returns its bytes, or None if it was already gone."""
+        aside = self._move_to_trash(self.entry_dir(soc, key), key)
+        if aside is None:
+            return None
+        size = fsutil.tree_size(aside)
+        fsutil.remove_tree(aside)
+        self.sizes(soc).add({"entries": -1, "bytes": -size})
+        return size
+
+    def clear_chip(self, soc: str) -> bool:
+        """Remove a whole chip folder at once; True if there was one.
+
+        The folder is renamed aside first: processes using it see misses, never
+        half-deleted entries.
+        """
+        aside = self._move_to_trash(self.chip_dir(soc), soc)
+        if aside is None:
+            return False
+        fsutil.remove_tree(aside)
+        return True
+
+    def _move_to_trash(self, path: Path, label: str) -> Path | None:
+        fsutil.makedirs(self.trash_dir, self.modes)
+        aside = self.trash_dir / f"{label}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            os.rename(path, aside)
+        except OSError as e:
+            if e.errno in fsutil.GONE:
+                return None
+            raise
+        return aside
+
+    def recount(self, soc: str) -> tuple[int, int]:
+        """Walk a chip folder and reset its counters to what is there."""
+        entries = total = 0
+        chip = self.chip_dir(soc)
+        for info in self.scan(soc):
+            entries += 1
+            total += fsutil.tree_size(chip / info.key[:2] / info.key)
+        self.sizes(soc).reset({"entries": entries, "bytes": total})
+        return entries, total
+
+    def clean_leftovers(self, now: float | None = None) -> int:
+        """Delete build folders of dead writers and whatever is in the trash."""
+        now = time.time() if now is None else now
+        removed = 0
+        for folder, always in ((self.trash_dir, True), (self.tmp_dir, False)):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                path = folder / name
+                if name.startswith(".nfs"):
+                    continue  # NFS removes these itself when the last reader closes
+                if not always and not _abandoned(path, name, now):
+                    continue
+                with contextlib.suppress(OSError):
+                    fsutil.remove_tree(path)
+                    removed += 1
+        return removed
+
+
+def _abandoned(path: Path, name: str, now: float) -> bool:
+    """True when the writer of a build folder is gone (or too old to be alive)."""
+    parts = name.rsplit(".", 3)
+    if len(parts) == 4 and parts[1] == _HOST and parts[2].isdigit():
+        return not _pid_alive(int(parts[2]))
+    try:
+        return now - os.stat(path, follow_symlinks=False).st_mtime > TMP_GRACE_SECONDS
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _still_linked(bucket_fd: int, name: str, entry_fd: int) -> bool:
+    try:
+        now = os.stat(name, dir_fd=bucket_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    was = os.fstat(entry_fd)
+    return (now.st_ino, now.st_dev) == (was.st_ino, was.st_dev)
+
+
+def _read_file(dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
+    """(up to ``limit`` bytes, mtime) of a regular file in an entry."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOENT, errno.EISDIR, errno.ENXIO):
+            raise CorruptEntry(f"{name}: {e.strerror}") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptEntry(f"{name}: not a regular file")
+        chunks = []
+        remaining = limit
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 22))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks), st.st_mtime
+    finally:
+        os.close(fd)
+
+
+def make_manifest(
+    key: str,
+    artifacts: dict[str, bytes],
+    compile_seconds: float,
+    inputs: dict[str, Any],
+    now: float,
+) -> bytes:
+    """The manifest of an entry: a checksum line, then canonical JSON."""
+    body = canonical_json(
+        {
+            "format": FORMAT,
+            "key": key,
+            "created": now,
+            "compile_seconds": compile_seconds,
+            "artifacts": [
+                {"name": name, "size": len(data), "xxh3": digest(data)}
+                for name, data in sorted(artifacts.items())
+            ],
+            "inputs": inputs,
+        }
+    )
+    return digest(body).encode() + b"\n" + body
+
+
+def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
+    """Check a manifest and return {'artifacts': [(name, size, digest)], 'compile_seconds'}.
+
+    Raises CorruptEntry for anything that is not a manifest of ``key`` that
+    this version of opcache wrote.
+    """
+    check, newline, body = raw.partition(b"\n")
+    if not newline or check.decode("ascii", "replace") != digest(body):
+        raise CorruptEntry("the manifest is damaged (checksum)")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise CorruptEntry("the manifest is not JSON") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
+        raise CorruptEntry("the manifest is of another entry or format")
+    artifacts = data.get("artifacts")
+    seconds = data.get("compile_seconds")
+    if not isinstance(artifacts, list) or not isinstance(seconds, int | float):
+        raise CorruptEntry("the manifest lacks its artifacts")
+    out = []
+    for item in artifacts:
+        name = item.get("name") if isinstance(item, dict) else None
+        size = item.get("size") if isinstance(item, dict) else None
+        want = item.get("xxh3") if isinstance(item, dict) else None
+        if (
+            not is_plain_name(name)
+            or name == MANIFEST
+            or not isinstance(size, int)
+            or size < 0
+            or not isinstance(want, str)
+        ):
+            raise CorruptEntry(f"the manifest names a bad artifact: {str(item)[:80]}")
+        out.append((name, size, want))
+    return {"artifacts": out, "compile_seconds": float(seconds)}
