@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from .cache import OpCache
 from .errors import ConfigError
 from .settings import Settings, check_soc_version, resolve_settings
 
@@ -63,16 +65,138 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_cache(args: argparse.Namespace) -> OpCache:
+    return OpCache(_settings(args))
+
+
+def _progress(label: str) -> Callable[[int], None] | None:
+    """A percentage on stderr when it is a terminal; nothing in cron or pipes."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(percent: int) -> None:
+        end = "\n" if percent >= 100 else ""
+        print(f"\r{label} {percent:3d}%", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    with _open_cache(args) as cache:
+        if args.zero:
+            cache.zero_stats(args.soc_version)
+            print("statistics zeroed")
+            return 0
+        report = cache.stats(args.soc_version)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    print(f"cache folder: {cache.settings.root}")
+    rows = [("total", report), *sorted(report["chips"].items())]
+    print(
+        f"{'chip':<16} {'entries':>8} {'size':>10} {'hits':>8} {'misses':>8} {'hit rate':>8} "
+        f"{'stores':>7} {'bypass':>7} {'corrupt':>7} {'evicted':>7} {'errors':>6} {'saved':>9}"
+    )
+    for name, row in rows:
+        asked = row["hits"] + row["misses"]
+        rate = f"{100 * row['hits'] / asked:.1f}%" if asked else "-"
+        print(
+            f"{name:<16} {row['entries']:>8} {_size(row['bytes']):>10} {row['hits']:>8} "
+            f"{row['misses']:>8} {rate:>8} {row['stores']:>7} {row['bypasses']:>7} "
+            f"{row['corrupt']:>7} {row['evicted_entries']:>7} {row['errors']:>6} "
+            f"{row['time_saved_seconds']:>8.1f}s"
+        )
+    for reason, count in report["bypass_reasons"].items():
+        print(f"bypassed ({reason}): {count}")
+    return 0
+
+
+def _cmd_age(args: argparse.Namespace) -> int:
+    with _open_cache(args) as cache:
+        try:
+            report = cache.age(args.soc_version, dry_run=args.dry_run, progress=_progress("aging"))
+        except OSError as e:
+            print(f"opcache: error: aging failed: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for soc, chip in report.chips.items():
+        if chip.removed_entries or args.verbose:
+            print(
+                f"{soc}: {verb} {chip.removed_entries} entries, {_size(chip.freed_bytes)} "
+                f"({_size(chip.bytes_before)} -> {_size(chip.bytes_before - chip.freed_bytes)})"
+                + (f"; skipped: {chip.skipped}" if chip.skipped else "")
+            )
+    if report.leftovers_removed or args.verbose:
+        print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
+    return 0
+
+
+def _cmd_clear(args: argparse.Namespace) -> int:
+    with _open_cache(args) as cache:
+        cleared = cache.clear(args.soc_version)
+    print(f"cleared {', '.join(cleared)}" if cleared else "nothing to clear")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    with _open_cache(args) as cache:
+        try:
+            report = cache.verify(args.soc_version, progress=_progress("verifying"))
+        except OSError as e:
+            print(f"opcache: error: verify failed: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+        return 0
+    for soc, chip in report.chips.items():
+        drift = ""
+        if (chip["counted_entries"], chip["counted_bytes"]) != (chip["entries"], chip["bytes"]):
+            drift = (
+                f"; counters corrected from {chip['counted_entries']} entries, "
+                f"{_size(chip['counted_bytes'])}"
+            )
+        print(
+            f"{soc}: {chip['checked']} entries checked, {chip['corrupt']} corrupt removed, "
+            f"{chip['entries']} entries, {_size(chip['bytes'])}{drift}"
+        )
+    print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opcache", description="An operator compile cache.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what opcache does")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    config = commands.add_parser("config", help="print every resolved setting and its source")
-    _add_cache_flags(config)
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> _Parser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.add_argument("-v", "--verbose", action="store_true", help="say more")
+        _add_cache_flags(sub)
+        sub.set_defaults(func=func)
+        return sub
+
+    config = command("config", _cmd_config, "print every resolved setting and its source")
     config.add_argument("--json", action="store_true", help="one JSON object")
-    config.set_defaults(func=_cmd_config)
+    stats = command("stats", _cmd_stats, "show hits, misses and sizes per chip")
+    stats.add_argument("--json", action="store_true", help="one JSON object")
+    stats.add_argument("--zero", action="store_true", help="set the counters to zero")
+    age = command("age", _cmd_age, "one aging pass per chip folder (for cron)")
+    age.add_argument("--dry-run", action="store_true", help="report, remove nothing")
+    age.add_argument("--json", action="store_true", help="one JSON object")
+    command("clear", _cmd_clear, "delete every entry (of one chip with --soc_version)")
+    verify = command("verify", _cmd_verify, "check every entry, remove corrupt ones, recount")
+    verify.add_argument("--json", action="store_true", help="one JSON object")
     return parser
 
 
@@ -102,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_UsageError, ConfigError) as e:
         print(f"opcache: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # `opcache stats --json | head`: the reader left; say nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         # A second main() in the same process must not print every warning twice.
         if installed is not None:
