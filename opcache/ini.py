@@ -108,7 +108,10 @@ def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         return "not UTF-8 text", None
-    parser = configparser.ConfigParser(interpolation=None, strict=False)
+    # No default_section: a [DEFAULT] header is just another section here, not inherited.
+    parser = configparser.ConfigParser(
+        interpolation=None, strict=False, default_section="\0opcache-no-default"
+    )
     try:
         parser.read_string(text)
     except configparser.Error as e:

@@ -147,6 +147,8 @@ def resolve_settings(
     """
     env = os.environ if environ is None else environ
     sources: dict[str, str] = {}
+    if default_mode not in MODES:
+        raise ValueError(f"default_mode={default_mode!r} is not one of {', '.join(MODES)}")
 
     mode, sources["mode"] = _resolve_mode(op_compiler_cache_mode, default_mode)
 

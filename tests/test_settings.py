@@ -1015,3 +1015,20 @@ def test_as_dict_carries_every_setting_and_its_source(env):
         "debug_level": "default",
         "debug_config": "default",
     }
+
+
+def test_ini_default_section_is_not_inherited(fs, env, caplog):
+    """A [DEFAULT] header is an ordinary section: its keys never reach [op_compiler_cache]."""
+    root = Path("/data/ops/kernel_cache")
+    fs.create_file(
+        root / "op_cache.ini",
+        contents="[DEFAULT]\nmax_op_cache_size=5\nremain_cache_size_ratio=5\n[op_compiler_cache]\n",
+    )
+    s = resolve_settings(op_compiler_cache_dir="/data/ops", environ=env)
+    assert (s.max_op_cache_size_mb, s.remain_cache_size_ratio) == (500, 50)
+    assert s.sources["max_op_cache_size_mb"] == "default"
+
+
+def test_default_mode_must_be_a_mode(env):
+    with pytest.raises(ValueError, match="default_mode"):
+        resolve_settings(default_mode="bogus", environ=env)
