@@ -1,0 +1,76 @@
+"""What the compiler plug-ins share: kernel names, tool identity, running a tool."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ..errors import CompileError
+from ..key import canonical_json, digest
+from ..request import OpRequest
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+_STDERR_TAIL = 2000
+_identities: dict[tuple[str, int, int], str] = {}
+
+
+def kernel_name(request: OpRequest) -> str:
+    """``<op_type>_<16 hex>``: from the request's key inputs, never from op_name."""
+    parts = {
+        "op_type": request.op_type,
+        "soc_version": request.soc_version,
+        "inputs": request.inputs,
+        "outputs": request.outputs,
+        "attrs": request.attrs,
+        "options": request.options,
+        "sources": {name: digest(data) for name, data in request.source_bytes.items()},
+    }
+    return f"{_UNSAFE.sub('_', request.op_type)}_{digest(canonical_json(parts))[:16]}"
+
+
+def file_identity(path: str | os.PathLike[str]) -> str:
+    """Size, mtime and XXH3 digest of a file (memoised while size and mtime stay)."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    memo = (real, st.st_size, st.st_mtime_ns)
+    if memo not in _identities:
+        with open(real, "rb") as f:
+            _identities[memo] = digest(f.read())
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}:{_identities[memo]}"
+
+
+def which(name: str, environ: Mapping[str, str]) -> str | None:
+    """``shutil.which`` against the given environment's PATH."""
+    return shutil.which(name, path=environ.get("PATH", os.defpath))
+
+
+def run_tool(
+    argv: Sequence[str],
+    *,
+    cwd: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    what: str,
+) -> subprocess.CompletedProcess[bytes]:
+    """Run a compiler; CompileError with the command line and stderr's tail on failure."""
+    try:
+        done = subprocess.run(
+            list(argv),
+            cwd=cwd,
+            env=None if environ is None else dict(environ),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            check=False,
+        )
+    except OSError as e:
+        raise CompileError(f"{what}: cannot run {argv[0]}: {e.strerror or e}") from None
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace")[-_STDERR_TAIL:].strip()
+        raise CompileError(
+            f"{what} failed with exit status {done.returncode}: {subprocess.list2cmdline(argv)}"
+            + (f"\n{tail}" if tail else "")
+        )
+    return done

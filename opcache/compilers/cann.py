@@ -1,0 +1,157 @@
+"""CANN's ``opc`` as an operator compiler (Ascend machines).
+
+The toolkit is found through ``ASCEND_HOME_PATH``, ``ASCEND_TOOLKIT_HOME``,
+``ASCEND_OPP_PATH`` or ``opc`` on PATH.  The fingerprint covers the toolkit's
+version files, the opc executable, the Python version and the tuning knowledge
+base, so an upgrade or a re-tune gives new keys instead of stale kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..errors import CompileError, ConfigError
+from ..key import digest
+from ..request import OpRequest
+from ._tool import file_identity, kernel_name, run_tool, which
+
+HOME_VARIABLES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
+# Options that are opc's own arguments, not flags passed through.
+_MAIN_FUNC = "main_func"
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+_MAX_BANK_FILES = 100_000
+
+
+def find_toolkit(environ: Mapping[str, str]) -> tuple[Path | None, str | None, str]:
+    """(toolkit home, opc path, what was looked at)."""
+    looked = []
+    for name in HOME_VARIABLES:
+        value = environ.get(name)
+        looked.append(f"{name}={value if value else '(unset)'}")
+        if not value:
+            continue
+        home = Path(value).parent if name == "ASCEND_OPP_PATH" else Path(value)
+        for candidate in (home / "bin" / "opc", home / "compiler" / "bin" / "opc"):
+            if os.access(candidate, os.X_OK):
+                return home, str(candidate), ", ".join(looked)
+    found = which("opc", environ)
+    looked.append(f"PATH ({'opc at ' + found if found else 'no opc'})")
+    if found:
+        return Path(found).resolve().parent.parent, found, ", ".join(looked)
+    return None, None, ", ".join(looked)
+
+
+def configured(environ: Mapping[str, str]) -> bool:
+    """True when CANN's environment is set and opc can be run (``auto`` picks CANN)."""
+    home, opc, _ = find_toolkit(environ)
+    return home is not None and opc is not None and any(environ.get(v) for v in HOME_VARIABLES)
+
+
+def main_func(request: OpRequest) -> str:
+    """The operator's entry function: ``options['main_func']``, else op_type in snake_case."""
+    name = request.options.get(_MAIN_FUNC)
+    return str(name) if name else _CAMEL.sub("_", request.op_type).lower()
+
+
+class CannCompiler:
+    """Runs ``opc <op.py> --main_func=... --input_param=... --soc_version=... --output=...``.
+
+    The request's options other than ``main_func`` are passed as ``--name=value``
+    flags (``impl_mode``, ``op_mode``...).
+    """
+
+    name = "cann"
+
+    def __init__(self, opc: str | None = None, *, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        home, found, looked = find_toolkit(env)
+        if opc is None and found is None:
+            raise ConfigError(f"cann: no CANN toolkit found; looked at {looked}")
+        self.opc = opc or found
+        self.home = home
+        self._environ = dict(env)
+        self._fingerprint: str | None = None
+
+    @classmethod
+    def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
+        _home, opc, looked = find_toolkit(environ)
+        return (True, f"opc at {opc}") if opc else (False, f"no toolkit; looked at {looked}")
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            parts = {
+                "opc": file_identity(self.opc),
+                "versions": self._version_files(),
+                "python": sys.version,
+                "tune_bank": self._tune_bank_digest(),
+            }
+            self._fingerprint = json.dumps(parts, sort_keys=True)
+        return self._fingerprint
+
+    def _version_files(self) -> dict[str, str]:
+        if self.home is None:
+            return {}
+        paths = [self.home / "version.cfg", self.home / "version.info"]
+        paths += sorted(self.home.glob("*/version.info"))
+        opp = self._environ.get("ASCEND_OPP_PATH")
+        if opp:
+            paths.append(Path(opp) / "version.info")
+        found = {}
+        for path in paths:
+            try:
+                found[str(path)] = digest(path.read_bytes())
+            except OSError:
+                continue
+        return found
+
+    def _tune_bank_digest(self) -> str:
+        """Digest of the tuning knowledge base's files (names and contents)."""
+        bank = self._environ.get("TUNE_BANK_PATH")
+        if not bank and self._environ.get("ASCEND_CACHE_PATH"):
+            bank = os.path.join(self._environ["ASCEND_CACHE_PATH"], "aoe_data")
+        if not bank or not os.path.isdir(bank):
+            return "none"
+        listing = []
+        for count, path in enumerate(sorted(Path(bank).rglob("*"))):
+            if count > _MAX_BANK_FILES:
+                break
+            if path.is_file():
+                listing.append(f"{path.relative_to(bank)}:{file_identity(path)}")
+        return digest("\n".join(listing).encode())
+
+    def compile(self, request: OpRequest, workdir: Path) -> None:
+        sources = request.source_bytes
+        scripts = [name for name in sources if name.endswith(".py")] or list(sources)
+        if not scripts:
+            raise CompileError(f"cann: {request.op_type}: the request has no operator source")
+        kernel = kernel_name(request)
+        param = {
+            "kernel_name": kernel,
+            "op_type": request.op_type,
+            "inputs": list(request.inputs),
+            "outputs": list(request.outputs),
+            "attrs": dict(request.attrs),
+        }
+        with tempfile.TemporaryDirectory(prefix="opcache-opc-") as src:
+            for name, data in sources.items():
+                Path(src, name).write_bytes(data)
+            param_path = Path(src, f"{kernel}_param.json")
+            param_path.write_text(json.dumps(param, sort_keys=True))
+            argv = [
+                self.opc,
+                str(Path(src, scripts[0])),
+                f"--main_func={main_func(request)}",
+                f"--input_param={param_path}",
+                f"--soc_version={request.soc_version}",
+                f"--output={workdir}",
+            ]
+            for name, value in sorted(request.options.items()):
+                if name != _MAIN_FUNC:
+                    argv.append(f"--{name}={value}")
+            run_tool(argv, cwd=Path(src), environ=self._environ, what=f"opc {request.op_type}")

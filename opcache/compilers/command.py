@@ -1,0 +1,118 @@
+"""Any other operator compiler, described by a command template.
+
+The template is split like a shell line, then each word is filled in:
+``{source}`` (the first source's path), ``{sources}`` (every source, one word
+each), ``{workdir}`` (where artifacts must go), ``{soc_version}``,
+``{kernel_name}``, ``{op_type}`` and ``{param}`` (a JSON file with the
+request's inputs, outputs, attrs and options).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..key import digest
+from ..request import OpRequest
+from ._tool import file_identity, kernel_name, run_tool, which
+
+FIELDS = ("source", "sources", "workdir", "soc_version", "kernel_name", "op_type", "param")
+
+
+class CommandCompiler:
+    """Runs a user-supplied command; ``fingerprint`` names the toolchain's version.
+
+    ``fingerprint`` is a string the user chooses (a version, say); the
+    template itself and the identity of the executable it runs are added to it.
+    """
+
+    name = "command"
+
+    def __init__(
+        self,
+        template: str,
+        *,
+        fingerprint: str = "",
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        try:
+            words = shlex.split(template)
+        except ValueError as e:
+            raise ConfigError(f"command: template {template!r} cannot be split: {e}") from None
+        if not words:
+            raise ConfigError("command: the template is empty")
+        for word in words:
+            try:
+                word.format(**dict.fromkeys(FIELDS, ""))
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(
+                    f"command: template word {word!r} is not valid ({e}); "
+                    f"fields: {', '.join(FIELDS)}"
+                ) from None
+        executable = which(words[0], env)
+        if executable is None:
+            raise ConfigError(f"command: {words[0]!r} is not an executable on PATH")
+        self.words = words
+        self.executable = executable
+        self._user_fingerprint = fingerprint
+        self._environ = dict(env)
+
+    @classmethod
+    def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
+        return True, "needs a template: get_compiler('command', template='...')"
+
+    def fingerprint(self) -> str:
+        return "|".join(
+            [
+                self._user_fingerprint,
+                file_identity(self.executable),
+                digest(" ".join(self.words).encode()),
+            ]
+        )
+
+    def compile(self, request: OpRequest, workdir: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="opcache-cmd-") as src:
+            paths = []
+            for name, data in request.source_bytes.items():
+                Path(src, name).write_bytes(data)
+                paths.append(str(Path(src, name)))
+            param = Path(src, ".opcache_param.json")
+            param.write_text(
+                json.dumps(
+                    {
+                        "op_type": request.op_type,
+                        "inputs": list(request.inputs),
+                        "outputs": list(request.outputs),
+                        "attrs": dict(request.attrs),
+                        "options": dict(request.options),
+                    },
+                    sort_keys=True,
+                )
+            )
+            values = {
+                "source": paths[0] if paths else "",
+                "workdir": str(workdir),
+                "soc_version": request.soc_version,
+                "kernel_name": kernel_name(request),
+                "op_type": request.op_type,
+                "param": str(param),
+            }
+            argv: list[str] = []
+            for word in self.words:
+                if word == "{sources}":
+                    argv += paths
+                else:
+                    argv.append(word.format(sources=" ".join(paths), **values))
+            argv[0] = self.executable
+            run_tool(
+                argv,
+                cwd=Path(src),
+                environ=self._environ,
+                what=f"{self.words[0]} {request.op_type}",
+            )
