@@ -380,6 +380,10 @@ class OpCache:
         for soc in self.stats(soc_version)["chips"]:
             self._stats.files(soc).reset()
 
+    def record_uncacheable(self, soc_version: str, reason: str) -> None:
+        """Count a compile that ran without the cache because it could not be keyed."""
+        self._stats.add(check_soc_version(soc_version), stats.UNCACHEABLE_PREFIX + reason)
+
     def close(self) -> None:
         """Write the pending stats; the cache stays usable for maintenance calls."""
         self._stats.close()
