@@ -60,6 +60,7 @@ class Settings:
     debug_config: debug.DebugConfig | None
     collect_path: str | None
     sources: dict[str, str] = field(compare=False)
+    debug_dir: Path | None = None
 
     @property
     def debug_options(self) -> list[str]:
@@ -111,6 +112,7 @@ class Settings:
             "debug_options": list(self.debug_options),
             "debug_list": None if self.debug_list is None else list(self.debug_list),
             "npu_collect_path": self.collect_path,
+            "debug_dir": None if self.debug_dir is None else str(self.debug_dir),
             "sources": dict(self.sources),
         }
 
@@ -131,6 +133,7 @@ def resolve_settings(
     op_compiler_cache_dir: str | os.PathLike[str] | None = None,
     op_debug_level: int | str | None = None,
     op_debug_config: str | os.PathLike[str] | None = None,
+    debug_dir: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
     hostname: str | None = None,
     default_mode: str = DEFAULT_MODE,
@@ -141,6 +144,7 @@ def resolve_settings(
     defaults to ``os.environ``; ``hostname`` (for the per-host folder under
     ``ASCEND_CACHE_PATH``) defaults to this machine's name; ``default_mode`` is
     the mode when none is given (ATC's ``disable`` unless a tool says otherwise).
+    ``debug_dir`` (where debug builds put their files) is recorded, never keyed.
 
     Raises ConfigError for an invalid option or ``ASCEND_CACHE_PATH``.  A bad
     op_cache.ini or size variable only logs a warning and falls back.
@@ -185,6 +189,7 @@ def resolve_settings(
         debug_config=config,
         collect_path=collect_path,
         sources=sources,
+        debug_dir=_expand(os.fspath(debug_dir), env) if _is_set(debug_dir) else None,
     )
 
 

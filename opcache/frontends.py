@@ -1,0 +1,101 @@
+"""The framework option surfaces that carry CANN's cache options.
+
+``settings_from_options`` reads the options that concern the cache from ATC's
+command-line flags, NPURunConfig's keyword options or a TensorFlow session's
+``parameter_map``, ignores the rest, and applies each surface's own default
+mode: ATC disables the cache unless told otherwise, NPURunConfig and the
+session config enable it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import ConfigError
+from .settings import Settings, resolve_settings
+
+FRAMEWORKS = {"atc": "disable", "npu_run_config": "enable", "tf_session": "enable"}
+OPTIONS = (
+    "op_compiler_cache_mode",
+    "op_compiler_cache_dir",
+    "op_debug_level",
+    "op_debug_config",
+    "debug_dir",
+)
+
+
+def settings_from_options(
+    options: Sequence[str] | Mapping[str, Any],
+    *,
+    framework: str,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Resolve settings from one framework's option surface.
+
+    ``framework`` is ``"atc"`` (``options``: ATC flags such as
+    ``["--op_compiler_cache_mode=enable", "--op_compiler_cache_dir", "/data"]``),
+    ``"npu_run_config"`` (NPURunConfig keyword options) or ``"tf_session"`` (a
+    ``parameter_map``-style mapping whose values may be bytes or AttrValue-like
+    objects with ``.s`` / ``.i``).  Raises ConfigError for a bad value.
+    """
+    if framework not in FRAMEWORKS:
+        raise ConfigError(
+            f"framework={framework!r} is not valid; use one of {', '.join(FRAMEWORKS)}"
+        )
+    if framework == "atc":
+        if isinstance(options, Mapping | str | bytes):
+            raise ConfigError("framework='atc' takes a list of flags, e.g. ['--op_debug_level=0']")
+        found = _atc_flags(options)
+    else:
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"framework={framework!r} takes a mapping of option names to values")
+        found = {name: _plain(name, options[name]) for name in OPTIONS if name in options}
+    return resolve_settings(
+        op_compiler_cache_mode=found.get("op_compiler_cache_mode"),
+        op_compiler_cache_dir=found.get("op_compiler_cache_dir"),
+        op_debug_level=found.get("op_debug_level"),
+        op_debug_config=found.get("op_debug_config"),
+        debug_dir=found.get("debug_dir"),
+        environ=environ,
+        default_mode=FRAMEWORKS[framework],
+    )
+
+
+def _atc_flags(flags: Sequence[str]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    args = [str(a) for a in flags]
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if name not in OPTIONS:
+            continue
+        if not eq:
+            if i >= len(args) or args[i].startswith("--"):
+                raise ConfigError(f"--{name} needs a value")
+            value = args[i]
+            i += 1
+        found[name] = value
+    return found
+
+
+def _plain(name: str, value: Any) -> str | int | None:
+    """A TF AttrValue, bytes, str or int as the plain value resolve_settings takes."""
+    if value is None:
+        return None
+    for attr in ("s", "i"):
+        if hasattr(value, attr) and not isinstance(value, str | bytes | int):
+            value = getattr(value, attr)
+            break
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"{name}={value!r} is not UTF-8 text") from None
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"{name}={value!r} is not valid; expected a string, bytes or an integer")
