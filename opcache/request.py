@@ -88,8 +88,9 @@ class CompileResult:
 
     ``status`` is "hit", "miss", "bypass" or "disabled"; ``key`` is the entry's
     content address (empty when the cache was not consulted); ``files`` maps each
-    artifact name to its path inside ``out_dir``; ``reason`` says why a compile
-    bypassed the cache or could not be stored.
+    artifact name to its path inside ``out_dir``; ``seconds`` is the time this
+    call took; ``saved_seconds`` the compile time a hit saved; ``reason`` says
+    why a compile bypassed the cache or could not be stored.
     """
 
     status: Status
@@ -97,3 +98,4 @@ class CompileResult:
     files: dict[str, Path]
     seconds: float
     reason: str | None = None
+    saved_seconds: float = 0.0
