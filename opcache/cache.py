@@ -151,7 +151,8 @@ class OpCache:
                 lock.release()
         files = _deliver(out, entry.files)
         self._record_hit(soc, entry)
-        return CompileResult("hit", key, files, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        return CompileResult("hit", key, files, seconds, saved_seconds=entry.compile_seconds)
 
     def _fingerprint(self, compiler: Compiler) -> str:
         known = self._fingerprints.get(id(compiler))
@@ -397,8 +398,14 @@ class OpCache:
     # -- warnings ---------------------------------------------------------------
 
     def _cache_error(self, kind: str, message: str, soc: str) -> None:
+        """Count a failure of the cache folder (``kind``: lock, read, write...).
+
+        The warning is logged once per OpCache whatever the kind: an unwritable
+        cache fails the lock, the store and the stats at once, and the user
+        needs to hear about it once.  Later ones go to the debug log.
+        """
         self._stats.add(soc, "errors")
-        self._warn_once(kind, message + " (the compile goes on without the cache)")
+        self._warn_once("cache", f"{message} (the compile goes on without the cache)")
 
     def _warn_once(self, kind: str, message: str) -> None:
         with self._mutex:
