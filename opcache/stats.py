@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import threading
 import weakref
@@ -52,7 +53,7 @@ class StatsRecorder:
         self._closed = False
         self._thread: threading.Thread | None = None
         ref = weakref.ref(self)
-        atexit.register(_flush_at_exit, ref)
+        _flush_on_exit(ref)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
 
     def files(self, soc: str) -> CounterFiles:
@@ -99,6 +100,13 @@ class StatsRecorder:
             self._pending.clear()  # counts that could not be written are given up
 
 
+def _flush_on_exit(ref: weakref.ref[StatsRecorder]) -> None:
+    atexit.register(_flush_at_exit, ref)
+    # multiprocessing's children leave through os._exit, skipping atexit; they
+    # run their Finalize callbacks first.
+    multiprocessing.util.Finalize(None, _flush_at_exit, args=(ref,), exitpriority=0)
+
+
 def _flush_at_exit(ref: weakref.ref[StatsRecorder]) -> None:
     recorder = ref()
     if recorder is not None and not recorder._closed:
@@ -113,6 +121,7 @@ def _forget_in_child(ref: weakref.ref[StatsRecorder]) -> None:
         recorder._pending = {}
         recorder._thread = None
         recorder._lock = threading.Lock()
+        _flush_on_exit(ref)  # a multiprocessing child starts with no Finalize callbacks
 
 
 def chip_report(activity: dict[str, float], entries: int, size: int) -> dict[str, Any]:
