@@ -9,9 +9,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from . import wrap
 from .cache import OpCache
 from .errors import ConfigError
-from .settings import Settings, check_soc_version, resolve_settings
+from .settings import DEFAULT_MODE, Settings, check_soc_version, resolve_settings
 
 EXIT_USAGE = 2
 
@@ -37,22 +38,41 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--soc_version", metavar="SOC", help="one chip, e.g. Ascend910B1")
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+# The compiling commands exist to cache: their mode defaults to enable.
+COMPILING_DEFAULT_MODE = "enable"
+
+
+def _settings(
+    args: argparse.Namespace,
+    default_mode: str = DEFAULT_MODE,
+    debug_level: str | None = None,
+    debug_config: str | None = None,
+) -> Settings:
     if args.soc_version is not None:
         check_soc_version(args.soc_version)
     return resolve_settings(
         op_compiler_cache_mode=args.op_compiler_cache_mode,
         op_compiler_cache_dir=args.op_compiler_cache_dir,
-        op_debug_level=args.op_debug_level,
-        op_debug_config=args.op_debug_config,
+        op_debug_level=debug_level if debug_level is not None else args.op_debug_level,
+        op_debug_config=debug_config if debug_config is not None else args.op_debug_config,
+        default_mode=default_mode,
     )
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    from .compilers import auto_choice
+
     settings = _settings(args)
     data = settings.as_dict()
     if args.soc_version is not None:
         data["chip_dir"] = str(settings.chip_dir(args.soc_version))
+    if settings.sources["mode"] == "default":
+        data["mode_default"] = (
+            f"{DEFAULT_MODE} here and in the library (ATC's default); "
+            f"{COMPILING_DEFAULT_MODE} for opcache wrap, compile and demo"
+        )
+    name, why = auto_choice()
+    data["compiler_auto"] = f"{name} ({why})"
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
@@ -174,6 +194,116 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compilers(args: argparse.Namespace) -> int:
+    from .compilers import auto_choice, installed
+
+    found = installed()
+    if args.json:
+        print(json.dumps({n: {"usable": ok, "note": note} for n, (ok, note) in found.items()}))
+        return 0
+    for name, (ok, note) in found.items():
+        print(f"{name:<10} {'usable' if ok else 'not usable':<11} {note}")
+    name, why = auto_choice()
+    print(f"{'auto':<10} {'-> ' + name:<11} {why}")
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from .batch import compile_specs
+
+    settings = _settings(args, COMPILING_DEFAULT_MODE)
+    options = {"template": args.template} if args.template else {}
+    outcomes = []
+    totals = {"hit": 0, "miss": 0, "bypass": 0, "disabled": 0, "error": 0}
+    saved = 0.0
+    stream = compile_specs(
+        args.op, settings, args.output, compiler=args.compiler,
+        compiler_options=options, jobs=args.jobs,
+    )  # fmt: skip
+    for outcome in stream:
+        outcomes.append(outcome)
+        totals[outcome.status] += 1
+        saved += outcome.saved_seconds
+        if not args.json:
+            if outcome.error:
+                print(f"error    {outcome.spec}: {outcome.error}")
+            else:
+                print(f"{outcome.status:<8} {outcome.seconds:8.3f}s  {outcome.op}")
+    summary = {
+        "operators": len(outcomes),
+        "hits": totals["hit"],
+        "misses": totals["miss"],
+        "bypasses": totals["bypass"],
+        "disabled": totals["disabled"],
+        "errors": totals["error"],
+        "time_saved_seconds": round(saved, 3),
+    }
+    if args.json:
+        print(json.dumps({"summary": summary, "operators": [o.as_dict() for o in outcomes]}))
+    else:
+        print(
+            f"{summary['operators']} operators: {summary['hits']} hits, "
+            f"{summary['misses']} misses, {summary['bypasses']} bypasses, "
+            f"{summary['errors']} errors; "
+            f"time saved {saved:.2f}s"
+        )
+    return 1 if totals["error"] else 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(keep=args.keep)
+
+
+def _wrap_command(args: argparse.Namespace, command: Sequence[str]) -> int:
+    def settings_for(level: str | None, config: str | None) -> Settings:
+        return _settings(args, COMPILING_DEFAULT_MODE, level, config)
+
+    settings_for(None, None)  # a bad cache flag is opcache's error, before anything runs
+    return wrap.run(command, settings_for)
+
+
+def _wrap_main(argv: Sequence[str]) -> int:
+    """``opcache wrap [cache flags] -- command...``"""
+    argv = list(argv)
+    if "--" not in argv:
+        raise _UsageError("wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o")
+    split = argv.index("--")
+    command = argv[split + 1 :]
+    if not command:
+        raise _UsageError("wrap: no command after '--'")
+    parser = _Parser(prog="opcache wrap")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    _add_cache_flags(parser)
+    args = parser.parse_args(argv[:split])
+    return _run_logged(args.verbose, lambda: _wrap_command(args, command))
+
+
+def _masquerade(name: str, argv: Sequence[str]) -> int:
+    """Invoked through a link named like a compiler: wrap the real one later on PATH."""
+    me = os.path.realpath(sys.argv[0])
+    real = None
+    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        candidate = os.path.join(folder or ".", name)
+        found = os.access(candidate, os.X_OK) and os.path.isfile(candidate)
+        if found and os.path.realpath(candidate) != me:
+            real = candidate
+            break
+    if real is None:
+        print(f"opcache: error: no {name} on PATH other than opcache itself", file=sys.stderr)
+        return 127
+    args = argparse.Namespace(
+        op_compiler_cache_mode=None, op_compiler_cache_dir=None,
+        op_debug_level=None, op_debug_config=None, soc_version=None,
+    )  # fmt: skip
+    return _run_logged(False, lambda: _wrap_command(args, [real, *argv]))
+
+
+def _cmd_wrap_usage(args: argparse.Namespace) -> int:
+    raise _UsageError("wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opcache", description="An operator compile cache.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -197,6 +327,19 @@ def _build_parser() -> argparse.ArgumentParser:
     command("clear", _cmd_clear, "delete every entry (of one chip with --soc_version)")
     verify = command("verify", _cmd_verify, "check every entry, remove corrupt ones, recount")
     verify.add_argument("--json", action="store_true", help="one JSON object")
+    compilers = command("compilers", _cmd_compilers, "list the compiler plug-ins installed")
+    compilers.add_argument("--json", action="store_true", help="one JSON object")
+    comp = command("compile", _cmd_compile, "compile operators described in JSON spec files")
+    comp.add_argument("--op", action="extend", nargs="+", required=True, metavar="SPEC.json")
+    comp.add_argument("--output", required=True, metavar="DIR", help="results go to DIR/<op>/")
+    comp.add_argument("--compiler", default="auto", help="cc, cann, command or auto (default)")
+    comp.add_argument("--template", help="the command template of --compiler command")
+    comp.add_argument("--jobs", type=int, default=1, metavar="N", help="parallel processes")
+    comp.add_argument("--json", action="store_true", help="one JSON object")
+    demo = command("demo", _cmd_demo, "compile a dozen C kernels through the cache, twice")
+    demo.add_argument("--keep", action="store_true", help="keep the demo's folder")
+    # Listed for --help; `opcache wrap` is parsed on its own (everything after -- is the command).
+    command("wrap", _cmd_wrap_usage, "run a compile command through the cache: wrap -- cc ...")
     return parser
 
 
@@ -218,12 +361,26 @@ class _Formatter(logging.Formatter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    installed = None
+    if argv is None:
+        name = os.path.basename(sys.argv[0])
+        if wrap.compiler_kind(name):
+            return _masquerade(name, sys.argv[1:])
+        argv = sys.argv[1:]
     try:
+        if argv[:1] == ["wrap"]:
+            return _wrap_main(argv[1:])
         args = _build_parser().parse_args(argv)
-        installed = _setup_logging(args.verbose)
-        return args.func(args)
+        return _run_logged(args.verbose, lambda: args.func(args))
     except (_UsageError, ConfigError) as e:
+        print(f"opcache: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _run_logged(verbose: bool, func: Callable[[], int]) -> int:
+    installed = _setup_logging(verbose)
+    try:
+        return func()
+    except ConfigError as e:
         print(f"opcache: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
@@ -232,10 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         # A second main() in the same process must not print every warning twice.
-        if installed is not None:
-            logger = logging.getLogger("opcache")
-            logger.removeHandler(installed[0])
-            logger.setLevel(installed[1])
+        logger = logging.getLogger("opcache")
+        logger.removeHandler(installed[0])
+        logger.setLevel(installed[1])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,171 @@
+"""``opcache compile``: operators described in JSON files, compiled in parallel.
+
+A spec file holds one object or a list of objects with the ``OpRequest``
+fields.  ``sources`` maps a file name to a path, relative to the spec file's
+folder when not absolute.  Each operator's artifacts go to
+``<output>/<op_name or kernel name>/``.  One bad spec is reported with its file
+and field and does not stop the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from .cache import OpCache
+from .compilers import get_compiler
+from .compilers._tool import kernel_name
+from .errors import CompileError, ConfigError
+from .request import Compiler, OpRequest
+from .settings import Settings
+
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "op_type": (str,),
+    "soc_version": (str,),
+    "op_name": (str,),
+    "inputs": (list,),
+    "outputs": (list,),
+    "attrs": (dict,),
+    "options": (dict,),
+    "sources": (dict,),
+}
+_REQUIRED = ("op_type", "soc_version")
+
+
+@dataclass
+class Outcome:
+    """What happened to one operator of a spec file."""
+
+    spec: str  # "<file>[<index>]"
+    op: str  # op_name, or the op_type when the spec has no name
+    status: str  # hit, miss, bypass, disabled, or error
+    seconds: float = 0.0
+    saved_seconds: float = 0.0
+    output: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_specs(paths: Sequence[str | os.PathLike[str]]) -> Iterator[tuple[str, OpRequest | str]]:
+    """(where, request or what is wrong) for every operator in the spec files."""
+    for path in paths:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_bytes())
+        except OSError as e:
+            yield str(path), f"cannot read it: {e.strerror or e}"
+            continue
+        except ValueError as e:
+            yield str(path), f"not JSON: {e}"
+            continue
+        items = data if isinstance(data, list) else [data]
+        for index, item in enumerate(items):
+            where = f"{path}[{index}]" if isinstance(data, list) else str(path)
+            yield where, _request(item, path.parent)
+
+
+def _request(item: Any, base: Path) -> OpRequest | str:
+    if not isinstance(item, dict):
+        return "an operator must be a JSON object"
+    for name in _REQUIRED:
+        if name not in item:
+            return f"field {name!r}: missing"
+    for name, value in item.items():
+        if name not in _FIELDS:
+            return f"field {name!r}: unknown (fields: {', '.join(_FIELDS)})"
+        if not isinstance(value, _FIELDS[name]):
+            kinds = " or ".join(t.__name__ for t in _FIELDS[name])
+            return f"field {name!r}: expected {kinds}, got {type(value).__name__}"
+    sources = {}
+    for name, value in item.get("sources", {}).items():
+        if not isinstance(value, str):
+            return f"field 'sources.{name}': expected a path string"
+        path = base / value
+        try:
+            sources[name] = path.read_bytes()
+        except OSError as e:
+            return f"field 'sources.{name}': cannot read {path}: {e.strerror or e}"
+    for tensor_field in ("inputs", "outputs"):
+        for i, tensor in enumerate(item.get(tensor_field, [])):
+            if not isinstance(tensor, dict):
+                return f"field '{tensor_field}[{i}]': expected an object"
+    try:
+        return OpRequest(**{**item, "sources": sources})
+    except (ValueError, ConfigError) as e:
+        return str(e)
+
+
+# Each worker process builds its own cache and compiler once.
+_worker: tuple[OpCache, Compiler, Path] | None = None
+
+
+def _init_worker(settings: Settings, compiler: str, options: dict[str, Any], output: str) -> None:
+    global _worker
+    _worker = (OpCache(settings), get_compiler(compiler, **options), Path(output))
+
+
+def _compile_in_worker(where: str, request: OpRequest) -> Outcome:
+    assert _worker is not None
+    return _compile_one(*_worker, where, request)
+
+
+def _compile_one(
+    cache: OpCache, compiler: Compiler, output: Path, where: str, request: OpRequest
+) -> Outcome:
+    label = request.op_name or request.op_type
+    target = output / (request.op_name or kernel_name(request))
+    started = time.perf_counter()
+    try:
+        result = cache.compile(request, compiler, target)
+    except (CompileError, OSError, ValueError, TypeError) as e:
+        return Outcome(where, label, "error", time.perf_counter() - started, error=str(e))
+    return Outcome(
+        where, label, result.status, result.seconds, result.saved_seconds, output=str(target)
+    )
+
+
+def compile_specs(
+    specs: Sequence[str | os.PathLike[str]],
+    settings: Settings,
+    output: str | os.PathLike[str],
+    *,
+    compiler: str = "auto",
+    compiler_options: dict[str, Any] | None = None,
+    jobs: int = 1,
+) -> Iterator[Outcome]:
+    """Compile every operator of ``specs``; yields an outcome per operator, in order.
+
+    Raises ConfigError (before compiling anything) for a bad compiler name or option.
+    """
+    options = compiler_options or {}
+    built = get_compiler(compiler, **options)  # a bad name or option fails here, once
+    jobs_to_run = []
+    for where, request in load_specs(specs):
+        if isinstance(request, str):
+            yield Outcome(where, "?", "error", error=request)
+        else:
+            jobs_to_run.append((where, request))
+    if not jobs_to_run:
+        return
+    if jobs <= 1:
+        with OpCache(settings) as cache:
+            for where, request in jobs_to_run:
+                yield _compile_one(cache, built, Path(output), where, request)
+        return
+    init = (settings, compiler, options, os.fspath(output))
+    # spawn: a forked child would inherit the parent's threads and locks.
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=get_context("spawn"), initializer=_init_worker, initargs=init
+    ) as pool:
+        futures = [pool.submit(_compile_in_worker, where, r) for where, r in jobs_to_run]
+        for future in futures:
+            yield future.result()

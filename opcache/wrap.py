@@ -1,0 +1,432 @@
+"""``opcache wrap -- <compile command>``: ccache-style caching of a command line.
+
+Two kinds of command are understood:
+
+- CANN's ``opc <op.py> --main_func=... --input_param=<json> --soc_version=...
+  --output=<dir> [...]``: the key holds the operator source, the parameter
+  JSON's contents, the chip and every other flag (a flag naming a file by that
+  file's contents); output locations (``--output``, ``--debug_dir``) are left
+  out; ``--op_debug_level`` / ``--op_debug_config`` bypass the cache by the
+  settings' rules.
+- C compilers, ``cc -c src.c -o out.o`` with ``-I -D -U -O -std -f -m -W -g -x``
+  flags: the key holds the source and every header the compiler lists with
+  ``-M``, by content; include folders are not in it.
+
+The command runs with its outputs sent to a private folder; they are stored,
+then moved to where the command would have written them, and the command's
+stdout and stderr are replayed.  The exit status is always the command's.
+Anything else runs as it is and counts as ``uncacheable`` in stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import fsutil
+from .cache import OpCache
+from .compilers._tool import file_identity
+from .errors import CompileError, ConfigError
+from .key import digest
+from .request import OpRequest
+from .settings import Settings
+
+STDOUT = ".opcache-stdout"
+STDERR = ".opcache-stderr"
+HOST_CHIP = "host"  # the chip folder of C compiles and uncacheable commands
+C_SOURCES = (".c", ".cc", ".cpp", ".cxx", ".C", ".s", ".S")
+OPC_NAMES = ("opc",)
+_CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")
+# opc flags that say where outputs go: not part of the key.
+_OPC_OUTPUT_FLAGS = ("output", "debug_dir")
+_OPC_DEBUG_FLAGS = ("op_debug_level", "op_debug_config")
+
+
+def compiler_kind(executable: str) -> str | None:
+    """'opc', 'cc' or None, from the executable's file name."""
+    name = os.path.basename(executable)
+    if name in OPC_NAMES:
+        return "opc"
+    if _CC_NAME.fullmatch(name):
+        return "cc"
+    return None
+
+
+class _ToolFailed(CompileError):
+    """The wrapped command exited non-zero: replay its output and status."""
+
+    def __init__(self, returncode: int, stdout: bytes, stderr: bytes) -> None:
+        super().__init__(f"exit status {returncode}")
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+@dataclass
+class Plan:
+    """How to cache one command line."""
+
+    request: OpRequest
+    fingerprint: str
+    # argv with the output locations pointing into ``workdir``.
+    command: Callable[[Path], list[str]]
+    # artifact name -> where the command would have written it (None: every
+    # file the command wrote into its output folder goes to ``output_dir``).
+    outputs: dict[str, Path] = field(default_factory=dict)
+    output_dir: Path | None = None
+    debug_level: str | None = None
+    debug_config: str | None = None
+
+
+class Uncacheable(Exception):
+    """The command cannot be cached; the message is the reason stats count."""
+
+
+class _WrappedCommand:
+    """The compiler protocol over one planned command line."""
+
+    def __init__(self, plan: Plan, kind: str, environ: Mapping[str, str]) -> None:
+        self.name = f"wrap-{kind}"
+        self._plan = plan
+        self._environ = environ
+
+    def fingerprint(self) -> str:
+        return self._plan.fingerprint
+
+    def compile(self, request: OpRequest, workdir: Path) -> None:
+        argv = self._plan.command(workdir)
+        try:
+            done = subprocess.run(argv, capture_output=True, env=dict(self._environ), check=False)
+        except OSError as e:
+            raise _ToolFailed(127, b"", f"opcache: cannot run {argv[0]}: {e}\n".encode()) from None
+        if done.returncode != 0:
+            raise _ToolFailed(done.returncode, done.stdout, done.stderr)
+        (workdir / STDOUT).write_bytes(done.stdout)
+        (workdir / STDERR).write_bytes(done.stderr)
+
+
+def run(
+    argv: Sequence[str],
+    settings_for: Callable[[str | None, str | None], Settings],
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``argv`` through the cache; returns the command's exit status.
+
+    ``settings_for(op_debug_level, op_debug_config)`` resolves the settings,
+    given the debug options found on the command line.
+    """
+    env = dict(os.environ if environ is None else environ)
+    kind = compiler_kind(argv[0])
+    try:
+        if kind is None:
+            raise Uncacheable(f"not a known compiler: {os.path.basename(argv[0])}")
+        plan = _plan_opc(argv, env) if kind == "opc" else _plan_cc(argv, env)
+    except Uncacheable as e:
+        settings = settings_for(None, None)
+        if settings.mode != "disable":
+            with OpCache(settings) as cache:
+                cache.record_uncacheable(HOST_CHIP, str(e))
+        return _run_plain(argv, env)
+    try:
+        settings = settings_for(plan.debug_level, plan.debug_config)
+    except ConfigError:
+        return _run_plain(argv, env)  # a bad debug flag on the line: the tool says why
+    compiler = _WrappedCommand(plan, kind, env)
+    staging = _staging_dir(plan)
+    try:
+        with OpCache(settings) as cache:
+            try:
+                result = cache.compile(plan.request, compiler, staging)
+            except _ToolFailed as failed:
+                sys.stdout.buffer.write(failed.stdout)
+                sys.stderr.buffer.write(failed.stderr)
+                return failed.returncode
+        _restore(plan, result.files)
+    finally:
+        fsutil.remove_tree(staging)
+    return 0
+
+
+def _staging_dir(plan: Plan) -> Path:
+    """A private folder beside the outputs, so moving them there is a rename."""
+    parent = plan.output_dir or next(iter(plan.outputs.values())).parent
+    parent.mkdir(parents=True, exist_ok=True)  # opc makes its --output folder
+    return Path(tempfile.mkdtemp(prefix=".opcache-wrap-", dir=parent))
+
+
+def _restore(plan: Plan, files: dict[str, Path]) -> None:
+    stdout = files.pop(STDOUT, None)
+    stderr = files.pop(STDERR, None)
+    for name, path in files.items():
+        target = plan.outputs.get(name)
+        if target is None and plan.output_dir is not None:
+            target = plan.output_dir / name
+        if target is not None:
+            os.replace(path, target)
+    for saved, stream in ((stdout, sys.stdout), (stderr, sys.stderr)):
+        if saved is not None:
+            data = saved.read_bytes()
+            if data:
+                stream.flush()
+                stream.buffer.write(data)
+                stream.buffer.flush()
+
+
+def _run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    try:
+        return subprocess.run(list(argv), env=dict(env), check=False).returncode
+    except OSError as e:
+        print(f"opcache: error: cannot run {argv[0]}: {e.strerror or e}", file=sys.stderr)
+        return 127
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise Uncacheable(f"cannot read {path}: {e.strerror or e}") from None
+
+
+# -- opc --------------------------------------------------------------------------
+
+
+def _opc_flags(args: Sequence[str]) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """(positional arguments, [(flag, value)]) of an opc command line."""
+    positional: list[str] = []
+    flags: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 < len(args) and not args[i + 1].startswith("-"):
+                    value = args[i + 1]
+                    i += 1
+                else:
+                    value = None  # a switch
+            flags.append((name, value))
+        elif arg.startswith("-"):
+            raise Uncacheable(f"opc: unknown flag {arg}")
+        else:
+            positional.append(arg)
+        i += 1
+    return positional, flags
+
+
+def _plan_opc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
+    from .compilers.cann import CannCompiler
+
+    positional, flags = _opc_flags(argv[1:])
+    if len(positional) != 1:
+        raise Uncacheable("opc: expected exactly one operator source")
+    values = dict(flags)
+    if len(values) != len(flags):
+        raise Uncacheable("opc: a flag is given twice")
+    soc = values.get("soc_version")
+    if not soc:
+        raise Uncacheable("opc: no --soc_version")
+    source = positional[0]
+    sources = {os.path.basename(source): _read(source)}
+    op_type, op_name = "opc", ""
+    key_flags = []
+    for name, value in flags:
+        if name in _OPC_OUTPUT_FLAGS or name in _OPC_DEBUG_FLAGS or name == "soc_version":
+            continue
+        if value is not None and os.path.isfile(value):
+            data = _read(value)
+            key_flags.append([name, "file", json.dumps(len(data)), digest(data)])
+            if name == "input_param":
+                op_type, op_name = _opc_names(data, values.get("main_func"))
+        else:
+            key_flags.append([name, "value", value])
+    output_dir = Path(os.path.abspath(values.get("output") or "."))
+    try:
+        request = OpRequest(
+            op_type=op_type,
+            soc_version=soc,
+            op_name=op_name,
+            attrs={"flags": key_flags},
+            sources=sources,
+        )
+    except ValueError as e:
+        raise Uncacheable(f"opc: {e}") from None
+    opc = CannCompiler(opc=argv[0], environ=env)
+
+    def command(workdir: Path) -> list[str]:
+        out = [argv[0], source]
+        for name, value in flags:
+            if name == "output":
+                continue
+            out.append(f"--{name}" if value is None else f"--{name}={value}")
+        return [*out, f"--output={workdir}"]
+
+    return Plan(
+        request=request,
+        fingerprint=opc.fingerprint(),
+        command=command,
+        output_dir=output_dir,
+        debug_level=values.get("op_debug_level"),
+        debug_config=values.get("op_debug_config"),
+    )
+
+
+def _opc_names(param: bytes, main_func: str | None) -> tuple[str, str]:
+    """(op_type, op_name) for op_debug_list, from the parameter JSON where it says."""
+    try:
+        data = json.loads(param)
+    except ValueError:
+        data = None
+    data = data if isinstance(data, dict) else {}
+    op_type = data.get("op_type") or main_func or "opc"
+    op_name = data.get("op_name") or data.get("kernel_name") or ""
+    return str(op_type), str(op_name)
+
+
+# -- C compilers ------------------------------------------------------------------
+
+# Flags that take their value as the next argument when not glued to it.
+_CC_VALUE_FLAGS = {"-o", "-I", "-D", "-U", "-x", "-isystem", "-iquote", "-idirafter", "-MF"}
+_CC_VALUE_FLAGS |= {"-MT", "-MQ", "-include"}
+_CC_INCLUDE_DIRS = ("-I", "-isystem", "-iquote", "-idirafter")
+_CC_KEY_PREFIXES = ("-D", "-U", "-O", "-std=", "-f", "-m", "-W", "-g", "-x", "-pedantic")
+_CC_KEY_EXACT = {"-w", "-pipe", "-ansi", "-pthread"}
+_CC_UNPREDICTABLE = ("-fprofile-", "-fauto-profile", "-save-temps", "-Wp,", "-Wa,", "-Wl,")
+_CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
+_CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
+
+
+def _plan_cc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
+    args = list(argv[1:])
+    compile_only = False
+    output: str | None = None
+    sources: list[str] = []
+    key_args: list[str] = []
+    pass_args: list[str] = []  # what the -M run and the real compile both need
+    dep_file: str | None = None
+    want_deps = debug = False
+    has_target = False
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        value = None
+        if arg in _CC_VALUE_FLAGS:
+            if i + 1 >= len(args):
+                raise Uncacheable(f"cc: {arg} without a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        if arg.startswith("@"):
+            raise Uncacheable("cc: response files are not supported")
+        if arg in _CC_NOT_A_COMPILE:
+            raise Uncacheable(f"cc: {_CC_NOT_A_COMPILE[arg]} ({arg})")
+        if arg.startswith(_CC_UNPREDICTABLE):
+            raise Uncacheable(f"cc: {arg} makes the output unpredictable")
+        if arg == "-c":
+            compile_only = True
+        elif arg == "-o" or (arg.startswith("-o") and len(arg) > 2):
+            output = value if arg == "-o" else arg[2:]
+        elif arg in ("-MD", "-MMD"):
+            want_deps = True
+            key_args.append(arg)
+        elif arg == "-MF" or (arg.startswith("-MF") and len(arg) > 3):
+            dep_file = value if arg == "-MF" else arg[3:]
+        elif arg in ("-MT", "-MQ"):
+            has_target = True
+            key_args += [arg, value or ""]
+        elif arg == "-MP":
+            key_args.append(arg)
+        elif arg.startswith(_CC_INCLUDE_DIRS):
+            pass_args += [arg, value] if value is not None else [arg]
+        elif arg == "-include":
+            pass_args += [arg, value or ""]
+        elif not arg.startswith("-"):
+            if not arg.endswith(C_SOURCES):
+                raise Uncacheable(f"cc: {arg} is not a C source")
+            sources.append(arg)
+        elif arg in _CC_KEY_EXACT or arg.startswith(_CC_KEY_PREFIXES):
+            debug = debug or (arg.startswith("-g") and arg != "-g0")
+            words = [arg, value] if value is not None else [arg]
+            key_args += words
+            pass_args += words
+        else:
+            raise Uncacheable(f"cc: unsupported flag {arg}")
+    if not compile_only:
+        raise Uncacheable("cc: not a compile to an object (-c missing)")
+    if len(sources) != 1:
+        raise Uncacheable("cc: expected exactly one source")
+    source = sources[0]
+    if output is None:
+        output = os.path.splitext(os.path.basename(source))[0] + ".o"
+    out_path = Path(os.path.abspath(output))
+    if not out_path.parent.is_dir():
+        raise Uncacheable("cc: the output folder does not exist")
+    headers = _cc_headers(argv[0], pass_args, source, env)
+    key_sources = {os.path.basename(source): _read(source)}
+    deps_in_key = sorted(digest(_read(h)) for h in headers if h != source)
+    attrs: dict[str, object] = {"args": key_args, "source": source, "headers": deps_in_key}
+    if debug or want_deps:
+        # Debug info and dependency files name folders: the key must too.
+        attrs["cwd"] = os.getcwd()
+        attrs["include_args"] = pass_args
+    outputs = {"object": out_path}
+    if want_deps:
+        dep_path = dep_file or os.path.splitext(output)[0] + ".d"
+        outputs["deps"] = Path(os.path.abspath(dep_path))
+    request = OpRequest(op_type="cc", soc_version=HOST_CHIP, attrs=attrs, sources=key_sources)
+
+    def command(workdir: Path) -> list[str]:
+        out = [argv[0], *pass_args, "-c", source, "-o", str(workdir / "object")]
+        if want_deps:
+            out += [a for a in key_args if a in ("-MD", "-MMD")]
+            out += ["-MF", str(workdir / "deps")]
+            if not has_target:
+                out += ["-MT", output]
+            out += _target_args(key_args)
+        return out
+
+    return Plan(
+        request=request,
+        fingerprint=file_identity(_which(argv[0], env)),
+        command=command,
+        outputs=outputs,
+    )
+
+
+def _target_args(key_args: list[str]) -> list[str]:
+    out = []
+    for i, arg in enumerate(key_args):
+        if arg in ("-MT", "-MQ"):
+            out += [arg, key_args[i + 1]]
+        elif arg == "-MP":
+            out.append(arg)
+    return out
+
+
+def _which(executable: str, env: Mapping[str, str]) -> str:
+    found = shutil.which(executable, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise Uncacheable(f"cannot find {executable}")
+    return found
+
+
+def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, str]) -> list[str]:
+    """Every file the preprocessor reads for ``source``, as ``cc -M`` lists them."""
+    done = subprocess.run(
+        [cc, *pass_args, "-M", source], capture_output=True, env=dict(env), check=False
+    )
+    if done.returncode != 0:
+        raise Uncacheable("cc: the preprocessor failed (the compile will report why)")
+    text = done.stdout.decode(errors="surrogateescape").replace("\\\n", " ")
+    _, _, deps = text.partition(":")
+    return sorted(set(re.split(r"(?<!\\)\s+", deps.strip())) - {""})
