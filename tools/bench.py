@@ -1,0 +1,486 @@
+#!/usr/bin/env python3
+"""opcache's benchmark suite: its costs against the physical floor and its peers.
+
+Every figure is a ratio measured in the same run (absolute times on shared
+machines are noisy).  Scenarios:
+
+1. library hit (4 KB, 100 KB, 2 MB artifacts) vs the floor (read, XXH3, write
+   with plain Python) and diskcache.Cache
+2. hit and store cost at 1,000 and at 100,000 entries in one chip folder
+3. store: the cost of a miss beyond the compile itself
+4. aging: a pass under the limit, and trimming 100,000 entries
+5. wrap: `opcache wrap -- gcc` hit vs `ccache gcc` hit, plain gcc, `python -c pass`
+6. session: 2,000 hits in one process; 8 processes sharing 2,000 operators cold
+
+    python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import xxhash
+
+import opcache
+from opcache.store import LocalStore
+
+SOC = "Ascend910B1"
+SIZES = {"4KB": 4 * 1024, "100KB": 100 * 1024, "2MB": 2 * 1024 * 1024}
+JSON_SIZE = 1024  # the kernel description beside the .o
+
+
+class PremadeCompiler:
+    """Returns pre-made bytes, so a miss measures the cache, not a compiler."""
+
+    name = "premade"
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.calls = 0
+
+    def fingerprint(self) -> str:
+        return f"premade-{self.size}"
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        self.calls += 1
+        seed = request.op_type.encode()
+        body = (seed * (self.size // max(len(seed), 1) + 1))[: self.size]
+        (workdir / f"{request.op_type}.o").write_bytes(body)
+        (workdir / f"{request.op_type}.json").write_bytes(b"{" + b" " * (JSON_SIZE - 2) + b"}")
+
+
+def request(i: int) -> opcache.OpRequest:
+    tensor = {"shape": [16, 1024 + i], "dtype": "float16", "format": "ND"}
+    return opcache.OpRequest(
+        op_type=f"Op{i}", soc_version=SOC, op_name=f"op_{i}", inputs=[tensor] * 2, outputs=[tensor]
+    )
+
+
+def settings_for(folder: Path, **ini: int) -> opcache.Settings:
+    root = folder / "kernel_cache"
+    root.mkdir(parents=True, exist_ok=True)
+    if ini:
+        (root / "op_cache.ini").write_text(
+            "[op_compiler_cache]\n" + "".join(f"{k}={v}\n" for k, v in ini.items())
+        )
+    return opcache.resolve_settings(
+        op_compiler_cache_mode="enable",
+        op_compiler_cache_dir=str(folder),
+        environ={"HOME": str(folder)},
+    )
+
+
+def timeit(func: Callable[[], object], repeat: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        func()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        func()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {
+        "median": statistics.median(ordered),
+        "p90": ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))],
+        "n": len(ordered),
+    }
+
+
+class Report:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add(self, scenario: str, name: str, times: list[float], **ratios: float) -> dict:
+        row = {"scenario": scenario, "name": name, **summary(times), **ratios}
+        self.rows.append(row)
+        extra = "  ".join(f"{k}={v:.2f}x" for k, v in ratios.items())
+        print(f"  {name:<44} median {_ms(row['median']):>10}  p90 {_ms(row['p90']):>10}  {extra}")
+        return row
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds < 10 else f"{seconds:.2f} s"
+
+
+# -- 1. library hit ----------------------------------------------------------------
+
+
+def bench_hit(report: Report, tmp: Path, repeat: int) -> None:
+    print("1. library hit: OpCache.compile on a hit vs the floor and diskcache")
+    try:
+        import diskcache
+    except ImportError:
+        diskcache = None
+        print("  diskcache is not installed (pip install -e '.[bench]'): peer skipped")
+    for label, size in SIZES.items():
+        _bench_hit_size(report, tmp / f"hit-{label}", label, size, repeat, diskcache)
+
+
+def _bench_hit_size(report, folder: Path, label: str, size: int, repeat: int, diskcache) -> None:
+    compiler = PremadeCompiler(size)
+    req = request(0)
+    out = folder / "out"
+    cache = opcache.OpCache(settings_for(folder))
+    key = cache.compile(req, compiler, out).key
+    entry = LocalStore(cache.settings.root).entry_dir(SOC, key)
+    names = [p.name for p in entry.iterdir() if p.name != "MANIFEST"]
+
+    def floor() -> None:
+        for name in names:
+            with open(entry / name, "rb") as f:
+                data = f.read()
+            xxhash.xxh3_128_hexdigest(data)
+            with open(out / name, "wb") as f:
+                f.write(data)
+
+    floor_times = timeit(floor, repeat)
+    hit_times = timeit(lambda: cache.compile(req, compiler, out), repeat)
+    ratios = {"vs_floor": statistics.median(hit_times) / statistics.median(floor_times)}
+    if diskcache is not None:
+        dc = diskcache.Cache(
+            str(folder / "diskcache"),
+            size_limit=500 * 2**20,
+            eviction_policy="least-recently-used",
+        )
+        for name in names:
+            dc.set(name, (entry / name).read_bytes())
+
+        def peer() -> None:
+            for name in names:
+                data = dc.get(name)
+                with open(out / name, "wb") as f:
+                    f.write(data)
+
+        peer_times = timeit(peer, repeat)
+        ratios["vs_diskcache"] = statistics.median(hit_times) / statistics.median(peer_times)
+        report.add("hit", f"diskcache get {label}", peer_times)
+        dc.close()
+    report.add("hit", f"floor (read+xxh3+write) {label}", floor_times)
+    report.add("hit", f"opcache hit {label}", hit_times, **ratios)
+    cache.close()
+
+
+# -- 2. scale ------------------------------------------------------------------------
+
+
+def populate(cache: opcache.OpCache, count: int, start: int = 0) -> None:
+    compiler = PremadeCompiler(256)
+    out = Path(tempfile.mkdtemp(prefix="opcache-bench-fill-"))
+    for i in range(start, start + count):
+        cache.compile(request(i), compiler, out)
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def bench_scale(report: Report, tmp: Path, repeat: int, big: int) -> dict[int, float]:
+    print(f"2. scale: hit and store cost at 1,000 and {big:,} entries in one chip folder")
+    folder = tmp / "scale"
+    cache = opcache.OpCache(settings_for(folder, max_op_cache_size=-1, remain_cache_size_ratio=50))
+    compiler = PremadeCompiler(100 * 1024)
+    out = folder / "out"
+    hits: dict[int, float] = {}
+    stores: dict[int, float] = {}
+    next_id = 10_000_000
+    have = 0
+    for count in (1_000, big):
+        started = time.perf_counter()
+        populate(cache, count - have, start=have)
+        have = count
+        print(f"  (filled to {count:,} entries in {time.perf_counter() - started:.1f} s)")
+        probe = request(5)
+        cache.compile(probe, compiler, out)
+        hit = timeit(lambda p=probe: cache.compile(p, compiler, out), repeat)
+
+        def store() -> None:
+            nonlocal next_id
+            next_id += 1
+            cache.compile(request(next_id), compiler, out)
+
+        st = timeit(store, repeat)
+        hits[count] = statistics.median(hit)
+        stores[count] = statistics.median(st)
+        base_hit, base_store = hits[1_000], stores[1_000]
+        report.add("scale", f"hit at {count:,} entries", hit, vs_1000=hits[count] / base_hit)
+        report.add("scale", f"store at {count:,} entries", st, vs_1000=stores[count] / base_store)
+    cache.close()
+    return hits
+
+
+# -- 3. store ---------------------------------------------------------------------------
+
+
+def bench_store(report: Report, tmp: Path, repeat: int) -> None:
+    print("3. store: a miss's cost beyond the compile (pre-made bytes) vs the floor")
+    for label, size in SIZES.items():
+        _bench_store_size(report, tmp / f"store-{label}", label, size, repeat)
+
+
+def _bench_store_size(report: Report, folder: Path, label: str, size: int, repeat: int) -> None:
+    compiler = PremadeCompiler(size)
+    settings = settings_for(folder, max_op_cache_size=-1, remain_cache_size_ratio=50)
+    cache = opcache.OpCache(settings)
+    out = folder / "out"
+    out.mkdir()
+    counter = iter(range(10**9))
+    work = folder / "work"
+    work.mkdir()
+
+    def bare_compile() -> None:
+        one = work / str(next(counter))
+        one.mkdir()
+        compiler.compile(request(0), one)
+
+    compile_times = timeit(bare_compile, repeat)
+    names = [p.name for p in (work / "0").iterdir()]
+
+    def floor() -> None:
+        for name in names:
+            data = (work / "0" / name).read_bytes()
+            xxhash.xxh3_128_hexdigest(data)
+            (out / name).write_bytes(data)
+
+    floor_times = timeit(floor, repeat)
+    miss_times = timeit(lambda: cache.compile(request(next(counter)), compiler, out), repeat)
+    overhead = [max(t - statistics.median(compile_times), 0.0) for t in miss_times]
+    report.add("store", f"floor (read+xxh3+write) {label}", floor_times)
+    report.add(
+        "store",
+        f"store overhead {label}",
+        overhead,
+        vs_floor=statistics.median(overhead) / statistics.median(floor_times),
+    )
+    cache.close()
+
+
+# -- 4. aging ---------------------------------------------------------------------------
+
+
+def bench_aging(report: Report, tmp: Path, repeat: int, big: int) -> None:
+    print(f"4. aging: a pass under the limit, and trimming {big:,} entries")
+    folder = tmp / "aging"
+    settings = settings_for(folder, max_op_cache_size=2147483646, remain_cache_size_ratio=50)
+    cache = opcache.OpCache(settings)
+    populate(cache, big)
+    report.add("aging", f"age() under the limit, {big:,} entries", timeit(cache.age, repeat))
+    cache.close()
+    # Same entries, a 1 MB limit, a clock 2 hours ahead: everything is old and must go.
+    (settings.root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nmax_op_cache_size=1\nremain_cache_size_ratio=50\n"
+    )
+    trimming = opcache.resolve_settings(
+        op_compiler_cache_dir=str(folder), environ={"HOME": str(folder)}
+    )
+    with opcache.OpCache(trimming, clock=lambda: time.time() + 7200) as old_clock:
+        started = time.perf_counter()
+        aged = old_clock.age()
+        seconds = time.perf_counter() - started
+    print(f"  (removed {aged.removed_entries:,} entries, {aged.freed_bytes / 2**20:.1f} MiB)")
+    report.add("aging", f"trim {big:,} entries to the ratio", [seconds])
+
+
+# -- 5. wrap ------------------------------------------------------------------------------
+
+
+def _ccache() -> str | None:
+    found = shutil.which("ccache")
+    if found:
+        return found
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("  installing ccache from Debian's packages...")
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, check=False)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "ccache"], capture_output=True, check=False
+        )
+    return shutil.which("ccache")
+
+
+def bench_wrap(report: Report, tmp: Path, repeat: int) -> None:
+    print("5. wrap: `opcache wrap -- gcc -O2 -c k.c -o k.o` on a hit")
+    folder = tmp / "wrap"
+    folder.mkdir()
+    (folder / "k.h").write_text("#define N 1024\n")
+    (folder / "k.c").write_text(
+        '#include "k.h"\nvoid k(float *restrict o, const float *restrict a)'
+        " { for (int i = 0; i < N; i++) o[i] = a[i] * 2.0f + 1.0f; }\n"
+    )
+    env = {**os.environ, "HOME": str(folder), "CCACHE_DIR": str(folder / "ccache")}
+    opcache_exe = shutil.which("opcache", path=os.path.dirname(sys.executable)) or "opcache"
+    gcc = ["gcc", "-O2", "-c", "k.c", "-o", "k.o"]
+    commands = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "plain gcc": gcc,
+        "opcache wrap hit": [
+            opcache_exe,
+            "wrap",
+            "--op_compiler_cache_dir",
+            str(folder / "oc"),
+            "--",
+            *gcc,
+        ],
+    }
+    ccache = _ccache()
+    if ccache:
+        commands["ccache hit"] = [ccache, *gcc]
+    else:
+        print("  ccache is missing and cannot be installed here: reported as missing")
+
+    def runner(argv: list[str]) -> Callable[[], None]:
+        return lambda: subprocess.run(argv, cwd=folder, env=env, check=True, capture_output=True)
+
+    obj = folder / "k.o"
+    results = {}
+    for name, argv in commands.items():
+        results[name] = timeit(runner(argv), repeat, warmup=2)
+    size = obj.stat().st_size
+
+    def restore_floor() -> None:
+        data = obj.read_bytes()
+        xxhash.xxh3_128_hexdigest(data)
+        (folder / "copy.o").write_bytes(data)
+
+    floor = timeit(restore_floor, repeat)
+    budget = 1.5 * statistics.median(results["python -c pass"]) + statistics.median(floor)
+    for name, times in results.items():
+        ratios = {}
+        if name == "opcache wrap hit":
+            ratios["vs_target"] = statistics.median(times) / budget
+        if name != "python -c pass":
+            ratios["vs_python"] = statistics.median(times) / statistics.median(
+                results["python -c pass"]
+            )
+        report.add("wrap", name, times, **ratios)
+    report.add("wrap", f"restore floor ({size} B object)", floor)
+
+
+# -- 6. session ------------------------------------------------------------------------------
+
+
+def _session_worker(folder: str, count: int, queue) -> None:
+    compiler = PremadeCompiler(4096)
+    compiler_calls = 0
+    with opcache.OpCache(settings_for(Path(folder))) as cache:
+        out = Path(tempfile.mkdtemp(prefix="opcache-bench-session-"))
+        for i in range(count):
+            cache.compile(request(i), compiler, out)
+        compiler_calls = compiler.calls
+    queue.put(compiler_calls)
+
+
+def bench_session(report: Report, tmp: Path, count: int) -> None:
+    print(f"6. session: {count:,} operators")
+    folder = tmp / "session"
+    cache = opcache.OpCache(settings_for(folder))
+    populate(cache, count)
+    out = folder / "out"
+    compiler = PremadeCompiler(256)
+    started = time.perf_counter()
+    for i in range(count):
+        cache.compile(request(i), compiler, out)
+    one = time.perf_counter() - started
+    cache.close()
+    report.add("session", f"{count:,} hits in one process", [one])
+
+    shared = tmp / "session-shared"
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_session_worker, args=(str(shared), count, queue)) for _ in range(8)
+    ]
+    started = time.perf_counter()
+    for p in procs:
+        p.start()
+    compiles = sum(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    cold = time.perf_counter() - started
+    print(f"  (8 processes, {count:,} operators each, cold cache: {compiles:,} compiles performed)")
+    report.add("session", f"8 processes x {count:,} operators, cold", [cold], compiles=compiles)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
+    points = [
+        (int(r["name"].split()[2].replace(",", "")), r["median"])
+        for r in rows
+        if r["scenario"] == "scale" and r["name"].startswith("hit at")
+    ]
+    if not points:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs, ys = zip(*points, strict=True)
+    ax.plot(xs, [y * 1e3 for y in ys], marker="o", label="opcache hit (100 KB)")
+    ax.set_xscale("log")
+    ax.set_xlabel("entries in the chip folder")
+    ax.set_ylabel("hit cost (ms, median)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("opcache hit cost against entry count")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and entries")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG of hit cost against entry count here")
+    parser.add_argument("--only", help="comma-separated scenario numbers, e.g. 1,5")
+    args = parser.parse_args(argv)
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 7))
+    repeat = 30 if args.quick else 200
+    big = 10_000 if args.quick else 100_000
+    session = 500 if args.quick else 2_000
+
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, {platform.platform()}"
+    )
+    report = Report()
+    tmp = Path(tempfile.mkdtemp(prefix="opcache-bench-"))
+    try:
+        if 1 in only:
+            bench_hit(report, tmp, repeat)
+        if 2 in only:
+            bench_scale(report, tmp, repeat, big)
+        if 3 in only:
+            bench_store(report, tmp, repeat)
+        if 4 in only:
+            bench_aging(report, tmp, max(repeat // 10, 5), big)
+        if 5 in only:
+            bench_wrap(report, tmp, max(repeat // 10, 10))
+        if 6 in only:
+            bench_session(report, tmp, session)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"quick": args.quick, "rows": report.rows}, indent=2))
+    if args.plot:
+        plot(report.rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
