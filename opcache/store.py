@@ -52,7 +52,8 @@ _KEY = re.compile(r"[0-9a-f]{32}")
 _BUCKET = re.compile(r"[0-9a-f]{2}")
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_MANIFEST = 16 << 20
 # A worker of another host, or one whose pid we cannot check, gets this long.
 TMP_GRACE_SECONDS = 6 * 3600
