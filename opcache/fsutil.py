@@ -88,7 +88,11 @@ def remove_tree(path: Path | str) -> None:
 
     A ``.nfsXXXX`` file (an NFS client's placeholder for a file still open
     elsewhere) can keep a folder from going; that folder is left for a later pass.
+    A link is removed itself, never what it points at.
     """
+    if os.path.islink(path):
+        _ignore_gone(os.unlink, path)
+        return
     try:
         entries = list(os.scandir(path))
     except OSError as e:
@@ -119,6 +123,8 @@ def _ignore_gone(func: Callable[[str], None], path: Path | str) -> None:
 
 def tree_size(path: Path) -> int:
     """Bytes of the regular files below ``path`` (links not followed)."""
+    if os.path.islink(path):
+        return 0
     total = 0
     try:
         entries = list(os.scandir(path))

@@ -153,12 +153,19 @@ class LocalStore:
             for name in (soc, key[:2], key):
                 fds.append(os.open(name, _DIR_FLAGS, dir_fd=fds[-1]))
         except OSError as e:
+            # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
+            # link or a file in the entry's place from an entry that is not there.
+            misplaced = (
+                len(fds) == 3
+                and e.errno in (errno.ENOTDIR, errno.ELOOP)
+                and _lexists(key, fds[-1])
+            )
             for fd in fds:
                 os.close(fd)
+            if misplaced:
+                raise CorruptEntry("the entry is not a folder (a link or a file)") from None
             if e.errno in fsutil.GONE:
                 return None
-            if e.errno == errno.ELOOP and len(fds) == 4:
-                raise CorruptEntry("the entry is a symbolic link") from None
             raise
         os.close(fds[0])
         os.close(fds[1])
@@ -345,6 +352,14 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def _lexists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
     return True
 
 
