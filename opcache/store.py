@@ -242,8 +242,12 @@ class LocalStore:
 
         Returns the bytes stored, or None when another writer published the key
         first (its entry stands; ours is dropped).  Raises OSError when the cache
-        cannot be written.
+        cannot be written, ValueError for an artifact name that is not a plain
+        file name (or is the manifest's).
         """
+        for name in artifacts:
+            if not is_plain_name(name) or name == MANIFEST:
+                raise ValueError(f"artifact name {name!r} is not a plain file name")
         manifest = make_manifest(key, artifacts, compile_seconds, inputs, now)
         file_mode = fsutil.masked(self.modes.file)
         for name in artifacts:
