@@ -256,6 +256,8 @@ class OpCache:
             first = len(self._ready_chips) == 1
         try:
             if first:
+                # The root gets the cache's folder mode (0750), not mkdir's default.
+                fsutil.makedirs(self._store.root, self._store.modes)
                 ensure_ini_file(self.settings.root / INI_NAME)
             if self.settings.mode == "force" and self._store.clear_chip(soc):
                 log.info("force: cleared the cache of %s", soc)
