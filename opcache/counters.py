@@ -37,7 +37,9 @@ class CounterFiles:
 
     def _lock(self, index: int) -> filelock.FileLock:
         return filelock.FileLock(
-            self.folder / f"{index:02d}.lock", timeout=30, mode=self._modes.file
+            self.folder / f"{index:02d}.lock",
+            timeout=30,
+            mode=fsutil.masked(self._modes.file),  # filelock sets the mode as given
         )
 
     def add(self, deltas: Mapping[str, float]) -> None:
