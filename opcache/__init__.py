@@ -9,7 +9,9 @@ weak.  See README.md for the whole picture.
 from __future__ import annotations
 
 from .cache import AgingReport, OpCache, VerifyReport
+from .compilers import get_compiler
 from .errors import CompileError, ConfigError
+from .frontends import settings_from_options
 from .ini import ensure_ini_file
 from .key import explain_key
 from .request import Compiler, CompileResult, OpRequest
@@ -30,5 +32,7 @@ __all__ = [
     "__version__",
     "ensure_ini_file",
     "explain_key",
+    "get_compiler",
     "resolve_settings",
+    "settings_from_options",
 ]

@@ -136,6 +136,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         )
     for reason, count in report["bypass_reasons"].items():
         print(f"bypassed ({reason}): {count}")
+    for reason, count in report["uncacheable_reasons"].items():
+        print(f"uncacheable ({reason}): {count}")
     return 0
 
 
@@ -226,7 +228,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         saved += outcome.saved_seconds
         if not args.json:
             if outcome.error:
-                print(f"error    {outcome.spec}: {outcome.error}")
+                # One line per operator; a compiler's stderr tail follows it, indented.
+                detail = outcome.error.replace("\n", "\n    ")
+                print(f"error    {outcome.spec}: {detail}")
             else:
                 print(f"{outcome.status:<8} {outcome.seconds:8.3f}s  {outcome.op}")
     summary = {
@@ -253,7 +257,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run
 
-    return run(keep=args.keep)
+    if args.soc_version is not None:
+        check_soc_version(args.soc_version)
+    options = {
+        "op_compiler_cache_mode": args.op_compiler_cache_mode,
+        "op_compiler_cache_dir": args.op_compiler_cache_dir,
+        "op_debug_level": args.op_debug_level,
+        "op_debug_config": args.op_debug_config,
+    }
+    return run(keep=args.keep, cache_options=options)
 
 
 def _wrap_command(args: argparse.Namespace, command: Sequence[str]) -> int:

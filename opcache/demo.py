@@ -10,8 +10,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from .cache import OpCache
 from .compilers.cc import CcCompiler
@@ -59,13 +60,22 @@ def requests() -> list[OpRequest]:
     return out
 
 
-def run(keep: bool = False, out: Callable[[str], None] = print) -> int:
-    """Run the demo, printing through ``out``; returns an exit status."""
+def run(
+    keep: bool = False,
+    out: Callable[[str], None] = print,
+    *,
+    cache_options: Mapping[str, Any] | None = None,
+) -> int:
+    """Run the demo, printing through ``out``; returns an exit status.
+
+    ``cache_options`` are ``resolve_settings`` options from the command line;
+    the mode defaults to enable and the cache to a folder inside the demo's.
+    """
     folder = Path(tempfile.mkdtemp(prefix="opcache-demo-"))
     try:
-        settings = resolve_settings(
-            op_compiler_cache_mode="enable", op_compiler_cache_dir=str(folder / "cache")
-        )
+        options = {k: v for k, v in (cache_options or {}).items() if v not in (None, "")}
+        options.setdefault("op_compiler_cache_dir", str(folder / "cache"))
+        settings = resolve_settings(**options, default_mode="enable")
         compiler = CcCompiler()
         ops = requests()
         passes = []
@@ -89,8 +99,11 @@ def run(keep: bool = False, out: Callable[[str], None] = print) -> int:
         out(f"{'total':<18} {first_total * 1000:>13.1f} ms {second_total * 1000:>13.1f} ms")
         out(f"\nspeed-up of the second run: {first_total / second_total:.0f}x")
         out(f"\ncache folder: {settings.root}")
-        out(f"look at it:   opcache stats --op_compiler_cache_dir {folder / 'cache'}")
-        out(f"              ({'kept' if keep else 'removed now; opcache demo --keep keeps it'})")
+        cache_dir = options["op_compiler_cache_dir"]
+        out(f"look at it:   opcache stats --op_compiler_cache_dir {cache_dir}")
+        if settings.root.is_relative_to(folder):
+            fate = "kept" if keep else "removed now; opcache demo --keep keeps it"
+            out(f"              ({fate})")
         return 0
     finally:
         if not keep:

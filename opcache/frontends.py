@@ -9,6 +9,7 @@ session config enable it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ OPTIONS = (
     "op_debug_config",
     "debug_dir",
 )
+_PATH_OPTIONS = ("op_compiler_cache_dir", "op_debug_config", "debug_dir")
 
 
 def settings_from_options(
@@ -84,18 +86,37 @@ def _atc_flags(flags: Sequence[str]) -> dict[str, str]:
 
 
 def _plain(name: str, value: Any) -> str | int | None:
-    """A TF AttrValue, bytes, str or int as the plain value resolve_settings takes."""
+    """A TF AttrValue, bytes, str, path or int as the plain value resolve_settings takes."""
     if value is None:
         return None
-    for attr in ("s", "i"):
-        if hasattr(value, attr) and not isinstance(value, str | bytes | int):
-            value = getattr(value, attr)
-            break
+    if not isinstance(value, str | bytes | int | float | os.PathLike) and (
+        hasattr(value, "s") or hasattr(value, "i")
+    ):
+        value = _attr_value(value)
+        if value is None:
+            return None
+    if isinstance(value, os.PathLike) and name in _PATH_OPTIONS:
+        value = os.fspath(value)
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError:
             raise ConfigError(f"{name}={value!r} is not UTF-8 text") from None
-    if isinstance(value, str | int) and not isinstance(value, bool):
+    if isinstance(value, str):
         return value
-    raise ConfigError(f"{name}={value!r} is not valid; expected a string, bytes or an integer")
+    if name == "op_debug_level" and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    kinds = "a string, bytes or an integer" if name == "op_debug_level" else "a string or bytes"
+    raise ConfigError(f"{name}={value!r} is not valid; expected {kinds}")
+
+
+def _attr_value(value: Any) -> Any:
+    """The field that is set in an AttrValue (protobuf: every field reads, one is set)."""
+    which = getattr(value, "WhichOneof", None)
+    if callable(which):
+        field = which("value")
+        return None if field is None else getattr(value, field)
+    s = getattr(value, "s", None)
+    if s or not hasattr(value, "i"):
+        return s
+    return value.i

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -261,7 +262,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         )
     except ValueError as e:
         raise Uncacheable(f"opc: {e}") from None
-    opc = CannCompiler(opc=argv[0], environ=env)
+    opc = CannCompiler(opc=_which(argv[0], env), environ=env)
 
     def command(workdir: Path) -> list[str]:
         out = [argv[0], source]
@@ -373,7 +374,9 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         raise Uncacheable("cc: the output folder does not exist")
     headers = _cc_headers(argv[0], pass_args, source, env)
     key_sources = {os.path.basename(source): _read(source)}
-    deps_in_key = sorted(digest(_read(h)) for h in headers if h != source)
+    # In the order the preprocessor first read them: which header holds which
+    # contents matters, and no path enters the key.
+    deps_in_key = [digest(_read(h)) for h in headers if h != source]
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": deps_in_key}
     if debug or want_deps:
         # Debug info and dependency files name folders: the key must too.
@@ -383,6 +386,10 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     if want_deps:
         dep_path = dep_file or os.path.splitext(output)[0] + ".d"
         outputs["deps"] = Path(os.path.abspath(dep_path))
+    for path in outputs.values():
+        # -o /dev/null (configure scripts) or a link: restoring would replace it.
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            raise Uncacheable("cc: an output is not a regular file")
     request = OpRequest(op_type="cc", soc_version=HOST_CHIP, attrs=attrs, sources=key_sources)
 
     def command(workdir: Path) -> list[str]:
@@ -421,7 +428,7 @@ def _which(executable: str, env: Mapping[str, str]) -> str:
 
 
 def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, str]) -> list[str]:
-    """Every file the preprocessor reads for ``source``, as ``cc -M`` lists them."""
+    """Every file the preprocessor reads for ``source``, in the order ``cc -M`` lists them."""
     done = subprocess.run(
         [cc, *pass_args, "-M", source], capture_output=True, env=dict(env), check=False
     )
@@ -429,4 +436,4 @@ def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, st
         raise Uncacheable("cc: the preprocessor failed (the compile will report why)")
     text = done.stdout.decode(errors="surrogateescape").replace("\\\n", " ")
     _, _, deps = text.partition(":")
-    return sorted(set(re.split(r"(?<!\\)\s+", deps.strip())) - {""})
+    return [name for name in dict.fromkeys(re.split(r"(?<!\\)\s+", deps.strip())) if name]

@@ -73,6 +73,12 @@ class CannCompiler:
         home, found, looked = find_toolkit(env)
         if opc is None and found is None:
             raise ConfigError(f"cann: no CANN toolkit found; looked at {looked}")
+        if opc is not None:
+            # A bare name is looked up on PATH, as the shell would run it.
+            resolved = opc if os.sep in opc else which(opc, env)
+            if resolved is None or not os.access(resolved, os.X_OK):
+                raise ConfigError(f"cann: opc={opc!r} is not an executable")
+            opc = resolved
         self.opc = opc or found
         self.home = home
         self._environ = dict(env)
@@ -126,6 +132,7 @@ class CannCompiler:
         return digest("\n".join(listing).encode())
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
+        workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
         sources = request.source_bytes
         scripts = [name for name in sources if name.endswith(".py")] or list(sources)
         if not scripts:

@@ -80,6 +80,7 @@ class CcCompiler:
         return self._fingerprint
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
+        workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
         sources = request.source_bytes
         main = [name for name in sources if name.endswith(C_SOURCES)]
         if len(main) != 1:

@@ -77,6 +77,7 @@ class CommandCompiler:
         )
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
+        workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
         with tempfile.TemporaryDirectory(prefix="opcache-cmd-") as src:
             paths = []
             for name, data in request.source_bytes.items():
