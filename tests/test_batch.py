@@ -1,0 +1,326 @@
+"""``opcache compile --op SPEC.json ... --output DIR``: JSON specs compiled with real back-ends."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_opc import OP_SOURCE, SOC, base_env, invocations, make_toolkit
+
+from opcache.cli import main
+
+KERNEL_C = """\
+#include <stddef.h>
+void kernel(const float *a, const float *b, float *o) {
+    for (size_t i = 0; i < IN0_SIZE; i++) o[i] = a[i] * ATTR_ALPHA + b[i];
+}
+"""
+
+
+def spec(op_type: str, shape: list[int], op_name: str | None = None, **extra) -> dict:
+    tensor = {"shape": shape, "dtype": "float32", "format": "ND"}
+    data = {
+        "op_type": op_type,
+        "soc_version": SOC,
+        "inputs": [tensor, tensor],
+        "outputs": [tensor],
+        "attrs": {"alpha": 2},
+        "sources": {"add.c": "kernels/add.c"},
+        **extra,
+    }
+    if op_name:
+        data["op_name"] = op_name
+    return data
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """specs/one.json (one object) and specs/many.json (a list of two), sources in specs/kernels."""
+    specs = tmp_path / "specs"
+    (specs / "kernels").mkdir(parents=True)
+    (specs / "kernels" / "add.c").write_text(KERNEL_C)
+    (specs / "one.json").write_text(json.dumps(spec("AddScaled", [4, 64], "add_small")))
+    many = [spec("AddScaled", [8, 64], "add_big"), spec("AddScaled", [2, 32])]
+    (specs / "many.json").write_text(json.dumps(many))
+    return specs
+
+
+def run(*args: str, env: dict[str, str], cwd: Path, status: int = 0) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", *args], env=env, cwd=cwd, capture_output=True, text=True
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == status, done.stdout + done.stderr
+    return done.stdout
+
+
+def compile_cmd(project: Path, *extra: str) -> list[str]:
+    # Spec paths given from another folder: sources resolve against each spec's folder.
+    return [
+        "compile",
+        "--op",
+        str(project / "one.json"),
+        str(project / "many.json"),
+        "--output",
+        "build",
+        *extra,
+    ]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def test_compile_specs_then_all_hits(project, tmp_path):
+    env = base_env(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    first = run(*compile_cmd(project, "--compiler", "cc"), env=env, cwd=work)
+    lines = first.splitlines()
+    assert len(lines) == 4
+    assert [line.split()[0] for line in lines[:3]] == ["miss", "miss", "miss"]
+    assert lines[0].split()[-1] == "add_small" and lines[1].split()[-1] == "add_big"
+    assert lines[2].split()[-1] == "AddScaled"  # no op_name: the op_type names it
+    assert lines[3].startswith("3 operators: 0 hits, 3 misses, 0 bypasses, 0 errors")
+
+    build = work / "build"
+    folders = sorted(p.name for p in build.iterdir())
+    assert "add_small" in folders and "add_big" in folders
+    (unnamed,) = [f for f in folders if f.startswith("AddScaled_")]  # the kernel's name
+    for folder in folders:
+        files = {p.name: p.read_bytes() for p in (build / folder).iterdir()}
+        (obj,) = [n for n in files if n.endswith(".o")]
+        described = json.loads(files[obj[:-2] + ".json"])
+        assert described["sha256"] == hashlib.sha256(files[obj]).hexdigest()
+    assert unnamed == next(iter((build / unnamed).glob("*.o"))).stem
+    before = tree(build)
+
+    import shutil
+
+    shutil.rmtree(build)
+    second = run(*compile_cmd(project, "--compiler", "cc"), env=env, cwd=work)
+    assert [line.split()[0] for line in second.splitlines()[:3]] == ["hit", "hit", "hit"]
+    assert "3 operators: 3 hits, 0 misses" in second
+    assert tree(build) == before
+
+
+def test_compile_json_output(project, tmp_path):
+    env = base_env(tmp_path)
+    out = run(*compile_cmd(project, "--compiler", "cc", "--json"), env=env, cwd=tmp_path)
+    data = json.loads(out)
+    assert data["summary"]["operators"] == 3 and data["summary"]["misses"] == 3
+    assert data["summary"]["errors"] == 0
+    ops = data["operators"]
+    assert [o["op"] for o in ops] == ["add_small", "add_big", "AddScaled"]
+    assert ops[0]["spec"] == str(project / "one.json")
+    assert ops[1]["spec"] == f"{project / 'many.json'}[0]"
+    assert all(o["status"] == "miss" and o["error"] is None for o in ops)
+    assert tmp_path / ops[0]["output"] == tmp_path / "build" / "add_small"
+    again = json.loads(
+        run(*compile_cmd(project, "--compiler", "cc", "--json"), env=env, cwd=tmp_path)
+    )
+    assert again["summary"]["hits"] == 3
+    assert all(o["saved_seconds"] > 0 for o in again["operators"])
+
+
+def test_compile_with_jobs_uses_worker_processes(tmp_path):
+    """--jobs 2 with the cann back-end (auto, a toolkit set): opc runs under two workers."""
+    root = make_toolkit(tmp_path / "toolkit")
+    env = {**base_env(tmp_path), "ASCEND_HOME_PATH": str(root), "FAKE_OPC_SLEEP": "0.3"}
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "add.py").write_text(OP_SOURCE)
+    ops = []
+    for i in range(4):
+        tensor = {"shape": [16, 64 * (i + 1)], "dtype": "float16"}
+        ops.append(
+            {
+                "op_type": "Add",
+                "soc_version": SOC,
+                "op_name": f"add_{i}",
+                "inputs": [tensor, tensor],
+                "outputs": [tensor],
+                "sources": {"add.py": "add.py"},
+            }
+        )
+    (specs / "ops.json").write_text(json.dumps(ops))
+    cmd = ["compile", "--op", "specs/ops.json", "--output", "build", "--jobs", "2", "--json"]
+    data = json.loads(run(*cmd, env=env, cwd=tmp_path))
+    assert [o["status"] for o in data["operators"]] == ["miss"] * 4
+    assert [o["op"] for o in data["operators"]] == [f"add_{i}" for i in range(4)]
+    runs = invocations(tmp_path / "opc.log")
+    assert len(runs) == 4
+    assert len({r["ppid"] for r in runs}) == 2  # two worker processes compiled
+    for i in range(4):
+        assert len(list((tmp_path / "build" / f"add_{i}").glob("Add_*.o"))) == 1
+    # The workers' stats reached the disk.
+    report = json.loads(run("stats", "--json", env=env, cwd=tmp_path))
+    assert report["chips"][SOC]["misses"] == 4
+    again = json.loads(run(*cmd, env={**env, "FAKE_OPC_SLEEP": ""}, cwd=tmp_path))
+    assert again["summary"]["hits"] == 4
+    assert len(invocations(tmp_path / "opc.log")) == 4
+
+
+def test_bad_specs_are_reported_with_file_and_field_and_the_rest_compiles(project, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "kernels").symlink_to(project / "kernels")
+    no_soc = spec("AddScaled", [4, 64], "no_soc")
+    del no_soc["soc_version"]
+    (bad / "mixed.json").write_text(
+        json.dumps(
+            [
+                no_soc,
+                spec("AddScaled", [4, 64], "bad_attrs", attrs=[1, 2]),
+                {**spec("AddScaled", [4, 64], "bad_type"), "op_type": 7},
+                spec("AddScaled", [4, 64], "no_source", sources={"add.c": "missing.c"}),
+                {**spec("AddScaled", [4, 64], "bad_chip"), "soc_version": "../etc"},
+                spec("AddScaled", [4, 64], "bad_field", colour="blue"),
+                spec(
+                    "AddScaled", [16, 64], "good", sources={"add.c": str(project / "kernels/add.c")}
+                ),
+            ]
+        )
+    )
+    (bad / "broken.json").write_text("{not json")
+    env = base_env(tmp_path)
+    cmd = ["compile", "--op", "bad/mixed.json", "bad/broken.json", "missing.json"]
+    out = run(
+        *cmd,
+        str(project / "one.json"),
+        "--output",
+        "build",
+        "--compiler",
+        "cc",
+        env=env,
+        cwd=tmp_path,
+        status=1,
+    )
+    errors = [line for line in out.splitlines() if line.startswith("error")]
+    expected = [
+        ("bad/mixed.json[0]", "field 'soc_version': missing"),
+        ("bad/mixed.json[1]", "field 'attrs': expected dict, got list"),
+        ("bad/mixed.json[2]", "field 'op_type': expected str, got int"),
+        ("bad/mixed.json[3]", "field 'sources.add.c': cannot read"),
+        ("bad/mixed.json[4]", "soc_version"),
+        ("bad/mixed.json[5]", "field 'colour'"),
+        ("bad/broken.json", "not JSON"),
+        ("missing.json", "cannot read"),
+    ]
+    assert len(errors) == len(expected), out
+    for (where, what), line in zip(expected, errors, strict=True):
+        assert where in line and what in line, line
+    assert "missing.c" in errors[3]
+    oks = [line for line in out.splitlines() if line.startswith("miss")]
+    assert [line.split()[-1] for line in oks] == ["good", "add_small"]
+    assert "8 errors" in out.splitlines()[-1]
+    assert (tmp_path / "build" / "good").is_dir() and (tmp_path / "build" / "add_small").is_dir()
+
+
+def test_a_failing_compile_is_an_error_and_is_not_cached(project, tmp_path):
+    (project / "kernels" / "broken.c").write_text("void kernel(void) { undeclared_thing_42; }\n")
+    (project / "broken.json").write_text(
+        json.dumps(spec("Broken", [4], "broken", sources={"k.c": "kernels/broken.c"}))
+    )
+    env = base_env(tmp_path)
+    cmd = [
+        "compile",
+        "--op",
+        str(project / "broken.json"),
+        str(project / "one.json"),
+        "--output",
+        "build",
+        "--compiler",
+        "cc",
+    ]
+    for status_of_good in ("miss", "hit"):
+        out = run(*cmd, env=env, cwd=tmp_path, status=1)
+        lines = [line for line in out.splitlines() if not line.startswith(" ")]
+        assert len(lines) == 3  # one per operator and the summary; details indented
+        assert lines[0].startswith("error") and "broken.json" in lines[0]
+        assert "-c k.c" in lines[0]  # the command line
+        assert "undeclared_thing_42" in out  # the compiler's stderr
+        assert lines[1].split()[0] == status_of_good
+        assert "1 errors" in lines[2]
+    report = json.loads(run("stats", "--json", env=env, cwd=tmp_path))
+    assert report["entries"] == 1
+
+
+def test_compile_defaults_to_enable_and_follows_the_cache_flags(project, tmp_path):
+    env = base_env(tmp_path)
+    flags = ["--compiler", "cc", "--json"]
+    disabled = [*flags, "--op_compiler_cache_mode=disable"]
+    for _ in range(2):
+        data = json.loads(run(*compile_cmd(project, *disabled), env=env, cwd=tmp_path))
+        assert {o["status"] for o in data["operators"]} == {"disabled"}
+    bypass = [*flags, "--op_debug_level=2"]
+    data = json.loads(run(*compile_cmd(project, *bypass), env=env, cwd=tmp_path))
+    assert {o["status"] for o in data["operators"]} == {"bypass"}
+    assert data["summary"]["bypasses"] == 3
+    own = tmp_path / "own"
+    for expected in ("miss", "hit"):
+        data = json.loads(
+            run(
+                *compile_cmd(project, *flags, f"--op_compiler_cache_dir={own}"),
+                env=env,
+                cwd=tmp_path,
+            )
+        )
+        assert {o["status"] for o in data["operators"]} == {expected}
+    assert (own / "kernel_cache" / SOC).is_dir()
+
+
+def test_compile_with_a_command_template(project, tmp_path):
+    env = base_env(tmp_path)
+    template = "cp {source} {workdir}/{kernel_name}.txt"
+    cmd = compile_cmd(project, "--compiler", "command", "--template", template, "--json")
+    first = json.loads(run(*cmd, env=env, cwd=tmp_path))
+    second = json.loads(run(*cmd, env=env, cwd=tmp_path))
+    assert first["summary"]["misses"] == 3 and second["summary"]["hits"] == 3
+    (copied,) = (tmp_path / "build" / "add_small").glob("AddScaled_*.txt")
+    assert copied.read_text() == KERNEL_C
+
+
+def test_unknown_compiler_is_one_error_line(project, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("ASCEND_CACHE_PATH", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(compile_cmd(project, "--compiler", "nosuch")) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("opcache: error: ") and "nosuch" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "build").exists()
+
+
+def test_compile_in_process_with_auto_and_no_toolkit(project, tmp_path, monkeypatch, capsys):
+    for name in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("ASCEND_CACHE_PATH", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(compile_cmd(project)) == 0  # auto: cc here
+    assert main(compile_cmd(project)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[3].startswith("3 operators: 0 hits, 3 misses")
+    assert out[7].startswith("3 operators: 3 hits, 0 misses")
+    assert "time saved" in out[7]
+    assert os.listdir(tmp_path / "build" / "add_small")
+
+
+def test_cann_without_a_toolkit_names_the_variables(project, tmp_path, monkeypatch, capsys):
+    for name in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(compile_cmd(project, "--compiler", "cann")) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "ASCEND_HOME_PATH" in err and "ASCEND_OPP_PATH" in err and "PATH" in err

@@ -1,0 +1,568 @@
+"""The compiler plug-ins: registry, cc (real compiles), cann (stand-in opc), command, auto."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+from fake_opc import OP_SOURCE, SOC, base_env, invocations, make_toolkit, write_opc
+
+import opcache
+from opcache import CompileError, ConfigError, OpCache, OpRequest, resolve_settings
+from opcache.compilers import auto_choice, get_compiler, installed
+from opcache.compilers.cann import CannCompiler
+from opcache.compilers.cc import CcCompiler
+from opcache.compilers.command import CommandCompiler
+
+KERNEL_C = b"""\
+#include <stddef.h>
+#ifndef IN0_SIZE
+#error IN0_SIZE must reach the source
+#endif
+#ifndef ATTR_ALPHA
+#error ATTR_ALPHA must reach the source
+#endif
+static const size_t shape[IN0_NDIM] = IN0_SHAPE;
+float scale(void) { return (float)ATTR_ALPHA * (float)shape[0]; }
+void kernel(const float *a, const float *b, float *o) {
+    for (size_t i = 0; i < IN0_SIZE; i++) o[i] = a[i] * ATTR_ALPHA + b[i];
+}
+"""
+
+
+def cc_request(**overrides) -> OpRequest:
+    tensor = {"shape": [4, 64], "dtype": "float32", "format": "ND"}
+    fields = {
+        "op_type": "AddScaled",
+        "soc_version": SOC,
+        "op_name": "add_scaled_0",
+        "inputs": [tensor, tensor],
+        "outputs": [tensor],
+        "attrs": {"alpha": 2},
+        "sources": {"add.c": KERNEL_C},
+    }
+    fields.update(overrides)
+    return OpRequest(**fields)
+
+
+def cann_request(**overrides) -> OpRequest:
+    tensor = {"shape": [16, 1024], "dtype": "float16", "format": "ND"}
+    fields = {
+        "op_type": "Add",
+        "soc_version": SOC,
+        "op_name": "add_0",
+        "inputs": [tensor, tensor],
+        "outputs": [tensor],
+        "attrs": {"alpha": 1.0},
+        "options": {"impl_mode": "high_performance"},
+        "sources": {"add.py": OP_SOURCE.encode()},
+    }
+    fields.update(overrides)
+    return OpRequest(**fields)
+
+
+def cache_at(tmp_path: Path, **env) -> OpCache:
+    settings = resolve_settings(
+        op_compiler_cache_mode="enable",
+        op_compiler_cache_dir=str(tmp_path / "cache"),
+        environ={"HOME": str(tmp_path), **env},
+    )
+    return OpCache(settings)
+
+
+def read_dir(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+def no_cann(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    """The process environment without any CANN variable and without opc on PATH."""
+    for name in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH", "TUNE_BANK_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    path = [p for p in path if not os.access(os.path.join(p, "opc"), os.X_OK)]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return dict(os.environ)
+
+
+@pytest.fixture
+def toolkit(tmp_path: Path, no_cann: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """A fake CANN toolkit and an environment that points at it through ASCEND_HOME_PATH."""
+    root = make_toolkit(tmp_path / "Ascend" / "latest")
+    env = {**no_cann, "ASCEND_HOME_PATH": str(root), "FAKE_OPC_LOG": str(tmp_path / "opc.log")}
+    return root, env
+
+
+# -- registry -------------------------------------------------------------------
+
+
+def test_builtin_compilers_are_registered_as_entry_points():
+    found = {ep.name: ep for ep in entry_points(group="opcache.compilers")}
+    assert {"cc", "cann", "command"} <= set(found)
+    for name in ("cc", "cann", "command"):
+        assert found[name].load().name == name
+
+
+def test_get_compiler_is_exported_and_builds_cc():
+    compiler = opcache.get_compiler("cc")
+    assert compiler.name == "cc"
+    assert isinstance(compiler, opcache.Compiler)
+
+
+def test_unknown_compiler_is_a_config_error_listing_the_installed_ones():
+    with pytest.raises(ConfigError, match=r"'nosuch'.*installed: .*cann.*cc.*command"):
+        get_compiler("nosuch")
+
+
+def test_bad_option_is_a_config_error():
+    with pytest.raises(ConfigError, match="cc"):
+        get_compiler("cc", no_such_option=1)
+
+
+def test_a_third_party_plugin_is_found_through_its_entry_point(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    dist = site / "opcache_toy-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: opcache-toy\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[opcache.compilers]\ntoy = opcache_toy:Toy\nbroken = opcache_toy_missing:Nope\n"
+    )
+    (site / "opcache_toy.py").write_text(
+        textwrap.dedent(
+            """\
+            class Toy:
+                name = "toy"
+                def __init__(self, level=1, environ=None):
+                    self.level = level
+                def fingerprint(self):
+                    return f"toy {self.level}"
+                def compile(self, request, workdir):
+                    (workdir / "toy.bin").write_bytes(request.op_type.encode())
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(site))
+    toy = get_compiler("toy", level=3)
+    assert toy.fingerprint() == "toy 3"
+    listed = installed()
+    assert listed["toy"][0] is True
+    assert listed["broken"][0] is False and "cannot load" in listed["broken"][1]
+    assert listed["cc"][0] is True  # a broken plug-in does not hide the others
+    with cache_at(tmp_path) as cache:
+        result = cache.compile(cc_request(), toy, tmp_path / "out")
+    assert result.status == "miss"
+    assert (tmp_path / "out" / "toy.bin").read_bytes() == b"AddScaled"
+
+
+def test_opcache_compilers_lists_each_and_whether_usable(tmp_path):
+    bin_dir = tmp_path / "bin"
+    write_opc(bin_dir)
+    no_opc = base_env(tmp_path)
+    with_opc = base_env(tmp_path, bin_dir)
+    cmd = [sys.executable, "-m", "opcache", "compilers"]
+
+    text = subprocess.run(cmd, env=no_opc, capture_output=True, text=True, check=True).stdout
+    lines = {line.split()[0]: line for line in text.splitlines()}
+    assert "usable" in lines["cc"] and "not usable" not in lines["cc"]
+    assert "not usable" in lines["cann"]
+    assert "-> cc" in lines["auto"]
+
+    data = json.loads(
+        subprocess.run(
+            [*cmd, "--json"], env=with_opc, capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert {"cc", "cann", "command"} <= set(data)
+    assert data["cann"]["usable"] is True and str(bin_dir / "opc") in data["cann"]["note"]
+    assert data["cc"]["usable"] is True
+
+
+# -- cc ---------------------------------------------------------------------------
+
+
+def test_cc_writes_kernel_object_and_description_with_its_sha256(tmp_path):
+    compiler = CcCompiler()
+    work = tmp_path / "work"
+    work.mkdir()
+    request = cc_request()
+    compiler.compile(request, work)
+    files = read_dir(work)
+    assert len(files) == 2
+    obj_name = next(n for n in files if n.endswith(".o"))
+    kernel = obj_name[: -len(".o")]
+    assert kernel.startswith("AddScaled_")
+    assert "add_scaled_0" not in kernel
+    description = json.loads(files[f"{kernel}.json"])
+    assert description["sha256"] == hashlib.sha256(files[obj_name]).hexdigest()
+    assert description["kernelName"] == kernel
+    assert files[obj_name][:4] == b"\x7fELF"
+
+
+def test_cc_kernel_name_ignores_op_name_and_a_hit_returns_the_same_files(tmp_path):
+    compiler = CcCompiler()
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(cc_request(op_name="node_a"), compiler, tmp_path / "a")
+        second = cache.compile(cc_request(op_name="node_b"), compiler, tmp_path / "b")
+    assert (first.status, second.status) == ("miss", "hit")
+    assert sorted(first.files) == sorted(second.files)
+    assert read_dir(tmp_path / "a") == read_dir(tmp_path / "b")
+
+
+def test_cc_hit_is_byte_identical_to_a_fresh_compile(tmp_path):
+    compiler = CcCompiler()
+    with cache_at(tmp_path) as cache:
+        assert cache.compile(cc_request(), compiler, tmp_path / "miss").status == "miss"
+        assert cache.compile(cc_request(), compiler, tmp_path / "hit").status == "hit"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    CcCompiler().compile(cc_request(), fresh)
+    assert read_dir(tmp_path / "hit") == read_dir(fresh) == read_dir(tmp_path / "miss")
+
+
+def test_cc_shapes_and_attrs_reach_the_source_as_defines(tmp_path):
+    compiler = CcCompiler()
+    objects = {}
+    for label, request in {
+        "alpha2": cc_request(),
+        "alpha3": cc_request(attrs={"alpha": 3}),
+        "bigger": cc_request(inputs=[{"shape": [8, 64], "dtype": "float32"}] * 2),
+    }.items():
+        work = tmp_path / label
+        work.mkdir()
+        compiler.compile(request, work)
+        (obj,) = [p for p in work.iterdir() if p.suffix == ".o"]
+        objects[label] = obj.read_bytes()
+    assert len(set(objects.values())) == 3
+
+
+def test_cc_source_without_the_defines_fails(tmp_path):
+    """The #error guards in KERNEL_C are real: without attrs the compile fails."""
+    with pytest.raises(CompileError, match="ATTR_ALPHA must reach the source"):
+        CcCompiler().compile(cc_request(attrs={}), tmp_path)
+
+
+def test_cc_options_become_flags_and_defines(tmp_path):
+    source = b"#if OPT_UNROLL != 4\n#error no OPT_UNROLL\n#endif\nint f(int x) { return x * 3; }\n"
+    compiler = CcCompiler()
+    outs = {}
+    for label, options in {
+        "default": {"unroll": 4},
+        "o0": {"unroll": 4, "flags": ["-O0"]},
+        "o2": {"unroll": 4, "flags": ["-O2"]},
+    }.items():
+        work = tmp_path / label
+        work.mkdir()
+        compiler.compile(cc_request(sources={"f.c": source}, options=options), work)
+        (obj,) = [p for p in work.iterdir() if p.suffix == ".o"]
+        outs[label] = obj.read_bytes()
+    assert outs["default"] == outs["o2"]  # -O2 when no flag sets the level
+    assert outs["o0"] != outs["o2"]
+
+
+def test_cc_compile_error_carries_the_command_line_and_stderr_tail(tmp_path):
+    bad = b"int broken(void) { return undeclared_thing_42; }\n"
+    with pytest.raises(CompileError) as caught:
+        CcCompiler().compile(cc_request(sources={"bad.c": bad}), tmp_path)
+    message = str(caught.value)
+    assert "-c bad.c" in message and "-o " in message
+    assert "undeclared_thing_42" in message  # from the compiler's stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cc_needs_exactly_one_c_source(tmp_path):
+    with pytest.raises(CompileError, match="exactly one C source"):
+        CcCompiler().compile(cc_request(sources={"a.py": b"x"}), tmp_path)
+
+
+def test_cc_failure_through_the_cache_stores_nothing(tmp_path):
+    bad = cc_request(sources={"bad.c": b"this is not C\n"})
+    with cache_at(tmp_path) as cache:
+        with pytest.raises(CompileError):
+            cache.compile(bad, CcCompiler(), tmp_path / "out")
+        with pytest.raises(CompileError):
+            cache.compile(bad, CcCompiler(), tmp_path / "out")
+        report = cache.stats()
+    assert report["entries"] == 0 and report["hits"] == 0
+
+
+def test_cc_follows_the_CC_variable_and_fails_clearly_without_a_compiler(tmp_path):
+    compiler = CcCompiler(environ={"CC": "gcc -std=c11", "PATH": os.environ["PATH"]})
+    assert os.path.basename(compiler.argv[0]) == "gcc" and compiler.argv[1:] == ["-std=c11"]
+    assert "-std=c11" in compiler.fingerprint()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no C compiler"):
+        CcCompiler(environ={"PATH": str(empty)})
+    ok, note = CcCompiler.usable({"PATH": str(empty)})
+    assert not ok and "CC" in note
+
+
+# -- cann ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variable", ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH"])
+def test_cann_finds_the_toolkit_through_each_variable(tmp_path, no_cann, variable):
+    root = make_toolkit(tmp_path / "toolkit")
+    value = root / "opp" if variable == "ASCEND_OPP_PATH" else root
+    env = {**no_cann, variable: str(value)}
+    compiler = get_compiler("cann", environ=env)
+    assert compiler.opc == str(root / "bin" / "opc")
+    assert auto_choice(env)[0] == "cann"
+
+
+def test_cann_finds_opc_under_compiler_bin(tmp_path, no_cann):
+    root = tmp_path / "toolkit"
+    write_opc(root / "compiler" / "bin")
+    env = {**no_cann, "ASCEND_TOOLKIT_HOME": str(root)}
+    assert CannCompiler(environ=env).opc == str(root / "compiler" / "bin" / "opc")
+
+
+def test_cann_finds_opc_on_path(tmp_path, no_cann):
+    bin_dir = tmp_path / "bin"
+    write_opc(bin_dir)
+    env = {**no_cann, "PATH": f"{bin_dir}{os.pathsep}{no_cann['PATH']}"}
+    assert CannCompiler(environ=env).opc == str(bin_dir / "opc")
+    # opc on PATH alone is not a configured CANN environment: auto stays with cc.
+    assert auto_choice(env)[0] == "cc"
+
+
+def test_cann_opc_given_by_name_is_looked_up_on_path(tmp_path, no_cann):
+    bin_dir = tmp_path / "bin"
+    write_opc(bin_dir)
+    env = {**no_cann, "PATH": f"{bin_dir}{os.pathsep}{no_cann['PATH']}"}
+    compiler = CannCompiler(opc="opc", environ=env)
+    assert compiler.opc == str(bin_dir / "opc")
+    assert str(bin_dir / "opc") in compiler.fingerprint()
+    with pytest.raises(ConfigError, match="no-such-opc"):
+        CannCompiler(opc="no-such-opc", environ=env)
+
+
+def test_missing_toolkit_is_one_clear_error_naming_the_variables(no_cann, tmp_path):
+    env = {**no_cann, "ASCEND_HOME_PATH": str(tmp_path / "nothing-here")}
+    with pytest.raises(ConfigError) as caught:
+        get_compiler("cann", environ=env)
+    message = str(caught.value)
+    assert "\n" not in message
+    for name in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH", "PATH"):
+        assert name in message
+    assert str(tmp_path / "nothing-here") in message
+    ok, note = CannCompiler.usable(env)
+    assert not ok and "ASCEND_HOME_PATH" in note
+
+
+def test_auto_picks_cann_with_a_toolkit_and_cc_without(toolkit, no_cann):
+    _, env = toolkit
+    assert auto_choice(env)[0] == "cann"
+    assert get_compiler("auto", environ=env).name == "cann"
+    assert auto_choice(no_cann)[0] == "cc"
+    assert get_compiler("auto", environ=no_cann).name == "cc"
+    # A variable set to a folder without opc is not a toolkit.
+    assert auto_choice({**no_cann, "ASCEND_HOME_PATH": "/nonexistent"})[0] == "cc"
+
+
+def test_opcache_config_shows_the_auto_choice(tmp_path):
+    root = make_toolkit(tmp_path / "toolkit")
+    env = base_env(tmp_path)
+    cmd = [sys.executable, "-m", "opcache", "config", "--json"]
+    plain = json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True).stdout)
+    assert plain["compiler_auto"].startswith("cc")
+    env["ASCEND_HOME_PATH"] = str(root)
+    cann = json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True).stdout)
+    assert cann["compiler_auto"].startswith("cann")
+
+
+def test_cann_compile_runs_opc_with_its_arguments(toolkit, tmp_path):
+    _, env = toolkit
+    work = tmp_path / "work"
+    work.mkdir()
+    request = cann_request(options={"impl_mode": "high_performance", "op_mode": "static"})
+    CannCompiler(environ=env).compile(request, work)
+    (run,) = invocations(tmp_path / "opc.log")
+    args = run["args"]
+    assert args[0].endswith("add.py")
+    assert "--main_func=add" in args
+    assert f"--soc_version={SOC}" in args
+    assert f"--output={work}" in args
+    assert "--impl_mode=high_performance" in args and "--op_mode=static" in args
+    param_arg = next(a for a in args if a.startswith("--input_param="))
+    assert param_arg.endswith(".json")
+    files = read_dir(work)
+    (obj,) = [n for n in files if n.endswith(".o")]
+    kernel = obj[:-2]
+    assert kernel.startswith("Add_") and f"{kernel}.json" in files
+    assert json.loads(files[f"{kernel}.json"])["sha256"] == hashlib.sha256(files[obj]).hexdigest()
+
+
+def test_cann_main_func_option_and_default(toolkit, tmp_path):
+    _, env = toolkit
+    source = OP_SOURCE.replace("def add(", "def add_custom(").encode()
+    request = cann_request(sources={"op.py": source}, options={"main_func": "add_custom"})
+    CannCompiler(environ=env).compile(request, tmp_path)
+    (run,) = invocations(tmp_path / "opc.log")
+    assert "--main_func=add_custom" in run["args"]
+    assert not any(a.startswith("--main_func=add_custom=") for a in run["args"])
+    assert sum(a.startswith("--main_func") for a in run["args"]) == 1
+
+
+def test_cann_failure_is_a_compile_error_with_the_command_and_stderr(toolkit, tmp_path):
+    _, env = toolkit
+    env = {**env, "FAKE_OPC_FAIL": "vector core overflow in add", "FAKE_OPC_STATUS": "3"}
+    with pytest.raises(CompileError) as caught:
+        CannCompiler(environ=env).compile(cann_request(), tmp_path)
+    message = str(caught.value)
+    assert "exit status 3" in message
+    assert "--main_func=add" in message and "--soc_version=Ascend910B1" in message
+    assert "vector core overflow in add" in message
+
+
+def test_cann_hit_does_not_run_opc(toolkit, tmp_path):
+    _, env = toolkit
+    compiler = CannCompiler(environ=env)
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(cann_request(op_name="n1"), compiler, tmp_path / "a")
+        second = cache.compile(
+            cann_request(op_name="n2"), CannCompiler(environ=env), tmp_path / "b"
+        )
+    assert (first.status, second.status) == ("miss", "hit")
+    assert len(invocations(tmp_path / "opc.log")) == 1
+    assert read_dir(tmp_path / "a") == read_dir(tmp_path / "b")
+
+
+def _status_after(tmp_path: Path, env: dict[str, str], out: str) -> str:
+    with cache_at(tmp_path) as cache:
+        return cache.compile(cann_request(), CannCompiler(environ=env), tmp_path / out).status
+
+
+def test_cann_fingerprint_follows_version_info(toolkit, tmp_path):
+    root, env = toolkit
+    before = CannCompiler(environ=env).fingerprint()
+    assert _status_after(tmp_path, env, "a") == "miss"
+    assert _status_after(tmp_path, env, "b") == "hit"
+    (root / "version.info").write_text("Version=8.0.RC2\n")
+    assert CannCompiler(environ=env).fingerprint() != before
+    assert _status_after(tmp_path, env, "c") == "miss"
+    assert len(invocations(tmp_path / "opc.log")) == 2
+
+
+def test_cann_fingerprint_follows_the_opp_version(toolkit):
+    root, env = toolkit
+    before = CannCompiler(environ=env).fingerprint()
+    (root / "opp" / "version.info").write_text("Version=8.0.RC2\n")
+    assert CannCompiler(environ=env).fingerprint() != before
+
+
+def test_cann_fingerprint_follows_the_tuning_bank(toolkit, tmp_path):
+    _, env = toolkit
+    bank = tmp_path / "bank"
+    (bank / "Ascend910B1").mkdir(parents=True)
+    tuned = bank / "Ascend910B1" / "add.bank"
+    tuned.write_text("tiling=16\n")
+    env = {**env, "TUNE_BANK_PATH": str(bank)}
+    before = CannCompiler(environ=env).fingerprint()
+    assert CannCompiler(environ=env).fingerprint() == before  # stable
+    assert _status_after(tmp_path, env, "a") == "miss"
+    tuned.write_text("tiling=32\n")  # same size, new contents
+    st = tuned.stat()
+    os.utime(tuned, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert CannCompiler(environ=env).fingerprint() != before
+    assert _status_after(tmp_path, env, "b") == "miss"
+    (bank / "Ascend910B1" / "mul.bank").write_text("tiling=8\n")  # a new file
+    assert _status_after(tmp_path, env, "c") == "miss"
+    assert _status_after(tmp_path, env, "d") == "hit"
+
+
+def test_cann_tuning_bank_defaults_to_aoe_data_under_ascend_cache_path(toolkit, tmp_path):
+    _, env = toolkit
+    env = {**env, "ASCEND_CACHE_PATH": str(tmp_path / "ascend_cache")}
+    before = CannCompiler(environ=env).fingerprint()
+    bank = tmp_path / "ascend_cache" / "aoe_data"
+    bank.mkdir(parents=True)
+    (bank / "knowledge.json").write_text("{}")
+    assert CannCompiler(environ=env).fingerprint() != before
+
+
+def test_cann_fingerprint_follows_the_opc_executable(toolkit):
+    root, env = toolkit
+    before = CannCompiler(environ=env).fingerprint()
+    opc = root / "bin" / "opc"
+    opc.write_text(opc.read_text() + "\n# patched\n")
+    assert CannCompiler(environ=env).fingerprint() != before
+
+
+# -- command ---------------------------------------------------------------------------
+
+
+def test_command_template_compiles_through_the_cache(tmp_path):
+    template = "cp {source} {workdir}/{kernel_name}.bin"
+    compiler = get_compiler("command", template=template, fingerprint="cp 1")
+    assert compiler.name == "command"
+    request = cc_request(sources={"k.c": b"int x;\n"})
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(request, compiler, tmp_path / "a")
+        second = cache.compile(request, compiler, tmp_path / "b")
+    assert (first.status, second.status) == ("miss", "hit")
+    (name,) = first.files
+    assert name.startswith("AddScaled_") and name.endswith(".bin")
+    assert (tmp_path / "b" / name).read_bytes() == b"int x;\n"
+
+
+def test_command_template_fields(tmp_path):
+    script = tmp_path / "tool.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            import json, sys
+            out, soc, kernel, op_type, param, *sources = sys.argv[1:]
+            data = {"soc": soc, "kernel": kernel, "op_type": op_type,
+                    "param": json.load(open(param)),
+                    "sources": [open(s).read() for s in sources]}
+            open(f"{out}/{kernel}.json", "w").write(json.dumps(data))
+            """
+        )
+    )
+    template = (
+        f"{sys.executable} {script} {{workdir}} {{soc_version}} {{kernel_name}} {{op_type}} "
+        "{param} {sources}"
+    )
+    compiler = CommandCompiler(template)
+    request = cc_request(sources={"a.c": b"A", "b.c": b"B"}, options={"mode": "fast"})
+    compiler.compile(request, tmp_path)
+    (described,) = tmp_path.glob("AddScaled_*.json")
+    data = json.loads(described.read_text())
+    assert data["soc"] == SOC and data["op_type"] == "AddScaled"
+    assert described.name == f"{data['kernel']}.json"
+    assert data["param"]["attrs"] == {"alpha": 2}
+    assert data["param"]["options"] == {"mode": "fast"}
+    assert sorted(data["sources"]) == ["A", "B"]
+
+
+def test_command_fingerprint_has_the_user_part_and_the_template():
+    a = CommandCompiler("cp {source} {workdir}", fingerprint="v1").fingerprint()
+    b = CommandCompiler("cp {source} {workdir}", fingerprint="v2").fingerprint()
+    c = CommandCompiler("cp -p {source} {workdir}", fingerprint="v1").fingerprint()
+    assert len({a, b, c}) == 3
+
+
+def test_command_bad_templates_are_config_errors():
+    with pytest.raises(ConfigError, match="nosuch"):
+        get_compiler("command", template="cp {nosuch} {workdir}")
+    with pytest.raises(ConfigError, match="not an executable"):
+        get_compiler("command", template="no-such-tool-xyz {source}")
+    with pytest.raises(ConfigError, match="empty"):
+        get_compiler("command", template="  ")
+    with pytest.raises(ConfigError):
+        get_compiler("command")  # no template
+
+
+def test_command_failure_is_a_compile_error(tmp_path):
+    compiler = CommandCompiler("false {source}")
+    with pytest.raises(CompileError, match="false"):
+        compiler.compile(cc_request(sources={"k.c": b""}), tmp_path)
