@@ -261,8 +261,8 @@ class LocalStore:
         size = len(manifest) + sum(map(len, artifacts.values()))
         target = self.entry_dir(soc, key)
         for _attempt in range(3):
-            fsutil.makedirs(target.parent, self.modes)
             try:
+                fsutil.makedirs(target.parent, self.modes)
                 os.rename(workdir, target)
             except OSError as e:
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
@@ -270,7 +270,7 @@ class LocalStore:
                 if e.errno in fsutil.GONE:
                     continue  # the chip folder was renamed away under us (force, clear)
                 raise
-            self.sizes(soc).add({"entries": 1, "bytes": size})
+            self._count(soc, {"entries": 1, "bytes": size})
             return size
         raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(target))
 
@@ -281,8 +281,25 @@ class LocalStore:
             return None
         size = fsutil.tree_size(aside)
         fsutil.remove_tree(aside)
-        self.sizes(soc).add({"entries": -1, "bytes": -size})
+        self._count(soc, {"entries": -1, "bytes": -size})
         return size
+
+    def _count(self, soc: str, deltas: dict[str, float]) -> None:
+        """Move the chip's size counters after adding or removing an entry.
+
+        A chip folder renamed away meanwhile (force, clear) took the entry and
+        the counters with it: there is nothing to count then, and no error.
+        (Racing that rename, creating the counter folder fails with ENOENT, or
+        with EEXIST when the folder vanishes between mkdir and its check.)
+        """
+        try:
+            if os.path.isdir(self.chip_dir(soc)):
+                self.sizes(soc).add(deltas)
+                return
+        except OSError as e:
+            if e.errno not in (*fsutil.GONE, errno.EEXIST):
+                raise
+        log.debug("the chip folder %s was cleared meanwhile; not counted", soc)
 
     def clear_chip(self, soc: str) -> bool:
         """Remove a whole chip folder at once; True if there was one.
