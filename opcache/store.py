@@ -138,8 +138,10 @@ class LocalStore:
         try:
             return self._read_entry(key, entry_fd)
         except CorruptEntry:
-            if not _still_linked(bucket_fd, key, entry_fd):
-                return None  # removed by someone else while we read: a plain miss
+            # Removed by someone else while we read (the entry, or the whole chip
+            # folder by force / clear, renamed aside then deleted): a plain miss.
+            if not _still_linked(self.entry_dir(soc, key), entry_fd):
+                return None
             raise
         finally:
             os.close(entry_fd)
@@ -384,9 +386,10 @@ def _lexists(name: str, dir_fd: int) -> bool:
     return True
 
 
-def _still_linked(bucket_fd: int, name: str, entry_fd: int) -> bool:
+def _still_linked(path: Path, entry_fd: int) -> bool:
+    """True if ``path``, from the cache root, still names the folder open as ``entry_fd``."""
     try:
-        now = os.stat(name, dir_fd=bucket_fd, follow_symlinks=False)
+        now = os.stat(path, follow_symlinks=False)
     except OSError:
         return False
     was = os.fstat(entry_fd)
