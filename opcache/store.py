@@ -158,9 +158,7 @@ class LocalStore:
             # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
             # link or a file in the entry's place from an entry that is not there.
             misplaced = (
-                len(fds) == 3
-                and e.errno in (errno.ENOTDIR, errno.ELOOP)
-                and _lexists(key, fds[-1])
+                len(fds) == 3 and e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(key, fds[-1])
             )
             for fd in fds:
                 os.close(fd)
