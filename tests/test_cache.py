@@ -1,0 +1,715 @@
+"""OpCache: modes, bypasses, failed compiles, an unwritable cache, stats, clear.
+
+Every test uses real files under tmp_path, a toy compiler that counts its calls
+in a file, and settings resolved from explicit options and an environment that
+holds only HOME.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from helpers_cache import (
+    OTHER_SOC,
+    SOC,
+    FakeClock,
+    ToyCompiler,
+    entry_dirs,
+    expected_files,
+    make_request,
+    make_settings,
+    read_dir,
+    run_script,
+    tree_bytes,
+    wait_for,
+)
+
+import opcache
+from opcache.store import LocalStore
+
+BYPASS_LEVEL = "op_debug_level is 1"
+BYPASS_COLLECT = "NPU_COLLECT_PATH is set"
+BYPASS_CONFIG = "op_debug_config is set without op_debug_list"
+BYPASS_LISTED = "op_debug_list names the operator"
+BYPASS_LISTED_TYPE = "op_debug_list names the operator type"
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "ops"
+
+
+@pytest.fixture
+def root(cache_dir: Path) -> Path:
+    return cache_dir / "kernel_cache"
+
+
+@pytest.fixture
+def compiler(tmp_path: Path) -> ToyCompiler:
+    return ToyCompiler(tmp_path / "calls")
+
+
+def settings_for(tmp_path: Path, mode: str = "enable", **kw: object) -> opcache.Settings:
+    return make_settings(tmp_path / "ops", tmp_path, mode, **kw)
+
+
+def all_paths(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*")}
+
+
+# ------------------------------------------------------------------------- enable
+
+
+def test_enable_miss_then_hit_delivers_identical_files(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    request = make_request()
+    want = expected_files(request)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        first = cache.compile(request, compiler, tmp_path / "out1")
+        second = cache.compile(request, compiler, tmp_path / "out2")
+    assert (first.status, second.status) == ("miss", "hit")
+    assert compiler.calls() == 1
+    assert first.key == second.key
+    assert read_dir(tmp_path / "out1") == want
+    assert read_dir(tmp_path / "out2") == want
+    assert second.files == {name: tmp_path / "out2" / name for name in want}
+    assert first.files == {name: tmp_path / "out1" / name for name in want}
+    # The entry holds the artifacts and a manifest, nothing else.
+    entries = entry_dirs(root)
+    assert list(entries) == [first.key]
+    assert sorted(p.name for p in entries[first.key].iterdir()) == sorted([*want, "MANIFEST"])
+
+
+def test_hit_from_a_new_opcache_and_a_new_process_state(
+    tmp_path: Path, compiler: ToyCompiler
+) -> None:
+    request = make_request()
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        assert cache.compile(request, compiler, tmp_path / "a").status == "miss"
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        result = cache.compile(request, compiler, tmp_path / "b")
+    assert result.status == "hit"
+    assert read_dir(tmp_path / "b") == expected_files(request)
+    assert compiler.calls() == 1
+
+
+def test_other_op_name_is_a_hit_with_the_same_files(tmp_path: Path, compiler: ToyCompiler) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        first = cache.compile(make_request(op_name="layer1/add"), compiler, tmp_path / "a")
+        second = cache.compile(make_request(op_name="layer7/add"), compiler, tmp_path / "b")
+    assert (first.status, second.status) == ("miss", "hit")
+    assert first.key == second.key
+    assert sorted(first.files) == sorted(second.files)
+    assert read_dir(tmp_path / "a") == read_dir(tmp_path / "b")
+    assert compiler.calls() == 1
+
+
+def test_different_requests_are_different_entries(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        keys = {cache.compile(make_request(i), compiler, tmp_path / f"o{i}").key for i in range(3)}
+        statuses = [
+            cache.compile(make_request(i), compiler, tmp_path / "x").status for i in range(3)
+        ]
+    assert len(keys) == 3
+    assert set(entry_dirs(root)) == keys
+    assert statuses == ["hit"] * 3
+    assert compiler.calls() == 3
+
+
+def test_op_cache_ini_is_created_on_first_use(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    cache = opcache.OpCache(settings_for(tmp_path))
+    assert not (root / "op_cache.ini").exists()
+    cache.compile(make_request(), compiler, tmp_path / "out")
+    cache.close()
+    text = (root / "op_cache.ini").read_text(encoding="utf-8")
+    assert "[op_compiler_cache]" in text
+
+
+def test_op_cache_ini_is_created_in_force_mode(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path, "force")) as cache:
+        cache.compile(make_request(), compiler, tmp_path / "out")
+    assert (root / "op_cache.ini").is_file()
+
+
+def test_existing_op_cache_ini_is_kept(tmp_path: Path, root: Path, compiler: ToyCompiler) -> None:
+    root.mkdir(parents=True)
+    mine = "[op_compiler_cache]\nmax_op_cache_size=7\nremain_cache_size_ratio=30\n"
+    (root / "op_cache.ini").write_text(mine, encoding="utf-8")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(), compiler, tmp_path / "out")
+    assert (root / "op_cache.ini").read_text(encoding="utf-8") == mine
+
+
+# -------------------------------------------------------------------------- force
+
+
+def test_force_clears_each_chip_once_per_opcache(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        old_a = cache.compile(make_request(0), compiler, tmp_path / "o").key
+        old_b = cache.compile(make_request(1), compiler, tmp_path / "o").key
+        other = cache.compile(make_request(0, soc_version=OTHER_SOC), compiler, tmp_path / "o").key
+    assert set(entry_dirs(root)) == {old_a, old_b}
+    assert compiler.calls() == 3
+
+    forced = opcache.OpCache(settings_for(tmp_path, "force"))
+    # First touch of the chip: its entries go, then it behaves as enable.
+    first = forced.compile(make_request(0), compiler, tmp_path / "f1")
+    assert first.status == "miss"
+    assert read_dir(tmp_path / "f1") == expected_files(make_request(0))
+    assert set(entry_dirs(root)) == {old_a}
+    assert old_b not in entry_dirs(root)
+    # The other chip is untouched until this OpCache uses it.
+    assert set(entry_dirs(root, OTHER_SOC)) == {other}
+    # The same OpCache does not clear again.
+    assert forced.compile(make_request(0), compiler, tmp_path / "f2").status == "hit"
+    assert forced.compile(make_request(1), compiler, tmp_path / "f3").status == "miss"
+    assert forced.compile(make_request(1), compiler, tmp_path / "f4").status == "hit"
+    assert set(entry_dirs(root)) == {old_a, old_b}
+    assert compiler.calls() == 5
+    # Its first touch of the other chip clears that one.
+    assert (
+        forced.compile(make_request(5, soc_version=OTHER_SOC), compiler, tmp_path / "f5").status
+        == "miss"
+    )
+    assert other not in entry_dirs(root, OTHER_SOC)
+    forced.close()
+
+    # A second OpCache in force mode clears again.
+    with opcache.OpCache(settings_for(tmp_path, "force")) as again:
+        assert again.compile(make_request(0), compiler, tmp_path / "g").status == "miss"
+    assert set(entry_dirs(root)) == {old_a}
+    assert compiler.calls() == 7
+
+
+def test_force_counters_restart_from_the_cleared_folder(
+    tmp_path: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        for i in range(3):
+            cache.compile(make_request(i), compiler, tmp_path / "o")
+        assert cache.stats()["entries"] == 3
+    with opcache.OpCache(settings_for(tmp_path, "force")) as forced:
+        forced.compile(make_request(9), compiler, tmp_path / "o")
+        stats = forced.stats()
+    assert stats["entries"] == 1
+    assert stats["bytes"] == sum(
+        tree_bytes(p) for p in entry_dirs(settings_for(tmp_path).root).values()
+    )
+
+
+# ------------------------------------------------------------------------ disable
+
+
+def test_disable_compiles_into_out_dir_and_touches_no_cache_file(
+    tmp_path: Path, root: Path, cache_dir: Path, compiler: ToyCompiler
+) -> None:
+    request = make_request()
+    cache = opcache.OpCache(settings_for(tmp_path, "disable"))
+    first = cache.compile(request, compiler, tmp_path / "out")
+    second = cache.compile(request, compiler, tmp_path / "out2")
+    assert (first.status, second.status) == ("disabled", "disabled")
+    assert first.key == ""
+    assert compiler.calls() == 2
+    assert read_dir(tmp_path / "out") == expected_files(request)
+    assert first.files == {n: tmp_path / "out" / n for n in expected_files(request)}
+    # No temp folder left in out_dir either.
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(expected_files(request))
+    # Maintenance on a cache that does not exist creates nothing.
+    assert cache.stats()["entries"] == 0
+    assert cache.age().removed_entries == 0
+    assert cache.verify().corrupt == 0
+    cache.close()
+    assert not cache_dir.exists()
+    assert not root.exists()
+
+
+def test_disable_leaves_an_existing_cache_untouched(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(), compiler, tmp_path / "o")
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
+    with opcache.OpCache(settings_for(tmp_path, "disable")) as cache:
+        result = cache.compile(make_request(), compiler, tmp_path / "d")
+    assert result.status == "disabled"
+    assert compiler.calls() == 2
+    after = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
+    assert after == before
+
+
+def test_disable_wins_over_bypass(tmp_path: Path, cache_dir: Path, compiler: ToyCompiler) -> None:
+    settings = settings_for(tmp_path, "disable", op_debug_level=1, env={"NPU_COLLECT_PATH": "/x"})
+    with opcache.OpCache(settings) as cache:
+        result = cache.compile(make_request(), compiler, tmp_path / "out")
+    assert result.status == "disabled"
+    assert read_dir(tmp_path / "out") == expected_files(make_request())
+    assert not cache_dir.exists()
+
+
+# ------------------------------------------------------------------------- bypass
+
+
+def _cfg(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "debug.cfg"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("level", BYPASS_LEVEL),
+        ("collect", BYPASS_COLLECT),
+        ("config", BYPASS_CONFIG),
+        ("list_name", BYPASS_LISTED),
+        ("list_type", BYPASS_LISTED_TYPE),
+    ],
+)
+def test_bypass_neither_reads_nor_writes_entries(
+    tmp_path: Path, root: Path, compiler: ToyCompiler, how: str, reason: str
+) -> None:
+    stored, fresh = make_request(0), make_request(1)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        key = cache.compile(stored, compiler, tmp_path / "warm").key
+    entry = entry_dirs(root)[key]
+    stamp = (entry / "MANIFEST").stat().st_mtime_ns
+    options: dict[str, object] = {}
+    env: dict[str, str] = {}
+    if how == "level":
+        options["op_debug_level"] = 1
+    elif how == "collect":
+        env["NPU_COLLECT_PATH"] = str(tmp_path / "collect")
+    elif how == "config":
+        options["op_debug_config"] = _cfg(tmp_path, "op_debug_config = ccec_O0\n")
+    elif how == "list_name":
+        text = "op_debug_config = ccec_g\nop_debug_list = add_0,add_1\n"
+        options["op_debug_config"] = _cfg(tmp_path, text)
+    else:
+        text = "op_debug_config = ccec_g\nop_debug_list = OpType::Add\n"
+        options["op_debug_config"] = _cfg(tmp_path, text)
+    settings = settings_for(tmp_path, env=env, **options)
+    with opcache.OpCache(settings) as cache:
+        hit_would_be = cache.compile(stored, compiler, tmp_path / "b1")
+        miss_would_be = cache.compile(fresh, compiler, tmp_path / "b2")
+        stats = cache.stats()
+    assert (hit_would_be.status, miss_would_be.status) == ("bypass", "bypass")
+    assert hit_would_be.reason == reason
+    assert hit_would_be.key == ""
+    # The stored entry was not served (the compiler ran) and not stamped ...
+    assert compiler.calls() == 3
+    assert (entry / "MANIFEST").stat().st_mtime_ns == stamp
+    # ... and the new one was not stored.
+    assert set(entry_dirs(root)) == {key}
+    assert read_dir(tmp_path / "b1") == expected_files(stored)
+    assert read_dir(tmp_path / "b2") == expected_files(fresh)
+    assert hit_would_be.files == {n: tmp_path / "b1" / n for n in expected_files(stored)}
+    assert stats["bypasses"] == 2
+    assert stats["bypass_reasons"] == {reason: 2}
+    assert stats["chips"][SOC]["bypass_reasons"] == {reason: 2}
+    assert (stats["hits"], stats["misses"], stats["stores"]) == (0, 1, 1)
+
+
+def test_op_debug_list_bypasses_only_the_listed_operators(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    cfg = _cfg(tmp_path, "op_debug_config = ccec_g\nop_debug_list = add_1\n")
+    with opcache.OpCache(settings_for(tmp_path, op_debug_config=cfg)) as cache:
+        listed = cache.compile(make_request(1), compiler, tmp_path / "a")
+        other = cache.compile(make_request(2), compiler, tmp_path / "b")
+        again = cache.compile(make_request(2, op_name="add_9"), compiler, tmp_path / "c")
+        stats = cache.stats()
+    assert (listed.status, other.status, again.status) == ("bypass", "miss", "hit")
+    assert list(entry_dirs(root)) == [other.key]
+    assert stats["bypass_reasons"] == {BYPASS_LISTED: 1}
+
+
+def test_bypasses_are_counted_by_reason(tmp_path: Path, compiler: ToyCompiler) -> None:
+    with opcache.OpCache(settings_for(tmp_path, op_debug_level=2)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "a")
+    with opcache.OpCache(settings_for(tmp_path, env={"NPU_COLLECT_PATH": "/c"})) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "b")
+        cache.compile(make_request(1), compiler, tmp_path / "c")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        stats = cache.stats()
+    assert stats["bypasses"] == 3
+    assert stats["bypass_reasons"] == {"op_debug_level is 2": 1, BYPASS_COLLECT: 2}
+
+
+# -------------------------------------------------------------- failed compiles
+
+
+def test_compile_error_raises_and_stores_nothing(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    failing = ToyCompiler(tmp_path / "calls", fail=True)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        with pytest.raises(opcache.CompileError, match="toy compiler failed"):
+            cache.compile(make_request(), failing, tmp_path / "out")
+        stats = cache.stats()
+        assert entry_dirs(root) == {}
+        assert os.listdir(root / ".opcache" / "tmp") == []
+        # The key is not poisoned: the next compile runs and stores.
+        result = cache.compile(make_request(), compiler, tmp_path / "out2")
+    assert result.status == "miss"
+    assert stats["stores"] == 0
+    assert stats["entries"] == 0
+    assert failing.calls() == 2  # same calls file: the failure and the success
+    assert list(entry_dirs(root)) == [result.key]
+
+
+@pytest.mark.parametrize("mode", ["disable", "bypass"])
+def test_compile_error_without_the_cache(tmp_path: Path, mode: str) -> None:
+    failing = ToyCompiler(tmp_path / "calls", fail=True)
+    if mode == "disable":
+        settings = settings_for(tmp_path, "disable")
+    else:
+        settings = settings_for(tmp_path, op_debug_level=1)
+    with opcache.OpCache(settings) as cache, pytest.raises(opcache.CompileError):
+        cache.compile(make_request(), failing, tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == []
+
+
+# ------------------------------------------------------------ what gets stored
+
+
+def test_only_plain_files_are_stored(tmp_path: Path, root: Path) -> None:
+    class Messy(ToyCompiler):
+        def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+            super().compile(request, workdir)
+            (workdir / "sub").mkdir()
+            (workdir / "sub" / "x.o").write_bytes(b"nested")
+            os.symlink("/etc/hostname", workdir / "link.o")
+
+    messy = Messy(tmp_path / "calls")
+    request = make_request()
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        first = cache.compile(request, messy, tmp_path / "a")
+        second = cache.compile(request, messy, tmp_path / "b")
+    assert (first.status, second.status) == ("miss", "hit")
+    assert sorted(second.files) == sorted(expected_files(request))
+    entry = entry_dirs(root)[first.key]
+    assert sorted(p.name for p in entry.iterdir()) == sorted([*expected_files(request), "MANIFEST"])
+
+
+def test_an_artifact_named_manifest_is_delivered_but_not_stored(tmp_path: Path, root: Path) -> None:
+    odd = ToyCompiler(tmp_path / "calls", extra={"MANIFEST": b"mine"})
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        first = cache.compile(make_request(), odd, tmp_path / "a")
+        second = cache.compile(make_request(), odd, tmp_path / "b")
+    assert (first.status, second.status) == ("miss", "miss")
+    assert (tmp_path / "b" / "MANIFEST").read_bytes() == b"mine"
+    assert entry_dirs(root) == {}
+
+
+# ---------------------------------------------------------- an unwritable cache
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_cache_root_that_cannot_be_created_never_fails_a_compile(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, compiler: ToyCompiler
+) -> None:
+    # A regular file where a folder should be: mkdir fails (ENOTDIR) even for root.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    settings = make_settings(blocker / "ops", tmp_path)
+    caplog.clear()
+    caplog.set_level(logging.WARNING)
+    with opcache.OpCache(settings) as cache:
+        results = [cache.compile(make_request(i), compiler, tmp_path / f"o{i}") for i in range(3)]
+        again = cache.compile(make_request(0), compiler, tmp_path / "again")
+        stats = cache.stats()
+    assert [r.status for r in results] == ["miss"] * 3
+    assert again.status == "miss"
+    assert compiler.calls() == 4
+    for i, result in enumerate(results):
+        assert read_dir(tmp_path / f"o{i}") == expected_files(make_request(i))
+        assert result.files == {n: tmp_path / f"o{i}" / n for n in expected_files(make_request(i))}
+    cache_warnings = [w for w in _warnings(caplog) if "cache" in w]
+    assert len(cache_warnings) == 1, _warnings(caplog)
+    assert len(_warnings(caplog)) == 1, _warnings(caplog)
+    assert stats["entries"] == 0
+    assert blocker.read_text() == "not a folder"
+
+
+def test_chip_folder_that_cannot_be_written_counts_errors(
+    tmp_path: Path, root: Path, caplog: pytest.LogCaptureFixture, compiler: ToyCompiler
+) -> None:
+    root.mkdir(parents=True)
+    (root / SOC).write_text("a file where the chip folder should be")
+    caplog.set_level(logging.WARNING)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        first = cache.compile(make_request(0), compiler, tmp_path / "a")
+        second = cache.compile(make_request(1), compiler, tmp_path / "b")
+        third = cache.compile(make_request(0), compiler, tmp_path / "c")
+    assert (first.status, second.status, third.status) == ("miss", "miss", "miss")
+    assert read_dir(tmp_path / "c") == expected_files(make_request(0))
+    assert compiler.calls() == 3
+    assert len(_warnings(caplog)) == 1, _warnings(caplog)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        stats = cache.stats()
+    assert stats["errors"] == 3
+    assert stats["misses"] == 3
+    assert stats["stores"] == 0
+    # The other chips still work.
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        other = make_request(0, soc_version=OTHER_SOC)
+        assert cache.compile(other, compiler, tmp_path / "d").status == "miss"
+        assert cache.compile(other, compiler, tmp_path / "e").status == "hit"
+
+
+# -------------------------------------------------------------------------- stats
+
+
+def test_stats_count_everything(tmp_path: Path, compiler: ToyCompiler) -> None:
+    slow = ToyCompiler(tmp_path / "calls", sleep=0.2)
+    clock = FakeClock()
+    with opcache.OpCache(settings_for(tmp_path), clock=clock) as cache:
+        cache.compile(make_request(0), slow, tmp_path / "a")
+        cache.compile(make_request(1), slow, tmp_path / "b")
+        for _ in range(3):
+            cache.compile(make_request(0), slow, tmp_path / "c")
+        cache.compile(make_request(0, soc_version=OTHER_SOC), slow, tmp_path / "d")
+        stats = cache.stats()
+        one_chip = cache.stats(SOC)
+    assert (stats["hits"], stats["misses"], stats["stores"]) == (3, 3, 3)
+    assert stats["entries"] == 3
+    assert stats["corrupt"] == stats["errors"] == stats["evicted_entries"] == 0
+    assert 0.6 <= stats["time_saved_seconds"] < 3.0
+    chip = stats["chips"][SOC]
+    assert (chip["hits"], chip["misses"], chip["stores"], chip["entries"]) == (3, 2, 2, 2)
+    assert stats["chips"][OTHER_SOC]["misses"] == 1
+    assert set(one_chip["chips"]) == {SOC}
+    assert one_chip["hits"] == 3
+    root = settings_for(tmp_path).root
+    assert chip["bytes"] == sum(tree_bytes(p) for p in entry_dirs(root).values())
+    assert stats["bytes"] == chip["bytes"] + sum(
+        tree_bytes(p) for p in entry_dirs(root, OTHER_SOC).values()
+    )
+    for name in (
+        "hits",
+        "misses",
+        "bypasses",
+        "stores",
+        "corrupt",
+        "evicted_entries",
+        "evicted_bytes",
+        "entries",
+        "bytes",
+        "errors",
+        "time_saved_seconds",
+    ):
+        assert name in stats
+        assert name in chip
+
+
+def test_stats_persist_after_close(tmp_path: Path, compiler: ToyCompiler) -> None:
+    cache = opcache.OpCache(settings_for(tmp_path))
+    cache.compile(make_request(0), compiler, tmp_path / "a")
+    cache.compile(make_request(0), compiler, tmp_path / "b")
+    cache.close()
+    with opcache.OpCache(settings_for(tmp_path)) as reader:
+        stats = reader.stats()
+    assert (stats["hits"], stats["misses"], stats["stores"], stats["entries"]) == (1, 1, 1, 1)
+
+
+def test_stats_reach_disk_at_normal_exit_without_close(tmp_path: Path) -> None:
+    code = f"""
+import helpers_cache as h, opcache
+s = h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r})
+c = opcache.OpCache(s)
+comp = h.ToyCompiler({str(tmp_path / "calls")!r})
+for i in (0, 0, 0, 1):
+    c.compile(h.make_request(i), comp, {str(tmp_path / "out")!r})
+"""
+    done = run_script(code)
+    assert done.returncode == 0, done.stderr
+    with opcache.OpCache(settings_for(tmp_path)) as reader:
+        stats = reader.stats()
+    assert (stats["hits"], stats["misses"], stats["stores"]) == (2, 2, 2)
+
+
+def test_stats_reach_disk_while_the_writer_runs(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    code = f"""
+import time, pathlib, helpers_cache as h, opcache
+s = h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r})
+c = opcache.OpCache(s)
+comp = h.ToyCompiler({str(tmp_path / "calls")!r})
+for i in (0, 0, 1, 0):
+    c.compile(h.make_request(i), comp, {str(tmp_path / "out")!r})
+pathlib.Path({str(ready)!r}).touch()
+time.sleep(60)
+"""
+    child = run_script(code, wait=False)
+    try:
+        wait_for(ready, 30)
+        reader = opcache.OpCache(settings_for(tmp_path))
+        deadline = time.monotonic() + 10
+        stats = reader.stats()
+        while stats["hits"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            stats = reader.stats()
+        assert child.poll() is None  # still running: the counts came from its flushes
+        assert (stats["hits"], stats["misses"], stats["stores"]) == (2, 2, 2)
+        reader.close()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+
+def test_zero_stats_keeps_entries_and_bytes(tmp_path: Path, compiler: ToyCompiler) -> None:
+    with opcache.OpCache(settings_for(tmp_path, op_debug_level=0)) as cache:
+        for i in (0, 1, 0, 1, 2):
+            cache.compile(make_request(i), compiler, tmp_path / "o")
+        cache.compile(make_request(0, soc_version=OTHER_SOC), compiler, tmp_path / "o")
+    with opcache.OpCache(settings_for(tmp_path, op_debug_level=3)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "o")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        before = cache.stats()
+        assert (before["hits"], before["misses"], before["bypasses"]) == (2, 4, 1)
+        cache.zero_stats()
+        after = cache.stats()
+    assert after["entries"] == before["entries"] == 4
+    assert after["bytes"] == before["bytes"] > 0
+    for name in ("hits", "misses", "stores", "bypasses", "time_saved_seconds"):
+        assert after[name] == 0, name
+        assert after["chips"][SOC][name] == 0, name
+    assert after["bypass_reasons"] == {}
+    # Counting starts again from zero.
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "o")
+        assert cache.stats()["hits"] == 1
+
+
+def test_zero_stats_of_one_chip(tmp_path: Path, compiler: ToyCompiler) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "o")
+        cache.compile(make_request(0, soc_version=OTHER_SOC), compiler, tmp_path / "o")
+        cache.zero_stats(OTHER_SOC)
+        stats = cache.stats()
+    assert stats["chips"][SOC]["misses"] == 1
+    assert stats["chips"][OTHER_SOC]["misses"] == 0
+    assert stats["chips"][OTHER_SOC]["entries"] == 1
+
+
+def test_stats_from_another_process_add_up(tmp_path: Path) -> None:
+    code = f"""
+import helpers_cache as h, opcache
+with opcache.OpCache(h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r})) as c:
+    comp = h.ToyCompiler({str(tmp_path / "calls")!r})
+    for i in (0, 1, 2, 3):
+        c.compile(h.make_request(i), comp, {str(tmp_path / "out")!r})
+"""
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        compiler = ToyCompiler(tmp_path / "calls")
+        cache.compile(make_request(9), compiler, tmp_path / "o")
+        done = run_script(code)
+        assert done.returncode == 0, done.stderr
+        cache.compile(make_request(2), compiler, tmp_path / "o")
+        stats = cache.stats()
+    assert (stats["hits"], stats["misses"], stats["stores"], stats["entries"]) == (1, 5, 5, 5)
+
+
+# ---------------------------------------------------------- clear, maintenance
+
+
+def test_clear_one_chip_then_all(tmp_path: Path, root: Path, compiler: ToyCompiler) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        for i in range(2):
+            cache.compile(make_request(i), compiler, tmp_path / "o")
+            cache.compile(make_request(i, soc_version=OTHER_SOC), compiler, tmp_path / "o")
+        assert cache.clear(SOC) == [SOC]
+        assert entry_dirs(root) == {}
+        assert len(entry_dirs(root, OTHER_SOC)) == 2
+        stats = cache.stats()
+        assert stats["chips"][SOC]["entries"] == 0
+        assert stats["chips"][SOC]["bytes"] == 0
+        assert stats["chips"][OTHER_SOC]["entries"] == 2
+        assert cache.compile(make_request(0), compiler, tmp_path / "x").status == "miss"
+        assert cache.clear() == sorted([SOC, OTHER_SOC])
+        assert entry_dirs(root) == entry_dirs(root, OTHER_SOC) == {}
+        assert cache.stats()["entries"] == 0
+        assert cache.clear() == []
+        assert cache.compile(make_request(1), compiler, tmp_path / "x").status == "miss"
+    assert (root / "op_cache.ini").is_file()
+    assert os.listdir(root / ".opcache" / "trash") == []
+
+
+def test_maintenance_works_in_disable_mode(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        keys = [cache.compile(make_request(i), compiler, tmp_path / "o").key for i in range(3)]
+        cache.compile(make_request(0, soc_version=OTHER_SOC), compiler, tmp_path / "o")
+        cache.compile(make_request(0), compiler, tmp_path / "o")
+    (entry_dirs(root)[keys[1]] / "MANIFEST").write_bytes(b"garbage")
+    with opcache.OpCache(settings_for(tmp_path, "disable")) as cache:
+        stats = cache.stats()
+        assert (stats["entries"], stats["hits"], stats["misses"]) == (4, 1, 4)
+        assert cache.age().removed_entries == 0
+        verified = cache.verify()
+        assert verified.corrupt == 1
+        assert verified.chips[SOC]["entries"] == 2
+        assert cache.clear(OTHER_SOC) == [OTHER_SOC]
+        after = cache.stats()
+        cache.zero_stats()
+        zeroed = cache.stats()
+    assert set(entry_dirs(root)) == {keys[0], keys[2]}
+    assert entry_dirs(root, OTHER_SOC) == {}
+    assert after["entries"] == 2
+    assert after["corrupt"] == 1
+    assert zeroed["hits"] == zeroed["misses"] == zeroed["corrupt"] == 0
+    assert zeroed["entries"] == 2
+
+
+def test_context_manager_and_close_leave_the_cache_usable(
+    tmp_path: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(), compiler, tmp_path / "o")
+    # After close, maintenance still works.
+    assert cache.stats()["entries"] == 1
+    assert cache.verify().chips[SOC]["entries"] == 1
+
+
+def test_store_layout_matches_the_settings(tmp_path: Path, compiler: ToyCompiler) -> None:
+    settings = settings_for(tmp_path)
+    with opcache.OpCache(settings) as cache:
+        key = cache.compile(make_request(), compiler, tmp_path / "o").key
+    assert (settings.chip_dir(SOC) / key[:2] / key / "MANIFEST").is_file()
+    store = LocalStore(settings.root)
+    entry = store.read(SOC, key)
+    assert entry is not None
+    assert entry.files == expected_files(make_request())
+    manifest = read_manifest(settings.chip_dir(SOC) / key[:2] / key / "MANIFEST")
+    assert manifest["key"] == key
+    assert manifest["format"] == 1
+    assert manifest["inputs"]["op_type"] == "Add"
+    assert manifest["inputs"]["compiler"] == {"name": "toycc", "fingerprint": "toycc 1.0"}
+    assert {a["name"]: a["size"] for a in manifest["artifacts"]} == {
+        n: len(b) for n, b in expected_files(make_request()).items()
+    }
+    assert "created" in manifest
+
+
+def read_manifest(path: Path) -> dict:
+    _check, _nl, body = path.read_bytes().partition(b"\n")
+    return json.loads(body)

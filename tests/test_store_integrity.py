@@ -1,0 +1,383 @@
+"""What a hit may return: verified entries only, never through a link (issue 3, "Store").
+
+Each damage is done to a real entry on disk; the next compile must notice it,
+never serve it, count it as ``corrupt``, compile again and store a good entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers_cache import (
+    SOC,
+    ToyCompiler,
+    entry_dirs,
+    expected_files,
+    make_request,
+    make_settings,
+    read_dir,
+    run_script,
+    tree_bytes,
+)
+
+import opcache
+from opcache.key import canonical_json, digest
+from opcache.store import MANIFEST, CorruptEntry, LocalStore, make_manifest, parse_manifest
+
+
+@pytest.fixture
+def compiler(tmp_path: Path) -> ToyCompiler:
+    return ToyCompiler(tmp_path / "calls", size=4096)
+
+
+def settings_for(tmp_path: Path, mode: str = "enable") -> opcache.Settings:
+    return make_settings(tmp_path / "ops", tmp_path, mode)
+
+
+def store_one(tmp_path: Path, compiler: ToyCompiler) -> tuple[str, Path]:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        result = cache.compile(make_request(), compiler, tmp_path / "first")
+    assert result.status == "miss"
+    return result.key, entry_dirs(settings_for(tmp_path).root)[result.key]
+
+
+def binary_name() -> str:
+    return next(n for n in expected_files(make_request()) if n.endswith(".o"))
+
+
+def json_name() -> str:
+    return next(n for n in expected_files(make_request()) if n.endswith(".json"))
+
+
+def rewrite_manifest(entry: Path, change) -> None:
+    """Edit the manifest's JSON and write it back with a valid checksum line."""
+    _check, _nl, body = (entry / MANIFEST).read_bytes().partition(b"\n")
+    data = json.loads(body)
+    change(data)
+    body = canonical_json(data)
+    (entry / MANIFEST).write_bytes(digest(body).encode() + b"\n" + body)
+
+
+def damage(kind: str, entry: Path, outside: Path) -> None:
+    binary = entry / binary_name()
+    good = binary.read_bytes()
+    if kind == "truncate":
+        binary.write_bytes(good[: len(good) // 2])
+    elif kind == "truncate_to_zero":
+        binary.write_bytes(b"")
+    elif kind == "append":
+        binary.write_bytes(good + b"\0")
+    elif kind == "flip_byte":
+        data = bytearray(good)
+        data[len(data) // 2] ^= 0x01
+        binary.write_bytes(bytes(data))
+    elif kind == "delete_artifact":
+        (entry / json_name()).unlink()
+    elif kind == "delete_manifest":
+        (entry / MANIFEST).unlink()
+    elif kind == "garble_manifest":
+        raw = bytearray((entry / MANIFEST).read_bytes())
+        raw[len(raw) // 2] ^= 0x20
+        (entry / MANIFEST).write_bytes(bytes(raw))
+    elif kind == "empty_manifest":
+        (entry / MANIFEST).write_bytes(b"")
+    elif kind == "manifest_without_checksum":
+        _check, _nl, body = (entry / MANIFEST).read_bytes().partition(b"\n")
+        (entry / MANIFEST).write_bytes(body)
+    elif kind == "manifest_of_other_format":
+        rewrite_manifest(entry, lambda d: d.update(format=99))
+    elif kind == "manifest_of_other_key":
+        rewrite_manifest(entry, lambda d: d.update(key="0" * 32))
+    elif kind == "artifact_is_a_folder":
+        binary.unlink()
+        binary.mkdir()
+        (binary / "inside").write_bytes(good)
+    elif kind == "artifact_is_a_symlink":
+        # The link points at a file with the right bytes: only not following links catches it.
+        outside.write_bytes(good)
+        binary.unlink()
+        os.symlink(outside, binary)
+    elif kind == "manifest_is_a_symlink":
+        outside.write_bytes((entry / MANIFEST).read_bytes())
+        (entry / MANIFEST).unlink()
+        os.symlink(outside, entry / MANIFEST)
+    elif kind == "artifact_is_a_fifo":
+        binary.unlink()
+        os.mkfifo(binary)
+    else:
+        raise AssertionError(kind)
+
+
+DAMAGES = [
+    "truncate",
+    "truncate_to_zero",
+    "append",
+    "flip_byte",
+    "delete_artifact",
+    "delete_manifest",
+    "garble_manifest",
+    "empty_manifest",
+    "manifest_without_checksum",
+    "manifest_of_other_format",
+    "manifest_of_other_key",
+    "artifact_is_a_folder",
+    "artifact_is_a_symlink",
+    "manifest_is_a_symlink",
+    "artifact_is_a_fifo",
+]
+
+
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_damaged_entry_is_detected_and_replaced(
+    tmp_path: Path, compiler: ToyCompiler, kind: str
+) -> None:
+    key, entry = store_one(tmp_path, compiler)
+    outside = tmp_path / "outside.bin"
+    damage(kind, entry, outside)
+    outside_before = outside.read_bytes() if outside.exists() else None
+    request = make_request()
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        result = cache.compile(request, compiler, tmp_path / "out")
+        stats = cache.stats()
+        again = cache.compile(request, compiler, tmp_path / "out2")
+    assert result.status == "miss"
+    assert result.key == key
+    assert compiler.calls() == 2  # never served: compiled again
+    assert read_dir(tmp_path / "out") == expected_files(request, compiler.size)
+    assert stats["corrupt"] == 1
+    assert stats["chips"][SOC]["corrupt"] == 1
+    # Replaced by a good entry, which the next compile hits.
+    assert again.status == "hit"
+    assert read_dir(tmp_path / "out2") == expected_files(request, compiler.size)
+    assert compiler.calls() == 2
+    fresh = LocalStore(settings_for(tmp_path).root).read(SOC, key)
+    assert fresh is not None
+    assert fresh.files == expected_files(request, compiler.size)
+    # Nothing outside the cache was followed into or removed.
+    if outside_before is not None:
+        assert outside.read_bytes() == outside_before
+    # One entry, as before.  The byte counter cannot know how the damage changed
+    # the files' sizes behind opcache's back; verify() recounts it.
+    assert stats["entries"] == 1
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        assert cache.verify().corrupt == 0
+        assert cache.stats()["bytes"] == tree_bytes(entry)
+
+
+def test_entry_folder_replaced_by_a_symlink_is_not_followed(
+    tmp_path: Path, compiler: ToyCompiler
+) -> None:
+    _key, entry = store_one(tmp_path, compiler)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(entry, elsewhere)  # a complete, valid copy: only the link is wrong
+    shutil.rmtree(entry)
+    os.symlink(elsewhere, entry)
+    copy_before = read_dir(elsewhere)
+    request = make_request()
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        result = cache.compile(request, compiler, tmp_path / "out")
+        again = cache.compile(request, compiler, tmp_path / "out2")
+        stats = cache.stats()
+    assert result.status == "miss"
+    assert compiler.calls() == 2
+    assert read_dir(tmp_path / "out") == expected_files(request, compiler.size)
+    assert stats["corrupt"] == 1
+    assert again.status == "hit"
+    assert not entry.is_symlink()
+    assert entry.is_dir()
+    # What the link pointed at is left alone.
+    assert read_dir(elsewhere) == copy_before
+
+
+def test_verify_does_not_follow_a_symlinked_entry(tmp_path: Path, compiler: ToyCompiler) -> None:
+    _key, entry = store_one(tmp_path, compiler)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(entry, elsewhere)
+    shutil.rmtree(entry)
+    os.symlink(elsewhere, entry)
+    copy_before = read_dir(elsewhere)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        report = cache.verify()
+    assert report.corrupt == 1
+    assert report.chips[SOC]["entries"] == 0
+    assert not os.path.lexists(entry)
+    assert read_dir(elsewhere) == copy_before
+
+
+@pytest.mark.parametrize("bad_name", ["../escape.o", "sub/kernel.o", "..", ".", "", "/abs.o"])
+def test_manifest_naming_a_path_is_refused(
+    tmp_path: Path, compiler: ToyCompiler, bad_name: str
+) -> None:
+    key, entry = store_one(tmp_path, compiler)
+    target = tmp_path / "ops" / "kernel_cache" / SOC / "escape.o"
+
+    def point_outside(data: dict) -> None:
+        data["artifacts"][0]["name"] = bad_name
+
+    rewrite_manifest(entry, point_outside)
+    with pytest.raises(CorruptEntry, match="bad artifact"):
+        LocalStore(settings_for(tmp_path).root).read(SOC, key)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        result = cache.compile(make_request(), compiler, tmp_path / "out")
+        stats = cache.stats()
+    assert result.status == "miss"
+    assert stats["corrupt"] == 1
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(expected_files(make_request()))
+    assert not target.exists()
+
+
+def test_parse_manifest_round_trip_and_refusals() -> None:
+    files = {"k.o": b"\x7fELF", "k.json": b"{}"}
+    raw = make_manifest("a" * 32, files, 1.5, {"op_type": "Add"}, 123.0)
+    parsed = parse_manifest(raw, "a" * 32)
+    assert parsed["compile_seconds"] == 1.5
+    assert sorted(name for name, _size, _d in parsed["artifacts"]) == ["k.json", "k.o"]
+    assert {name: size for name, size, _d in parsed["artifacts"]} == {"k.o": 4, "k.json": 2}
+    with pytest.raises(CorruptEntry):
+        parse_manifest(raw, "b" * 32)
+    with pytest.raises(CorruptEntry):
+        parse_manifest(raw[:-1], "a" * 32)
+    for bad in ("../x", "a/b", MANIFEST):
+        body = json.loads(raw.partition(b"\n")[2])
+        body["artifacts"][0]["name"] = bad
+        blob = canonical_json(body)
+        with pytest.raises(CorruptEntry, match="bad artifact"):
+            parse_manifest(digest(blob).encode() + b"\n" + blob, "a" * 32)
+
+
+@pytest.mark.parametrize("bad_name", ["../escape.o", "sub/x.o", "..", MANIFEST])
+def test_store_refuses_artifact_names_that_are_not_plain(tmp_path: Path, bad_name: str) -> None:
+    store = LocalStore(tmp_path / "root")
+    key = "ab" * 16
+    workdir = store.new_workdir(key)
+    (workdir / "good.o").write_bytes(b"x")
+    with pytest.raises(ValueError, match="artifact"):
+        store.publish(
+            SOC,
+            key,
+            workdir,
+            {"good.o": b"x", bad_name: b"y"},
+            compile_seconds=0.1,
+            inputs={},
+            now=1.0,
+        )
+    assert store.read(SOC, key) is None
+    assert not (tmp_path / "root" / ".opcache" / "escape.o").exists()
+
+
+def test_verify_removes_corrupt_entries_and_recounts(tmp_path: Path, compiler: ToyCompiler) -> None:
+    settings = settings_for(tmp_path)
+    with opcache.OpCache(settings) as cache:
+        keys = [cache.compile(make_request(i), compiler, tmp_path / "o").key for i in range(5)]
+    entries = entry_dirs(settings.root)
+    binary = next(p for p in entries[keys[1]].iterdir() if p.suffix == ".o")
+    binary.write_bytes(binary.read_bytes()[:10])
+    (entries[keys[3]] / MANIFEST).unlink()
+    store = LocalStore(settings.root)
+    # Counters knocked off by hand: verify must recount them from the disk.
+    store.sizes(SOC).reset({"entries": 42, "bytes": 7})
+    good_bytes = sum(tree_bytes(entries[k]) for k in (keys[0], keys[2], keys[4]))
+    with opcache.OpCache(settings) as cache:
+        report = cache.verify()
+        stats = cache.stats()
+    chip = report.chips[SOC]
+    assert report.corrupt == 2
+    assert (chip["checked"], chip["corrupt"], chip["entries"]) == (5, 2, 3)
+    assert chip["bytes"] == good_bytes
+    assert (chip["counted_entries"], chip["counted_bytes"]) == (42, 7)
+    assert set(entry_dirs(settings.root)) == {keys[0], keys[2], keys[4]}
+    assert (stats["entries"], stats["bytes"], stats["corrupt"]) == (3, good_bytes, 2)
+    assert report.as_dict()["corrupt"] == 2
+    # A second pass finds nothing.
+    with opcache.OpCache(settings) as cache:
+        assert cache.verify().corrupt == 0
+
+
+def test_verify_and_age_remove_leftovers_of_dead_writers(
+    tmp_path: Path, compiler: ToyCompiler
+) -> None:
+    from opcache import store as store_module
+
+    settings = settings_for(tmp_path)
+    with opcache.OpCache(settings) as cache:
+        cache.compile(make_request(), compiler, tmp_path / "o")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tmp_dir = settings.root / ".opcache" / "tmp"
+    host = store_module._HOST
+    leftover = tmp_dir / f"{'c' * 32}.{host}.{dead.pid}.0123abcd"
+    leftover.mkdir()
+    (leftover / "half.o").write_bytes(b"half")
+    alive = tmp_dir / f"{'d' * 32}.{host}.{os.getpid()}.0123abcd"
+    alive.mkdir()
+    trash = settings.root / ".opcache" / "trash" / "something"
+    trash.mkdir(parents=True)
+    with opcache.OpCache(settings) as cache:
+        dry = cache.age(dry_run=True)
+        assert dry.leftovers_removed == 0
+        assert leftover.exists()
+        report = cache.verify()
+    assert report.leftovers_removed == 2
+    assert not leftover.exists()
+    assert not trash.exists()
+    assert alive.exists()  # our own build folder is not a leftover
+    shutil.rmtree(alive)
+
+
+def _modes_script(tmp_path: Path, umask: int) -> dict:
+    code = f"""
+import json, os, stat, helpers_cache as h, opcache
+root = h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r}).root
+comp = h.ToyCompiler({str(tmp_path / "calls")!r})
+with opcache.OpCache(h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r})) as c:
+    for i in (0, 1, 0):
+        c.compile(h.make_request(i), comp, {str(tmp_path / "out")!r})
+    c.compile(h.make_request(0, soc_version="Ascend310P3"), comp, {str(tmp_path / "out")!r})
+    c.verify()
+    c.clear("Ascend310P3")
+modes = {{}}
+for dirpath, dirs, files in os.walk(root):
+    for name in [*dirs, *files]:
+        p = os.path.join(dirpath, name)
+        modes[os.path.relpath(p, root)] = stat.S_IMODE(os.lstat(p).st_mode)
+modes["."] = stat.S_IMODE(os.lstat(root).st_mode)
+print(json.dumps(modes))
+"""
+    done = run_script(code, umask=umask)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize(
+    ("umask", "file_mode", "dir_mode"), [(0o022, 0o640, 0o750), (0o077, 0o600, 0o700)]
+)
+def test_file_and_folder_modes(tmp_path: Path, umask: int, file_mode: int, dir_mode: int) -> None:
+    modes = _modes_script(tmp_path, umask)
+    root = tmp_path / "ops" / "kernel_cache"
+    kinds = {rel: os.path.isdir(root / rel) for rel in modes}
+    # The walk saw entries, counters, stats and the ini file.
+    assert any(rel.endswith(MANIFEST) for rel in modes)
+    assert any(rel.startswith(".opcache/stats/") for rel in modes)
+    assert any("/_size/" in rel for rel in modes)
+    wrong = {
+        rel: oct(mode)
+        for rel, mode in modes.items()
+        if mode != (dir_mode if kinds[rel] else file_mode)
+    }
+    if umask == 0o077:
+        wrong.pop("op_cache.ini", None)  # see the xfail test below
+    assert wrong == {}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="opcache/ini.py chmods op_cache.ini to 0640 whatever the umask (not in this change)",
+)
+def test_op_cache_ini_respects_a_strict_umask(tmp_path: Path) -> None:
+    modes = _modes_script(tmp_path, 0o077)
+    assert modes["op_cache.ini"] == 0o600
