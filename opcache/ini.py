@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import fsutil
+
 log = logging.getLogger(__name__)
 
 SECTION = "op_compiler_cache"
@@ -149,7 +151,7 @@ def ensure_ini_file(path: Path) -> bool:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(_TEMPLATE)
-        os.chmod(tmp, 0o640)
+        os.chmod(tmp, fsutil.masked(fsutil.PRIVATE.file))
         try:
             # link() fails if the name exists: the no-overwrite rename POSIX lacks.
             os.link(tmp, path)

@@ -369,15 +369,9 @@ def test_file_and_folder_modes(tmp_path: Path, umask: int, file_mode: int, dir_m
         for rel, mode in modes.items()
         if mode != (dir_mode if kinds[rel] else file_mode)
     }
-    if umask == 0o077:
-        wrong.pop("op_cache.ini", None)  # see the xfail test below
     assert wrong == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="opcache/ini.py chmods op_cache.ini to 0640 whatever the umask (not in this change)",
-)
 def test_op_cache_ini_respects_a_strict_umask(tmp_path: Path) -> None:
     modes = _modes_script(tmp_path, 0o077)
     assert modes["op_cache.ini"] == 0o600
