@@ -60,7 +60,7 @@ def age_chip(
     if max_bytes is None or used < max_bytes:
         return report
     lock = filelock.FileLock(
-        store.locks_dir / f"{soc}.cleanup", timeout=0, mode=fsutil.masked(store.modes.file)
+        store.locks_dir / f"{soc}.cleanup", timeout=0, mode=store.modes.file_bits
     )
     try:
         fsutil.makedirs(store.locks_dir, store.modes)

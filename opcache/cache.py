@@ -98,13 +98,17 @@ class OpCache:
         self.settings = settings
         self._clock = clock
         self._lock_timeout = lock_timeout
-        self._store = LocalStore(settings.root)
+        modes = fsutil.PRIVATE
+        if settings.shared_group is not None:
+            modes = fsutil.group_shared(settings.shared_group)
+        self._store = LocalStore(settings.root, modes=modes)
         self._stats = stats.StatsRecorder(self._store.stats_dir, modes=self._store.modes)
         self._mutex = threading.Lock()
         self._ready_chips: set[str] = set()
         self._last_aging: dict[str, float] = {}
         self._warned: set[str] = set()
         self._fingerprints: dict[int, tuple[Compiler, str]] = {}
+        self._call = threading.local()  # what the current compile() met, per thread
 
     # -- compiling -----------------------------------------------------------
 
@@ -132,6 +136,21 @@ class OpCache:
             )
             return CompileResult("bypass", "", files, time.perf_counter() - started, reason)
 
+        # One compile that meets a broken cache at every step (read, lock, store)
+        # is one error in stats, not three.
+        self._call.failed = False
+        self._call.active = True
+        try:
+            return self._compile_cached(request, compiler, out, started)
+        finally:
+            self._call.active = False
+            if self._call.failed:
+                self._stats.add(soc, "errors")
+
+    def _compile_cached(
+        self, request: OpRequest, compiler: Compiler, out: Path, started: float
+    ) -> CompileResult:
+        soc = request.soc_version
         fingerprint = self._fingerprint(compiler)
         key, _ = compute_key(request, compiler.name, fingerprint)
         self._prepare_chip(soc)
@@ -406,7 +425,10 @@ class OpCache:
         cache fails the lock, the store and the stats at once, and the user
         needs to hear about it once.  Later ones go to the debug log.
         """
-        self._stats.add(soc, "errors")
+        if getattr(self._call, "active", False):
+            self._call.failed = True
+        else:
+            self._stats.add(soc, "errors")
         self._warn_once("cache", f"{message} (the compile goes on without the cache)")
 
     def _warn_once(self, kind: str, message: str) -> None:

@@ -39,7 +39,7 @@ class CounterFiles:
         return filelock.FileLock(
             self.folder / f"{index:02d}.lock",
             timeout=30,
-            mode=fsutil.masked(self._modes.file),  # filelock sets the mode as given
+            mode=self._modes.file_bits,  # filelock sets the mode as given
         )
 
     def add(self, deltas: Mapping[str, float]) -> None:

@@ -1,8 +1,8 @@
 """Small filesystem helpers every part of the cache shares.
 
-Files are created 0640 and folders 0750 (0660 / 2770 for a group-shared
-cache), narrowed further by the user's umask, never widened.  Writes that
-others may read appear whole or not at all.
+Files are created 0640 and folders 0750, narrowed further by the user's
+umask, never widened; a group-shared cache uses 0660 and 2770 exactly.
+Writes that others may read appear whole or not at all.
 """
 
 from __future__ import annotations
@@ -18,14 +18,34 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Modes:
-    """Permission bits for what the cache creates."""
+    """Permission bits for what the cache creates, and the group that shares it.
+
+    A private cache narrows its bits by the user's umask.  A group-shared cache
+    (``group`` set) uses its bits exactly, whatever the umask, and gives every
+    folder to the group: a team's cache is useless if one member's umask 022
+    makes the others unable to write (ccache's issue #710).
+    """
 
     file: int
     dir: int
+    group: int | None = None
+
+    @property
+    def file_bits(self) -> int:
+        return self.file if self.group is not None else masked(self.file)
+
+    @property
+    def dir_bits(self) -> int:
+        return self.dir if self.group is not None else masked(self.dir)
 
 
 PRIVATE = Modes(file=0o640, dir=0o750)
-GROUP_SHARED = Modes(file=0o660, dir=0o2770)
+
+
+def group_shared(gid: int) -> Modes:
+    """Folders 2770 (setgid: new files join the group) and files 0660, for ``gid``."""
+    return Modes(file=0o660, dir=0o2770, group=gid)
+
 
 # Errors that mean "someone else removed it first", including NFS's stale handles.
 GONE = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
@@ -56,17 +76,26 @@ def masked(mode: int) -> int:
 def makedirs(path: Path, modes: Modes) -> None:
     """Create ``path`` and missing parents with the cache's folder mode."""
     try:
-        os.mkdir(path, modes.dir)
+        os.mkdir(path, modes.dir_bits)
     except FileExistsError:
         return
     except FileNotFoundError:
         makedirs(path.parent, modes)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, modes.dir)
-    if modes.dir & 0o7000:
-        # mkdir drops setgid and group-write under a strict umask only; make it exact.
-        with contextlib.suppress(OSError):
-            os.chmod(path, masked(modes.dir))
+        try:
+            os.mkdir(path, modes.dir_bits)
+        except FileExistsError:
+            return
+    fix_new_dir(path, modes)
+
+
+def fix_new_dir(path: Path | str, modes: Modes, dir_fd: int | None = None) -> None:
+    """Give a folder this process just made its group and exact bits (group-shared only)."""
+    if modes.group is None:
+        return
+    with contextlib.suppress(OSError):
+        os.chown(path, -1, modes.group, dir_fd=dir_fd, follow_symlinks=False)
+        # mkdir applies the umask and may drop setgid: set the bits exactly.
+        os.chmod(path, modes.dir_bits, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def write_atomic(path: Path, data: bytes, modes: Modes) -> None:
@@ -75,7 +104,7 @@ def write_atomic(path: Path, data: bytes, modes: Modes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            os.fchmod(f.fileno(), masked(modes.file))
+            os.fchmod(f.fileno(), modes.file_bits)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -151,7 +151,7 @@ def ensure_ini_file(path: Path) -> bool:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(_TEMPLATE)
-        os.chmod(tmp, fsutil.masked(fsutil.PRIVATE.file))
+        os.chmod(tmp, fsutil.PRIVATE.file_bits)
         try:
             # link() fails if the name exists: the no-overwrite rename POSIX lacks.
             os.link(tmp, path)

@@ -46,7 +46,7 @@ class KeyLock:
 
     def _try_once(self) -> bool:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self._modes.file)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self._modes.file_bits)
         except FileNotFoundError:
             fsutil.makedirs(self.path.parent, self._modes)
             return False

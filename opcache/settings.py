@@ -9,6 +9,7 @@ but writes none.
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ ENV_CACHE_PATH = "ASCEND_CACHE_PATH"
 ENV_MAX_SIZE = "ASCEND_MAX_OP_CACHE_SIZE"
 ENV_RATIO = "ASCEND_REMAIN_CACHE_SIZE_RATIO"
 ENV_COLLECT_PATH = "NPU_COLLECT_PATH"
+ENV_SHARED_GROUP = "OPCACHE_SHARED_GROUP"
 
 # CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
 _CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"
@@ -61,6 +63,7 @@ class Settings:
     collect_path: str | None
     sources: dict[str, str] = field(compare=False)
     debug_dir: Path | None = None
+    shared_group: int | None = None  # gid of a group-shared cache
 
     @property
     def debug_options(self) -> list[str]:
@@ -113,6 +116,7 @@ class Settings:
             "debug_list": None if self.debug_list is None else list(self.debug_list),
             "npu_collect_path": self.collect_path,
             "debug_dir": None if self.debug_dir is None else str(self.debug_dir),
+            "shared_group": self.shared_group,
             "sources": dict(self.sources),
         }
 
@@ -134,6 +138,7 @@ def resolve_settings(
     op_debug_level: int | str | None = None,
     op_debug_config: str | os.PathLike[str] | None = None,
     debug_dir: str | os.PathLike[str] | None = None,
+    shared_group: str | int | None = None,
     environ: Mapping[str, str] | None = None,
     hostname: str | None = None,
     default_mode: str = DEFAULT_MODE,
@@ -145,6 +150,8 @@ def resolve_settings(
     ``ASCEND_CACHE_PATH``) defaults to this machine's name; ``default_mode`` is
     the mode when none is given (ATC's ``disable`` unless a tool says otherwise).
     ``debug_dir`` (where debug builds put their files) is recorded, never keyed.
+    ``shared_group`` (else ``OPCACHE_SHARED_GROUP``), a group name or gid, makes
+    the cache group-shared: folders 2770, files 0660, the group's folders trusted.
 
     Raises ConfigError for an invalid option or ``ASCEND_CACHE_PATH``.  A bad
     op_cache.ini or size variable only logs a warning and falls back.
@@ -190,7 +197,32 @@ def resolve_settings(
         collect_path=collect_path,
         sources=sources,
         debug_dir=_expand(os.fspath(debug_dir), env) if _is_set(debug_dir) else None,
+        shared_group=_resolve_group(shared_group, env, sources),
     )
+
+
+def _resolve_group(value: str | int | None, env: Mapping[str, str], sources: dict) -> int | None:
+    if _is_set(value):
+        sources["shared_group"] = "argument"
+        option = "shared_group"
+    elif env.get(ENV_SHARED_GROUP):
+        value = env[ENV_SHARED_GROUP]
+        sources["shared_group"] = f"env:{ENV_SHARED_GROUP}"
+        option = ENV_SHARED_GROUP
+    else:
+        sources["shared_group"] = "default"
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    text = str(value).strip()
+    if text.isascii() and text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"{option}={value!r} is not valid; use the name or number of an existing group"
+        ) from None
 
 
 def _is_set(value: object) -> bool:

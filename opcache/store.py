@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import fsutil
+from . import fsutil, trust
 from .counters import CounterFiles
 from .key import canonical_json, digest
 from .request import is_plain_name
@@ -55,6 +55,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_MANIFEST = 16 << 20
+# /proc/self/fd/N names the folder open as N wherever it has been renamed to.
+_PROC_FD = os.path.isdir("/proc/self/fd")
 # A worker of another host, or one whose pid we cannot check, gets this long.
 TMP_GRACE_SECONDS = 6 * 3600
 
@@ -130,7 +132,11 @@ class LocalStore:
     # -- reading -------------------------------------------------------------
 
     def read(self, soc: str, key: str) -> Entry | None:
-        """The verified entry, None if absent; CorruptEntry if it cannot be trusted."""
+        """The verified entry, None if absent; CorruptEntry if it cannot be trusted.
+
+        Raises UntrustedFolder when a folder or file on the way fails the trust
+        rule (``trust.py``): nothing is read from it.
+        """
         fds = self._open_entry(soc, key)
         if fds is None:
             return None
@@ -143,46 +149,91 @@ class LocalStore:
             if not _still_linked(self.entry_dir(soc, key), entry_fd):
                 return None
             raise
+        except OSError as e:
+            if e.errno in fsutil.GONE:
+                return None  # deleted under us, or an NFS handle gone stale
+            raise
         finally:
             os.close(entry_fd)
             os.close(bucket_fd)
 
     def _open_entry(self, soc: str, key: str) -> tuple[int, int] | None:
-        """File descriptors of the bucket and entry folders, opened without links."""
-        fds: list[int] = []
+        """File descriptors of the bucket and entry folders, opened without links.
+
+        Every folder below the root must pass the trust rule (UntrustedFolder).
+        """
         try:
-            fds.append(os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW))
-            for name in (soc, key[:2], key):
-                fds.append(os.open(name, _DIR_FLAGS, dir_fd=fds[-1]))
+            chip_fd = self._open_chip(soc, create=False)
         except OSError as e:
-            # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
-            # link or a file in the entry's place from an entry that is not there.
-            misplaced = (
-                len(fds) == 3 and e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(key, fds[-1])
-            )
-            for fd in fds:
-                os.close(fd)
-            if misplaced:
-                raise CorruptEntry("the entry is not a folder (a link or a file)") from None
             if e.errno in fsutil.GONE:
                 return None
             raise
-        os.close(fds[0])
-        os.close(fds[1])
-        return fds[2], fds[3]
+        try:
+            try:
+                bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=False)
+            except OSError as e:
+                if e.errno in fsutil.GONE:
+                    return None
+                raise
+            try:
+                entry_fd = os.open(key, _DIR_FLAGS, dir_fd=bucket_fd)
+            except OSError as e:
+                # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
+                # link or a file in the entry's place from an entry that is not there.
+                misplaced = e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(key, bucket_fd)
+                os.close(bucket_fd)
+                if misplaced:
+                    raise CorruptEntry("the entry is not a folder (a link or a file)") from None
+                if e.errno in fsutil.GONE:
+                    return None
+                raise
+            try:
+                trust.check(os.fstat(entry_fd), self.modes, self.entry_dir(soc, key))
+            except trust.UntrustedFolder:
+                os.close(entry_fd)
+                os.close(bucket_fd)
+                raise
+            return bucket_fd, entry_fd
+        finally:
+            os.close(chip_fd)
 
     def _read_entry(self, key: str, entry_fd: int) -> Entry:
-        raw, mtime = _read_file(entry_fd, MANIFEST, _MAX_MANIFEST)
+        raw, mtime = self._read_file(entry_fd, MANIFEST, _MAX_MANIFEST)
         manifest = parse_manifest(raw, key)
         files = {}
         for name, size, want in manifest["artifacts"]:
-            data, _ = _read_file(entry_fd, name, size + 1)
+            data, _ = self._read_file(entry_fd, name, size + 1)
             if len(data) != size:
                 raise CorruptEntry(f"{name}: {len(data)} bytes, the manifest says {size}")
             if digest(data) != want:
                 raise CorruptEntry(f"{name}: its digest does not match the manifest")
             files[name] = data
         return Entry(key, files, manifest["compile_seconds"], mtime)
+
+    def _read_file(self, dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
+        """(up to ``limit`` bytes, mtime) of a regular, trusted file in an entry."""
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOENT, errno.EISDIR, errno.ENXIO):
+                raise CorruptEntry(f"{name}: {e.strerror}") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptEntry(f"{name}: not a regular file")
+            trust.check(st, self.modes, f"the cache file {name}")
+            chunks = []
+            remaining = limit
+            while remaining > 0:
+                chunk = os.read(fd, min(remaining, 1 << 22))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                remaining -= len(chunk)
+            return b"".join(chunks), st.st_mtime
+        finally:
+            os.close(fd)
 
     def stamp(self, soc: str, key: str) -> float | None:
         """The entry's last recorded access, or None if it is gone."""
@@ -193,7 +244,18 @@ class LocalStore:
 
     def touch(self, soc: str, key: str, when: float) -> None:
         """Record an access at ``when`` (the manifest's mtime holds it: atime is unreliable)."""
-        os.utime(self.entry_dir(soc, key) / MANIFEST, (when, when), follow_symlinks=False)
+        fds = self._open_entry(soc, key)
+        if fds is None:
+            return  # evicted since the hit: nothing to stamp
+        try:
+            os.utime(MANIFEST, (when, when), dir_fd=fds[1], follow_symlinks=False)
+        except PermissionError:
+            # Setting a time needs ownership; in a group-shared cache another
+            # member may own the entry. "Now" needs only write access.
+            os.utime(MANIFEST, dir_fd=fds[1], follow_symlinks=False)
+        finally:
+            os.close(fds[0])
+            os.close(fds[1])
 
     def scan(self, soc: str, progress: Callable[[int], None] | None = None) -> Iterator[EntryInfo]:
         """Every entry of a chip folder with its stamp (one stat per entry)."""
@@ -223,8 +285,14 @@ class LocalStore:
     def new_workdir(self, key: str) -> Path:
         """A fresh private folder on the cache's filesystem for building an entry."""
         fsutil.makedirs(self.tmp_dir, self.modes)
+        # Someone able to write here could swap an entry between build and publish.
+        for folder in (self.tmp_dir.parent, self.tmp_dir):
+            st = os.stat(folder, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                raise trust.UntrustedFolder(f"{folder} is not a folder")
+            trust.check(st, self.modes, folder)
         path = self.tmp_dir / f"{key}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
-        os.mkdir(path, self.modes.dir)
+        os.mkdir(path, self.modes.dir_bits)
         return path
 
     def publish(
@@ -242,14 +310,15 @@ class LocalStore:
 
         Returns the bytes stored, or None when another writer published the key
         first (its entry stands; ours is dropped).  Raises OSError when the cache
-        cannot be written, ValueError for an artifact name that is not a plain
-        file name (or is the manifest's).
+        cannot be written, UntrustedFolder when the chip folder fails the trust
+        rule, ValueError for an artifact name that is not a plain file name (or
+        is the manifest's).
         """
         for name in artifacts:
             if not is_plain_name(name) or name == MANIFEST:
                 raise ValueError(f"artifact name {name!r} is not a plain file name")
         manifest = make_manifest(key, artifacts, compile_seconds, inputs, now)
-        file_mode = fsutil.masked(self.modes.file)
+        file_mode = self.modes.file_bits
         for name in artifacts:
             os.chmod(workdir / name, file_mode, follow_symlinks=False)
         fd = os.open(
@@ -259,47 +328,96 @@ class LocalStore:
             f.write(manifest)
         os.utime(workdir / MANIFEST, (now, now))
         size = len(manifest) + sum(map(len, artifacts.values()))
-        target = self.entry_dir(soc, key)
         for _attempt in range(3):
+            # The entry and its counters go through one handle on the chip folder:
+            # if force or clear renames that folder away meanwhile, both go with it.
+            chip_fd = self._open_chip(soc, create=True)
             try:
-                fsutil.makedirs(target.parent, self.modes)
-                os.rename(workdir, target)
+                bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=True)
+                try:
+                    os.rename(workdir, key, dst_dir_fd=bucket_fd)
+                finally:
+                    os.close(bucket_fd)
+                self._count(chip_fd, soc, {"entries": 1, "bytes": size})
+                return size
             except OSError as e:
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     return None
-                if e.errno in fsutil.GONE:
-                    continue  # the chip folder was renamed away under us (force, clear)
-                raise
-            self._count(soc, {"entries": 1, "bytes": size})
-            return size
-        raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(target))
+                if e.errno not in fsutil.GONE:
+                    raise  # GONE: the chip folder was deleted under us; a new one then
+            finally:
+                os.close(chip_fd)
+        raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(self.chip_dir(soc)))
 
     def discard(self, soc: str, key: str) -> int | None:
         """Remove one entry; returns its bytes, or None if it was already gone."""
-        aside = self._move_to_trash(self.entry_dir(soc, key), key)
-        if aside is None:
-            return None
-        size = fsutil.tree_size(aside)
-        fsutil.remove_tree(aside)
-        self._count(soc, {"entries": -1, "bytes": -size})
-        return size
-
-    def _count(self, soc: str, deltas: dict[str, float]) -> None:
-        """Move the chip's size counters after adding or removing an entry.
-
-        A chip folder renamed away meanwhile (force, clear) took the entry and
-        the counters with it: there is nothing to count then, and no error.
-        (Racing that rename, creating the counter folder fails with ENOENT, or
-        with EEXIST when the folder vanishes between mkdir and its check.)
-        """
         try:
-            if os.path.isdir(self.chip_dir(soc)):
-                self.sizes(soc).add(deltas)
-                return
+            chip_fd = self._open_chip(soc, create=False)
         except OSError as e:
-            if e.errno not in (*fsutil.GONE, errno.EEXIST):
+            if e.errno in fsutil.GONE:
+                return None
+            raise
+        try:
+            try:
+                bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=False)
+            except OSError as e:
+                if e.errno in fsutil.GONE:
+                    return None
                 raise
-        log.debug("the chip folder %s was cleared meanwhile; not counted", soc)
+            try:
+                aside = self._move_to_trash(key, key, src_dir_fd=bucket_fd)
+            finally:
+                os.close(bucket_fd)
+            if aside is None:
+                return None
+            size = fsutil.tree_size(aside)
+            fsutil.remove_tree(aside)
+            self._count(chip_fd, soc, {"entries": -1, "bytes": -size})
+            return size
+        finally:
+            os.close(chip_fd)
+
+    def _open_chip(self, soc: str, *, create: bool) -> int:
+        root_fd = os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW)
+        try:
+            return self._open_dir(soc, root_fd, self.root, create=create)
+        finally:
+            os.close(root_fd)
+
+    def _open_dir(self, name: str, parent_fd: int, parent: Path, *, create: bool) -> int:
+        """A trusted folder under ``parent_fd``, never through a link; made if asked."""
+        if create:
+            try:
+                os.mkdir(name, self.modes.dir_bits, dir_fd=parent_fd)
+                fsutil.fix_new_dir(name, self.modes, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as e:
+            if e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(name, parent_fd):
+                raise trust.UntrustedFolder(f"{parent / name} is a link or a file") from None
+            raise
+        try:
+            trust.check(os.fstat(fd), self.modes, parent / name)
+        except trust.UntrustedFolder:
+            os.close(fd)
+            raise
+        return fd
+
+    def _count(self, chip_fd: int, soc: str, deltas: dict[str, float]) -> None:
+        """Move the size counters of the chip folder open as ``chip_fd``.
+
+        A chip folder that force or clear deleted meanwhile took the entry with
+        it: there is nothing left to count then, and no error.
+        """
+        folder = Path(f"/proc/self/fd/{chip_fd}") if _PROC_FD else self.chip_dir(soc)
+        try:
+            CounterFiles(folder / SIZE_FOLDER, modes=self.modes).add(deltas)
+        except OSError as e:
+            if e.errno not in fsutil.GONE:
+                raise
+            log.debug("the chip folder %s was deleted meanwhile; not counted", soc)
 
     def clear_chip(self, soc: str) -> bool:
         """Remove a whole chip folder at once; True if there was one.
@@ -313,11 +431,13 @@ class LocalStore:
         fsutil.remove_tree(aside)
         return True
 
-    def _move_to_trash(self, path: Path, label: str) -> Path | None:
+    def _move_to_trash(
+        self, path: Path | str, label: str, *, src_dir_fd: int | None = None
+    ) -> Path | None:
         fsutil.makedirs(self.trash_dir, self.modes)
         aside = self.trash_dir / f"{label}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            os.rename(path, aside)
+            os.rename(path, aside, src_dir_fd=src_dir_fd)
         except OSError as e:
             if e.errno in fsutil.GONE:
                 return None
@@ -392,31 +512,6 @@ def _still_linked(path: Path, entry_fd: int) -> bool:
         return False
     was = os.fstat(entry_fd)
     return (now.st_ino, now.st_dev) == (was.st_ino, was.st_dev)
-
-
-def _read_file(dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
-    """(up to ``limit`` bytes, mtime) of a regular file in an entry."""
-    try:
-        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOENT, errno.EISDIR, errno.ENXIO):
-            raise CorruptEntry(f"{name}: {e.strerror}") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptEntry(f"{name}: not a regular file")
-        chunks = []
-        remaining = limit
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 22))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks), st.st_mtime
-    finally:
-        os.close(fd)
 
 
 def make_manifest(

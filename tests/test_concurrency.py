@@ -308,11 +308,11 @@ def test_an_entry_cleared_while_it_is_read_is_a_miss_not_corrupt(
     settings = settings_for(tmp_path)
     with opcache.OpCache(settings) as cache:
         key = cache.compile(make_request(0), compiler, tmp_path / "a").key
-    real_read_file = store_module._read_file
+    real_read_file = store_module.LocalStore._read_file
     done = []
 
-    def read_then_clear(dir_fd: int, name: str, limit: int):
-        data = real_read_file(dir_fd, name, limit)
+    def read_then_clear(self, dir_fd: int, name: str, limit: int):
+        data = real_read_file(self, dir_fd, name, limit)
         if name == store_module.MANIFEST and not done:
             done.append(name)
             aside = tmp_path / "aside"
@@ -322,7 +322,7 @@ def test_an_entry_cleared_while_it_is_read_is_a_miss_not_corrupt(
                     path.unlink()  # remove_tree half-way through the entry
         return data
 
-    monkeypatch.setattr(store_module, "_read_file", read_then_clear)
+    monkeypatch.setattr(store_module.LocalStore, "_read_file", read_then_clear)
     caplog.set_level(logging.WARNING)
     with opcache.OpCache(settings) as cache:
         result = cache.compile(make_request(0), compiler, tmp_path / "b")

@@ -1014,6 +1014,7 @@ def test_as_dict_carries_every_setting_and_its_source(env):
         "remain_cache_size_ratio": "default",
         "debug_level": "default",
         "debug_config": "default",
+        "shared_group": "default",
     }
 
 
@@ -1032,3 +1033,26 @@ def test_ini_default_section_is_not_inherited(fs, env, caplog):
 def test_default_mode_must_be_a_mode(env):
     with pytest.raises(ValueError, match="default_mode"):
         resolve_settings(default_mode="bogus", environ=env)
+
+
+# --------------------------------------------------------------------------- shared group
+
+
+def test_shared_group_from_argument_env_or_default(env):
+    import grp
+    import os
+
+    gid = os.getegid()
+    name = grp.getgrgid(gid).gr_name
+    assert resolve_settings(environ=env).shared_group is None
+    s = resolve_settings(shared_group=name, environ=env)
+    assert (s.shared_group, s.sources["shared_group"]) == (gid, "argument")
+    s = resolve_settings(environ={**env, "OPCACHE_SHARED_GROUP": str(gid)})
+    assert (s.shared_group, s.sources["shared_group"]) == (gid, "env:OPCACHE_SHARED_GROUP")
+
+
+def test_shared_group_that_does_not_exist_is_a_config_error(env):
+    with pytest.raises(ConfigError, match="OPCACHE_SHARED_GROUP='no-such-group-xyz'"):
+        resolve_settings(environ={**env, "OPCACHE_SHARED_GROUP": "no-such-group-xyz"})
+    with pytest.raises(ConfigError, match="shared_group="):
+        resolve_settings(shared_group="no-such-group-xyz", environ=env)
