@@ -8,16 +8,29 @@ weak.  See README.md for the whole picture.
 
 from __future__ import annotations
 
-from .cache import AgingReport, OpCache, VerifyReport
-from .compilers import get_compiler
-from .errors import CompileError, ConfigError
-from .frontends import settings_from_options
-from .ini import ensure_ini_file
-from .key import explain_key
-from .request import Compiler, CompileResult, OpRequest
-from .settings import Settings, resolve_settings
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Name -> module.  Loaded on first use, so that `opcache wrap`, which runs once
+# per compile command, imports only what it needs.
+_EXPORTS = {
+    "AgingReport": "cache",
+    "OpCache": "cache",
+    "VerifyReport": "cache",
+    "get_compiler": "compilers",
+    "CompileError": "errors",
+    "ConfigError": "errors",
+    "settings_from_options": "frontends",
+    "ensure_ini_file": "ini",
+    "explain_key": "key",
+    "Compiler": "request",
+    "CompileResult": "request",
+    "OpRequest": "request",
+    "Settings": "settings",
+    "resolve_settings": "settings",
+}
 
 __all__ = [
     "AgingReport",
@@ -36,3 +49,25 @@ __all__ = [
     "resolve_settings",
     "settings_from_options",
 ]
+
+if TYPE_CHECKING:
+    from .cache import AgingReport, OpCache, VerifyReport
+    from .compilers import get_compiler
+    from .errors import CompileError, ConfigError
+    from .frontends import settings_from_options
+    from .ini import ensure_ini_file
+    from .key import explain_key
+    from .request import Compiler, CompileResult, OpRequest
+    from .settings import Settings, resolve_settings
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'opcache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

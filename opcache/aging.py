@@ -12,8 +12,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import filelock
-
 from . import fsutil
 from .settings import AGE_SECONDS
 from .store import LocalStore
@@ -59,6 +57,8 @@ def age_chip(
     report = ChipAging(soc, used, used, entries)
     if max_bytes is None or used < max_bytes:
         return report
+    import filelock  # only here, past the cheap check: it costs the start-up of every process
+
     lock = filelock.FileLock(
         store.locks_dir / f"{soc}.cleanup", timeout=0, mode=store.modes.file_bits
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -467,6 +466,8 @@ def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
 def _compile_uncached(request: OpRequest, compiler: Compiler, out: Path) -> dict[str, Path]:
     """Compile into ``out`` without touching the cache folder."""
     out.mkdir(parents=True, exist_ok=True)
+    import tempfile  # rare path (disabled, bypassed or uncacheable): keep it off start-up
+
     workdir = Path(tempfile.mkdtemp(prefix=".opcache-", dir=out))
     try:
         compiler.compile(request, workdir)

@@ -13,11 +13,11 @@ import logging
 import math
 import os
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-import filelock
-
 from . import fsutil
+from .locks import flocked
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +35,8 @@ class CounterFiles:
     def _shard(self, index: int) -> Path:
         return self.folder / f"{index:02d}.json"
 
-    def _lock(self, index: int) -> filelock.FileLock:
-        return filelock.FileLock(
-            self.folder / f"{index:02d}.lock",
-            timeout=30,
-            mode=self._modes.file_bits,  # filelock sets the mode as given
-        )
+    def _lock(self, index: int) -> AbstractContextManager[None]:
+        return flocked(self.folder / f"{index:02d}.lock", self._modes)
 
     def add(self, deltas: Mapping[str, float]) -> None:
         """Add ``deltas`` to the counters; raises OSError if the folder is unwritable."""

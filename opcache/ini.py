@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +146,8 @@ def ensure_ini_file(path: Path) -> bool:
     if path.exists():
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".op_cache.ini.", dir=path.parent)
+    tmp = path.parent / fsutil.unique_name(f".{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(_TEMPLATE)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing.util
 import os
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -103,8 +103,12 @@ class StatsRecorder:
 def _flush_on_exit(ref: weakref.ref[StatsRecorder]) -> None:
     atexit.register(_flush_at_exit, ref)
     # multiprocessing's children leave through os._exit, skipping atexit; they
-    # run their Finalize callbacks first.
-    multiprocessing.util.Finalize(None, _flush_at_exit, args=(ref,), exitpriority=0)
+    # run their Finalize callbacks first.  (A process that never imported
+    # multiprocessing is no such child, and need not pay for the import.)
+    if "multiprocessing" in sys.modules:
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, _flush_at_exit, args=(ref,), exitpriority=0)
 
 
 def _flush_at_exit(ref: weakref.ref[StatsRecorder]) -> None:

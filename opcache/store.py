@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import socket
 import stat
 import time
@@ -291,7 +290,7 @@ class LocalStore:
             if not stat.S_ISDIR(st.st_mode):
                 raise trust.UntrustedFolder(f"{folder} is not a folder")
             trust.check(st, self.modes, folder)
-        path = self.tmp_dir / f"{key}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+        path = self.tmp_dir / fsutil.unique_name(f"{key}.{_HOST}")
         os.mkdir(path, self.modes.dir_bits)
         return path
 
@@ -435,7 +434,7 @@ class LocalStore:
         self, path: Path | str, label: str, *, src_dir_fd: int | None = None
     ) -> Path | None:
         fsutil.makedirs(self.trash_dir, self.modes)
-        aside = self.trash_dir / f"{label}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+        aside = self.trash_dir / fsutil.unique_name(f"{label}.{_HOST}")
         try:
             os.rename(path, aside, src_dir_fd=src_dir_fd)
         except OSError as e:

@@ -27,7 +27,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +160,9 @@ def _staging_dir(plan: Plan) -> Path:
     """A private folder beside the outputs, so moving them there is a rename."""
     parent = plan.output_dir or next(iter(plan.outputs.values())).parent
     parent.mkdir(parents=True, exist_ok=True)  # opc makes its --output folder
-    return Path(tempfile.mkdtemp(prefix=".opcache-wrap-", dir=parent))
+    staging = parent / fsutil.unique_name(".opcache-wrap")
+    staging.mkdir(mode=0o700)
+    return staging
 
 
 def _restore(plan: Plan, files: dict[str, Path]) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 from typing import Any
 
 from ..errors import ConfigError
@@ -31,6 +30,8 @@ _BUILTIN = {
 
 
 def _registry() -> dict[str, str]:
+    from importlib.metadata import entry_points  # slow to import; only when asked
+
     found = dict(_BUILTIN)
     for ep in entry_points(group=GROUP):
         found[ep.name] = ep.value
