@@ -12,7 +12,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from . import fsutil
 from .settings import AGE_SECONDS
 from .store import LocalStore
 
@@ -36,6 +35,10 @@ class ChipAging:
     removed_entries: int = 0
     freed_bytes: int = 0
     skipped: str | None = None  # why no pass ran although the folder is over its limit
+    errors: int = 0  # entries that could not be removed (the pass went on without them)
+    # The stamp of the oldest entry kept for being young: nothing can age before
+    # it is MIN_IDLE_SECONDS old, so no walk is worth doing before then.
+    oldest_kept: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -60,10 +63,9 @@ def age_chip(
     import filelock  # only here, past the cheap check: it costs the start-up of every process
 
     lock = filelock.FileLock(
-        store.locks_dir / f"{soc}.cleanup", timeout=0, mode=store.modes.file_bits
+        store.folder("locks") / f"{soc}.cleanup", timeout=0, mode=store.modes.file_bits
     )
     try:
-        fsutil.makedirs(store.locks_dir, store.modes)
         lock.acquire()
     except filelock.Timeout:
         report.skipped = "another process is trimming this chip folder"
@@ -86,20 +88,26 @@ def _trim(
     progress: Callable[[int], None] | None,
     on_evict: Callable[[int], None] | None,
 ) -> None:
-    oldest_first = sorted(store.scan(soc, progress), key=lambda info: info.stamp)
+    oldest_first = sorted(store.scan(soc, progress, sizes=dry_run), key=lambda i: i.stamp)
     for info in oldest_first:
         if report.freed_bytes >= to_free:
             return
         if now - info.stamp < MIN_IDLE_SECONDS:
+            report.oldest_kept = info.stamp
             return  # the rest are younger still
         # A hit since the scan moves the stamp: that entry is in use again.
         # (An entry with no manifest has stamp 0.0 and goes first.)
         if (store.stamp(soc, info.key) or 0.0) != info.stamp:
             continue
         if dry_run:
-            size = fsutil.tree_size(store.entry_dir(soc, info.key))
+            size = info.size
         else:
-            size = store.discard(soc, info.key)
+            try:
+                size = store.discard(soc, info.key)
+            except OSError as e:
+                log.warning("cannot remove %s/%s while aging: %s", soc, info.key, e)
+                report.errors += 1
+                continue
             if size is None:
                 continue
             if on_evict:

@@ -13,14 +13,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import fsutil, stats
-from .aging import STAMP_GRANULARITY, ChipAging, age_chip
+from .aging import MIN_IDLE_SECONDS, STAMP_GRANULARITY, ChipAging, age_chip
+from .errors import CompileError
 from .ini import ensure_ini_file
-from .key import compute_key, key_inputs
+from .key import compute_key
 from .locks import KeyLock
 from .request import Compiler, CompileResult, OpRequest, is_plain_name
 from .settings import INI_NAME, Settings, check_soc_version
@@ -29,8 +30,6 @@ from .store import MANIFEST, CorruptEntry, Entry, LocalStore
 log = logging.getLogger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
-# While a chip folder stays over its limit (everything young), retry aging this often.
-AGING_RETRY_SECONDS = 300.0
 
 Progress = Callable[[int], None]
 
@@ -50,31 +49,54 @@ class AgingReport:
     def freed_bytes(self) -> int:
         return sum(c.freed_bytes for c in self.chips.values())
 
+    @property
+    def errors(self) -> int:
+        return sum(c.errors for c in self.chips.values())
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "removed_entries": self.removed_entries,
             "freed_bytes": self.freed_bytes,
+            "errors": self.errors,
             "leftovers_removed": self.leftovers_removed,
             "chips": {soc: chip.as_dict() for soc, chip in self.chips.items()},
         }
 
 
 @dataclass
+class ChipVerify:
+    """What a full check found in one chip folder."""
+
+    checked: int = 0
+    corrupt: int = 0  # removed
+    errors: int = 0  # entries that could not be read or removed
+    entries: int = 0  # after the check
+    bytes: int = 0
+    counted_entries: int = 0  # what the counters said before
+    counted_bytes: int = 0
+
+
+@dataclass
 class VerifyReport:
     """A full check: entries read and verified, corrupt ones removed, sizes recounted."""
 
-    chips: dict[str, dict[str, int]] = field(default_factory=dict)
+    chips: dict[str, ChipVerify] = field(default_factory=dict)
     leftovers_removed: int = 0
 
     @property
     def corrupt(self) -> int:
-        return sum(c["corrupt"] for c in self.chips.values())
+        return sum(c.corrupt for c in self.chips.values())
+
+    @property
+    def errors(self) -> int:
+        return sum(c.errors for c in self.chips.values())
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "corrupt": self.corrupt,
+            "errors": self.errors,
             "leftovers_removed": self.leftovers_removed,
-            "chips": self.chips,
+            "chips": {soc: asdict(chip) for soc, chip in self.chips.items()},
         }
 
 
@@ -101,10 +123,12 @@ class OpCache:
         if settings.shared_group is not None:
             modes = fsutil.group_shared(settings.shared_group)
         self._store = LocalStore(settings.root, modes=modes)
-        self._stats = stats.StatsRecorder(self._store.stats_dir, modes=self._store.modes)
+        self._stats = stats.StatsRecorder(self._store.stats_files)
         self._mutex = threading.Lock()
+        self._prepare_mutex = threading.Lock()
         self._ready_chips: set[str] = set()
-        self._last_aging: dict[str, float] = {}
+        self._unusable_chips: set[str] = set()
+        self._next_aging: dict[str, float] = {}
         self._warned: set[str] = set()
         self._fingerprints: dict[int, tuple[Compiler, str]] = {}
         self._call = threading.local()  # what the current compile() met, per thread
@@ -151,22 +175,37 @@ class OpCache:
     ) -> CompileResult:
         soc = request.soc_version
         fingerprint = self._fingerprint(compiler)
-        key, _ = compute_key(request, compiler.name, fingerprint)
-        self._prepare_chip(soc)
+        key, inputs = compute_key(request, compiler.name, fingerprint)
+        if not self._prepare_chip(soc):
+            files = _compile_uncached(request, compiler, out)
+            self._stats.add(soc, "misses")
+            seconds = time.perf_counter() - started
+            return CompileResult("miss", key, files, seconds, "not stored: the cache is unusable")
         entry = self._lookup(soc, key)
         if entry is None:
-            lock = KeyLock(self._store.lock_path(soc, key), self._store.modes)
-            held = self._acquire(lock, soc, key)
+            lock = self._acquire(soc, key)
+            stored = None
             try:
                 # The process we waited for has probably stored it.
-                entry = self._lookup(soc, key) if held else None
+                entry = self._lookup(soc, key) if lock and lock.waited else None
                 if entry is None:
-                    files, note = self._compile_and_store(request, compiler, key, fingerprint, out)
-                    self._stats.add(soc, "misses")
-                    seconds = time.perf_counter() - started
-                    return CompileResult("miss", key, files, seconds, note)
+                    if lock and lock.waited:
+                        # Its compile failed (or could not be stored): compile
+                        # here, but let the other waiters do the same at once
+                        # instead of one after another.
+                        lock.release()
+                    files, note, stored = self._compile_and_store(
+                        request, compiler, key, inputs, out
+                    )
             finally:
-                lock.release()
+                if lock:
+                    lock.release()
+            if entry is None:
+                self._stats.add(soc, "misses")
+                if stored is not None:
+                    self._after_store(soc, stored)  # not under the key's lock
+                seconds = time.perf_counter() - started
+                return CompileResult("miss", key, files, seconds, note)
         files = _deliver(out, entry.files)
         self._record_hit(soc, entry)
         seconds = time.perf_counter() - started
@@ -179,10 +218,12 @@ class OpCache:
             self._fingerprints[id(compiler)] = known
         return known[1]
 
-    def _acquire(self, lock: KeyLock, soc: str, key: str) -> bool:
+    def _acquire(self, soc: str, key: str) -> KeyLock | None:
+        """The key's single-flight lock, held; None to compile without it."""
         try:
+            lock = KeyLock(self._store.lock_path(soc, key), self._store.modes)
             if lock.acquire(self._lock_timeout):
-                return True
+                return lock
             log.warning(
                 "waited %.0f s for another process compiling %s/%s; compiling it here too",
                 self._lock_timeout,
@@ -190,8 +231,8 @@ class OpCache:
                 key,
             )
         except OSError as e:
-            self._cache_error("lock", f"cannot lock {lock.path}: {e}", soc)
-        return False
+            self._cache_error("lock", f"cannot lock {soc}/{key}: {e}", soc)
+        return None
 
     def _lookup(self, soc: str, key: str) -> Entry | None:
         try:
@@ -220,68 +261,84 @@ class OpCache:
                 self._cache_error("stamp", f"cannot record an access: {e}", soc)
 
     def _compile_and_store(
-        self, request: OpRequest, compiler: Compiler, key: str, fingerprint: str, out: Path
-    ) -> tuple[dict[str, Path], str | None]:
+        self, request: OpRequest, compiler: Compiler, key: str, inputs: dict, out: Path
+    ) -> tuple[dict[str, Path], str | None, int | None]:
+        """(files in ``out``, why not stored, bytes stored).
+
+        The compiler works beside ``out_dir``, never in the cache: a full or
+        broken cache disk can fail the store, not the compile.
+        """
         soc = request.soc_version
+        try:
+            compile_started = time.perf_counter()
+            files, artifacts = _compile_into(request, compiler, out)
+        except CompileError:
+            self._stats.add(soc, "compile_errors")
+            raise
+        seconds = time.perf_counter() - compile_started
+        if MANIFEST in artifacts:
+            self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
+            return files, f"not stored: an artifact is named {MANIFEST}", None
         try:
             workdir = self._store.new_workdir(key)
         except OSError as e:
             self._cache_error("write", f"cannot write the cache at {self._store.root}: {e}", soc)
-            return _compile_uncached(
-                request, compiler, out
-            ), "not stored: the cache is not writable"
+            return files, "not stored: the cache is not writable", None
         try:
-            compile_started = time.perf_counter()
-            compiler.compile(request, workdir)
-            seconds = time.perf_counter() - compile_started
-            artifacts = _collect(workdir)
-            files = _deliver(out, artifacts)
-            if MANIFEST in artifacts:
-                self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
-                return files, f"not stored: an artifact is named {MANIFEST}"
-            inputs = key_inputs(request, compiler.name, fingerprint)
-            try:
-                size = self._store.publish(
-                    soc,
-                    key,
-                    workdir,
-                    artifacts,
-                    compile_seconds=seconds,
-                    inputs=inputs,
-                    now=self._clock(),
-                )
-            except OSError as e:
-                self._cache_error("write", f"cannot store in the cache: {e}", soc)
-                return files, "not stored: the cache is not writable"
-            if size is not None:
-                self._stats.add(soc, "stores")
-                self._after_store(soc, size)
-            return files, None
+            for name, data in artifacts.items():
+                with open(workdir.path / name, "xb") as f:
+                    f.write(data)
+            size = self._store.publish(
+                soc,
+                key,
+                workdir.path,
+                artifacts,
+                compile_seconds=seconds,
+                inputs=inputs,
+                now=self._clock(),
+            )
+        except OSError as e:
+            self._cache_error("write", f"cannot store in the cache: {e}", soc)
+            return files, "not stored: the cache is not writable", None
         finally:
             try:
-                fsutil.remove_tree(workdir)
+                workdir.close()
             except OSError as e:
-                log.debug("cannot remove %s: %s", workdir, e)
+                log.debug("cannot remove %s: %s", workdir.path, e)
+        if size is not None:
+            self._stats.add(soc, "stores")
+        return files, None, size
 
     # -- chip folders and aging ---------------------------------------------
 
-    def _prepare_chip(self, soc: str) -> None:
-        """First touch of a chip folder: op_cache.ini, ``force``'s wipe, an aging pass."""
-        with self._mutex:
+    def _prepare_chip(self, soc: str) -> bool:
+        """First touch of a chip folder: op_cache.ini, ``force``'s wipe, an aging pass.
+
+        False when the chip's cache must not be used: ``force`` could not wipe
+        it, so what is there may be exactly what the user wanted gone.
+        Other threads of this OpCache wait until the first touch is done.
+        """
+        with self._prepare_mutex:
             if soc in self._ready_chips:
-                return
+                return soc not in self._unusable_chips
+            first = not self._ready_chips
+            try:
+                if first:
+                    # The root gets the cache's folder mode (0750), not mkdir's default.
+                    fsutil.makedirs(self._store.root, self._store.modes)
+                    ensure_ini_file(self.settings.root / INI_NAME, self._store.modes)
+                    self._store.clean_leftovers(time.time())
+                if self.settings.mode == "force" and self._store.clear_chip(soc):
+                    log.info("force: cleared the cache of %s", soc)
+            except OSError as e:
+                self._cache_error(
+                    "write", f"cannot prepare the cache at {self._store.root}: {e}", soc
+                )
+                if self.settings.mode == "force":
+                    self._unusable_chips.add(soc)
             self._ready_chips.add(soc)
-            first = len(self._ready_chips) == 1
-        try:
-            if first:
-                # The root gets the cache's folder mode (0750), not mkdir's default.
-                fsutil.makedirs(self._store.root, self._store.modes)
-                ensure_ini_file(self.settings.root / INI_NAME)
-            if self.settings.mode == "force" and self._store.clear_chip(soc):
-                log.info("force: cleared the cache of %s", soc)
-            self._age_chip(soc)
-        except OSError as e:
-            self._cache_error("write", f"cannot prepare the cache at {self._store.root}: {e}", soc)
+        self._age_chip_safely(soc)
+        return soc not in self._unusable_chips
 
     def _after_store(self, soc: str, size: int) -> None:
         max_bytes = self.settings.max_bytes
@@ -294,15 +351,22 @@ class OpCache:
         if used < max_bytes:
             return
         crossed = used - size < max_bytes
-        last = self._last_aging.get(soc)
-        if crossed or last is None or self._clock() - last >= AGING_RETRY_SECONDS:
+        # While everything is young, another walk cannot free anything before
+        # the oldest entry ages: wait for that instead of walking again.
+        if crossed or self._clock() >= self._next_aging.get(soc, 0.0):
+            self._age_chip_safely(soc)
+
+    def _age_chip_safely(self, soc: str) -> None:
+        """Aging on the compile path: a failure is a warning, never a failed compile."""
+        try:
             self._age_chip(soc)
+        except OSError as e:
+            self._cache_error("write", f"cannot age the cache of {soc}: {e}", soc)
 
     def _age_chip(
         self, soc: str, *, dry_run: bool = False, progress: Progress | None = None
     ) -> ChipAging:
         now = self._clock()
-        self._last_aging[soc] = now
 
         def evicted(size: int) -> None:
             self._stats.add(soc, "evicted_entries")
@@ -318,6 +382,8 @@ class OpCache:
             progress=progress,
             on_evict=evicted,
         )
+        if report.oldest_kept is not None:
+            self._next_aging[soc] = report.oldest_kept + MIN_IDLE_SECONDS
         if report.removed_entries and not dry_run:
             log.info(
                 "aged %s: removed %d entries, %d bytes",
@@ -352,29 +418,36 @@ class OpCache:
     def verify(
         self, soc_version: str | None = None, *, progress: Progress | None = None
     ) -> VerifyReport:
-        """Read and check every entry, remove corrupt ones and leftovers, recount sizes."""
+        """Read and check every entry, remove corrupt ones and leftovers, recount sizes.
+
+        One walk per chip.  An entry that cannot be read or removed is counted
+        in ``errors`` and the walk goes on.
+        """
         report = VerifyReport()
         for soc in self._chips(soc_version):
             before_entries, before_bytes = self._store.used(soc)
-            corrupt = checked = 0
-            for info in self._store.scan(soc, progress):
-                checked += 1
+            chip = ChipVerify(counted_entries=before_entries, counted_bytes=before_bytes)
+            for info in self._store.scan(soc, progress, sizes=True):
+                chip.checked += 1
                 try:
                     self._store.read(soc, info.key)
                 except CorruptEntry as e:
                     log.warning("corrupt cache entry %s/%s removed: %s", soc, info.key, e)
-                    corrupt += 1
+                    chip.corrupt += 1
                     self._stats.add(soc, "corrupt")
-                    self._store.discard(soc, info.key)
-            entries, size = self._store.recount(soc)
-            report.chips[soc] = {
-                "checked": checked,
-                "corrupt": corrupt,
-                "entries": entries,
-                "bytes": size,
-                "counted_entries": before_entries,
-                "counted_bytes": before_bytes,
-            }
+                    try:
+                        self._store.discard(soc, info.key)
+                    except OSError as err:
+                        log.warning("cannot remove %s/%s: %s", soc, info.key, err)
+                        chip.errors += 1
+                    continue
+                except OSError as e:
+                    log.warning("cannot check %s/%s: %s", soc, info.key, e)
+                    chip.errors += 1
+                chip.entries += 1
+                chip.bytes += info.size
+            self._store.set_used(soc, chip.entries, chip.bytes)
+            report.chips[soc] = chip
         report.leftovers_removed = self._store.clean_leftovers(self._clock())
         return report
 
@@ -392,14 +465,15 @@ class OpCache:
         chips = {}
         for soc in sorted(socs):
             entries, size = self._store.used(soc)
-            chips[soc] = stats.chip_report(self._stats.files(soc).totals(), entries, size)
+            activity = self._store.stats_files(soc, create=False).totals()
+            chips[soc] = stats.chip_report(activity, entries, size)
         return stats.total_report(chips)
 
     def zero_stats(self, soc_version: str | None = None) -> None:
         """Set the hit, miss, ... counters to zero (entries and bytes stay)."""
         self._stats.flush()
         for soc in self.stats(soc_version)["chips"]:
-            self._stats.files(soc).reset()
+            self._store.stats_files(soc).reset()
 
     def record_uncacheable(self, soc_version: str, reason: str) -> None:
         """Count a compile that ran without the cache because it could not be keyed."""
@@ -439,19 +513,6 @@ class OpCache:
         log.warning("%s", message)
 
 
-def _collect(workdir: Path) -> dict[str, bytes]:
-    """The compiler's artifacts: the plain files it wrote; anything else is dropped."""
-    artifacts = {}
-    for entry in os.scandir(workdir):
-        if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
-            with open(entry.path, "rb") as f:
-                artifacts[entry.name] = f.read()
-        else:
-            log.debug("ignoring %s: not a plain file", entry.path)
-            fsutil.remove_tree(entry.path)
-    return artifacts
-
-
 def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -463,19 +524,34 @@ def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     return paths
 
 
-def _compile_uncached(request: OpRequest, compiler: Compiler, out: Path) -> dict[str, Path]:
-    """Compile into ``out`` without touching the cache folder."""
-    out.mkdir(parents=True, exist_ok=True)
-    import tempfile  # rare path (disabled, bypassed or uncacheable): keep it off start-up
+def _compile_into(
+    request: OpRequest, compiler: Compiler, out: Path
+) -> tuple[dict[str, Path], dict[str, bytes]]:
+    """Compile in a private folder beside ``out`` and move the artifacts into ``out``.
 
+    Returns (artifact paths in ``out``, their bytes).  The artifacts are the
+    plain files the compiler wrote; folders and links it left are dropped.
+    """
+    import tempfile  # off the start-up path: only a miss gets here
+
+    out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=".opcache-", dir=out))
     try:
         compiler.compile(request, workdir)
-        files = {}
+        files, artifacts = {}, {}
         for entry in os.scandir(workdir):
-            if entry.is_file(follow_symlinks=False):
+            if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
+                with open(entry.path, "rb") as f:
+                    artifacts[entry.name] = f.read()
                 os.replace(entry.path, out / entry.name)
                 files[entry.name] = out / entry.name
-        return files
+            else:
+                log.debug("ignoring %s: not a plain file", entry.path)
+        return files, artifacts
     finally:
         fsutil.remove_tree(workdir)
+
+
+def _compile_uncached(request: OpRequest, compiler: Compiler, out: Path) -> dict[str, Path]:
+    """Compile into ``out`` without touching the cache folder."""
+    return _compile_into(request, compiler, out)[0]

@@ -113,7 +113,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     with _open_cache(args) as cache:
         if args.zero:
             cache.zero_stats(args.soc_version)
-            print("statistics zeroed")
+            print(json.dumps({"zeroed": True}) if args.json else "statistics zeroed")
             return 0
         report = cache.stats(args.soc_version)
     if args.json:
@@ -143,25 +143,22 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _cmd_age(args: argparse.Namespace) -> int:
     with _open_cache(args) as cache:
-        try:
-            report = cache.age(args.soc_version, dry_run=args.dry_run, progress=_progress("aging"))
-        except OSError as e:
-            print(f"opcache: error: aging failed: {e}", file=sys.stderr)
-            return 1
+        report = cache.age(args.soc_version, dry_run=args.dry_run, progress=_progress("aging"))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return 0
+        return 1 if report.errors else 0
     verb = "would remove" if args.dry_run else "removed"
     for soc, chip in report.chips.items():
-        if chip.removed_entries or args.verbose:
+        if chip.removed_entries or chip.errors or args.verbose:
             print(
                 f"{soc}: {verb} {chip.removed_entries} entries, {_size(chip.freed_bytes)} "
                 f"({_size(chip.bytes_before)} -> {_size(chip.bytes_before - chip.freed_bytes)})"
                 + (f"; skipped: {chip.skipped}" if chip.skipped else "")
+                + (f"; {chip.errors} could not be removed" if chip.errors else "")
             )
     if report.leftovers_removed or args.verbose:
         print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
-    return 0
+    return 1 if report.errors else 0
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
@@ -173,27 +170,24 @@ def _cmd_clear(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     with _open_cache(args) as cache:
-        try:
-            report = cache.verify(args.soc_version, progress=_progress("verifying"))
-        except OSError as e:
-            print(f"opcache: error: verify failed: {e}", file=sys.stderr)
-            return 1
+        report = cache.verify(args.soc_version, progress=_progress("verifying"))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return 0
+        return 1 if report.errors else 0
     for soc, chip in report.chips.items():
         drift = ""
-        if (chip["counted_entries"], chip["counted_bytes"]) != (chip["entries"], chip["bytes"]):
+        if (chip.counted_entries, chip.counted_bytes) != (chip.entries, chip.bytes):
             drift = (
-                f"; counters corrected from {chip['counted_entries']} entries, "
-                f"{_size(chip['counted_bytes'])}"
+                f"; counters corrected from {chip.counted_entries} entries, "
+                f"{_size(chip.counted_bytes)}"
             )
         print(
-            f"{soc}: {chip['checked']} entries checked, {chip['corrupt']} corrupt removed, "
-            f"{chip['entries']} entries, {_size(chip['bytes'])}{drift}"
+            f"{soc}: {chip.checked} entries checked, {chip.corrupt} corrupt removed, "
+            f"{chip.entries} entries, {_size(chip.bytes)}{drift}"
+            + (f"; {chip.errors} could not be checked or removed" if chip.errors else "")
         )
     print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
-    return 0
+    return 1 if report.errors else 0
 
 
 def _cmd_compilers(args: argparse.Namespace) -> int:
@@ -398,6 +392,11 @@ def _run_logged(verbose: bool, func: Callable[[], int]) -> int:
     except BrokenPipeError:
         # `opcache stats --json | head`: the reader left; say nothing more.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        # The cache folder itself is unusable (not a folder, no permission...):
+        # a maintenance command cannot work around that.
+        print(f"opcache: error: {e}", file=sys.stderr)
         return 1
     finally:
         # A second main() in the same process must not print every warning twice.

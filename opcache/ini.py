@@ -136,7 +136,7 @@ def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
     return None, SizeLimits(max_mb, ratio)
 
 
-def ensure_ini_file(path: Path) -> bool:
+def ensure_ini_file(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> bool:
     """Create op_cache.ini at ``path`` when it is missing; True if this call made it.
 
     The file gets the section header and the size keys commented out with their
@@ -145,13 +145,13 @@ def ensure_ini_file(path: Path) -> bool:
     """
     if path.exists():
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.makedirs(path.parent, modes)
     tmp = path.parent / fsutil.unique_name(f".{path.name}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(_TEMPLATE)
-        os.chmod(tmp, fsutil.PRIVATE.file_bits)
+        os.chmod(tmp, modes.file_bits)
         try:
             # link() fails if the name exists: the no-overwrite rename POSIX lacks.
             os.link(tmp, path)

@@ -28,13 +28,29 @@ def digest(data: bytes) -> str:
 
 
 def canonical_json(value: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: equal values give equal bytes."""
+    """Sorted keys, no whitespace, UTF-8: equal values give equal bytes.
+
+    Mapping keys must be strings: JSON would turn ``{1: x}`` into ``{"1": x}``
+    and two different requests would share a key.
+    """
+    _check_keys(value)
     try:
         return json.dumps(
             value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
         ).encode()
     except (TypeError, ValueError) as e:
         raise TypeError(f"an OpRequest field is not JSON data: {e}") from None
+
+
+def _check_keys(value: Any) -> None:
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if not isinstance(name, str):
+                raise TypeError(f"an OpRequest field has a non-string mapping key: {name!r}")
+            _check_keys(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_keys(item)
 
 
 def key_inputs(request: OpRequest, compiler_name: str, fingerprint: str) -> dict[str, Any]:
@@ -52,13 +68,16 @@ def key_inputs(request: OpRequest, compiler_name: str, fingerprint: str) -> dict
     }
 
 
-def compute_key(request: OpRequest, compiler_name: str, fingerprint: str) -> tuple[str, bytes]:
-    """(key, canonical bytes of its inputs)."""
-    blob = canonical_json(key_inputs(request, compiler_name, fingerprint))
+def compute_key(
+    request: OpRequest, compiler_name: str, fingerprint: str
+) -> tuple[str, dict[str, Any]]:
+    """(key, the inputs it was computed from)."""
+    inputs = key_inputs(request, compiler_name, fingerprint)
+    blob = canonical_json(inputs)
     key = digest(blob)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("key %s for %s/%s: %s", key, request.soc_version, request.op_type, blob.decode())
-    return key, blob
+    return key, inputs
 
 
 def explain_key(request: OpRequest, compiler: Compiler) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class KeyLock:
         self.path = path
         self._modes = modes
         self._fd: int | None = None
+        self.waited = False  # True once acquire() found it held by someone else
 
     def acquire(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lock; True if it is now held."""
@@ -41,6 +42,7 @@ class KeyLock:
         while True:
             if self._try_once():
                 return True
+            self.waited = True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -49,7 +51,7 @@ class KeyLock:
 
     def _try_once(self) -> bool:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self._modes.file_bits)
+            fd = _open_lock_file(self.path, self._modes)
         except FileNotFoundError:
             fsutil.makedirs(self.path.parent, self._modes)
             return False
@@ -88,9 +90,20 @@ def flocked(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> Iterator[None]:
     For updates that take microseconds: waiting is cheaper than a retry loop,
     and the operating system releases the lock of a process that dies.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, modes.file_bits)
+    fd = _open_lock_file(path, modes)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+def _open_lock_file(path: Path, modes: fsutil.Modes) -> int:
+    """Open (or make) a lock file others of a group-shared cache can open too."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, modes.file_bits)
+    if modes.group is not None:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o7777 != modes.file_bits:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, modes.file_bits)  # the umask narrowed what we made
+    return fd

@@ -13,10 +13,9 @@ import os
 import sys
 import threading
 import weakref
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from . import fsutil
 from .counters import CounterFiles
 
 log = logging.getLogger(__name__)
@@ -39,25 +38,25 @@ FLUSH_SECONDS = 2.0
 
 
 class StatsRecorder:
-    """A process's not-yet-written counts, per chip."""
+    """A process's not-yet-written counts, per chip.
+
+    ``files(soc)`` gives the chip's on-disk counters (``counters.CounterFiles``).
+    """
 
     def __init__(
-        self, stats_dir: Path, *, modes: fsutil.Modes, flush_seconds: float = FLUSH_SECONDS
+        self,
+        files: Callable[[str], CounterFiles],
+        *,
+        flush_seconds: float = FLUSH_SECONDS,
     ) -> None:
-        self._dir = stats_dir
-        self._modes = modes
+        self.files = files
         self._flush_seconds = flush_seconds
         self._pending: dict[str, dict[str, float]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
-        ref = weakref.ref(self)
-        _flush_on_exit(ref)
-        os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
-
-    def files(self, soc: str) -> CounterFiles:
-        return CounterFiles(self._dir / soc, modes=self._modes)
+        _register(self)
 
     def add(self, soc: str, name: str, amount: float = 1) -> None:
         """Count ``amount`` of ``name`` for a chip (in memory; written soon)."""
@@ -90,6 +89,8 @@ class StatsRecorder:
 
     def close(self) -> None:
         """Write what is pending and stop the background writer."""
+        if self._closed:
+            return
         self._closed = True
         self._wake.set()
         thread = self._thread
@@ -99,33 +100,54 @@ class StatsRecorder:
         with self._lock:
             self._pending.clear()  # counts that could not be written are given up
 
-
-def _flush_on_exit(ref: weakref.ref[StatsRecorder]) -> None:
-    atexit.register(_flush_at_exit, ref)
-    # multiprocessing's children leave through os._exit, skipping atexit; they
-    # run their Finalize callbacks first.  (A process that never imported
-    # multiprocessing is no such child, and need not pay for the import.)
-    if "multiprocessing" in sys.modules:
-        import multiprocessing.util
-
-        multiprocessing.util.Finalize(None, _flush_at_exit, args=(ref,), exitpriority=0)
+    def _forget_after_fork(self) -> None:
+        # The parent writes its own counts; a forked child must not write them
+        # again, and its copy of the writer thread does not exist.
+        self._pending = {}
+        self._thread = None
+        self._lock = threading.Lock()
 
 
-def _flush_at_exit(ref: weakref.ref[StatsRecorder]) -> None:
-    recorder = ref()
-    if recorder is not None and not recorder._closed:
+# Every live recorder of this process, flushed at exit by hooks installed once.
+_recorders: weakref.WeakSet[StatsRecorder] = weakref.WeakSet()
+_hooks = threading.Lock()
+_installed = False
+
+
+def _register(recorder: StatsRecorder) -> None:
+    global _installed
+    with _hooks:
+        _recorders.add(recorder)
+        if _installed:
+            return
+        _installed = True
+        atexit.register(_close_all)
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        # multiprocessing's children leave through os._exit, skipping atexit;
+        # they run their Finalize callbacks first.  (A process that never
+        # imported multiprocessing is no such child, and need not pay for it.)
+        if "multiprocessing" in sys.modules:
+            import multiprocessing.util as mp_util
+
+            mp_util.Finalize(None, _close_all, exitpriority=0)
+            # A forked child's registry is cleared at its start: register again there.
+            mp_util.register_after_fork(_recorders, _finalize_in_child)
+
+
+def _close_all(*_: object) -> None:
+    for recorder in list(_recorders):
         recorder.close()
 
 
-def _forget_in_child(ref: weakref.ref[StatsRecorder]) -> None:
-    # The parent writes its own counts; a forked child must not write them again,
-    # and its copy of the writer thread does not exist.
-    recorder = ref()
-    if recorder is not None:
-        recorder._pending = {}
-        recorder._thread = None
-        recorder._lock = threading.Lock()
-        _flush_on_exit(ref)  # a multiprocessing child starts with no Finalize callbacks
+def _after_fork_in_child() -> None:
+    for recorder in list(_recorders):
+        recorder._forget_after_fork()
+
+
+def _finalize_in_child(_: object) -> None:
+    import multiprocessing.util as mp_util
+
+    mp_util.Finalize(None, _close_all, exitpriority=0)
 
 
 def chip_report(activity: dict[str, float], entries: int, size: int) -> dict[str, Any]:

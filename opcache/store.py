@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ BOOKKEEPING = ".opcache"
 SIZE_FOLDER = "_size"
 _KEY = re.compile(r"[0-9a-f]{32}")
 _BUCKET = re.compile(r"[0-9a-f]{2}")
+# Build and trash folders are named <label>.<host>.<pid>.<random>: no dots in the host.
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
@@ -56,8 +58,10 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_MANIFEST = 16 << 20
 # /proc/self/fd/N names the folder open as N wherever it has been renamed to.
 _PROC_FD = os.path.isdir("/proc/self/fd")
-# A worker of another host, or one whose pid we cannot check, gets this long.
+# An unlocked build folder of another host (whose locks may not reach us) gets
+# this long; one of this host, whose locks do, a minute.
 TMP_GRACE_SECONDS = 6 * 3600
+STALE_LOCAL_SECONDS = 60
 
 
 class CorruptEntry(Exception):
@@ -76,11 +80,11 @@ class Entry:
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """An entry found by a scan: where it is and when it was last used."""
+    """An entry found by a scan: its key, when it was last used, its bytes if asked."""
 
-    soc: str
     key: str
     stamp: float
+    size: int = 0
 
 
 def is_key(name: str) -> bool:
@@ -99,6 +103,7 @@ class LocalStore:
         self.trash_dir = book / "trash"
         self.locks_dir = book / "locks"
         self.stats_dir = book / "stats"
+        self._verified: set[Path] = set()
 
     # -- paths ---------------------------------------------------------------
 
@@ -109,11 +114,43 @@ class LocalStore:
         return self.root / soc / key[:2] / key
 
     def lock_path(self, soc: str, key: str) -> Path:
-        return self.locks_dir / soc / key
+        """Where the single-flight lock of a key lives (its folder made and checked)."""
+        return self.folder("locks", soc) / key
+
+    def stats_files(self, soc: str, *, create: bool = True) -> CounterFiles:
+        """A chip's hit / miss / ... counters."""
+        folder = self.folder("stats", soc) if create else self.stats_dir / soc
+        return CounterFiles(folder, modes=self.modes)
 
     def sizes(self, soc: str) -> CounterFiles:
-        """The chip's entry and byte counters (they live and die with the chip folder)."""
+        """The chip's entry and byte counters, for reading (they live in the chip folder)."""
         return CounterFiles(self.chip_dir(soc) / SIZE_FOLDER, modes=self.modes)
+
+    def folder(self, *parts: str) -> Path:
+        """``<root>/.opcache/<parts>``, made if missing, each level a trusted real folder.
+
+        Writers put lock files, counters, builds and trash here: a link or a
+        folder others can write would let them redirect or swap what we write.
+        Checked once per process: a trusted parent keeps its children in place.
+        """
+        path = self.root / BOOKKEEPING
+        if path not in self._verified:
+            fsutil.makedirs(self.root, self.modes)
+        for part in ("", *parts):
+            path = path / part if part else path
+            if path in self._verified:
+                continue
+            try:
+                os.mkdir(path, self.modes.dir_bits)
+                fsutil.fix_new_dir(path, self.modes)
+            except FileExistsError:
+                pass
+            st = os.stat(path, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                raise trust.UntrustedFolder(f"{path} is a link or a file, not a folder")
+            trust.check(st, self.modes, path)
+            self._verified.add(path)
+        return path
 
     def used(self, soc: str) -> tuple[int, int]:
         """(entries, bytes) of a chip folder, from its counters: no walk."""
@@ -121,12 +158,12 @@ class LocalStore:
         return int(totals.get("entries", 0)), int(totals.get("bytes", 0))
 
     def chips(self) -> list[str]:
-        """The chip folders present under the root."""
+        """The chip folders present under the root (real folders, not links)."""
         try:
             names = os.listdir(self.root)
         except OSError:
             return []
-        return sorted(n for n in names if not n.startswith(".") and (self.root / n).is_dir())
+        return sorted(n for n in names if not n.startswith(".") and _is_real_dir(self.root / n))
 
     # -- reading -------------------------------------------------------------
 
@@ -242,57 +279,79 @@ class LocalStore:
             return None
 
     def touch(self, soc: str, key: str, when: float) -> None:
-        """Record an access at ``when`` (the manifest's mtime holds it: atime is unreliable)."""
+        """Record an access at ``when`` (the manifest's mtime holds it: atime is unreliable).
+
+        An entry removed meanwhile (aged, cleared) is simply not stamped.
+        """
         fds = self._open_entry(soc, key)
         if fds is None:
-            return  # evicted since the hit: nothing to stamp
+            return
         try:
             os.utime(MANIFEST, (when, when), dir_fd=fds[1], follow_symlinks=False)
         except PermissionError:
             # Setting a time needs ownership; in a group-shared cache another
             # member may own the entry. "Now" needs only write access.
             os.utime(MANIFEST, dir_fd=fds[1], follow_symlinks=False)
+        except OSError as e:
+            if e.errno not in fsutil.GONE:
+                raise
         finally:
             os.close(fds[0])
             os.close(fds[1])
 
-    def scan(self, soc: str, progress: Callable[[int], None] | None = None) -> Iterator[EntryInfo]:
-        """Every entry of a chip folder with its stamp (one stat per entry)."""
-        chip = self.chip_dir(soc)
+    def scan(
+        self,
+        soc: str,
+        progress: Callable[[int], None] | None = None,
+        *,
+        sizes: bool = False,
+    ) -> Iterator[EntryInfo]:
+        """Every entry of a chip folder with its stamp (and its bytes if ``sizes``).
+
+        Walks through folder handles and never through a link; a bucket that
+        fails the trust rule is skipped with a warning.
+        """
         try:
-            buckets = sorted(e.name for e in os.scandir(chip) if _BUCKET.fullmatch(e.name))
-        except OSError:
-            return
-        for done, bucket in enumerate(buckets, 1):
-            try:
-                names = os.listdir(chip / bucket)
-            except OSError:
-                continue
-            for name in names:
-                if not (is_key(name) and name.startswith(bucket)):
-                    continue
+            chip_fd = self._open_chip(soc, create=False)
+        except OSError as e:
+            if e.errno in fsutil.GONE:
+                return
+            raise
+        try:
+            buckets = sorted(n for n in os.listdir(chip_fd) if _BUCKET.fullmatch(n))
+            for done, bucket in enumerate(buckets, 1):
                 try:
-                    st = os.stat(chip / bucket / name / MANIFEST, follow_symlinks=False)
+                    bucket_fd = self._open_dir(bucket, chip_fd, self.chip_dir(soc), create=False)
+                except trust.UntrustedFolder as e:
+                    log.warning("skipping %s", e)
+                    continue
                 except OSError:
-                    st = None
-                yield EntryInfo(soc, name, st.st_mtime if st else 0.0)
-            if progress:
-                progress(done * 100 // len(buckets))
+                    continue  # removed meanwhile
+                try:
+                    for name in os.listdir(bucket_fd):
+                        if is_key(name) and name.startswith(bucket):
+                            yield EntryInfo(name, *_entry_facts(bucket_fd, name, sizes))
+                finally:
+                    os.close(bucket_fd)
+                if progress:
+                    progress(done * 100 // len(buckets))
+        finally:
+            os.close(chip_fd)
 
     # -- writing -------------------------------------------------------------
 
-    def new_workdir(self, key: str) -> Path:
-        """A fresh private folder on the cache's filesystem for building an entry."""
-        fsutil.makedirs(self.tmp_dir, self.modes)
-        # Someone able to write here could swap an entry between build and publish.
-        for folder in (self.tmp_dir.parent, self.tmp_dir):
-            st = os.stat(folder, follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode):
-                raise trust.UntrustedFolder(f"{folder} is not a folder")
-            trust.check(st, self.modes, folder)
-        path = self.tmp_dir / fsutil.unique_name(f"{key}.{_HOST}")
+    def new_workdir(self, key: str) -> Workdir:
+        """A fresh private folder on the cache's filesystem for building an entry.
+
+        It stays locked while the returned Workdir is open, so that cleaning
+        knows its writer is alive however long the compile takes.
+        """
+        path = self.folder("tmp") / fsutil.unique_name(f"{key}.{_HOST}")
         os.mkdir(path, self.modes.dir_bits)
-        return path
+        fsutil.fix_new_dir(path, self.modes)
+        fd = os.open(path, _DIR_FLAGS)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return Workdir(path, fd)
 
     def publish(
         self,
@@ -324,28 +383,34 @@ class LocalStore:
             workdir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode
         )
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, file_mode)  # exact in a group-shared cache, whatever the umask
             f.write(manifest)
         os.utime(workdir / MANIFEST, (now, now))
         size = len(manifest) + sum(map(len, artifacts.values()))
         for _attempt in range(3):
             # The entry and its counters go through one handle on the chip folder:
             # if force or clear renames that folder away meanwhile, both go with it.
-            chip_fd = self._open_chip(soc, create=True)
+            chip_fd = None
             try:
+                chip_fd = self._open_chip(soc, create=True)
                 bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=True)
                 try:
                     os.rename(workdir, key, dst_dir_fd=bucket_fd)
                 finally:
                     os.close(bucket_fd)
-                self._count(chip_fd, soc, {"entries": 1, "bytes": size})
-                return size
             except OSError as e:
+                if chip_fd is not None:
+                    os.close(chip_fd)
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     return None
                 if e.errno not in fsutil.GONE:
-                    raise  # GONE: the chip folder was deleted under us; a new one then
+                    raise
+                continue  # the chip folder was deleted under us: a new one then
+            try:
+                self._count(chip_fd, soc, {"entries": 1, "bytes": size})
             finally:
                 os.close(chip_fd)
+            return size
         raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(self.chip_dir(soc)))
 
     def discard(self, soc: str, key: str) -> int | None:
@@ -404,15 +469,28 @@ class LocalStore:
             raise
         return fd
 
-    def _count(self, chip_fd: int, soc: str, deltas: dict[str, float]) -> None:
-        """Move the size counters of the chip folder open as ``chip_fd``.
+    def _count(self, chip_fd: int, soc: str, deltas: dict[str, float] | None) -> None:
+        """Move (or, with ``deltas`` None, zero) the size counters of the chip folder
+        open as ``chip_fd``.
 
         A chip folder that force or clear deleted meanwhile took the entry with
         it: there is nothing left to count then, and no error.
         """
-        folder = Path(f"/proc/self/fd/{chip_fd}") if _PROC_FD else self.chip_dir(soc)
         try:
-            CounterFiles(folder / SIZE_FOLDER, modes=self.modes).add(deltas)
+            size_fd = self._open_dir(SIZE_FOLDER, chip_fd, self.chip_dir(soc), create=True)
+            try:
+                folder = (
+                    Path(f"/proc/self/fd/{size_fd}")
+                    if _PROC_FD
+                    else self.chip_dir(soc) / SIZE_FOLDER
+                )
+                counters = CounterFiles(folder, modes=self.modes)
+                if deltas is None:
+                    counters.reset()
+                else:
+                    counters.add(deltas)
+            finally:
+                os.close(size_fd)
         except OSError as e:
             if e.errno not in fsutil.GONE:
                 raise
@@ -424,6 +502,8 @@ class LocalStore:
         The folder is renamed aside first: processes using it see misses, never
         half-deleted entries.
         """
+        if not os.path.lexists(self.chip_dir(soc)):
+            return False  # nothing to clear: create nothing either
         aside = self._move_to_trash(self.chip_dir(soc), soc)
         if aside is None:
             return False
@@ -433,8 +513,7 @@ class LocalStore:
     def _move_to_trash(
         self, path: Path | str, label: str, *, src_dir_fd: int | None = None
     ) -> Path | None:
-        fsutil.makedirs(self.trash_dir, self.modes)
-        aside = self.trash_dir / fsutil.unique_name(f"{label}.{_HOST}")
+        aside = self.folder("trash") / fsutil.unique_name(f"{label}.{_HOST}")
         try:
             os.rename(path, aside, src_dir_fd=src_dir_fd)
         except OSError as e:
@@ -443,15 +522,32 @@ class LocalStore:
             raise
         return aside
 
-    def recount(self, soc: str) -> tuple[int, int]:
-        """Walk a chip folder and reset its counters to what is there."""
+    def recount(self, soc: str, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+        """Walk a chip folder and set its counters to what is there."""
         entries = total = 0
-        chip = self.chip_dir(soc)
-        for info in self.scan(soc):
+        for info in self.scan(soc, progress, sizes=True):
             entries += 1
-            total += fsutil.tree_size(chip / info.key[:2] / info.key)
-        self.sizes(soc).reset({"entries": entries, "bytes": total})
+            total += info.size
+        self.set_used(soc, entries, total)
         return entries, total
+
+    def set_used(self, soc: str, entries: int, size: int) -> None:
+        """Set a chip's counters to a walk's result.
+
+        Exact when nothing stores meanwhile; a store racing the walk may be
+        counted twice or not at all, until the next recount.
+        """
+        try:
+            chip_fd = self._open_chip(soc, create=False)
+        except OSError as e:
+            if e.errno in fsutil.GONE:
+                return
+            raise
+        try:
+            self._count(chip_fd, soc, None)
+            self._count(chip_fd, soc, {"entries": entries, "bytes": size})
+        finally:
+            os.close(chip_fd)
 
     def clean_leftovers(self, now: float | None = None) -> int:
         """Delete build folders of dead writers and whatever is in the trash."""
@@ -474,15 +570,44 @@ class LocalStore:
         return removed
 
 
+class Workdir:
+    """A build folder and the lock that says its writer is alive."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    def close(self) -> None:
+        """Unlock, then delete what is left of the folder (nothing, once published)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        fsutil.remove_tree(self.path)
+
+
 def _abandoned(path: Path, name: str, now: float) -> bool:
-    """True when the writer of a build folder is gone (or too old to be alive)."""
+    """True when nobody is building in ``path`` any more.
+
+    A live writer holds a flock on its folder.  Where flock may not reach
+    (another host over NFS without a lock manager), a grace period decides.
+    """
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        return True  # not a folder: a stray file, or a link planted here
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its writer holds it
+        age = now - os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
     parts = name.rsplit(".", 3)
     if len(parts) == 4 and parts[1] == _HOST and parts[2].isdigit():
-        return not _pid_alive(int(parts[2]))
-    try:
-        return now - os.stat(path, follow_symlinks=False).st_mtime > TMP_GRACE_SECONDS
-    except OSError:
-        return False
+        # This host: the lock is reliable; a minute covers mkdir-to-flock.
+        return not _pid_alive(int(parts[2])) or age > STALE_LOCAL_SECONDS
+    return age > TMP_GRACE_SECONDS
 
 
 def _pid_alive(pid: int) -> bool:
@@ -493,6 +618,35 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _entry_facts(bucket_fd: int, name: str, sizes: bool) -> tuple[float, int]:
+    """(stamp, bytes) of an entry; (0.0, 0) for a link or file in its place, aged first."""
+    try:
+        entry_fd = os.open(name, _DIR_FLAGS, dir_fd=bucket_fd)
+    except OSError:
+        return 0.0, 0
+    try:
+        try:
+            stamp = os.stat(MANIFEST, dir_fd=entry_fd, follow_symlinks=False).st_mtime
+        except OSError:
+            stamp = 0.0
+        size = 0
+        if sizes:
+            with os.scandir(entry_fd) as files:
+                for f in files:
+                    if f.is_file(follow_symlinks=False):
+                        size += f.stat(follow_symlinks=False).st_size
+        return stamp, size
+    finally:
+        os.close(entry_fd)
 
 
 def _lexists(name: str, dir_fd: int) -> bool:

@@ -356,8 +356,8 @@ def test_an_entry_used_between_scan_and_delete_is_kept(
     real_scan = aging.LocalStore.scan
     oldest = entry_dirs(root)[keys[0]] / "MANIFEST"
 
-    def scan_then_touch(self, soc, progress=None):
-        infos = list(real_scan(self, soc, progress))
+    def scan_then_touch(self, soc, progress=None, **kwargs):
+        infos = list(real_scan(self, soc, progress, **kwargs))
         os.utime(oldest, (T0 + 7190, T0 + 7190))  # another process's hit, after the scan
         yield from infos
 
@@ -394,7 +394,7 @@ def test_counters_match_a_recount_after_stores_hits_evictions_and_clears(
         chip = stats["chips"][soc]
         assert (chip["entries"], chip["bytes"]) == (len(on_disk), used(root, soc)), soc
         counted = report.chips[soc]
-        assert (counted["counted_entries"], counted["counted_bytes"]) == (
-            counted["entries"],
-            counted["bytes"],
+        assert (counted.counted_entries, counted.counted_bytes) == (
+            counted.entries,
+            counted.bytes,
         )

@@ -183,9 +183,10 @@ def test_killed_lock_holder_does_not_block_the_waiters(tmp_path: Path) -> None:
     try:
         wait_for(marker)
         root = settings_for(tmp_path).root
-        # Mid-compile: half the artifacts are written, nothing is visible.
+        # Mid-compile: half the artifacts are written, nothing is visible, and
+        # the compiler works beside its out_dir, not in the cache.
         assert entry_dirs(root) == {}
-        assert len(tmp_leftovers(tmp_path)) == 1
+        assert tmp_leftovers(tmp_path) == []
         key = opcache.explain_key(make_request(0), ToyCompiler(tmp_path / "calls"))["key"]
         assert LocalStore(root).read(SOC, key) is None
         killer = threading.Timer(0.5, holder.kill)
@@ -202,10 +203,6 @@ def test_killed_lock_holder_does_not_block_the_waiters(tmp_path: Path) -> None:
             assert 0.4 < waited < 10
             assert read_dir(tmp_path / "waiter") == expected_files(make_request(0))
             assert compiler.calls() == 2
-            # The dead writer's build folder is a leftover until age() or verify().
-            assert len(tmp_leftovers(tmp_path)) == 1
-            report = cache.age()
-            assert report.leftovers_removed == 1
             assert tmp_leftovers(tmp_path) == []
             assert cache.compile(make_request(0), compiler, tmp_path / "w2").status == "hit"
     finally:
@@ -222,6 +219,7 @@ def test_sigkill_at_random_instants_never_leaves_a_partial_entry(tmp_path: Path)
     store = LocalStore(root)
     compiler = ToyCompiler(tmp_path / "calls", size=size)
     key_to_index: dict[str, int] = {}
+    leftovers_seen = 0
     for iteration in range(20):
         started = tmp_path / f"started{iteration}"
         spec = base_spec(tmp_path, size=size)
@@ -233,6 +231,10 @@ def test_sigkill_at_random_instants_never_leaves_a_partial_entry(tmp_path: Path)
         child.kill()
         child.join(10)
         assert child.exitcode == -signal.SIGKILL
+        # A kill mid-compile leaves the build folder beside out_dir; one mid-store,
+        # a folder in the cache's tmp (the next writer's first touch cleans it).
+        leftovers_seen += len(tmp_leftovers(tmp_path))
+        leftovers_seen += len(list(Path(spec["out"]).glob("*/.opcache-*")))
         for index in map(int, log.read_text().split()):
             key_to_index.setdefault(
                 opcache.explain_key(make_request(index), compiler)["key"], index
@@ -243,8 +245,8 @@ def test_sigkill_at_random_instants_never_leaves_a_partial_entry(tmp_path: Path)
             assert entry is not None
             assert entry.files == expected_files(make_request(key_to_index[key]), size)
     assert len(key_to_index) > 20
-    # Some kills landed while an entry was being built: their folders are left over.
-    assert len(tmp_leftovers(tmp_path)) >= 3
+    # Some kills landed while an entry was being built: their folders were left over.
+    assert leftovers_seen >= 3
     with opcache.OpCache(settings_for(tmp_path)) as cache:
         # Readers get a hit with the right bytes, or a miss.
         for key, index in sorted(key_to_index.items(), key=lambda item: item[1])[:30]:

@@ -10,7 +10,7 @@ import pytest
 from helpers_cache import SOC, ToyCompiler, make_request, make_settings
 
 import opcache
-from opcache.key import SCHEMA, compute_key
+from opcache.key import SCHEMA, canonical_json, compute_key
 
 
 @pytest.fixture
@@ -187,7 +187,8 @@ def test_explain_key_matches_the_key_the_cache_uses(tmp_path: Path, compiler: To
 def test_key_is_logged_at_debug(caplog: pytest.LogCaptureFixture, compiler: ToyCompiler) -> None:
     caplog.set_level(logging.DEBUG, logger="opcache")
     request = make_request()
-    key, blob = compute_key(request, compiler.name, compiler.fingerprint())
+    key, inputs = compute_key(request, compiler.name, compiler.fingerprint())
+    blob = canonical_json(inputs)
     messages = [r.getMessage() for r in caplog.records if r.name == "opcache.key"]
     assert len(messages) == 1
     assert key in messages[0]

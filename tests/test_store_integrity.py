@@ -204,7 +204,7 @@ def test_verify_does_not_follow_a_symlinked_entry(tmp_path: Path, compiler: ToyC
     with opcache.OpCache(settings_for(tmp_path)) as cache:
         report = cache.verify()
     assert report.corrupt == 1
-    assert report.chips[SOC]["entries"] == 0
+    assert report.chips[SOC].entries == 0
     assert not os.path.lexists(entry)
     assert read_dir(elsewhere) == copy_before
 
@@ -254,7 +254,7 @@ def test_parse_manifest_round_trip_and_refusals() -> None:
 def test_store_refuses_artifact_names_that_are_not_plain(tmp_path: Path, bad_name: str) -> None:
     store = LocalStore(tmp_path / "root")
     key = "ab" * 16
-    workdir = store.new_workdir(key)
+    workdir = store.new_workdir(key).path
     (workdir / "good.o").write_bytes(b"x")
     with pytest.raises(ValueError, match="artifact"):
         store.publish(
@@ -287,9 +287,9 @@ def test_verify_removes_corrupt_entries_and_recounts(tmp_path: Path, compiler: T
         stats = cache.stats()
     chip = report.chips[SOC]
     assert report.corrupt == 2
-    assert (chip["checked"], chip["corrupt"], chip["entries"]) == (5, 2, 3)
-    assert chip["bytes"] == good_bytes
-    assert (chip["counted_entries"], chip["counted_bytes"]) == (42, 7)
+    assert (chip.checked, chip.corrupt, chip.entries) == (5, 2, 3)
+    assert chip.bytes == good_bytes
+    assert (chip.counted_entries, chip.counted_bytes) == (42, 7)
     assert set(entry_dirs(settings.root)) == {keys[0], keys[2], keys[4]}
     assert (stats["entries"], stats["bytes"], stats["corrupt"]) == (3, good_bytes, 2)
     assert report.as_dict()["corrupt"] == 2
