@@ -119,10 +119,7 @@ class OpCache:
         self.settings = settings
         self._clock = clock
         self._lock_timeout = lock_timeout
-        modes = fsutil.PRIVATE
-        if settings.shared_group is not None:
-            modes = fsutil.group_shared(settings.shared_group)
-        self._store = LocalStore(settings.root, modes=modes)
+        self._store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
         self._stats = stats.StatsRecorder(self._store.stats_files)
         self._mutex = threading.Lock()
         self._prepare_mutex = threading.Lock()

@@ -288,14 +288,9 @@ def _wrap_main(argv: Sequence[str]) -> int:
 
 def _masquerade(name: str, argv: Sequence[str]) -> int:
     """Invoked through a link named like a compiler: wrap the real one later on PATH."""
-    me = os.path.realpath(sys.argv[0])
-    real = None
-    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
-        candidate = os.path.join(folder or ".", name)
-        found = os.access(candidate, os.X_OK) and os.path.isfile(candidate)
-        if found and os.path.realpath(candidate) != me:
-            real = candidate
-            break
+    from .compilers._tool import which
+
+    real = which(name, os.environ, skip=os.path.realpath(sys.argv[0]))
     if real is None:
         print(f"opcache: error: no {name} on PATH other than opcache itself", file=sys.stderr)
         return 127

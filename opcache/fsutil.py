@@ -46,6 +46,11 @@ def group_shared(gid: int) -> Modes:
     return Modes(file=0o660, dir=0o2770, group=gid)
 
 
+def modes_for(shared_group: int | None) -> Modes:
+    """The modes of a private cache, or of one shared by the group ``shared_group``."""
+    return PRIVATE if shared_group is None else group_shared(shared_group)
+
+
 # Errors that mean "someone else removed it first", including NFS's stale handles.
 GONE = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 

@@ -13,7 +13,6 @@ import grp
 import logging
 import os
 import re
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,7 +168,7 @@ def resolve_settings(
         root, sources["root"] = cache_dir / KERNEL_CACHE, "argument"
     elif env.get(ENV_CACHE_PATH):
         base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env)
-        host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else socket.gethostname())
+        host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else os.uname().nodename)
         root, sources["root"] = base / f"{KERNEL_CACHE}_{host}", f"env:{ENV_CACHE_PATH}"
     else:
         root, sources["root"] = _home(env) / "atc_data" / KERNEL_CACHE, "default"

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import re
-import socket
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -51,7 +50,7 @@ SIZE_FOLDER = "_size"
 _KEY = re.compile(r"[0-9a-f]{32}")
 _BUCKET = re.compile(r"[0-9a-f]{2}")
 # Build and trash folders are named <label>.<host>.<pid>.<random>: no dots in the host.
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", os.uname().nodename) or "host"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -156,6 +155,25 @@ class LocalStore:
         """(entries, bytes) of a chip folder, from its counters: no walk."""
         totals = self.sizes(soc).totals()
         return int(totals.get("entries", 0)), int(totals.get("bytes", 0))
+
+    def read_note(self, *parts: str) -> bytes | None:
+        """A small record under ``.opcache/<parts>``; None if absent or untrusted."""
+        try:
+            path = self.folder(*parts[:-1]) / parts[-1]
+            fd = os.open(path, _FILE_FLAGS)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or trust.problem(st, self.modes):
+                return None
+            return os.read(fd, _MAX_MANIFEST)
+        finally:
+            os.close(fd)
+
+    def write_note(self, data: bytes, *parts: str) -> None:
+        """Replace the record under ``.opcache/<parts>`` whole (OSError if it cannot)."""
+        fsutil.write_atomic(self.folder(*parts[:-1]) / parts[-1], data, self.modes)
 
     def chips(self) -> list[str]:
         """The chip folders present under the root (real folders, not links)."""

@@ -21,11 +21,10 @@ Anything else runs as it is and counts as ``uncacheable`` in stats.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-import shutil
 import stat
-import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,11 +32,14 @@ from pathlib import Path
 
 from . import fsutil
 from .cache import OpCache
-from .compilers._tool import file_identity
+from .compilers._tool import file_identity, which
 from .errors import CompileError, ConfigError
-from .key import digest
+from .key import canonical_json, digest
 from .request import OpRequest
 from .settings import Settings
+from .store import LocalStore
+
+log = logging.getLogger(__name__)
 
 STDOUT = ".opcache-stdout"
 STDERR = ".opcache-stderr"
@@ -102,6 +104,8 @@ class _WrappedCommand:
         return self._plan.fingerprint
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
+        import subprocess  # a hit runs nothing: keep it off start-up
+
         argv = self._plan.command(workdir)
         try:
             done = subprocess.run(argv, capture_output=True, env=dict(self._environ), check=False)
@@ -126,12 +130,19 @@ def run(
     """
     env = dict(os.environ if environ is None else environ)
     kind = compiler_kind(argv[0])
+    base = settings_for(None, None)  # the cache flags alone (C lines have no others)
     try:
         if kind is None:
             raise Uncacheable(f"not a known compiler: {os.path.basename(argv[0])}")
-        plan = _plan_opc(argv, env) if kind == "opc" else _plan_cc(argv, env)
+        if kind == "opc":
+            plan = _plan_opc(argv, env)
+        else:
+            store = None
+            if base.mode != "disable":
+                store = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
+            plan = _plan_cc(argv, env, HeaderMemo(store))
     except Uncacheable as e:
-        settings = settings_for(None, None)
+        settings = base
         if settings.mode != "disable":
             with OpCache(settings) as cache:
                 cache.record_uncacheable(HOST_CHIP, str(e))
@@ -184,6 +195,8 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
 
 
 def _run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    import subprocess
+
     try:
         return subprocess.run(list(argv), env=dict(env), check=False).returncode
     except OSError as e:
@@ -308,7 +321,7 @@ _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "de
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 
 
-def _plan_cc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
+def _plan_cc(argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo) -> Plan:
     args = list(argv[1:])
     compile_only = False
     output: str | None = None
@@ -373,11 +386,12 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
     out_path = Path(os.path.abspath(output))
     if not out_path.parent.is_dir():
         raise Uncacheable("cc: the output folder does not exist")
-    headers = _cc_headers(argv[0], pass_args, source, env)
-    key_sources = {os.path.basename(source): _read(source)}
-    # In the order the preprocessor first read them: which header holds which
-    # contents matters, and no path enters the key.
-    deps_in_key = [digest(_read(h)) for h in headers if h != source]
+    source_data = _read(source)
+    compiler_identity = file_identity(_which(argv[0], env))
+    deps_in_key = memo.header_digests(
+        argv[0], compiler_identity, pass_args, source, source_data, env
+    )
+    key_sources = {os.path.basename(source): source_data}
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": deps_in_key}
     if debug or want_deps:
         # Debug info and dependency files name folders: the key must too.
@@ -403,12 +417,7 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
             out += _target_args(key_args)
         return out
 
-    return Plan(
-        request=request,
-        fingerprint=file_identity(_which(argv[0], env)),
-        command=command,
-        outputs=outputs,
-    )
+    return Plan(request=request, fingerprint=compiler_identity, command=command, outputs=outputs)
 
 
 def _target_args(key_args: list[str]) -> list[str]:
@@ -422,14 +431,106 @@ def _target_args(key_args: list[str]) -> list[str]:
 
 
 def _which(executable: str, env: Mapping[str, str]) -> str:
-    found = shutil.which(executable, path=env.get("PATH", os.defpath))
+    found = which(executable, env)
     if found is None:
         raise Uncacheable(f"cannot find {executable}")
     return found
 
 
+class HeaderMemo:
+    """Direct mode: the headers a source read last time, so a hit runs no preprocessor.
+
+    Keyed by everything that decides which headers the preprocessor opens (the
+    compiler, the flags and include folders, the source's path and contents,
+    the working folder, the include variables).  A remembered header list is
+    used only while every header still has the contents it had then: same
+    contents, same ``#include``s, same list.  Otherwise ``cc -M`` runs again.
+    """
+
+    _VARIANTS = 4  # header sets remembered per source (e.g. a header edited back and forth)
+
+    def __init__(self, store: LocalStore | None) -> None:
+        self._store = store
+
+    def header_digests(
+        self,
+        cc: str,
+        identity: str,
+        pass_args: list[str],
+        source: str,
+        source_data: bytes,
+        env: Mapping[str, str],
+    ) -> list[str]:
+        """The digests of the headers ``source`` includes, in the order first read."""
+        memo_key = digest(
+            canonical_json(
+                {
+                    "compiler": identity,
+                    "args": pass_args,
+                    "source": [source, digest(source_data)],
+                    "cwd": os.getcwd(),
+                    "env": {name: env.get(name) for name in _INCLUDE_VARIABLES},
+                }
+            )
+        )
+        variants = self._recall(memo_key)
+        for variant in variants:
+            digests = _current_digests(variant)
+            if digests is not None:
+                return digests
+        headers = [h for h in _cc_headers(cc, pass_args, source, env) if h != source]
+        variant = [[h, digest(_read(h))] for h in headers]
+        self._remember(memo_key, [variant, *variants][: self._VARIANTS])
+        return [d for _, d in variant]
+
+    def _recall(self, memo_key: str) -> list[list[list[str]]]:
+        raw = self._store.read_note("direct", memo_key[:2], memo_key) if self._store else None
+        try:
+            variants = json.loads(raw) if raw else []
+        except ValueError:
+            return []
+        ok = isinstance(variants, list) and all(
+            isinstance(v, list)
+            and all(
+                isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
+                for h in v
+            )
+            for v in variants
+        )
+        return variants if ok else []
+
+    def _remember(self, memo_key: str, variants: list[list[list[str]]]) -> None:
+        if self._store is None:
+            return
+        try:
+            data = json.dumps(variants).encode()
+            self._store.write_note(data, "direct", memo_key[:2], memo_key)
+        except OSError as e:
+            log.debug("cannot remember the headers of %s: %s", memo_key, e)
+
+
+_INCLUDE_VARIABLES = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH")
+
+
+def _current_digests(variant: list[list[str]]) -> list[str] | None:
+    """The headers' digests if every one still has the recorded contents, else None."""
+    digests = []
+    for path, want in variant:
+        try:
+            with open(path, "rb") as f:
+                now = digest(f.read())
+        except OSError:
+            return None
+        if now != want:
+            return None
+        digests.append(now)
+    return digests
+
+
 def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, str]) -> list[str]:
     """Every file the preprocessor reads for ``source``, in the order ``cc -M`` lists them."""
+    import subprocess
+
     done = subprocess.run(
         [cc, *pass_args, "-M", source], capture_output=True, env=dict(env), check=False
     )

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CompileError
 from ..key import canonical_json, digest
 from ..request import OpRequest
+
+if TYPE_CHECKING:
+    import subprocess
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 _STDERR_TAIL = 2000
@@ -43,9 +45,23 @@ def file_identity(path: str | os.PathLike[str]) -> str:
     return f"{real}:{st.st_size}:{st.st_mtime_ns}:{_identities[memo]}"
 
 
-def which(name: str, environ: Mapping[str, str]) -> str | None:
-    """``shutil.which`` against the given environment's PATH."""
-    return shutil.which(name, path=environ.get("PATH", os.defpath))
+def which(name: str, environ: Mapping[str, str], *, skip: str | None = None) -> str | None:
+    """The executable ``name`` as the given environment's PATH finds it.
+
+    ``skip``: a real path to pass over (opcache itself, when it stands in for
+    a compiler).  Written out rather than ``shutil.which`` to keep shutil off
+    the start-up of ``opcache wrap``.
+    """
+    if os.sep in name:
+        folders = [""]
+    else:
+        folders = [f or "." for f in environ.get("PATH", os.defpath).split(os.pathsep)]
+    for folder in folders:
+        candidate = os.path.join(folder, name)
+        runnable = os.path.isfile(candidate) and os.access(candidate, os.X_OK)
+        if runnable and (skip is None or os.path.realpath(candidate) != skip):
+            return candidate
+    return None
 
 
 def run_tool(
@@ -56,6 +72,8 @@ def run_tool(
     what: str,
 ) -> subprocess.CompletedProcess[bytes]:
     """Run a compiler; CompileError with the command line and stderr's tail on failure."""
+    import subprocess
+
     try:
         done = subprocess.run(
             list(argv),
