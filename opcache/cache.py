@@ -424,29 +424,33 @@ class OpCache:
         for soc in self._chips(soc_version):
             before_entries, before_bytes = self._store.used(soc)
             chip = ChipVerify(counted_entries=before_entries, counted_bytes=before_bytes)
-            for info in self._store.scan(soc, progress, sizes=True):
-                chip.checked += 1
-                try:
-                    self._store.read(soc, info.key)
-                except CorruptEntry as e:
-                    log.warning("corrupt cache entry %s/%s removed: %s", soc, info.key, e)
-                    chip.corrupt += 1
-                    self._stats.add(soc, "corrupt")
-                    try:
-                        self._store.discard(soc, info.key)
-                    except OSError as err:
-                        log.warning("cannot remove %s/%s: %s", soc, info.key, err)
-                        chip.errors += 1
-                    continue
-                except OSError as e:
-                    log.warning("cannot check %s/%s: %s", soc, info.key, e)
-                    chip.errors += 1
-                chip.entries += 1
-                chip.bytes += info.size
-            self._store.set_used(soc, chip.entries, chip.bytes)
+            with self._store.counting_paused(soc):
+                self._verify_chip(soc, chip, progress)
             report.chips[soc] = chip
         report.leftovers_removed = self._store.clean_leftovers(self._clock())
         return report
+
+    def _verify_chip(self, soc: str, chip: ChipVerify, progress: Progress | None) -> None:
+        for info in self._store.scan(soc, progress, sizes=True):
+            chip.checked += 1
+            try:
+                self._store.read(soc, info.key)
+            except CorruptEntry as e:
+                log.warning("corrupt cache entry %s/%s removed: %s", soc, info.key, e)
+                chip.corrupt += 1
+                self._stats.add(soc, "corrupt")
+                try:
+                    self._store.discard(soc, info.key)
+                except OSError as err:
+                    log.warning("cannot remove %s/%s: %s", soc, info.key, err)
+                    chip.errors += 1
+                continue
+            except OSError as e:
+                log.warning("cannot check %s/%s: %s", soc, info.key, e)
+                chip.errors += 1
+            chip.entries += 1
+            chip.bytes += info.size
+        self._store.set_used(soc, chip.entries, chip.bytes)
 
     def clear(self, soc_version: str | None = None) -> list[str]:
         """Delete every entry (of one chip, or of all); returns the chips cleared."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,14 @@ def fix_new_dir(path: Path | str, modes: Modes, dir_fd: int | None = None) -> No
 def unique_name(label: str) -> str:
     """``label`` made unique among concurrent writers (cheaper than tempfile)."""
     return f"{label}.{os.getpid()}.{os.urandom(4).hex()}"
+
+
+_TEMP = re.compile(r"\..+\.[0-9]+\.[0-9a-f]{8}")
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the temp file names ``write_atomic`` uses (``.<name>.<pid>.<hex>``)."""
+    return bool(_TEMP.fullmatch(name))
 
 
 def write_atomic(path: Path, data: bytes, modes: Modes) -> None:

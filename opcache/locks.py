@@ -24,6 +24,21 @@ from . import fsutil
 _POLL_FIRST = 0.002
 _POLL_MAX = 0.05
 
+# Descriptors of the locks this process holds.  A forked child gets copies,
+# and a copy keeps the lock held after the parent lets go: the child drops its
+# copies at once (exec'd children never get them: they are close-on-exec).
+_held: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
 
 class KeyLock:
     """An exclusive, deletable lock file.  Not reentrant."""
@@ -71,31 +86,43 @@ class KeyLock:
             os.close(fd)  # we locked a file its holder had already deleted
             return False
         self._fd = fd
+        _held.add(fd)
         return True
 
     def release(self) -> None:
         """Delete the lock file and let the next waiter in."""
-        if self._fd is None:
+        if self._fd is None or self._fd not in _held:
+            self._fd = None  # never held, or dropped in a forked child
             return
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+        _held.discard(self._fd)
         os.close(self._fd)
         self._fd = None
 
 
 @contextlib.contextmanager
-def flocked(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> Iterator[None]:
-    """Hold ``flock`` on the (kept) file ``path`` for a short critical section.
+def flocked(
+    path: Path, modes: fsutil.Modes = fsutil.PRIVATE, *, shared: bool = False
+) -> Iterator[None]:
+    """Hold ``flock`` on the (kept) file ``path`` for a critical section.
 
-    For updates that take microseconds: waiting is cheaper than a retry loop,
-    and the operating system releases the lock of a process that dies.
+    Exclusive, or ``shared`` with other shared holders.  The operating system
+    releases the lock of a process that dies.
     """
     fd = _open_lock_file(path, modes)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    _held.add(fd)
+    try:
         yield
     finally:
-        os.close(fd)
+        if fd in _held:  # (a forked child has closed it already)
+            _held.discard(fd)
+            os.close(fd)
 
 
 def _open_lock_file(path: Path, modes: fsutil.Modes) -> int:

@@ -30,13 +30,14 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import fsutil, trust
+from . import fsutil, locks, trust
 from .counters import CounterFiles
 from .key import canonical_json, digest
 from .request import is_plain_name
@@ -61,6 +62,12 @@ _PROC_FD = os.path.isdir("/proc/self/fd")
 # this long; one of this host, whose locks do, a minute.
 TMP_GRACE_SECONDS = 6 * 3600
 STALE_LOCAL_SECONDS = 60
+
+
+# (root, chip) -> the thread whose recount holds that chip's counting lock.
+_WALKERS: dict[tuple[Path, str], int] = {}
+# A forked child holds no lock, whatever its parent's thread was doing.
+os.register_at_fork(after_in_child=_WALKERS.clear)
 
 
 class CorruptEntry(Exception):
@@ -405,6 +412,10 @@ class LocalStore:
             f.write(manifest)
         os.utime(workdir / MANIFEST, (now, now))
         size = len(manifest) + sum(map(len, artifacts.values()))
+        with self._counting(soc):
+            return self._publish_counted(soc, key, workdir, size)
+
+    def _publish_counted(self, soc: str, key: str, workdir: Path, size: int) -> int | None:
         for _attempt in range(3):
             # The entry and its counters go through one handle on the chip folder:
             # if force or clear renames that folder away meanwhile, both go with it.
@@ -433,6 +444,10 @@ class LocalStore:
 
     def discard(self, soc: str, key: str) -> int | None:
         """Remove one entry; returns its bytes, or None if it was already gone."""
+        with self._counting(soc):
+            return self._discard_counted(soc, key)
+
+    def _discard_counted(self, soc: str, key: str) -> int | None:
         try:
             chip_fd = self._open_chip(soc, create=False)
         except OSError as e:
@@ -542,19 +557,42 @@ class LocalStore:
 
     def recount(self, soc: str, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Walk a chip folder and set its counters to what is there."""
-        entries = total = 0
-        for info in self.scan(soc, progress, sizes=True):
-            entries += 1
-            total += info.size
-        self.set_used(soc, entries, total)
+        with self.counting_paused(soc):
+            entries = total = 0
+            for info in self.scan(soc, progress, sizes=True):
+                entries += 1
+                total += info.size
+            self.set_used(soc, entries, total)
         return entries, total
 
-    def set_used(self, soc: str, entries: int, size: int) -> None:
-        """Set a chip's counters to a walk's result.
+    @contextlib.contextmanager
+    def counting_paused(self, soc: str) -> Iterator[None]:
+        """Hold off every store and removal of a chip (in any process) meanwhile.
 
-        Exact when nothing stores meanwhile; a store racing the walk may be
-        counted twice or not at all, until the next recount.
+        For a walk that resets the counters: a store counted between the walk
+        and the reset would be lost.  This thread's own removals go on.
         """
+        with locks.flocked(self._count_lock(soc), self.modes):
+            _WALKERS[(self.root, soc)] = threading.get_ident()
+            try:
+                yield
+            finally:
+                del _WALKERS[(self.root, soc)]
+
+    @contextlib.contextmanager
+    def _counting(self, soc: str) -> Iterator[None]:
+        """Shared with other stores and removals; waits while a recount walks."""
+        if _WALKERS.get((self.root, soc)) == threading.get_ident():
+            yield  # this thread is the walker: it holds the lock already
+            return
+        with locks.flocked(self._count_lock(soc), self.modes, shared=True):
+            yield
+
+    def _count_lock(self, soc: str) -> Path:
+        return self.folder("locks") / f"{soc}.count"
+
+    def set_used(self, soc: str, entries: int, size: int) -> None:
+        """Set a chip's counters to a walk's result (walk and set under ``counting_paused``)."""
         try:
             chip_fd = self._open_chip(soc, create=False)
         except OSError as e:
@@ -585,6 +623,13 @@ class LocalStore:
                 with contextlib.suppress(OSError):
                     fsutil.remove_tree(path)
                     removed += 1
+        # Temp files of small atomic writes (counters, op_cache.ini) of killed
+        # writers: such a write takes microseconds, so a minute-old one is dead.
+        folders = [self.root, *(self.chip_dir(soc) / SIZE_FOLDER for soc in self.chips())]
+        with contextlib.suppress(OSError):
+            folders += [self.stats_dir / soc for soc in os.listdir(self.stats_dir)]
+        for folder in folders:
+            removed += _remove_stale_temps(folder, now)
         return removed
 
 
@@ -636,6 +681,20 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _remove_stale_temps(folder: Path, now: float) -> int:
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if fsutil.is_temp_name(n)]
+    except OSError:
+        return 0
+    for name in names:
+        with contextlib.suppress(OSError):
+            if now - os.stat(folder / name, follow_symlinks=False).st_mtime > STALE_LOCAL_SECONDS:
+                os.unlink(folder / name)
+                removed += 1
+    return removed
 
 
 def _is_real_dir(path: Path) -> bool:

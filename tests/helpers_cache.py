@@ -241,6 +241,16 @@ def _collect_warnings() -> list[str]:
     return handler.messages
 
 
+def base_spec(tmp_path: Path, **compiler: object) -> dict[str, Any]:
+    """What every child process needs: the cache, HOME, its compiler, its out_dir."""
+    return {
+        "cache_dir": str(tmp_path / "ops"),
+        "home": str(tmp_path),
+        "compiler": {"calls_file": str(tmp_path / "calls"), **compiler},
+        "out": str(tmp_path / "out"),
+    }
+
+
 def compile_child(spec: dict[str, Any]) -> None:
     """A process that compiles ``spec['requests']`` (indices) and reports as JSON.
 

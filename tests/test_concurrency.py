@@ -20,6 +20,7 @@ from helpers_cache import (
     MP,
     SOC,
     ToyCompiler,
+    base_spec,
     busy_child,
     compile_child,
     entry_dirs,
@@ -35,15 +36,6 @@ from helpers_cache import (
 
 import opcache
 from opcache.store import LocalStore
-
-
-def base_spec(tmp_path: Path, **compiler: object) -> dict:
-    return {
-        "cache_dir": str(tmp_path / "ops"),
-        "home": str(tmp_path),
-        "compiler": {"calls_file": str(tmp_path / "calls"), **compiler},
-        "out": str(tmp_path / "out"),
-    }
 
 
 def run_children(target, specs: list[dict], go: Path | None = None, timeout: float = 60) -> list:
