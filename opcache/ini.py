@@ -113,6 +113,7 @@ def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
     parser = configparser.ConfigParser(
         interpolation=None, strict=False, default_section="\0opcache-no-default"
     )
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys as CANN reads them: case matters
     try:
         parser.read_string(text)
     except configparser.Error as e:

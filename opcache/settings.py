@@ -12,6 +12,7 @@ from __future__ import annotations
 import grp
 import logging
 import os
+import pwd
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -183,6 +184,8 @@ def resolve_settings(
         config = debug.read_debug_config(config_path)
     sources["debug_config"] = "argument" if config_path else "default"
     collect_path = env.get(ENV_COLLECT_PATH) or None
+    sources["npu_collect_path"] = f"env:{ENV_COLLECT_PATH}" if collect_path else "default"
+    sources["debug_dir"] = "argument" if _is_set(debug_dir) else "default"
 
     return Settings(
         mode=mode,
@@ -256,7 +259,9 @@ def _resolve_debug_level(value: int | str | None) -> int:
 
 
 def _home(env: Mapping[str, str]) -> Path:
-    return Path(env.get("HOME") or Path.home())
+    # Without HOME in the given environment: the account's home from the user
+    # database, not os.environ (the environment given is the only one read).
+    return Path(env.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir)
 
 
 def _expand(text: str, env: Mapping[str, str]) -> Path:
@@ -289,6 +294,7 @@ def _resolve_size_limits(
         limits = ini.read_size_limits(path)
         if limits is not None:
             sources["max_op_cache_size_mb"] = sources["remain_cache_size_ratio"] = INI_NAME
+            sources["ini_path"] = INI_NAME  # the file in force supplied the size keys
             return path, limits.max_op_cache_size_mb, limits.remain_cache_size_ratio
     max_mb, sources["max_op_cache_size_mb"] = _env_limit(
         env, ENV_MAX_SIZE, ini.parse_max_size, ini.DEFAULT_MAX_SIZE_MB, "-1 or 1..2147483646"
@@ -296,6 +302,7 @@ def _resolve_size_limits(
     ratio, sources["remain_cache_size_ratio"] = _env_limit(
         env, ENV_RATIO, ini.parse_ratio, ini.DEFAULT_RATIO, "1..100"
     )
+    sources["ini_path"] = "default"  # none supplies both keys: where CANN keeps it
     return candidates[0], max_mb, ratio
 
 

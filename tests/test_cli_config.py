@@ -26,6 +26,11 @@ CACHE_VARIABLES = (
     "ASCEND_MAX_OP_CACHE_SIZE",
     "ASCEND_REMAIN_CACHE_SIZE_RATIO",
     "NPU_COLLECT_PATH",
+    "OPCACHE_SHARED_GROUP",
+    # The compiler `auto` picks (shown by `opcache config`) depends on these.
+    "ASCEND_HOME_PATH",
+    "ASCEND_TOOLKIT_HOME",
+    "ASCEND_OPP_PATH",
 )
 
 
@@ -66,7 +71,10 @@ def test_config_prints_every_setting_with_its_source(home, capsys):
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
     assert rows["mode"] == ["disable", "(default)"]
     assert rows["root"] == [str(home / "atc_data" / "kernel_cache"), "(default)"]
-    assert rows["ini_path"] == [str(home / "atc_data" / "kernel_cache" / "op_cache.ini")]
+    assert rows["ini_path"] == [
+        str(home / "atc_data" / "kernel_cache" / "op_cache.ini"),
+        "(default)",
+    ]
     assert rows["max_op_cache_size_mb"] == ["500", "(default)"]
     assert rows["remain_cache_size_ratio"] == ["50", "(default)"]
     assert rows["aging_enabled"] == ["True"]

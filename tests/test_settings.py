@@ -1015,6 +1015,9 @@ def test_as_dict_carries_every_setting_and_its_source(env):
         "debug_level": "default",
         "debug_config": "default",
         "shared_group": "default",
+        "ini_path": "default",
+        "npu_collect_path": "default",
+        "debug_dir": "default",
     }
 
 
@@ -1056,3 +1059,52 @@ def test_shared_group_that_does_not_exist_is_a_config_error(env):
         resolve_settings(environ={**env, "OPCACHE_SHARED_GROUP": "no-such-group-xyz"})
     with pytest.raises(ConfigError, match="shared_group="):
         resolve_settings(shared_group="no-such-group-xyz", environ=env)
+
+
+def test_empty_values_count_as_unset(env):
+    """As in CANN's tools, "" is the same as not giving the option."""
+    s = resolve_settings(
+        op_compiler_cache_mode="",
+        op_compiler_cache_dir="",
+        op_debug_level="",
+        op_debug_config="",
+        environ=env,
+    )
+    assert (s.mode, s.sources["mode"]) == ("disable", "default")
+    assert (s.root, s.sources["root"]) == (Path(env["HOME"]) / "atc_data/kernel_cache", "default")
+    assert (s.debug_level, s.sources["debug_level"]) == (0, "default")
+    assert (s.debug_config_path, s.sources["debug_config"]) == (None, "default")
+
+
+def test_ini_keys_are_case_sensitive_as_cann_reads_them(fs, env, caplog):
+    root = Path("/data/ops/kernel_cache")
+    fs.create_file(
+        root / "op_cache.ini",
+        contents="[op_compiler_cache]\nMAX_OP_CACHE_SIZE=7\nRemain_Cache_Size_Ratio=9\n",
+    )
+    s = resolve_settings(op_compiler_cache_dir="/data/ops", environ=env)
+    assert (s.max_op_cache_size_mb, s.sources["max_op_cache_size_mb"]) == (500, "default")
+
+
+def test_sources_name_the_origin_of_ini_path_collect_path_and_debug_dir(fs, env):
+    root = Path("/data/ops/kernel_cache")
+    fs.create_file(
+        root / "op_cache.ini",
+        contents="[op_compiler_cache]\nmax_op_cache_size=7\nremain_cache_size_ratio=9\n",
+    )
+    s = resolve_settings(
+        op_compiler_cache_dir="/data/ops",
+        debug_dir="/dbg",
+        environ={**env, "NPU_COLLECT_PATH": "/collect"},
+    )
+    assert s.sources["ini_path"] == "op_cache.ini"
+    assert s.sources["npu_collect_path"] == "env:NPU_COLLECT_PATH"
+    assert (s.debug_dir, s.sources["debug_dir"]) == (Path("/dbg"), "argument")
+
+
+def test_home_missing_from_environ_is_the_accounts_home_not_os_environ(monkeypatch):
+    import pwd
+
+    monkeypatch.setenv("HOME", "/somewhere/else")
+    s = resolve_settings(environ={})
+    assert s.root == Path(pwd.getpwuid(os.getuid()).pw_dir) / "atc_data" / "kernel_cache"

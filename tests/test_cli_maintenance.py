@@ -1,0 +1,141 @@
+"""The maintenance commands as a cron job uses them: exit codes, output, JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from helpers_cache import SOC, ToyCompiler, entry_dirs, make_request
+
+import opcache
+from opcache.cli import main
+
+REQUIRED_STATS_KEYS = {
+    "hits",
+    "misses",
+    "bypasses",
+    "stores",
+    "corrupt",
+    "evicted_entries",
+    "evicted_bytes",
+    "entries",
+    "bytes",
+    "chips",
+}
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("ASCEND_CACHE_PATH", "ASCEND_MAX_OP_CACHE_SIZE", "ASCEND_REMAIN_CACHE_SIZE_RATIO"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "ops"
+
+
+def fill(cache_dir: Path, tmp_path: Path, count: int, *, clock: float | None = None) -> list[str]:
+    settings = opcache.resolve_settings(
+        op_compiler_cache_mode="enable",
+        op_compiler_cache_dir=str(cache_dir),
+        environ={"HOME": str(tmp_path)},
+    )
+    compiler = ToyCompiler(tmp_path / "calls", size=200 * 1024)
+    now = time.time() if clock is None else clock
+    with opcache.OpCache(settings, clock=lambda: now) as cache:
+        return [
+            cache.compile(make_request(i), compiler, tmp_path / "out" / str(i)).key
+            for i in range(count)
+        ]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_age_is_quiet_when_nothing_is_removed(cache_dir, tmp_path, capsys) -> None:
+    fill(cache_dir, tmp_path, 3)
+    assert run(capsys, "age", "--op_compiler_cache_dir", str(cache_dir)) == (0, "", "")
+
+
+def test_age_reports_what_it_removed_and_exits_0(cache_dir, tmp_path, capsys) -> None:
+    fill(cache_dir, tmp_path, 8, clock=time.time() - 7200)  # 1.6 MB, all two hours old
+    root = cache_dir / "kernel_cache"
+    (root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nmax_op_cache_size=1\nremain_cache_size_ratio=50\n"
+    )
+    status, out, err = run(capsys, "age", "--op_compiler_cache_dir", str(cache_dir))
+    assert (status, err) == (0, "")
+    assert out.startswith(f"{SOC}: removed ")
+    assert len(entry_dirs(root)) < 8
+
+
+def test_age_dry_run_json_removes_nothing(cache_dir, tmp_path, capsys) -> None:
+    fill(cache_dir, tmp_path, 8, clock=time.time() - 7200)
+    root = cache_dir / "kernel_cache"
+    (root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nmax_op_cache_size=1\nremain_cache_size_ratio=50\n"
+    )
+    args = ("age", "--dry-run", "--json", "--op_compiler_cache_dir", str(cache_dir))
+    status, out, _ = run(capsys, *args)
+    report = json.loads(out)
+    assert status == 0
+    assert report["removed_entries"] > 0 and report["freed_bytes"] > 0
+    assert set(report["chips"][SOC]) >= {"bytes_before", "bytes_after", "removed_entries"}
+    assert len(entry_dirs(root)) == 8
+
+
+def test_stats_json_has_every_key_in_total_and_per_chip(cache_dir, tmp_path, capsys) -> None:
+    fill(cache_dir, tmp_path, 2)
+    fill(cache_dir, tmp_path, 2)
+    status, out, _ = run(capsys, "stats", "--json", "--op_compiler_cache_dir", str(cache_dir))
+    report = json.loads(out)
+    assert status == 0
+    assert set(report) >= REQUIRED_STATS_KEYS
+    assert REQUIRED_STATS_KEYS - {"chips"} <= set(report["chips"][SOC])
+    assert (report["hits"], report["misses"], report["stores"], report["entries"]) == (2, 2, 2, 2)
+
+
+def test_stats_zero_json_is_json_and_keeps_entries(cache_dir, tmp_path, capsys) -> None:
+    fill(cache_dir, tmp_path, 2)
+    flags = ("--op_compiler_cache_dir", str(cache_dir))
+    status, out, _ = run(capsys, "stats", "--zero", "--json", *flags)
+    assert (status, json.loads(out)) == (0, {"zeroed": True})
+    report = json.loads(run(capsys, "stats", "--json", *flags)[1])
+    assert (report["misses"], report["entries"]) == (0, 2)
+
+
+def test_verify_reports_and_repairs(cache_dir, tmp_path, capsys) -> None:
+    keys = fill(cache_dir, tmp_path, 3)
+    root = cache_dir / "kernel_cache"
+    damaged = next(p for p in entry_dirs(root)[keys[0]].iterdir() if p.suffix == ".o")
+    damaged.write_bytes(b"garbage")
+    status, out, _ = run(capsys, "verify", "--json", "--op_compiler_cache_dir", str(cache_dir))
+    report = json.loads(out)
+    assert (status, report["corrupt"], report["errors"]) == (0, 1, 0)
+    assert report["chips"][SOC]["entries"] == 2
+    assert set(entry_dirs(root)) == set(keys[1:])
+
+
+def test_clear_one_chip_and_on_a_missing_cache(cache_dir, tmp_path, capsys) -> None:
+    flags = ("--op_compiler_cache_dir", str(cache_dir))
+    assert run(capsys, "clear", *flags)[:2] == (0, "nothing to clear\n")
+    assert not cache_dir.exists()  # clearing creates nothing
+    fill(cache_dir, tmp_path, 2)
+    status, out, _ = run(capsys, "clear", "--soc_version", SOC, *flags)
+    assert (status, out) == (0, f"cleared {SOC}\n")
+    assert entry_dirs(cache_dir / "kernel_cache") == {}
+
+
+def test_a_cache_folder_that_is_a_file_is_one_error_line_exit_1(tmp_path, capsys) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    for command in ("stats", "age", "verify", "clear"):
+        status, _, err = run(capsys, command, "--op_compiler_cache_dir", str(blocker / "x"))
+        lines = err.strip().splitlines()
+        assert status in (0, 1), command  # nothing there (0) or cannot look (1)
+        if status == 1:
+            assert len(lines) == 1 and lines[0].startswith("opcache: error: "), command
+        assert "Traceback" not in err
