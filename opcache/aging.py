@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from .settings import AGE_SECONDS
-from .store import LocalStore
+from .store import EntryInfo, LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,24 @@ def _trim(
     on_evict: Callable[[int], None] | None,
 ) -> None:
     oldest_first = sorted(store.scan(soc, progress, sizes=dry_run), key=lambda i: i.stamp)
+    if dry_run:
+        _trim_with(lambda key: None, oldest_first, store, soc, to_free, now, True, report, on_evict)
+        return
+    with store.discarding(soc) as remove:
+        _trim_with(remove, oldest_first, store, soc, to_free, now, False, report, on_evict)
+
+
+def _trim_with(
+    remove: Callable[[str], int | None],
+    oldest_first: list[EntryInfo],
+    store: LocalStore,
+    soc: str,
+    to_free: int,
+    now: float,
+    dry_run: bool,
+    report: ChipAging,
+    on_evict: Callable[[int], None] | None,
+) -> None:
     for info in oldest_first:
         if report.freed_bytes >= to_free:
             return
@@ -103,7 +121,7 @@ def _trim(
             size = info.size
         else:
             try:
-                size = store.discard(soc, info.key)
+                size = remove(info.key)
             except OSError as e:
                 log.warning("cannot remove %s/%s while aging: %s", soc, info.key, e)
                 report.errors += 1

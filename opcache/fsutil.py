@@ -131,16 +131,17 @@ def write_atomic(path: Path, data: bytes, modes: Modes) -> None:
         raise
 
 
-def remove_tree(path: Path | str) -> None:
+def remove_tree(path: Path | str) -> int:
     """Delete a folder tree without following links, tolerating parts that vanish.
 
-    A ``.nfsXXXX`` file (an NFS client's placeholder for a file still open
-    elsewhere) can keep a folder from going; that folder is left for a later pass.
-    A link is removed itself, never what it points at.
+    Returns the bytes of the regular files it deleted.  A ``.nfsXXXX`` file
+    (an NFS client's placeholder for a file still open elsewhere) can keep a
+    folder from going; that folder is left for a later pass.  A link is removed
+    itself, never what it points at.
     """
     if os.path.islink(path):
         _ignore_gone(os.unlink, path)
-        return
+        return 0
     try:
         entries = list(os.scandir(path))
     except OSError as e:
@@ -148,17 +149,24 @@ def remove_tree(path: Path | str) -> None:
             _ignore_gone(os.unlink, path)
         elif e.errno not in GONE:
             raise
-        return
+        return 0
+    size = 0
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            remove_tree(entry.path)
-        else:
-            _ignore_gone(os.unlink, entry.path)
+            size += remove_tree(entry.path)
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False):
+                size += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            pass
+        _ignore_gone(os.unlink, entry.path)
     try:
         os.rmdir(path)
     except OSError as e:
         if e.errno not in (*GONE, errno.ENOTEMPTY, errno.EBUSY):
             raise
+    return size
 
 
 def _ignore_gone(func: Callable[[str], None], path: Path | str) -> None:
@@ -167,23 +175,3 @@ def _ignore_gone(func: Callable[[str], None], path: Path | str) -> None:
     except OSError as e:
         if e.errno not in (*GONE, errno.EBUSY):
             raise
-
-
-def tree_size(path: Path) -> int:
-    """Bytes of the regular files below ``path`` (links not followed)."""
-    if os.path.islink(path):
-        return 0
-    total = 0
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return 0
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                total += tree_size(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
-        except OSError:
-            continue
-    return total
