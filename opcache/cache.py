@@ -183,8 +183,9 @@ class OpCache:
             lock = self._acquire(soc, key)
             stored = None
             try:
-                # The process we waited for has probably stored it.
-                entry = self._lookup(soc, key) if lock and lock.waited else None
+                # Another process may have stored it since our first look,
+                # whether we waited for its lock or it was done before we came.
+                entry = self._lookup(soc, key) if lock else None
                 if entry is None:
                     if lock and lock.waited:
                         # Its compile failed (or could not be stored): compile
@@ -515,7 +516,8 @@ class OpCache:
 
 
 def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    if not out.is_dir():
+        out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, data in files.items():
         path = out / name
@@ -535,7 +537,8 @@ def _compile_into(
     """
     import tempfile  # off the start-up path: only a miss gets here
 
-    out.mkdir(parents=True, exist_ok=True)
+    if not out.is_dir():
+        out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=".opcache-", dir=out))
     try:
         compiler.compile(request, workdir)

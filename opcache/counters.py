@@ -44,7 +44,8 @@ class CounterFiles:
         if not deltas:
             return
         index = os.getpid() % SHARDS
-        fsutil.makedirs(self.folder, self._modes)
+        if not os.path.isdir(self.folder):
+            fsutil.makedirs(self.folder, self._modes)
         with self._lock(index):
             counts = _read(self._shard(index))
             for name, value in deltas.items():

@@ -519,14 +519,18 @@ class LocalStore:
 
     def _open_dir(self, name: str, parent_fd: int, parent: Path, *, create: bool) -> int:
         """A trusted folder under ``parent_fd``, never through a link; made if asked."""
-        if create:
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            # Made only when missing: an open is cheaper than a failing mkdir.
             try:
                 os.mkdir(name, self.modes.dir_bits, dir_fd=parent_fd)
                 fsutil.fix_new_dir(name, self.modes, dir_fd=parent_fd)
             except FileExistsError:
                 pass
-        try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            return self._open_dir(name, parent_fd, parent, create=False)
         except OSError as e:
             if e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(name, parent_fd):
                 raise trust.UntrustedFolder(f"{parent / name} is a link or a file") from None
