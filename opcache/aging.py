@@ -8,12 +8,13 @@ time (the others skip, they do not wait), and compiling never waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from .settings import AGE_SECONDS
-from .store import EntryInfo, LocalStore
+from .store import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -89,47 +90,31 @@ def _trim(
     on_evict: Callable[[int], None] | None,
 ) -> None:
     oldest_first = sorted(store.scan(soc, progress, sizes=dry_run), key=lambda i: i.stamp)
-    if dry_run:
-        _trim_with(lambda key: None, oldest_first, store, soc, to_free, now, True, report, on_evict)
-        return
-    with store.discarding(soc) as remove:
-        _trim_with(remove, oldest_first, store, soc, to_free, now, False, report, on_evict)
-
-
-def _trim_with(
-    remove: Callable[[str], int | None],
-    oldest_first: list[EntryInfo],
-    store: LocalStore,
-    soc: str,
-    to_free: int,
-    now: float,
-    dry_run: bool,
-    report: ChipAging,
-    on_evict: Callable[[int], None] | None,
-) -> None:
-    for info in oldest_first:
-        if report.freed_bytes >= to_free:
-            return
-        if now - info.stamp < MIN_IDLE_SECONDS:
-            report.oldest_kept = info.stamp
-            return  # the rest are younger still
-        # A hit since the scan moves the stamp: that entry is in use again.
-        # (An entry with no manifest has stamp 0.0 and goes first.)
-        if (store.stamp(soc, info.key) or 0.0) != info.stamp:
-            continue
-        if dry_run:
-            size = info.size
-        else:
-            try:
-                size = remove(info.key)
-            except OSError as e:
-                log.warning("cannot remove %s/%s while aging: %s", soc, info.key, e)
-                report.errors += 1
+    removing = contextlib.nullcontext(None) if dry_run else store.discarding(soc)
+    with removing as remove:
+        for info in oldest_first:
+            if report.freed_bytes >= to_free:
+                return
+            if now - info.stamp < MIN_IDLE_SECONDS:
+                report.oldest_kept = info.stamp
+                return  # the rest are younger still
+            # A hit since the scan moves the stamp: that entry is in use again.
+            # (An entry with no manifest has stamp 0.0 and goes first.)
+            if (store.stamp(soc, info.key) or 0.0) != info.stamp:
                 continue
-            if size is None:
-                continue
-            if on_evict:
-                on_evict(size)
-        log.debug("aged out %s/%s (%d bytes)", soc, info.key, size)
-        report.removed_entries += 1
-        report.freed_bytes += size
+            if remove is None:
+                size = info.size
+            else:
+                try:
+                    size = remove(info.key)
+                except OSError as e:
+                    log.warning("cannot remove %s/%s while aging: %s", soc, info.key, e)
+                    report.errors += 1
+                    continue
+                if size is None:
+                    continue
+                if on_evict:
+                    on_evict(size)
+            log.debug("aged out %s/%s (%d bytes)", soc, info.key, size)
+            report.removed_entries += 1
+            report.freed_bytes += size

@@ -53,10 +53,9 @@ def _check_keys(value: Any) -> None:
             _check_keys(item)
 
 
-def key_inputs(request: OpRequest, compiler_name: str, fingerprint: str) -> dict[str, Any]:
-    """Every part that goes into the key, as plain JSON data."""
+def request_parts(request: OpRequest) -> dict[str, Any]:
+    """The request's share of the key (everything but the schema and the compiler)."""
     return {
-        "schema": SCHEMA,
         "op_type": request.op_type,
         "soc_version": request.soc_version,
         "inputs": request.inputs,
@@ -64,6 +63,14 @@ def key_inputs(request: OpRequest, compiler_name: str, fingerprint: str) -> dict
         "attrs": request.attrs,
         "options": request.options,
         "sources": {name: digest(data) for name, data in request.source_bytes.items()},
+    }
+
+
+def key_inputs(request: OpRequest, compiler_name: str, fingerprint: str) -> dict[str, Any]:
+    """Every part that goes into the key, as plain JSON data."""
+    return {
+        "schema": SCHEMA,
+        **request_parts(request),
         "compiler": {"name": compiler_name, "fingerprint": fingerprint},
     }
 

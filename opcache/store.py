@@ -225,12 +225,9 @@ class LocalStore:
 
         Every folder below the root must pass the trust rule (UntrustedFolder).
         """
-        try:
-            chip_fd = self._open_chip(soc, create=False)
-        except OSError as e:
-            if e.errno in fsutil.GONE:
-                return None
-            raise
+        chip_fd = self._open_chip_if_there(soc)
+        if chip_fd is None:
+            return None
         try:
             try:
                 bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=False)
@@ -338,12 +335,9 @@ class LocalStore:
         Walks through folder handles and never through a link; a bucket that
         fails the trust rule is skipped with a warning.
         """
-        try:
-            chip_fd = self._open_chip(soc, create=False)
-        except OSError as e:
-            if e.errno in fsutil.GONE:
-                return
-            raise
+        chip_fd = self._open_chip_if_there(soc)
+        if chip_fd is None:
+            return
         try:
             buckets = sorted(n for n in os.listdir(chip_fd) if _BUCKET.fullmatch(n))
             for done, bucket in enumerate(buckets, 1):
@@ -458,11 +452,8 @@ class LocalStore:
         everything else.
         """
         with self._counting(soc):
-            try:
-                chip_fd = self._open_chip(soc, create=False)
-            except OSError as e:
-                if e.errno not in fsutil.GONE:
-                    raise
+            chip_fd = self._open_chip_if_there(soc)
+            if chip_fd is None:
                 yield lambda key: None
                 return
             buckets: dict[str, int | None] = {}
@@ -509,6 +500,15 @@ class LocalStore:
                     self._count(chip_fd, soc, removed)
                 finally:
                     os.close(chip_fd)
+
+    def _open_chip_if_there(self, soc: str) -> int | None:
+        """The chip folder's handle, or None when there is no such folder (yet, or any more)."""
+        try:
+            return self._open_chip(soc, create=False)
+        except OSError as e:
+            if e.errno in fsutil.GONE:
+                return None
+            raise
 
     def _open_chip(self, soc: str, *, create: bool) -> int:
         root_fd = os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW)
@@ -631,12 +631,9 @@ class LocalStore:
 
     def set_used(self, soc: str, entries: int, size: int) -> None:
         """Set a chip's counters to a walk's result (walk and set under ``counting_paused``)."""
-        try:
-            chip_fd = self._open_chip(soc, create=False)
-        except OSError as e:
-            if e.errno in fsutil.GONE:
-                return
-            raise
+        chip_fd = self._open_chip_if_there(soc)
+        if chip_fd is None:
+            return
         try:
             self._count(chip_fd, soc, None)
             self._count(chip_fd, soc, {"entries": entries, "bytes": size})

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CompileError
-from ..key import canonical_json, digest
+from ..key import canonical_json, digest, request_parts
 from ..request import OpRequest
 
 if TYPE_CHECKING:
@@ -22,16 +22,8 @@ _identities: dict[tuple[str, int, int], str] = {}
 
 def kernel_name(request: OpRequest) -> str:
     """``<op_type>_<16 hex>``: from the request's key inputs, never from op_name."""
-    parts = {
-        "op_type": request.op_type,
-        "soc_version": request.soc_version,
-        "inputs": request.inputs,
-        "outputs": request.outputs,
-        "attrs": request.attrs,
-        "options": request.options,
-        "sources": {name: digest(data) for name, data in request.source_bytes.items()},
-    }
-    return f"{_UNSAFE.sub('_', request.op_type)}_{digest(canonical_json(parts))[:16]}"
+    digest_of_parts = digest(canonical_json(request_parts(request)))
+    return f"{_UNSAFE.sub('_', request.op_type)}_{digest_of_parts[:16]}"
 
 
 def file_identity(path: str | os.PathLike[str]) -> str:
