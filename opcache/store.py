@@ -64,6 +64,8 @@ TMP_GRACE_SECONDS = 6 * 3600
 STALE_LOCAL_SECONDS = 60
 # Removals counted in one counter update while trimming.
 _COUNT_EVERY = 64
+# Times a store starts over when force or clear deletes the chip folder under it.
+_PUBLISH_ATTEMPTS = 8
 
 
 # (root, chip) -> the thread whose recount holds that chip's counting lock.
@@ -412,7 +414,7 @@ class LocalStore:
             return self._publish_counted(soc, key, workdir, size)
 
     def _publish_counted(self, soc: str, key: str, workdir: Path, size: int) -> int | None:
-        for _attempt in range(3):
+        for _attempt in range(_PUBLISH_ATTEMPTS):
             # The entry and its counters go through one handle on the chip folder:
             # if force or clear renames that folder away meanwhile, both go with it.
             chip_fd = None
