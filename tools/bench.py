@@ -191,6 +191,14 @@ def bench_scale(report: Report, tmp: Path, repeat: int, big: int) -> dict[int, f
     print(f"2. scale: hit and store cost at 1,000 and {big:,} entries in one chip folder")
     folder = tmp / "scale"
     cache = opcache.OpCache(settings_for(folder, max_op_cache_size=-1, remain_cache_size_ratio=50))
+    try:
+        import diskcache
+
+        peer = diskcache.Cache(
+            str(folder / "diskcache"), size_limit=2**40, eviction_policy="least-recently-used"
+        )
+    except ImportError:
+        peer = None
     compiler = PremadeCompiler(100 * 1024)
     out = folder / "out"
     hits: dict[int, float] = {}
@@ -217,8 +225,30 @@ def bench_scale(report: Report, tmp: Path, repeat: int, big: int) -> dict[int, f
         base_hit, base_store = hits[1_000], stores[1_000]
         report.add("scale", f"hit at {count:,} entries", hit, vs_1000=hits[count] / base_hit)
         report.add("scale", f"store at {count:,} entries", st, vs_1000=stores[count] / base_store)
+        if peer is not None:
+            peer_times = _peer_at(peer, folder, count, out, repeat)
+            report.add("scale", f"diskcache hit at {count:,} entries", peer_times)
     cache.close()
+    if peer is not None:
+        peer.close()
     return hits
+
+
+def _peer_at(peer, folder: Path, count: int, out: Path, repeat: int) -> list[float]:
+    """diskcache holding ``count`` entries like opcache's; the same 100 KB hit + write."""
+    body = b"x" * (100 * 1024)
+    small = b"{" + b" " * (JSON_SIZE - 2) + b"}"
+    for i in range(len(peer), count):
+        peer.set(f"k{i}.o", body if i == 5 else b"x" * 256)
+        peer.set(f"k{i}.json", small)
+
+    def hit() -> None:
+        for name in ("k5.o", "k5.json"):
+            data = peer.get(name)
+            with open(out / f"peer-{name}", "wb") as f:
+                f.write(data)
+
+    return timeit(hit, repeat)
 
 
 # -- 3. store ---------------------------------------------------------------------------
@@ -421,22 +451,22 @@ def plot(rows: list[dict], path: str) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         return
-    points = [
-        (int(r["name"].split()[2].replace(",", "")), r["median"])
-        for r in rows
-        if r["scenario"] == "scale" and r["name"].startswith("hit at")
-    ]
-    if not points:
-        return
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs, ys = zip(*points, strict=True)
-    ax.plot(xs, [y * 1e3 for y in ys], marker="o", label="opcache hit (100 KB)")
+    for prefix, label in (("hit at", "opcache hit"), ("diskcache hit at", "diskcache get + write")):
+        points = [
+            (int(r["name"][len(prefix) :].split()[0].replace(",", "")), r["median"] * 1e3)
+            for r in rows
+            if r["scenario"] == "scale" and r["name"].startswith(prefix + " ")
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", label=f"{label} (100 KB + 1 KB)")
     ax.set_xscale("log")
     ax.set_xlabel("entries in the chip folder")
     ax.set_ylabel("hit cost (ms, median)")
     ax.set_ylim(bottom=0)
     ax.legend()
-    ax.set_title("opcache hit cost against entry count")
+    ax.set_title("hit cost against entry count")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
@@ -473,12 +503,15 @@ def main(argv: list[str] | None = None) -> int:
             bench_wrap(report, tmp, max(repeat // 10, 10))
         if 6 in only:
             bench_session(report, tmp, session)
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({"quick": args.quick, "rows": report.rows}, indent=2)
+            )
+        if args.plot:
+            plot(report.rows, args.plot)
     finally:
+        print("(removing the bench's files: deleting 100,000 entries takes a while)")
         shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"quick": args.quick, "rows": report.rows}, indent=2))
-    if args.plot:
-        plot(report.rows, args.plot)
     return 0
 
 
