@@ -200,11 +200,16 @@ def _flip_a_byte(store: LocalStore, rng: random.Random) -> int:
             if not files:
                 continue
             path = rng.choice(files)
-            data = bytearray(path.read_bytes())
-            if not data:
-                continue
-            data[rng.randrange(len(data))] ^= 0xFF
-            path.write_bytes(bytes(data))
+            # In place, one byte, as bit rot does: the file never changes size
+            # (a rewrite would show a remover a transiently shorter file).
+            with open(path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                if not size:
+                    continue
+                f.seek(rng.randrange(size))
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
             return 1
         except OSError:
             continue  # aged or cleared meanwhile
