@@ -266,7 +266,8 @@ def _wrap_command(args: argparse.Namespace, command: Sequence[str]) -> int:
     def settings_for(level: str | None, config: str | None) -> Settings:
         return _settings(args, COMPILING_DEFAULT_MODE, level, config)
 
-    settings_for(None, None)  # a bad cache flag is opcache's error, before anything runs
+    # wrap.run resolves the cache flags alone first: a bad one is opcache's
+    # error (ConfigError, exit 2) before anything runs.
     return wrap.run(command, settings_for)
 
 

@@ -147,10 +147,12 @@ def run(
             with OpCache(settings) as cache:
                 cache.record_uncacheable(HOST_CHIP, str(e))
         return _run_plain(argv, env)
-    try:
-        settings = settings_for(plan.debug_level, plan.debug_config)
-    except ConfigError:
-        return _run_plain(argv, env)  # a bad debug flag on the line: the tool says why
+    settings = base
+    if plan.debug_level is not None or plan.debug_config is not None:
+        try:
+            settings = settings_for(plan.debug_level, plan.debug_config)
+        except ConfigError:
+            return _run_plain(argv, env)  # a bad debug flag on the line: the tool says why
     compiler = _WrappedCommand(plan, kind, env)
     staging = _staging_dir(plan)
     try:
