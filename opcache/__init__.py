@@ -9,7 +9,6 @@ weak.  See README.md for the whole picture.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -25,7 +24,7 @@ _EXPORTS = {
     "settings_from_options": "frontends",
     "ensure_ini_file": "ini",
     "explain_key": "key",
-    "Compiler": "request",
+    "Compiler": "compilers.protocol",
     "CompileResult": "request",
     "OpRequest": "request",
     "Settings": "settings",
@@ -50,14 +49,18 @@ __all__ = [
     "settings_from_options",
 ]
 
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
+    from typing import Any
+
     from .cache import AgingReport, OpCache, VerifyReport
     from .compilers import get_compiler
+    from .compilers.protocol import Compiler
     from .errors import CompileError, ConfigError
     from .frontends import settings_from_options
     from .ini import ensure_ini_file
     from .key import explain_key
-    from .request import Compiler, CompileResult, OpRequest
+    from .request import CompileResult, OpRequest
     from .settings import Settings, resolve_settings
 
 

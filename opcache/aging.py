@@ -9,14 +9,13 @@ time (the others skip, they do not wait), and compiling never waits for it.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
+from ._log import get_logger
 from .settings import AGE_SECONDS
 from .store import LocalStore
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # Access stamps are written at most once a minute, so a stamp may be up to a
 # minute older than the last access: keep that much more to never delete an
@@ -25,24 +24,24 @@ STAMP_GRANULARITY = 60
 MIN_IDLE_SECONDS = AGE_SECONDS + STAMP_GRANULARITY
 
 
-@dataclass
 class ChipAging:
     """What one aging pass over one chip folder did (or would do, on a dry run)."""
 
-    soc: str
-    bytes_before: int
-    bytes_after: int
-    entries_before: int
-    removed_entries: int = 0
-    freed_bytes: int = 0
-    skipped: str | None = None  # why no pass ran although the folder is over its limit
-    errors: int = 0  # entries that could not be removed (the pass went on without them)
-    # The stamp of the oldest entry kept for being young: nothing can age before
-    # it is MIN_IDLE_SECONDS old, so no walk is worth doing before then.
-    oldest_kept: float | None = None
+    def __init__(self, soc: str, used_bytes: int, entries: int) -> None:
+        self.soc = soc
+        self.bytes_before = used_bytes
+        self.bytes_after = used_bytes
+        self.entries_before = entries
+        self.removed_entries = 0
+        self.freed_bytes = 0
+        self.skipped: str | None = None  # why no pass ran although the folder is over its limit
+        self.errors = 0  # entries that could not be removed (the pass went on without them)
+        # The stamp of the oldest entry kept for being young: nothing can age before
+        # it is MIN_IDLE_SECONDS old, so no walk is worth doing before then.
+        self.oldest_kept: float | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return dict(vars(self))
 
 
 def age_chip(
@@ -58,7 +57,7 @@ def age_chip(
 ) -> ChipAging:
     """One aging pass over one chip folder; cheap (no walk) when under the limit."""
     entries, used = store.used(soc)
-    report = ChipAging(soc, used, used, entries)
+    report = ChipAging(soc, used, entries)
     if max_bytes is None or used < max_bytes:
         return report
     import filelock  # only here, past the cheap check: it costs the start-up of every process

@@ -22,8 +22,9 @@ from typing import Any
 from .cache import OpCache
 from .compilers import get_compiler
 from .compilers._tool import kernel_name
+from .compilers.protocol import Compiler
 from .errors import CompileError, ConfigError
-from .request import Compiler, OpRequest
+from .request import OpRequest
 from .settings import Settings
 
 _FIELDS: dict[str, tuple[type, ...]] = {

@@ -8,38 +8,42 @@ the promise that the cache never fails a compile.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from . import fsutil, stats
+from ._log import get_logger
 from .aging import MIN_IDLE_SECONDS, STAMP_GRANULARITY, ChipAging, age_chip
 from .errors import CompileError
 from .ini import ensure_ini_file
 from .key import compute_key
 from .locks import KeyLock
-from .request import Compiler, CompileResult, OpRequest, is_plain_name
+from .request import CompileResult, OpRequest, is_plain_name
 from .settings import INI_NAME, Settings, check_soc_version
 from .store import MANIFEST, CorruptEntry, Entry, LocalStore
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .compilers.protocol import Compiler
+
+log = get_logger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
 
 Progress = Callable[[int], None]
 
 
-@dataclass
 class AgingReport:
     """One aging pass: what each chip folder lost, and the totals."""
 
-    chips: dict[str, ChipAging] = field(default_factory=dict)
-    leftovers_removed: int = 0
+    def __init__(self) -> None:
+        self.chips: dict[str, ChipAging] = {}
+        self.leftovers_removed = 0
 
     @property
     def removed_entries(self) -> int:
@@ -63,25 +67,28 @@ class AgingReport:
         }
 
 
-@dataclass
 class ChipVerify:
     """What a full check found in one chip folder."""
 
-    checked: int = 0
-    corrupt: int = 0  # removed
-    errors: int = 0  # entries that could not be read or removed
-    entries: int = 0  # after the check
-    bytes: int = 0
-    counted_entries: int = 0  # what the counters said before
-    counted_bytes: int = 0
+    def __init__(self, counted_entries: int = 0, counted_bytes: int = 0) -> None:
+        self.checked = 0
+        self.corrupt = 0  # removed
+        self.errors = 0  # entries that could not be read or removed
+        self.entries = 0  # after the check
+        self.bytes = 0
+        self.counted_entries = counted_entries  # what the counters said before
+        self.counted_bytes = counted_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
 
 
-@dataclass
 class VerifyReport:
     """A full check: entries read and verified, corrupt ones removed, sizes recounted."""
 
-    chips: dict[str, ChipVerify] = field(default_factory=dict)
-    leftovers_removed: int = 0
+    def __init__(self) -> None:
+        self.chips: dict[str, ChipVerify] = {}
+        self.leftovers_removed = 0
 
     @property
     def corrupt(self) -> int:
@@ -96,7 +103,7 @@ class VerifyReport:
             "corrupt": self.corrupt,
             "errors": self.errors,
             "leftovers_removed": self.leftovers_removed,
-            "chips": {soc: asdict(chip) for soc, chip in self.chips.items()},
+            "chips": {soc: chip.as_dict() for soc, chip in self.chips.items()},
         }
 
 

@@ -1,364 +1,58 @@
-"""The ``opcache`` command line."""
+"""The ``opcache`` command line.
+
+``opcache wrap`` runs once per compile command, so its path imports as little
+as it can: its flags are parsed here by hand, and argparse, logging and the
+other commands (``commands.py``) load only when something needs them.
+"""
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from . import wrap
-from .cache import OpCache
+from . import _log, wrap
 from .errors import ConfigError
 from .settings import DEFAULT_MODE, Settings, check_soc_version, resolve_settings
 
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    import logging
+
 EXIT_USAGE = 2
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports mistakes as one ``opcache: error:`` line."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise _UsageError(message)
-
-
-def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """The ATC spellings of the cache options, shared by every command."""
-    group = parser.add_argument_group("cache options (as ATC spells them)")
-    group.add_argument("--op_compiler_cache_mode", metavar="MODE", help="enable, force or disable")
-    group.add_argument("--op_compiler_cache_dir", metavar="DIR", help="cache folder")
-    group.add_argument("--op_debug_level", metavar="N", help="0..4; not 0 bypasses the cache")
-    group.add_argument("--op_debug_config", metavar="CFG", help="debug .cfg file")
-    group.add_argument("--soc_version", metavar="SOC", help="one chip, e.g. Ascend910B1")
-
-
 # The compiling commands exist to cache: their mode defaults to enable.
 COMPILING_DEFAULT_MODE = "enable"
+# The ATC spellings of the cache options every command takes: flag -> (metavar, help).
+CACHE_FLAGS = {
+    "--op_compiler_cache_mode": ("MODE", "enable, force or disable"),
+    "--op_compiler_cache_dir": ("DIR", "cache folder"),
+    "--op_debug_level": ("N", "0..4; not 0 bypasses the cache"),
+    "--op_debug_config": ("CFG", "debug .cfg file"),
+    "--soc_version": ("SOC", "one chip, e.g. Ascend910B1"),
+}
+_WRAP_USAGE = "wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o"
 
 
-def _settings(
-    args: argparse.Namespace,
+class UsageError(Exception):
+    """A mistake on the command line: one ``opcache: error:`` line, exit 2."""
+
+
+def cache_settings(
+    flags: Mapping[str, str | None],
     default_mode: str = DEFAULT_MODE,
     debug_level: str | None = None,
     debug_config: str | None = None,
 ) -> Settings:
-    if args.soc_version is not None:
-        check_soc_version(args.soc_version)
+    """The settings the cache flags (by name without ``--``) resolve to."""
+    if flags.get("soc_version") is not None:
+        check_soc_version(flags["soc_version"])  # type: ignore[arg-type]
     return resolve_settings(
-        op_compiler_cache_mode=args.op_compiler_cache_mode,
-        op_compiler_cache_dir=args.op_compiler_cache_dir,
-        op_debug_level=debug_level if debug_level is not None else args.op_debug_level,
-        op_debug_config=debug_config if debug_config is not None else args.op_debug_config,
+        op_compiler_cache_mode=flags.get("op_compiler_cache_mode"),
+        op_compiler_cache_dir=flags.get("op_compiler_cache_dir"),
+        op_debug_level=debug_level if debug_level is not None else flags.get("op_debug_level"),
+        op_debug_config=debug_config if debug_config is not None else flags.get("op_debug_config"),
         default_mode=default_mode,
     )
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    from .compilers import auto_choice
-
-    settings = _settings(args)
-    data = settings.as_dict()
-    if args.soc_version is not None:
-        data["chip_dir"] = str(settings.chip_dir(args.soc_version))
-    if settings.sources["mode"] == "default":
-        data["mode_default"] = (
-            f"{DEFAULT_MODE} here and in the library (ATC's default); "
-            f"{COMPILING_DEFAULT_MODE} for opcache wrap, compile and demo"
-        )
-    name, why = auto_choice()
-    data["compiler_auto"] = f"{name} ({why})"
-    if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-        return 0
-    sources = data.pop("sources")
-    width = max(map(len, data))
-    for name, value in data.items():
-        origin = sources.get(name, "")
-        text = "-" if value is None else str(value)
-        print(f"{name:<{width}}  {text}" + (f"  ({origin})" if origin else ""))
-    return 0
-
-
-def _open_cache(args: argparse.Namespace) -> OpCache:
-    return OpCache(_settings(args))
-
-
-def _progress(label: str) -> Callable[[int], None] | None:
-    """A percentage on stderr when it is a terminal; nothing in cron or pipes."""
-    if not sys.stderr.isatty():
-        return None
-
-    def show(percent: int) -> None:
-        end = "\n" if percent >= 100 else ""
-        print(f"\r{label} {percent:3d}%", end=end, file=sys.stderr, flush=True)
-
-    return show
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _cmd_stats(args: argparse.Namespace) -> int:
-    with _open_cache(args) as cache:
-        if args.zero:
-            cache.zero_stats(args.soc_version)
-            print(json.dumps({"zeroed": True}) if args.json else "statistics zeroed")
-            return 0
-        report = cache.stats(args.soc_version)
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
-        return 0
-    print(f"cache folder: {cache.settings.root}")
-    rows = [("total", report), *sorted(report["chips"].items())]
-    print(
-        f"{'chip':<16} {'entries':>8} {'size':>10} {'hits':>8} {'misses':>8} {'hit rate':>8} "
-        f"{'stores':>7} {'bypass':>7} {'corrupt':>7} {'evicted':>7} {'errors':>6} {'saved':>9}"
-    )
-    for name, row in rows:
-        asked = row["hits"] + row["misses"]
-        rate = f"{100 * row['hits'] / asked:.1f}%" if asked else "-"
-        print(
-            f"{name:<16} {row['entries']:>8} {_size(row['bytes']):>10} {row['hits']:>8} "
-            f"{row['misses']:>8} {rate:>8} {row['stores']:>7} {row['bypasses']:>7} "
-            f"{row['corrupt']:>7} {row['evicted_entries']:>7} {row['errors']:>6} "
-            f"{row['time_saved_seconds']:>8.1f}s"
-        )
-    for reason, count in report["bypass_reasons"].items():
-        print(f"bypassed ({reason}): {count}")
-    for reason, count in report["uncacheable_reasons"].items():
-        print(f"uncacheable ({reason}): {count}")
-    return 0
-
-
-def _cmd_age(args: argparse.Namespace) -> int:
-    with _open_cache(args) as cache:
-        report = cache.age(args.soc_version, dry_run=args.dry_run, progress=_progress("aging"))
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return 1 if report.errors else 0
-    verb = "would remove" if args.dry_run else "removed"
-    for soc, chip in report.chips.items():
-        if chip.removed_entries or chip.errors or args.verbose:
-            print(
-                f"{soc}: {verb} {chip.removed_entries} entries, {_size(chip.freed_bytes)} "
-                f"({_size(chip.bytes_before)} -> {_size(chip.bytes_before - chip.freed_bytes)})"
-                + (f"; skipped: {chip.skipped}" if chip.skipped else "")
-                + (f"; {chip.errors} could not be removed" if chip.errors else "")
-            )
-    if report.leftovers_removed or args.verbose:
-        print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
-    return 1 if report.errors else 0
-
-
-def _cmd_clear(args: argparse.Namespace) -> int:
-    with _open_cache(args) as cache:
-        cleared = cache.clear(args.soc_version)
-    print(f"cleared {', '.join(cleared)}" if cleared else "nothing to clear")
-    return 0
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    with _open_cache(args) as cache:
-        report = cache.verify(args.soc_version, progress=_progress("verifying"))
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return 1 if report.errors else 0
-    for soc, chip in report.chips.items():
-        drift = ""
-        if (chip.counted_entries, chip.counted_bytes) != (chip.entries, chip.bytes):
-            drift = (
-                f"; counters corrected from {chip.counted_entries} entries, "
-                f"{_size(chip.counted_bytes)}"
-            )
-        print(
-            f"{soc}: {chip.checked} entries checked, {chip.corrupt} corrupt removed, "
-            f"{chip.entries} entries, {_size(chip.bytes)}{drift}"
-            + (f"; {chip.errors} could not be checked or removed" if chip.errors else "")
-        )
-    print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
-    return 1 if report.errors else 0
-
-
-def _cmd_compilers(args: argparse.Namespace) -> int:
-    from .compilers import auto_choice, installed
-
-    found = installed()
-    if args.json:
-        print(json.dumps({n: {"usable": ok, "note": note} for n, (ok, note) in found.items()}))
-        return 0
-    for name, (ok, note) in found.items():
-        print(f"{name:<10} {'usable' if ok else 'not usable':<11} {note}")
-    name, why = auto_choice()
-    print(f"{'auto':<10} {'-> ' + name:<11} {why}")
-    return 0
-
-
-def _cmd_compile(args: argparse.Namespace) -> int:
-    from .batch import compile_specs
-
-    settings = _settings(args, COMPILING_DEFAULT_MODE)
-    options = {"template": args.template} if args.template else {}
-    outcomes = []
-    totals = {"hit": 0, "miss": 0, "bypass": 0, "disabled": 0, "error": 0}
-    saved = 0.0
-    stream = compile_specs(
-        args.op, settings, args.output, compiler=args.compiler,
-        compiler_options=options, jobs=args.jobs,
-    )  # fmt: skip
-    for outcome in stream:
-        outcomes.append(outcome)
-        totals[outcome.status] += 1
-        saved += outcome.saved_seconds
-        if not args.json:
-            if outcome.error:
-                # One line per operator; a compiler's stderr tail follows it, indented.
-                detail = outcome.error.replace("\n", "\n    ")
-                print(f"error    {outcome.spec}: {detail}")
-            else:
-                print(f"{outcome.status:<8} {outcome.seconds:8.3f}s  {outcome.op}")
-    summary = {
-        "operators": len(outcomes),
-        "hits": totals["hit"],
-        "misses": totals["miss"],
-        "bypasses": totals["bypass"],
-        "disabled": totals["disabled"],
-        "errors": totals["error"],
-        "time_saved_seconds": round(saved, 3),
-    }
-    if args.json:
-        print(json.dumps({"summary": summary, "operators": [o.as_dict() for o in outcomes]}))
-    else:
-        print(
-            f"{summary['operators']} operators: {summary['hits']} hits, "
-            f"{summary['misses']} misses, {summary['bypasses']} bypasses, "
-            f"{summary['errors']} errors; "
-            f"time saved {saved:.2f}s"
-        )
-    return 1 if totals["error"] else 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run
-
-    if args.soc_version is not None:
-        check_soc_version(args.soc_version)
-    options = {
-        "op_compiler_cache_mode": args.op_compiler_cache_mode,
-        "op_compiler_cache_dir": args.op_compiler_cache_dir,
-        "op_debug_level": args.op_debug_level,
-        "op_debug_config": args.op_debug_config,
-    }
-    return run(keep=args.keep, cache_options=options)
-
-
-def _wrap_command(args: argparse.Namespace, command: Sequence[str]) -> int:
-    def settings_for(level: str | None, config: str | None) -> Settings:
-        return _settings(args, COMPILING_DEFAULT_MODE, level, config)
-
-    # wrap.run resolves the cache flags alone first: a bad one is opcache's
-    # error (ConfigError, exit 2) before anything runs.
-    return wrap.run(command, settings_for)
-
-
-def _wrap_main(argv: Sequence[str]) -> int:
-    """``opcache wrap [cache flags] -- command...``"""
-    argv = list(argv)
-    if "--" not in argv:
-        raise _UsageError("wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o")
-    split = argv.index("--")
-    command = argv[split + 1 :]
-    if not command:
-        raise _UsageError("wrap: no command after '--'")
-    parser = _Parser(prog="opcache wrap")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    _add_cache_flags(parser)
-    args = parser.parse_args(argv[:split])
-    return _run_logged(args.verbose, lambda: _wrap_command(args, command))
-
-
-def _masquerade(name: str, argv: Sequence[str]) -> int:
-    """Invoked through a link named like a compiler: wrap the real one later on PATH."""
-    from .compilers._tool import which
-
-    real = which(name, os.environ, skip=os.path.realpath(sys.argv[0]))
-    if real is None:
-        print(f"opcache: error: no {name} on PATH other than opcache itself", file=sys.stderr)
-        return 127
-    args = argparse.Namespace(
-        op_compiler_cache_mode=None, op_compiler_cache_dir=None,
-        op_debug_level=None, op_debug_config=None, soc_version=None,
-    )  # fmt: skip
-    return _run_logged(False, lambda: _wrap_command(args, [real, *argv]))
-
-
-def _cmd_wrap_usage(args: argparse.Namespace) -> int:
-    raise _UsageError("wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o")
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="opcache", description="An operator compile cache.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    commands.required = True
-
-    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> _Parser:
-        sub = commands.add_parser(name, help=help, description=help)
-        sub.add_argument("-v", "--verbose", action="store_true", help="say more")
-        _add_cache_flags(sub)
-        sub.set_defaults(func=func)
-        return sub
-
-    config = command("config", _cmd_config, "print every resolved setting and its source")
-    config.add_argument("--json", action="store_true", help="one JSON object")
-    stats = command("stats", _cmd_stats, "show hits, misses and sizes per chip")
-    stats.add_argument("--json", action="store_true", help="one JSON object")
-    stats.add_argument("--zero", action="store_true", help="set the counters to zero")
-    age = command("age", _cmd_age, "one aging pass per chip folder (for cron)")
-    age.add_argument("--dry-run", action="store_true", help="report, remove nothing")
-    age.add_argument("--json", action="store_true", help="one JSON object")
-    command("clear", _cmd_clear, "delete every entry (of one chip with --soc_version)")
-    verify = command("verify", _cmd_verify, "check every entry, remove corrupt ones, recount")
-    verify.add_argument("--json", action="store_true", help="one JSON object")
-    compilers = command("compilers", _cmd_compilers, "list the compiler plug-ins installed")
-    compilers.add_argument("--json", action="store_true", help="one JSON object")
-    comp = command("compile", _cmd_compile, "compile operators described in JSON spec files")
-    comp.add_argument("--op", action="extend", nargs="+", required=True, metavar="SPEC.json")
-    comp.add_argument("--output", required=True, metavar="DIR", help="results go to DIR/<op>/")
-    comp.add_argument("--compiler", default="auto", help="cc, cann, command or auto (default)")
-    comp.add_argument("--template", help="the command template of --compiler command")
-    comp.add_argument("--jobs", type=int, default=1, metavar="N", help="parallel processes")
-    comp.add_argument("--json", action="store_true", help="one JSON object")
-    demo = command("demo", _cmd_demo, "compile a dozen C kernels through the cache, twice")
-    demo.add_argument("--keep", action="store_true", help="keep the demo's folder")
-    # Listed for --help; `opcache wrap` is parsed on its own (everything after -- is the command).
-    command("wrap", _cmd_wrap_usage, "run a compile command through the cache: wrap -- cc ...")
-    return parser
-
-
-def _setup_logging(verbose: bool) -> tuple[logging.Handler, int]:
-    """Install the stderr handler; returns it and the level to restore after the run."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter())
-    logger = logging.getLogger("opcache")
-    previous_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    return handler, previous_level
-
-
-class _Formatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"opcache: {record.levelname.lower()}: {record.getMessage()}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,15 +65,92 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["wrap"]:
             return _wrap_main(argv[1:])
-        args = _build_parser().parse_args(argv)
-        return _run_logged(args.verbose, lambda: args.func(args))
-    except (_UsageError, ConfigError) as e:
+        from . import commands
+
+        return commands.main(argv)
+    except (UsageError, ConfigError) as e:
         print(f"opcache: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
 
-def _run_logged(verbose: bool, func: Callable[[], int]) -> int:
-    installed = _setup_logging(verbose)
+def _wrap_main(argv: Sequence[str]) -> int:
+    """``opcache wrap [-v] [cache flags] -- command...``"""
+    argv = list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_wrap_help())
+        return 0
+    if "--" not in argv:
+        raise UsageError(_WRAP_USAGE)
+    split = argv.index("--")
+    command = argv[split + 1 :]
+    if not command:
+        raise UsageError("wrap: no command after '--'")
+    verbose, flags = _parse_wrap_flags(argv[:split])
+    return run_logged(verbose, lambda: _wrap_command(flags, command))
+
+
+def _parse_wrap_flags(argv: list[str]) -> tuple[bool, dict[str, str]]:
+    """(verbose, cache flags by name): ``--flag value`` or ``--flag=value``."""
+    verbose, flags = False, {}
+    args = iter(argv)
+    for arg in args:
+        if arg in ("-v", "--verbose"):
+            verbose = True
+            continue
+        flag, eq, value = arg.partition("=")
+        if flag not in CACHE_FLAGS:
+            raise UsageError(
+                f"wrap: unknown option {arg!r} (options: -v, {', '.join(CACHE_FLAGS)})"
+            )
+        if not eq:
+            value = next(args, None)  # type: ignore[assignment]
+            if value is None:
+                raise UsageError(f"wrap: {flag} needs a value")
+        flags[flag[2:]] = value
+    return verbose, flags
+
+
+def _wrap_help() -> str:
+    lines = [
+        "usage: opcache wrap [-v] [cache options] -- COMMAND...",
+        "",
+        "Run a compile command (opc, or a C compiler) through the cache.",
+        "",
+        "  -v, --verbose         say more",
+    ]
+    for flag, (metavar, text) in CACHE_FLAGS.items():
+        lines.append(f"  {flag} {metavar}".ljust(40) + text)
+    return "\n".join(lines)
+
+
+def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str]) -> int:
+    def settings_for(level: str | None, config: str | None) -> Settings:
+        return cache_settings(flags, COMPILING_DEFAULT_MODE, level, config)
+
+    # wrap.run resolves the cache flags alone first: a bad one is opcache's
+    # error (ConfigError, exit 2) before anything runs.
+    return wrap.run(command, settings_for)
+
+
+def _masquerade(name: str, argv: Sequence[str]) -> int:
+    """Invoked through a link named like a compiler: wrap the real one later on PATH."""
+    from .compilers._tool import which
+
+    real = which(name, os.environ, skip=os.path.realpath(sys.argv[0]))
+    if real is None:
+        print(f"opcache: error: no {name} on PATH other than opcache itself", file=sys.stderr)
+        return 127
+    return run_logged(False, lambda: _wrap_command({}, [real, *argv]))
+
+
+def run_logged(verbose: bool, func: Callable[[], int]) -> int:
+    """Run a command with opcache's records on stderr; errors of the cache folder exit 1."""
+    stderr = _StderrLog(verbose)
+    if verbose:
+        stderr.install()
+    else:
+        # Without -v only warnings show: logging need not load unless one comes.
+        _log.on_first_use(stderr.install)
     try:
         return func()
     except ConfigError as e:
@@ -395,10 +166,42 @@ def _run_logged(verbose: bool, func: Callable[[], int]) -> int:
         print(f"opcache: error: {e}", file=sys.stderr)
         return 1
     finally:
-        # A second main() in the same process must not print every warning twice.
+        _log.forget(stderr.install)
+        stderr.remove()
+
+
+class _StderrLog:
+    """opcache's records on stderr as ``opcache: <level>: <message>``, for one command."""
+
+    def __init__(self, verbose: bool) -> None:
+        self._verbose = verbose
+        self._installed: tuple[logging.Handler, int] | None = None
+
+    def install(self) -> None:
+        import logging
+
+        class Formatter(logging.Formatter):
+            def format(self, record: logging.LogRecord) -> str:
+                return f"opcache: {record.levelname.lower()}: {record.getMessage()}"
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(Formatter())
         logger = logging.getLogger("opcache")
-        logger.removeHandler(installed[0])
-        logger.setLevel(installed[1])
+        self._installed = (handler, logger.level)
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG if self._verbose else logging.WARNING)
+
+    def remove(self) -> None:
+        """Undo ``install``: a second main() in one process must not print everything twice."""
+        if self._installed is None:
+            return
+        import logging
+
+        handler, level = self._installed
+        logger = logging.getLogger("opcache")
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        self._installed = None
 
 
 if __name__ == "__main__":

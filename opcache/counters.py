@@ -9,7 +9,6 @@ mid-update leaves the old values, never a torn file.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from collections.abc import Mapping
@@ -17,9 +16,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from . import fsutil
+from ._log import get_logger
 from .locks import flocked
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 SHARDS = 16
 Counts = dict[str, float]

@@ -9,9 +9,9 @@ operator name, or by type as ``OpType::Name``) are bypassed; and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from ._record import Record
 from .errors import ConfigError
 
 OPTIONS_KEY = "op_debug_config"
@@ -21,12 +21,15 @@ _TYPE_PREFIX = "optype::"
 _MAX_FILE_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class DebugConfig:
+class DebugConfig(Record):
     """What an op_debug_config .cfg file says."""
 
+    __slots__ = _fields = ("options", "op_list")
     options: tuple[str, ...]
     op_list: tuple[str, ...] | None  # None: the file has no op_debug_list line
+
+    def __init__(self, options: tuple[str, ...], op_list: tuple[str, ...] | None) -> None:
+        self._init(options=options, op_list=op_list)
 
 
 def _split_list(value: str) -> tuple[str, ...]:

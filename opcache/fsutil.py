@@ -12,12 +12,12 @@ import errno
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from ._record import Record
 
-@dataclass(frozen=True)
-class Modes:
+
+class Modes(Record):
     """Permission bits for what the cache creates, and the group that shares it.
 
     A private cache narrows its bits by the user's umask.  A group-shared cache
@@ -26,9 +26,13 @@ class Modes:
     makes the others unable to write (ccache's issue #710).
     """
 
+    __slots__ = _fields = ("file", "dir", "group")
     file: int
     dir: int
-    group: int | None = None
+    group: int | None
+
+    def __init__(self, file: int, dir: int, group: int | None = None) -> None:
+        self._init(file=file, dir=dir, group=group)
 
     @property
     def file_bits(self) -> int:

@@ -9,17 +9,16 @@ the environment variables keep their effect until a person sets them here.
 
 from __future__ import annotations
 
-import configparser
 import contextlib
-import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import fsutil
+from ._log import get_logger
+from ._record import Record
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 SECTION = "op_compiler_cache"
 MAX_KEY = "max_op_cache_size"
@@ -44,6 +43,7 @@ _TEMPLATE = f"""\
 # Percent of the limit kept when the folder is trimmed, 1..100.
 #{RATIO_KEY}={DEFAULT_RATIO}
 """
+_TEMPLATE_BYTES = _TEMPLATE.encode()
 
 
 def parse_max_size(text: str) -> int | None:
@@ -72,12 +72,18 @@ def _parse_int(text: str) -> int | None:
         return None
 
 
-@dataclass(frozen=True)
-class SizeLimits:
+class SizeLimits(Record):
     """The two size keys of an op_cache.ini that supplies both."""
 
+    __slots__ = _fields = ("max_op_cache_size_mb", "remain_cache_size_ratio")
     max_op_cache_size_mb: int
     remain_cache_size_ratio: int
+
+    def __init__(self, max_op_cache_size_mb: int, remain_cache_size_ratio: int) -> None:
+        self._init(
+            max_op_cache_size_mb=max_op_cache_size_mb,
+            remain_cache_size_ratio=remain_cache_size_ratio,
+        )
 
 
 def read_size_limits(path: Path) -> SizeLimits | None:
@@ -90,8 +96,8 @@ def read_size_limits(path: Path) -> SizeLimits | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(_MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # a file in the path: the cache says so when it tries to use the folder
     except OSError as e:
         log.warning("ignoring %s: cannot read it (%s)", path, e.strerror or e)
         return None
@@ -105,6 +111,10 @@ def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
     """(what is wrong, limits): both None for a file with neither size key."""
     if len(raw) > _MAX_FILE_BYTES:
         return f"larger than {_MAX_FILE_BYTES} bytes", None
+    if raw == _TEMPLATE_BYTES:
+        return None, None  # the file opcache writes, untouched: its keys are commented out
+    import configparser  # only for a file someone edited: it costs every start-up
+
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:

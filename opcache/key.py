@@ -9,14 +9,20 @@ same kernel under two node names is one entry.
 from __future__ import annotations
 
 import json
-import logging
-from typing import Any
 
 import xxhash
 
-from .request import Compiler, OpRequest
+from ._log import DEBUG, get_logger
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .compilers.protocol import Compiler
+    from .request import OpRequest
+
+
+log = get_logger(__name__)
 
 # Bump when the meaning of a key changes: old entries then simply stop matching.
 SCHEMA = 1
@@ -82,7 +88,7 @@ def compute_key(
     inputs = key_inputs(request, compiler_name, fingerprint)
     blob = canonical_json(inputs)
     key = digest(blob)
-    if log.isEnabledFor(logging.DEBUG):
+    if log.isEnabledFor(DEBUG):
         log.debug("key %s for %s/%s: %s", key, request.soc_version, request.op_type, blob.decode())
     return key, inputs
 

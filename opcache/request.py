@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
 
+from ._record import Record
 from .settings import check_soc_version
 
-Status = Literal["hit", "miss", "bypass", "disabled"]
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from typing import Any, Literal
 
-
-@runtime_checkable
-class Compiler(Protocol):
-    """An operator compiler the cache can drive.
-
-    ``fingerprint()`` names the toolchain (version, binary digest, tuning
-    knowledge-base digests...): it is part of every key, so an upgrade never
-    serves a stale kernel.  ``compile`` writes its artifacts, any number of
-    plain files, into ``workdir`` and raises ``opcache.CompileError`` on failure.
-    Artifact names must derive from the request's key inputs, never from
-    ``op_name``, so that a hit returns the same files whatever the node is called.
-    """
-
-    name: str
-
-    def fingerprint(self) -> str: ...
-
-    def compile(self, request: OpRequest, workdir: Path) -> None: ...
+    Status = Literal["hit", "miss", "bypass", "disabled"]
 
 
 def is_plain_name(name: str) -> bool:
@@ -44,8 +28,7 @@ def is_plain_name(name: str) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class OpRequest:
+class OpRequest(Record):
     """One operator to compile.
 
     ``sources`` maps a file name to its contents, given as bytes or as a path
@@ -53,22 +36,54 @@ class OpRequest:
     name: it decides ``op_debug_list`` bypasses but is not part of the key.
     """
 
+    # No __slots__: source_bytes is cached in the instance's __dict__.
+    _fields = (
+        "op_type",
+        "soc_version",
+        "op_name",
+        "inputs",
+        "outputs",
+        "attrs",
+        "options",
+        "sources",
+    )
     op_type: str
     soc_version: str
-    op_name: str = ""
-    inputs: Sequence[Mapping[str, Any]] = ()
-    outputs: Sequence[Mapping[str, Any]] = ()
-    attrs: Mapping[str, Any] = field(default_factory=dict)
-    options: Mapping[str, Any] = field(default_factory=dict)
-    sources: Mapping[str, bytes | str | os.PathLike[str]] = field(default_factory=dict)
+    op_name: str
+    inputs: Sequence[Mapping[str, Any]]
+    outputs: Sequence[Mapping[str, Any]]
+    attrs: Mapping[str, Any]
+    options: Mapping[str, Any]
+    sources: Mapping[str, bytes | str | os.PathLike[str]]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.op_type, str) or not self.op_type:
-            raise ValueError(f"OpRequest.op_type must be a non-empty string, not {self.op_type!r}")
-        check_soc_version(self.soc_version)
-        for name in self.sources:
+    def __init__(
+        self,
+        op_type: str,
+        soc_version: str,
+        op_name: str = "",
+        inputs: Sequence[Mapping[str, Any]] = (),
+        outputs: Sequence[Mapping[str, Any]] = (),
+        attrs: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        sources: Mapping[str, bytes | str | os.PathLike[str]] | None = None,
+    ) -> None:
+        if not isinstance(op_type, str) or not op_type:
+            raise ValueError(f"OpRequest.op_type must be a non-empty string, not {op_type!r}")
+        check_soc_version(soc_version)
+        sources = {} if sources is None else sources
+        for name in sources:
             if not is_plain_name(name):
                 raise ValueError(f"OpRequest.sources: {name!r} is not a plain file name")
+        self._init(
+            op_type=op_type,
+            soc_version=soc_version,
+            op_name=op_name,
+            inputs=inputs,
+            outputs=outputs,
+            attrs={} if attrs is None else attrs,
+            options={} if options is None else options,
+            sources=sources,
+        )
 
     @cached_property
     def source_bytes(self) -> dict[str, bytes]:
@@ -82,8 +97,7 @@ class OpRequest:
         return out
 
 
-@dataclass(frozen=True)
-class CompileResult:
+class CompileResult(Record):
     """What ``OpCache.compile`` did.
 
     ``status`` is "hit", "miss", "bypass" or "disabled"; ``key`` is the entry's
@@ -93,9 +107,28 @@ class CompileResult:
     why a compile bypassed the cache or could not be stored.
     """
 
+    __slots__ = _fields = ("status", "key", "files", "seconds", "reason", "saved_seconds")
     status: Status
     key: str
     files: dict[str, Path]
     seconds: float
-    reason: str | None = None
-    saved_seconds: float = 0.0
+    reason: str | None
+    saved_seconds: float
+
+    def __init__(
+        self,
+        status: Status,
+        key: str,
+        files: dict[str, Path],
+        seconds: float,
+        reason: str | None = None,
+        saved_seconds: float = 0.0,
+    ) -> None:
+        self._init(
+            status=status,
+            key=key,
+            files=files,
+            seconds=seconds,
+            reason=reason,
+            saved_seconds=saved_seconds,
+        )

@@ -8,17 +8,20 @@ A process counts in memory and adds its counts to the on-disk counter files
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
+from ._log import get_logger
 from .counters import CounterFiles
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+log = get_logger(__name__)
 
 ACTIVITY = (
     "hits",

@@ -26,23 +26,26 @@ import contextlib
 import errno
 import fcntl
 import json
-import logging
 import os
 import re
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from . import fsutil, locks, trust
+from ._log import get_logger
+from ._record import Record
 from .counters import CounterFiles
 from .key import canonical_json, digest
 from .request import is_plain_name
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+log = get_logger(__name__)
 
 FORMAT = 1
 MANIFEST = "MANIFEST"
@@ -78,23 +81,31 @@ class CorruptEntry(Exception):
     """An entry exists but cannot be trusted; the message says why."""
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(Record):
     """A verified entry: its artifacts' bytes and what the manifest recorded."""
 
+    __slots__ = _fields = ("key", "files", "compile_seconds", "stamp")
     key: str
     files: dict[str, bytes]
     compile_seconds: float
     stamp: float  # last recorded access, seconds since the epoch
 
+    def __init__(
+        self, key: str, files: dict[str, bytes], compile_seconds: float, stamp: float
+    ) -> None:
+        self._init(key=key, files=files, compile_seconds=compile_seconds, stamp=stamp)
 
-@dataclass(frozen=True)
-class EntryInfo:
+
+class EntryInfo(Record):
     """An entry found by a scan: its key, when it was last used, its bytes if asked."""
 
+    __slots__ = _fields = ("key", "stamp", "size")
     key: str
     stamp: float
-    size: int = 0
+    size: int
+
+    def __init__(self, key: str, stamp: float, size: int = 0) -> None:
+        self._init(key=key, stamp=stamp, size=size)
 
 
 def is_key(name: str) -> bool:

@@ -21,16 +21,15 @@ Anything else runs as it is and counts as ``uncacheable`` in stats.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import fsutil
+from ._log import get_logger
 from .cache import OpCache
 from .compilers._tool import file_identity, which
 from .errors import CompileError, ConfigError
@@ -39,7 +38,7 @@ from .request import OpRequest
 from .settings import Settings
 from .store import LocalStore
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 STDOUT = ".opcache-stdout"
 STDERR = ".opcache-stderr"
@@ -72,20 +71,31 @@ class _ToolFailed(CompileError):
         self.stderr = stderr
 
 
-@dataclass
 class Plan:
-    """How to cache one command line."""
+    """How to cache one command line.
 
-    request: OpRequest
-    fingerprint: str
-    # argv with the output locations pointing into ``workdir``.
-    command: Callable[[Path], list[str]]
-    # artifact name -> where the command would have written it (None: every
-    # file the command wrote into its output folder goes to ``output_dir``).
-    outputs: dict[str, Path] = field(default_factory=dict)
-    output_dir: Path | None = None
-    debug_level: str | None = None
-    debug_config: str | None = None
+    ``command(workdir)`` is the argv with its output locations inside
+    ``workdir``; ``outputs`` maps an artifact name to where the command would
+    have written it, or ``output_dir`` takes every file the command wrote.
+    """
+
+    def __init__(
+        self,
+        request: OpRequest,
+        fingerprint: str,
+        command: Callable[[Path], list[str]],
+        outputs: dict[str, Path] | None = None,
+        output_dir: Path | None = None,
+        debug_level: str | None = None,
+        debug_config: str | None = None,
+    ) -> None:
+        self.request = request
+        self.fingerprint = fingerprint
+        self.command = command
+        self.outputs = {} if outputs is None else outputs
+        self.output_dir = output_dir
+        self.debug_level = debug_level
+        self.debug_config = debug_config
 
 
 class Uncacheable(Exception):

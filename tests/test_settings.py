@@ -1108,3 +1108,14 @@ def test_home_missing_from_environ_is_the_accounts_home_not_os_environ(monkeypat
     monkeypatch.setenv("HOME", "/somewhere/else")
     s = resolve_settings(environ={})
     assert s.root == Path(pwd.getpwuid(os.getuid()).pw_dir) / "atc_data" / "kernel_cache"
+
+
+def test_settings_are_read_only_picklable_and_equal_whatever_the_sources(tmp_path) -> None:
+    import pickle
+
+    a = resolve_settings(op_compiler_cache_dir=str(tmp_path), op_debug_level=0, environ={})
+    b = resolve_settings(op_compiler_cache_dir=str(tmp_path), environ={})
+    assert a.sources != b.sources and a == b and hash(a) == hash(b)
+    assert pickle.loads(pickle.dumps(a)) == a
+    with pytest.raises(AttributeError):
+        a.mode = "force"  # type: ignore[misc]

@@ -593,3 +593,52 @@ def test_a_bad_cache_flag_stops_before_the_command_runs(opc):
     )
     assert b"op_compiler_cache_mode" in done.stderr
     assert opc_runs(env) == 0
+
+
+def test_wrap_flags_take_either_spelling_and_a_mistake_is_one_line(csrc, tmp_path):
+    env, src = csrc
+    cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
+    for flags in (["--op_compiler_cache_dir", str(tmp_path / "c")],
+                  [f"--op_compiler_cache_dir={tmp_path / 'c'}", "-v"]):  # fmt: skip
+        wrap(*cmd, env=env, cwd=src, flags=flags)
+    assert stats(env, "host", f"--op_compiler_cache_dir={tmp_path / 'c'}")["hits"] == 1
+    (src / "k.o").unlink()
+    for flags in (["--op_compiler_cache_dri=x"], ["--op_compiler_cache_dir"], ["-x"]):
+        done = wrap(*cmd, env=env, cwd=src, flags=flags, status=2)
+        assert done.stderr.decode().count("\n") == 1, done.stderr
+        assert done.stderr.startswith(b"opcache: error: wrap: ")
+    assert not (src / "k.o").exists()  # the command did not run
+    usage = opcache("wrap", "--help", env=env, cwd=src).stdout.decode()
+    assert "--op_compiler_cache_mode" in usage and "-- COMMAND" in usage
+
+
+def test_a_warning_shows_without_verbose_and_the_compile_succeeds(csrc, tmp_path):
+    env, src = csrc
+    (tmp_path / "a-file").write_text("not a folder")
+    flags = ["--op_compiler_cache_dir", str(tmp_path / "a-file" / "cache")]
+    done = wrap("gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o", env=env, cwd=src, flags=flags)
+    lines = done.stderr.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("opcache: warning: "), lines
+    assert (src / "k.o").exists()
+
+
+def test_a_wrap_hit_imports_nothing_it_does_not_need(csrc):
+    """`opcache wrap` starts a Python per compile command: its imports are its cost."""
+    env, src = csrc
+    cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
+    wrap(*cmd, env=env, cwd=src)
+    code = (
+        "import sys\nfrom opcache.cli import main\n"
+        f"status = main(['wrap', '--', *{cmd!r}])\n"
+        "print(status, *sorted(sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=src, capture_output=True, text=True, check=True
+    )
+    status, *modules = done.stdout.split()
+    assert status == "0" and host(env)["hits"] == 1
+    heavy = {
+        "argparse", "configparser", "dataclasses", "filelock", "inspect", "logging",
+        "multiprocessing", "shutil", "subprocess", "tempfile", "typing",
+    }  # fmt: skip
+    assert heavy.isdisjoint(modules), heavy.intersection(modules)

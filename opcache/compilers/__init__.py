@@ -15,10 +15,14 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from ..errors import ConfigError
-from ..request import Compiler
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .protocol import Compiler
 
 GROUP = "opcache.compilers"
 # Also reachable when opcache runs from a source tree without installed metadata.

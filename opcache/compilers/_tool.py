@@ -6,12 +6,12 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import CompileError
 from ..key import canonical_json, digest, request_parts
 from ..request import OpRequest
 
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     import subprocess
 

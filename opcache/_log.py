@@ -1,0 +1,73 @@
+"""opcache's loggers: ``logging`` underneath, imported only when a record can be shown.
+
+Importing logging costs ``opcache wrap`` several milliseconds per compile
+command, a good share of a cache hit.  Until some code imports logging, no one
+can have configured a handler or a level, so a debug or info record would be
+dropped anyway: it is skipped without the import.  Warnings and errors always
+go through logging (to its last-resort handler if nothing else is set up).
+
+The loggers are logging's own ``opcache.<module>`` loggers: configure them as
+usual.  The command line registers its stderr handler with ``on_first_use``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    import logging
+
+DEBUG = 10
+_hooks: list[Callable[[], None]] = []
+
+
+def on_first_use(hook: Callable[[], None]) -> None:
+    """Run ``hook`` once, right before opcache's first record goes to logging."""
+    _hooks.append(hook)
+
+
+def forget(hook: Callable[[], None]) -> None:
+    """Drop ``hook`` if it has not run yet."""
+    if hook in _hooks:
+        _hooks.remove(hook)
+
+
+def _run_hooks() -> None:
+    while _hooks:
+        _hooks.pop(0)()
+
+
+class Logger:
+    """The subset of ``logging.Logger`` opcache uses; records point at the caller."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _real(self) -> logging.Logger:
+        import logging
+
+        _run_hooks()
+        return logging.getLogger(self.name)
+
+    def isEnabledFor(self, level: int) -> bool:
+        return "logging" in sys.modules and self._real().isEnabledFor(level)
+
+    def debug(self, msg: str, *args: object) -> None:
+        if "logging" in sys.modules:
+            self._real().debug(msg, *args, stacklevel=2)
+
+    def info(self, msg: str, *args: object) -> None:
+        if "logging" in sys.modules:
+            self._real().info(msg, *args, stacklevel=2)
+
+    def warning(self, msg: str, *args: object) -> None:
+        self._real().warning(msg, *args, stacklevel=2)
+
+
+def get_logger(name: str) -> Logger:
+    """The logger of module ``name`` (``opcache.<module>``)."""
+    return Logger(name)

@@ -1,0 +1,33 @@
+"""The compiler protocol: what the cache needs of a compiler plug-in.
+
+Its own module because ``typing.Protocol`` costs ``opcache wrap``'s start-up
+an import of typing, and nothing there needs the protocol at run time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..request import OpRequest
+
+
+@runtime_checkable
+class Compiler(Protocol):
+    """An operator compiler the cache can drive.
+
+    ``fingerprint()`` names the toolchain (version, binary digest, tuning
+    knowledge-base digests...): it is part of every key, so an upgrade never
+    serves a stale kernel.  ``compile`` writes its artifacts, any number of
+    plain files, into ``workdir`` and raises ``opcache.CompileError`` on failure.
+    Artifact names must derive from the request's key inputs, never from
+    ``op_name``, so that a hit returns the same files whatever the node is called.
+    """
+
+    name: str
+
+    def fingerprint(self) -> str: ...
+
+    def compile(self, request: OpRequest, workdir: Path) -> None: ...
