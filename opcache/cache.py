@@ -7,9 +7,9 @@ the promise that the cache never fails a compile.
 
 from __future__ import annotations
 
+import _thread  # threading's primitives, without importing threading on wrap's start-up
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -113,7 +113,9 @@ class OpCache:
     ``clock`` (seconds since the epoch) stamps every access and decides every
     aging question.  ``lock_timeout`` bounds how long a process waits for
     another one compiling the same operator before compiling it itself.
-    Usable as a context manager; ``close()`` writes the pending stats.
+    Stats are counted in memory and written every ``stats_seconds`` by a
+    background thread, or with None only at ``close()`` and exit (for a short
+    process, as ``opcache wrap``).  Usable as a context manager.
     """
 
     def __init__(
@@ -122,20 +124,22 @@ class OpCache:
         *,
         clock: Callable[[], float] = time.time,
         lock_timeout: float = LOCK_TIMEOUT_SECONDS,
+        stats_seconds: float | None = stats.FLUSH_SECONDS,
     ) -> None:
         self.settings = settings
         self._clock = clock
         self._lock_timeout = lock_timeout
         self._store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
-        self._stats = stats.StatsRecorder(self._store.stats_files)
-        self._mutex = threading.Lock()
-        self._prepare_mutex = threading.Lock()
+        self._stats = stats.StatsRecorder(self._store.stats_files, flush_seconds=stats_seconds)
+        self._mutex = _thread.allocate_lock()
+        self._prepare_mutex = _thread.allocate_lock()
         self._ready_chips: set[str] = set()
         self._unusable_chips: set[str] = set()
         self._next_aging: dict[str, float] = {}
         self._warned: set[str] = set()
         self._fingerprints: dict[int, tuple[Compiler, str]] = {}
-        self._call = threading.local()  # what the current compile() met, per thread
+        # Threads inside compile(), and whether the cache folder failed them yet.
+        self._compiling: dict[int, bool] = {}
 
     # -- compiling -----------------------------------------------------------
 
@@ -165,13 +169,12 @@ class OpCache:
 
         # One compile that meets a broken cache at every step (read, lock, store)
         # is one error in stats, not three.
-        self._call.failed = False
-        self._call.active = True
+        me = _thread.get_ident()
+        self._compiling[me] = False
         try:
             return self._compile_cached(request, compiler, out, started)
         finally:
-            self._call.active = False
-            if self._call.failed:
+            if self._compiling.pop(me):
                 self._stats.add(soc, "errors")
 
     def _compile_cached(
@@ -507,8 +510,9 @@ class OpCache:
         cache fails the lock, the store and the stats at once, and the user
         needs to hear about it once.  Later ones go to the debug log.
         """
-        if getattr(self._call, "active", False):
-            self._call.failed = True
+        me = _thread.get_ident()
+        if me in self._compiling:
+            self._compiling[me] = True
         else:
             self._stats.add(soc, "errors")
         self._warn_once("cache", f"{message} (the compile goes on without the cache)")

@@ -62,9 +62,9 @@ GONE = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 
 def _read_umask() -> int:
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open("/proc/self/status", "rb") as f:  # bytes: no codec to import
             for line in f:
-                if line.startswith("Umask:"):
+                if line.startswith(b"Umask:"):
                     return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass

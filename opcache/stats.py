@@ -7,11 +7,10 @@ A process counts in memory and adds its counts to the on-disk counter files
 
 from __future__ import annotations
 
+import _thread  # threading's primitives: threading loads only with the writer thread
 import atexit
 import os
 import sys
-import threading
-import weakref
 from collections.abc import Callable
 
 from ._log import get_logger
@@ -19,6 +18,7 @@ from .counters import CounterFiles
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
+    import threading
     from typing import Any
 
 log = get_logger(__name__)
@@ -44,29 +44,38 @@ class StatsRecorder:
     """A process's not-yet-written counts, per chip.
 
     ``files(soc)`` gives the chip's on-disk counters (``counters.CounterFiles``).
+    A background thread writes them every ``flush_seconds``; with None, only
+    ``close()`` and the exit hooks do (a process that compiles once and leaves
+    need not start a thread).
     """
 
     def __init__(
         self,
         files: Callable[[str], CounterFiles],
         *,
-        flush_seconds: float = FLUSH_SECONDS,
+        flush_seconds: float | None = FLUSH_SECONDS,
     ) -> None:
         self.files = files
         self._flush_seconds = flush_seconds
         self._pending: dict[str, dict[str, float]] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._lock = _thread.allocate_lock()
+        self._wake: threading.Event | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
-        _register(self)
+        self._registered = False
 
     def add(self, soc: str, name: str, amount: float = 1) -> None:
         """Count ``amount`` of ``name`` for a chip (in memory; written soon)."""
         with self._lock:
             chip = self._pending.setdefault(soc, {})
             chip[name] = chip.get(name, 0) + amount
-            if self._thread is None and not self._closed:
+            if not self._registered:
+                self._registered = True
+                _register(self)
+            if self._thread is None and not self._closed and self._flush_seconds is not None:
+                import threading
+
+                self._wake = threading.Event()
                 self._thread = threading.Thread(target=self._run, name="opcache-stats", daemon=True)
                 self._thread.start()
 
@@ -85,6 +94,7 @@ class StatsRecorder:
                         chip[name] = chip.get(name, 0) + value
 
     def _run(self) -> None:
+        assert self._wake is not None
         while not self._closed:
             self._wake.wait(self._flush_seconds)
             if self._pending:
@@ -95,25 +105,30 @@ class StatsRecorder:
         if self._closed:
             return
         self._closed = True
-        self._wake.set()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=10)
+        if thread is not None and self._wake is not None:
+            self._wake.set()
+            if thread.ident != _thread.get_ident():
+                thread.join(timeout=10)
         self.flush()
         with self._lock:
             self._pending.clear()  # counts that could not be written are given up
+        with _hooks:
+            _recorders.discard(self)
 
     def _forget_after_fork(self) -> None:
         # The parent writes its own counts; a forked child must not write them
         # again, and its copy of the writer thread does not exist.
         self._pending = {}
         self._thread = None
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
 
 
-# Every live recorder of this process, flushed at exit by hooks installed once.
-_recorders: weakref.WeakSet[StatsRecorder] = weakref.WeakSet()
-_hooks = threading.Lock()
+# Every recorder of this process that counted and is not closed, flushed at exit
+# by hooks installed once.  Held strongly: an OpCache dropped without close()
+# still has its counts written at exit.
+_recorders: set[StatsRecorder] = set()
+_hooks = _thread.allocate_lock()
 _installed = False
 
 

@@ -22,6 +22,7 @@ This module knows bytes and folders, not modes or aging: that is the cache's.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import errno
 import fcntl
@@ -29,7 +30,6 @@ import json
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -624,7 +624,7 @@ class LocalStore:
         and the reset would be lost.  This thread's own removals go on.
         """
         with locks.flocked(self._count_lock(soc), self.modes):
-            _WALKERS[(self.root, soc)] = threading.get_ident()
+            _WALKERS[(self.root, soc)] = _thread.get_ident()
             try:
                 yield
             finally:
@@ -633,7 +633,7 @@ class LocalStore:
     @contextlib.contextmanager
     def _counting(self, soc: str) -> Iterator[None]:
         """Shared with other stores and removals; waits while a recount walks."""
-        if _WALKERS.get((self.root, soc)) == threading.get_ident():
+        if _WALKERS.get((self.root, soc)) == _thread.get_ident():
             yield  # this thread is the walker: it holds the lock already
             return
         with locks.flocked(self._count_lock(soc), self.modes, shared=True):

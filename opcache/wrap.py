@@ -154,7 +154,7 @@ def run(
     except Uncacheable as e:
         settings = base
         if settings.mode != "disable":
-            with OpCache(settings) as cache:
+            with OpCache(settings, stats_seconds=None) as cache:
                 cache.record_uncacheable(HOST_CHIP, str(e))
         return _run_plain(argv, env)
     settings = base
@@ -166,7 +166,7 @@ def run(
     compiler = _WrappedCommand(plan, kind, env)
     staging = _staging_dir(plan)
     try:
-        with OpCache(settings) as cache:
+        with OpCache(settings, stats_seconds=None) as cache:
             try:
                 result = cache.compile(plan.request, compiler, staging)
             except _ToolFailed as failed:
@@ -399,7 +399,7 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo) -> P
     if not out_path.parent.is_dir():
         raise Uncacheable("cc: the output folder does not exist")
     source_data = _read(source)
-    compiler_identity = file_identity(_which(argv[0], env))
+    compiler_identity = file_identity(_which(argv[0], env), memo.store)
     deps_in_key = memo.header_digests(
         argv[0], compiler_identity, pass_args, source, source_data, env
     )
@@ -462,7 +462,7 @@ class HeaderMemo:
     _VARIANTS = 4  # header sets remembered per source (e.g. a header edited back and forth)
 
     def __init__(self, store: LocalStore | None) -> None:
-        self._store = store
+        self.store = store  # None: nothing is remembered
 
     def header_digests(
         self,
@@ -496,7 +496,7 @@ class HeaderMemo:
         return [d for _, d in variant]
 
     def _recall(self, memo_key: str) -> list[list[list[str]]]:
-        raw = self._store.read_note("direct", memo_key[:2], memo_key) if self._store else None
+        raw = self.store.read_note("direct", memo_key[:2], memo_key) if self.store else None
         try:
             variants = json.loads(raw) if raw else []
         except ValueError:
@@ -512,11 +512,11 @@ class HeaderMemo:
         return variants if ok else []
 
     def _remember(self, memo_key: str, variants: list[list[list[str]]]) -> None:
-        if self._store is None:
+        if self.store is None:
             return
         try:
             data = json.dumps(variants).encode()
-            self._store.write_note(data, "direct", memo_key[:2], memo_key)
+            self.store.write_note(data, "direct", memo_key[:2], memo_key)
         except OSError as e:
             log.debug("cannot remember the headers of %s: %s", memo_key, e)
 

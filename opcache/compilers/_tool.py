@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -15,8 +16,11 @@ TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s 
 if TYPE_CHECKING:
     import subprocess
 
+    from ..store import LocalStore
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 _STDERR_TAIL = 2000
+_HEX = b"0123456789abcdef"
 _identities: dict[tuple[str, int, int], str] = {}
 
 
@@ -26,14 +30,27 @@ def kernel_name(request: OpRequest) -> str:
     return f"{_UNSAFE.sub('_', request.op_type)}_{digest_of_parts[:16]}"
 
 
-def file_identity(path: str | os.PathLike[str]) -> str:
-    """Size, mtime and XXH3 digest of a file (memoised while size and mtime stay)."""
+def file_identity(path: str | os.PathLike[str], notes: LocalStore | None = None) -> str:
+    """Size, mtime and XXH3 digest of a file.
+
+    The digest is memoised in the process while size and mtime stay, and in the
+    cache ``notes`` by device, inode, size, mtime and ctime: a process per
+    compile (``opcache wrap``) then does not hash a 1 MB compiler each time.
+    Any write or rename moves ctime, and no one can set it back.
+    """
     real = os.path.realpath(path)
     st = os.stat(real)
     memo = (real, st.st_size, st.st_mtime_ns)
     if memo not in _identities:
-        with open(real, "rb") as f:
-            _identities[memo] = digest(f.read())
+        stamp = digest(f"{real}:{st.st_dev}:{st.st_ino}:{memo[1:]}:{st.st_ctime_ns}".encode())
+        known = notes.read_note("tools", stamp) if notes else None
+        if known is None or len(known) != len(stamp) or known.translate(None, _HEX):
+            with open(real, "rb") as f:
+                known = digest(f.read()).encode()
+            if notes:
+                with contextlib.suppress(OSError):  # hashed again next time
+                    notes.write_note(known, "tools", stamp)
+        _identities[memo] = known.decode()
     return f"{real}:{st.st_size}:{st.st_mtime_ns}:{_identities[memo]}"
 
 
