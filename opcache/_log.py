@@ -42,16 +42,19 @@ def _run_hooks() -> None:
 class Logger:
     """The subset of ``logging.Logger`` opcache uses; records point at the caller."""
 
-    __slots__ = ("name",)
+    __slots__ = ("_logger", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._logger: logging.Logger | None = None
 
     def _real(self) -> logging.Logger:
-        import logging
+        _run_hooks()  # every time: a command line may register one per run
+        if self._logger is None:
+            import logging
 
-        _run_hooks()
-        return logging.getLogger(self.name)
+            self._logger = logging.getLogger(self.name)
+        return self._logger
 
     def isEnabledFor(self, level: int) -> bool:
         return "logging" in sys.modules and self._real().isEnabledFor(level)

@@ -10,6 +10,7 @@ Layout under the cache root (``settings.root``)::
     .opcache/trash/                 entries and chip folders being deleted
     .opcache/locks/<soc>/<key>      single-flight locks
     .opcache/stats/<soc>/           hit / miss / ... counters
+    .opcache/direct/, tools/        wrap's notes: header lists, compiler digests
 
 Entries are fanned out over 256 folders by the key's first two hex digits.
 An entry is built in ``tmp`` and renamed into place, so a reader sees nothing
