@@ -7,6 +7,7 @@ other commands (``commands.py``) load only when something needs them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +19,7 @@ from .settings import DEFAULT_MODE, Settings, check_soc_version, resolve_setting
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     import logging
+    from typing import NoReturn
 
 EXIT_USAGE = 2
 # The compiling commands exist to cache: their mode defaults to enable.
@@ -56,12 +58,37 @@ def cache_settings(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status.
+
+    Run as the program (``argv`` None), a wrapped compile does not return: it
+    leaves at once when done (see ``_leave``).
+    """
     if argv is None:
         name = os.path.basename(sys.argv[0])
         if wrap.compiler_kind(name):
-            return _masquerade(name, sys.argv[1:])
+            _leave(_masquerade(name, sys.argv[1:]))
         argv = sys.argv[1:]
+        if argv[:1] == ["wrap"]:
+            _leave(_run(argv))
+    return _run(argv)
+
+
+def _leave(status: int) -> NoReturn:
+    """Exit without the interpreter's teardown: about 6 ms of every ``opcache wrap``.
+
+    Exit handlers run and the standard streams are flushed first, as at any
+    exit; only the freeing of modules and objects is skipped.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+            stream.flush()
+    os._exit(status)
+
+
+def _run(argv: Sequence[str]) -> int:
     try:
         if argv[:1] == ["wrap"]:
             return _wrap_main(argv[1:])
