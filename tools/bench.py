@@ -83,13 +83,23 @@ def settings_for(folder: Path, **ini: int) -> opcache.Settings:
 
 
 def timeit(func: Callable[[], object], repeat: int, warmup: int = 3) -> list[float]:
+    return timeit_side_by_side({"": func}, repeat, warmup)[""]
+
+
+def timeit_side_by_side(
+    funcs: dict[str, Callable[[], object]], repeat: int, warmup: int = 3
+) -> dict[str, list[float]]:
+    """Times of each function, taken in turns: a filesystem that slows down or
+    speeds up during the run weighs on every side of a ratio alike."""
     for _ in range(warmup):
-        func()
-    times = []
+        for func in funcs.values():
+            func()
+    times: dict[str, list[float]] = {name: [] for name in funcs}
     for _ in range(repeat):
-        started = time.perf_counter()
-        func()
-        times.append(time.perf_counter() - started)
+        for name, func in funcs.items():
+            started = time.perf_counter()
+            func()
+            times[name].append(time.perf_counter() - started)
     return times
 
 
@@ -149,9 +159,11 @@ def _bench_hit_size(report, folder: Path, label: str, size: int, repeat: int, di
             with open(out / name, "wb") as f:
                 f.write(data)
 
-    floor_times = timeit(floor, repeat)
-    hit_times = timeit(lambda: cache.compile(req, compiler, out), repeat)
-    ratios = {"vs_floor": statistics.median(hit_times) / statistics.median(floor_times)}
+    sides: dict[str, Callable[[], object]] = {
+        "floor": floor,
+        "hit": lambda: cache.compile(req, compiler, out),
+    }
+    dc = None
     if diskcache is not None:
         dc = diskcache.Cache(
             str(folder / "diskcache"),
@@ -167,12 +179,16 @@ def _bench_hit_size(report, folder: Path, label: str, size: int, repeat: int, di
                 with open(out / name, "wb") as f:
                     f.write(data)
 
-        peer_times = timeit(peer, repeat)
-        ratios["vs_diskcache"] = statistics.median(hit_times) / statistics.median(peer_times)
-        report.add("hit", f"diskcache get {label}", peer_times)
+        sides["peer"] = peer
+    times = timeit_side_by_side(sides, repeat)
+    hit = statistics.median(times["hit"])
+    ratios = {"vs_floor": hit / statistics.median(times["floor"])}
+    if dc is not None:
+        ratios["vs_diskcache"] = hit / statistics.median(times["peer"])
+        report.add("hit", f"diskcache get {label}", times["peer"])
         dc.close()
-    report.add("hit", f"floor (read+xxh3+write) {label}", floor_times)
-    report.add("hit", f"opcache hit {label}", hit_times, **ratios)
+    report.add("hit", f"floor (read+xxh3+write) {label}", times["floor"])
+    report.add("hit", f"opcache hit {label}", times["hit"], **ratios)
     cache.close()
 
 
@@ -284,9 +300,12 @@ def _bench_store_size(report: Report, folder: Path, label: str, size: int, repea
             xxhash.xxh3_128_hexdigest(data)
             (out / name).write_bytes(data)
 
-    floor_times = timeit(floor, repeat)
-    miss_times = timeit(lambda: cache.compile(request(next(counter)), compiler, out), repeat)
-    overhead = [max(t - statistics.median(compile_times), 0.0) for t in miss_times]
+    times = timeit_side_by_side(
+        {"floor": floor, "miss": lambda: cache.compile(request(next(counter)), compiler, out)},
+        repeat,
+    )
+    floor_times = times["floor"]
+    overhead = [max(t - statistics.median(compile_times), 0.0) for t in times["miss"]]
     report.add("store", f"floor (read+xxh3+write) {label}", floor_times)
     report.add(
         "store",
@@ -373,9 +392,9 @@ def bench_wrap(report: Report, tmp: Path, repeat: int) -> None:
         return lambda: subprocess.run(argv, cwd=folder, env=env, check=True, capture_output=True)
 
     obj = folder / "k.o"
-    results = {}
-    for name, argv in commands.items():
-        results[name] = timeit(runner(argv), repeat, warmup=2)
+    results = timeit_side_by_side(
+        {name: runner(argv) for name, argv in commands.items()}, repeat, warmup=2
+    )
     size = obj.stat().st_size
 
     def restore_floor() -> None:
@@ -491,18 +510,20 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     tmp = Path(tempfile.mkdtemp(prefix="opcache-bench-"))
     try:
-        if 1 in only:
-            bench_hit(report, tmp, repeat)
-        if 2 in only:
-            bench_scale(report, tmp, repeat, big)
-        if 3 in only:
-            bench_store(report, tmp, repeat)
-        if 4 in only:
-            bench_aging(report, tmp, max(repeat // 10, 5), big)
-        if 5 in only:
-            bench_wrap(report, tmp, max(repeat // 10, 10))
-        if 6 in only:
-            bench_session(report, tmp, session)
+        scenarios: dict[int, Callable[[], None]] = {
+            1: lambda: bench_hit(report, tmp, repeat),
+            2: lambda: bench_scale(report, tmp, repeat, big),
+            3: lambda: bench_store(report, tmp, repeat),
+            4: lambda: bench_aging(report, tmp, max(repeat // 10, 5), big),
+            5: lambda: bench_wrap(report, tmp, max(repeat // 10, 10)),
+            6: lambda: bench_session(report, tmp, session),
+        }
+        for number, run in scenarios.items():
+            if number in only:
+                # The previous scenario's writes are flushed first: the disk
+                # writing them back would slow this one's file operations.
+                os.sync()
+                run()
         if args.json:
             Path(args.json).write_text(
                 json.dumps({"quick": args.quick, "rows": report.rows}, indent=2)
