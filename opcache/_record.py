@@ -3,8 +3,8 @@
 ``opcache wrap`` starts a Python for every compile command, and importing
 dataclasses (with inspect, ast and dis) and building a dozen classes cost it
 about 25 ms: more than the whole cache hit.  A record here names its fields
-once (in ``__slots__`` or ``_fields``); its ``__init__`` stores them with
-``_init``.
+once (in ``__slots__`` or ``_fields``); its ``__init__``, whose parameters
+are the fields, stores them with ``self._init(locals())``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ class Record:
     _fields: tuple[str, ...] = ()
     _compared: tuple[str, ...] | None = None
 
-    def _init(self, **values: object) -> None:
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+    def _init(self, values: dict[str, object]) -> None:
+        """Store the fields from ``values``: an ``__init__`` passes its ``locals()``."""
+        for name in self._fields:
+            object.__setattr__(self, name, values[name])
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
@@ -50,5 +51,5 @@ class Record:
 
 def _restore(cls: type[Record], fields: dict[str, object]) -> Record:
     record = cls.__new__(cls)
-    record._init(**fields)
+    record._init(fields)
     return record

@@ -29,7 +29,7 @@ class DebugConfig(Record):
     op_list: tuple[str, ...] | None  # None: the file has no op_debug_list line
 
     def __init__(self, options: tuple[str, ...], op_list: tuple[str, ...] | None) -> None:
-        self._init(options=options, op_list=op_list)
+        self._init(locals())
 
 
 def _split_list(value: str) -> tuple[str, ...]:

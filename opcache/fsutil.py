@@ -32,7 +32,7 @@ class Modes(Record):
     group: int | None
 
     def __init__(self, file: int, dir: int, group: int | None = None) -> None:
-        self._init(file=file, dir=dir, group=group)
+        self._init(locals())
 
     @property
     def file_bits(self) -> int:

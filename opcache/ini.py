@@ -80,10 +80,7 @@ class SizeLimits(Record):
     remain_cache_size_ratio: int
 
     def __init__(self, max_op_cache_size_mb: int, remain_cache_size_ratio: int) -> None:
-        self._init(
-            max_op_cache_size_mb=max_op_cache_size_mb,
-            remain_cache_size_ratio=remain_cache_size_ratio,
-        )
+        self._init(locals())
 
 
 def read_size_limits(path: Path) -> SizeLimits | None:

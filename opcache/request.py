@@ -70,20 +70,13 @@ class OpRequest(Record):
         if not isinstance(op_type, str) or not op_type:
             raise ValueError(f"OpRequest.op_type must be a non-empty string, not {op_type!r}")
         check_soc_version(soc_version)
+        attrs = {} if attrs is None else attrs
+        options = {} if options is None else options
         sources = {} if sources is None else sources
         for name in sources:
             if not is_plain_name(name):
                 raise ValueError(f"OpRequest.sources: {name!r} is not a plain file name")
-        self._init(
-            op_type=op_type,
-            soc_version=soc_version,
-            op_name=op_name,
-            inputs=inputs,
-            outputs=outputs,
-            attrs={} if attrs is None else attrs,
-            options={} if options is None else options,
-            sources=sources,
-        )
+        self._init(locals())
 
     @cached_property
     def source_bytes(self) -> dict[str, bytes]:
@@ -124,11 +117,4 @@ class CompileResult(Record):
         reason: str | None = None,
         saved_seconds: float = 0.0,
     ) -> None:
-        self._init(
-            status=status,
-            key=key,
-            files=files,
-            seconds=seconds,
-            reason=reason,
-            saved_seconds=saved_seconds,
-        )
+        self._init(locals())

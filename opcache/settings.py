@@ -96,20 +96,7 @@ class Settings(Record):
         debug_dir: Path | None = None,
         shared_group: int | None = None,
     ) -> None:
-        self._init(
-            mode=mode,
-            root=root,
-            ini_path=ini_path,
-            max_op_cache_size_mb=max_op_cache_size_mb,
-            remain_cache_size_ratio=remain_cache_size_ratio,
-            debug_level=debug_level,
-            debug_config_path=debug_config_path,
-            debug_config=debug_config,
-            collect_path=collect_path,
-            sources=sources,
-            debug_dir=debug_dir,
-            shared_group=shared_group,
-        )
+        self._init(locals())
 
     @property
     def debug_options(self) -> list[str]:

@@ -94,7 +94,7 @@ class Entry(Record):
     def __init__(
         self, key: str, files: dict[str, bytes], compile_seconds: float, stamp: float
     ) -> None:
-        self._init(key=key, files=files, compile_seconds=compile_seconds, stamp=stamp)
+        self._init(locals())
 
 
 class EntryInfo(Record):
@@ -106,7 +106,7 @@ class EntryInfo(Record):
     size: int
 
     def __init__(self, key: str, stamp: float, size: int = 0) -> None:
-        self._init(key=key, stamp=stamp, size=size)
+        self._init(locals())
 
 
 def is_key(name: str) -> bool:

@@ -205,3 +205,16 @@ def test_a_new_fingerprint_misses_instead_of_serving_a_stale_kernel(tmp_path: Pa
         assert cache.compile(make_request(), new, tmp_path / "b").status == "miss"
         assert cache.compile(make_request(), old, tmp_path / "c").status == "hit"
     assert old.calls() == 2
+
+
+def test_requests_are_read_only_compare_by_value_and_survive_pickling() -> None:
+    import pickle
+
+    from opcache import OpRequest
+
+    request = OpRequest("Add", SOC, op_name="add_1", attrs={"alpha": 1})
+    assert OpRequest("Add", SOC).attrs == {} and OpRequest("Add", SOC).sources == {}
+    assert pickle.loads(pickle.dumps(request)) == request
+    assert request != OpRequest("Add", SOC, op_name="add_2", attrs={"alpha": 1})
+    with pytest.raises(AttributeError):
+        request.op_type = "Mul"  # type: ignore[misc]
