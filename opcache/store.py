@@ -244,7 +244,7 @@ class LocalStore:
             return None
         try:
             try:
-                bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=False)
+                bucket_fd = self._open_dir(key[:2], chip_fd, f"{self.root}/{soc}", create=False)
             except OSError as e:
                 if e.errno in fsutil.GONE:
                     return None
@@ -262,7 +262,7 @@ class LocalStore:
                     return None
                 raise
             try:
-                trust.check(os.fstat(entry_fd), self.modes, self.entry_dir(soc, key))
+                trust.check(os.fstat(entry_fd), self.modes, f"{self.root}/{soc}/{key[:2]}/{key}")
             except trust.UntrustedFolder:
                 os.close(entry_fd)
                 os.close(bucket_fd)
@@ -531,7 +531,7 @@ class LocalStore:
         finally:
             os.close(root_fd)
 
-    def _open_dir(self, name: str, parent_fd: int, parent: Path, *, create: bool) -> int:
+    def _open_dir(self, name: str, parent_fd: int, parent: Path | str, *, create: bool) -> int:
         """A trusted folder under ``parent_fd``, never through a link; made if asked."""
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
@@ -547,10 +547,10 @@ class LocalStore:
             return self._open_dir(name, parent_fd, parent, create=False)
         except OSError as e:
             if e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(name, parent_fd):
-                raise trust.UntrustedFolder(f"{parent / name} is a link or a file") from None
+                raise trust.UntrustedFolder(f"{parent}/{name} is a link or a file") from None
             raise
         try:
-            trust.check(os.fstat(fd), self.modes, parent / name)
+            trust.check(os.fstat(fd), self.modes, f"{parent}/{name}")
         except trust.UntrustedFolder:
             os.close(fd)
             raise
