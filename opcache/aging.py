@@ -89,7 +89,7 @@ def _trim(
     on_evict: Callable[[int], None] | None,
 ) -> None:
     oldest_first = sorted(store.scan(soc, progress, sizes=dry_run), key=lambda i: i.stamp)
-    removing = contextlib.nullcontext(None) if dry_run else store.discarding(soc)
+    removing = contextlib.nullcontext(None) if dry_run else store.discarding(soc, later=True)
     with removing as remove:
         for info in oldest_first:
             if report.freed_bytes >= to_free:

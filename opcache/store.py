@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import fsutil, locks, trust
+from . import fsutil, locks, trash, trust
 from ._log import get_logger
 from ._record import Record
 from .counters import CounterFiles
@@ -312,7 +312,9 @@ class LocalStore:
     def stamp(self, soc: str, key: str) -> float | None:
         """The entry's last recorded access, or None if it is gone."""
         try:
-            return os.stat(self.entry_dir(soc, key) / MANIFEST, follow_symlinks=False).st_mtime
+            # Text, not Path: a trim asks this of every entry it removes.
+            path = f"{self.root}/{soc}/{key[:2]}/{key}/{MANIFEST}"
+            return os.stat(path, follow_symlinks=False).st_mtime
         except OSError:
             return None
 
@@ -458,13 +460,27 @@ class LocalStore:
             return remove(key)
 
     @contextlib.contextmanager
-    def discarding(self, soc: str) -> Iterator[Callable[[str], int | None]]:
+    def discarding(self, soc: str, *, later: bool = False) -> Iterator[Callable[[str], int | None]]:
         """A remover of a chip's entries (bytes, or None if gone), for many at once.
 
         One lock, one handle per folder, and one counter update at the end:
         trimming 100,000 entries should cost their deletion, not 100,000 of
-        everything else.
+        everything else.  With ``later``, an entry is only renamed into one
+        trash folder, deleted after the batch by a detached process
+        (``trash.py``): the caller pays a rename per entry, not a deletion.
         """
+        batch: list[tuple[Path, int]] = []
+        try:
+            with self._removing(soc, batch if later else None) as remove:
+                yield remove
+        finally:
+            for path, fd in batch:
+                trash.delete_later(path, fd)
+
+    @contextlib.contextmanager
+    def _removing(
+        self, soc: str, batch: list[tuple[Path, int]] | None
+    ) -> Iterator[Callable[[str], int | None]]:
         with self._counting(soc):
             chip_fd = self._open_chip_if_there(soc)
             if chip_fd is None:
@@ -472,7 +488,7 @@ class LocalStore:
                 return
             buckets: dict[str, int | None] = {}
             removed = {"entries": 0, "bytes": 0}
-            trash = self.folder("trash")
+            trash_dir = self.folder("trash")
 
             def remove(key: str) -> int | None:
                 bucket = key[:2]
@@ -488,14 +504,17 @@ class LocalStore:
                 bucket_fd = buckets[bucket]
                 if bucket_fd is None:
                     return None
-                aside = trash / fsutil.unique_name(f"{key}.{_HOST}")
-                try:
-                    os.rename(key, aside, src_dir_fd=bucket_fd)
-                except OSError as e:
-                    if e.errno in fsutil.GONE:
+                if batch is None:
+                    aside = trash_dir / fsutil.unique_name(f"{key}.{_HOST}")
+                    if not _rename_if_there(key, bucket_fd, aside):
                         return None
-                    raise
-                size = fsutil.remove_tree(aside)
+                    size = fsutil.remove_tree(aside)
+                else:
+                    if not batch:
+                        batch.append(trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes))
+                    if not _rename_if_there(key, bucket_fd, key, batch[0][1]):
+                        return None
+                    size = _folder_bytes(key, batch[0][1])
                 removed["entries"] -= 1
                 removed["bytes"] -= size
                 if removed["entries"] <= -_COUNT_EVERY:
@@ -586,26 +605,17 @@ class LocalStore:
     def clear_chip(self, soc: str) -> bool:
         """Remove a whole chip folder at once; True if there was one.
 
-        The folder is renamed aside first: processes using it see misses, never
-        half-deleted entries.
+        The folder is renamed into the trash: processes using it see misses,
+        never half-deleted entries, and its deletion runs in the background.
         """
         if not os.path.lexists(self.chip_dir(soc)):
             return False  # nothing to clear: create nothing either
-        aside = self._move_to_trash(self.chip_dir(soc), soc)
-        if aside is None:
-            return False
-        fsutil.remove_tree(aside)
-        return True
-
-    def _move_to_trash(self, path: Path, label: str) -> Path | None:
-        aside = self.folder("trash") / fsutil.unique_name(f"{label}.{_HOST}")
+        path, fd = trash.new_folder(self.folder("trash"), f"{soc}.{_HOST}", self.modes)
         try:
-            os.rename(path, aside)
-        except OSError as e:
-            if e.errno in fsutil.GONE:
-                return None
-            raise
-        return aside
+            moved = _rename_if_there(str(self.chip_dir(soc)), None, soc, fd)
+        finally:
+            trash.delete_later(path, fd)
+        return moved
 
     def recount(self, soc: str, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Walk a chip folder and set its counters to what is there."""
@@ -655,23 +665,20 @@ class LocalStore:
             os.close(chip_fd)
 
     def clean_leftovers(self, now: float | None = None) -> int:
-        """Delete build folders of dead writers and whatever is in the trash."""
+        """Delete build folders of dead writers, and trash no deleter is working on."""
         now = time.time() if now is None else now
-        removed = 0
-        for folder, always in ((self.trash_dir, True), (self.tmp_dir, False)):
-            try:
-                names = os.listdir(folder)
-            except OSError:
-                continue
-            for name in names:
-                path = folder / name
-                if name.startswith(".nfs"):
-                    continue  # NFS removes these itself when the last reader closes
-                if not always and not _abandoned(path, name, now):
-                    continue
-                with contextlib.suppress(OSError):
-                    fsutil.remove_tree(path)
-                    removed += 1
+        removed = trash.sweep(self.trash_dir)
+        try:
+            names = os.listdir(self.tmp_dir)
+        except OSError:
+            names = []
+        for name in names:
+            path = self.tmp_dir / name
+            if name.startswith(".nfs") or not _abandoned(path, name, now):
+                continue  # (NFS removes its .nfs files itself when the last reader closes)
+            with contextlib.suppress(OSError):
+                fsutil.remove_tree(path)
+                removed += 1
         # Temp files of small atomic writes (counters, op_cache.ini) of killed
         # writers: such a write takes microseconds, so a minute-old one is dead.
         folders = [self.root, *(self.chip_dir(soc) / SIZE_FOLDER for soc in self.chips())]
@@ -764,15 +771,41 @@ def _entry_facts(bucket_fd: int, name: str, sizes: bool) -> tuple[float, int]:
             stamp = os.stat(MANIFEST, dir_fd=entry_fd, follow_symlinks=False).st_mtime
         except OSError:
             stamp = 0.0
-        size = 0
-        if sizes:
-            with os.scandir(entry_fd) as files:
-                for f in files:
-                    if f.is_file(follow_symlinks=False):
-                        size += f.stat(follow_symlinks=False).st_size
-        return stamp, size
+        return stamp, _files_bytes(entry_fd) if sizes else 0
     finally:
         os.close(entry_fd)
+
+
+def _files_bytes(folder_fd: int) -> int:
+    """Bytes of the regular files directly in a folder (an entry has no subfolders)."""
+    with os.scandir(folder_fd) as files:
+        return sum(
+            f.stat(follow_symlinks=False).st_size for f in files if f.is_file(follow_symlinks=False)
+        )
+
+
+def _folder_bytes(name: str, parent_fd: int) -> int:
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return 0
+    try:
+        return _files_bytes(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_if_there(
+    src: str, src_dir_fd: int | None, dst: str | Path, dst_dir_fd: int | None = None
+) -> bool:
+    """Rename, never through a link; False if ``src`` was gone already."""
+    try:
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+    except OSError as e:
+        if e.errno in fsutil.GONE:
+            return False
+        raise
+    return True
 
 
 def _lexists(name: str, dir_fd: int) -> bool:

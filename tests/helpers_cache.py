@@ -344,3 +344,14 @@ def run_script(code: str, *, umask: int | None = None, wait: bool = True) -> Any
             args, env=env, preexec_fn=preexec, capture_output=True, text=True, timeout=60
         )
     return subprocess.Popen(args, env=env, preexec_fn=preexec, text=True)
+
+
+def trash_emptied(root: Path, timeout: float = 60.0) -> list[str]:
+    """What is left in the trash once its background deleters are done (or time is up)."""
+    trash = root / ".opcache" / "trash"
+    deadline = time.monotonic() + timeout
+    while True:
+        left = sorted(os.listdir(trash)) if trash.exists() else []
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)

@@ -26,6 +26,7 @@ from helpers_cache import (
     make_settings,
     read_dir,
     run_script,
+    trash_emptied,
     tree_bytes,
     wait_for,
 )
@@ -652,7 +653,7 @@ def test_clear_one_chip_then_all(tmp_path: Path, root: Path, compiler: ToyCompil
         assert cache.clear() == []
         assert cache.compile(make_request(1), compiler, tmp_path / "x").status == "miss"
     assert (root / "op_cache.ini").is_file()
-    assert os.listdir(root / ".opcache" / "trash") == []
+    assert trash_emptied(root) == []
 
 
 def test_maintenance_works_in_disable_mode(

@@ -30,6 +30,7 @@ from helpers_cache import (
     read_dir,
     read_json,
     store_forever_child,
+    trash_emptied,
     tree_bytes,
     wait_for,
 )
@@ -288,7 +289,7 @@ def test_force_while_others_hit_and_store(tmp_path: Path) -> None:
     assert stats["errors"] == 0
     assert stats["corrupt"] == 0
     assert report.corrupt == 0
-    assert os.listdir(settings_for(tmp_path).root / ".opcache" / "trash") == []
+    assert trash_emptied(settings_for(tmp_path).root) == []
 
 
 def test_an_entry_cleared_while_it_is_read_is_a_miss_not_corrupt(

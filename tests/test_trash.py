@@ -1,0 +1,114 @@
+"""Trimmed and cleared entries leave the cache at once and are deleted off the caller's path.
+
+A trim renames its entries into one trash folder and a detached process
+deletes it, holding the folder's lock; a sweep deletes only trash nobody holds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from helpers_cache import (
+    SOC,
+    T0,
+    FakeClock,
+    ToyCompiler,
+    entry_dirs,
+    make_request,
+    make_settings,
+    trash_emptied,
+    tree_bytes,
+)
+
+import opcache
+from opcache import fsutil, trash
+from opcache.store import LocalStore
+
+
+@pytest.fixture
+def trimmed(tmp_path: Path) -> tuple[opcache.Settings, list[str]]:
+    """A 1 MB chip folder holding six old 200 kB entries: a trim takes four."""
+    root = tmp_path / "ops" / "kernel_cache"
+    root.mkdir(parents=True)
+    (root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nmax_op_cache_size=1\nremain_cache_size_ratio=50\n"
+    )
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    clock = FakeClock()
+    compiler = ToyCompiler(tmp_path / "calls", size=200_000)
+    with opcache.OpCache(settings, clock=clock) as cache:
+        keys = []
+        for i in range(6):
+            keys.append(cache.compile(make_request(i), compiler, tmp_path / "o").key)
+            clock.advance(10)
+    return settings, keys
+
+
+def _age(settings: opcache.Settings) -> opcache.AgingReport:
+    with opcache.OpCache(settings, clock=FakeClock(T0 + 7200)) as cache:
+        return cache.age()
+
+
+def test_a_trim_takes_entries_out_at_once_and_deletes_them_in_another_process(
+    trimmed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, keys = trimmed
+    deleted_here = []
+    real_remove_tree = fsutil.remove_tree
+
+    def remove_tree(path):
+        deleted_here.append(str(path))
+        return real_remove_tree(path)
+
+    monkeypatch.setattr(fsutil, "remove_tree", remove_tree)
+    report = _age(settings)
+    assert report.removed_entries == 4
+    assert set(entry_dirs(settings.root)) == set(keys[4:])
+    with opcache.OpCache(settings) as cache:
+        stats = cache.stats()
+    left = sum(tree_bytes(p) for p in entry_dirs(settings.root).values())
+    assert (stats["entries"], stats["bytes"]) == (2, left)  # counted when taken out
+    assert trash_emptied(settings.root) == []
+    trash_dir = str(settings.root / ".opcache" / "trash")
+    assert not [p for p in deleted_here if p.startswith(trash_dir)]  # not deleted here
+
+
+def test_without_a_python_to_start_the_trim_deletes_in_place(
+    trimmed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, keys = trimmed
+    monkeypatch.setattr(sys, "executable", "")  # an embedding program's interpreter
+    assert _age(settings).removed_entries == 4
+    assert os.listdir(settings.root / ".opcache" / "trash") == []  # no waiting
+    assert set(entry_dirs(settings.root)) == set(keys[4:])
+
+
+def test_clear_takes_the_chip_folder_out_at_once(trimmed) -> None:
+    settings, _ = trimmed
+    with opcache.OpCache(settings) as cache:
+        assert cache.clear(SOC) == [SOC]
+        assert entry_dirs(settings.root) == {}
+        assert cache.stats()["entries"] == 0
+    assert trash_emptied(settings.root) == []
+
+
+def test_a_sweep_leaves_trash_a_deleter_holds_and_deletes_trash_nobody_holds(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path / "cache")
+    held_path, held = trash.new_folder(store.folder("trash"), "busy", store.modes)
+    (held_path / "entry").mkdir()
+    (held_path / "entry" / "MANIFEST").write_bytes(b"x")
+    orphan_path, orphan = trash.new_folder(store.folder("trash"), "orphan", store.modes)
+    (orphan_path / "entry").mkdir()
+    os.close(orphan)  # its deleter died
+    try:
+        assert store.clean_leftovers() == 1
+        assert os.listdir(store.trash_dir) == [held_path.name]
+    finally:
+        os.close(held)
+    assert store.clean_leftovers() == 1
+    assert os.listdir(store.trash_dir) == []
