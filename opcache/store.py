@@ -14,7 +14,8 @@ Layout under the cache root (``settings.root``)::
 
 Entries are fanned out over 256 folders by the key's first two hex digits.
 An entry is built in ``tmp`` and renamed into place, so a reader sees nothing
-or a whole entry.  Deletion renames into ``trash`` first for the same reason.
+or a whole entry.  Deletion renames into ``trash`` first for the same reason,
+and the trash is deleted in the background (``trash.py``).
 Every read checks the manifest's own checksum and every artifact's size and
 XXH3 digest; nothing below the root is reached through a symbolic link.
 
