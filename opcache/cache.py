@@ -170,12 +170,15 @@ class OpCache:
         # One compile that meets a broken cache at every step (read, lock, store)
         # is one error in stats, not three.
         me = _thread.get_ident()
+        outer = self._compiling.get(me)  # a compiler that compiles through the cache itself
         self._compiling[me] = False
         try:
             return self._compile_cached(request, compiler, out, started)
         finally:
             if self._compiling.pop(me):
                 self._stats.add(soc, "errors")
+            if outer is not None:
+                self._compiling[me] = outer
 
     def _compile_cached(
         self, request: OpRequest, compiler: Compiler, out: Path, started: float

@@ -103,7 +103,8 @@ def _run(argv: Sequence[str]) -> int:
 def _wrap_main(argv: Sequence[str]) -> int:
     """``opcache wrap [-v] [cache flags] -- command...``"""
     argv = list(argv)
-    if argv[:1] in (["-h"], ["--help"]):
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    if "-h" in own or "--help" in own:
         print(_wrap_help())
         return 0
     if "--" not in argv:

@@ -51,8 +51,13 @@ def canonical_json(value: Any) -> bytes:
 def _check_keys(value: Any) -> None:
     # A loop, not recursion: a call per leaf was a tenth of a library hit.
     pending = [value]
+    seen: set[int] = set()  # a container holding itself is json's error to report
     while pending:
         item = pending.pop()
+        if isinstance(item, dict | list | tuple):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
         if isinstance(item, dict):
             for name in item:
                 if not isinstance(name, str):

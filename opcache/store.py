@@ -470,17 +470,20 @@ class LocalStore:
         trash folder, deleted after the batch by a detached process
         (``trash.py``): the caller pays a rename per entry, not a deletion.
         """
-        batch: list[tuple[Path, int]] = []
+        # The locked trash folder of this batch, once made (None: folders cannot
+        # be locked here).  Locked, so that no sweep deletes under us.
+        holder: list[tuple[Path, int] | None] = []
         try:
-            with self._removing(soc, batch if later else None) as remove:
+            with self._removing(soc, later, holder) as remove:
                 yield remove
         finally:
-            for path, fd in batch:
-                trash.delete_later(path, fd)
+            for made in holder:
+                if made is not None:
+                    trash.delete_later(*made)  # (at once if it is empty)
 
     @contextlib.contextmanager
     def _removing(
-        self, soc: str, batch: list[tuple[Path, int]] | None
+        self, soc: str, later: bool, holder: list[tuple[Path, int] | None]
     ) -> Iterator[Callable[[str], int | None]]:
         with self._counting(soc):
             chip_fd = self._open_chip_if_there(soc)
@@ -505,17 +508,21 @@ class LocalStore:
                 bucket_fd = buckets[bucket]
                 if bucket_fd is None:
                     return None
-                if batch is None:
+                if not holder:
+                    holder.append(trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes))
+                folder = holder[0]
+                if folder is None:
                     aside = trash_dir / fsutil.unique_name(f"{key}.{_HOST}")
                     if not _rename_if_there(key, bucket_fd, aside):
                         return None
                     size = fsutil.remove_tree(aside)
                 else:
-                    if not batch:
-                        batch.append(trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes))
-                    if not _rename_if_there(key, bucket_fd, key, batch[0][1]):
+                    if not _rename_if_there(key, bucket_fd, key, folder[1]):
                         return None
-                    size = _folder_bytes(key, batch[0][1])
+                    if later:
+                        size = _folder_bytes(key, folder[1])
+                    else:
+                        size = fsutil.remove_tree(folder[0] / key)
                 removed["entries"] -= 1
                 removed["bytes"] -= size
                 if removed["entries"] <= -_COUNT_EVERY:
@@ -611,12 +618,18 @@ class LocalStore:
         """
         if not os.path.lexists(self.chip_dir(soc)):
             return False  # nothing to clear: create nothing either
-        path, fd = trash.new_folder(self.folder("trash"), f"{soc}.{_HOST}", self.modes)
+        trash_dir = self.folder("trash")
+        made = trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes)
+        if made is None:  # folders cannot be locked here: delete in place
+            aside = trash_dir / fsutil.unique_name(f"{soc}.{_HOST}")
+            if not _rename_if_there(str(self.chip_dir(soc)), None, aside):
+                return False
+            fsutil.remove_tree(aside)
+            return True
         try:
-            moved = _rename_if_there(str(self.chip_dir(soc)), None, soc, fd)
+            return _rename_if_there(str(self.chip_dir(soc)), None, soc, made[1])
         finally:
-            trash.delete_later(path, fd)
-        return moved
+            trash.delete_later(*made)
 
     def recount(self, soc: str, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Walk a chip folder and set its counters to what is there."""

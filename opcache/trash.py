@@ -5,7 +5,9 @@ deletion itself (every file, then every folder: a third of a millisecond per
 entry on a slow disk) runs in a detached process that holds the trash
 folder's lock.  Neither a compile that trims a chip folder nor ``opcache age``
 waits for it.  A trash folder whose lock nobody holds was left by a deleter
-that died (or could not start); ``sweep`` deletes it.
+that died (or could not start); ``sweep`` deletes it.  Where folders cannot
+be locked (NFS turns ``flock`` into byte-range locks, which need a file open
+for writing), there are no deleters: callers delete in place.
 
 Run as ``python -m opcache.trash FD FOLDER`` by ``delete_later``.
 """
@@ -13,6 +15,7 @@ Run as ``python -m opcache.trash FD FOLDER`` by ``delete_later``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import sys
@@ -21,19 +24,43 @@ from pathlib import Path
 from . import fsutil
 from ._log import get_logger
 
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    import subprocess
+
 log = get_logger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_ATTEMPTS = 8
+# Running deleters, kept so that they are reaped (no zombies in a long-lived
+# program) and not reported as abandoned.
+_deleters: list[subprocess.Popen[bytes]] = []
 
 
-def new_folder(trash_dir: Path, label: str, modes: fsutil.Modes) -> tuple[Path, int]:
-    """A fresh trash folder and the descriptor holding its lock."""
-    path = trash_dir / fsutil.unique_name(label)
-    os.mkdir(path, modes.dir_bits)
-    fsutil.fix_new_dir(path, modes)  # a group-shared cache's members sweep each other's
-    fd = os.open(path, _DIR_FLAGS)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # new: nobody else can hold it
-    return path, fd
+def new_folder(trash_dir: Path, label: str, modes: fsutil.Modes) -> tuple[Path, int] | None:
+    """A fresh trash folder and the descriptor holding its lock.
+
+    None where folders cannot be locked: the caller deletes in place then.
+    """
+    for _ in range(_ATTEMPTS):
+        path = trash_dir / fsutil.unique_name(label)
+        os.mkdir(path, modes.dir_bits)
+        fsutil.fix_new_dir(path, modes)  # a group-shared cache's members sweep each other's
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except FileNotFoundError:
+            continue  # a sweep took it before we could lock it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            return None
+        if os.fstat(fd).st_nlink:
+            return path, fd
+        os.close(fd)  # a sweep deleted it between our mkdir and our lock
+    raise OSError(errno.EAGAIN, "cannot make a trash folder that stays", str(trash_dir))
 
 
 def delete_later(path: Path, fd: int) -> None:
@@ -61,18 +88,24 @@ def _spawn_deleter(path: Path, fd: int) -> bool:
         return False
     import subprocess  # only when something was trimmed or cleared
 
+    _deleters[:] = [p for p in _deleters if p.poll() is None]
     package_parent = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
     try:
-        subprocess.Popen(
-            [sys.executable, "-m", "opcache.trash", str(fd), str(path)],
-            pass_fds=(fd,),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a build tool's Ctrl-C or exit does not stop it
+        _deleters.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "opcache.trash", str(fd), str(path)],
+                pass_fds=(fd,),
+                env=env,
+                # Not the caller's folder: an "opcache" folder there would be
+                # imported instead, and the folder would be kept busy.
+                cwd="/",
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a build tool's Ctrl-C or exit does not stop it
+            )
         )
     except OSError as e:
         log.debug("cannot start a deleter for %s (%s): deleting it now", path, e)
@@ -100,9 +133,11 @@ def sweep(trash_dir: Path) -> int:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             os.close(fd)
             continue  # a deleter is at work on it
+        except OSError:
+            pass  # folders cannot be locked here, so no deleter can be at work
         try:
             fsutil.remove_tree(path)
             removed += 1

@@ -409,6 +409,25 @@ def test_only_plain_files_are_stored(tmp_path: Path, root: Path) -> None:
     assert sorted(p.name for p in entry.iterdir()) == sorted([*expected_files(request), "MANIFEST"])
 
 
+def test_a_compiler_may_compile_its_parts_through_the_same_cache(
+    tmp_path: Path, root: Path
+) -> None:
+    """A fused operator's compiler that asks the cache for a part of it first."""
+
+    class Fusing(ToyCompiler):
+        def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+            part = cache.compile(make_request(7), ToyCompiler(tmp_path / "calls"), workdir / "p")
+            assert part.status in ("miss", "hit")
+            super().compile(request, workdir)
+
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        fused = Fusing(tmp_path / "calls", name="fusing")
+        assert cache.compile(make_request(), fused, tmp_path / "a").status == "miss"
+        assert cache.compile(make_request(), fused, tmp_path / "b").status == "hit"
+        stats = cache.stats()
+    assert (stats["misses"], stats["hits"], stats["errors"]) == (2, 1, 0)
+
+
 def test_an_artifact_named_manifest_is_delivered_but_not_stored(tmp_path: Path, root: Path) -> None:
     odd = ToyCompiler(tmp_path / "calls", extra={"MANIFEST": b"mine"})
     with opcache.OpCache(settings_for(tmp_path)) as cache:

@@ -218,3 +218,10 @@ def test_requests_are_read_only_compare_by_value_and_survive_pickling() -> None:
     assert request != OpRequest("Add", SOC, op_name="add_2", attrs={"alpha": 1})
     with pytest.raises(AttributeError):
         request.op_type = "Mul"  # type: ignore[misc]
+
+
+def test_a_request_that_contains_itself_is_refused_not_hung() -> None:
+    attrs: dict = {"alpha": 1}
+    attrs["self"] = attrs
+    with pytest.raises(TypeError, match="not JSON data"):
+        canonical_json({"attrs": attrs})

@@ -6,7 +6,9 @@ deletes it, holding the folder's lock; a sweep deletes only trash nobody holds.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -112,3 +114,53 @@ def test_a_sweep_leaves_trash_a_deleter_holds_and_deletes_trash_nobody_holds(
         os.close(held)
     assert store.clean_leftovers() == 1
     assert os.listdir(store.trash_dir) == []
+
+
+def test_where_folders_cannot_be_locked_trims_and_clears_delete_in_place(
+    trimmed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS turns flock into byte-range locks, which a folder cannot take."""
+    settings, keys = trimmed
+    real_flock = trash.fcntl.flock
+
+    def flock(fd: int, operation: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(trash.fcntl, "flock", flock)
+    assert _age(settings).removed_entries == 4
+    assert set(entry_dirs(settings.root)) == set(keys[4:])
+    trash_dir = settings.root / ".opcache" / "trash"
+    assert os.listdir(trash_dir) == []
+    (trash_dir / "left-by-a-killed-trim").mkdir()
+    with opcache.OpCache(settings) as cache:
+        assert cache.clear(SOC) == [SOC]
+        assert cache.age().leftovers_removed == 1  # nobody could hold it
+        assert cache.stats()["entries"] == 0
+    assert os.listdir(trash_dir) == []
+
+
+def test_a_trash_folder_swept_before_its_lock_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep may take a new trash folder between its mkdir and its lock."""
+    store = LocalStore(tmp_path / "cache")
+    trash_dir = store.folder("trash")
+    real_flock = trash.fcntl.flock
+    swept: list[int] = []
+
+    def flock(fd: int, operation: int) -> None:
+        if not swept and operation == trash.fcntl.LOCK_EX:  # new_folder's, not the sweep's
+            swept.append(trash.sweep(trash_dir))
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(trash.fcntl, "flock", flock)
+    made = trash.new_folder(trash_dir, "batch", store.modes)
+    assert made is not None
+    path, fd = made
+    try:
+        assert swept == [1]  # the first folder went
+        assert path.is_dir() and os.listdir(trash_dir) == [path.name]
+    finally:
+        os.close(fd)

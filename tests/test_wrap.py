@@ -608,7 +608,7 @@ def test_wrap_flags_take_either_spelling_and_a_mistake_is_one_line(csrc, tmp_pat
         assert done.stderr.decode().count("\n") == 1, done.stderr
         assert done.stderr.startswith(b"opcache: error: wrap: ")
     assert not (src / "k.o").exists()  # the command did not run
-    usage = opcache("wrap", "--help", env=env, cwd=src).stdout.decode()
+    usage = opcache("wrap", "-v", "--help", env=env, cwd=src).stdout.decode()
     assert "--op_compiler_cache_mode" in usage and "-- COMMAND" in usage
 
 

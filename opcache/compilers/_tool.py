@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 _STDERR_TAIL = 2000
 _HEX = b"0123456789abcdef"
+_TOO_NEW_SECONDS = 2.0
 _identities: dict[tuple[str, int, int], str] = {}
 
 
@@ -47,7 +49,15 @@ def file_identity(path: str | os.PathLike[str], notes: LocalStore | None = None)
         if known is None or len(known) != len(stamp) or known.translate(None, _HEX):
             with open(real, "rb") as f:
                 known = digest(f.read()).encode()
-            if notes:
+                after = os.fstat(f.fileno())
+            # As ccache does: a file changed while read, or within the clock's
+            # resolution of now, may change again unseen; do not remember it.
+            settled = (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_ctime_ns,
+            ) and time.time() - after.st_ctime_ns / 1e9 > _TOO_NEW_SECONDS
+            if notes and settled:
                 with contextlib.suppress(OSError):  # hashed again next time
                     notes.write_note(known, "tools", stamp)
         _identities[memo] = known.decode()
