@@ -530,12 +530,15 @@ class OpCache:
 
 
 def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
-    if not out.is_dir():
-        out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, data in files.items():
         path = out / name
-        with open(path, "wb") as f:
+        try:
+            f = open(path, "wb")  # noqa: SIM115 (opened in two ways, closed below)
+        except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
+            out.mkdir(parents=True, exist_ok=True)
+            f = open(path, "wb")  # noqa: SIM115
+        with f:
             f.write(data)
         paths[name] = path
     return paths

@@ -552,11 +552,29 @@ class LocalStore:
             raise
 
     def _open_chip(self, soc: str, *, create: bool) -> int:
+        # Every hit comes here: one open in the common case.  The root is a
+        # resolved path (it may have been a link; nothing below it may be),
+        # and O_NOFOLLOW guards the chip folder itself.
+        try:
+            fd = os.open(f"{self.root}/{soc}", _DIR_FLAGS)
+        except OSError:
+            pass  # missing, a link, a file...: the careful way below makes or names it
+        else:
+            return self._trusted(fd, self.root, soc)
         root_fd = os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW)
         try:
             return self._open_dir(soc, root_fd, self.root, create=create)
         finally:
             os.close(root_fd)
+
+    def _trusted(self, fd: int, parent: Path | str, name: str) -> int:
+        """``fd`` if the folder it holds passes the trust rule; else closed, UntrustedFolder."""
+        try:
+            trust.check(os.fstat(fd), self.modes, f"{parent}/{name}")
+        except trust.UntrustedFolder:
+            os.close(fd)
+            raise
+        return fd
 
     def _open_dir(self, name: str, parent_fd: int, parent: Path | str, *, create: bool) -> int:
         """A trusted folder under ``parent_fd``, never through a link; made if asked."""
@@ -576,12 +594,7 @@ class LocalStore:
             if e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(name, parent_fd):
                 raise trust.UntrustedFolder(f"{parent}/{name} is a link or a file") from None
             raise
-        try:
-            trust.check(os.fstat(fd), self.modes, f"{parent}/{name}")
-        except trust.UntrustedFolder:
-            os.close(fd)
-            raise
-        return fd
+        return self._trusted(fd, parent, name)
 
     def _count(self, chip_fd: int, soc: str, deltas: dict[str, float] | None) -> None:
         """Move (or, with ``deltas`` None, zero) the size counters of the chip folder
