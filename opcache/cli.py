@@ -32,7 +32,7 @@ CACHE_FLAGS = {
     "--op_debug_config": ("CFG", "debug .cfg file"),
     "--soc_version": ("SOC", "one chip, e.g. Ascend910B1"),
 }
-_WRAP_USAGE = "wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o"
+WRAP_USAGE = "wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o"
 
 
 class UsageError(Exception):
@@ -108,7 +108,7 @@ def _wrap_main(argv: Sequence[str]) -> int:
         print(_wrap_help())
         return 0
     if "--" not in argv:
-        raise UsageError(_WRAP_USAGE)
+        raise UsageError(WRAP_USAGE)
     split = argv.index("--")
     command = argv[split + 1 :]
     if not command:

@@ -16,6 +16,7 @@ from .cache import OpCache
 from .cli import (
     CACHE_FLAGS,
     COMPILING_DEFAULT_MODE,
+    WRAP_USAGE,
     UsageError,
     cache_settings,
     run_logged,
@@ -251,7 +252,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_wrap_usage(args: argparse.Namespace) -> int:
-    raise UsageError("wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o")
+    raise UsageError(WRAP_USAGE)  # (cli parses wrap itself: listed here for --help)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -470,77 +470,68 @@ class LocalStore:
         trash folder, deleted after the batch by a detached process
         (``trash.py``): the caller pays a rename per entry, not a deletion.
         """
-        # The locked trash folder of this batch, once made (None: folders cannot
-        # be locked here).  Locked, so that no sweep deletes under us.
-        holder: list[tuple[Path, int] | None] = []
+        trash_dir = self.folder("trash")
+        # Locked, so that no sweep deletes under us (None: folders cannot be locked here).
+        folder = trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes)
         try:
-            with self._removing(soc, later, holder) as remove:
-                yield remove
+            with self._counting(soc):
+                chip_fd = self._open_chip_if_there(soc)
+                if chip_fd is None:
+                    yield lambda key: None
+                    return
+                with self._remover(soc, chip_fd, trash_dir, folder, later) as remove:
+                    yield remove
         finally:
-            for made in holder:
-                if made is not None:
-                    trash.delete_later(*made)  # (at once if it is empty)
+            if folder is not None:
+                trash.delete_later(*folder)  # (at once if it is empty)
 
     @contextlib.contextmanager
-    def _removing(
-        self, soc: str, later: bool, holder: list[tuple[Path, int] | None]
+    def _remover(
+        self,
+        soc: str,
+        chip_fd: int,
+        trash_dir: Path,
+        folder: tuple[Path, int] | None,
+        later: bool,
     ) -> Iterator[Callable[[str], int | None]]:
-        with self._counting(soc):
-            chip_fd = self._open_chip_if_there(soc)
-            if chip_fd is None:
-                yield lambda key: None
-                return
-            buckets: dict[str, int | None] = {}
-            removed = {"entries": 0, "bytes": 0}
-            trash_dir = self.folder("trash")
+        buckets: dict[str, int | None] = {}
+        removed = {"entries": 0, "bytes": 0}
 
-            def remove(key: str) -> int | None:
-                bucket = key[:2]
-                if bucket not in buckets:
-                    try:
-                        buckets[bucket] = self._open_dir(
-                            bucket, chip_fd, self.chip_dir(soc), create=False
-                        )
-                    except OSError as e:
-                        if e.errno not in fsutil.GONE:
-                            raise
-                        buckets[bucket] = None
-                bucket_fd = buckets[bucket]
-                if bucket_fd is None:
-                    return None
-                if not holder:
-                    holder.append(trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes))
-                folder = holder[0]
-                if folder is None:
-                    aside = trash_dir / fsutil.unique_name(f"{key}.{_HOST}")
-                    if not _rename_if_there(key, bucket_fd, aside):
-                        return None
-                    size = fsutil.remove_tree(aside)
-                else:
-                    if not _rename_if_there(key, bucket_fd, key, folder[1]):
-                        return None
-                    if later:
-                        size = _folder_bytes(key, folder[1])
-                    else:
-                        size = fsutil.remove_tree(folder[0] / key)
-                removed["entries"] -= 1
-                removed["bytes"] -= size
-                if removed["entries"] <= -_COUNT_EVERY:
-                    # Now and then, so that a killed trimmer leaves little uncounted.
-                    self._count(chip_fd, soc, removed)
-                    removed.update(entries=0, bytes=0)
-                return size
-
-            try:
-                yield remove
-            finally:
-                for fd in buckets.values():
-                    if fd is not None:
-                        os.close(fd)
+        def remove(key: str) -> int | None:
+            bucket = key[:2]
+            if bucket not in buckets:
                 try:
-                    self._count(chip_fd, soc, removed)
-                finally:
-                    os.close(chip_fd)
+                    buckets[bucket] = self._open_dir(
+                        bucket, chip_fd, f"{self.root}/{soc}", create=False
+                    )
+                except OSError as e:
+                    if e.errno not in fsutil.GONE:
+                        raise
+                    buckets[bucket] = None
+            bucket_fd = buckets[bucket]
+            if bucket_fd is None:
+                return None
+            size = _into_trash(key, bucket_fd, trash_dir, folder, later=later)
+            if size is None:
+                return None
+            removed["entries"] -= 1
+            removed["bytes"] -= size
+            if removed["entries"] <= -_COUNT_EVERY:
+                # Now and then, so that a killed trimmer leaves little uncounted.
+                self._count(chip_fd, soc, removed)
+                removed.update(entries=0, bytes=0)
+            return size
+
+        try:
+            yield remove
+        finally:
+            for fd in buckets.values():
+                if fd is not None:
+                    os.close(fd)
+            try:
+                self._count(chip_fd, soc, removed)
+            finally:
+                os.close(chip_fd)
 
     def _open_chip_if_there(self, soc: str) -> int | None:
         """The chip folder's handle, or None when there is no such folder (yet, or any more)."""
@@ -632,17 +623,13 @@ class LocalStore:
         if not os.path.lexists(self.chip_dir(soc)):
             return False  # nothing to clear: create nothing either
         trash_dir = self.folder("trash")
-        made = trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes)
-        if made is None:  # folders cannot be locked here: delete in place
-            aside = trash_dir / fsutil.unique_name(f"{soc}.{_HOST}")
-            if not _rename_if_there(str(self.chip_dir(soc)), None, aside):
-                return False
-            fsutil.remove_tree(aside)
-            return True
+        folder = trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes)
         try:
-            return _rename_if_there(str(self.chip_dir(soc)), None, soc, made[1])
+            chip = str(self.chip_dir(soc))
+            return _into_trash(chip, None, trash_dir, folder, later=True) is not None
         finally:
-            trash.delete_later(*made)
+            if folder is not None:
+                trash.delete_later(*folder)
 
     def recount(self, soc: str, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Walk a chip folder and set its counters to what is there."""
@@ -820,6 +807,29 @@ def _folder_bytes(name: str, parent_fd: int) -> int:
         return _files_bytes(fd)
     finally:
         os.close(fd)
+
+
+def _into_trash(
+    src: str,
+    src_dir_fd: int | None,
+    trash_dir: Path,
+    folder: tuple[Path, int] | None,
+    *,
+    later: bool,
+) -> int | None:
+    """Move ``src`` into the locked trash ``folder``: its bytes, or None if it was gone.
+
+    With ``later`` it stays there for ``folder``'s deleter; otherwise it is
+    deleted now.  Without a folder (none can be locked here), it is renamed
+    into the trash alone and deleted now.
+    """
+    name = os.path.basename(src)
+    if folder is None:
+        aside = trash_dir / fsutil.unique_name(f"{name}.{_HOST}")
+        return fsutil.remove_tree(aside) if _rename_if_there(src, src_dir_fd, aside) else None
+    if not _rename_if_there(src, src_dir_fd, name, folder[1]):
+        return None
+    return _folder_bytes(name, folder[1]) if later else fsutil.remove_tree(folder[0] / name)
 
 
 def _rename_if_there(
