@@ -566,3 +566,27 @@ def test_command_failure_is_a_compile_error(tmp_path):
     compiler = CommandCompiler("false {source}")
     with pytest.raises(CompileError, match="false"):
         compiler.compile(cc_request(sources={"k.c": b""}), tmp_path)
+
+
+def test_a_remembered_compiler_digest_never_outlives_a_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest is kept in the cache by ctime among others: a same-size rewrite
+    with its mtime put back still changes the identity, so no stale kernel."""
+    from opcache.compilers import _tool
+    from opcache.store import LocalStore
+
+    monkeypatch.setattr(_tool, "_TOO_NEW_SECONDS", -1e9)  # remember even a new file
+    monkeypatch.setattr(_tool, "_identities", {})
+    store = LocalStore(tmp_path / "cache")
+    tool = tmp_path / "mycc"
+    tool.write_bytes(b"version 1")
+    first = _tool.file_identity(tool, store)
+    assert len(os.listdir(tmp_path / "cache" / ".opcache" / "tools")) == 1
+    _tool._identities.clear()  # a new process
+    assert _tool.file_identity(tool, store) == first  # from the note
+    before = tool.stat()
+    tool.write_bytes(b"version 2")
+    os.utime(tool, ns=(before.st_atime_ns, before.st_mtime_ns))
+    _tool._identities.clear()
+    assert _tool.file_identity(tool, store) != first

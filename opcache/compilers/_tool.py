@@ -44,24 +44,31 @@ def file_identity(path: str | os.PathLike[str], notes: LocalStore | None = None)
     st = os.stat(real)
     memo = (real, st.st_size, st.st_mtime_ns)
     if memo not in _identities:
-        stamp = digest(f"{real}:{st.st_dev}:{st.st_ino}:{memo[1:]}:{st.st_ctime_ns}".encode())
-        known = notes.read_note("tools", stamp) if notes else None
-        if known is None or len(known) != len(stamp) or known.translate(None, _HEX):
-            with open(real, "rb") as f:
-                known = digest(f.read()).encode()
-                after = os.fstat(f.fileno())
-            # As ccache does: a file changed while read, or within the clock's
-            # resolution of now, may change again unseen; do not remember it.
-            settled = (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (
-                st.st_size,
-                st.st_mtime_ns,
-                st.st_ctime_ns,
-            ) and time.time() - after.st_ctime_ns / 1e9 > _TOO_NEW_SECONDS
-            if notes and settled:
-                with contextlib.suppress(OSError):  # hashed again next time
-                    notes.write_note(known, "tools", stamp)
-        _identities[memo] = known.decode()
+        _identities[memo] = _digest_of(real, st, notes)
     return f"{real}:{st.st_size}:{st.st_mtime_ns}:{_identities[memo]}"
+
+
+def _digest_of(real: str, st: os.stat_result, notes: LocalStore | None) -> str:
+    stamp = digest(
+        f"{real}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}".encode()
+    )
+    known = notes.read_note("tools", stamp) if notes else None
+    if known is not None and len(known) == len(stamp) and not known.translate(None, _HEX):
+        return known.decode()
+    with open(real, "rb") as f:
+        found = digest(f.read())
+        after = os.fstat(f.fileno())
+    # As ccache does: a file changed while read, or within the clock's
+    # resolution of now, may change again unseen; do not remember it.
+    unchanged = (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+    )
+    if notes and unchanged and time.time() - after.st_ctime_ns / 1e9 > _TOO_NEW_SECONDS:
+        with contextlib.suppress(OSError):  # hashed again next time
+            notes.write_note(found.encode(), "tools", stamp)
+    return found
 
 
 def which(name: str, environ: Mapping[str, str], *, skip: str | None = None) -> str | None:
