@@ -58,6 +58,8 @@ def modes_for(shared_group: int | None) -> Modes:
 
 # Errors that mean "someone else removed it first", including NFS's stale handles.
 GONE = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+# A folder opened for *at() calls, never through a link at its last step.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _read_umask() -> int:

@@ -57,7 +57,6 @@ _KEY = re.compile(r"[0-9a-f]{32}")
 _BUCKET = re.compile(r"[0-9a-f]{2}")
 # Build and trash folders are named <label>.<host>.<pid>.<random>: no dots in the host.
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", os.uname().nodename) or "host"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_MANIFEST = 16 << 20
@@ -251,7 +250,7 @@ class LocalStore:
                     return None
                 raise
             try:
-                entry_fd = os.open(key, _DIR_FLAGS, dir_fd=bucket_fd)
+                entry_fd = os.open(key, fsutil.DIR_FLAGS, dir_fd=bucket_fd)
             except OSError as e:
                 # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
                 # link or a file in the entry's place from an entry that is not there.
@@ -387,7 +386,7 @@ class LocalStore:
         path = self.folder("tmp") / fsutil.unique_name(f"{key}.{_HOST}")
         os.mkdir(path, self.modes.dir_bits)
         fsutil.fix_new_dir(path, self.modes)
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, fsutil.DIR_FLAGS)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return Workdir(path, fd)
 
@@ -547,12 +546,12 @@ class LocalStore:
         # resolved path (it may have been a link; nothing below it may be),
         # and O_NOFOLLOW guards the chip folder itself.
         try:
-            fd = os.open(f"{self.root}/{soc}", _DIR_FLAGS)
+            fd = os.open(f"{self.root}/{soc}", fsutil.DIR_FLAGS)
         except OSError:
             pass  # missing, a link, a file...: the careful way below makes or names it
         else:
             return self._trusted(fd, self.root, soc)
-        root_fd = os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW)
+        root_fd = os.open(self.root, fsutil.DIR_FLAGS & ~os.O_NOFOLLOW)
         try:
             return self._open_dir(soc, root_fd, self.root, create=create)
         finally:
@@ -570,7 +569,7 @@ class LocalStore:
     def _open_dir(self, name: str, parent_fd: int, parent: Path | str, *, create: bool) -> int:
         """A trusted folder under ``parent_fd``, never through a link; made if asked."""
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=parent_fd)
         except FileNotFoundError:
             if not create:
                 raise
@@ -725,7 +724,7 @@ def _abandoned(path: Path, name: str, now: float) -> bool:
     (another host over NFS without a lock manager), a grace period decides.
     """
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, fsutil.DIR_FLAGS)
     except OSError:
         return True  # not a folder: a stray file, or a link planted here
     try:
@@ -777,7 +776,7 @@ def _is_real_dir(path: Path) -> bool:
 def _entry_facts(bucket_fd: int, name: str, sizes: bool) -> tuple[float, int]:
     """(stamp, bytes) of an entry; (0.0, 0) for a link or file in its place, aged first."""
     try:
-        entry_fd = os.open(name, _DIR_FLAGS, dir_fd=bucket_fd)
+        entry_fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=bucket_fd)
     except OSError:
         return 0.0, 0
     try:
@@ -800,7 +799,7 @@ def _files_bytes(folder_fd: int) -> int:
 
 def _folder_bytes(name: str, parent_fd: int) -> int:
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
         return 0
     try:

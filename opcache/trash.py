@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ATTEMPTS = 8
 # Running deleters, kept so that they are reaped (no zombies in a long-lived
 # program) and not reported as abandoned.
@@ -47,7 +46,7 @@ def new_folder(trash_dir: Path, label: str, modes: fsutil.Modes) -> tuple[Path, 
         os.mkdir(path, modes.dir_bits)
         fsutil.fix_new_dir(path, modes)  # a group-shared cache's members sweep each other's
         try:
-            fd = os.open(path, _DIR_FLAGS)
+            fd = os.open(path, fsutil.DIR_FLAGS)
         except FileNotFoundError:
             continue  # a sweep took it before we could lock it
         try:
@@ -125,7 +124,7 @@ def sweep(trash_dir: Path) -> int:
             continue  # NFS removes these itself when the last reader closes
         path = trash_dir / name
         try:
-            fd = os.open(path, _DIR_FLAGS)
+            fd = os.open(path, fsutil.DIR_FLAGS)
         except OSError:
             with contextlib.suppress(OSError):
                 fsutil.remove_tree(path)  # a file or a link: remove_tree unlinks it
