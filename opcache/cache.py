@@ -14,13 +14,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import fsutil, stats
+from . import fsutil, locks, stats
 from ._log import get_logger
 from .aging import MIN_IDLE_SECONDS, STAMP_GRANULARITY, ChipAging, age_chip
 from .errors import CompileError
 from .ini import ensure_ini_file
 from .key import compute_key
-from .locks import KeyLock
 from .request import CompileResult, OpRequest, is_plain_name
 from .settings import INI_NAME, Settings, check_soc_version
 from .store import MANIFEST, CorruptEntry, Entry, LocalStore
@@ -116,6 +115,15 @@ class OpCache:
     Stats are counted in memory and written every ``stats_seconds`` by a
     background thread, or with None only at ``close()`` and exit (for a short
     process, as ``opcache wrap``).  Usable as a context manager.
+
+    In ``force`` mode each chip is cleared once per compile session, at its
+    first touch, and the cache then behaves as ``enable``.  The session is
+    this OpCache, unless one is named: ``session`` (else ``settings.session``,
+    from ``OPCACHE_SESSION``).  OpCaches in any process that name the same
+    session clear each chip once between them: the first to touch it clears
+    it, the others use what the first stored.  ``opcache wrap``, which runs
+    once per compile command, names its build's process group
+    (``process_group_session``).
     """
 
     def __init__(
@@ -125,8 +133,10 @@ class OpCache:
         clock: Callable[[], float] = time.time,
         lock_timeout: float = LOCK_TIMEOUT_SECONDS,
         stats_seconds: float | None = stats.FLUSH_SECONDS,
+        session: str | None = None,
     ) -> None:
         self.settings = settings
+        self._session = session if session is not None else settings.session
         self._clock = clock
         self._lock_timeout = lock_timeout
         self._store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
@@ -229,10 +239,10 @@ class OpCache:
             self._fingerprints[id(compiler)] = known
         return known[1]
 
-    def _acquire(self, soc: str, key: str) -> KeyLock | None:
+    def _acquire(self, soc: str, key: str) -> locks.KeyLock | None:
         """The key's single-flight lock, held; None to compile without it."""
         try:
-            lock = KeyLock(self._store.lock_path(soc, key), self._store.modes)
+            lock = locks.KeyLock(self._store.lock_path(soc, key), self._store.modes)
             if lock.acquire(self._lock_timeout):
                 return lock
             log.warning(
@@ -339,7 +349,7 @@ class OpCache:
                     fsutil.makedirs(self._store.root, self._store.modes)
                     ensure_ini_file(self.settings.root / INI_NAME, self._store.modes)
                     self._store.clean_leftovers(time.time())
-                if self.settings.mode == "force" and self._store.clear_chip(soc):
+                if self.settings.mode == "force" and self._force_clear(soc):
                     log.info("force: cleared the cache of %s", soc)
             except OSError as e:
                 self._cache_error(
@@ -350,6 +360,20 @@ class OpCache:
             self._ready_chips.add(soc)
         self._age_chip_safely(soc)
         return soc not in self._unusable_chips
+
+    def _force_clear(self, soc: str) -> bool:
+        """``force``'s clear of a chip, once per session; True if there was one to clear."""
+        if self._session is None:
+            return self._store.clear_chip(soc)
+        mark = self._session.encode()
+        # Locked: processes of one session that start together clear once, and
+        # none clears after another has begun to store.
+        with locks.flocked(self._store.folder("locks") / f"{soc}.force", self._store.modes):
+            if self._store.read_note("force", soc) == mark:
+                return False
+            cleared = self._store.clear_chip(soc)
+            self._store.write_note(mark, "force", soc)
+        return cleared
 
     def _after_store(self, soc: str, size: int) -> None:
         max_bytes = self.settings.max_bytes
@@ -527,6 +551,23 @@ class OpCache:
                 return
             self._warned.add(kind)
         log.warning("%s", message)
+
+
+def process_group_session() -> str:
+    """The session of a build: the process group this process runs in.
+
+    ``make``, ninja or a build script and every compile command it starts
+    share a process group, and a new build gets a new one.  The group
+    leader's start time tells a reused group id from the old one.
+    """
+    group = os.getpgrp()
+    try:
+        with open(f"/proc/{group}/stat", "rb") as f:
+            # Fields after the command name (which may hold spaces): starttime is the 20th.
+            started = f.read().rpartition(b")")[2].split()[19].decode()
+    except (OSError, IndexError):
+        started = "-"  # the leader is gone; its group id is not reused while we live
+    return f"group:{os.uname().nodename}:{group}:{started}"
 
 
 def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:

@@ -35,6 +35,7 @@ ENV_MAX_SIZE = "ASCEND_MAX_OP_CACHE_SIZE"
 ENV_RATIO = "ASCEND_REMAIN_CACHE_SIZE_RATIO"
 ENV_COLLECT_PATH = "NPU_COLLECT_PATH"
 ENV_SHARED_GROUP = "OPCACHE_SHARED_GROUP"
+ENV_SESSION = "OPCACHE_SESSION"
 
 # CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
 # Checked without a regex: compiling the CJK class took 2 ms of every start-up.
@@ -65,6 +66,7 @@ class Settings(Record):
         "sources",
         "debug_dir",
         "shared_group",
+        "session",
     )
     _compared = tuple(f for f in _fields if f != "sources")
     mode: str
@@ -79,6 +81,7 @@ class Settings(Record):
     sources: dict[str, str]
     debug_dir: Path | None
     shared_group: int | None  # gid of a group-shared cache
+    session: str | None  # the compile session a force clears each chip once for
 
     def __init__(
         self,
@@ -95,6 +98,7 @@ class Settings(Record):
         sources: dict[str, str],
         debug_dir: Path | None = None,
         shared_group: int | None = None,
+        session: str | None = None,
     ) -> None:
         self._init(locals())
 
@@ -150,6 +154,7 @@ class Settings(Record):
             "npu_collect_path": self.collect_path,
             "debug_dir": None if self.debug_dir is None else str(self.debug_dir),
             "shared_group": self.shared_group,
+            "session": self.session,
             "sources": dict(self.sources),
         }
 
@@ -172,6 +177,7 @@ def resolve_settings(
     op_debug_config: str | os.PathLike[str] | None = None,
     debug_dir: str | os.PathLike[str] | None = None,
     shared_group: str | int | None = None,
+    session: str | None = None,
     environ: Mapping[str, str] | None = None,
     hostname: str | None = None,
     default_mode: str = DEFAULT_MODE,
@@ -185,6 +191,9 @@ def resolve_settings(
     ``debug_dir`` (where debug builds put their files) is recorded, never keyed.
     ``shared_group`` (else ``OPCACHE_SHARED_GROUP``), a group name or gid, makes
     the cache group-shared: folders 2770, files 0660, the group's folders trusted.
+    ``session`` (else ``OPCACHE_SESSION``) names the compile session that
+    ``force`` clears each chip once for, across OpCaches and processes (see
+    ``OpCache``).
 
     Raises ConfigError for an invalid option or ``ASCEND_CACHE_PATH``.  A bad
     op_cache.ini or size variable only logs a warning and falls back.
@@ -233,7 +242,19 @@ def resolve_settings(
         sources=sources,
         debug_dir=_expand(os.fspath(debug_dir), env) if _is_set(debug_dir) else None,
         shared_group=_resolve_group(shared_group, env, sources),
+        session=_resolve_session(session, env, sources),
     )
+
+
+def _resolve_session(value: str | None, env: Mapping[str, str], sources: dict) -> str | None:
+    if _is_set(value):
+        sources["session"] = "argument"
+        return str(value)
+    if env.get(ENV_SESSION):
+        sources["session"] = f"env:{ENV_SESSION}"
+        return env[ENV_SESSION]
+    sources["session"] = "default"
+    return None
 
 
 def _resolve_group(value: str | int | None, env: Mapping[str, str], sources: dict) -> int | None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import fsutil
 from ._log import get_logger
-from .cache import OpCache
+from .cache import OpCache, process_group_session
 from .compilers._tool import file_identity, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, digest
@@ -166,7 +166,11 @@ def run(
     compiler = _WrappedCommand(plan, kind, env)
     staging = _staging_dir(plan)
     try:
-        with OpCache(settings, stats_seconds=None) as cache:
+        # One wrap per compile command: force clears once per build, not per command.
+        session = None
+        if settings.mode == "force" and settings.session is None:
+            session = process_group_session()
+        with OpCache(settings, stats_seconds=None, session=session) as cache:
             try:
                 result = cache.compile(plan.request, compiler, staging)
             except _ToolFailed as failed:

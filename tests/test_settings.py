@@ -1018,6 +1018,7 @@ def test_as_dict_carries_every_setting_and_its_source(env):
         "ini_path": "default",
         "npu_collect_path": "default",
         "debug_dir": "default",
+        "session": "default",
     }
 
 
