@@ -11,7 +11,7 @@ import _thread  # threading's primitives, without importing threading on wrap's 
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from . import fsutil, locks, stats
@@ -29,10 +29,13 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .compilers.protocol import Compiler
+    from .request import Status
+    from .shared_work import OutDirs
 
 log = get_logger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
+UNUSABLE = "not stored: the cache is unusable"
 
 Progress = Callable[[int], None]
 
@@ -164,26 +167,81 @@ class OpCache:
         """
         started = time.perf_counter()
         out = Path(out_dir)
-        soc = request.soc_version
+        plain = self._uncached(request)
+        if plain is not None:
+            return self._compile_plain(request, compiler, out, started, *plain)
+        with self._one_error_per_compile(request.soc_version):
+            return self._compile_cached(request, compiler, out, started)
+
+    def compile_many(
+        self,
+        requests: Sequence[OpRequest],
+        compiler: Compiler,
+        out_dirs: OutDirs,
+        *,
+        jobs: int | None = None,
+    ) -> list[CompileResult]:
+        """Compile many operators, sharing the work with every process that needs them.
+
+        ``out_dirs`` is a sequence of output folders, one per request, or a
+        function from a request to its folder.  Every hit is delivered at
+        once; missing keys no other process is compiling are claimed and
+        compiled here, ``jobs`` at a time (default: the cores this process may
+        use), in an order of this process's own; then the keys others were
+        compiling are collected as they finish, and any whose compile failed
+        or whose process died is compiled here.  So ranks that start on the
+        same operators together compile each of them once, in parallel.
+
+        Returns one result per request, in the order of ``requests``.  A
+        failed compile does not stop the others: its result has status
+        ``"error"`` and the exception (usually a ``CompileError``) in
+        ``error``.  Requests that share a key are compiled once.  Modes,
+        bypasses, stats and the promise that the cache never fails a compile
+        hold as for ``compile``.  Thread-safe, as ``compile`` is.
+        """
+        from .shared_work import compile_many  # threads: not on `opcache wrap`'s start-up
+
+        return compile_many(self, requests, compiler, out_dirs, jobs)
+
+    def _uncached(self, request: OpRequest) -> tuple[Status, str | None] | None:
+        """(status, reason) when the mode or a debug option keeps the cache out; else None."""
         if self.settings.mode == "disable":
-            files = _compile_uncached(request, compiler, out)
-            return CompileResult("disabled", "", files, time.perf_counter() - started)
+            return "disabled", None
         reason = self.settings.bypass_reason(request.op_name, request.op_type)
         if reason is not None:
-            files = _compile_uncached(request, compiler, out)
-            self._stats.add(soc, stats.BYPASS_PREFIX + reason)
+            return "bypass", reason
+        return None
+
+    def _compile_plain(
+        self,
+        request: OpRequest,
+        compiler: Compiler,
+        out: Path,
+        started: float,
+        status: Status,
+        reason: str | None,
+        key: str = "",
+    ) -> CompileResult:
+        """A compile that keeps the cache out: a mode, a debug option, an unusable cache."""
+        files = _compile_uncached(request, compiler, out)
+        if status == "bypass":
+            self._stats.add(request.soc_version, stats.BYPASS_PREFIX + str(reason))
             log.debug(
                 "bypassing the cache for %s (%s): %s", request.op_name, request.op_type, reason
             )
-            return CompileResult("bypass", "", files, time.perf_counter() - started, reason)
+        elif status == "miss":
+            self._stats.add(request.soc_version, "misses")
+        return CompileResult(status, key, files, time.perf_counter() - started, reason)
 
-        # One compile that meets a broken cache at every step (read, lock, store)
-        # is one error in stats, not three.
+    @contextlib.contextmanager
+    def _one_error_per_compile(self, soc: str) -> Iterator[None]:
+        """One compile that meets a broken cache at every step (read, lock, store)
+        is one error in stats, not three."""
         me = _thread.get_ident()
         outer = self._compiling.get(me)  # a compiler that compiles through the cache itself
         self._compiling[me] = False
         try:
-            return self._compile_cached(request, compiler, out, started)
+            yield
         finally:
             if self._compiling.pop(me):
                 self._stats.add(soc, "errors")
@@ -197,40 +255,58 @@ class OpCache:
         fingerprint = self._fingerprint(compiler)
         key, inputs = compute_key(request, compiler.name, fingerprint)
         if not self._prepare_chip(soc):
-            files = _compile_uncached(request, compiler, out)
-            self._stats.add(soc, "misses")
-            seconds = time.perf_counter() - started
-            return CompileResult("miss", key, files, seconds, "not stored: the cache is unusable")
+            return self._compile_plain(request, compiler, out, started, "miss", UNUSABLE, key)
         entry = self._lookup(soc, key)
         if entry is None:
             lock = self._acquire(soc, key)
-            stored = None
-            try:
-                # Another process may have stored it since our first look,
-                # whether we waited for its lock or it was done before we came.
-                entry = self._lookup(soc, key) if lock else None
-                if entry is None:
-                    if lock and lock.waited:
-                        # Its compile failed (or could not be stored): compile
-                        # here, but let the other waiters do the same at once
-                        # instead of one after another.
-                        lock.release()
-                    files, note, stored = self._compile_and_store(
-                        request, compiler, key, inputs, out
-                    )
-            finally:
-                if lock:
-                    lock.release()
+            entry, files, note = self._fill(lock, request, compiler, key, inputs, out)[:3]
             if entry is None:
                 self._stats.add(soc, "misses")
-                if stored is not None:
-                    self._after_store(soc, stored)  # not under the key's lock
                 seconds = time.perf_counter() - started
                 return CompileResult("miss", key, files, seconds, note)
+        return self._hit(entry, soc, out, started)
+
+    def _hit(self, entry: Entry, soc: str, out: Path, started: float) -> CompileResult:
         files = _deliver(out, entry.files)
         self._record_hit(soc, entry)
         seconds = time.perf_counter() - started
-        return CompileResult("hit", key, files, seconds, saved_seconds=entry.compile_seconds)
+        return CompileResult("hit", entry.key, files, seconds, saved_seconds=entry.compile_seconds)
+
+    def _fill(
+        self,
+        lock: locks.KeyLock | None,
+        request: OpRequest,
+        compiler: Compiler,
+        key: str,
+        inputs: dict,
+        out: Path,
+    ) -> tuple[Entry | None, dict[str, Path], str | None, dict[str, bytes]]:
+        """With the key's lock held (or none to be had): (the entry, if another process
+        stored it meanwhile; else the compiled files in ``out``, why they were not
+        stored, and their bytes).  Releases the lock.
+        """
+        soc = request.soc_version
+        stored = None
+        try:
+            # Another process may have stored it since our first look,
+            # whether we waited for its lock or it was done before we came.
+            entry = self._lookup(soc, key) if lock else None
+            if entry is not None:
+                return entry, {}, None, {}
+            if lock and lock.waited:
+                # Its compile failed (or could not be stored): compile here, but
+                # let the other waiters do the same at once instead of one after
+                # another.
+                lock.release()
+            files, note, stored, artifacts = self._compile_and_store(
+                request, compiler, key, inputs, out
+            )
+        finally:
+            if lock:
+                lock.release()
+        if stored is not None:
+            self._after_store(soc, stored)  # not under the key's lock
+        return None, files, note, artifacts
 
     def _fingerprint(self, compiler: Compiler) -> str:
         known = self._fingerprints.get(id(compiler))
@@ -283,8 +359,8 @@ class OpCache:
 
     def _compile_and_store(
         self, request: OpRequest, compiler: Compiler, key: str, inputs: dict, out: Path
-    ) -> tuple[dict[str, Path], str | None, int | None]:
-        """(files in ``out``, why not stored, bytes stored).
+    ) -> tuple[dict[str, Path], str | None, int | None, dict[str, bytes]]:
+        """(files in ``out``, why not stored, bytes stored, the files' bytes).
 
         The compiler works beside ``out_dir``, never in the cache: a full or
         broken cache disk can fail the store, not the compile.
@@ -299,12 +375,12 @@ class OpCache:
         seconds = time.perf_counter() - compile_started
         if MANIFEST in artifacts:
             self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
-            return files, f"not stored: an artifact is named {MANIFEST}", None
+            return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts
         try:
             workdir = self._store.new_workdir(key)
         except OSError as e:
             self._cache_error("write", f"cannot write the cache at {self._store.root}: {e}", soc)
-            return files, "not stored: the cache is not writable", None
+            return files, "not stored: the cache is not writable", None, artifacts
         try:
             for name, data in artifacts.items():
                 with open(workdir.path / name, "xb") as f:
@@ -320,7 +396,7 @@ class OpCache:
             )
         except OSError as e:
             self._cache_error("write", f"cannot store in the cache: {e}", soc)
-            return files, "not stored: the cache is not writable", None
+            return files, "not stored: the cache is not writable", None, artifacts
         finally:
             try:
                 workdir.close()
@@ -328,7 +404,7 @@ class OpCache:
                 log.debug("cannot remove %s: %s", workdir.path, e)
         if size is not None:
             self._stats.add(soc, "stores")
-        return files, None, size
+        return files, None, size, artifacts
 
     # -- chip folders and aging ---------------------------------------------
 

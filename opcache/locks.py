@@ -64,6 +64,15 @@ class KeyLock:
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, _POLL_MAX)
 
+    def try_acquire(self) -> bool:
+        """Take the lock if no one holds it, without waiting; True if it is now held."""
+        # A second try: the first may have found the folder missing, or the file
+        # of a holder that let go just then.
+        if self._try_once() or self._try_once():
+            return True
+        self.waited = True
+        return False
+
     def _try_once(self) -> bool:
         try:
             fd = _open_lock_file(self.path, self._modes)

@@ -14,7 +14,7 @@ TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s 
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-    Status = Literal["hit", "miss", "bypass", "disabled"]
+    Status = Literal["hit", "miss", "bypass", "disabled", "error"]
 
 
 def is_plain_name(name: str) -> bool:
@@ -91,22 +91,25 @@ class OpRequest(Record):
 
 
 class CompileResult(Record):
-    """What ``OpCache.compile`` did.
+    """What ``OpCache.compile`` (or ``compile_many``, for one operator) did.
 
-    ``status`` is "hit", "miss", "bypass" or "disabled"; ``key`` is the entry's
-    content address (empty when the cache was not consulted); ``files`` maps each
-    artifact name to its path inside ``out_dir``; ``seconds`` is the time this
-    call took; ``saved_seconds`` the compile time a hit saved; ``reason`` says
-    why a compile bypassed the cache or could not be stored.
+    ``status`` is "hit", "miss", "bypass", "disabled", or "error" (only from
+    ``compile_many``: the compile failed and ``error`` holds the exception,
+    usually a ``CompileError``); ``key`` is the entry's content address (empty
+    when the cache was not consulted); ``files`` maps each artifact name to its
+    path inside ``out_dir``; ``seconds`` is the time this operator took;
+    ``saved_seconds`` the compile time a hit saved; ``reason`` says why a
+    compile bypassed the cache or could not be stored.
     """
 
-    __slots__ = _fields = ("status", "key", "files", "seconds", "reason", "saved_seconds")
+    __slots__ = _fields = ("status", "key", "files", "seconds", "reason", "saved_seconds", "error")
     status: Status
     key: str
     files: dict[str, Path]
     seconds: float
     reason: str | None
     saved_seconds: float
+    error: Exception | None
 
     def __init__(
         self,
@@ -116,5 +119,6 @@ class CompileResult(Record):
         seconds: float,
         reason: str | None = None,
         saved_seconds: float = 0.0,
+        error: Exception | None = None,
     ) -> None:
         self._init(locals())

@@ -1,0 +1,337 @@
+"""``OpCache.compile_many``: a batch of operators, each compiled once among the
+processes that need it.
+
+The ranks of a job ask for the same operators at the same moment.  With single
+flight alone they all wait on the first operator while one of them compiles
+it, then all on the second: the work is done one operator at a time, slower
+than one process alone.  Here each process
+
+1. delivers every hit at once;
+2. claims the missing keys no one is compiling (a non-blocking try of the
+   key's single-flight lock) and compiles them, ``jobs`` at a time, in an
+   order of its own (shuffled), so that ranks starting together go for
+   different keys;
+3. then collects the keys others were compiling as their locks come free
+   (one look at the lock file's name per check; a real try now and then, for
+   holders that died), and compiles any whose holder died or failed.
+
+The rules of ``OpCache.compile`` hold for every operator: modes, bypasses,
+stats, and a cache that cannot be read or written never fails a compile.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._log import get_logger
+from .cache import UNUSABLE, OpCache, _deliver
+from .key import compute_key
+from .locks import KeyLock
+from .request import CompileResult, OpRequest
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .compilers.protocol import Compiler
+    from .request import Status
+    from .store import Entry
+
+    OutDirs = Sequence[str | os.PathLike[str]] | Callable[[OpRequest], str | os.PathLike[str]]
+
+log = get_logger(__name__)
+
+# Checks of a key another process holds: the first soon (a compile may be
+# short), then less and less often.
+_FIRST_CHECK = 0.01
+_LAST_CHECK = 0.1
+# A lock file that is still there is held, unless its holder died: try the
+# lock itself this often to find those.
+_TRY_EVERY = 1.0
+
+
+class _Job:
+    """One compile of a batch: the requests (by index) that share its key."""
+
+    __slots__ = ("delay", "indices", "inputs", "key", "lock", "plain", "request", "since", "tried")
+
+    def __init__(
+        self,
+        index: int,
+        request: OpRequest,
+        key: str = "",
+        inputs: dict | None = None,
+        plain: tuple[Status, str | None] | None = None,
+    ) -> None:
+        self.indices = [index]
+        self.request = request
+        self.key = key
+        self.inputs = inputs
+        self.plain = plain  # (status, reason) of a compile that keeps the cache out
+        self.lock: KeyLock | None = None
+        self.delay = _FIRST_CHECK
+        self.tried = 0.0  # when the lock was last tried
+        self.since = 0.0  # when another process was first found holding it
+
+
+class _Schedule:
+    """Fresh jobs first, then jobs others hold, each checked when it is due."""
+
+    def __init__(self, fresh: list[_Job]) -> None:
+        self._fresh = deque(fresh)
+        self._waiting: list[tuple[float, int, _Job]] = []
+        self._busy = 0  # jobs taken and not yet finished or put back
+        self._count = 0  # tie-breaker for the heap
+        self._cond = threading.Condition()
+
+    def take(self) -> tuple[_Job, bool] | None:
+        """(a job, whether it is fresh), or None when every job is finished."""
+        with self._cond:
+            while True:
+                if self._fresh:
+                    self._busy += 1
+                    return self._fresh.popleft(), True
+                if self._waiting:
+                    due = self._waiting[0][0] - time.monotonic()
+                    if due <= 0:
+                        self._busy += 1
+                        return heapq.heappop(self._waiting)[2], False
+                    self._cond.wait(due)
+                elif self._busy:
+                    self._cond.wait()  # a job in hand may come back
+                else:
+                    return None
+
+    def finished(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
+    def later(self, job: _Job) -> None:
+        """Put back a job another process holds, to be checked again after a while."""
+        with self._cond:
+            self._count += 1
+            heapq.heappush(self._waiting, (time.monotonic() + job.delay, self._count, job))
+            job.delay = min(job.delay * 2, _LAST_CHECK)
+            self._busy -= 1
+            self._cond.notify_all()
+
+
+def default_jobs() -> int:
+    """The cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def compile_many(
+    cache: OpCache,  # (the one class this module serves)
+    requests: Sequence[OpRequest],
+    compiler: Compiler,
+    out_dirs: OutDirs,
+    jobs: int | None,
+) -> list[CompileResult]:
+    """See ``OpCache.compile_many``."""
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs} is not valid; use 1 or more")
+    if callable(out_dirs):
+        outs = [Path(out_dirs(request)) for request in requests]
+    elif len(out_dirs) == len(requests):
+        outs = [Path(out) for out in out_dirs]
+    else:
+        raise ValueError(f"{len(requests)} requests but {len(out_dirs)} output folders")
+    batch = _Batch(cache, requests, compiler, outs)
+    fresh = batch.first_look()
+    random.Random().shuffle(fresh)  # ranks that start together go for different keys
+    schedule = _Schedule(fresh)
+    workers = [
+        threading.Thread(target=batch.work, args=(schedule,), name=f"opcache-compile-{n}")
+        for n in range(min(jobs, len(fresh)) - 1)
+    ]
+    for worker in workers:
+        worker.start()
+    batch.work(schedule)  # this thread works too
+    for worker in workers:
+        worker.join()
+    return batch.results  # type: ignore[return-value]  # every slot is filled by now
+
+
+class _Batch:
+    """One compile_many call: its requests, results, and the work on its jobs."""
+
+    def __init__(
+        self,
+        cache: OpCache,
+        requests: Sequence[OpRequest],
+        compiler: Compiler,
+        outs: list[Path],
+    ) -> None:
+        self.cache = cache
+        self.requests = requests
+        self.compiler = compiler
+        self.outs = outs
+        self.results: list[CompileResult | None] = [None] * len(requests)
+
+    def first_look(self) -> list[_Job]:
+        """Deliver every hit; return the jobs left: one per missing key or plain compile."""
+        fingerprint = self.cache._fingerprint(self.compiler) if self.requests else ""
+        jobs: list[_Job] = []
+        by_key: dict[tuple[str, str], _Job | Entry] = {}
+        for index, request in enumerate(self.requests):
+            started = time.perf_counter()
+            try:
+                job = self._first_look(index, request, fingerprint, by_key, started)
+            except Exception as e:  # one operator's failure does not stop the others
+                self.results[index] = _failed("", e, started)
+                continue
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def _first_look(
+        self,
+        index: int,
+        request: OpRequest,
+        fingerprint: str,
+        by_key: dict[tuple[str, str], _Job | Entry],
+        started: float,
+    ) -> _Job | None:
+        """A new job for ``request``, or None when it is a hit or joins a job of its key."""
+        cache = self.cache
+        plain = cache._uncached(request)
+        if plain is not None:
+            return _Job(index, request, plain=plain)
+        soc = request.soc_version
+        key, inputs = compute_key(request, self.compiler.name, fingerprint)
+        if not cache._prepare_chip(soc):
+            return _Job(index, request, key, plain=("miss", UNUSABLE))
+        known = by_key.get((soc, key))
+        if isinstance(known, _Job):
+            known.indices.append(index)  # the same kernel under another name
+            return None
+        if known is None:
+            with cache._one_error_per_compile(soc):
+                known = cache._lookup(soc, key)
+        if known is not None:
+            by_key[(soc, key)] = known
+            self.results[index] = cache._hit(known, soc, self.outs[index], started)
+            return None
+        job = by_key[(soc, key)] = _Job(index, request, key, inputs)
+        return job
+
+    def work(self, schedule: _Schedule) -> None:
+        while (taken := schedule.take()) is not None:
+            job, fresh = taken
+            try:
+                done = self._try(job, fresh)
+            except Exception as e:  # one operator's failure does not stop the others
+                self._settle(job, _failed(job.key, e, time.perf_counter()))
+                done = True
+            if done:
+                schedule.finished()
+            else:
+                schedule.later(job)
+
+    def _try(self, job: _Job, fresh: bool) -> bool:
+        """Settle ``job`` if it can be now; False when another process holds its key."""
+        cache, request = self.cache, job.request
+        soc = request.soc_version
+        started = time.perf_counter()
+        out = self.outs[job.indices[0]]
+        if job.plain is not None:
+            result = cache._compile_plain(request, self.compiler, out, started, *job.plain, job.key)
+            self._settle(job, result)
+            return True
+        with cache._one_error_per_compile(soc):
+            if not fresh and not self._due(job):
+                return False
+            # Another process may have stored it since the first look: a stat
+            # says so for less than a lock file's creation and deletion.
+            stored = not fresh or cache._store.stamp(soc, job.key) is not None
+            entry = cache._lookup(soc, job.key) if stored else None
+            if entry is None:
+                lock = self._claim(job, fresh)
+                if lock is False:
+                    return False
+                entry, files, note, artifacts = cache._fill(
+                    lock, request, self.compiler, job.key, job.inputs or {}, out
+                )
+        if entry is not None:  # another process compiled it
+            for index in job.indices:
+                self.results[index] = cache._hit(entry, soc, self.outs[index], started)
+            return True
+        cache._stats.add(soc, "misses")
+        seconds = time.perf_counter() - started
+        self._settle(job, CompileResult("miss", job.key, files, seconds, note), artifacts)
+        return True
+
+    def _due(self, job: _Job) -> bool:
+        """Whether a key another process held may be done: worth a look at the store."""
+        assert job.lock is not None
+        # A holder deletes its lock file when done (stored or failed): while the
+        # file is there, the key is most likely still being compiled.  Its
+        # holder may have died, though: the lock itself is tried now and then.
+        return time.monotonic() - job.tried >= _TRY_EVERY or not os.path.lexists(job.lock.path)
+
+    def _claim(self, job: _Job, fresh: bool) -> KeyLock | bool | None:
+        """The key's lock, now held; None to go on without one; False if another holds it."""
+        cache, soc = self.cache, job.request.soc_version
+        now = time.monotonic()
+        if job.lock is None:
+            try:
+                job.lock = KeyLock(cache._store.lock_path(soc, job.key), cache._store.modes)
+            except OSError as e:
+                cache._cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
+                return None
+        elif now - job.since >= cache._lock_timeout:
+            log.warning(
+                "waited %.0f s for another process compiling %s/%s; compiling it here too",
+                cache._lock_timeout,
+                soc,
+                job.key,
+            )
+            return None
+        job.tried = now
+        try:
+            if job.lock.try_acquire():
+                return job.lock
+        except OSError as e:
+            cache._cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
+            return None
+        if fresh:
+            job.since = now
+        return False
+
+    def _settle(
+        self, job: _Job, result: CompileResult, artifacts: dict[str, bytes] | None = None
+    ) -> None:
+        """The job's first request gets ``result``; the others of its key a copy (a hit)."""
+        first, *others = job.indices
+        self.results[first] = result
+        for index in others:
+            if artifacts is None or result.status == "error":
+                self.results[index] = result
+                continue
+            started = time.perf_counter()
+            files = _deliver(self.outs[index], artifacts)
+            self.cache._stats.add(job.request.soc_version, "hits")
+            self.results[index] = CompileResult(
+                "hit",
+                job.key,
+                files,
+                time.perf_counter() - started,
+                saved_seconds=result.seconds,
+            )
+
+
+def _failed(key: str, error: Exception, started: float) -> CompileResult:
+    return CompileResult("error", key, {}, time.perf_counter() - started, str(error), error=error)

@@ -1,0 +1,280 @@
+"""``OpCache.compile_many``: processes that need the same operators share the work.
+
+Real processes (fork) run compile_many over one list of operators with a
+compiler that sleeps; the toy compiler logs every call with its pid, so the
+tests count compiles per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from helpers_cache import (
+    MP,
+    ToyCompiler,
+    entry_dirs,
+    expected_files,
+    make_request,
+    make_settings,
+    read_dir,
+    read_json,
+    wait_for,
+    write_json,
+)
+
+import opcache
+
+
+def settings_for(tmp_path: Path, mode: str = "enable", **options: object) -> opcache.Settings:
+    return make_settings(tmp_path / "ops", tmp_path, mode, **options)
+
+
+def compiles_by_pid(calls_file: Path) -> Counter:
+    if not calls_file.exists():
+        return Counter()
+    return Counter(line.split()[0] for line in calls_file.read_text().splitlines())
+
+
+class HangOn(ToyCompiler):
+    """The toy compiler, except that it hangs on one operator (marking when it got there)."""
+
+    def __init__(self, calls_file: Path, hang_on: str, marker: Path, **kw: object) -> None:
+        super().__init__(calls_file, **kw)
+        self.hang_on = hang_on
+        self.marker = marker
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        if request.op_name == self.hang_on:
+            self.marker.touch()
+            time.sleep(3600)
+        super().compile(request, workdir)
+
+
+class FailOn(ToyCompiler):
+    """The toy compiler, except that one operator fails to compile."""
+
+    def __init__(self, calls_file: Path, fail_on: str, **kw: object) -> None:
+        super().__init__(calls_file, **kw)
+        self.fail_on = fail_on
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        if request.op_name == self.fail_on:
+            raise opcache.CompileError(f"cannot compile {request.op_name}")
+        super().compile(request, workdir)
+
+
+def _rank(spec: dict) -> None:
+    """One rank: compile_many over every operator, then report what it got."""
+    report: dict = {"pid": os.getpid(), "error": None}
+    try:
+        wait_for(spec["go"])
+        tmp = Path(spec["tmp"])
+        compiler = ToyCompiler(tmp / "calls", sleep=spec["sleep"])
+        requests = [make_request(i) for i in range(spec["ops"])]
+        outs = [tmp / "out" / f"{os.getpid()}" / r.op_name for r in requests]
+        with opcache.OpCache(settings_for(tmp)) as cache:
+            results = cache.compile_many(requests, compiler, outs, jobs=spec["jobs"])
+        report["statuses"] = [r.status for r in results]
+        report["ok"] = [
+            read_dir(out) == expected_files(request)
+            for request, out in zip(requests, outs, strict=True)
+        ]
+    except BaseException as e:
+        report["error"] = repr(e)
+    write_json(spec["result"], report)
+
+
+def test_ranks_share_the_work_and_each_gets_everything(tmp_path: Path) -> None:
+    ranks, ops = 4, 24
+    go = tmp_path / "go"
+    specs = [
+        {
+            "tmp": str(tmp_path),
+            "go": str(go),
+            "ops": ops,
+            "sleep": 0.2,
+            "jobs": 2,
+            "result": str(tmp_path / f"rank{n}.json"),
+        }
+        for n in range(ranks)
+    ]
+    procs = [MP.Process(target=_rank, args=(spec,)) for spec in specs]
+    for proc in procs:
+        proc.start()
+    time.sleep(0.2)
+    go.touch()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    reports = [read_json(spec["result"]) for spec in specs]
+    for report in reports:
+        assert report["error"] is None, report["error"]
+        assert all(report["ok"]), report
+        assert set(report["statuses"]) <= {"hit", "miss"}
+    by_pid = compiles_by_pid(tmp_path / "calls")
+    # Every operator compiled exactly once, in the whole group of ranks.
+    assert sum(by_pid.values()) == ops
+    assert len(entry_dirs(settings_for(tmp_path).root)) == ops
+    # And the work was shared: every rank compiled some, none more than half.
+    assert set(by_pid) == {str(r["pid"]) for r in reports}
+    assert max(by_pid.values()) <= ops // 2
+    assert [r["statuses"].count("miss") for r in reports] == [
+        by_pid[str(r["pid"])] for r in reports
+    ]
+
+
+def _hang_child(tmp: str, marker: str) -> None:
+    tmp_path = Path(tmp)
+    compiler = HangOn(tmp_path / "calls", "add_3", Path(marker))
+    requests = [make_request(i) for i in range(6)]
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile_many(requests, compiler, [tmp_path / "dead" / r.op_name for r in requests])
+
+
+def test_a_holder_killed_mid_compile_loses_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "hanging"
+    holder = MP.Process(target=_hang_child, args=(str(tmp_path), str(marker)))
+    holder.start()
+    wait_for(marker)
+    requests = [make_request(i) for i in range(6)]
+    compiler = ToyCompiler(tmp_path / "calls")
+    outs = [tmp_path / "alive" / r.op_name for r in requests]
+    killer = threading.Timer(0.5, os.kill, (holder.pid, signal.SIGKILL))
+    killer.start()
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        results = cache.compile_many(requests, compiler, outs, jobs=2)
+    killer.join()
+    holder.join()
+    assert holder.exitcode == -signal.SIGKILL
+    for request, out, result in zip(requests, outs, results, strict=True):
+        assert result.status in ("hit", "miss")
+        assert read_dir(out) == expected_files(request)
+    # The killed holder's key was compiled here, after it died.
+    assert results[3].status == "miss"
+    assert len(entry_dirs(settings_for(tmp_path).root)) == 6
+
+
+def test_a_failing_operator_is_reported_alone(tmp_path: Path) -> None:
+    requests = [make_request(i) for i in range(5)]
+    compiler = FailOn(tmp_path / "calls", "add_2")
+    outs = [tmp_path / "out" / r.op_name for r in requests]
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        results = cache.compile_many(requests, compiler, outs, jobs=2)
+        stats = cache.stats()
+    assert [r.status for r in results] == ["miss", "miss", "error", "miss", "miss"]
+    assert isinstance(results[2].error, opcache.CompileError)
+    assert "cannot compile add_2" in str(results[2].error)
+    assert all(r.error is None for i, r in enumerate(results) if i != 2)
+    for i in (0, 1, 3, 4):
+        assert read_dir(outs[i]) == expected_files(requests[i])
+    assert len(entry_dirs(settings_for(tmp_path).root)) == 4
+    assert stats["stores"] == 4 and stats["misses"] == 4
+
+
+def test_results_keep_the_order_of_requests_and_shared_keys_compile_once(
+    tmp_path: Path,
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(1), compiler, tmp_path / "warm")
+        # add_0 twice under two node names: one kernel, one compile.
+        requests = [
+            make_request(0),
+            make_request(1),
+            make_request(2),
+            make_request(0, op_name="add_0_again"),
+        ]
+        results = cache.compile_many(requests, compiler, lambda r: tmp_path / "o" / r.op_name)
+    assert [r.status for r in results] == ["miss", "hit", "miss", "hit"]
+    assert results[0].key == results[3].key
+    assert compiler.calls() == 3  # add_1 before, then add_0 and add_2 once each
+    for request in requests:
+        assert read_dir(tmp_path / "o" / request.op_name) == expected_files(request)
+
+
+def test_modes_and_bypasses_hold_per_operator(tmp_path: Path) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    cfg = tmp_path / "debug.cfg"
+    cfg.write_text("op_debug_config = ccec_g\nop_debug_list = add_1\n")
+    requests = [make_request(i) for i in range(3)]
+    outs = [tmp_path / "o" / r.op_name for r in requests]
+    with opcache.OpCache(settings_for(tmp_path, "disable")) as cache:
+        assert [r.status for r in cache.compile_many(requests, compiler, outs)] == ["disabled"] * 3
+    assert not (tmp_path / "ops").exists()
+    with opcache.OpCache(settings_for(tmp_path, op_debug_config=str(cfg))) as cache:
+        results = cache.compile_many(requests, compiler, outs)
+        again = cache.compile_many(requests, compiler, outs)
+        stats = cache.stats()
+    assert [r.status for r in results] == ["miss", "bypass", "miss"]
+    assert results[1].reason == "op_debug_list names the operator"
+    assert [r.status for r in again] == ["hit", "bypass", "hit"]
+    assert stats["bypasses"] == 2 and stats["hits"] == 2
+    for request, out in zip(requests, outs, strict=True):
+        assert read_dir(out) == expected_files(request)
+
+
+def test_an_unusable_cache_never_fails_the_compiles(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "kernel_cache").write_text("a file where the cache root should be")
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(4)]
+    outs = [tmp_path / "o" / r.op_name for r in requests]
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(settings_for(tmp_path)) as cache,
+    ):
+        results = cache.compile_many(requests, compiler, outs, jobs=2)
+    assert [r.status for r in results] == ["miss"] * 4
+    for request, out in zip(requests, outs, strict=True):
+        assert read_dir(out) == expected_files(request)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [w.getMessage() for w in warnings]
+
+
+def test_threads_of_one_opcache_share_it(tmp_path: Path) -> None:
+    compiler = ToyCompiler(tmp_path / "calls", sleep=0.05)
+    requests = [make_request(i) for i in range(12)]
+    results: dict[int, list[opcache.CompileResult]] = {}
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+
+        def run(n: int) -> None:
+            outs = [tmp_path / f"t{n}" / r.op_name for r in requests]
+            if n == 3:  # one thread compiles one at a time, as before
+                pairs = zip(requests, outs, strict=True)
+                results[n] = [cache.compile(r, compiler, o) for r, o in pairs]
+            else:
+                results[n] = cache.compile_many(requests, compiler, outs, jobs=2)
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert compiler.calls() == 12
+    for n in range(4):
+        assert {r.status for r in results[n]} <= {"hit", "miss"}
+        for request in requests:
+            assert read_dir(tmp_path / f"t{n}" / request.op_name) == expected_files(request)
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        with pytest.raises(ValueError, match="jobs=0"):
+            cache.compile_many([make_request(0)], compiler, [tmp_path], jobs=0)
+        with pytest.raises(ValueError, match="1 requests but 2 output folders"):
+            cache.compile_many([make_request(0)], compiler, [tmp_path, tmp_path])
+        assert cache.compile_many([], compiler, []) == []
+        bad = make_request(0, attrs={1: "not a string key"})
+        results = cache.compile_many([bad, make_request(1)], compiler, lambda r: tmp_path / "o")
+    assert results[0].status == "error" and isinstance(results[0].error, TypeError)
+    assert results[1].status == "miss"
