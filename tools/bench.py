@@ -11,6 +11,9 @@ machines are noisy).  Scenarios:
 4. aging: a pass under the limit, and trimming 100,000 entries
 5. wrap: `opcache wrap -- gcc` hit vs `ccache gcc` hit, plain gcc, `python -c pass`
 6. session: 2,000 hits in one process; 8 processes sharing 2,000 operators cold
+7. shared work: 8 processes x 200 operators of a 50 ms compiler, cold, each
+   compiling in order (compile) or sharing the work (compile_many), against
+   the ideal (serial time / 8) and the same processes when all are hits
 
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
 """
@@ -466,6 +469,67 @@ def bench_session(report: Report, tmp: Path, count: int) -> None:
     report.add("session", f"8 processes x {count:,} operators, cold", [cold], compiles=compiles)
 
 
+# -- 7. shared work ---------------------------------------------------------------------------
+
+SLEEP_SECONDS = 0.05
+
+
+class SleepingCompiler(PremadeCompiler):
+    """A compiler that takes 50 ms without using the CPU, as a remote or queued compile does."""
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        time.sleep(SLEEP_SECONDS)
+        super().compile(request, workdir)
+
+
+def _shared_worker(folder: str, count: int, many: bool, go, queue) -> None:
+    compiler = SleepingCompiler(4096)
+    requests = [request(i) for i in range(count)]
+    out = Path(folder) / "out" / str(os.getpid())
+    outs = [out / r.op_name for r in requests]
+    with opcache.OpCache(settings_for(Path(folder))) as cache:
+        go.wait()
+        if many:
+            cache.compile_many(requests, compiler, outs)
+        else:
+            for r, o in zip(requests, outs, strict=True):
+                cache.compile(r, compiler, o)
+        queue.put((time.perf_counter(), compiler.calls))
+
+
+def _shared_run(folder: Path, ranks: int, count: int, many: bool) -> tuple[float, int]:
+    """(seconds from the start signal until the last rank is done, compiles performed)."""
+    shutil.rmtree(folder / "out", ignore_errors=True)
+    ctx = multiprocessing.get_context("spawn")
+    go, queue = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_shared_worker, args=(str(folder), count, many, go, queue))
+        for _ in range(ranks)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(2.0)  # every rank has imported opcache and opened its cache
+    started = time.perf_counter()
+    go.set()
+    done = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return max(t for t, _ in done) - started, sum(c for _, c in done)
+
+
+def bench_shared(report: Report, tmp: Path, count: int, ranks: int = 8) -> None:
+    ideal = count * SLEEP_SECONDS / ranks
+    print(f"7. shared work: {ranks} processes x {count} operators of {SLEEP_SECONDS * 1e3:.0f} ms")
+    for many, label in ((False, "compile, in order"), (True, "compile_many")):
+        folder = tmp / f"shared-{int(many)}"
+        cold, compiles = _shared_run(folder, ranks, count, many)
+        warm, _ = _shared_run(folder, ranks, count, many)
+        print(f"  ({label}: {compiles} compiles performed)")
+        name = f"{ranks} x {count} operators, cold, {label}"
+        report.add("shared", name, [cold], ideal=cold / ideal, compiles=compiles)
+        report.add("shared", f"the same, all hits, {label}", [warm], ideal=warm / ideal)
+
+
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -503,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="write a PNG of hit cost against entry count here")
     parser.add_argument("--only", help="comma-separated scenario numbers, e.g. 1,5")
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 7))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 8))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -522,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             4: lambda: bench_aging(report, tmp, max(repeat // 10, 5), big),
             5: lambda: bench_wrap(report, tmp, max(repeat // 10, 10)),
             6: lambda: bench_session(report, tmp, session),
+            7: lambda: bench_shared(report, tmp, 100 if args.quick else 200),
         }
         for number, run in scenarios.items():
             if number in only:
