@@ -175,14 +175,17 @@ def test_opcache_compilers_lists_each_and_whether_usable(tmp_path):
     assert "not usable" in lines["cann"]
     assert "-> cc" in lines["auto"]
 
-    data = json.loads(
-        subprocess.run(
-            [*cmd, "--json"], env=with_opc, capture_output=True, text=True, check=True
-        ).stdout
-    )
-    assert {"cc", "cann", "command"} <= set(data)
+    text = subprocess.run(
+        [*cmd, "--json"], env=with_opc, capture_output=True, text=True, check=True
+    ).stdout
+    data = json.loads(text)
+    assert text.startswith('{\n  "auto": {\n    "choice": ')  # indented, as every --json
+    assert {"cc", "cann", "command", "auto"} <= set(data)
     assert data["cann"]["usable"] is True and str(bin_dir / "opc") in data["cann"]["note"]
     assert data["cc"]["usable"] is True
+    # opc on PATH alone is not a configured toolkit: auto stays with cc, and says why.
+    assert data["auto"]["choice"] == "cc" and data["auto"]["usable"] is True
+    assert "ASCEND_HOME_PATH" in data["auto"]["reason"]
 
 
 # -- cc ---------------------------------------------------------------------------
