@@ -423,7 +423,7 @@ class OpCache:
             self._next_aging[soc] = report.oldest_kept + MIN_IDLE_SECONDS
         if report.removed_entries and not dry_run:
             log.info(
-                "aged %s: removed %d entries, %d bytes",
+                "aged %s: entries removed: %d, bytes freed: %d",
                 soc,
                 report.removed_entries,
                 report.freed_bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -227,3 +228,16 @@ def test_verify_says_the_counters_were_wrong_only_when_they_were(
     LocalStore(root).set_used(SOC, 1, LocalStore(root).used(SOC)[1])
     status, out, _ = run(capsys, "verify", *flags)
     assert out.startswith(f"{SOC}: 1 entry checked, 0 corrupt removed, 1 entry kept, ")
+
+
+def test_one_of_a_thing_is_said_in_the_singular(cache_dir, tmp_path, capsys) -> None:
+    fill(cache_dir, tmp_path, 6, clock=time.time() - 7200)  # 1.2 MB, all two hours old
+    (cache_dir / "kernel_cache" / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nmax_op_cache_size=1\nremain_cache_size_ratio=100\n"
+    )
+    status, out, err = run(capsys, "age", "-v", "--op_compiler_cache_dir", str(cache_dir))
+    assert status == 0
+    assert f"{SOC}: removed 1 entry, " in out
+    assert "in all: removed 1 entry, " in out and "of 1 chip folder" in out
+    assert "aged " in err  # the -v record of the pass
+    assert not re.search(r"\b1 (entries|leftovers|chip folders|errors)\b", out + err)
