@@ -13,16 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers_cache import (
-    MP,
-    ToyCompiler,
-    base_spec,
-    compile_child,
-    expected_files,
-    make_request,
-    read_dir,
-    wait_for,
-)
+from helpers_cache import ToyCompiler, compiling_half_way, expected_files, make_request, read_dir
 from helpers_faults import settings_for
 
 import opcache
@@ -35,14 +26,8 @@ def build_folders(out: Path) -> list[Path]:
 def test_a_killed_compiles_build_folder_goes_with_the_next_compile_into_its_out_dir(
     tmp_path: Path,
 ) -> None:
-    marker = tmp_path / "half-written"
-    spec = base_spec(tmp_path, half_marker=str(marker))
-    spec.update(requests=[0], result=str(tmp_path / "r.json"))
-    child = MP.Process(target=compile_child, args=(spec,))
-    child.start()
-    try:
-        wait_for(marker)
-        out = Path(spec["out"]) / f"{child.pid}-0"
+    with compiling_half_way(tmp_path) as child:
+        out = tmp_path / "out" / f"{child.pid}-0"
         (live,) = build_folders(out)
         # Not ours to judge: wrap's staging, a user's folders and files, and a
         # young build folder of another host sharing out_dir over NFS.
@@ -70,10 +55,6 @@ def test_a_killed_compiles_build_folder_goes_with_the_next_compile_into_its_out_
         for index in (1, 2):
             for name, data in expected_files(make_request(index)).items():
                 assert (out / name).read_bytes() == data
-    finally:
-        if child.is_alive():
-            child.kill()
-            child.join()
 
 
 @pytest.mark.parametrize("mode", ["enable", "disable"])

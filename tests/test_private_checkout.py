@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers_cache import TESTS_DIR
+from helpers_cache import TESTS_DIR, run_python
 from helpers_faults import requires_root
 
 import opcache
@@ -30,14 +28,8 @@ def test_a_child_of_another_user_runs_from_a_checkout_others_cannot_enter(
     os.chmod(tmp_path / "private", 0o700)
     env = {**os.environ, "PYTHONPATH": str(checkout), "PYTHONDONTWRITEBYTECODE": "1"}
     test = "tests/test_security.py::test_two_members_of_the_group_share_one_cache"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        cwd=checkout,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
+    done = run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=checkout, env=env, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "1 passed" in done.stdout

@@ -11,10 +11,9 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
-from helpers_cache import TESTS_DIR
+from helpers_cache import TESTS_DIR, run_python
 
 from opcache.cli import main
 
@@ -55,15 +54,7 @@ def test_the_readme_has_examples_to_check():
 @pytest.mark.parametrize("index", range(len(PYTHON)))
 def test_each_python_block_runs_as_written(tmp_path, index):
     env = {"HOME": str(tmp_path), "PATH": os.environ.get("PATH", os.defpath)}
-    done = subprocess.run(
-        [sys.executable, "-c", PYTHON[index]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+    done = run_python(["-c", PYTHON[index]], cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     if "cache.compile(" in PYTHON[index]:
         statuses = [line.split()[0] for line in done.stdout.splitlines()]
