@@ -3,8 +3,11 @@
 A spec file holds one object or a list of objects with the ``OpRequest``
 fields.  ``sources`` maps a file name to a path, relative to the spec file's
 folder when not absolute.  Each operator's artifacts go to
-``<output>/<op_name or kernel name>/``.  One bad spec is reported with its file
-and field and does not stop the others.
+``<output>/<op_name or kernel name>/``, where a ``/`` in op_name becomes ``_``
+(TensorFlow node names such as ``model/layer_1/MatMul`` are normal); a name
+that would still leave ``<output>`` (absolute, a ``.`` or ``..`` part) is a bad
+spec.  One bad spec is reported with its file and field and does not stop the
+others.
 """
 
 from __future__ import annotations
@@ -99,10 +102,30 @@ def _request(item: Any, base: Path) -> OpRequest | str:
         for i, tensor in enumerate(item.get(tensor_field, [])):
             if not isinstance(tensor, dict):
                 return f"field '{tensor_field}[{i}]': expected an object"
+    if item.get("op_name"):
+        try:
+            _folder_name(item["op_name"])
+        except ValueError as e:
+            return f"field 'op_name': {e}"
     try:
         return OpRequest(**{**item, "sources": sources})
     except (ValueError, ConfigError) as e:
         return str(e)
+
+
+def _folder_name(op_name: str) -> str:
+    """The operator's folder under the output: ``op_name`` with each ``/`` made ``_``.
+
+    Raises ValueError for a name that would leave the output folder all the same.
+    """
+    if op_name.startswith("/"):
+        raise ValueError(f"{op_name!r} is an absolute path; an operator's name must not be one")
+    parts = op_name.split("/")
+    if "." in parts or ".." in parts:
+        raise ValueError(f"{op_name!r} has a '.' or '..' part, which would leave --output")
+    if "\0" in op_name:
+        raise ValueError(f"{op_name!r} holds a NUL character")
+    return "_".join(parts)
 
 
 # Each worker process builds its own cache and compiler once.
@@ -123,7 +146,7 @@ def _compile_one(
     cache: OpCache, compiler: Compiler, output: Path, where: str, request: OpRequest
 ) -> Outcome:
     label = request.op_name or request.op_type
-    target = output / (request.op_name or kernel_name(request))
+    target = output / (_folder_name(request.op_name) if request.op_name else kernel_name(request))
     started = time.perf_counter()
     try:
         result = cache.compile(request, compiler, target)

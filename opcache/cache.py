@@ -22,7 +22,7 @@ from .ini import ensure_ini_file
 from .key import compute_key
 from .request import CompileResult, OpRequest, is_plain_name
 from .settings import INI_NAME, Settings, check_soc_version
-from .store import MANIFEST, CorruptEntry, Entry, LocalStore
+from .store import MANIFEST, CorruptEntry, Entry, LocalStore, new_build_folder, remove_abandoned
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ log = get_logger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
 UNUSABLE = "not stored: the cache is unusable"
+# Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>, locked while they run.
+_BUILD_LABEL = ".opcache-build"
 
 Progress = Callable[[int], None]
 
@@ -497,7 +499,7 @@ class OpCache:
             self._next_aging[soc] = report.oldest_kept + MIN_IDLE_SECONDS
         if report.removed_entries and not dry_run:
             log.info(
-                "aged %s: removed %d entries, %d bytes",
+                "aged %s: entries removed: %d, bytes freed: %d",
                 soc,
                 report.removed_entries,
                 report.freed_bytes,
@@ -668,16 +670,19 @@ def _compile_into(
 
     Returns (artifact paths in ``out``, their bytes).  The artifacts are the
     plain files the compiler wrote; folders and links it left are dropped.
+    Build folders that killed compiles left in ``out`` go first; a failed
+    compile leaves no ``out`` it created.
     """
-    import tempfile  # off the start-up path: only a miss gets here
-
-    if not out.is_dir():
+    made = not out.is_dir()
+    if made:
         out.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=".opcache-", dir=out))
+    else:
+        remove_abandoned(out, time.time(), _BUILD_LABEL)
+    build = new_build_folder(out, _BUILD_LABEL, 0o700)
     try:
-        compiler.compile(request, workdir)
+        compiler.compile(request, build.path)
         files, artifacts = {}, {}
-        for entry in os.scandir(workdir):
+        for entry in os.scandir(build.path):
             if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
                 with open(entry.path, "rb") as f:
                     artifacts[entry.name] = f.read()
@@ -685,9 +690,14 @@ def _compile_into(
                 files[entry.name] = out / entry.name
             else:
                 log.debug("ignoring %s: not a plain file", entry.path)
-        return files, artifacts
-    finally:
-        fsutil.remove_tree(workdir)
+    except BaseException:
+        build.close()
+        if made:
+            with contextlib.suppress(OSError):  # not empty: something else is in it now
+                out.rmdir()
+        raise
+    build.close()
+    return files, artifacts
 
 
 def _compile_uncached(request: OpRequest, compiler: Compiler, out: Path) -> dict[str, Path]:

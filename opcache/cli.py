@@ -46,7 +46,7 @@ def cache_settings(
     debug_config: str | None = None,
 ) -> Settings:
     """The settings the cache flags (by name without ``--``) resolve to."""
-    if flags.get("soc_version") is not None:
+    if flags.get("soc_version"):  # empty is unset, as for every option
         check_soc_version(flags["soc_version"])  # type: ignore[arg-type]
     return resolve_settings(
         op_compiler_cache_mode=flags.get("op_compiler_cache_mode"),

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from . import __version__
 from .cache import OpCache
 from .cli import (
     CACHE_FLAGS,
     COMPILING_DEFAULT_MODE,
+    EXIT_USAGE,
     WRAP_USAGE,
     UsageError,
     cache_settings,
     run_logged,
 )
-from .settings import DEFAULT_MODE, Settings, check_soc_version
+from .settings import DEFAULT_MODE, INI_NAME, Settings, check_soc_version, resolve_settings
+from .store import BOOKKEEPING
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,14 +43,38 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, metavar=metavar, help=text)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def _settings(args: argparse.Namespace, default_mode: str = DEFAULT_MODE) -> Settings:
     return cache_settings(vars(args), default_mode)
 
 
 def main(argv: Sequence[str]) -> int:
     """Parse and run one command (not wrap); returns its exit status."""
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    if not argv:
+        # As git does: the commands, not just "a command is required". On
+        # stderr with the usage status: it is a mistake, and stdout stays clean.
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
+    if not args.soc_version:
+        args.soc_version = None  # empty is unset, as for every other option
     return run_logged(args.verbose, lambda: args.func(args))
+
+
+def _count(n: int, noun: str, plural: str = "") -> str:
+    """``1 entry``, ``2 entries``: a number and its noun in agreement."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -53,7 +82,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     data = settings.as_dict()
-    if args.soc_version is not None:
+    if args.soc_version:
         data["chip_dir"] = str(settings.chip_dir(args.soc_version))
     if settings.sources["mode"] == "default":
         data["mode_default"] = (
@@ -75,7 +104,63 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _open_cache(args: argparse.Namespace) -> OpCache:
-    return OpCache(_settings(args))
+    """The cache the maintenance commands work on; it must exist.
+
+    A cron job given a wrong path must not pass silently: a root that holds
+    no cache is an error (exit 1) that says which root was read and why.
+    """
+    settings = _settings(args)
+    if not _holds_a_cache(settings.root):
+        raise FileNotFoundError(f"no cache in {settings.root} ({_why_this_root(settings)})")
+    return OpCache(settings)
+
+
+def _holds_a_cache(root: Path) -> bool:
+    """True when ``root`` has op_cache.ini, opcache's bookkeeping or a chip folder."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True  # there but unreadable: the command itself says why
+    return any(
+        e.name in (INI_NAME, BOOKKEEPING) or (not e.name.startswith(".") and e.is_dir())
+        for e in entries
+    )
+
+
+def _root_setting(settings: Settings) -> str:
+    """The setting the cache root came from, as a user sets it."""
+    source = settings.sources.get("root", "default")
+    if source == "argument":
+        return "--op_compiler_cache_dir"
+    return source.removeprefix("env:") if source.startswith("env:") else "the default"
+
+
+def _why_this_root(settings: Settings) -> str:
+    """Where the cache root came from, and the folder the other setting would name.
+
+    ``--op_compiler_cache_dir X`` reads ``X/kernel_cache`` and
+    ``ASCEND_CACHE_PATH=X`` reads ``X/kernel_cache_<host>``: a common mix-up.
+    """
+    setting = _root_setting(settings)
+    base = str(settings.root.parent)
+    if setting == "--op_compiler_cache_dir":
+        other = resolve_settings(environ={"ASCEND_CACHE_PATH": base}).root
+        said = f"from --op_compiler_cache_dir {base}, which names <dir>/kernel_cache"
+        hint = f"ASCEND_CACHE_PATH={base} would name {other}"
+    elif setting == "ASCEND_CACHE_PATH":
+        other = resolve_settings(op_compiler_cache_dir=base, environ={}).root
+        said = f"from ASCEND_CACHE_PATH={base}, which names <path>/kernel_cache_<host>"
+        hint = f"--op_compiler_cache_dir {base} would name {other}"
+    else:
+        return (
+            "the default, $HOME/atc_data/kernel_cache: neither --op_compiler_cache_dir "
+            "nor ASCEND_CACHE_PATH is set"
+        )
+    if _holds_a_cache(other):
+        hint += ", which holds a cache"
+    return f"{said}; {hint}"
 
 
 def _progress(label: str) -> Callable[[int], None] | None:
@@ -108,7 +193,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
-    print(f"cache folder: {cache.settings.root}")
+    print(f"cache folder: {cache.settings.root} (from {_root_setting(cache.settings)})")
     rows = [("total", report), *sorted(report["chips"].items())]
     print(
         f"{'chip':<16} {'entries':>8} {'size':>10} {'hits':>8} {'misses':>8} {'hit rate':>8} "
@@ -140,13 +225,21 @@ def _cmd_age(args: argparse.Namespace) -> int:
     for soc, chip in report.chips.items():
         if chip.removed_entries or chip.errors or args.verbose:
             print(
-                f"{soc}: {verb} {chip.removed_entries} entries, {_size(chip.freed_bytes)} "
+                f"{soc}: {verb} {_count(chip.removed_entries, 'entry', 'entries')}, "
+                f"{_size(chip.freed_bytes)} "
                 f"({_size(chip.bytes_before)} -> {_size(chip.bytes_before - chip.freed_bytes)})"
                 + (f"; skipped: {chip.skipped}" if chip.skipped else "")
                 + (f"; {chip.errors} could not be removed" if chip.errors else "")
             )
-    if report.leftovers_removed or args.verbose:
-        print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
+    if report.leftovers_removed or (args.verbose and not args.dry_run):
+        print(f"removed {_count(report.leftovers_removed, 'leftover')} of interrupted writers")
+    if args.dry_run or args.verbose:
+        # Asked to report: say so even when nothing is (or would be) removed.
+        print(
+            f"in all: {verb} {_count(report.removed_entries, 'entry', 'entries')}, "
+            f"{_size(report.freed_bytes)}, of {_count(len(report.chips), 'chip folder')}"
+            + (" (dry run: nothing was removed)" if args.dry_run else "")
+        )
     return 1 if report.errors else 0
 
 
@@ -165,17 +258,23 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1 if report.errors else 0
     for soc, chip in report.chips.items():
         drift = ""
-        if (chip.counted_entries, chip.counted_bytes) != (chip.entries, chip.bytes):
+        # The corrupt entries verify removed were in the counters, with the size
+        # they had when stored (damage may have changed it): that is no drift.
+        if chip.counted_entries - chip.corrupt != chip.entries or (
+            not chip.corrupt and chip.counted_bytes != chip.bytes
+        ):
             drift = (
-                f"; counters corrected from {chip.counted_entries} entries, "
-                f"{_size(chip.counted_bytes)}"
+                "; the counters were wrong (they said "
+                f"{_count(chip.counted_entries, 'entry', 'entries')}, "
+                f"{_size(chip.counted_bytes)}) and now match"
             )
         print(
-            f"{soc}: {chip.checked} entries checked, {chip.corrupt} corrupt removed, "
-            f"{chip.entries} entries, {_size(chip.bytes)}{drift}"
+            f"{soc}: {_count(chip.checked, 'entry', 'entries')} checked, "
+            f"{chip.corrupt} corrupt removed, {_count(chip.entries, 'entry', 'entries')} kept, "
+            f"{_size(chip.bytes)}{drift}"
             + (f"; {chip.errors} could not be checked or removed" if chip.errors else "")
         )
-    print(f"removed {report.leftovers_removed} leftovers of interrupted writers")
+    print(f"removed {_count(report.leftovers_removed, 'leftover')} of interrupted writers")
     return 1 if report.errors else 0
 
 
@@ -183,12 +282,16 @@ def _cmd_compilers(args: argparse.Namespace) -> int:
     from .compilers import auto_choice, installed
 
     found = installed()
-    if args.json:
-        print(json.dumps({n: {"usable": ok, "note": note} for n, (ok, note) in found.items()}))
-        return 0
-    for name, (ok, note) in found.items():
-        print(f"{name:<10} {'usable' if ok else 'not usable':<11} {note}")
     name, why = auto_choice()
+    if args.json:
+        data: dict[str, dict[str, object]] = {
+            n: {"usable": ok, "note": note} for n, (ok, note) in found.items()
+        }
+        data["auto"] = {"choice": name, "reason": why, "usable": found.get(name, (False,))[0]}
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    for each, (ok, note) in found.items():
+        print(f"{each:<10} {'usable' if ok else 'not usable':<11} {note}")
     print(f"{'auto':<10} {'-> ' + name:<11} {why}")
     return 0
 
@@ -196,6 +299,13 @@ def _cmd_compilers(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from .batch import compile_specs
 
+    if args.compiler == "command" and not args.template:
+        raise UsageError(
+            "compile: --compiler command needs --template, e.g. "
+            "--template 'mycc -c {source} -o {workdir}/{kernel_name}.o'"
+        )
+    if args.template and args.compiler != "command":
+        raise UsageError("compile: --template is for --compiler command only")
     settings = _settings(args, COMPILING_DEFAULT_MODE)
     options = {"template": args.template} if args.template else {}
     outcomes = []
@@ -229,9 +339,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(json.dumps({"summary": summary, "operators": [o.as_dict() for o in outcomes]}))
     else:
         print(
-            f"{summary['operators']} operators: {summary['hits']} hits, "
-            f"{summary['misses']} misses, {summary['bypasses']} bypasses, "
-            f"{summary['errors']} errors; "
+            f"{_count(summary['operators'], 'operator')}: {_count(summary['hits'], 'hit')}, "
+            f"{_count(summary['misses'], 'miss', 'misses')}, "
+            f"{_count(summary['bypasses'], 'bypass', 'bypasses')}, "
+            f"{_count(summary['errors'], 'error')}; "
             f"time saved {saved:.2f}s"
         )
     return 1 if totals["error"] else 0
@@ -257,6 +368,9 @@ def _cmd_wrap_usage(args: argparse.Namespace) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opcache", description="An operator compile cache.")
+    python = sys.version.split()[0]
+    version = f"opcache {__version__} (Python {python}, {os.path.dirname(__file__)})"
+    parser.add_argument("--version", action="version", version=version, help="print it and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
@@ -281,11 +395,18 @@ def _build_parser() -> argparse.ArgumentParser:
     compilers = command("compilers", _cmd_compilers, "list the compiler plug-ins installed")
     compilers.add_argument("--json", action="store_true", help="one JSON object")
     comp = command("compile", _cmd_compile, "compile operators described in JSON spec files")
-    comp.add_argument("--op", action="extend", nargs="+", required=True, metavar="SPEC.json")
+    comp.add_argument(
+        "--op",
+        action="extend",
+        nargs="+",
+        required=True,
+        metavar="SPEC.json",
+        help="spec files: each one operator object or a list of them (repeatable)",
+    )
     comp.add_argument("--output", required=True, metavar="DIR", help="results go to DIR/<op>/")
     comp.add_argument("--compiler", default="auto", help="cc, cann, command or auto (default)")
     comp.add_argument("--template", help="the command template of --compiler command")
-    comp.add_argument("--jobs", type=int, default=1, metavar="N", help="parallel processes")
+    comp.add_argument("--jobs", type=_positive, default=1, metavar="N", help="parallel processes")
     comp.add_argument("--json", action="store_true", help="one JSON object")
     demo = command("demo", _cmd_demo, "compile a dozen C kernels through the cache, twice")
     demo.add_argument("--keep", action="store_true", help="keep the demo's folder")

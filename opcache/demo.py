@@ -17,7 +17,7 @@ from typing import Any
 from .cache import OpCache
 from .compilers.cc import CcCompiler
 from .request import OpRequest
-from .settings import resolve_settings
+from .settings import Settings, resolve_settings
 
 SOC = "Ascend910B1"
 SHAPES = ([16, 1024], [64, 4096], [256, 256])
@@ -98,13 +98,24 @@ def run(
             )
         out(f"{'total':<18} {first_total * 1000:>13.1f} ms {second_total * 1000:>13.1f} ms")
         out(f"\nspeed-up of the second run: {first_total / second_total:.0f}x")
-        out(f"\ncache folder: {settings.root}")
-        cache_dir = options["op_compiler_cache_dir"]
-        out(f"look at it:   opcache stats --op_compiler_cache_dir {cache_dir}")
-        if settings.root.is_relative_to(folder):
-            fate = "kept" if keep else "removed now; opcache demo --keep keeps it"
-            out(f"              ({fate})")
+        _say_where_the_cache_is(settings, folder, keep, options["op_compiler_cache_dir"], out)
         return 0
     finally:
         if not keep:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _say_where_the_cache_is(
+    settings: Settings, folder: Path, keep: bool, cache_dir: str, out: Callable[[str], None]
+) -> None:
+    """The last lines: only point at a cache folder that exists after the demo."""
+    if settings.mode == "disable":
+        out("\nthe cache was disabled: nothing was stored")
+        return
+    out(f"\ncache folder: {settings.root}")
+    if settings.root.is_relative_to(folder) and not keep:
+        out(f"              (removed with {folder}; opcache demo --keep keeps it)")
+        return
+    if settings.root.is_relative_to(folder):
+        out(f"              (kept in {folder})")
+    out(f"look at it:   opcache stats --op_compiler_cache_dir {cache_dir}")

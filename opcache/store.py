@@ -383,12 +383,9 @@ class LocalStore:
         It stays locked while the returned Workdir is open, so that cleaning
         knows its writer is alive however long the compile takes.
         """
-        path = self.folder("tmp") / fsutil.unique_name(f"{key}.{_HOST}")
-        os.mkdir(path, self.modes.dir_bits)
-        fsutil.fix_new_dir(path, self.modes)
-        fd = os.open(path, fsutil.DIR_FLAGS)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return Workdir(path, fd)
+        workdir = new_build_folder(self.folder("tmp"), key, self.modes.dir_bits)
+        fsutil.fix_new_dir(workdir.path, self.modes)
+        return workdir
 
     def publish(
         self,
@@ -680,18 +677,7 @@ class LocalStore:
     def clean_leftovers(self, now: float | None = None) -> int:
         """Delete build folders of dead writers, and trash no deleter is working on."""
         now = time.time() if now is None else now
-        removed = trash.sweep(self.trash_dir)
-        try:
-            names = os.listdir(self.tmp_dir)
-        except OSError:
-            names = []
-        for name in names:
-            path = self.tmp_dir / name
-            if name.startswith(".nfs") or not _abandoned(path, name, now):
-                continue  # (NFS removes its .nfs files itself when the last reader closes)
-            with contextlib.suppress(OSError):
-                fsutil.remove_tree(path)
-                removed += 1
+        removed = trash.sweep(self.trash_dir) + remove_abandoned(self.tmp_dir, now)
         # Temp files of small atomic writes (counters, op_cache.ini) of killed
         # writers: such a write takes microseconds, so a minute-old one is dead.
         folders = [self.root, *(self.chip_dir(soc) / SIZE_FOLDER for soc in self.chips())]
@@ -715,6 +701,52 @@ class Workdir:
             os.close(self._fd)
             self._fd = None
         fsutil.remove_tree(self.path)
+
+
+def new_build_folder(parent: Path, label: str, dir_bits: int) -> Workdir:
+    """A fresh folder ``<label>.<host>.<pid>.<random>`` in ``parent``, locked while open.
+
+    The lock tells ``remove_abandoned`` that its writer is alive, however long
+    the compile takes.
+    """
+    path = parent / fsutil.unique_name(f"{label}.{_HOST}")
+    os.mkdir(path, dir_bits)
+    fd = os.open(path, fsutil.DIR_FLAGS)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return Workdir(path, fd)
+
+
+def remove_abandoned(folder: Path, now: float, label: str | None = None) -> int:
+    """Delete the build folders in ``folder`` whose writers are gone; returns how many.
+
+    With ``label``, only folders named as ``new_build_folder(folder, label)``
+    names them are considered: ``folder`` is someone else's (an out_dir).
+    """
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        if label is not None and not _is_build_name(name, label):
+            continue
+        if name.startswith(".nfs") or not _abandoned(folder / name, name, now):
+            continue  # (NFS removes its .nfs files itself when the last reader closes)
+        with contextlib.suppress(OSError):
+            fsutil.remove_tree(folder / name)
+            removed += 1
+    return removed
+
+
+def _is_build_name(name: str, label: str) -> bool:
+    parts = name.rsplit(".", 3)
+    return (
+        len(parts) == 4
+        and parts[0] == label
+        and parts[2].isdigit()
+        and len(parts[3]) == 8
+        and not parts[3].strip("0123456789abcdef")
+    )
 
 
 def _abandoned(path: Path, name: str, now: float) -> bool:

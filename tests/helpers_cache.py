@@ -7,6 +7,7 @@ per call to a file so that calls can be counted across processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +284,42 @@ def compile_child(spec: dict[str, Any]) -> None:
     except BaseException:
         report["error"] = traceback.format_exc()
     write_json(spec["result"], report)
+
+
+@contextlib.contextmanager
+def compiling_half_way(tmp_path: Path) -> Iterator[multiprocessing.Process]:
+    """A child compiling request 0 into ``<out>/<pid>-0``, stopped after its first artifact.
+
+    Yields once the child is there (its single-flight lock and build folder
+    held); a child still alive at the end is killed.
+    """
+    marker = tmp_path / "half-written"
+    spec = base_spec(tmp_path, half_marker=str(marker))
+    spec.update(requests=[0], result=str(tmp_path / "r.json"))
+    child = MP.Process(target=compile_child, args=(spec,))
+    child.start()
+    try:
+        wait_for(marker)
+        yield child
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+def run_python(
+    args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python <args>`` with this interpreter; its output captured as text."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
 
 
 def store_forever_child(spec: dict[str, Any]) -> None:

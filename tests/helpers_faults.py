@@ -6,7 +6,9 @@ helpers skip the calling test with the reason when the machine refuses.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -143,15 +145,66 @@ def read_only(path: Path) -> Iterator[Path]:
 # --------------------------------------------------------------- other users
 
 
+NO_OPEN_FOLDER = (
+    "no temporary folder here that every user may enter (TMPDIR, /tmp, /var/tmp and "
+    "/dev/shm each sit under a folder others cannot search), so no other user can be tested"
+)
+
+
+def _enterable_by_all(path: Path) -> bool:
+    """True when every folder from / down to ``path`` may be searched by any user."""
+    try:
+        return all(os.stat(p).st_mode & stat.S_IXOTH for p in (path, *path.parents))
+    except OSError:
+        return False
+
+
+@functools.cache
+def _open_parent() -> Path | None:
+    """Where folders for other users can be made: the temp folder, else a public one."""
+    for candidate in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+        path = Path(candidate).resolve()
+        if _enterable_by_all(path) and os.access(path, os.W_OK | os.X_OK):
+            return path
+    return None
+
+
+def _new_open_folder(prefix: str) -> Path:
+    parent = _open_parent()
+    if parent is None:
+        pytest.skip(NO_OPEN_FOLDER)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(path, 0o755)
+    return path
+
+
 @contextlib.contextmanager
 def open_folder() -> Iterator[Path]:
     """A fresh folder every user may enter (pytest's tmp_path is private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="opcache-faults-"))
-    os.chmod(path, 0o755)
+    path = _new_open_folder("opcache-faults-")
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@functools.cache
+def _child_imports() -> Path:
+    """A copy of opcache and the test helpers that every user may read.
+
+    The checkout (and so ``tests/`` and an editable opcache) may sit in a folder
+    other users cannot enter, such as root's home or a ``mktemp -d`` folder.
+    """
+    folder = _new_open_folder("opcache-child-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(Path(opcache.__file__).parent, folder / "opcache", ignore=ignore)
+    shutil.copy(TESTS_DIR / "helpers_cache.py", folder)
+    for dirpath, _dirs, files in os.walk(folder):
+        os.chmod(dirpath, 0o755)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    return folder
 
 
 PRELOAD = (
@@ -213,7 +266,9 @@ def run_as(uid: int, gid: int, code: str, *, groups: tuple[int, ...] = (), umask
         "sys.dont_write_bytecode = True\n"
     )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_child_imports()), env.get("PYTHONPATH", "")) if p
+    )
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     done = subprocess.run(
         [sys.executable, "-c", prologue + code],

@@ -248,7 +248,9 @@ def test_a_failing_compile_is_an_error_and_is_not_cached(project, tmp_path):
         assert "-c k.c" in lines[0]  # the command line
         assert "undeclared_thing_42" in out  # the compiler's stderr
         assert lines[1].split()[0] == status_of_good
-        assert "1 errors" in lines[2]
+        assert "1 error;" in lines[2]
+        # The failed operator's folder was made by this compile: it is gone again.
+        assert sorted(os.listdir(tmp_path / "build")) == ["add_small"]
     report = json.loads(run("stats", "--json", env=env, cwd=tmp_path))
     assert report["entries"] == 1
 
@@ -324,3 +326,62 @@ def test_cann_without_a_toolkit_names_the_variables(project, tmp_path, monkeypat
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1
     assert "ASCEND_HOME_PATH" in err and "ASCEND_OPP_PATH" in err and "PATH" in err
+
+
+def test_an_op_name_never_leaves_the_output_folder(project, tmp_path):
+    names = [
+        "model/layer_1/MatMul",  # a TensorFlow node name: flattened
+        "../../escape",
+        str(tmp_path / "absolute"),
+        "..",
+        ".",
+        "model/./x",
+        "model/../../up",
+    ]
+    sources = {"add.c": str(project / "kernels/add.c")}
+    specs = [spec("AddScaled", [4, 64 + i], name, sources=sources) for i, name in enumerate(names)]
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "names.json").write_text(json.dumps(specs))
+    before = sorted(p for p in tmp_path.rglob("*") if "build" not in p.parts)
+    env = base_env(tmp_path)
+    cmd = ["compile", "--op", "names.json", "--output", "build", "--compiler", "cc"]
+    out = run(*cmd, env=env, cwd=tmp_path / "work", status=1)
+    lines = out.splitlines()  # bad specs are reported before anything compiles
+    for index, line in enumerate(lines[:6], start=1):
+        assert line.startswith(f"error    names.json[{index}]: field 'op_name': "), line
+        assert repr(names[index]) in line
+    assert lines[6].split()[0] == "miss" and lines[6].split()[-1] == "model/layer_1/MatMul"
+    assert lines[-1].startswith("7 operators: 0 hits, 1 miss, 0 bypasses, 6 errors")
+    assert os.listdir(tmp_path / "work" / "build") == ["model_layer_1_MatMul"]
+    assert os.listdir(tmp_path / "work" / "build" / "model_layer_1_MatMul")
+    after = sorted(p for p in tmp_path.rglob("*") if "build" not in p.parts)
+    assert [p for p in after if p not in before and not str(p).startswith(env["HOME"] + "/")] == []
+    assert not (tmp_path / "absolute").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--jobs", "0"], "--jobs: '0' is not a whole number of at least 1"),
+        (["--jobs", "-2"], "--jobs: '-2' is not a whole number of at least 1"),
+        (["--compiler", "command"], "--compiler command needs --template"),
+        (["--compiler", "cc", "--template", "x {source}"], "--template is for --compiler command"),
+    ],
+)
+def test_compile_flag_mistakes_are_one_line(project, tmp_path, monkeypatch, capsys, extra, said):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(compile_cmd(project, *extra)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("opcache: error: ") and said in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "build").exists()
+
+
+def test_every_compile_flag_has_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    text = capsys.readouterr().out
+    assert "--op SPEC.json [SPEC.json ...]\n" in text
+    listed = text[text.index("--op SPEC.json") :].split("\n")[1]
+    assert "spec file" in listed

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import opcache
 from opcache.cli import main
 
 JSON_KEYS = {
@@ -193,12 +194,43 @@ def test_invalid_ascend_cache_path_is_one_error_line(home, capsys, monkeypatch):
         (["config", "--bogus"], "--bogus"),
         (["config", "--op_compiler_cache_mode"], "--op_compiler_cache_mode"),
         (["nosuchcommand"], "nosuchcommand"),
-        ([], "required"),
     ],
 )
 def test_usage_error_is_one_line_and_exit_2(home, capsys, argv, mentioned):
     line = assert_one_error_line(capsys, main(argv))
     assert mentioned in line
+
+
+def test_bare_opcache_prints_the_commands_on_stderr_exit_2(home, capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("usage: opcache ")
+    for command in ("config", "stats", "age", "clear", "verify", "compile", "demo", "wrap"):
+        assert f"\n    {command} " in err, command
+
+
+def test_version_prints_the_version_and_exits_0(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", "--version"],
+        env=_clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith(f"opcache {opcache.__version__} (Python ")
+
+
+@pytest.mark.parametrize("command", ["config", "stats", "wrap"])
+def test_an_empty_soc_version_is_unset_as_every_empty_value(home, capsys, command):
+    if command == "wrap":
+        assert main(["wrap", "--soc_version", "", "--", "true"]) == 0
+    else:
+        (home / "kernel_cache").mkdir()
+        (home / "kernel_cache" / "op_cache.ini").touch()
+        assert main([command, "--soc_version=", "--op_compiler_cache_dir", str(home)]) == 0
+    assert "error" not in capsys.readouterr().err
 
 
 def _clean_env(home: Path) -> dict[str, str]:

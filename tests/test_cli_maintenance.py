@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from helpers_cache import SOC, ToyCompiler, entry_dirs, make_request
 
 import opcache
 from opcache.cli import main
+from opcache.store import LocalStore
 
 REQUIRED_STATS_KEYS = {
     "hits",
@@ -121,9 +125,13 @@ def test_verify_reports_and_repairs(cache_dir, tmp_path, capsys) -> None:
 
 def test_clear_one_chip_and_on_a_missing_cache(cache_dir, tmp_path, capsys) -> None:
     flags = ("--op_compiler_cache_dir", str(cache_dir))
-    assert run(capsys, "clear", *flags)[:2] == (0, "nothing to clear\n")
+    assert run(capsys, "clear", *flags)[:2] == (1, "")
     assert not cache_dir.exists()  # clearing creates nothing
     fill(cache_dir, tmp_path, 2)
+    assert run(capsys, "clear", "--soc_version", "Ascend310P3", *flags)[:2] == (
+        0,
+        "nothing to clear\n",
+    )
     status, out, _ = run(capsys, "clear", "--soc_version", SOC, *flags)
     assert (status, out) == (0, f"cleared {SOC}\n")
     assert entry_dirs(cache_dir / "kernel_cache") == {}
@@ -139,3 +147,97 @@ def test_a_cache_folder_that_is_a_file_is_one_error_line_exit_1(tmp_path, capsys
         if status == 1:
             assert len(lines) == 1 and lines[0].startswith("opcache: error: "), command
         assert "Traceback" not in err
+
+
+MAINTENANCE = (["stats"], ["stats", "--json"], ["age"], ["age", "--dry-run"], ["verify"], ["clear"])
+
+
+@pytest.mark.parametrize("command", MAINTENANCE, ids=" ".join)
+def test_a_folder_without_a_cache_is_one_error_line_naming_the_root(
+    cache_dir, tmp_path, capsys, command
+) -> None:
+    cache_dir.mkdir()  # a folder, but no cache in it
+    status, out, err = run(capsys, *command, "--op_compiler_cache_dir", str(cache_dir))
+    assert (status, out) == (1, "")
+    (line,) = err.splitlines()
+    root = cache_dir / "kernel_cache"
+    assert line.startswith(f"opcache: error: no cache in {root} (from --op_compiler_cache_dir ")
+    host_root = opcache.resolve_settings(environ={"ASCEND_CACHE_PATH": str(cache_dir)}).root
+    assert f"ASCEND_CACHE_PATH={cache_dir} would name {host_root})" in line
+    assert os.listdir(cache_dir) == []  # looking created nothing
+
+
+def test_the_error_says_which_setting_named_the_root_and_where_the_other_points(
+    cache_dir, tmp_path, capsys, monkeypatch
+) -> None:
+    fill(cache_dir, tmp_path, 1)  # in <dir>/kernel_cache: what --op_compiler_cache_dir names
+    monkeypatch.setenv("ASCEND_CACHE_PATH", str(cache_dir))
+    status, out, err = run(capsys, "stats")
+    host_root = opcache.resolve_settings().root
+    assert (status, out) == (1, "")
+    assert err == (
+        f"opcache: error: no cache in {host_root} (from ASCEND_CACHE_PATH={cache_dir}, "
+        "which names <path>/kernel_cache_<host>; "
+        f"--op_compiler_cache_dir {cache_dir} would name {cache_dir / 'kernel_cache'}, "
+        "which holds a cache)\n"
+    )
+    monkeypatch.delenv("ASCEND_CACHE_PATH")
+    status, out, err = run(capsys, "age")
+    assert status == 1
+    assert f"no cache in {tmp_path / 'atc_data' / 'kernel_cache'} (the default, " in err
+    status, out, err = run(capsys, "stats", "--op_compiler_cache_dir", str(cache_dir))
+    assert (status, err) == (0, "")
+    assert out.startswith(f"cache folder: {cache_dir / 'kernel_cache'} (from --op_compiler")
+
+
+def test_age_dry_run_or_verbose_says_one_line_when_nothing_would_go(
+    cache_dir, tmp_path, capsys
+) -> None:
+    fill(cache_dir, tmp_path, 3)
+    flags = ("--op_compiler_cache_dir", str(cache_dir))
+    assert run(capsys, "age", "--dry-run", *flags) == (
+        0,
+        "in all: would remove 0 entries, 0 B, of 1 chip folder (dry run: nothing was removed)\n",
+        "",
+    )
+    status, out, _ = run(capsys, "age", "--verbose", *flags)
+    assert status == 0
+    assert out.splitlines()[-1] == "in all: removed 0 entries, 0 B, of 1 chip folder"
+
+
+def test_verify_says_the_counters_were_wrong_only_when_they_were(
+    cache_dir, tmp_path, capsys
+) -> None:
+    keys = fill(cache_dir, tmp_path, 3)
+    root = cache_dir / "kernel_cache"
+    flags = ("--op_compiler_cache_dir", str(cache_dir))
+    damaged = next(p for p in entry_dirs(root)[keys[0]].iterdir() if p.suffix == ".o")
+    damaged.write_bytes(b"garbage")
+    status, out, _ = run(capsys, "verify", *flags)
+    lines = out.splitlines()
+    assert status == 0
+    assert lines[0].startswith(f"{SOC}: 3 entries checked, 1 corrupt removed, 2 entries kept, ")
+    assert "counters" not in out  # verify's own removal is no drift
+    assert lines[1] == "removed 0 leftovers of interrupted writers"
+    LocalStore(root).set_used(SOC, 7, 1000)  # counters that drifted
+    status, out, _ = run(capsys, "verify", *flags)
+    assert out.splitlines()[0].endswith(
+        "; the counters were wrong (they said 7 entries, 1000 B) and now match"
+    )
+    shutil.rmtree(entry_dirs(root)[keys[1]])
+    LocalStore(root).set_used(SOC, 1, LocalStore(root).used(SOC)[1])
+    status, out, _ = run(capsys, "verify", *flags)
+    assert out.startswith(f"{SOC}: 1 entry checked, 0 corrupt removed, 1 entry kept, ")
+
+
+def test_one_of_a_thing_is_said_in_the_singular(cache_dir, tmp_path, capsys) -> None:
+    fill(cache_dir, tmp_path, 6, clock=time.time() - 7200)  # 1.2 MB, all two hours old
+    (cache_dir / "kernel_cache" / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nmax_op_cache_size=1\nremain_cache_size_ratio=100\n"
+    )
+    status, out, err = run(capsys, "age", "-v", "--op_compiler_cache_dir", str(cache_dir))
+    assert status == 0
+    assert f"{SOC}: removed 1 entry, " in out
+    assert "in all: removed 1 entry, " in out and "of 1 chip folder" in out
+    assert "aged " in err  # the -v record of the pass
+    assert not re.search(r"\b1 (entries|leftovers|chip folders|errors)\b", out + err)

@@ -175,14 +175,17 @@ def test_opcache_compilers_lists_each_and_whether_usable(tmp_path):
     assert "not usable" in lines["cann"]
     assert "-> cc" in lines["auto"]
 
-    data = json.loads(
-        subprocess.run(
-            [*cmd, "--json"], env=with_opc, capture_output=True, text=True, check=True
-        ).stdout
-    )
-    assert {"cc", "cann", "command"} <= set(data)
+    text = subprocess.run(
+        [*cmd, "--json"], env=with_opc, capture_output=True, text=True, check=True
+    ).stdout
+    data = json.loads(text)
+    assert text.startswith('{\n  "auto": {\n    "choice": ')  # indented, as every --json
+    assert {"cc", "cann", "command", "auto"} <= set(data)
     assert data["cann"]["usable"] is True and str(bin_dir / "opc") in data["cann"]["note"]
     assert data["cc"]["usable"] is True
+    # opc on PATH alone is not a configured toolkit: auto stays with cc, and says why.
+    assert data["auto"]["choice"] == "cc" and data["auto"]["usable"] is True
+    assert "ASCEND_HOME_PATH" in data["auto"]["reason"]
 
 
 # -- cc ---------------------------------------------------------------------------
@@ -495,6 +498,39 @@ def test_cann_fingerprint_follows_the_opc_executable(toolkit):
     opc = root / "bin" / "opc"
     opc.write_text(opc.read_text() + "\n# patched\n")
     assert CannCompiler(environ=env).fingerprint() != before
+
+
+def write_interpreter(folder: Path, note: str) -> Path:
+    """A tiny interpreter of our own: a shell script that runs this Python."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "fakepy"
+    path.write_text(f'#!/bin/sh\n# interpreter {note}\nexec {sys.executable} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_cann_fingerprint_follows_the_python_that_opc_runs_with(toolkit, tmp_path, monkeypatch):
+    root, env = toolkit
+    opc = root / "bin" / "opc"
+    script = opc.read_text().split("\n", 1)[1]
+    opc.write_text("#!/usr/bin/env fakepy\n" + script)  # found on the environment's PATH
+    one = write_interpreter(tmp_path / "py1", "one")
+    two = write_interpreter(tmp_path / "py2", "two")
+    env_one = {**env, "PATH": f"{one.parent}{os.pathsep}{env['PATH']}"}
+    env_two = {**env, "PATH": f"{two.parent}{os.pathsep}{env['PATH']}"}
+    first = CannCompiler(environ=env_one).fingerprint()
+    assert str(one) in first
+    monkeypatch.setattr(sys, "version", "9.9.9 (opcache's own Python, not opc's)")
+    assert CannCompiler(environ=env_one).fingerprint() == first
+    assert CannCompiler(environ=env_two).fingerprint() != first
+    assert _status_after(tmp_path, env_one, "a") == "miss"  # opc really runs through it
+    assert _status_after(tmp_path, env_one, "b") == "hit"
+    assert _status_after(tmp_path, env_two, "c") == "miss"
+    one.write_text(one.read_text() + "# upgraded\n")
+    assert CannCompiler(environ=env_one).fingerprint() != first
+    # An interpreter named by its path (with a flag), whatever PATH says.
+    opc.write_text(f"#!{two} -u\n" + script)
+    assert str(two) in CannCompiler(environ=env_one).fingerprint()
 
 
 # -- command ---------------------------------------------------------------------------

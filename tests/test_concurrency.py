@@ -23,6 +23,7 @@ from helpers_cache import (
     base_spec,
     busy_child,
     compile_child,
+    compiling_half_way,
     entry_dirs,
     expected_files,
     make_request,
@@ -168,16 +169,10 @@ def test_a_short_lock_timeout_makes_the_waiter_compile_itself(
 
 
 def test_killed_lock_holder_does_not_block_the_waiters(tmp_path: Path) -> None:
-    marker = tmp_path / "half-written"
-    spec = base_spec(tmp_path, half_marker=str(marker))
-    spec.update(requests=[0], result=str(tmp_path / "r.json"))
-    holder = MP.Process(target=compile_child, args=(spec,))
-    holder.start()
-    try:
-        wait_for(marker)
+    with compiling_half_way(tmp_path) as holder:
         root = settings_for(tmp_path).root
         # Mid-compile: half the artifacts are written, nothing is visible, and
-        # the compiler works beside its out_dir, not in the cache.
+        # the compiler works in its out_dir, not in the cache.
         assert entry_dirs(root) == {}
         assert tmp_leftovers(tmp_path) == []
         key = opcache.explain_key(make_request(0), ToyCompiler(tmp_path / "calls"))["key"]
@@ -198,10 +193,6 @@ def test_killed_lock_holder_does_not_block_the_waiters(tmp_path: Path) -> None:
             assert compiler.calls() == 2
             assert tmp_leftovers(tmp_path) == []
             assert cache.compile(make_request(0), compiler, tmp_path / "w2").status == "hit"
-    finally:
-        if holder.is_alive():
-            holder.kill()
-            holder.join()
 
 
 def test_sigkill_at_random_instants_never_leaves_a_partial_entry(tmp_path: Path) -> None:

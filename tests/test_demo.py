@@ -60,8 +60,10 @@ def test_demo_compiles_a_dozen_kernels_misses_then_hits_and_cleans_up(tmp_path):
     assert {(a, b) for _, a, _, b, _ in table} == {("miss", "hit")}
     speedup = re.search(r"speed-up of the second run: (\d+)x", out)
     assert speedup and int(speedup.group(1)) >= 2
-    assert "cache folder:" in out and "opcache stats" in out
-    assert "--keep" in out
+    # The cache went with the demo's folder: nothing points at it as if it stayed.
+    assert "opcache stats" not in out
+    (last,) = [line for line in out.splitlines() if "--keep" in line]
+    assert "(removed with " in last
     assert list((tmp_path / "tmp").iterdir()) == []  # its folder is gone
     assert not (tmp_path / "cache").exists()  # ASCEND_CACHE_PATH was not touched
 
@@ -86,8 +88,11 @@ def test_demo_keep_leaves_a_cache_that_opcache_stats_reads(tmp_path):
 def test_demo_follows_the_cache_flags(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["demo", "--op_compiler_cache_mode=disable"]) == 0
-    table = rows(capsys.readouterr().out)
+    text = capsys.readouterr().out
+    table = rows(text)
     assert {(a, b) for _, a, _, b, _ in table} == {("disabled", "disabled")}
+    assert text.endswith("\nthe cache was disabled: nothing was stored\n")
+    assert "cache folder" not in text and "opcache stats" not in text
     assert list(tmp_path.iterdir()) == []
     own = tmp_path / "own"
     assert main(["demo", f"--op_compiler_cache_dir={own}"]) == 0
@@ -95,7 +100,9 @@ def test_demo_follows_the_cache_flags(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     table = rows(text)
     assert [(a, b) for _, a, _, b, _ in table] == [("miss", "hit")] * 12 + [("hit", "hit")] * 12
-    assert (own / "kernel_cache").is_dir()  # a cache the user named stays
+    assert (own / "kernel_cache").is_dir()  # a cache the user named stays, and is shown
+    assert text.endswith(f"look at it:   opcache stats --op_compiler_cache_dir {own}\n")
+    assert main(["stats", f"--op_compiler_cache_dir={own}"]) == 0
     assert main(["demo", "--op_debug_level=1"]) == 0
     table = rows(capsys.readouterr().out)
     assert {(a, b) for _, a, _, b, _ in table} == {("bypass", "bypass")}

@@ -2,8 +2,9 @@
 
 The toolkit is found through ``ASCEND_HOME_PATH``, ``ASCEND_TOOLKIT_HOME``,
 ``ASCEND_OPP_PATH`` or ``opc`` on PATH.  The fingerprint covers the toolkit's
-version files, the opc executable, the Python version and the tuning knowledge
-base, so an upgrade or a re-tune gives new keys instead of stale kernels.
+version files, the opc executable, the Python that runs it (opc is a Python
+script: the interpreter its ``#!`` line names, not opcache's own) and the tuning
+knowledge base, so an upgrade or a re-tune gives new keys instead of stale kernels.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +26,7 @@ HOME_VARIABLES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
 _MAIN_FUNC = "main_func"
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _MAX_BANK_FILES = 100_000
+_MAX_SHEBANG = 256
 
 
 def find_toolkit(environ: Mapping[str, str]) -> tuple[Path | None, str | None, str]:
@@ -51,6 +52,29 @@ def configured(environ: Mapping[str, str]) -> bool:
     """True when CANN's environment is set and opc can be run (``auto`` picks CANN)."""
     home, opc, _ = find_toolkit(environ)
     return home is not None and opc is not None and any(environ.get(v) for v in HOME_VARIABLES)
+
+
+def script_interpreter(path: str, environ: Mapping[str, str]) -> str | None:
+    """The interpreter a script's ``#!`` line runs it with; None when it has none.
+
+    ``#!/usr/bin/env python3`` is looked up on the environment's PATH, as env
+    does when the script runs with that environment.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MAX_SHEBANG)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].decode(errors="replace").split()
+    if not words:
+        return None
+    if os.path.basename(words[0]) != "env":
+        return words[0]
+    # env [-S] [-i] [NAME=value]... program [args]
+    names = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+    return which(names[0], environ) if names else None
 
 
 def main_func(request: OpRequest) -> str:
@@ -94,11 +118,27 @@ class CannCompiler:
             parts = {
                 "opc": file_identity(self.opc),
                 "versions": self._version_files(),
-                "python": sys.version,
+                "python": self._interpreter_identity(),
                 "tune_bank": self._tune_bank_digest(),
             }
             self._fingerprint = json.dumps(parts, sort_keys=True)
         return self._fingerprint
+
+    def _interpreter_identity(self) -> str:
+        """The Python opc runs with (not opcache's own): its binary's path, size and mtime.
+
+        Not its digest, as ccache's default ``compiler_check`` does: hashing a
+        7 MB interpreter would cost every ``opcache wrap -- opc`` about 5 ms, and
+        an upgrade rewrites the binary (new size or mtime) or installs a new path.
+        """
+        interpreter = script_interpreter(self.opc, self._environ)
+        if interpreter is None:
+            return "none: opc is not a script, or its interpreter is not found"
+        try:
+            st = os.stat(interpreter)
+        except OSError as e:
+            return f"{interpreter}: {e.strerror or e}"
+        return f"{os.path.realpath(interpreter)}:{st.st_size}:{st.st_mtime_ns}"
 
     def _version_files(self) -> dict[str, str]:
         if self.home is None:
