@@ -1,4 +1,4 @@
-"""``opcache compile``: operators described in JSON files, compiled in parallel.
+"""``opcache compile``: operators described in JSON files, compiled with ``compile_many``.
 
 A spec file holds one object or a list of objects with the ``OpRequest``
 fields.  ``sources`` maps a file name to a path, relative to the spec file's
@@ -7,26 +7,23 @@ folder when not absolute.  Each operator's artifacts go to
 (TensorFlow node names such as ``model/layer_1/MatMul`` are normal); a name
 that would still leave ``<output>`` (absolute, a ``.`` or ``..`` part) is a bad
 spec.  One bad spec is reported with its file and field and does not stop the
-others.
+others.  Several ``opcache compile`` processes started on one spec list (the
+ranks of a job) share the work: each operator is compiled once among them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 from .cache import OpCache
 from .compilers import get_compiler
 from .compilers._tool import kernel_name
-from .compilers.protocol import Compiler
-from .errors import CompileError, ConfigError
+from .errors import ConfigError
 from .request import OpRequest
 from .settings import Settings
 
@@ -128,33 +125,8 @@ def _folder_name(op_name: str) -> str:
     return "_".join(parts)
 
 
-# Each worker process builds its own cache and compiler once.
-_worker: tuple[OpCache, Compiler, Path] | None = None
-
-
-def _init_worker(settings: Settings, compiler: str, options: dict[str, Any], output: str) -> None:
-    global _worker
-    _worker = (OpCache(settings), get_compiler(compiler, **options), Path(output))
-
-
-def _compile_in_worker(where: str, request: OpRequest) -> Outcome:
-    assert _worker is not None
-    return _compile_one(*_worker, where, request)
-
-
-def _compile_one(
-    cache: OpCache, compiler: Compiler, output: Path, where: str, request: OpRequest
-) -> Outcome:
-    label = request.op_name or request.op_type
-    target = output / (_folder_name(request.op_name) if request.op_name else kernel_name(request))
-    started = time.perf_counter()
-    try:
-        result = cache.compile(request, compiler, target)
-    except (CompileError, OSError, ValueError, TypeError) as e:
-        return Outcome(where, label, "error", time.perf_counter() - started, error=str(e))
-    return Outcome(
-        where, label, result.status, result.seconds, result.saved_seconds, output=str(target)
-    )
+def _target(output: Path, request: OpRequest) -> Path:
+    return output / (_folder_name(request.op_name) if request.op_name else kernel_name(request))
 
 
 def compile_specs(
@@ -164,32 +136,27 @@ def compile_specs(
     *,
     compiler: str = "auto",
     compiler_options: dict[str, Any] | None = None,
-    jobs: int = 1,
+    jobs: int | None = None,
 ) -> Iterator[Outcome]:
-    """Compile every operator of ``specs``; yields an outcome per operator, in order.
+    """Compile every operator of ``specs``, ``jobs`` at a time (default: the cores
+    this process may use); yields an outcome per operator, in order.
 
     Raises ConfigError (before compiling anything) for a bad compiler name or option.
     """
-    options = compiler_options or {}
-    built = get_compiler(compiler, **options)  # a bad name or option fails here, once
-    jobs_to_run = []
-    for where, request in load_specs(specs):
+    built = get_compiler(compiler, **(compiler_options or {}))  # a bad one fails here, once
+    loaded = list(load_specs(specs))
+    for where, request in loaded:  # bad specs first: they are known before anything compiles
         if isinstance(request, str):
             yield Outcome(where, "?", "error", error=request)
+    good = [(where, request) for where, request in loaded if not isinstance(request, str)]
+    outs = [_target(Path(output), request) for _, request in good]
+    with OpCache(settings) as cache:
+        results = cache.compile_many([r for _, r in good], built, outs, jobs=jobs)
+    for (where, request), out, result in zip(good, outs, results, strict=True):
+        label = request.op_name or request.op_type
+        if result.error is not None:
+            yield Outcome(where, label, "error", result.seconds, error=str(result.error))
         else:
-            jobs_to_run.append((where, request))
-    if not jobs_to_run:
-        return
-    if jobs <= 1:
-        with OpCache(settings) as cache:
-            for where, request in jobs_to_run:
-                yield _compile_one(cache, built, Path(output), where, request)
-        return
-    init = (settings, compiler, options, os.fspath(output))
-    # spawn: a forked child would inherit the parent's threads and locks.
-    with ProcessPoolExecutor(
-        max_workers=jobs, mp_context=get_context("spawn"), initializer=_init_worker, initargs=init
-    ) as pool:
-        futures = [pool.submit(_compile_in_worker, where, r) for where, r in jobs_to_run]
-        for future in futures:
-            yield future.result()
+            yield Outcome(
+                where, label, result.status, result.seconds, result.saved_seconds, output=str(out)
+            )

@@ -406,7 +406,12 @@ def _build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--output", required=True, metavar="DIR", help="results go to DIR/<op>/")
     comp.add_argument("--compiler", default="auto", help="cc, cann, command or auto (default)")
     comp.add_argument("--template", help="the command template of --compiler command")
-    comp.add_argument("--jobs", type=_positive, default=1, metavar="N", help="parallel processes")
+    comp.add_argument(
+        "--jobs",
+        type=_positive,
+        metavar="N",
+        help="compiles at a time (default: the cores this process may use)",
+    )
     comp.add_argument("--json", action="store_true", help="one JSON object")
     demo = command("demo", _cmd_demo, "compile a dozen C kernels through the cache, twice")
     demo.add_argument("--keep", action="store_true", help="keep the demo's folder")

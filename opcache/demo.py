@@ -81,14 +81,15 @@ def run(
         passes = []
         with OpCache(settings) as cache:
             for run_index in (1, 2):
-                results = []
+                build = folder / f"build{run_index}"
                 started = time.perf_counter()
-                for req in ops:
-                    results.append(
-                        cache.compile(req, compiler, folder / f"build{run_index}" / req.op_name)
-                    )
+                results = cache.compile_many(ops, compiler, lambda r, b=build: b / r.op_name)
                 passes.append((time.perf_counter() - started, results))
         (first_total, first), (second_total, second) = passes
+        failed = [r for r in first + second if r.error is not None]
+        if failed:
+            out(f"opcache demo: a kernel failed to compile: {failed[0].error}")
+            return 1
         out(f"opcache demo: {len(ops)} C kernels compiled twice with {compiler.argv[0]}\n")
         out(f"{'operator':<18} {'first run':>16} {'second run':>16}")
         for req, a, b in zip(ops, first, second, strict=True):

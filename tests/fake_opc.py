@@ -96,7 +96,14 @@ if not re.fullmatch(r"Ascend[0-9A-Za-z]+", flags["soc_version"]):
     die(f"--soc_version={flags['soc_version']} is not a known chip")
 
 if os.environ.get("FAKE_OPC_SLEEP"):
+    # Each sleeping run leaves a mark while it sleeps and logs how many run at once.
+    running = f"{log}.running"
+    os.makedirs(running, exist_ok=True)
+    open(os.path.join(running, str(os.getpid())), "w").close()
+    with open(f"{log}.concurrent", "a") as f:
+        f.write(f"{len(os.listdir(running))}\n")
     time.sleep(float(os.environ["FAKE_OPC_SLEEP"]))
+    os.unlink(os.path.join(running, str(os.getpid())))
 if os.environ.get("FAKE_OPC_FAIL"):
     die(os.environ["FAKE_OPC_FAIL"], int(os.environ.get("FAKE_OPC_STATUS", "1")))
 

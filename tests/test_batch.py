@@ -130,8 +130,8 @@ def test_compile_json_output(project, tmp_path):
     assert all(o["saved_seconds"] > 0 for o in again["operators"])
 
 
-def test_compile_with_jobs_uses_worker_processes(tmp_path):
-    """--jobs 2 with the cann back-end (auto, a toolkit set): opc runs under two workers."""
+def test_compile_with_jobs_runs_that_many_compiles_at_once(tmp_path):
+    """--jobs 2 with the cann back-end (auto, a toolkit set): two opc runs at a time."""
     root = make_toolkit(tmp_path / "toolkit")
     env = {**base_env(tmp_path), "ASCEND_HOME_PATH": str(root), "FAKE_OPC_SLEEP": "0.3"}
     specs = tmp_path / "specs"
@@ -157,7 +157,8 @@ def test_compile_with_jobs_uses_worker_processes(tmp_path):
     assert [o["op"] for o in data["operators"]] == [f"add_{i}" for i in range(4)]
     runs = invocations(tmp_path / "opc.log")
     assert len(runs) == 4
-    assert len({r["ppid"] for r in runs}) == 2  # two worker processes compiled
+    at_once = (tmp_path / "opc.log.concurrent").read_text().split()
+    assert max(map(int, at_once)) == 2  # two compiles ran together, never more
     for i in range(4):
         assert len(list((tmp_path / "build" / f"add_{i}").glob("Add_*.o"))) == 1
     # The workers' stats reached the disk.
@@ -166,6 +167,47 @@ def test_compile_with_jobs_uses_worker_processes(tmp_path):
     again = json.loads(run(*cmd, env={**env, "FAKE_OPC_SLEEP": ""}, cwd=tmp_path))
     assert again["summary"]["hits"] == 4
     assert len(invocations(tmp_path / "opc.log")) == 4
+
+
+def test_compile_processes_on_one_spec_list_share_the_work(tmp_path):
+    """Three `opcache compile` processes (ranks) on one list: each operator compiled once."""
+    root = make_toolkit(tmp_path / "toolkit")
+    env = {**base_env(tmp_path), "ASCEND_HOME_PATH": str(root), "FAKE_OPC_SLEEP": "0.2"}
+    (tmp_path / "add.py").write_text(OP_SOURCE)
+    tensor = {"dtype": "float16"}
+    ops = [
+        {
+            "op_type": "Add",
+            "soc_version": SOC,
+            "op_name": f"add_{i}",
+            "inputs": [{**tensor, "shape": [16, 64 * (i + 1)]}] * 2,
+            "outputs": [{**tensor, "shape": [16, 64 * (i + 1)]}],
+            "sources": {"add.py": "add.py"},
+        }
+        for i in range(16)
+    ]
+    (tmp_path / "ops.json").write_text(json.dumps(ops))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "opcache", "compile", "--op", "ops.json", "--jobs", "1"]
+            + ["--output", f"rank{n}", "--json"],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(3)
+    ]
+    reports = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    runs = invocations(tmp_path / "opc.log")
+    assert len(runs) == 16  # once each, among the three
+    by_rank = {rank.pid: sum(r["ppid"] == rank.pid for r in runs) for rank in ranks}
+    assert all(by_rank.values()), by_rank  # every rank compiled some
+    for n, report in enumerate(reports):
+        assert report["summary"]["errors"] == 0
+        assert report["summary"]["hits"] + report["summary"]["misses"] == 16
+        for i in range(16):
+            assert len(list((tmp_path / f"rank{n}" / f"add_{i}").glob("Add_*.o"))) == 1
 
 
 def test_bad_specs_are_reported_with_file_and_field_and_the_rest_compiles(project, tmp_path):
