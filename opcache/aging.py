@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ._log import get_logger
 from .settings import AGE_SECONDS
-from .store import LocalStore
+from .storage.local import LocalStore
 
 log = get_logger(__name__)
 

@@ -22,7 +22,8 @@ from .ini import ensure_ini_file
 from .key import compute_key
 from .request import CompileResult, OpRequest, is_plain_name
 from .settings import INI_NAME, Settings, check_soc_version
-from .store import MANIFEST, CorruptEntry, Entry, LocalStore, new_build_folder, remove_abandoned
+from .storage.entry import MANIFEST, CorruptEntry, Entry, make_manifest
+from .storage.local import LocalStore, new_build_folder, remove_abandoned
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -335,7 +336,7 @@ class OpCache:
 
     def _lookup(self, soc: str, key: str) -> Entry | None:
         try:
-            return self._store.read(soc, key)
+            return self._store.get(soc, key)
         except CorruptEntry as e:
             log.warning("corrupt cache entry %s/%s removed: %s", soc, key, e)
             self._stats.add(soc, "corrupt")
@@ -378,32 +379,12 @@ class OpCache:
         if MANIFEST in artifacts:
             self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
             return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts
+        manifest = make_manifest(key, artifacts, seconds, inputs, self._clock())
         try:
-            workdir = self._store.new_workdir(key)
+            size = self._store.put(soc, key, manifest, artifacts, now=self._clock())
         except OSError as e:
-            self._cache_error("write", f"cannot write the cache at {self._store.root}: {e}", soc)
+            self._cache_error("write", f"cannot store in the cache at {self._store.root}: {e}", soc)
             return files, "not stored: the cache is not writable", None, artifacts
-        try:
-            for name, data in artifacts.items():
-                with open(workdir.path / name, "xb") as f:
-                    f.write(data)
-            size = self._store.publish(
-                soc,
-                key,
-                workdir.path,
-                artifacts,
-                compile_seconds=seconds,
-                inputs=inputs,
-                now=self._clock(),
-            )
-        except OSError as e:
-            self._cache_error("write", f"cannot store in the cache: {e}", soc)
-            return files, "not stored: the cache is not writable", None, artifacts
-        finally:
-            try:
-                workdir.close()
-            except OSError as e:
-                log.debug("cannot remove %s: %s", workdir.path, e)
         if size is not None:
             self._stats.add(soc, "stores")
         return files, None, size, artifacts
@@ -550,7 +531,7 @@ class OpCache:
         for info in self._store.scan(soc, progress, sizes=True):
             chip.checked += 1
             try:
-                self._store.read(soc, info.key)
+                self._store.get(soc, info.key)
             except CorruptEntry as e:
                 log.warning("corrupt cache entry %s/%s removed: %s", soc, info.key, e)
                 chip.corrupt += 1

@@ -26,7 +26,7 @@ from .cli import (
     run_logged,
 )
 from .settings import DEFAULT_MODE, INI_NAME, Settings, check_soc_version, resolve_settings
-from .store import BOOKKEEPING
+from .storage.local import BOOKKEEPING
 
 
 class _Parser(argparse.ArgumentParser):

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from .compilers.protocol import Compiler
     from .request import Status
-    from .store import Entry
+    from .storage.entry import Entry
 
     OutDirs = Sequence[str | os.PathLike[str]] | Callable[[OpRequest], str | os.PathLike[str]]
 

@@ -36,7 +36,7 @@ from .errors import CompileError, ConfigError
 from .key import canonical_json, digest
 from .request import OpRequest
 from .settings import Settings
-from .store import LocalStore
+from .storage.local import LocalStore
 
 log = get_logger(__name__)
 

@@ -26,7 +26,7 @@ from helpers_cache import TESTS_DIR, make_settings
 
 import opcache
 from opcache.key import canonical_json, digest
-from opcache.store import MANIFEST
+from opcache.storage.entry import MANIFEST
 
 IS_ROOT = os.geteuid() == 0
 NEEDS_ROOT = "needs root: only root can give files to another user or group"
@@ -319,7 +319,8 @@ def reader_child(spec: dict[str, Any]) -> None:
     """
     from helpers_cache import SOC, entry_dirs, expected_files, make_request, write_json
 
-    from opcache.store import CorruptEntry, LocalStore
+    from opcache.storage.entry import CorruptEntry
+    from opcache.storage.local import LocalStore
 
     report: dict[str, Any] = {"reads": 0, "entries_read": 0, "bad": [], "error": None}
     try:
@@ -330,7 +331,7 @@ def reader_child(spec: dict[str, Any]) -> None:
             for key, path in entry_dirs(root).items():
                 report["reads"] += 1
                 try:
-                    entry = store.read(SOC, key)
+                    entry = store.get(SOC, key)
                 except CorruptEntry as e:
                     report["bad"].append(f"{key}: {e}")
                     continue
@@ -361,7 +362,7 @@ def publish_then_hang_child(spec: dict[str, Any]) -> None:
 
     from helpers_cache import ToyCompiler, make_request, make_settings
 
-    from opcache.store import is_key
+    from opcache.storage.local import is_key
 
     real_rename = os.rename
 

@@ -187,10 +187,13 @@ def test_compile_processes_on_one_spec_list_share_the_work(tmp_path):
         for i in range(16)
     ]
     (tmp_path / "ops.json").write_text(json.dumps(ops))
+
+    def rank_flags(n: int) -> list[str]:
+        return ["--jobs", "1", "--output", f"rank{n}", "--json"]
+
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-m", "opcache", "compile", "--op", "ops.json", "--jobs", "1"]
-            + ["--output", f"rank{n}", "--json"],
+            [sys.executable, "-m", "opcache", "compile", "--op", "ops.json", *rank_flags(n)],
             env=env,
             cwd=tmp_path,
             stdout=subprocess.PIPE,

@@ -32,7 +32,7 @@ from helpers_cache import (
 )
 
 import opcache
-from opcache.store import LocalStore
+from opcache.storage.local import LocalStore
 
 BYPASS_LEVEL = "op_debug_level is 1"
 BYPASS_COLLECT = "NPU_COLLECT_PATH is set"
@@ -718,7 +718,7 @@ def test_store_layout_matches_the_settings(tmp_path: Path, compiler: ToyCompiler
         key = cache.compile(make_request(), compiler, tmp_path / "o").key
     assert (settings.chip_dir(SOC) / key[:2] / key / "MANIFEST").is_file()
     store = LocalStore(settings.root)
-    entry = store.read(SOC, key)
+    entry = store.get(SOC, key)
     assert entry is not None
     assert entry.files == expected_files(make_request())
     manifest = read_manifest(settings.chip_dir(SOC) / key[:2] / key / "MANIFEST")

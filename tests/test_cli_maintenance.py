@@ -14,7 +14,7 @@ from helpers_cache import SOC, ToyCompiler, entry_dirs, make_request
 
 import opcache
 from opcache.cli import main
-from opcache.store import LocalStore
+from opcache.storage.local import LocalStore
 
 REQUIRED_STATS_KEYS = {
     "hits",

@@ -610,7 +610,7 @@ def test_a_remembered_compiler_digest_never_outlives_a_rewrite(
     """The digest is kept in the cache by ctime among others: a same-size rewrite
     with its mtime put back still changes the identity, so no stale kernel."""
     from opcache.compilers import _tool
-    from opcache.store import LocalStore
+    from opcache.storage.local import LocalStore
 
     monkeypatch.setattr(_tool, "_TOO_NEW_SECONDS", -1e9)  # remember even a new file
     monkeypatch.setattr(_tool, "_identities", {})

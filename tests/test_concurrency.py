@@ -37,7 +37,7 @@ from helpers_cache import (
 )
 
 import opcache
-from opcache.store import LocalStore
+from opcache.storage.local import LocalStore
 
 
 def run_children(target, specs: list[dict], go: Path | None = None, timeout: float = 60) -> list:
@@ -160,7 +160,7 @@ def test_a_short_lock_timeout_makes_the_waiter_compile_itself(
     assert report["results"][0]["ok"]
     # One good entry, whoever published first.
     store = LocalStore(settings_for(tmp_path).root)
-    entry = store.read(SOC, result.key)
+    entry = store.get(SOC, result.key)
     assert entry is not None
     assert entry.files == expected_files(make_request(0))
 
@@ -176,7 +176,7 @@ def test_killed_lock_holder_does_not_block_the_waiters(tmp_path: Path) -> None:
         assert entry_dirs(root) == {}
         assert tmp_leftovers(tmp_path) == []
         key = opcache.explain_key(make_request(0), ToyCompiler(tmp_path / "calls"))["key"]
-        assert LocalStore(root).read(SOC, key) is None
+        assert LocalStore(root).get(SOC, key) is None
         killer = threading.Timer(0.5, holder.kill)
         killer.start()
         compiler = ToyCompiler(tmp_path / "calls")
@@ -225,7 +225,7 @@ def test_sigkill_at_random_instants_never_leaves_a_partial_entry(tmp_path: Path)
             )
         # Whatever is visible is complete and right.
         for key in entry_dirs(root):
-            entry = store.read(SOC, key)  # raises CorruptEntry on a partial entry
+            entry = store.get(SOC, key)  # raises CorruptEntry on a partial entry
             assert entry is not None
             assert entry.files == expected_files(make_request(key_to_index[key]), size)
     assert len(key_to_index) > 20
@@ -288,7 +288,7 @@ def test_an_entry_cleared_while_it_is_read_is_a_miss_not_corrupt(
 ) -> None:
     # Another process's force/clear renames the chip folder aside and deletes it
     # file by file; a reader caught half-way must see a miss, not a corrupt entry.
-    from opcache import store as store_module
+    from opcache.storage import local as store_module
 
     compiler = ToyCompiler(tmp_path / "calls")
     settings = settings_for(tmp_path)

@@ -62,7 +62,7 @@ from helpers_faults import (
 
 import opcache
 from opcache import fsutil
-from opcache.store import LocalStore
+from opcache.storage.local import LocalStore
 
 PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs gives out space in pages
 SMALL = f"size={128 * PAGE}"  # 512 KiB with 4 KiB pages
@@ -85,7 +85,7 @@ def consistent(settings: opcache.Settings, **clock) -> dict:
     )
     store = LocalStore(root)
     for key in walked:
-        assert store.read(SOC, key) is not None
+        assert store.get(SOC, key) is not None
     return report
 
 

@@ -24,7 +24,7 @@ from opcache.debug import read_debug_config
 from opcache.ini import read_size_limits
 from opcache.key import digest
 from opcache.request import OpRequest
-from opcache.store import CorruptEntry, make_manifest, parse_manifest
+from opcache.storage.entry import CorruptEntry, make_manifest, parse_manifest
 from opcache.wrap import Plan, Uncacheable, _plan_opc
 
 FUZZ = settings(

@@ -48,7 +48,7 @@ from helpers_faults import (
 
 import opcache
 from opcache import fsutil, trust
-from opcache.store import MANIFEST
+from opcache.storage.entry import MANIFEST
 
 
 @pytest.fixture

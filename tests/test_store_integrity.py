@@ -27,7 +27,8 @@ from helpers_cache import (
 
 import opcache
 from opcache.key import canonical_json, digest
-from opcache.store import MANIFEST, CorruptEntry, LocalStore, make_manifest, parse_manifest
+from opcache.storage.entry import MANIFEST, CorruptEntry, make_manifest, parse_manifest
+from opcache.storage.local import LocalStore
 
 
 @pytest.fixture
@@ -155,7 +156,7 @@ def test_damaged_entry_is_detected_and_replaced(
     assert again.status == "hit"
     assert read_dir(tmp_path / "out2") == expected_files(request, compiler.size)
     assert compiler.calls() == 2
-    fresh = LocalStore(settings_for(tmp_path).root).read(SOC, key)
+    fresh = LocalStore(settings_for(tmp_path).root).get(SOC, key)
     assert fresh is not None
     assert fresh.files == expected_files(request, compiler.size)
     # Nothing outside the cache was followed into or removed.
@@ -221,7 +222,7 @@ def test_manifest_naming_a_path_is_refused(
 
     rewrite_manifest(entry, point_outside)
     with pytest.raises(CorruptEntry, match="bad artifact"):
-        LocalStore(settings_for(tmp_path).root).read(SOC, key)
+        LocalStore(settings_for(tmp_path).root).get(SOC, key)
     with opcache.OpCache(settings_for(tmp_path)) as cache:
         result = cache.compile(make_request(), compiler, tmp_path / "out")
         stats = cache.stats()
@@ -254,19 +255,10 @@ def test_parse_manifest_round_trip_and_refusals() -> None:
 def test_store_refuses_artifact_names_that_are_not_plain(tmp_path: Path, bad_name: str) -> None:
     store = LocalStore(tmp_path / "root")
     key = "ab" * 16
-    workdir = store.new_workdir(key).path
-    (workdir / "good.o").write_bytes(b"x")
+    files = {"good.o": b"x", bad_name: b"y"}
     with pytest.raises(ValueError, match="artifact"):
-        store.publish(
-            SOC,
-            key,
-            workdir,
-            {"good.o": b"x", bad_name: b"y"},
-            compile_seconds=0.1,
-            inputs={},
-            now=1.0,
-        )
-    assert store.read(SOC, key) is None
+        store.put(SOC, key, make_manifest(key, files, 0.1, {}, 1.0), files, now=1.0)
+    assert store.get(SOC, key) is None
     assert not (tmp_path / "root" / ".opcache" / "escape.o").exists()
 
 
@@ -301,7 +293,7 @@ def test_verify_removes_corrupt_entries_and_recounts(tmp_path: Path, compiler: T
 def test_verify_and_age_remove_leftovers_of_dead_writers(
     tmp_path: Path, compiler: ToyCompiler
 ) -> None:
-    from opcache import store as store_module
+    from opcache.storage import local as store_module
 
     settings = settings_for(tmp_path)
     with opcache.OpCache(settings) as cache:

@@ -27,7 +27,7 @@ from helpers_cache import (
 
 import opcache
 from opcache import fsutil, trash
-from opcache.store import LocalStore
+from opcache.storage.local import LocalStore
 
 
 @pytest.fixture

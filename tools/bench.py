@@ -37,7 +37,7 @@ from pathlib import Path
 import xxhash
 
 import opcache
-from opcache.store import LocalStore
+from opcache.storage.local import LocalStore
 
 SOC = "Ascend910B1"
 SIZES = {"4KB": 4 * 1024, "100KB": 100 * 1024, "2MB": 2 * 1024 * 1024}

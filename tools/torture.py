@@ -35,7 +35,8 @@ from pathlib import Path
 import opcache
 from opcache.compilers.cc import CcCompiler
 from opcache.key import digest
-from opcache.store import MANIFEST, LocalStore
+from opcache.storage.entry import MANIFEST
+from opcache.storage.local import LocalStore
 
 SOCS = ("Ascend910B1", "Ascend310P3")
 CC_SHARE = 0.25  # of the operators go through the real C compiler

@@ -17,7 +17,7 @@ TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s 
 if TYPE_CHECKING:
     import subprocess
 
-    from ..store import LocalStore
+    from ..storage.local import LocalStore
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 _STDERR_TAIL = 2000

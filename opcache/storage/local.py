@@ -17,7 +17,8 @@ An entry is built in ``tmp`` and renamed into place, so a reader sees nothing
 or a whole entry.  Deletion renames into ``trash`` first for the same reason,
 and the trash is deleted in the background (``trash.py``).
 Every read checks the manifest's own checksum and every artifact's size and
-XXH3 digest; nothing below the root is reached through a symbolic link.
+XXH3 digest (``entry.py``); nothing below the root is reached through a
+symbolic link.
 
 This module knows bytes and folders, not modes or aging: that is the cache's.
 """
@@ -28,7 +29,6 @@ import _thread
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import re
 import stat
@@ -36,21 +36,26 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import fsutil, locks, trash, trust
-from ._log import get_logger
-from ._record import Record
-from .counters import CounterFiles
-from .key import canonical_json, digest
-from .request import is_plain_name
+from .. import fsutil, locks, trash, trust
+from .._log import get_logger
+from .._record import Record
+from ..counters import CounterFiles
+from ..request import is_plain_name
+from .entry import (
+    MANIFEST,
+    MAX_MANIFEST,
+    CorruptEntry,
+    Entry,
+    check_artifact,
+    parse_manifest,
+)
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
-    from typing import Any
+    pass
 
 log = get_logger(__name__)
 
-FORMAT = 1
-MANIFEST = "MANIFEST"
 BOOKKEEPING = ".opcache"
 SIZE_FOLDER = "_size"
 _KEY = re.compile(r"[0-9a-f]{32}")
@@ -59,7 +64,6 @@ _BUCKET = re.compile(r"[0-9a-f]{2}")
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", os.uname().nodename) or "host"
 # O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_MAX_MANIFEST = 16 << 20
 # /proc/self/fd/N names the folder open as N wherever it has been renamed to.
 _PROC_FD = os.path.isdir("/proc/self/fd")
 # An unlocked build folder of another host (whose locks may not reach us) gets
@@ -76,25 +80,6 @@ _PUBLISH_ATTEMPTS = 8
 _WALKERS: dict[tuple[Path, str], int] = {}
 # A forked child holds no lock, whatever its parent's thread was doing.
 os.register_at_fork(after_in_child=_WALKERS.clear)
-
-
-class CorruptEntry(Exception):
-    """An entry exists but cannot be trusted; the message says why."""
-
-
-class Entry(Record):
-    """A verified entry: its artifacts' bytes and what the manifest recorded."""
-
-    __slots__ = _fields = ("key", "files", "compile_seconds", "stamp")
-    key: str
-    files: dict[str, bytes]
-    compile_seconds: float
-    stamp: float  # last recorded access, seconds since the epoch
-
-    def __init__(
-        self, key: str, files: dict[str, bytes], compile_seconds: float, stamp: float
-    ) -> None:
-        self._init(locals())
 
 
 class EntryInfo(Record):
@@ -190,7 +175,7 @@ class LocalStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or trust.problem(st, self.modes):
                 return None
-            return os.read(fd, _MAX_MANIFEST)
+            return os.read(fd, MAX_MANIFEST)
         finally:
             os.close(fd)
 
@@ -208,7 +193,7 @@ class LocalStore:
 
     # -- reading -------------------------------------------------------------
 
-    def read(self, soc: str, key: str) -> Entry | None:
+    def get(self, soc: str, key: str) -> Entry | None:
         """The verified entry, None if absent; CorruptEntry if it cannot be trusted.
 
         Raises UntrustedFolder when a folder or file on the way fails the trust
@@ -272,16 +257,14 @@ class LocalStore:
             os.close(chip_fd)
 
     def _read_entry(self, key: str, entry_fd: int) -> Entry:
-        raw, mtime = self._read_file(entry_fd, MANIFEST, _MAX_MANIFEST)
+        raw, mtime = self._read_file(entry_fd, MANIFEST, MAX_MANIFEST)
         manifest = parse_manifest(raw, key)
         files = {}
         for name, size, want in manifest["artifacts"]:
-            data, _ = self._read_file(entry_fd, name, size + 1)
-            if len(data) != size:
-                raise CorruptEntry(f"{name}: {len(data)} bytes, the manifest says {size}")
-            if digest(data) != want:
-                raise CorruptEntry(f"{name}: its digest does not match the manifest")
-            files[name] = data
+            # One byte more than the manifest says: a longer file is caught too.
+            files[name] = check_artifact(
+                name, size, want, self._read_file(entry_fd, name, size + 1)[0]
+            )
         return Entry(key, files, manifest["compile_seconds"], mtime)
 
     def _read_file(self, dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
@@ -377,7 +360,7 @@ class LocalStore:
 
     # -- writing -------------------------------------------------------------
 
-    def new_workdir(self, key: str) -> Workdir:
+    def _new_workdir(self, key: str) -> Workdir:
         """A fresh private folder on the cache's filesystem for building an entry.
 
         It stays locked while the returned Workdir is open, so that cleaning
@@ -387,42 +370,38 @@ class LocalStore:
         fsutil.fix_new_dir(workdir.path, self.modes)
         return workdir
 
-    def publish(
-        self,
-        soc: str,
-        key: str,
-        workdir: Path,
-        artifacts: dict[str, bytes],
-        *,
-        compile_seconds: float,
-        inputs: dict[str, Any],
-        now: float,
+    def put(
+        self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], *, now: float
     ) -> int | None:
-        """Turn ``workdir`` (holding exactly ``artifacts``) into the entry for ``key``.
+        """Store the entry of ``key``: its ``manifest`` (``entry.make_manifest``) and ``files``.
 
-        Returns the bytes stored, or None when another writer published the key
-        first (its entry stands; ours is dropped).  Raises OSError when the cache
-        cannot be written, UntrustedFolder when the chip folder fails the trust
-        rule, ValueError for an artifact name that is not a plain file name (or
-        is the manifest's).
+        The entry is built aside and appears whole.  Returns the bytes stored,
+        or None when another writer stored the key first (its entry stands;
+        ours is dropped).  ``now`` is the entry's first access stamp.  Raises
+        OSError when the cache cannot be written, UntrustedFolder when the chip
+        folder fails the trust rule, ValueError for an artifact name that is
+        not a plain file name (or is the manifest's).
         """
-        for name in artifacts:
+        for name in files:
             if not is_plain_name(name) or name == MANIFEST:
                 raise ValueError(f"artifact name {name!r} is not a plain file name")
-        manifest = make_manifest(key, artifacts, compile_seconds, inputs, now)
-        file_mode = self.modes.file_bits
-        for name in artifacts:
-            os.chmod(workdir / name, file_mode, follow_symlinks=False)
-        fd = os.open(
-            workdir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode
-        )
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(fd, file_mode)  # exact in a group-shared cache, whatever the umask
-            f.write(manifest)
-        os.utime(workdir / MANIFEST, (now, now))
-        size = len(manifest) + sum(map(len, artifacts.values()))
-        with self._counting(soc):
-            return self._publish_counted(soc, key, workdir, size)
+        workdir = self._new_workdir(key)
+        try:
+            file_mode = self.modes.file_bits
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            for name, data in (*files.items(), (MANIFEST, manifest)):
+                with os.fdopen(os.open(workdir.path / name, flags, file_mode), "wb") as f:
+                    os.fchmod(f.fileno(), file_mode)  # exact in a group-shared cache
+                    f.write(data)
+            os.utime(workdir.path / MANIFEST, (now, now))
+            size = len(manifest) + sum(map(len, files.values()))
+            with self._counting(soc):
+                return self._publish_counted(soc, key, workdir.path, size)
+        finally:
+            try:
+                workdir.close()
+            except OSError as e:
+                log.debug("cannot remove %s: %s", workdir.path, e)
 
     def _publish_counted(self, soc: str, key: str, workdir: Path, size: int) -> int | None:
         for _attempt in range(_PUBLISH_ATTEMPTS):
@@ -892,63 +871,3 @@ def _still_linked(path: Path, entry_fd: int) -> bool:
         return False
     was = os.fstat(entry_fd)
     return (now.st_ino, now.st_dev) == (was.st_ino, was.st_dev)
-
-
-def make_manifest(
-    key: str,
-    artifacts: dict[str, bytes],
-    compile_seconds: float,
-    inputs: dict[str, Any],
-    now: float,
-) -> bytes:
-    """The manifest of an entry: a checksum line, then canonical JSON."""
-    body = canonical_json(
-        {
-            "format": FORMAT,
-            "key": key,
-            "created": now,
-            "compile_seconds": compile_seconds,
-            "artifacts": [
-                {"name": name, "size": len(data), "xxh3": digest(data)}
-                for name, data in sorted(artifacts.items())
-            ],
-            "inputs": inputs,
-        }
-    )
-    return digest(body).encode() + b"\n" + body
-
-
-def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
-    """Check a manifest and return {'artifacts': [(name, size, digest)], 'compile_seconds'}.
-
-    Raises CorruptEntry for anything that is not a manifest of ``key`` that
-    this version of opcache wrote.
-    """
-    check, newline, body = raw.partition(b"\n")
-    if not newline or check.decode("ascii", "replace") != digest(body):
-        raise CorruptEntry("the manifest is damaged (checksum)")
-    try:
-        data = json.loads(body)
-    except ValueError:
-        raise CorruptEntry("the manifest is not JSON") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
-        raise CorruptEntry("the manifest is of another entry or format")
-    artifacts = data.get("artifacts")
-    seconds = data.get("compile_seconds")
-    if not isinstance(artifacts, list) or not isinstance(seconds, int | float):
-        raise CorruptEntry("the manifest lacks its artifacts")
-    out = []
-    for item in artifacts:
-        name = item.get("name") if isinstance(item, dict) else None
-        size = item.get("size") if isinstance(item, dict) else None
-        want = item.get("xxh3") if isinstance(item, dict) else None
-        if (
-            not is_plain_name(name)
-            or name == MANIFEST
-            or not isinstance(size, int)
-            or size < 0
-            or not isinstance(want, str)
-        ):
-            raise CorruptEntry(f"the manifest names a bad artifact: {str(item)[:80]}")
-        out.append((name, size, want))
-    return {"artifacts": out, "compile_seconds": float(seconds)}
