@@ -412,6 +412,8 @@ def _ago(when: int | None) -> str:
     if when is None:
         return "-"
     minutes = max(0, int(time.time() - when)) // 60
+    if minutes == 0:
+        return "under a minute ago"
     if minutes < 120:
         return f"{minutes} min ago"
     return f"{minutes // 60} h ago" if minutes < 48 * 60 else f"{minutes // 1440} days ago"
@@ -475,7 +477,7 @@ def _cann_verify_lines(report: dict, args: argparse.Namespace) -> list[str]:
             lines.append(f"{soc}: not verified: {c['error']}")
             continue
         lines.append(
-            f"{soc}: {c['entries']} entries, {c['checked']} binaries hashed, "
+            f"{soc}: {c['entries']} entries, {c['checked']} checked by sha256, "
             f"{len(c['faults'])} faults" + (f", {c['removed']} removed" if args.fix else "")
         )
         for fault in c["faults"]:
@@ -538,7 +540,11 @@ def _build_parser() -> argparse.ArgumentParser:
     demo = command("demo", _cmd_demo, "compile a dozen C kernels through the cache, twice")
     demo.add_argument("--keep", action="store_true", help="keep the demo's folder")
     cann = command("cann", _cmd_cann, "CANN's own kernel_cache: stats, age or verify it (cron)")
-    cann.add_argument("action", choices=("stats", "age", "verify"))
+    cann.add_argument(
+        "action",
+        choices=("stats", "age", "verify"),
+        help="stats: what is there; age: CANN's aging pass; verify: find (--fix: remove) faults",
+    )
     cann.add_argument("--json", action="store_true", help="one JSON object")
     cann.add_argument("--dry-run", action="store_true", help="age: report, remove nothing")
     cann.add_argument("--fix", action="store_true", help="verify: remove what it finds")
