@@ -36,11 +36,12 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from . import fsutil, ini, trust
 from ._log import get_logger
+from ._record import Record
 from .request import is_plain_name
 from .settings import AGE_SECONDS, INI_NAME, KERNEL_CACHE, MB, Settings, size_limits
 
@@ -88,26 +89,31 @@ def cann_root(settings: Settings) -> Path:
     return settings.root.parent / KERNEL_CACHE
 
 
-class Limits:
-    """The size limit and share kept that CANN's aging of a root applies."""
+class Limits(Record):
+    """The size limit and share kept that CANN's aging of a root applies; see ``read_limits``."""
 
-    def __init__(self, root: Path, environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
-        path = root / INI_NAME
-        self.ini_path = path
-        # CANN applies the ini's size keys only when the file also names the
-        # toolkit versions (it writes them itself); otherwise it ignores it whole.
-        applies = ini.cann_applies_sizes(path)
-        self.sources: dict[str, str] = {}
-        in_force, max_mb, ratio = size_limits([path] if applies else [], env, self.sources)
-        self.max_op_cache_size_mb = max_mb
-        self.remain_cache_size_ratio = ratio
-        self.ini_ignored = (
-            f"{path} is ignored, as CANN ignores it: no adk_version and ops_version in it"
-            if not applies and ini.read_size_limits(path) is not None
-            else None
-        )
-        self.from_ini = in_force is not None
+    __slots__ = _fields = (
+        "max_op_cache_size_mb",
+        "remain_cache_size_ratio",
+        "ini_path",
+        "ini_ignored",
+        "sources",
+    )
+    max_op_cache_size_mb: int
+    remain_cache_size_ratio: int
+    ini_path: Path
+    ini_ignored: str | None  # why the ini's size keys do not apply, when it has them
+    sources: dict[str, str]
+
+    def __init__(
+        self,
+        max_op_cache_size_mb: int,
+        remain_cache_size_ratio: int,
+        ini_path: Path,
+        ini_ignored: str | None,
+        sources: dict[str, str],
+    ) -> None:
+        self._init(locals())
 
     @property
     def max_bytes(self) -> int | None:
@@ -125,6 +131,23 @@ class Limits:
         }
 
 
+def read_limits(root: Path, environ: Mapping[str, str] | None = None) -> Limits:
+    """CANN's size settings for ``root``: ``root/op_cache.ini`` > environment > defaults.
+
+    CANN applies the ini's size keys only when the file also names the toolkit
+    versions (it writes them itself); otherwise it ignores the file whole.
+    """
+    path = root / INI_NAME
+    applies = ini.cann_applies_sizes(path)
+    sources: dict[str, str] = {}
+    env = os.environ if environ is None else environ
+    _, max_mb, ratio = size_limits([path] if applies else [], env, sources)
+    ignored = None
+    if not applies and ini.read_size_limits(path) is not None:
+        ignored = f"{path} is ignored, as CANN ignores it: no adk_version and ops_version in it"
+    return Limits(max_mb, ratio, path, ignored, sources)
+
+
 def open_cann_cache(
     settings: Settings,
     environ: Mapping[str, str] | None = None,
@@ -133,7 +156,7 @@ def open_cann_cache(
     """The CANN cache ``settings`` locate, with CANN's size settings for it."""
     root = cann_root(settings)
     return CannCache(
-        root, Limits(root, environ), modes=fsutil.modes_for(settings.shared_group), clock=clock
+        root, read_limits(root, environ), modes=fsutil.modes_for(settings.shared_group), clock=clock
     )
 
 
@@ -733,8 +756,8 @@ def _unchanged(fd: int, name: str, seen: os.stat_result) -> bool:
     return (st.st_ino, st.st_size, st.st_mtime_ns) == (seen.st_ino, seen.st_size, seen.st_mtime_ns)
 
 
-def _bytes(files: Mapping[str, os.stat_result], names: object) -> int:
-    return sum(files[n].st_size for n in names if n in files)  # type: ignore[attr-defined]
+def _bytes(files: Mapping[str, os.stat_result], names: Iterable[str]) -> int:
+    return sum(files[n].st_size for n in names if n in files)
 
 
 def _remove(fd: int, names: list[str], errors: list[str]) -> int:

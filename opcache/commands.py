@@ -1,5 +1,5 @@
-"""The maintenance and batch commands: config, stats, age, clear, verify, compilers,
-compile and demo, parsed with argparse.
+"""The maintenance and batch commands: config, stats, age, clear, verify, cann,
+compilers, compile and demo, parsed with argparse.
 
 ``opcache wrap`` is parsed in ``cli`` by hand: it runs once per compile command,
 and argparse would cost it milliseconds it does not need.
