@@ -429,7 +429,11 @@ def _why_kept(
     for name in found["files"]:
         if not _unchanged(fd, name, files[name]):
             return f"{name} changed since it was checked"
-    if found["kind"] == "orphan" and _exists(fd, _kernel_of(found["name"]) + ".json"):
+    if found["kind"] == "orphan":
+        try:
+            os.stat(_kernel_of(found["name"]) + ".json", dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
         return "its entry appeared since it was checked"
     return None
 
@@ -452,46 +456,35 @@ class _Scan:
         return sum(st.st_size for st in self.files.values()) + self.sub_bytes
 
 
-def _scan(fd: int) -> _Scan:
-    scan = _Scan()
+def _scan(fd: int, scan: _Scan | None = None) -> _Scan:
+    """The folder's regular files by name; below it (``scan`` given) only counted."""
+    top = scan is None
+    scan = _Scan() if scan is None else scan
     with os.scandir(fd) as it:
         for entry in it:
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) and top:
                 scan.files[entry.name] = st
+            elif stat.S_ISREG(st.st_mode):
+                scan.sub_files += 1
+                scan.sub_bytes += st.st_size
             elif stat.S_ISDIR(st.st_mode):
-                _scan_subfolder(fd, entry.name, scan)
+                # CANN never makes subfolders but counts (and ages) any it finds;
+                # opcache counts them and leaves them alone.
+                try:
+                    sub = os.open(entry.name, fsutil.DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    continue
+                try:
+                    _scan(sub, scan)
+                finally:
+                    os.close(sub)
             else:
                 scan.links += 1
     return scan
-
-
-def _scan_subfolder(parent: int, name: str, scan: _Scan) -> None:
-    # CANN never makes subfolders but counts (and ages) any it finds; opcache
-    # counts them and leaves them alone (what else would be in them?).
-    try:
-        fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=parent)
-    except OSError:
-        return
-    try:
-        with os.scandir(fd) as it:
-            for entry in it:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    scan.sub_files += 1
-                    scan.sub_bytes += st.st_size
-                elif stat.S_ISDIR(st.st_mode):
-                    _scan_subfolder(fd, entry.name, scan)
-                else:
-                    scan.links += 1
-    finally:
-        os.close(fd)
 
 
 def _is_entry_json(name: str) -> bool:
@@ -740,14 +733,6 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _exists(fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _unchanged(fd: int, name: str, seen: os.stat_result) -> bool:
     try:
         st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -798,14 +783,7 @@ def _kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
         yield False  # a link or something unreadable where the lock should be
         return
     try:
-        try:
-            fcntl.lockf(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            yield False
-            return
-        yield True
+        yield _try_lock(lock_fd, fcntl.LOCK_SH)
     finally:
         os.close(lock_fd)  # releases the lock
 
@@ -818,7 +796,6 @@ def _del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
     non-blocking whole-file write lock; a process that cannot skips its pass.
     A dry run only tests it, creating nothing.
     """
-    held = f"another process holds {DEL_LOCK}: it is aging this folder"
     try:
         if dry_run:
             lock_fd = os.open(DEL_LOCK, _READ_FLAGS, dir_fd=fd)
@@ -835,16 +812,24 @@ def _del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
         if not dry_run:
             with contextlib.suppress(OSError):  # someone else's file: CANN goes on too
                 os.fchmod(lock_fd, _LOCK_MODE)
-        try:
-            fcntl.lockf(lock_fd, (fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            yield held
-            return
-        yield None
+        free = _try_lock(lock_fd, fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX)
+        yield None if free else f"another process holds {DEL_LOCK}: it is aging this folder"
     finally:
         os.close(lock_fd)
+
+
+def _try_lock(lock_fd: int, how: int) -> bool:
+    """CANN's non-blocking whole-file fcntl lock (F_SETLK); False while another process holds one.
+
+    ``fcntl.lockf`` is ``fcntl(F_SETLK)``, the same lock CANN takes, not ``flock``.
+    """
+    try:
+        fcntl.lockf(lock_fd, how | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True
 
 
 def _open_dir(parent: int, name: str, modes: fsutil.Modes, what: str) -> int:

@@ -13,8 +13,9 @@ and on stderr, and appends one JSON line per invocation (its arguments) to
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from fake_opc import write_tool
 
 _SCRIPT = r"""
 import datetime
@@ -84,8 +85,4 @@ sys.stderr.write(f"op_compiler: warning: {flags['soc_version']} is a stand-in\n"
 
 def write_op_compiler(folder: Path) -> Path:
     """Write the stand-in ``op_compiler`` into ``folder`` (made if needed); returns its path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "op_compiler"
-    path.write_text(f"#!{sys.executable}\n{_SCRIPT}")
-    path.chmod(0o755)
-    return path
+    return write_tool(folder, "op_compiler", _SCRIPT)

@@ -40,7 +40,7 @@ HOUR = 3600
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """HOME in the test's folder and no CANN variables; returns the cache base folder."""
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("ASCEND_CACHE_PATH", "ASCEND_MAX_OP_CACHE_SIZE", "ASCEND_REMAIN_CACHE_SIZE_RATIO"):
@@ -129,14 +129,14 @@ def files_of(f: Folder, *labels: str) -> set[str]:
 # -- aging ------------------------------------------------------------------------------
 
 
-def test_age_removes_exactly_what_cann_removes_and_nothing_young_or_locked(env, capsys):
-    f = aging_folder(env)
+def test_age_removes_exactly_what_cann_removes_and_nothing_young_or_locked(base, capsys):
+    f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)  # keep 512 KiB: far less than the old entries
     before = f.names()
     used = sum(p.stat().st_size for p in f.chip.iterdir())
     lock = f.chip / f"{kernel_name('Add', 'locked')}.lock"
     with held_by_other_process(lock):
-        status, report = cann_json(capsys, env, "age")
+        status, report = cann_json(capsys, base, "age")
     assert status == 0
     chip = report["chips"][SOC]
     gone = files_of(f, "old1", "mix", "old2", "old3", "badsha")
@@ -156,45 +156,45 @@ def test_age_removes_exactly_what_cann_removes_and_nothing_young_or_locked(env, 
     assert any(n.endswith(".temp") for n in f.names())
 
 
-def test_age_stops_once_enough_is_freed(env, capsys):
-    f = aging_folder(env)
+def test_age_stops_once_enough_is_freed(base, capsys):
+    f = aging_folder(base)
     write_ini(f.root, max_mb=2, ratio=80)  # to free: used - 1.6 MiB, about 2.6 entries
     before = f.names()
-    status, out, err = cann(capsys, env, "age")
+    status, out, err = cann(capsys, base, "age")
     assert (status, err) == (0, "")
     assert f.names() == before - files_of(f, "old1", "mix", "old2") | {cann_cache.DEL_LOCK}
     assert out.startswith(f"{SOC}: removed 3 entries, ")
 
 
-def test_age_under_the_limit_or_with_aging_off_removes_nothing_and_says_nothing(env, capsys):
-    f = aging_folder(env)
+def test_age_under_the_limit_or_with_aging_off_removes_nothing_and_says_nothing(base, capsys):
+    f = aging_folder(base)
     before = f.names()
-    assert cann(capsys, env, "age") == (0, "", "")  # 2.4 MB under the default 500 MB
+    assert cann(capsys, base, "age") == (0, "", "")  # 2.4 MB under the default 500 MB
     write_ini(f.root, max_mb=-1, ratio=50)
-    status, report = cann_json(capsys, env, "age")
+    status, report = cann_json(capsys, base, "age")
     assert status == 0
     assert report["chips"][SOC]["skipped"] == "aging is off (max_op_cache_size -1)"
     assert f.names() == before
 
 
-def test_age_skips_while_another_process_holds_cann_s_aging_lock(env, capsys):
-    f = aging_folder(env)
+def test_age_skips_while_another_process_holds_cann_s_aging_lock(base, capsys):
+    f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)
     with held_by_other_process(f.chip / cann_cache.DEL_LOCK):
         before = f.names()
-        status, report = cann_json(capsys, env, "age")
+        status, report = cann_json(capsys, base, "age")
         assert status == 0
         assert "another process holds op_cache_file_del.lock" in report["chips"][SOC]["skipped"]
         assert f.names() == before
-        status, report = cann_json(capsys, env, "age", "--dry-run")
+        status, report = cann_json(capsys, base, "age", "--dry-run")
         assert report["chips"][SOC]["skipped"] and f.names() == before
-    assert cann_json(capsys, env, "age")[1]["chips"][SOC]["removed"]  # free again: it ages
+    assert cann_json(capsys, base, "age")[1]["chips"][SOC]["removed"]  # free again: it ages
 
 
-def test_age_takes_the_aging_lock_as_cann_does(env, capsys):
-    f = aging_folder(env)
+def test_age_takes_the_aging_lock_as_cann_does(base, capsys):
+    f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)
-    cann(capsys, env, "age")
+    cann(capsys, base, "age")
     lock = f.chip / cann_cache.DEL_LOCK
     assert lock.stat().st_mode & 0o777 == 0o640 and lock.stat().st_size == 0
     # A CANN process aging at the same time holds an fcntl lock on the same file:
@@ -211,13 +211,13 @@ def test_age_takes_the_aging_lock_as_cann_does(env, capsys):
     try:
         f.entry("later", 3)
         f.entry("later2", 3)  # over the limit again
-        assert cann_json(capsys, env, "age")[1]["chips"][SOC]["skipped"]
+        assert cann_json(capsys, base, "age")[1]["chips"][SOC]["skipped"]
     finally:
         holder.communicate("")
 
 
-def test_age_keeps_an_entry_accessed_after_it_was_collected(env):
-    f = aging_folder(env)
+def test_age_keeps_an_entry_accessed_after_it_was_collected(base):
+    f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)
     old1 = f.entries["old1"][0]
     calls = []
@@ -228,38 +228,38 @@ def test_age_keeps_an_entry_accessed_after_it_was_collected(env):
         calls.append(1)
         return time.time()
 
-    report = open_cache(env, clock=clock).age()["chips"][SOC]
+    report = open_cache(base, clock=clock).age()["chips"][SOC]
     assert report["kept_accessed"] == [kernel_name("Add", "old1")]
     assert old1.exists() and kernel_name("Add", "old1") not in report["removed"]
     assert kernel_name("Add", "old2") in report["removed"]
 
 
-def test_age_dry_run_removes_nothing_and_reports_what_it_would(env, capsys):
-    f = aging_folder(env)
+def test_age_dry_run_removes_nothing_and_reports_what_it_would(base, capsys):
+    f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)
     before = f.names()
-    status, out, err = cann(capsys, env, "age", "--dry-run")
+    status, out, err = cann(capsys, base, "age", "--dry-run")
     assert (status, err) == (0, "") and f.names() == before
     assert out.startswith(f"{SOC}: would remove 6 entries, ")  # "locked" is free here
-    assert cann_json(capsys, env, "age", "--dry-run")[1]["chips"][SOC]["dry_run"] is True
+    assert cann_json(capsys, base, "age", "--dry-run")[1]["chips"][SOC]["dry_run"] is True
 
 
 # -- reading without disturbing -------------------------------------------------------------
 
 
-def test_stats_verify_and_age_never_move_an_access_time(env, capsys):
+def test_stats_verify_and_age_never_move_an_access_time(base, capsys):
     """On this relatime mount a plain read of these files moves their atime (atime < ctime)."""
-    f = aging_folder(env)
+    f = aging_folder(base)
     write_ini(f.root, max_mb=3, ratio=99)  # over the limit, but every entry stays
     before = f.atimes()
-    cann(capsys, env, "stats")
-    cann(capsys, env, "verify")
-    cann(capsys, env, "age", "--dry-run")
+    cann(capsys, base, "stats")
+    cann(capsys, base, "verify")
+    cann(capsys, base, "age", "--dry-run")
     assert f.atimes() == before
 
 
-def test_links_are_never_followed_counted_or_deleted(env, tmp_path, capsys):
-    f = Folder(env)
+def test_links_are_never_followed_counted_or_deleted(base, tmp_path, capsys):
+    f = Folder(base)
     f.entry("old", 5)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -272,18 +272,18 @@ def test_links_are_never_followed_counted_or_deleted(env, tmp_path, capsys):
     (f.chip / "te_add_big.o").symlink_to(big)
     (f.root / "Ascend310P3").symlink_to(outside)  # a linked chip folder
     write_ini(f.root, max_mb=1, ratio=1)
-    report = cann_json(capsys, env, "stats")[1]
+    report = cann_json(capsys, base, "stats")[1]
     chip = report["chips"][SOC]
     assert chip["links"] == 3 and chip["used_bytes"] < 2 * ENTRY
     assert "Ascend310P3" not in report["chips"]
-    cann(capsys, env, "age")
-    cann(capsys, env, "verify", "--fix")
+    cann(capsys, base, "age")
+    cann(capsys, base, "verify", "--fix")
     assert big.exists() and all(p.exists() for p in planted)
     assert all(p.is_symlink() for p in (f.chip / "te_add_planted.json", f.chip / "te_add_big.o"))
 
 
-def test_subfolders_are_counted_as_cann_counts_them_but_left_alone(env, capsys):
-    f = Folder(env)
+def test_subfolders_are_counted_as_cann_counts_them_but_left_alone(base, capsys):
+    f = Folder(base)
     f.entry("old", 5)
     sub = f.chip / "stray" / "deeper"
     sub.mkdir(parents=True)
@@ -291,21 +291,21 @@ def test_subfolders_are_counted_as_cann_counts_them_but_left_alone(env, capsys):
     (sub / "data.bin").write_bytes(b"z" * 3 * ENTRY)
     set_times([sub / "te_x.json"], f.now - 9 * HOUR)
     write_ini(f.root, max_mb=1, ratio=1)
-    chip = cann_json(capsys, env, "stats")[1]["chips"][SOC]
+    chip = cann_json(capsys, base, "stats")[1]["chips"][SOC]
     assert (chip["subfolder_files"], chip["subfolder_bytes"]) == (2, 3 * ENTRY + 2)
     assert chip["used_bytes"] > 1024 * KIB  # over the limit only with the subfolder counted
-    assert cann_json(capsys, env, "age")[1]["chips"][SOC]["removed"] == [kernel_name("Add", "old")]
+    assert cann_json(capsys, base, "age")[1]["chips"][SOC]["removed"] == [kernel_name("Add", "old")]
     assert (sub / "te_x.json").exists() and (sub / "data.bin").exists()
 
 
 # -- stats ------------------------------------------------------------------------------------
 
 
-def test_stats_counts_every_kind_of_file_as_cann_counts_them(env, capsys):
-    f = aging_folder(env)
+def test_stats_counts_every_kind_of_file_as_cann_counts_them(base, capsys):
+    f = aging_folder(base)
     (f.chip / f"{kernel_name('Add', 'gone')}.o").write_bytes(b"o" * 100)  # an orphan
     (f.chip / "notes.txt").write_text("hello")
-    status, report = cann_json(capsys, env, "stats")
+    status, report = cann_json(capsys, base, "stats")
     assert status == 0
     chip = report["chips"][SOC]
     every_file = list(f.chip.iterdir())
@@ -320,25 +320,25 @@ def test_stats_counts_every_kind_of_file_as_cann_counts_them(env, capsys):
     assert chip["newest_access"] == int(f.now)
     assert chip["limit_bytes"] == 500 * 1024 * KIB and chip["over_limit"] is False
     assert report["total"]["entries"] == 8
-    status, out, _ = cann(capsys, env, "stats")
+    status, out, _ = cann(capsys, base, "stats")
     assert f"{SOC}: 8 entries" in out and "orphans 2" in out and "note: access times" in out
 
 
-def test_limits_follow_cann_s_ini_rules(env, capsys, monkeypatch):
-    f = Folder(env)
+def test_limits_follow_cann_s_ini_rules(base, capsys, monkeypatch):
+    f = Folder(base)
     f.entry("one", 1)
-    limits = cann_json(capsys, env, "stats")[1]["limits"]
+    limits = cann_json(capsys, base, "stats")[1]["limits"]
     assert (limits["max_op_cache_size_mb"], limits["remain_cache_size_ratio"]) == (500, 50)
     monkeypatch.setenv("ASCEND_MAX_OP_CACHE_SIZE", "7")
-    assert cann_json(capsys, env, "stats")[1]["limits"]["max_op_cache_size_mb"] == 7
+    assert cann_json(capsys, base, "stats")[1]["limits"]["max_op_cache_size_mb"] == 7
     # A hand-made ini with only the size keys: CANN ignores it, and so does this.
     (f.root / "op_cache.ini").write_text(
         "[op_compiler_cache]\nmax_op_cache_size=3\nremain_cache_size_ratio=20\n"
     )
-    limits = cann_json(capsys, env, "stats")[1]["limits"]
+    limits = cann_json(capsys, base, "stats")[1]["limits"]
     assert limits["max_op_cache_size_mb"] == 7 and "ignored" in limits["ini_ignored"]
     write_ini(f.root, max_mb=3, ratio=20)  # as CANN writes it, plus the size keys
-    limits = cann_json(capsys, env, "stats")[1]["limits"]
+    limits = cann_json(capsys, base, "stats")[1]["limits"]
     assert (limits["max_op_cache_size_mb"], limits["remain_cache_size_ratio"]) == (3, 20)
     assert limits["sources"]["max_op_cache_size_mb"] == "op_cache.ini"
     assert limits["ini_ignored"] is None
@@ -403,11 +403,11 @@ def found_faults(chip: dict) -> set[tuple[str, str]]:
     return out
 
 
-def test_verify_finds_every_fault_and_fix_removes_them_but_not_a_locked_one(env, capsys):
-    f = faulty_folder(env)
+def test_verify_finds_every_fault_and_fix_removes_them_but_not_a_locked_one(base, capsys):
+    f = faulty_folder(base)
     lock = f.chip / f"{kernel_name('Add', 'lockedbad')}.lock"
     before = f.names()
-    status, report = cann_json(capsys, env, "verify")
+    status, report = cann_json(capsys, base, "verify")
     assert status == 1  # faults found and left: a cron job notices
     chip = report["chips"][SOC]
     assert found_faults(chip) == EXPECTED_FAULTS
@@ -421,7 +421,7 @@ def test_verify_finds_every_fault_and_fix_removes_them_but_not_a_locked_one(env,
     assert why[("old prebuild", "lonely")].endswith("unused for 120 minutes")
 
     with held_by_other_process(lock):
-        status, report = cann_json(capsys, env, "verify", "--fix")
+        status, report = cann_json(capsys, base, "verify", "--fix")
     assert status == 1  # the locked entry is still there
     chip = report["chips"][SOC]
     kept = [x for x in chip["faults"] if not x["removed"]]
@@ -438,14 +438,14 @@ def test_verify_finds_every_fault_and_fix_removes_them_but_not_a_locked_one(env,
     assert f"{kernel_name('Add', 'good')}_pre.json" in left
     assert f"{kernel_name('Add', 'lonely')}_pre.json" not in left
 
-    status, out, err = cann(capsys, env, "verify", "--fix")
+    status, out, err = cann(capsys, base, "verify", "--fix")
     assert (status, err) == (0, "")
     assert f"{SOC}: " in out and "1 faults, 1 removed" in out
-    assert cann(capsys, env, "verify")[0] == 0  # clean now
+    assert cann(capsys, base, "verify")[0] == 0  # clean now
 
 
-def test_verify_never_removes_an_orphan_whose_writer_holds_the_lock(env, capsys):
-    f = Folder(env)
+def test_verify_never_removes_an_orphan_whose_writer_holds_the_lock(base, capsys):
+    f = Folder(base)
     kernel = kernel_name("Add", "writing")
     binary = f.chip / f"{kernel}.o"
     f.chip.mkdir(parents=True)
@@ -453,22 +453,22 @@ def test_verify_never_removes_an_orphan_whose_writer_holds_the_lock(env, capsys)
     set_times([binary], f.now - HOUR)  # a slow writer: its binary is there, its json not yet
     (f.chip / f"{kernel}.lock").touch()
     with held_by_other_process(f.chip / f"{kernel}.lock"):
-        status, report = cann_json(capsys, env, "verify", "--fix")
+        status, report = cann_json(capsys, base, "verify", "--fix")
     assert status == 1 and binary.exists()
     assert report["chips"][SOC]["faults"][0]["kept"] == f"{kernel}.lock is held by a writer"
 
 
-def test_verify_checks_the_sha256_of_every_binary(env, capsys):
-    f = Folder(env)
+def test_verify_checks_the_sha256_of_every_binary(base, capsys):
+    f = Folder(base)
     f.entry("a", 1)
     f.mix("m", 1)
-    status, report = cann_json(capsys, env, "verify")
+    status, report = cann_json(capsys, base, "verify")
     assert (status, report["chips"][SOC]["checked"], report["chips"][SOC]["faults"]) == (0, 2, [])
     aic = f.chip / f"{kernel_name('MatMul', 'm')}_mix_aic.o"
     aic.write_bytes(b"flipped" + aic.read_bytes()[7:])
     binary = f.entries["a"][1]
     binary.write_bytes(binary.read_bytes()[:-1] + b"!")
-    faults = cann_json(capsys, env, "verify")[1]["chips"][SOC]["faults"]
+    faults = cann_json(capsys, base, "verify")[1]["chips"][SOC]["faults"]
     assert sorted(x["name"] for x in faults) == [
         kernel_name("Add", "a"),
         kernel_name("MatMul", "m"),
@@ -479,15 +479,15 @@ def test_verify_checks_the_sha256_of_every_binary(env, capsys):
 
 
 def test_ascend_cache_path_is_used_as_cann_uses_it_without_a_host_suffix(
-    env, tmp_path, capsys, monkeypatch
+    base, tmp_path, capsys, monkeypatch
 ):
-    base = tmp_path / "shared"
-    Folder(base).entry("one", 1)
-    monkeypatch.setenv("ASCEND_CACHE_PATH", str(base))
+    shared = tmp_path / "shared"  # (not the test's usual base: found through the variable)
+    Folder(shared).entry("one", 1)
+    monkeypatch.setenv("ASCEND_CACHE_PATH", str(shared))
     status, out, err = run(capsys, "cann", "stats", "--json")
     assert status == 0, err
     report = json.loads(out)
-    assert report["root"] == str(base / "kernel_cache") and report["total"]["entries"] == 1
+    assert report["root"] == str(shared / "kernel_cache") and report["total"]["entries"] == 1
     monkeypatch.delenv("ASCEND_CACHE_PATH")
     Folder(tmp_path / "atc_data").entry("two", 1)
     assert json.loads(run(capsys, "cann", "stats", "--json")[1])["root"] == str(
@@ -495,15 +495,15 @@ def test_ascend_cache_path_is_used_as_cann_uses_it_without_a_host_suffix(
     )
 
 
-def test_a_folder_without_a_cann_cache_says_so_and_exits_1(env, capsys):
-    status, out, err = cann(capsys, env, "age")
+def test_a_folder_without_a_cann_cache_says_so_and_exits_1(base, capsys):
+    status, out, err = cann(capsys, base, "age")
     assert (status, out) == (1, "")
-    assert err == f"opcache: no CANN kernel cache at {env / 'kernel_cache'}: no such folder\n"
-    (env / "kernel_cache").mkdir(parents=True)
-    status, _, err = cann(capsys, env, "stats")
+    assert err == f"opcache: no CANN kernel cache at {base / 'kernel_cache'}: no such folder\n"
+    (base / "kernel_cache").mkdir(parents=True)
+    status, _, err = cann(capsys, base, "stats")
     assert status == 1 and err.count("\n") == 1 and "holds no chip folder" in err
-    Folder(env).entry("one", 1)
-    status, _, err = cann(capsys, env, "verify", "--soc_version", "Ascend310P3")
+    Folder(base).entry("one", 1)
+    status, _, err = cann(capsys, base, "verify", "--soc_version", "Ascend310P3")
     assert status == 1 and "no CANN kernel cache for Ascend310P3" in err
 
 
@@ -518,22 +518,22 @@ def test_a_folder_without_a_cann_cache_says_so_and_exits_1(env, capsys):
         ["cann", "age", "--op_compiler_cache_dir", "/tmp/with space"],
     ],
 )
-def test_user_errors_are_one_line_and_exit_2(env, capsys, argv):
+def test_user_errors_are_one_line_and_exit_2(base, capsys, argv):
     status, out, err = run(capsys, *argv)
     assert status == 2 and out == ""
     assert err.startswith("opcache: error: ") and err.count("\n") == 1, err
 
 
-def test_folders_others_can_write_are_refused(env, capsys):
-    f = aging_folder(env)
+def test_folders_others_can_write_are_refused(base, capsys):
+    f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)
     before = f.names()
     f.chip.chmod(0o777)
-    status, report = cann_json(capsys, env, "age")
+    status, report = cann_json(capsys, base, "age")
     assert status == 1 and "writable by others" in report["chips"][SOC]["error"]
     assert f.names() == before
     f.chip.chmod(0o750)
     f.root.chmod(0o777)
-    status, out, err = cann(capsys, env, "verify", "--fix")
+    status, out, err = cann(capsys, base, "verify", "--fix")
     assert status == 1 and out == "" and "writable by others" in err
     assert err.startswith("opcache: error: ") and f.names() == before

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from fake_op_compiler import write_op_compiler
 from fake_opc import base_env
+from test_wrap import opcache
 
 SOC = "Ascend910B1"
 MATMUL = {
@@ -41,16 +42,6 @@ MATMUL = {
     "outputs": [{"dtype": "float", "format": "ND", "index": 0, "name": "y", "shape": [1, 16]}],
     "tune_mode": "all",
 }
-
-
-def opcache(*args: str, env: dict, cwd: Path, status: int | None = 0):
-    done = subprocess.run(
-        [sys.executable, "-m", "opcache", *args], env=env, cwd=cwd, capture_output=True
-    )
-    assert b"Traceback" not in done.stderr, done.stderr.decode()
-    if status is not None:
-        assert done.returncode == status, done.stderr.decode()
-    return done
 
 
 class Job:
