@@ -428,16 +428,17 @@ def _cann_stats_lines(report: dict, args: argparse.Namespace) -> list[str]:
         limit = c["limit_bytes"]
         share = f" ({100 * c['used_bytes'] / limit:.0f}% of the limit)" if limit else ""
         lines += [
-            f"{soc}: {c['entries']} entries ({_size(c['entry_bytes'])}, {c['broken_entries']} "
-            f"unusable), {_size(c['used_bytes'])} used{share}",
+            f"{soc}: {_count(c['entries'], 'entry', 'entries')} ({_size(c['entry_bytes'])}, "
+            f"{c['broken_entries']} unusable), {_size(c['used_bytes'])} used{share}",
             f"  last access: oldest {_ago(c['oldest_access'])}, newest "
-            f"{_ago(c['newest_access'])}; {c['idle_entries']} entries idle 30 min or more",
-            f"  headers {c['headers']} ({_size(c['header_bytes'])}), prebuild results "
-            f"{c['prebuild']} ({_size(c['prebuild_bytes'])}), lock files {c['locks']}, temp "
-            f"leftovers {c['temps']} ({_size(c['temp_bytes'])}), orphans {c['orphans']} "
-            f"({_size(c['orphan_bytes'])}), other files {c['other']} ({_size(c['other_bytes'])})"
+            f"{_ago(c['newest_access'])}; idle 30 min or more: {c['idle_entries']}",
+            f"  headers: {c['headers']} ({_size(c['header_bytes'])}), prebuild results: "
+            f"{c['prebuild']} ({_size(c['prebuild_bytes'])}), lock files: {c['locks']}, temp "
+            f"leftovers: {c['temps']} ({_size(c['temp_bytes'])}), orphans: {c['orphans']} "
+            f"({_size(c['orphan_bytes'])}), other files: {c['other']} "
+            f"({_size(c['other_bytes'])})"
             + (
-                f", in subfolders {c['subfolder_files']} ({_size(c['subfolder_bytes'])})"
+                f", in subfolders: {c['subfolder_files']} ({_size(c['subfolder_bytes'])})"
                 if c["subfolder_files"]
                 else ""
             ),
@@ -456,13 +457,14 @@ def _cann_age_lines(report: dict, args: argparse.Namespace) -> list[str]:
         kept = c["kept_locked"]
         if c["removed"] or kept or c["errors"] or args.verbose or args.dry_run:
             line = (
-                f"{soc}: {verb} {len(c['removed'])} entries, {_size(c['removed_bytes'])} "
+                f"{soc}: {verb} {_count(len(c['removed']), 'entry', 'entries')}, "
+                f"{_size(c['removed_bytes'])} "
                 f"({_size(c['used_bytes'])} -> {_size(c['used_after'])})"
             )
             if c["skipped"]:
                 line += f"; skipped: {c['skipped']}"
             if kept:
-                line += f"; kept {len(kept)} whose <kernel>.lock a writer holds"
+                line += f"; kept {_count(len(kept), 'entry', 'entries')} a writer holds"
             lines.append(line)
         lines += [f"{soc}: {error}" for error in c["errors"]]
     if args.verbose:
@@ -477,8 +479,9 @@ def _cann_verify_lines(report: dict, args: argparse.Namespace) -> list[str]:
             lines.append(f"{soc}: not verified: {c['error']}")
             continue
         lines.append(
-            f"{soc}: {c['entries']} entries, {c['checked']} checked by sha256, "
-            f"{len(c['faults'])} faults" + (f", {c['removed']} removed" if args.fix else "")
+            f"{soc}: {_count(c['entries'], 'entry', 'entries')}, {c['checked']} checked by "
+            f"sha256, {_count(len(c['faults']), 'fault')}"
+            + (f", {c['removed']} removed" if args.fix else "")
         )
         for fault in c["faults"]:
             state = ""

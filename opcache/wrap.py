@@ -382,7 +382,7 @@ def _op_compiler_flags(args: Sequence[str]) -> dict[str, tuple[str | None, list[
 
 
 def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Settings) -> Plan:
-    from .compilers.cann import find_toolkit, tune_bank_digest, version_files
+    from .compilers.cann import find_toolkit, interpreter_identity, tune_bank_digest, version_files
 
     given = _op_compiler_flags(argv[1:])
     flags = {name: value for name, (value, _) in given.items()}
@@ -416,6 +416,7 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
         notes = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
     fingerprint = {
         "op_compiler": file_identity(tool, notes),
+        "python": interpreter_identity(tool, env),
         "versions": version_files(home, env),
         "tune_bank": tune_bank_digest(env),
     }

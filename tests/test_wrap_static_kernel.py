@@ -161,6 +161,10 @@ def test_a_toolkit_upgrade_misses(toolkit, tmp_path):
     (Path(toolkit["ASCEND_HOME_PATH"]) / "version.info").write_text("Version=9.0.0\n")
     wrap(toolkit, job(tmp_path, 2).argv(), tmp_path)
     assert compiles(toolkit) == 2
+    tool = Path(toolkit["ASCEND_HOME_PATH"]) / "bin" / "op_compiler"
+    tool.write_text(tool.read_text() + "# a patched op_compiler\n")
+    wrap(toolkit, job(tmp_path, 3).argv(), tmp_path)
+    assert compiles(toolkit) == 3
 
 
 @pytest.mark.parametrize(
