@@ -1,5 +1,5 @@
-"""The maintenance and batch commands: config, stats, age, clear, verify, compilers,
-compile and demo, parsed with argparse.
+"""The maintenance and batch commands: config, stats, age, clear, verify, cann,
+compilers, compile and demo, parsed with argparse.
 
 ``opcache wrap`` is parsed in ``cli`` by hand: it runs once per compile command,
 and argparse would cost it milliseconds it does not need.
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -362,6 +363,137 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run(keep=args.keep, cache_options=options)
 
 
+def _cmd_cann(args: argparse.Namespace) -> int:
+    """``opcache cann stats|age|verify``: CANN's own kernel_cache (``cann_cache.py``)."""
+    from . import cann_cache
+
+    if args.fix and args.action != "verify":
+        raise UsageError("--fix goes with 'opcache cann verify'")
+    if args.dry_run and args.action != "age":
+        raise UsageError("--dry-run goes with 'opcache cann age'")
+    cache = cann_cache.open_cann_cache(_settings(args))
+    try:
+        if args.action == "stats":
+            report = cache.stats(args.soc_version)
+        elif args.action == "age":
+            report = cache.age(args.soc_version, dry_run=args.dry_run)
+        else:
+            report = cache.verify(args.soc_version, fix=args.fix)
+    except cann_cache.NoCannCache as e:
+        print(f"opcache: {e}", file=sys.stderr)  # a cron job with a wrong path must notice
+        return 1
+    chips = report["chips"]
+    failed = any("error" in c or c.get("errors") for c in chips.values())
+    if args.action == "verify":
+        failed = failed or any(not f.get("removed") for c in chips.values() for f in c["faults"])
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        lines = {"stats": _cann_stats_lines, "age": _cann_age_lines, "verify": _cann_verify_lines}
+        for line in lines[args.action](report, args):
+            print(line)
+    return 1 if failed else 0
+
+
+def _cann_limit_line(report: dict) -> str:
+    limits = report["limits"]
+    source = limits["sources"]["max_op_cache_size_mb"]
+    if limits["max_bytes"] is None:
+        text = f"aging off (max_op_cache_size -1, from {source})"
+    else:
+        text = (
+            f"limit {_size(limits['max_bytes'])} per chip, {limits['remain_cache_size_ratio']}% "
+            f"kept when aging (from {source})"
+        )
+    return text + (f"; {limits['ini_ignored']}" if limits["ini_ignored"] else "")
+
+
+def _ago(when: int | None) -> str:
+    if when is None:
+        return "-"
+    minutes = max(0, int(time.time() - when)) // 60
+    if minutes == 0:
+        return "under a minute ago"
+    if minutes < 120:
+        return f"{minutes} min ago"
+    return f"{minutes // 60} h ago" if minutes < 48 * 60 else f"{minutes // 1440} days ago"
+
+
+def _cann_stats_lines(report: dict, args: argparse.Namespace) -> list[str]:
+    lines = [f"CANN kernel cache: {report['root']}", _cann_limit_line(report)]
+    for soc, c in report["chips"].items():
+        if "error" in c:
+            lines.append(f"{soc}: not read: {c['error']}")
+            continue
+        limit = c["limit_bytes"]
+        share = f" ({100 * c['used_bytes'] / limit:.0f}% of the limit)" if limit else ""
+        lines += [
+            f"{soc}: {_count(c['entries'], 'entry', 'entries')} ({_size(c['entry_bytes'])}, "
+            f"{c['broken_entries']} unusable), {_size(c['used_bytes'])} used{share}",
+            f"  last access: oldest {_ago(c['oldest_access'])}, newest "
+            f"{_ago(c['newest_access'])}; idle 30 min or more: {c['idle_entries']}",
+            f"  headers: {c['headers']} ({_size(c['header_bytes'])}), prebuild results: "
+            f"{c['prebuild']} ({_size(c['prebuild_bytes'])}), lock files: {c['locks']}, temp "
+            f"leftovers: {c['temps']} ({_size(c['temp_bytes'])}), orphans: {c['orphans']} "
+            f"({_size(c['orphan_bytes'])}), other files: {c['other']} "
+            f"({_size(c['other_bytes'])})"
+            + (
+                f", in subfolders: {c['subfolder_files']} ({_size(c['subfolder_bytes'])})"
+                if c["subfolder_files"]
+                else ""
+            ),
+        ]
+    lines += [f"note: {note}" for note in report["notes"]]
+    return lines
+
+
+def _cann_age_lines(report: dict, args: argparse.Namespace) -> list[str]:
+    lines = []
+    verb = "would remove" if args.dry_run else "removed"
+    for soc, c in report["chips"].items():
+        if "error" in c:
+            lines.append(f"{soc}: not aged: {c['error']}")
+            continue
+        kept = c["kept_locked"]
+        if c["removed"] or kept or c["errors"] or args.verbose or args.dry_run:
+            line = (
+                f"{soc}: {verb} {_count(len(c['removed']), 'entry', 'entries')}, "
+                f"{_size(c['removed_bytes'])} "
+                f"({_size(c['used_bytes'])} -> {_size(c['used_after'])})"
+            )
+            if c["skipped"]:
+                line += f"; skipped: {c['skipped']}"
+            if kept:
+                line += f"; kept {_count(len(kept), 'entry', 'entries')} a writer holds"
+            lines.append(line)
+        lines += [f"{soc}: {error}" for error in c["errors"]]
+    if args.verbose:
+        lines = [_cann_limit_line(report), *lines] + [f"note: {n}" for n in report["notes"]]
+    return lines
+
+
+def _cann_verify_lines(report: dict, args: argparse.Namespace) -> list[str]:
+    lines = []
+    for soc, c in report["chips"].items():
+        if "error" in c:
+            lines.append(f"{soc}: not verified: {c['error']}")
+            continue
+        lines.append(
+            f"{soc}: {_count(c['entries'], 'entry', 'entries')}, {c['checked']} checked by "
+            f"sha256, {_count(len(c['faults']), 'fault')}"
+            + (f", {c['removed']} removed" if args.fix else "")
+        )
+        for fault in c["faults"]:
+            state = ""
+            if args.fix:
+                state = " (removed)" if fault.get("removed") else f" (kept: {fault.get('kept')})"
+            lines.append(f"  {fault['kind']}: {fault['name']}: {fault['why']}{state}")
+        lines += [f"  {error}" for error in c["errors"]]
+    if args.verbose:
+        lines += [f"note: {note}" for note in report["notes"]]
+    return lines
+
+
 def _cmd_wrap_usage(args: argparse.Namespace) -> int:
     raise UsageError(WRAP_USAGE)  # (cli parses wrap itself: listed here for --help)
 
@@ -415,6 +547,15 @@ def _build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--json", action="store_true", help="one JSON object")
     demo = command("demo", _cmd_demo, "compile a dozen C kernels through the cache, twice")
     demo.add_argument("--keep", action="store_true", help="keep the demo's folder")
+    cann = command("cann", _cmd_cann, "CANN's own kernel_cache: stats, age or verify it (cron)")
+    cann.add_argument(
+        "action",
+        choices=("stats", "age", "verify"),
+        help="stats: what is there; age: CANN's aging pass; verify: find (--fix: remove) faults",
+    )
+    cann.add_argument("--json", action="store_true", help="one JSON object")
+    cann.add_argument("--dry-run", action="store_true", help="age: report, remove nothing")
+    cann.add_argument("--fix", action="store_true", help="verify: remove what it finds")
     # Listed for --help; `opcache wrap` is parsed on its own (everything after -- is the command).
     command("wrap", _cmd_wrap_usage, "run a compile command through the cache: wrap -- cc ...")
     return parser

@@ -18,6 +18,10 @@ from . import fsutil
 from ._log import get_logger
 from ._record import Record
 
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    import configparser
+
 log = get_logger(__name__)
 
 SECTION = "op_compiler_cache"
@@ -110,22 +114,9 @@ def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
         return f"larger than {_MAX_FILE_BYTES} bytes", None
     if raw == _TEMPLATE_BYTES:
         return None, None  # the file opcache writes, untouched: its keys are commented out
-    import configparser  # only for a file someone edited: it costs every start-up
-
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        return "not UTF-8 text", None
-    # No default_section: a [DEFAULT] header is just another section here, not inherited.
-    parser = configparser.ConfigParser(
-        interpolation=None, strict=False, default_section="\0opcache-no-default"
-    )
-    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys as CANN reads them: case matters
-    try:
-        parser.read_string(text)
-    except configparser.Error as e:
-        first_line = str(e).splitlines()[0]
-        return f"not an ini file ({first_line})", None
+    problem, parser = _load(raw)
+    if parser is None:
+        return problem, None
     if not parser.has_section(SECTION):
         # An empty or comment-only file is a file with neither key: silent.
         return (f"no [{SECTION}] section", None) if parser.sections() else (None, None)
@@ -142,6 +133,49 @@ def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
     if ratio is None:
         return f"{RATIO_KEY}={ratio_text!r} is not 1..100", None
     return None, SizeLimits(max_mb, ratio)
+
+
+def _load(raw: bytes) -> tuple[str | None, configparser.ConfigParser | None]:
+    """(what is wrong, the parsed file): one of the two is None."""
+    import configparser  # only for a file someone edited: it costs every start-up
+
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return "not UTF-8 text", None
+    # No default_section: a [DEFAULT] header is just another section here, not inherited.
+    parser = configparser.ConfigParser(
+        interpolation=None, strict=False, default_section="\0opcache-no-default"
+    )
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys as CANN reads them: case matters
+    try:
+        parser.read_string(text)
+    except configparser.Error as e:
+        first_line = str(e).splitlines()[0]
+        return f"not an ini file ({first_line})", None
+    return None, parser
+
+
+def cann_applies_sizes(path: Path) -> bool:
+    """Whether CANN's graph engine itself would apply the size keys of ``path``.
+
+    CANN reads them only from a file whose one section (with keys) is
+    ``[op_compiler_cache]`` and that names both ``adk_version`` and
+    ``ops_version``, which CANN writes there itself; any other file it ignores
+    whole, so a hand-made file with only the two size keys has no effect on it.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_FILE_BYTES + 1)
+    except OSError:
+        return False
+    if len(raw) > _MAX_FILE_BYTES:
+        return False
+    _, parser = _load(raw)
+    if parser is None or [s for s in parser.sections() if parser[s]] != [SECTION]:
+        return False
+    section = parser[SECTION]
+    return all(section.get(key, "").strip() for key in ("adk_version", "ops_version"))
 
 
 def ensure_ini_file(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> bool:

@@ -13,7 +13,7 @@ import grp
 import os
 import pwd
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from . import debug, ini
@@ -350,20 +350,34 @@ def _resolve_size_limits(
     candidates = [root / INI_NAME]
     if cache_dir is not None:
         candidates.append(cache_dir / INI_NAME)
-    for path in candidates:
+    ini_path, max_mb, ratio = size_limits(candidates, env, sources)
+    return ini_path or candidates[0], max_mb, ratio
+
+
+def size_limits(
+    ini_paths: Sequence[Path], environ: Mapping[str, str], sources: dict[str, str]
+) -> tuple[Path | None, int, int]:
+    """(ini in force, size limit in MB, share kept in %) by CANN's priority.
+
+    The first op_cache.ini of ``ini_paths`` that supplies both size keys, else
+    ``ASCEND_MAX_OP_CACHE_SIZE`` and ``ASCEND_REMAIN_CACHE_SIZE_RATIO`` each on
+    its own, else 500 MB and 50 %.  The ini is None when none supplied them;
+    ``sources`` gets where each value came from.
+    """
+    for path in ini_paths:
         limits = ini.read_size_limits(path)
         if limits is not None:
             sources["max_op_cache_size_mb"] = sources["remain_cache_size_ratio"] = INI_NAME
             sources["ini_path"] = INI_NAME  # the file in force supplied the size keys
             return path, limits.max_op_cache_size_mb, limits.remain_cache_size_ratio
     max_mb, sources["max_op_cache_size_mb"] = _env_limit(
-        env, ENV_MAX_SIZE, ini.parse_max_size, ini.DEFAULT_MAX_SIZE_MB, "-1 or 1..2147483646"
+        environ, ENV_MAX_SIZE, ini.parse_max_size, ini.DEFAULT_MAX_SIZE_MB, "-1 or 1..2147483646"
     )
     ratio, sources["remain_cache_size_ratio"] = _env_limit(
-        env, ENV_RATIO, ini.parse_ratio, ini.DEFAULT_RATIO, "1..100"
+        environ, ENV_RATIO, ini.parse_ratio, ini.DEFAULT_RATIO, "1..100"
     )
     sources["ini_path"] = "default"  # none supplies both keys: where CANN keeps it
-    return candidates[0], max_mb, ratio
+    return None, max_mb, ratio
 
 
 def _env_limit(

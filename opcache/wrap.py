@@ -1,6 +1,6 @@
 """``opcache wrap -- <compile command>``: ccache-style caching of a command line.
 
-Two kinds of command are understood:
+Three kinds of command are understood:
 
 - CANN's ``opc <op.py> --main_func=... --input_param=<json> --soc_version=...
   --output=<dir> [...]``: the key holds the operator source, the parameter
@@ -11,6 +11,13 @@ Two kinds of command are understood:
 - C compilers, ``cc -c src.c -o out.o`` with ``-I -D -U -O -std -f -m -W -g -x``
   flags: the key holds the source and every header the compiler lists with
   ``-M``, by content; include folders are not in it.
+- CANN's ``op_compiler -p <op-info dir> -v <soc> -j <n> -o <out> [-l level]
+  [--enable_super_kernel] [--super_kernel_options S] [-f true]`` (torchair's
+  static kernels): the key holds every file of the ``-p`` folder (names and
+  contents), the chip, the flags that change the output and the toolkit's
+  identity; ``-j``, ``-o`` and ``-l`` are left out.  The output is the
+  ``static_kernel_*.run`` package, restored under the name it was built with
+  (torchair finds its uninstall script by that name) and executable.
 
 The command runs with its outputs sent to a private folder; they are stored,
 then moved to where the command would have written them, and the command's
@@ -45,6 +52,7 @@ STDERR = ".opcache-stderr"
 HOST_CHIP = "host"  # the chip folder of C compiles and uncacheable commands
 C_SOURCES = (".c", ".cc", ".cpp", ".cxx", ".C", ".s", ".S")
 OPC_NAMES = ("opc",)
+OP_COMPILER_NAMES = ("op_compiler",)
 _CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")
 # opc flags that say where outputs go: not part of the key.
 _OPC_OUTPUT_FLAGS = ("output", "debug_dir")
@@ -52,10 +60,12 @@ _OPC_DEBUG_FLAGS = ("op_debug_level", "op_debug_config")
 
 
 def compiler_kind(executable: str) -> str | None:
-    """'opc', 'cc' or None, from the executable's file name."""
+    """'opc', 'op_compiler', 'cc' or None, from the executable's file name."""
     name = os.path.basename(executable)
     if name in OPC_NAMES:
         return "opc"
+    if name in OP_COMPILER_NAMES:
+        return "op_compiler"
     if _CC_NAME.fullmatch(name):
         return "cc"
     return None
@@ -77,6 +87,8 @@ class Plan:
     ``command(workdir)`` is the argv with its output locations inside
     ``workdir``; ``outputs`` maps an artifact name to where the command would
     have written it, or ``output_dir`` takes every file the command wrote.
+    Restored files whose names end with one of ``executables`` are made
+    executable (the cache keeps contents, not modes).
     """
 
     def __init__(
@@ -88,6 +100,7 @@ class Plan:
         output_dir: Path | None = None,
         debug_level: str | None = None,
         debug_config: str | None = None,
+        executables: tuple[str, ...] = (),
     ) -> None:
         self.request = request
         self.fingerprint = fingerprint
@@ -96,6 +109,7 @@ class Plan:
         self.output_dir = output_dir
         self.debug_level = debug_level
         self.debug_config = debug_config
+        self.executables = executables
 
 
 class Uncacheable(Exception):
@@ -146,6 +160,8 @@ def run(
             raise Uncacheable(f"not a known compiler: {os.path.basename(argv[0])}")
         if kind == "opc":
             plan = _plan_opc(argv, env)
+        elif kind == "op_compiler":
+            plan = _plan_op_compiler(argv, env, base)
         else:
             store = None
             if base.mode != "disable":
@@ -201,6 +217,9 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
             target = plan.output_dir / name
         if target is not None:
             os.replace(path, target)
+            if name.endswith(plan.executables):
+                mode = os.stat(target).st_mode
+                os.chmod(target, mode | (mode & 0o444) >> 2)  # x wherever r, as chmod +x
     for saved, stream in ((stdout, sys.stdout), (stderr, sys.stderr)):
         if saved is not None:
             data = saved.read_bytes()
@@ -322,6 +341,97 @@ def _opc_names(param: bytes, main_func: str | None) -> tuple[str, str]:
     op_type = data.get("op_type") or main_func or "opc"
     op_name = data.get("op_name") or data.get("kernel_name") or ""
     return str(op_type), str(op_name)
+
+
+# -- op_compiler (static kernels) ------------------------------------------------
+
+# op_compiler's flags that take a value, in both spellings -> the long name.
+_OP_COMPILER_VALUES = {"-p": "op_params_dir", "-v": "soc_version", "-j": "job", "-o": "output"}
+_OP_COMPILER_VALUES |= {"-l": "log", "-f": "follow_op_params_jit"}
+_OP_COMPILER_VALUES |= {f"--{name}": name for name in list(_OP_COMPILER_VALUES.values())}
+_OP_COMPILER_VALUES["--super_kernel_options"] = "super_kernel_options"
+_OP_COMPILER_SWITCHES = {"--enable_super_kernel": "enable_super_kernel"}
+# Parallelism, where the package goes and how much is logged: not the package;
+# the op-info folder is keyed by its files, not by where it is.
+_OP_COMPILER_UNKEYED = ("job", "output", "log", "op_params_dir")
+
+
+def _op_compiler_flags(args: Sequence[str]) -> dict[str, tuple[str | None, list[str]]]:
+    """An op_compiler line's flags: long name -> (value or None for a switch, words as given)."""
+    flags: dict[str, tuple[str | None, list[str]]] = {}
+    args = list(args)
+    i = 0
+    while i < len(args):
+        start = i
+        arg, i = args[i], i + 1
+        flag, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if flag in _OP_COMPILER_SWITCHES and not eq:
+            name, value = _OP_COMPILER_SWITCHES[flag], None
+        elif flag in _OP_COMPILER_VALUES:
+            name = _OP_COMPILER_VALUES[flag]
+            if not eq:
+                if i >= len(args):
+                    raise Uncacheable(f"op_compiler: {flag} needs a value")
+                value, i = args[i], i + 1
+        else:
+            raise Uncacheable(f"op_compiler: unknown flag or argument {arg}")
+        if name in flags:
+            raise Uncacheable(f"op_compiler: {flag} is given twice")
+        flags[name] = (value, args[start:i])
+    return flags
+
+
+def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Settings) -> Plan:
+    from .compilers.cann import find_toolkit, interpreter_identity, tune_bank_digest, version_files
+
+    given = _op_compiler_flags(argv[1:])
+    flags = {name: value for name, (value, _) in given.items()}
+    for needed in ("op_params_dir", "soc_version", "output"):
+        if not flags.get(needed):
+            raise Uncacheable(f"op_compiler: no --{needed}")
+    params = Path(flags["op_params_dir"] or "")
+    if not params.is_dir():
+        raise Uncacheable(f"op_compiler: {params} is not a folder")
+    # Every op-info file, by name and contents: the names are the op list's order.
+    op_info = []
+    for path in sorted(params.rglob("*")):
+        if path.is_file():
+            data = _read(str(path))
+            op_info.append([path.relative_to(params).as_posix(), len(data), digest(data)])
+    keyed = {n: v for n, v in flags.items() if n not in _OP_COMPILER_UNKEYED}
+    try:
+        request = OpRequest(
+            op_type="static_kernel",
+            soc_version=flags["soc_version"] or "",
+            attrs={"flags": sorted(keyed.items()), "op_info": op_info},
+        )
+    except ValueError as e:
+        raise Uncacheable(f"op_compiler: {e}") from None
+    tool = _which(argv[0], env)
+    home, found, _ = find_toolkit(env, "op_compiler")
+    if found is None or os.path.realpath(found) != os.path.realpath(tool):
+        home = Path(os.path.realpath(tool)).parent.parent  # <toolkit>/bin/op_compiler
+    notes = None
+    if base.mode != "disable":
+        notes = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
+    fingerprint = {
+        "op_compiler": file_identity(tool, notes),
+        "python": interpreter_identity(tool, env),
+        "versions": version_files(home, env),
+        "tune_bank": tune_bank_digest(env),
+    }
+
+    def command(workdir: Path) -> list[str]:
+        words = [w for name, (_, spelled) in given.items() if name != "output" for w in spelled]
+        return [argv[0], *words, "-o", str(workdir)]
+
+    return Plan(
+        request=request,
+        fingerprint=json.dumps(fingerprint, sort_keys=True),
+        command=command,
+        output_dir=Path(os.path.abspath(flags["output"] or ".")),
+        executables=(".run",),
+    )
 
 
 # -- C compilers ------------------------------------------------------------------

@@ -144,9 +144,14 @@ sys.stderr.write(f"opc: warning: {kernel} is a stand-in\n")
 
 def write_opc(folder: Path) -> Path:
     """Write the stand-in ``opc`` into ``folder`` (made if needed); returns its path."""
+    return write_tool(folder, "opc", _SCRIPT)
+
+
+def write_tool(folder: Path, name: str, script: str) -> Path:
+    """Write ``script`` as the executable ``folder/name`` run by this Python; returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "opc"
-    path.write_text(f"#!{sys.executable}\n{_SCRIPT}")
+    path = folder / name
+    path.write_text(f"#!{sys.executable}\n{script}")
     path.chmod(0o755)
     return path
 

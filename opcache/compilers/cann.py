@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -29,8 +28,10 @@ _MAX_BANK_FILES = 100_000
 _MAX_SHEBANG = 256
 
 
-def find_toolkit(environ: Mapping[str, str]) -> tuple[Path | None, str | None, str]:
-    """(toolkit home, opc path, what was looked at)."""
+def find_toolkit(
+    environ: Mapping[str, str], tool: str = "opc"
+) -> tuple[Path | None, str | None, str]:
+    """(toolkit home, path of its ``tool``, what was looked at)."""
     looked = []
     for name in HOME_VARIABLES:
         value = environ.get(name)
@@ -38,11 +39,11 @@ def find_toolkit(environ: Mapping[str, str]) -> tuple[Path | None, str | None, s
         if not value:
             continue
         home = Path(value).parent if name == "ASCEND_OPP_PATH" else Path(value)
-        for candidate in (home / "bin" / "opc", home / "compiler" / "bin" / "opc"):
+        for candidate in (home / "bin" / tool, home / "compiler" / "bin" / tool):
             if os.access(candidate, os.X_OK):
                 return home, str(candidate), ", ".join(looked)
-    found = which("opc", environ)
-    looked.append(f"PATH ({'opc at ' + found if found else 'no opc'})")
+    found = which(tool, environ)
+    looked.append(f"PATH ({f'{tool} at ' + found if found else f'no {tool}'})")
     if found:
         return Path(found).resolve().parent.parent, found, ", ".join(looked)
     return None, None, ", ".join(looked)
@@ -77,10 +78,61 @@ def script_interpreter(path: str, environ: Mapping[str, str]) -> str | None:
     return which(names[0], environ) if names else None
 
 
+def interpreter_identity(tool: str, environ: Mapping[str, str]) -> str:
+    """The Python a tool script runs with (not opcache's own): its binary's path, size and mtime.
+
+    Not its digest, as ccache's default ``compiler_check`` does: hashing a
+    7 MB interpreter would cost every ``opcache wrap -- opc`` about 5 ms, and
+    an upgrade rewrites the binary (new size or mtime) or installs a new path.
+    """
+    interpreter = script_interpreter(tool, environ)
+    if interpreter is None:
+        return f"none: {os.path.basename(tool)} is not a script, or its interpreter is not found"
+    try:
+        st = os.stat(interpreter)
+    except OSError as e:
+        return f"{interpreter}: {e.strerror or e}"
+    return f"{os.path.realpath(interpreter)}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def main_func(request: OpRequest) -> str:
     """The operator's entry function: ``options['main_func']``, else op_type in snake_case."""
     name = request.options.get(_MAIN_FUNC)
     return str(name) if name else _CAMEL.sub("_", request.op_type).lower()
+
+
+def version_files(home: Path | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The digests of a toolkit's version files: its home's and the operator package's."""
+    if home is None:
+        return {}
+    paths = [home / "version.cfg", home / "version.info"]
+    paths += sorted(home.glob("*/version.info"))
+    opp = environ.get("ASCEND_OPP_PATH")
+    if opp:
+        paths.append(Path(opp) / "version.info")
+    found = {}
+    for path in paths:
+        try:
+            found[str(path)] = digest(path.read_bytes())
+        except OSError:
+            continue
+    return found
+
+
+def tune_bank_digest(environ: Mapping[str, str]) -> str:
+    """Digest of the tuning knowledge base's files (names and contents), or "none"."""
+    bank = environ.get("TUNE_BANK_PATH")
+    if not bank and environ.get("ASCEND_CACHE_PATH"):
+        bank = os.path.join(environ["ASCEND_CACHE_PATH"], "aoe_data")
+    if not bank or not os.path.isdir(bank):
+        return "none"
+    listing = []
+    for count, path in enumerate(sorted(Path(bank).rglob("*"))):
+        if count > _MAX_BANK_FILES:
+            break
+        if path.is_file():
+            listing.append(f"{path.relative_to(bank)}:{file_identity(path)}")
+    return digest("\n".join(listing).encode())
 
 
 class CannCompiler:
@@ -117,61 +169,16 @@ class CannCompiler:
         if self._fingerprint is None:
             parts = {
                 "opc": file_identity(self.opc),
-                "versions": self._version_files(),
-                "python": self._interpreter_identity(),
-                "tune_bank": self._tune_bank_digest(),
+                "versions": version_files(self.home, self._environ),
+                "python": interpreter_identity(self.opc, self._environ),
+                "tune_bank": tune_bank_digest(self._environ),
             }
             self._fingerprint = json.dumps(parts, sort_keys=True)
         return self._fingerprint
 
-    def _interpreter_identity(self) -> str:
-        """The Python opc runs with (not opcache's own): its binary's path, size and mtime.
-
-        Not its digest, as ccache's default ``compiler_check`` does: hashing a
-        7 MB interpreter would cost every ``opcache wrap -- opc`` about 5 ms, and
-        an upgrade rewrites the binary (new size or mtime) or installs a new path.
-        """
-        interpreter = script_interpreter(self.opc, self._environ)
-        if interpreter is None:
-            return "none: opc is not a script, or its interpreter is not found"
-        try:
-            st = os.stat(interpreter)
-        except OSError as e:
-            return f"{interpreter}: {e.strerror or e}"
-        return f"{os.path.realpath(interpreter)}:{st.st_size}:{st.st_mtime_ns}"
-
-    def _version_files(self) -> dict[str, str]:
-        if self.home is None:
-            return {}
-        paths = [self.home / "version.cfg", self.home / "version.info"]
-        paths += sorted(self.home.glob("*/version.info"))
-        opp = self._environ.get("ASCEND_OPP_PATH")
-        if opp:
-            paths.append(Path(opp) / "version.info")
-        found = {}
-        for path in paths:
-            try:
-                found[str(path)] = digest(path.read_bytes())
-            except OSError:
-                continue
-        return found
-
-    def _tune_bank_digest(self) -> str:
-        """Digest of the tuning knowledge base's files (names and contents)."""
-        bank = self._environ.get("TUNE_BANK_PATH")
-        if not bank and self._environ.get("ASCEND_CACHE_PATH"):
-            bank = os.path.join(self._environ["ASCEND_CACHE_PATH"], "aoe_data")
-        if not bank or not os.path.isdir(bank):
-            return "none"
-        listing = []
-        for count, path in enumerate(sorted(Path(bank).rglob("*"))):
-            if count > _MAX_BANK_FILES:
-                break
-            if path.is_file():
-                listing.append(f"{path.relative_to(bank)}:{file_identity(path)}")
-        return digest("\n".join(listing).encode())
-
     def compile(self, request: OpRequest, workdir: Path) -> None:
+        import tempfile  # a compile only: `opcache wrap` plans opc lines with this module
+
         workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
         sources = request.source_bytes
         scripts = [name for name in sources if name.endswith(".py")] or list(sources)

@@ -1,0 +1,541 @@
+"""``opcache cann stats|age|verify`` over CANN's own kernel_cache, built as CANN writes it.
+
+The folders are written by ``helpers_cann`` the way CANN's graph engine writes
+them (lock, binary, header, json, each through a ``.temp`` and a rename), with
+access times set as CANN's hits set them.  Locks are held by real other
+processes with CANN's fcntl locks; one writer is really killed half way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_cann import (
+    SOC,
+    held_by_other_process,
+    kernel_name,
+    set_access,
+    set_times,
+    store_entry,
+    store_mix_entry,
+    store_prebuild,
+    temp_name,
+    write_ini,
+    writer_killed_before_json,
+)
+
+import opcache
+from opcache import cann_cache
+from opcache.cli import main
+
+KIB = 1024
+ENTRY = 300 * KIB  # every entry's binaries: the other files are tiny beside them
+HOUR = 3600
+
+
+@pytest.fixture
+def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """HOME in the test's folder and no CANN variables; returns the cache base folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("ASCEND_CACHE_PATH", "ASCEND_MAX_OP_CACHE_SIZE", "ASCEND_REMAIN_CACHE_SIZE_RATIO"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "atc"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def cann(capsys, base: Path, action: str, *flags: str) -> tuple[int, str, str]:
+    return run(capsys, "cann", action, "--op_compiler_cache_dir", str(base), *flags)
+
+
+def cann_json(capsys, base: Path, action: str, *flags: str) -> tuple[int, dict]:
+    status, out, err = cann(capsys, base, action, "--json", *flags)
+    assert err == "", err
+    return status, json.loads(out)
+
+
+def open_cache(base: Path, **kw) -> cann_cache.CannCache:
+    settings = opcache.resolve_settings(op_compiler_cache_dir=str(base))
+    return cann_cache.open_cann_cache(settings, environ={}, **kw)
+
+
+class Folder:
+    """A chip folder with entries whose last access is known."""
+
+    def __init__(self, base: Path) -> None:
+        self.root = base / "kernel_cache"
+        self.chip = self.root / SOC
+        self.now = time.time()
+        self.entries: dict[str, list[Path]] = {}
+        self.killed_pid = 0
+
+    def entry(self, label: str, hours_ago: float, **kw: object) -> str:
+        kernel = kernel_name("Add", label)
+        paths = store_entry(self.chip, kernel, os.urandom(ENTRY), **kw)  # type: ignore[arg-type]
+        set_access(paths[:2], self.now - hours_ago * HOUR)
+        self.entries[label] = paths
+        return kernel
+
+    def mix(self, label: str, hours_ago: float) -> str:
+        kernel = kernel_name("MatMul", label)
+        paths = store_mix_entry(self.chip, kernel, os.urandom(ENTRY // 2), os.urandom(ENTRY // 2))
+        set_access(paths, self.now - hours_ago * HOUR)
+        self.entries[label] = paths
+        return kernel
+
+    def names(self) -> set[str]:
+        return {p.name for p in self.chip.iterdir()}
+
+    def atimes(self) -> dict[str, int]:
+        return {p.name: p.stat().st_atime_ns for p in self.chip.iterdir()}
+
+
+def aging_folder(base: Path) -> Folder:
+    """Entries oldest first: old1, mix, old2, locked, old3, badsha, recent (10 min), fresh.
+
+    Beside them CANN's small files that aging never touches: a header, a
+    prebuild result, lock files, a killed writer's orphan and temp.
+    """
+    f = Folder(base)
+    f.entry("old1", 5, header=b"// header\n")
+    f.mix("mix", 4.5)
+    f.entry("old2", 4)
+    f.entry("locked", 3)
+    f.entry("old3", 2)
+    f.entry("badsha", 1, sha256="0" * 64)
+    f.entry("recent", 10 / 60)  # touched 10 minutes ago
+    f.entry("fresh", 0)
+    set_access([store_prebuild(f.chip, kernel_name("Add", "old1"))], f.now - 6 * HOUR)
+    writer_killed_before_json(f.chip, kernel_name("Add", "killed"), os.urandom(4 * KIB))
+    return f
+
+
+def files_of(f: Folder, *labels: str) -> set[str]:
+    return {p.name for label in labels for p in f.entries[label]} - {
+        p.name for p in f.entries["old1"] if p.suffix == ".h"
+    }
+
+
+# -- aging ------------------------------------------------------------------------------
+
+
+def test_age_removes_exactly_what_cann_removes_and_nothing_young_or_locked(base, capsys):
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)  # keep 512 KiB: far less than the old entries
+    before = f.names()
+    used = sum(p.stat().st_size for p in f.chip.iterdir())
+    lock = f.chip / f"{kernel_name('Add', 'locked')}.lock"
+    with held_by_other_process(lock):
+        status, report = cann_json(capsys, base, "age")
+    assert status == 0
+    chip = report["chips"][SOC]
+    gone = files_of(f, "old1", "mix", "old2", "old3", "badsha")
+    assert f.names() == before - gone | {cann_cache.DEL_LOCK}  # made as CANN makes it
+    assert chip["removed"] == [kernel_name(*k) for k in (
+        ("Add", "old1"), ("MatMul", "mix"), ("Add", "old2"), ("Add", "old3"), ("Add", "badsha"),
+    )]  # fmt: skip
+    assert chip["kept_locked"] == [kernel_name("Add", "locked")]
+    assert chip["stopped_at_recent"] is True  # "recent" (10 minutes) ended the pass
+    assert chip["used_bytes"] == used
+    assert chip["to_free"] == used - 1024 * KIB * 50 // 100
+    assert chip["removed_bytes"] == used - sum(p.stat().st_size for p in f.chip.iterdir())
+    # CANN never ages headers, prebuild results, locks, temps or orphans:
+    assert f"{kernel_name('Add', 'old1')}.h" in f.names()
+    assert f"{kernel_name('Add', 'old1')}_pre.json" in f.names()
+    assert f"{kernel_name('Add', 'killed')}.o" in f.names()
+    assert any(n.endswith(".temp") for n in f.names())
+
+
+def test_age_stops_once_enough_is_freed(base, capsys):
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=2, ratio=80)  # to free: used - 1.6 MiB, about 2.6 entries
+    before = f.names()
+    status, out, err = cann(capsys, base, "age")
+    assert (status, err) == (0, "")
+    assert f.names() == before - files_of(f, "old1", "mix", "old2") | {cann_cache.DEL_LOCK}
+    assert out.startswith(f"{SOC}: removed 3 entries, ")
+
+
+def test_age_under_the_limit_or_with_aging_off_removes_nothing_and_says_nothing(base, capsys):
+    f = aging_folder(base)
+    before = f.names()
+    assert cann(capsys, base, "age") == (0, "", "")  # 2.4 MB under the default 500 MB
+    write_ini(f.root, max_mb=-1, ratio=50)
+    status, report = cann_json(capsys, base, "age")
+    assert status == 0
+    assert report["chips"][SOC]["skipped"] == "aging is off (max_op_cache_size -1)"
+    assert f.names() == before
+
+
+def test_age_skips_while_another_process_holds_cann_s_aging_lock(base, capsys):
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    with held_by_other_process(f.chip / cann_cache.DEL_LOCK):
+        before = f.names()
+        status, report = cann_json(capsys, base, "age")
+        assert status == 0
+        assert "another process holds op_cache_file_del.lock" in report["chips"][SOC]["skipped"]
+        assert f.names() == before
+        status, report = cann_json(capsys, base, "age", "--dry-run")
+        assert report["chips"][SOC]["skipped"] and f.names() == before
+    assert cann_json(capsys, base, "age")[1]["chips"][SOC]["removed"]  # free again: it ages
+
+
+def test_age_takes_the_aging_lock_as_cann_does(base, capsys):
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    cann(capsys, base, "age")
+    lock = f.chip / cann_cache.DEL_LOCK
+    assert lock.stat().st_mode & 0o777 == 0o640 and lock.stat().st_size == 0
+    # A CANN process aging at the same time holds an fcntl lock on the same file:
+    code = (
+        "import fcntl, sys\n"
+        f"f = open({str(lock)!r}, 'a+')\n"
+        "fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "print('locked', flush=True); sys.stdin.read()\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+    try:
+        f.entry("later", 3)
+        f.entry("later2", 3)  # over the limit again
+        assert cann_json(capsys, base, "age")[1]["chips"][SOC]["skipped"]
+    finally:
+        holder.communicate("")
+
+
+def test_age_keeps_an_entry_accessed_after_it_was_collected(base):
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    old1 = f.entries["old1"][0]
+    calls = []
+
+    def clock() -> float:
+        if not calls:  # CANN's hit on old1 between the collection and the deletion
+            set_access([old1], time.time())
+        calls.append(1)
+        return time.time()
+
+    report = open_cache(base, clock=clock).age()["chips"][SOC]
+    assert report["kept_accessed"] == [kernel_name("Add", "old1")]
+    assert old1.exists() and kernel_name("Add", "old1") not in report["removed"]
+    assert kernel_name("Add", "old2") in report["removed"]
+
+
+def test_age_dry_run_removes_nothing_and_reports_what_it_would(base, capsys):
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    before = f.names()
+    status, out, err = cann(capsys, base, "age", "--dry-run")
+    assert (status, err) == (0, "") and f.names() == before
+    assert out.startswith(f"{SOC}: would remove 6 entries, ")  # "locked" is free here
+    assert cann_json(capsys, base, "age", "--dry-run")[1]["chips"][SOC]["dry_run"] is True
+
+
+# -- reading without disturbing -------------------------------------------------------------
+
+
+def test_stats_verify_and_age_never_move_an_access_time(base, capsys):
+    """On this relatime mount a plain read of these files moves their atime (atime < ctime)."""
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=3, ratio=99)  # over the limit, but every entry stays
+    before = f.atimes()
+    cann(capsys, base, "stats")
+    cann(capsys, base, "verify")
+    cann(capsys, base, "age", "--dry-run")
+    assert f.atimes() == before
+
+
+def test_links_are_never_followed_counted_or_deleted(base, tmp_path, capsys):
+    f = Folder(base)
+    f.entry("old", 5)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    big = outside / "big.o"
+    big.write_bytes(b"x" * ENTRY)
+    planted = store_entry(outside, "te_add_planted", b"y" * ENTRY)
+    set_access(planted, f.now - 9 * HOUR)
+    (f.chip / "te_add_planted.json").symlink_to(planted[0])
+    (f.chip / "te_add_planted.o").symlink_to(planted[1])
+    (f.chip / "te_add_big.o").symlink_to(big)
+    (f.root / "Ascend310P3").symlink_to(outside)  # a linked chip folder
+    write_ini(f.root, max_mb=1, ratio=1)
+    report = cann_json(capsys, base, "stats")[1]
+    chip = report["chips"][SOC]
+    assert chip["links"] == 3 and chip["used_bytes"] < 2 * ENTRY
+    assert "Ascend310P3" not in report["chips"]
+    cann(capsys, base, "age")
+    cann(capsys, base, "verify", "--fix")
+    assert big.exists() and all(p.exists() for p in planted)
+    assert all(p.is_symlink() for p in (f.chip / "te_add_planted.json", f.chip / "te_add_big.o"))
+
+
+def test_subfolders_are_counted_as_cann_counts_them_but_left_alone(base, capsys):
+    f = Folder(base)
+    f.entry("old", 5)
+    sub = f.chip / "stray" / "deeper"
+    sub.mkdir(parents=True)
+    (sub / "te_x.json").write_text("{}")
+    (sub / "data.bin").write_bytes(b"z" * 3 * ENTRY)
+    set_times([sub / "te_x.json"], f.now - 9 * HOUR)
+    write_ini(f.root, max_mb=1, ratio=1)
+    chip = cann_json(capsys, base, "stats")[1]["chips"][SOC]
+    assert (chip["subfolder_files"], chip["subfolder_bytes"]) == (2, 3 * ENTRY + 2)
+    assert chip["used_bytes"] > 1024 * KIB  # over the limit only with the subfolder counted
+    status, out, _ = cann(capsys, base, "age")
+    assert status == 0 and out.startswith(f"{SOC}: removed 1 entry, ")  # one, in the singular
+    assert not [p for p in f.entries["old"] if p.exists()]
+    assert (sub / "te_x.json").exists() and (sub / "data.bin").exists()
+
+
+# -- stats ------------------------------------------------------------------------------------
+
+
+def test_stats_counts_every_kind_of_file_as_cann_counts_them(base, capsys):
+    f = aging_folder(base)
+    (f.chip / f"{kernel_name('Add', 'gone')}.o").write_bytes(b"o" * 100)  # an orphan
+    (f.chip / "notes.txt").write_text("hello")
+    status, report = cann_json(capsys, base, "stats")
+    assert status == 0
+    chip = report["chips"][SOC]
+    every_file = list(f.chip.iterdir())
+    assert chip["used_bytes"] == sum(p.stat().st_size for p in every_file)
+    assert chip["files"] == len(every_file)
+    assert chip["entries"] == 8 and chip["broken_entries"] == 0  # sha256 is verify's job
+    assert chip["idle_entries"] == 6  # all but "recent" (10 min) and "fresh"
+    assert chip["headers"] == 1 and chip["prebuild"] == 1
+    assert chip["locks"] == 10  # 8 entries, the prebuild result, the killed writer
+    assert chip["temps"] == 1 and chip["orphans"] == 2 and chip["other"] == 1
+    assert chip["oldest_access"] == int(f.now - 5 * HOUR)
+    assert chip["newest_access"] == int(f.now)
+    assert chip["limit_bytes"] == 500 * 1024 * KIB and chip["over_limit"] is False
+    assert report["total"]["entries"] == 8
+    status, out, _ = cann(capsys, base, "stats")
+    assert f"{SOC}: 8 entries" in out and "orphans: 2" in out and "note: access times" in out
+
+
+def test_limits_follow_cann_s_ini_rules(base, capsys, monkeypatch):
+    f = Folder(base)
+    f.entry("one", 1)
+    limits = cann_json(capsys, base, "stats")[1]["limits"]
+    assert (limits["max_op_cache_size_mb"], limits["remain_cache_size_ratio"]) == (500, 50)
+    monkeypatch.setenv("ASCEND_MAX_OP_CACHE_SIZE", "7")
+    assert cann_json(capsys, base, "stats")[1]["limits"]["max_op_cache_size_mb"] == 7
+    # A hand-made ini with only the size keys: CANN ignores it, and so does this.
+    (f.root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nmax_op_cache_size=3\nremain_cache_size_ratio=20\n"
+    )
+    limits = cann_json(capsys, base, "stats")[1]["limits"]
+    assert limits["max_op_cache_size_mb"] == 7 and "ignored" in limits["ini_ignored"]
+    write_ini(f.root, max_mb=3, ratio=20)  # as CANN writes it, plus the size keys
+    limits = cann_json(capsys, base, "stats")[1]["limits"]
+    assert (limits["max_op_cache_size_mb"], limits["remain_cache_size_ratio"]) == (3, 20)
+    assert limits["sources"]["max_op_cache_size_mb"] == "op_cache.ini"
+    assert limits["ini_ignored"] is None
+
+
+# -- verify -----------------------------------------------------------------------------------
+
+
+def faulty_folder(base: Path) -> Folder:
+    f = Folder(base)
+    f.entry("good", 1, header=b"// h\n")
+    f.mix("mix", 1)
+    f.entry("badsha", 1, sha256="0" * 64)
+    f.killed_pid = writer_killed_before_json(f.chip, kernel_name("Add", "killed"), b"k" * 4000)
+    killed = [p for p in f.chip.iterdir() if p.name.startswith(kernel_name("Add", "killed"))]
+    set_times(killed, f.now - 300)  # killed five minutes ago
+    garbled = f.chip / f"{kernel_name('Add', 'garbled')}.json"
+    garbled.write_text('{"binFileName": ')
+    (f.chip / f"{kernel_name('Add', 'garbled')}.o").write_bytes(b"g" * 10)
+    store_entry(f.chip, kernel_name("Add", "nobin"), b"n" * 10)
+    (f.chip / f"{kernel_name('Add', 'nobin')}.o").unlink()
+    orphan = f.chip / f"{kernel_name('Add', 'orphan')}.o"
+    orphan.write_bytes(b"o" * 10)
+    set_times([orphan], f.now - 2 * HOUR)
+    (f.chip / f"{kernel_name('Add', 'young')}.o").write_bytes(b"y" * 10)  # being written
+    live = f.chip / temp_name(f"{kernel_name('Add', 'live')}.o")  # this process: alive
+    live.write_bytes(b"t")
+    old_live = f.chip / temp_name(f"{kernel_name('Add', 'slow')}.o", usec=1)
+    old_live.write_bytes(b"t")
+    set_times([old_live], f.now - 2 * HOUR)
+    set_times(
+        [store_prebuild(f.chip, kernel_name("Add", "good"))], f.now - 2 * HOUR
+    )  # has its entry
+    set_times([store_prebuild(f.chip, kernel_name("Add", "lonely"))], f.now - 2 * HOUR)
+    store_prebuild(f.chip, kernel_name("Add", "new"))  # no entry, but just written
+    f.entry("lockedbad", 1, sha256="1" * 64)
+    return f
+
+
+EXPECTED_FAULTS = {
+    ("corrupt", "badsha"),
+    ("corrupt", "garbled"),
+    ("corrupt", "nobin"),
+    ("corrupt", "lockedbad"),
+    ("orphan", "killed"),
+    ("orphan", "orphan"),
+    ("stale temp", "killed"),
+    ("stale temp", "slow"),
+    ("old prebuild", "lonely"),
+}
+
+
+def found_faults(chip: dict) -> set[tuple[str, str]]:
+    labels = {
+        kernel_name("Add", x): x
+        for x in ("badsha", "garbled", "nobin", "lockedbad", "killed", "orphan", "slow", "lonely")
+    }
+    out = set()
+    for fault in chip["faults"]:
+        kernel = next(k for k in labels if fault["name"].startswith(k))
+        out.add((fault["kind"], labels[kernel]))
+    return out
+
+
+def test_verify_finds_every_fault_and_fix_removes_them_but_not_a_locked_one(base, capsys):
+    f = faulty_folder(base)
+    lock = f.chip / f"{kernel_name('Add', 'lockedbad')}.lock"
+    before = f.names()
+    status, report = cann_json(capsys, base, "verify")
+    assert status == 1  # faults found and left: a cron job notices
+    chip = report["chips"][SOC]
+    assert found_faults(chip) == EXPECTED_FAULTS
+    assert f.names() == before
+    why = {found_faults({"faults": [x]}).pop(): x["why"] for x in chip["faults"]}
+    assert "sha256" in why[("corrupt", "badsha")]
+    assert "does not parse" in why[("corrupt", "garbled")]
+    assert "missing" in why[("corrupt", "nobin")]
+    assert why[("stale temp", "killed")] == f"its writer (pid {f.killed_pid}) is not running"
+    assert why[("stale temp", "slow")] == "untouched for 120 minutes"
+    assert why[("old prebuild", "lonely")].endswith("unused for 120 minutes")
+
+    with held_by_other_process(lock):
+        status, report = cann_json(capsys, base, "verify", "--fix")
+    assert status == 1  # the locked entry is still there
+    chip = report["chips"][SOC]
+    kept = [x for x in chip["faults"] if not x["removed"]]
+    assert [(x["kind"], x["kept"]) for x in kept] == [
+        ("corrupt", f"{kernel_name('Add', 'lockedbad')}.lock is held by a writer")
+    ]
+    left = f.names()
+    for label in ("good", "mix", "young", "live", "new"):
+        assert any(n.startswith(kernel_name("Add" if label != "mix" else "MatMul", label))
+                   for n in left), label  # fmt: skip
+    assert not any(n.startswith(kernel_name("Add", "badsha")) and not n.endswith(".lock")
+                   for n in left)  # fmt: skip
+    assert f"{kernel_name('Add', 'killed')}.o" not in left
+    assert f"{kernel_name('Add', 'good')}_pre.json" in left
+    assert f"{kernel_name('Add', 'lonely')}_pre.json" not in left
+
+    status, out, err = cann(capsys, base, "verify", "--fix")
+    assert (status, err) == (0, "")
+    assert f"{SOC}: " in out and "1 fault, 1 removed" in out
+    assert cann(capsys, base, "verify")[0] == 0  # clean now
+
+
+def test_verify_never_removes_an_orphan_whose_writer_holds_the_lock(base, capsys):
+    f = Folder(base)
+    kernel = kernel_name("Add", "writing")
+    binary = f.chip / f"{kernel}.o"
+    f.chip.mkdir(parents=True)
+    binary.write_bytes(b"w" * 100)
+    set_times([binary], f.now - HOUR)  # a slow writer: its binary is there, its json not yet
+    (f.chip / f"{kernel}.lock").touch()
+    with held_by_other_process(f.chip / f"{kernel}.lock"):
+        status, report = cann_json(capsys, base, "verify", "--fix")
+    assert status == 1 and binary.exists()
+    assert report["chips"][SOC]["faults"][0]["kept"] == f"{kernel}.lock is held by a writer"
+
+
+def test_verify_checks_the_sha256_of_every_binary(base, capsys):
+    f = Folder(base)
+    f.entry("a", 1)
+    f.mix("m", 1)
+    status, report = cann_json(capsys, base, "verify")
+    assert (status, report["chips"][SOC]["checked"], report["chips"][SOC]["faults"]) == (0, 2, [])
+    aic = f.chip / f"{kernel_name('MatMul', 'm')}_mix_aic.o"
+    aic.write_bytes(b"flipped" + aic.read_bytes()[7:])
+    binary = f.entries["a"][1]
+    binary.write_bytes(binary.read_bytes()[:-1] + b"!")
+    faults = cann_json(capsys, base, "verify")[1]["chips"][SOC]["faults"]
+    assert sorted(x["name"] for x in faults) == [
+        kernel_name("Add", "a"),
+        kernel_name("MatMul", "m"),
+    ]
+
+
+# -- where the cache is, and what is refused -------------------------------------------------
+
+
+def test_ascend_cache_path_is_used_as_cann_uses_it_without_a_host_suffix(
+    base, tmp_path, capsys, monkeypatch
+):
+    shared = tmp_path / "shared"  # (not the test's usual base: found through the variable)
+    Folder(shared).entry("one", 1)
+    monkeypatch.setenv("ASCEND_CACHE_PATH", str(shared))
+    status, out, err = run(capsys, "cann", "stats", "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["root"] == str(shared / "kernel_cache") and report["total"]["entries"] == 1
+    monkeypatch.delenv("ASCEND_CACHE_PATH")
+    Folder(tmp_path / "atc_data").entry("two", 1)
+    assert json.loads(run(capsys, "cann", "stats", "--json")[1])["root"] == str(
+        tmp_path / "atc_data" / "kernel_cache"
+    )
+
+
+def test_a_folder_without_a_cann_cache_says_so_and_exits_1(base, capsys):
+    status, out, err = cann(capsys, base, "age")
+    assert (status, out) == (1, "")
+    assert err == f"opcache: no CANN kernel cache at {base / 'kernel_cache'}: no such folder\n"
+    (base / "kernel_cache").mkdir(parents=True)
+    status, _, err = cann(capsys, base, "stats")
+    assert status == 1 and err.count("\n") == 1 and "holds no chip folder" in err
+    Folder(base).entry("one", 1)
+    status, _, err = cann(capsys, base, "verify", "--soc_version", "Ascend310P3")
+    assert status == 1 and "no CANN kernel cache for Ascend310P3" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cann", "clean"],
+        ["cann"],
+        ["cann", "stats", "--fix"],
+        ["cann", "verify", "--dry-run"],
+        ["cann", "age", "--soc_version", "../etc"],
+        ["cann", "age", "--op_compiler_cache_dir", "/tmp/with space"],
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(base, capsys, argv):
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith("opcache: error: ") and err.count("\n") == 1, err
+
+
+def test_folders_others_can_write_are_refused(base, capsys):
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    before = f.names()
+    f.chip.chmod(0o777)
+    status, report = cann_json(capsys, base, "age")
+    assert status == 1 and "writable by others" in report["chips"][SOC]["error"]
+    assert f.names() == before
+    f.chip.chmod(0o750)
+    f.root.chmod(0o777)
+    status, out, err = cann(capsys, base, "verify", "--fix")
+    assert status == 1 and out == "" and "writable by others" in err
+    assert err.startswith("opcache: error: ") and f.names() == before

@@ -1,0 +1,228 @@
+"""``opcache wrap -- op_compiler ...``: torchair's static-kernel builds through the cache.
+
+A stand-in ``op_compiler`` (``fake_op_compiler.py``) logs every run, so a hit
+is proven by the log not growing; the folders are laid out as torchair lays
+them out (``aclnn_static_shape_kernel_outputs/ts<stamp>_pid<pid>_outputs/``
+with the op-info jsons in ``<pid>_opcompile/``), and every wrap is a real
+``opcache`` process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_op_compiler import write_op_compiler
+from fake_opc import base_env
+from test_wrap import opcache
+
+SOC = "Ascend910B1"
+MATMUL = {
+    "op_type": "MatMulV2",
+    "attrs": [{"dtype": "bool", "index": 0, "name": "transpose_x1", "value": False}],
+    "deterministic": "false",
+    "impl_mode": "",
+    "inputs": [
+        {
+            "dtype": "float",
+            "format": "ND",
+            "index": 0,
+            "name": "x1",
+            "origin_format": "ND",
+            "origin_shape": [1, 2048],
+            "param_type": "required",
+            "shape": [1, 2048],
+            "value_depend": False,
+        },
+    ],
+    "outputs": [{"dtype": "float", "format": "ND", "index": 0, "name": "y", "shape": [1, 16]}],
+    "tune_mode": "all",
+}
+
+
+class Job:
+    """One torchair job's folders: its op-info dir and its output root."""
+
+    def __init__(self, build: Path, stamp: str, pid: int, ops: dict[str, dict]) -> None:
+        self.root = build / "aclnn_static_shape_kernel_outputs" / f"ts{stamp}_pid{pid}_outputs"
+        self.ops = self.root / f"{pid}_opcompile"
+        self.ops.mkdir(parents=True)
+        for name, data in ops.items():
+            (self.ops / name).write_text(json.dumps(data, indent=2))
+
+    def argv(self, *extra: str, soc: str = SOC) -> list[str]:
+        return ["op_compiler", "-p", str(self.ops), "-v", soc, "-j", "2", "-o", str(self.root)]
+
+    def runs(self) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(self.root.glob("*.run"))}
+
+
+@pytest.fixture
+def toolkit(tmp_path: Path) -> dict[str, str]:
+    """An environment with a fake toolkit (version file, op_compiler first on PATH)."""
+    home = tmp_path / "Ascend" / "latest"
+    write_op_compiler(home / "bin")
+    (home / "version.info").write_text("Version=8.5.0\n")
+    env = base_env(tmp_path, home / "bin")
+    env["ASCEND_HOME_PATH"] = str(home)
+    env["FAKE_OP_COMPILER_LOG"] = str(tmp_path / "op_compiler.log")
+    return env
+
+
+def compiles(env: dict[str, str]) -> int:
+    log = Path(env["FAKE_OP_COMPILER_LOG"])
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def job(tmp_path: Path, n: int, ops: dict[str, dict] | None = None) -> Job:
+    ops = {"MatMulV2_float_ND_1_2048_0.json": MATMUL} if ops is None else ops
+    return Job(tmp_path / "build", f"2026010112000{n}000000", 4000 + n, ops)
+
+
+def wrap(env: dict[str, str], argv: list[str], cwd: Path, status: int = 0):
+    return opcache("wrap", "--", *argv, env=env, cwd=cwd, status=status)
+
+
+def test_second_job_with_the_same_shapes_is_a_hit_that_does_not_run_op_compiler(toolkit, tmp_path):
+    first, second = job(tmp_path, 1), job(tmp_path, 2)
+    done = wrap(toolkit, first.argv(), tmp_path)
+    assert compiles(toolkit) == 1
+    built = first.runs()
+    [name] = built
+    assert name.startswith("static_kernel_") and name.endswith(".run")
+    assert b"compiled 1 operators" in done.stdout and b"is a stand-in" in done.stderr
+    assert not [p for p in first.root.iterdir() if p.name.startswith(".opcache")]
+
+    again = wrap(toolkit, second.argv(), tmp_path)
+    assert compiles(toolkit) == 1  # the hit ran nothing
+    # Restored under the name it was built with (torchair finds the package's
+    # uninstall script by that name), byte for byte, and runnable as torchair runs it.
+    assert second.runs() == built
+    assert (again.stdout, again.stderr) == (done.stdout, done.stderr)
+    run = subprocess.run([str(second.root / name)], capture_output=True, text=True, check=True)
+    assert run.stdout.startswith(f"installed {name[:-4]} ")
+    chip = json.loads(opcache("stats", "--json", env=toolkit, cwd=tmp_path).stdout)["chips"][SOC]
+    assert (chip["misses"], chip["hits"], chip["entries"]) == (1, 1, 1)
+
+
+def test_a_changed_or_added_op_info_file_misses(toolkit, tmp_path):
+    wrap(toolkit, job(tmp_path, 1).argv(), tmp_path)
+    changed = dict(MATMUL, inputs=[dict(MATMUL["inputs"][0], shape=[2, 2048])])
+    wrap(toolkit, job(tmp_path, 2, {"MatMulV2_float_ND_1_2048_0.json": changed}).argv(), tmp_path)
+    assert compiles(toolkit) == 2
+    more = {"MatMulV2_float_ND_1_2048_0.json": MATMUL, "Add_float_ND_8_0.json": {"op_type": "Add"}}
+    wrap(toolkit, job(tmp_path, 3, more).argv(), tmp_path)
+    assert compiles(toolkit) == 3
+    renamed = {"MatMulV2_float_ND_1_2048_1.json": MATMUL}
+    wrap(toolkit, job(tmp_path, 4, renamed).argv(), tmp_path)
+    assert compiles(toolkit) == 4
+
+
+def test_a_changed_soc_misses(toolkit, tmp_path):
+    wrap(toolkit, job(tmp_path, 1).argv(), tmp_path)
+    other = job(tmp_path, 2)
+    wrap(toolkit, other.argv(soc="Ascend910B2"), tmp_path)
+    assert compiles(toolkit) == 2
+    assert (
+        b"installed"
+        in subprocess.run(
+            [str(next(other.root.glob("*.run")))], capture_output=True, check=True
+        ).stdout
+    )
+
+
+def test_jobs_log_level_and_output_folder_are_not_in_the_key_but_flags_that_change_it_are(
+    toolkit, tmp_path
+):
+    wrap(toolkit, job(tmp_path, 1).argv(), tmp_path)
+    quiet = job(tmp_path, 2).argv()
+    quiet[quiet.index("-j") + 1] = "16"
+    wrap(toolkit, [*quiet, "-l", "error"], tmp_path)
+    long = job(tmp_path, 3)
+    spelled = ["op_compiler", f"--op_params_dir={long.ops}", "--soc_version", SOC,
+               "--job=4", "--output", str(long.root)]  # fmt: skip
+    wrap(toolkit, spelled, tmp_path)
+    assert compiles(toolkit) == 1 and len(long.runs()) == 1
+    for n, extra in enumerate(
+        (["-f", "true"], ["--enable_super_kernel"], ["--super_kernel_options", "a=1"]), 4
+    ):
+        wrap(toolkit, [*job(tmp_path, n).argv(), *extra], tmp_path)
+        assert compiles(toolkit) == n - 2, extra
+    wrap(toolkit, [*job(tmp_path, 9).argv(), "--follow_op_params_jit=true"], tmp_path)
+    assert compiles(toolkit) == 4  # -f true spelled long: the same build
+
+
+def test_a_toolkit_upgrade_misses(toolkit, tmp_path):
+    wrap(toolkit, job(tmp_path, 1).argv(), tmp_path)
+    (Path(toolkit["ASCEND_HOME_PATH"]) / "version.info").write_text("Version=9.0.0\n")
+    wrap(toolkit, job(tmp_path, 2).argv(), tmp_path)
+    assert compiles(toolkit) == 2
+    tool = Path(toolkit["ASCEND_HOME_PATH"]) / "bin" / "op_compiler"
+    tool.write_text(tool.read_text() + "# a patched op_compiler\n")
+    wrap(toolkit, job(tmp_path, 3).argv(), tmp_path)
+    assert compiles(toolkit) == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["-k", "te_matmul_1"], "op_compiler: unknown flag or argument -k"),
+        (["--count"], "op_compiler: unknown flag or argument --count"),
+        (["extra.json"], "op_compiler: unknown flag or argument extra.json"),
+        (["-v", "Ascend310P3"], "op_compiler: -v is given twice"),
+    ],
+)
+def test_a_line_it_does_not_understand_runs_uncached_with_its_reason(
+    toolkit, tmp_path, extra, reason
+):
+    done = wrap(toolkit, [*job(tmp_path, 1).argv(), *extra], tmp_path, status=2)
+    assert b"op_compiler: error:" in done.stderr  # the stand-in ran and said why
+    assert compiles(toolkit) == 1
+    report = json.loads(opcache("stats", "--json", env=toolkit, cwd=tmp_path).stdout)
+    assert report["uncacheable_reasons"] == {reason: 1}
+
+
+def test_a_failed_build_keeps_its_status_and_output_and_is_not_cached(toolkit, tmp_path):
+    failing = {**toolkit, "FAKE_OP_COMPILER_FAIL": "MatMulV2: tiling failed"}
+    done = wrap(failing, job(tmp_path, 1).argv(), tmp_path, status=2)
+    assert b"MatMulV2: tiling failed" in done.stderr
+    wrap(toolkit, job(tmp_path, 2).argv(), tmp_path)
+    assert compiles(toolkit) == 2
+
+
+def test_a_static_kernel_hit_imports_nothing_it_does_not_need(toolkit, tmp_path):
+    wrap(toolkit, job(tmp_path, 1).argv(), tmp_path)
+    argv = job(tmp_path, 2).argv()
+    code = (
+        "import sys\nfrom opcache.cli import main\n"
+        f"status = main(['wrap', '--', *{argv!r}])\n"
+        "print(status, *sorted(sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=toolkit, cwd=tmp_path, capture_output=True, text=True
+    )
+    status, *modules = done.stdout.splitlines()[-1].split()  # after the replayed stdout
+    assert status == "0" and compiles(toolkit) == 1, done.stderr
+    heavy = {
+        "argparse", "configparser", "dataclasses", "filelock", "inspect", "logging",
+        "multiprocessing", "shutil", "subprocess", "tempfile", "typing",
+    }  # fmt: skip
+    assert heavy.isdisjoint(modules), heavy.intersection(modules)
+
+
+def test_masquerade_through_a_link_named_op_compiler(toolkit, tmp_path):
+    script = Path(sys.executable).parent / "opcache"
+    if not script.exists():
+        pytest.skip("the opcache console script is not installed next to python")
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "op_compiler").symlink_to(script)
+    env = {**toolkit, "PATH": f"{links}{os.pathsep}{toolkit['PATH']}"}
+    for n in (1, 2):
+        done = subprocess.run(job(tmp_path, n).argv(), env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr.decode()
+    assert compiles(toolkit) == 1
