@@ -36,6 +36,18 @@ ENV_RATIO = "ASCEND_REMAIN_CACHE_SIZE_RATIO"
 ENV_COLLECT_PATH = "NPU_COLLECT_PATH"
 ENV_SHARED_GROUP = "OPCACHE_SHARED_GROUP"
 ENV_SESSION = "OPCACHE_SESSION"
+ENV_REMOTE = "OPCACHE_REMOTE"
+# The remote's options: name -> (variable, default).
+REMOTE_OPTIONS = {
+    "password": ("OPCACHE_REMOTE_PASSWORD", None),
+    "read_only": ("OPCACHE_REMOTE_READ_ONLY", False),
+    "prefix": ("OPCACHE_REMOTE_PREFIX", "opcache:1:"),
+    "ttl": ("OPCACHE_REMOTE_TTL", None),
+    "max_entry_mb": ("OPCACHE_REMOTE_MAX_ENTRY_MB", 64),
+    "timeout": ("OPCACHE_REMOTE_TIMEOUT", 2.0),
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 # CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
 # Checked without a regex: compiling the CJK class took 2 ms of every start-up.
@@ -67,6 +79,7 @@ class Settings(Record):
         "debug_dir",
         "shared_group",
         "session",
+        "remote",
     )
     _compared = tuple(f for f in _fields if f != "sources")
     mode: str
@@ -82,6 +95,7 @@ class Settings(Record):
     debug_dir: Path | None
     shared_group: int | None  # gid of a group-shared cache
     session: str | None  # the compile session a force clears each chip once for
+    remote: RemoteSettings | None  # the remote tier behind the cache folder
 
     def __init__(
         self,
@@ -99,6 +113,7 @@ class Settings(Record):
         debug_dir: Path | None = None,
         shared_group: int | None = None,
         session: str | None = None,
+        remote: RemoteSettings | None = None,
     ) -> None:
         self._init(locals())
 
@@ -155,6 +170,7 @@ class Settings(Record):
             "debug_dir": None if self.debug_dir is None else str(self.debug_dir),
             "shared_group": self.shared_group,
             "session": self.session,
+            "remote": None if self.remote is None else self.remote.as_dict(),
             "sources": dict(self.sources),
         }
 
@@ -178,6 +194,7 @@ def resolve_settings(
     debug_dir: str | os.PathLike[str] | None = None,
     shared_group: str | int | None = None,
     session: str | None = None,
+    remote: str | Mapping[str, object] | None = None,
     environ: Mapping[str, str] | None = None,
     hostname: str | None = None,
     default_mode: str = DEFAULT_MODE,
@@ -194,6 +211,11 @@ def resolve_settings(
     ``session`` (else ``OPCACHE_SESSION``) names the compile session that
     ``force`` clears each chip once for, across OpCaches and processes (see
     ``OpCache``).
+    ``remote`` (else ``OPCACHE_REMOTE``) is the URL of a remote tier behind the
+    cache folder (``redis://[user:password@]host:port/db``, ``rediss://`` for
+    TLS, ``unix:///path?db=N``), or a mapping with ``url`` and the options of
+    ``RemoteSettings``; each option unset there comes from its
+    ``OPCACHE_REMOTE_*`` variable, then its default.
 
     Raises ConfigError for an invalid option or ``ASCEND_CACHE_PATH``.  A bad
     op_cache.ini or size variable only logs a warning and falls back.
@@ -243,7 +265,127 @@ def resolve_settings(
         debug_dir=_expand(os.fspath(debug_dir), env) if _is_set(debug_dir) else None,
         shared_group=_resolve_group(shared_group, env, sources),
         session=_resolve_session(session, env, sources),
+        remote=_resolve_remote(remote, env, sources),
     )
+
+
+class RemoteSettings(Record):
+    """The remote tier: where it is, and how the cache uses it.
+
+    ``read_only``: fetch, never write (a developer reading what CI wrote).
+    ``prefix``: every key of this cache starts with it.  ``ttl``: seconds an
+    entry lives in the remote (None: until the server evicts it).
+    ``max_entry_mb``: bigger entries stay local.  ``timeout``: seconds an
+    operation may take (connecting: a quarter of it, at most half a second).
+    """
+
+    __slots__ = _fields = (
+        "url",
+        "password",
+        "read_only",
+        "prefix",
+        "ttl",
+        "max_entry_mb",
+        "timeout",
+    )
+    url: str
+    password: str | None
+    read_only: bool
+    prefix: str
+    ttl: int | None
+    max_entry_mb: int
+    timeout: float
+
+    def __init__(
+        self,
+        url: str,
+        password: str | None,
+        read_only: bool,
+        prefix: str,
+        ttl: int | None,
+        max_entry_mb: int,
+        timeout: float,
+    ) -> None:
+        self._init(locals())
+
+    def __repr__(self) -> str:  # never the password, wherever a settings object is shown
+        return f"RemoteSettings(url={self.shown_url!r}, read_only={self.read_only})"
+
+    @property
+    def shown_url(self) -> str:
+        """The URL with its password masked."""
+        scheme, sep, rest = self.url.partition("://")
+        credentials, at, host = rest.rpartition("@")
+        if not at:
+            return self.url
+        user, colon, _ = credentials.partition(":")
+        return f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
+
+    def as_dict(self) -> dict[str, object]:
+        shown = {name: getattr(self, name) for name in self._fields}
+        shown["url"] = self.shown_url
+        shown["password"] = None if self.password is None else "***"
+        return shown
+
+
+def _resolve_remote(
+    value: str | Mapping[str, object] | None, env: Mapping[str, str], sources: dict
+) -> RemoteSettings | None:
+    given = dict(value) if isinstance(value, Mapping) else {"url": value}
+    if _is_set(given.get("url")):
+        sources["remote"] = "argument"
+        url = str(given["url"])
+    elif env.get(ENV_REMOTE):
+        sources["remote"] = f"env:{ENV_REMOTE}"
+        url = env[ENV_REMOTE]
+    else:
+        sources["remote"] = "default"
+        return None
+    from .storage import schemes
+
+    scheme = url.partition("://")[0]
+    if "://" not in url or scheme not in schemes():
+        raise ConfigError(
+            f"remote={RemoteSettings(url, None, False, '', None, 0, 0).shown_url!r} is not "
+            f"valid; use a URL {' or '.join(s + '://...' for s in schemes())}"
+        )
+    options: dict[str, object] = {}
+    for name, (variable, default) in REMOTE_OPTIONS.items():
+        if _is_set(given.get(name)):
+            options[name] = _remote_option(name, given[name], f"remote {name}")
+            sources[f"remote_{name}"] = "argument"
+        elif env.get(variable):
+            options[name] = _remote_option(name, env[variable], variable)
+            sources[f"remote_{name}"] = f"env:{variable}"
+        else:
+            options[name] = default
+            sources[f"remote_{name}"] = "default"
+    return RemoteSettings(url=url, **options)  # type: ignore[arg-type]
+
+
+def _remote_option(name: str, value: object, option: str) -> object:
+    """A remote option's value from text (or a value of its own type); ConfigError if bad."""
+    text = str(value).strip()
+    if name == "read_only":
+        if isinstance(value, bool) or text.lower() in _TRUE + _FALSE:
+            return value if isinstance(value, bool) else text.lower() in _TRUE
+        valid = "true or false (1/0, yes/no, on/off)"
+    elif name in ("ttl", "max_entry_mb"):
+        if text.isascii() and text.isdigit() and int(text) >= (0 if name == "ttl" else 1):
+            return int(text) or None  # a TTL of 0: none
+        valid = "a whole number of seconds (0: none)" if name == "ttl" else "a whole number >= 1"
+    elif name == "timeout":
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = 0.0
+        if 0 < seconds <= 600:
+            return seconds
+        valid = "a number of seconds, more than 0 and at most 600"
+    else:  # password, prefix: any text
+        return text if name == "prefix" else str(value)
+    shown = "***" if name == "password" else value
+    raise ConfigError(f"{option}={shown!r} is not valid; use {valid}")
 
 
 def _resolve_session(value: str | None, env: Mapping[str, str], sources: dict) -> str | None:

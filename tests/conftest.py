@@ -20,3 +20,31 @@ def fake_home(fs) -> Path:
 def env(fake_home: Path) -> dict[str, str]:
     """An environment holding only HOME, so the developer's own variables never leak in."""
     return {"HOME": str(fake_home)}
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real redis-server for the whole run (skipped, saying how to get one, without any)."""
+    from helpers_redis import HOW_TO_GET_ONE, RedisServer, find_server
+
+    binary = find_server()
+    if binary is None:
+        pytest.skip(HOW_TO_GET_ONE)
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The server's URL, emptied for this test (started again if a test stopped it)."""
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    client = redis_server.client()
+    client.flushall()
+    for user in client.acl_users():
+        if user != b"default" and user != "default":
+            client.acl_deluser(user)
+    client.close()
+    return redis_server.url

@@ -1,0 +1,337 @@
+"""Redis (or Valkey) as the remote tier, through redis-py.
+
+Keys, under the settings' prefix (``opcache:1:`` unless set)::
+
+    <prefix><soc>:<key>          an entry
+    <prefix><soc>:<key>:claim    a claim: one client compiles the key
+
+A value is our own format, never pickle: ``OPCR``, a format byte and a flags
+byte, then the payload (the manifest's length and bytes, then every artifact
+in the manifest's order; zlib-compressed when that saves a tenth), then the
+XXH3-128 of everything before it.  A value is checked whole (checksum, the
+manifest's own checksum, every artifact's size and digest) before it is
+returned: ``RemoteCorrupt`` otherwise.
+
+The client waits a fraction of a second to connect and ``timeout`` seconds
+for an answer, and never retries: a cache must not hold up a compile for the
+sake of a remote (redis-py's defaults wait 5 s and retry ten times).  Every
+failure is a ``RemoteError``.  A write the server's ACL refuses turns the
+client read-only, with one warning.
+
+Claims are ``SET NX PX`` with a random token; a thread renews the claims this
+process holds, and releasing deletes a claim only if it is still ours.  A
+claim whose holder died expires within its ``seconds``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+
+import xxhash
+
+from .._log import get_logger
+from . import RemoteCorrupt, RemoteError
+from .entry import CorruptEntry, Entry, check_artifact, parse_manifest
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import redis as redis_py
+
+    from ..settings import RemoteSettings
+
+log = get_logger(__name__)
+
+MAGIC = b"OPCR"
+FORMAT = 1
+_ZLIB = 1
+_HEAD = struct.Struct(">4sBB")
+_LENGTH = struct.Struct(">I")
+_CHECK = 16  # bytes of XXH3-128
+_COMPRESS_FROM = 1024
+_MGET_KEYS = 64  # keys per MGET: a batch of big kernels stays a bounded answer
+_CLAIM_SUFFIX = ":claim"
+_MB = 1024 * 1024
+
+# Renew a claim, or delete it, only while it holds our token.
+_RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"""
+_RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('del', KEYS[1]) end return 0"""
+
+
+def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
+    """The stored value of an entry (ValueError if ``files`` are not the manifest's)."""
+    try:
+        described = parse_manifest(manifest, key)["artifacts"]
+    except CorruptEntry as e:
+        raise ValueError(f"not the manifest of {key}: {e}") from None
+    if sorted(files) != sorted(name for name, _, _ in described):
+        raise ValueError("the files are not the ones the manifest names")
+    payload = b"".join(
+        [_LENGTH.pack(len(manifest)), manifest, *(files[name] for name, _, _ in described)]
+    )
+    flags = 0
+    if len(payload) >= _COMPRESS_FROM:
+        packed = zlib.compress(payload, 1)
+        if len(packed) * 10 <= len(payload) * 9:
+            payload, flags = packed, _ZLIB
+    value = _HEAD.pack(MAGIC, FORMAT, flags) + payload
+    return value + xxhash.xxh3_128_digest(value)
+
+
+def unpack(key: str, value: bytes) -> tuple[Entry, bytes]:
+    """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole."""
+    if len(value) < _HEAD.size + _CHECK or value[:4] != MAGIC:
+        raise RemoteCorrupt("not an opcache value")
+    body, check = value[:-_CHECK], value[-_CHECK:]
+    if xxhash.xxh3_128_digest(body) != check:
+        raise RemoteCorrupt("the value is damaged (checksum)")
+    _, version, flags = _HEAD.unpack_from(body)
+    if version != FORMAT:
+        raise RemoteCorrupt(f"value format {version}, not {FORMAT}")
+    payload = body[_HEAD.size :]
+    if flags & _ZLIB:
+        try:
+            payload = zlib.decompress(payload)
+        except zlib.error as e:
+            raise RemoteCorrupt(f"cannot decompress: {e}") from None
+    if len(payload) < _LENGTH.size:
+        raise RemoteCorrupt("no manifest")
+    (length,) = _LENGTH.unpack_from(payload)
+    at = _LENGTH.size + length
+    manifest = payload[_LENGTH.size : at]
+    try:
+        described = parse_manifest(manifest, key)
+        files = {}
+        for name, size, want in described["artifacts"]:
+            files[name] = check_artifact(name, size, want, payload[at : at + size])
+            at += size
+    except CorruptEntry as e:
+        raise RemoteCorrupt(str(e)) from None
+    if at != len(payload):
+        raise RemoteCorrupt(f"{len(payload) - at} bytes past the last artifact")
+    return Entry(key, files, described["compile_seconds"], 0.0), manifest
+
+
+def connect(settings: RemoteSettings) -> RedisRemote:
+    """A client of the Redis server ``settings`` names."""
+    try:
+        import redis as redis_py
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError:
+        raise RemoteError(
+            "a Redis remote needs redis-py: pip install 'opcache[redis]' (or redis)"
+        ) from None
+    extra = {} if settings.password is None else {"password": settings.password}
+    try:
+        client = redis_py.Redis.from_url(
+            settings.url,
+            socket_connect_timeout=min(0.5, settings.timeout / 4),
+            socket_timeout=settings.timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            **extra,
+        )
+    except (ValueError, redis_py.RedisError) as e:
+        raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
+    return RedisRemote(client, settings)
+
+
+class RedisRemote:
+    """The remote tier on one Redis server (see the module's docstring)."""
+
+    def __init__(self, client: redis_py.Redis, settings: RemoteSettings) -> None:
+        import redis as redis_py
+
+        self._redis = client
+        self._errors = redis_py.RedisError
+        self._denied = redis_py.exceptions.NoPermissionError
+        self._prefix = settings.prefix
+        self._ttl = settings.ttl
+        self.read_only = settings.read_only
+        self.max_entry_bytes = settings.max_entry_mb * _MB
+        self.where = settings.shown_url
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+        self._claims: dict[str, _Claim] = {}
+        self._claims_lock = threading.Lock()
+        self._renewer: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def _name(self, soc: str, key: str) -> str:
+        return f"{self._prefix}{soc}:{key}"
+
+    def _call(self, what: str, func, *args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return func(*args, **kwargs)
+        except self._errors as e:
+            raise RemoteError(f"{self.where}: {what}: {e}") from None
+
+    # -- entries ---------------------------------------------------------------------
+
+    def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
+        value = self._call("GET", self._redis.get, self._name(soc, key))
+        return None if value is None else unpack(key, value)
+
+    def get_many(self, soc: str, keys: list[str]) -> dict[str, tuple[Entry, bytes] | RemoteCorrupt]:
+        """The entries of ``keys`` that are there, by key (a bad value as its RemoteCorrupt)."""
+        found: dict[str, tuple[Entry, bytes] | RemoteCorrupt] = {}
+        for start in range(0, len(keys), _MGET_KEYS):
+            batch = keys[start : start + _MGET_KEYS]
+            values = self._call("MGET", self._redis.mget, [self._name(soc, k) for k in batch])
+            for key, value in zip(batch, values, strict=True):
+                if value is not None:
+                    try:
+                        found[key] = unpack(key, value)
+                    except RemoteCorrupt as e:
+                        found[key] = e
+        return found
+
+    def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        if self.read_only:
+            return 0
+        if len(manifest) + sum(map(len, files.values())) > self.max_entry_bytes:
+            log.debug("%s/%s is over the remote's size cap: kept local only", soc, key)
+            return 0
+        value = pack(key, manifest, files)
+        stored = self._write("SET", self._redis.set, self._name(soc, key), value, ex=self._ttl)
+        return len(value) if stored else 0
+
+    def discard(self, soc: str, key: str) -> None:
+        if not self.read_only:
+            self._write("DEL", self._redis.delete, self._name(soc, key))
+
+    def _write(self, what: str, func, *args, **kwargs) -> object:  # type: ignore[no-untyped-def]
+        """Run a write; False when the server's ACL refuses writes (we turn read-only)."""
+        try:
+            return func(*args, **kwargs)
+        except self._denied as e:
+            if not self.read_only:
+                self.read_only = True
+                log.warning(
+                    "%s refuses our writes (%s): only reading it from now on", self.where, e
+                )
+            return False
+        except self._errors as e:
+            raise RemoteError(f"{self.where}: {what}: {e}") from None
+
+    # -- claims ----------------------------------------------------------------------
+
+    def claim(self, soc: str, key: str, seconds: float) -> _Claim | None:
+        """The key for one compile in the cluster, or None when another client holds it."""
+        name = self._name(soc, key) + _CLAIM_SUFFIX
+        token = f"{os.uname().nodename}:{os.getpid()}:{os.urandom(8).hex()}"
+        millis = max(int(seconds * 1000), 1)
+        if not self.read_only:
+            taken = self._write("SET NX", self._redis.set, name, token, nx=True, px=millis)
+            if taken:
+                return self._hold(_Claim(self, name, token, millis, owned=True), seconds)
+            if not self.read_only:
+                return None  # another client holds it
+        # Read-only: wait for a writer's claim; with none, compile unclaimed.
+        held = self._call("EXISTS", self._redis.exists, name)
+        return None if held else _Claim(self, name, "", 0, owned=False)
+
+    def _hold(self, claim: _Claim, seconds: float) -> _Claim:
+        with self._claims_lock:
+            self._claims[claim.token] = claim
+            if self._renewer is None:
+                self._renewer = threading.Thread(
+                    target=self._renew_claims, args=(seconds / 3,), name="opcache-claims",
+                    daemon=True,
+                )  # fmt: skip
+                self._renewer.start()
+        return claim
+
+    def claimed(self, soc: str, key: str) -> bool:
+        return bool(self._call("EXISTS", self._redis.exists, self._name(soc, key) + _CLAIM_SUFFIX))
+
+    def _renew_claims(self, every: float) -> None:
+        while not self._closed.wait(every):
+            with self._claims_lock:
+                held = list(self._claims.values())
+            for claim in held:
+                try:
+                    self._renew(keys=[claim.name], args=[claim.token, claim.millis])
+                except self._errors as e:
+                    log.debug("cannot renew the claim %s: %s", claim.name, e)
+
+    def _drop(self, claim: _Claim) -> None:
+        with self._claims_lock:
+            self._claims.pop(claim.token, None)
+        try:
+            self._release(keys=[claim.name], args=[claim.token])
+        except self._errors as e:  # it expires by itself
+            log.debug("cannot release the claim %s: %s", claim.name, e)
+
+    # -- maintenance -----------------------------------------------------------------
+
+    def _scan(self, soc: str | None) -> list[bytes]:
+        pattern = _glob_escape(self._prefix) + (f"{_glob_escape(soc)}:*" if soc else "*")
+        return self._call("SCAN", lambda: list(self._redis.scan_iter(match=pattern, count=1000)))
+
+    def usage(self, soc: str | None = None) -> dict[str, object]:
+        """Entries and bytes per chip under the prefix, and the server's memory settings."""
+        chips: dict[str, dict[str, int]] = {}
+        names = [n for n in self._scan(soc) if not n.endswith(_CLAIM_SUFFIX.encode())]
+        for start in range(0, len(names), 1000):
+            batch = names[start : start + 1000]
+            pipe = self._redis.pipeline(transaction=False)
+            for name in batch:
+                pipe.strlen(name)
+            sizes = self._call("STRLEN", pipe.execute)
+            for name, size in zip(batch, sizes, strict=True):
+                chip = name[len(self._prefix) :].decode(errors="replace").rpartition(":")[0]
+                row = chips.setdefault(chip, {"entries": 0, "bytes": 0})
+                row["entries"] += 1
+                row["bytes"] += int(size)
+        memory = self._call("INFO", self._redis.info, "memory")
+        return {
+            "chips": dict(sorted(chips.items())),
+            "used_memory": memory.get("used_memory"),
+            "maxmemory": memory.get("maxmemory"),
+            "maxmemory_policy": memory.get("maxmemory_policy"),
+        }
+
+    def clear(self, soc: str | None = None) -> int:
+        """Delete this cache's entries and claims (of one chip): never another's keys."""
+        if self.read_only:
+            raise RemoteError(f"{self.where}: the remote is read-only here")
+        names = list(self._scan(soc))
+        for start in range(0, len(names), 1000):
+            self._call("UNLINK", self._redis.unlink, *names[start : start + 1000])
+        return len([n for n in names if not n.endswith(_CLAIM_SUFFIX.encode())])
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._claims_lock:
+            held = list(self._claims.values())
+        for claim in held:
+            claim.release()
+        self._redis.close()
+
+
+class _Claim:
+    """A claim on a key; ``owned`` False for one a read-only client goes on without."""
+
+    def __init__(self, remote: RedisRemote, name: str, token: str, millis: int, *, owned: bool):
+        self._remote = remote
+        self.name = name
+        self.token = token
+        self.millis = millis
+        self.owned = owned
+        self._released = not owned
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._remote._drop(self)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

