@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .compilers.protocol import Compiler
+    from .remote_tier import RemoteTier
     from .request import Status
     from .shared_work import OutDirs
+    from .storage import Claim
 
 log = get_logger(__name__)
 
@@ -156,6 +158,11 @@ class OpCache:
         self._fingerprints: dict[int, tuple[Compiler, str]] = {}
         # Threads inside compile(), and whether the cache folder failed them yet.
         self._compiling: dict[int, bool] = {}
+        self._remote: RemoteTier | None = None
+        if settings.remote is not None and settings.mode != "disable":
+            from .remote_tier import RemoteTier  # only with a remote: not on wrap's start-up
+
+            self._remote = RemoteTier(settings.remote, self._store, self._stats)
 
     # -- compiling -----------------------------------------------------------
 
@@ -260,20 +267,39 @@ class OpCache:
         if not self._prepare_chip(soc):
             return self._compile_plain(request, compiler, out, started, "miss", UNUSABLE, key)
         entry = self._lookup(soc, key)
-        if entry is None:
-            lock = self._acquire(soc, key)
-            entry, files, note = self._fill(lock, request, compiler, key, inputs, out)[:3]
-            if entry is None:
-                self._stats.add(soc, "misses")
-                seconds = time.perf_counter() - started
-                return CompileResult("miss", key, files, seconds, note)
-        return self._hit(entry, soc, out, started)
+        if entry is not None:
+            return self._hit(entry, soc, out, started, "local")
+        if self._remote is not None:
+            got = self._remote.fetch(soc, key)
+            if got is not None:
+                return self._hit(self._backfill(soc, key, *got), soc, out, started, "remote")
+        filled = self._fill(self._acquire(soc, key), request, compiler, key, inputs, out)
+        if filled.entry is not None:
+            return self._hit(filled.entry, soc, out, started, filled.tier)
+        self._stats.add(soc, "misses")
+        seconds = time.perf_counter() - started
+        return CompileResult("miss", key, filled.files, seconds, filled.note)
 
-    def _hit(self, entry: Entry, soc: str, out: Path, started: float) -> CompileResult:
+    def _hit(self, entry: Entry, soc: str, out: Path, started: float, tier: str) -> CompileResult:
         files = _deliver(out, entry.files)
         self._record_hit(soc, entry)
         seconds = time.perf_counter() - started
-        return CompileResult("hit", entry.key, files, seconds, saved_seconds=entry.compile_seconds)
+        saved = entry.compile_seconds
+        return CompileResult("hit", entry.key, files, seconds, saved_seconds=saved, tier=tier)
+
+    def _backfill(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
+        """A remote's entry, stored in the cache folder too, as a local hit then sees it.
+
+        A cache folder that cannot take it only warns: the entry is served.
+        """
+        try:
+            stored = self._store.put(soc, key, manifest, entry.files, now=self._clock())
+        except OSError as e:
+            self._cache_error("write", f"cannot store in the cache at {self._store.root}: {e}", soc)
+        else:
+            if stored is not None:
+                self._after_store(soc, stored)
+        return Entry(key, entry.files, entry.compile_seconds, self._clock())
 
     def _fill(
         self,
@@ -283,10 +309,14 @@ class OpCache:
         key: str,
         inputs: dict,
         out: Path,
-    ) -> tuple[Entry | None, dict[str, Path], str | None, dict[str, bytes]]:
-        """With the key's lock held (or none to be had): (the entry, if another process
-        stored it meanwhile; else the compiled files in ``out``, why they were not
-        stored, and their bytes).  Releases the lock.
+        claim: Claim | None = None,
+    ) -> _Filled:
+        """With the key's lock held (or none to be had): the entry, if another process
+        stored it meanwhile, else this process's compile.  Releases the lock.
+
+        With a remote, the compile is claimed in the whole cluster first (or
+        ``claim`` was taken already): while another client of the remote
+        compiles the key, this waits for its entry, up to ``lock_timeout``.
         """
         soc = request.soc_version
         stored = None
@@ -295,7 +325,11 @@ class OpCache:
             # whether we waited for its lock or it was done before we came.
             entry = self._lookup(soc, key) if lock else None
             if entry is not None:
-                return entry, {}, None, {}
+                return _Filled(entry, "local")
+            if claim is None and self._remote is not None:
+                entry, claim = self._claim_or_wait(soc, key)
+                if entry is not None:
+                    return _Filled(entry, "remote")
             if lock and lock.waited:
                 # Its compile failed (or could not be stored): compile here, but
                 # let the other waiters do the same at once instead of one after
@@ -305,11 +339,56 @@ class OpCache:
                 request, compiler, key, inputs, out
             )
         finally:
+            if claim is not None:
+                claim.release()
             if lock:
                 lock.release()
         if stored is not None:
             self._after_store(soc, stored)  # not under the key's lock
-        return None, files, note, artifacts
+        return _Filled(None, "", files, note, artifacts)
+
+    def _claim_or_wait(self, soc: str, key: str) -> tuple[Entry | None, Claim]:
+        """(the remote's entry, once another client stored it) or (None, this compile's claim)."""
+        from .remote_tier import UNCLAIMED
+
+        deadline = time.monotonic() + self._lock_timeout
+        delay = 0.02
+        looked = True  # (just before the local lock was taken)
+        while True:
+            entry, claim = self._remote_step(soc, key, look_first=not looked)
+            looked = False
+            if entry is not None or claim is not None:
+                return entry, claim or UNCLAIMED
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "waited %.0f s for another machine compiling %s/%s; compiling it here too",
+                    self._lock_timeout,
+                    soc,
+                    key,
+                )
+                return None, UNCLAIMED
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _remote_step(
+        self, soc: str, key: str, *, look_first: bool
+    ) -> tuple[Entry | None, Claim | None]:
+        """One turn at the remote for a key missing here: (its entry, backfilled),
+        (None, a claim to compile it under), or (None, None) while another client
+        compiles it.  ``look_first`` when time has passed since the last look."""
+        assert self._remote is not None
+        got = self._remote.fetch(soc, key, again=True) if look_first else None
+        if got is None:
+            claim = self._remote.claim(soc, key)
+            if claim is None or not claim.owned:
+                return None, claim
+            # Claimed: but its last holder may have stored it and let go just
+            # before, so one more look, as after taking the local lock.
+            got = self._remote.fetch(soc, key, again=True)
+            if got is None:
+                return None, claim
+            claim.release()
+        return self._backfill(soc, key, *got), None
 
     def _fingerprint(self, compiler: Compiler) -> str:
         known = self._fingerprints.get(id(compiler))
@@ -380,6 +459,8 @@ class OpCache:
             self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
             return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts
         manifest = make_manifest(key, artifacts, seconds, inputs, self._clock())
+        if self._remote is not None:
+            self._remote.store(soc, key, manifest, artifacts)
         try:
             size = self._store.put(soc, key, manifest, artifacts, now=self._clock())
         except OSError as e:
@@ -578,8 +659,10 @@ class OpCache:
         self._stats.add(check_soc_version(soc_version), stats.UNCACHEABLE_PREFIX + reason)
 
     def close(self) -> None:
-        """Write the pending stats; the cache stays usable for maintenance calls."""
+        """Write the pending stats, let go of the remote; maintenance calls still work."""
         self._stats.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> OpCache:
         return self
@@ -610,6 +693,26 @@ class OpCache:
                 return
             self._warned.add(kind)
         log.warning("%s", message)
+
+
+class _Filled:
+    """What ``_fill`` came to: an entry (and its tier), or a compile's files."""
+
+    __slots__ = ("artifacts", "entry", "files", "note", "tier")
+
+    def __init__(
+        self,
+        entry: Entry | None,
+        tier: str,
+        files: dict[str, Path] | None = None,
+        note: str | None = None,
+        artifacts: dict[str, bytes] | None = None,
+    ) -> None:
+        self.entry = entry
+        self.tier = tier
+        self.files = files or {}
+        self.note = note
+        self.artifacts = artifacts or {}
 
 
 def process_group_session() -> str:

@@ -99,10 +99,21 @@ class CompileResult(Record):
     when the cache was not consulted); ``files`` maps each artifact name to its
     path inside ``out_dir``; ``seconds`` is the time this operator took;
     ``saved_seconds`` the compile time a hit saved; ``reason`` says why a
-    compile bypassed the cache or could not be stored.
+    compile bypassed the cache or could not be stored; ``tier`` is where a
+    hit came from: "local" (the cache folder) or "remote" (then stored in the
+    cache folder too), and "" for anything but a hit.
     """
 
-    __slots__ = _fields = ("status", "key", "files", "seconds", "reason", "saved_seconds", "error")
+    __slots__ = _fields = (
+        "status",
+        "key",
+        "files",
+        "seconds",
+        "reason",
+        "saved_seconds",
+        "error",
+        "tier",
+    )
     status: Status
     key: str
     files: dict[str, Path]
@@ -110,6 +121,7 @@ class CompileResult(Record):
     reason: str | None
     saved_seconds: float
     error: Exception | None
+    tier: str
 
     def __init__(
         self,
@@ -120,5 +132,6 @@ class CompileResult(Record):
         reason: str | None = None,
         saved_seconds: float = 0.0,
         error: Exception | None = None,
+        tier: str = "",
     ) -> None:
         self._init(locals())

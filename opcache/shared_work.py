@@ -60,7 +60,19 @@ _TRY_EVERY = 1.0
 class _Job:
     """One compile of a batch: the requests (by index) that share its key."""
 
-    __slots__ = ("delay", "indices", "inputs", "key", "lock", "plain", "request", "since", "tried")
+    __slots__ = (
+        "delay",
+        "held",
+        "indices",
+        "inputs",
+        "key",
+        "lock",
+        "plain",
+        "remote_wait",
+        "request",
+        "since",
+        "tried",
+    )
 
     def __init__(
         self,
@@ -76,6 +88,8 @@ class _Job:
         self.inputs = inputs
         self.plain = plain  # (status, reason) of a compile that keeps the cache out
         self.lock: KeyLock | None = None
+        self.held: KeyLock | None = None  # the lock, while this process holds it
+        self.remote_wait = False  # held here, while another machine compiles it
         self.delay = _FIRST_CHECK
         self.tried = 0.0  # when the lock was last tried
         self.since = 0.0  # when another process was first found holding it
@@ -195,7 +209,29 @@ class _Batch:
                 continue
             if job is not None:
                 jobs.append(job)
-        return jobs
+        return jobs if self.cache._remote is None else self._from_remote(jobs)
+
+    def _from_remote(self, jobs: list[_Job]) -> list[_Job]:
+        """Deliver the local misses the remote has (one batch per chip); the jobs left."""
+        cache = self.cache
+        assert cache._remote is not None
+        by_soc: dict[str, list[_Job]] = {}
+        for job in jobs:
+            if job.plain is None:
+                by_soc.setdefault(job.request.soc_version, []).append(job)
+        for soc, missing in by_soc.items():
+            started = time.perf_counter()
+            found = cache._remote.fetch_many(soc, [job.key for job in missing])
+            for job in missing:
+                if job.key not in found:
+                    continue
+                try:
+                    self._hits(
+                        job, cache._backfill(soc, job.key, *found[job.key]), started, "remote"
+                    )
+                except Exception as e:  # one operator's failure does not stop the others
+                    self._settle(job, _failed(job.key, e, started))
+        return [job for job in jobs if self.results[job.indices[0]] is None]
 
     def _first_look(
         self,
@@ -223,7 +259,7 @@ class _Batch:
                 known = cache._lookup(soc, key)
         if known is not None:
             by_key[(soc, key)] = known
-            self.results[index] = cache._hit(known, soc, self.outs[index], started)
+            self.results[index] = cache._hit(known, soc, self.outs[index], started, "local")
             return None
         job = by_key[(soc, key)] = _Job(index, request, key, inputs)
         return job
@@ -234,6 +270,8 @@ class _Batch:
             try:
                 done = self._try(job, fresh)
             except Exception as e:  # one operator's failure does not stop the others
+                if job.held is not None:
+                    job.held.release()
                 self._settle(job, _failed(job.key, e, time.perf_counter()))
                 done = True
             if done:
@@ -252,26 +290,63 @@ class _Batch:
             self._settle(job, result)
             return True
         with cache._one_error_per_compile(soc):
-            if not fresh and not self._due(job):
-                return False
-            # Another process may have stored it since the first look: a stat
-            # says so for less than a lock file's creation and deletion.
-            stored = not fresh or cache._store.stamp(soc, job.key) is not None
-            entry = cache._lookup(soc, job.key) if stored else None
-            if entry is None:
+            if not job.remote_wait:
+                if not fresh and not self._due(job):
+                    return False
+                # Another process may have stored it since the first look: a stat
+                # says so for less than a lock file's creation and deletion.
+                stored = not fresh or cache._store.stamp(soc, job.key) is not None
+                entry = cache._lookup(soc, job.key) if stored else None
+                if entry is not None:  # another process compiled it
+                    self._hits(job, entry, started, "local")
+                    return True
                 lock = self._claim(job, fresh)
                 if lock is False:
                     return False
-                entry, files, note, artifacts = cache._fill(
-                    lock, request, self.compiler, job.key, job.inputs or {}, out
-                )
-        if entry is not None:  # another process compiled it
-            for index in job.indices:
-                self.results[index] = cache._hit(entry, soc, self.outs[index], started)
+                job.held = lock
+            claim = None
+            if cache._remote is not None:
+                entry, claim = cache._remote_step(soc, job.key, look_first=job.remote_wait)
+                if entry is not None:
+                    if job.held is not None:
+                        job.held.release()
+                    self._hits(job, entry, started, "remote")
+                    return True
+                if claim is None and not self._remote_timed_out(job):
+                    return False  # another machine compiles it: keep our lock, look again
+            filled = cache._fill(
+                job.held, request, self.compiler, job.key, job.inputs or {}, out, claim
+            )
+        if filled.entry is not None:
+            self._hits(job, filled.entry, started, filled.tier)
             return True
         cache._stats.add(soc, "misses")
         seconds = time.perf_counter() - started
-        self._settle(job, CompileResult("miss", job.key, files, seconds, note), artifacts)
+        result = CompileResult("miss", job.key, filled.files, seconds, filled.note)
+        self._settle(job, result, filled.artifacts)
+        return True
+
+    def _hits(self, job: _Job, entry: Entry, started: float, tier: str) -> None:
+        for index in job.indices:
+            out = self.outs[index]
+            self.results[index] = self.cache._hit(
+                entry, job.request.soc_version, out, started, tier
+            )
+
+    def _remote_timed_out(self, job: _Job) -> bool:
+        """Whether this process has waited ``lock_timeout`` for another machine's compile."""
+        now = time.monotonic()
+        if not job.remote_wait:
+            job.remote_wait, job.since, job.delay = True, now, _FIRST_CHECK
+            return False
+        if now - job.since < self.cache._lock_timeout:
+            return False
+        log.warning(
+            "waited %.0f s for another machine compiling %s/%s; compiling it here too",
+            self.cache._lock_timeout,
+            job.request.soc_version,
+            job.key,
+        )
         return True
 
     def _due(self, job: _Job) -> bool:
@@ -324,12 +399,9 @@ class _Batch:
             started = time.perf_counter()
             files = _deliver(self.outs[index], artifacts)
             self.cache._stats.add(job.request.soc_version, "hits")
+            seconds = time.perf_counter() - started
             self.results[index] = CompileResult(
-                "hit",
-                job.key,
-                files,
-                time.perf_counter() - started,
-                saved_seconds=result.seconds,
+                "hit", job.key, files, seconds, saved_seconds=result.seconds, tier="local"
             )
 
 

@@ -34,6 +34,14 @@ ACTIVITY = (
     "evicted_bytes",
     "errors",
     "time_saved_seconds",
+    # The remote tier (remote_tier.py): asked after a local miss.
+    "remote_hits",
+    "remote_misses",
+    "remote_stores",
+    "remote_errors",
+    "remote_corrupt",
+    "remote_bytes_down",
+    "remote_bytes_up",
 )
 BYPASS_PREFIX = "bypass:"
 UNCACHEABLE_PREFIX = "uncacheable:"
