@@ -36,6 +36,13 @@ ENV_RATIO = "ASCEND_REMAIN_CACHE_SIZE_RATIO"
 ENV_COLLECT_PATH = "NPU_COLLECT_PATH"
 ENV_SHARED_GROUP = "OPCACHE_SHARED_GROUP"
 ENV_SESSION = "OPCACHE_SESSION"
+# For a build system that passes opcache no flags (the masquerade, `opcache wrap`):
+ENV_DIR = "OPCACHE_DIR"  # as op_compiler_cache_dir
+ENV_MODE = "OPCACHE_MODE"  # as op_compiler_cache_mode
+ENV_DISABLE = "OPCACHE_DISABLE"  # true-ish: no cache at all, whatever the mode
+ENV_BASE_DIR = "OPCACHE_BASE_DIR"  # paths under it are keyed relative to the working folder
+ENV_VERBOSE = "OPCACHE_VERBOSE"  # true-ish: `opcache wrap -v`
+_FALSE = ("", "0", "false", "no", "off")
 
 # CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
 # Checked without a regex: compiling the CJK class took 2 ms of every start-up.
@@ -67,6 +74,7 @@ class Settings(Record):
         "debug_dir",
         "shared_group",
         "session",
+        "base_dir",
     )
     _compared = tuple(f for f in _fields if f != "sources")
     mode: str
@@ -82,6 +90,7 @@ class Settings(Record):
     debug_dir: Path | None
     shared_group: int | None  # gid of a group-shared cache
     session: str | None  # the compile session a force clears each chip once for
+    base_dir: Path | None  # wrapped C compiles key paths under it relative to their folder
 
     def __init__(
         self,
@@ -99,6 +108,7 @@ class Settings(Record):
         debug_dir: Path | None = None,
         shared_group: int | None = None,
         session: str | None = None,
+        base_dir: Path | None = None,
     ) -> None:
         self._init(locals())
 
@@ -155,6 +165,7 @@ class Settings(Record):
             "debug_dir": None if self.debug_dir is None else str(self.debug_dir),
             "shared_group": self.shared_group,
             "session": self.session,
+            "base_dir": None if self.base_dir is None else str(self.base_dir),
             "sources": dict(self.sources),
         }
 
@@ -178,6 +189,7 @@ def resolve_settings(
     debug_dir: str | os.PathLike[str] | None = None,
     shared_group: str | int | None = None,
     session: str | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
     hostname: str | None = None,
     default_mode: str = DEFAULT_MODE,
@@ -194,8 +206,16 @@ def resolve_settings(
     ``session`` (else ``OPCACHE_SESSION``) names the compile session that
     ``force`` clears each chip once for, across OpCaches and processes (see
     ``OpCache``).
+    ``base_dir`` (else ``OPCACHE_BASE_DIR``), an absolute folder: ``opcache wrap``
+    keys the paths of a C compile under it relative to the compile's folder, so
+    checkouts in different folders share entries (ccache's ``base_dir``).
 
-    Raises ConfigError for an invalid option or ``ASCEND_CACHE_PATH``.  A bad
+    The environment may also set the mode (``OPCACHE_MODE``, below an argument;
+    ``OPCACHE_DISABLE`` true-ish wins over everything) and the cache folder
+    (``OPCACHE_DIR``, as ``op_compiler_cache_dir``, above ``ASCEND_CACHE_PATH``).
+
+    Raises ConfigError for an invalid option or environment variable (its
+    ``variable`` then names the variable).  A bad
     op_cache.ini or size variable only logs a warning and falls back.
     """
     env = os.environ if environ is None else environ
@@ -203,14 +223,17 @@ def resolve_settings(
     if default_mode not in MODES:
         raise ValueError(f"default_mode={default_mode!r} is not one of {', '.join(MODES)}")
 
-    mode, sources["mode"] = _resolve_mode(op_compiler_cache_mode, default_mode)
+    mode, sources["mode"] = _resolve_mode(op_compiler_cache_mode, default_mode, env)
 
     cache_dir = None
     if _is_set(op_compiler_cache_dir):
         cache_dir = _absolute_dir("op_compiler_cache_dir", op_compiler_cache_dir, env)
         root, sources["root"] = cache_dir / KERNEL_CACHE, "argument"
+    elif env.get(ENV_DIR):
+        cache_dir = _absolute_dir(ENV_DIR, env[ENV_DIR], env, variable=ENV_DIR)
+        root, sources["root"] = cache_dir / KERNEL_CACHE, f"env:{ENV_DIR}"
     elif env.get(ENV_CACHE_PATH):
-        base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env)
+        base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env, variable=ENV_CACHE_PATH)
         host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else os.uname().nodename)
         root, sources["root"] = base / f"{KERNEL_CACHE}_{host}", f"env:{ENV_CACHE_PATH}"
     else:
@@ -243,7 +266,33 @@ def resolve_settings(
         debug_dir=_expand(os.fspath(debug_dir), env) if _is_set(debug_dir) else None,
         shared_group=_resolve_group(shared_group, env, sources),
         session=_resolve_session(session, env, sources),
+        base_dir=_resolve_base_dir(base_dir, env, sources),
     )
+
+
+def env_true(environ: Mapping[str, str], name: str) -> bool:
+    """Whether a switch variable is on: set to anything but empty, 0, false, no or off."""
+    return environ.get(name, "").strip().lower() not in _FALSE
+
+
+def _resolve_base_dir(
+    value: str | os.PathLike[str] | None, env: Mapping[str, str], sources: dict
+) -> Path | None:
+    if _is_set(value):
+        sources["base_dir"], option, variable = "argument", "base_dir", None
+    elif env.get(ENV_BASE_DIR):
+        value = env[ENV_BASE_DIR]
+        sources["base_dir"], option, variable = f"env:{ENV_BASE_DIR}", ENV_BASE_DIR, ENV_BASE_DIR
+    else:
+        sources["base_dir"] = "default"
+        return None
+    text = os.fspath(value)  # type: ignore[arg-type]
+    if not (text.startswith("/") or text.startswith("~")):
+        # Relative to what? Each compile runs in its own folder.
+        raise ConfigError(
+            f"{option}={text!r} is not valid; use an absolute path", variable=variable
+        )
+    return _expand(text, env)
 
 
 def _resolve_session(value: str | None, env: Mapping[str, str], sources: dict) -> str | None:
@@ -277,7 +326,8 @@ def _resolve_group(value: str | int | None, env: Mapping[str, str], sources: dic
         return grp.getgrnam(text).gr_gid
     except KeyError:
         raise ConfigError(
-            f"{option}={value!r} is not valid; use the name or number of an existing group"
+            f"{option}={value!r} is not valid; use the name or number of an existing group",
+            variable=None if option == "shared_group" else option,
         ) from None
 
 
@@ -285,15 +335,22 @@ def _is_set(value: object) -> bool:
     return value is not None and value != ""
 
 
-def _resolve_mode(value: str | None, default: str) -> tuple[str, str]:
+def _resolve_mode(value: str | None, default: str, env: Mapping[str, str]) -> tuple[str, str]:
+    if env_true(env, ENV_DISABLE):
+        return "disable", f"env:{ENV_DISABLE}"  # the switch that turns every opcache off
+    option, variable, source = "op_compiler_cache_mode", None, "argument"
     if not _is_set(value):
-        return default, "default"
+        value = env.get(ENV_MODE)
+        if not value:
+            return default, "default"
+        option = variable = ENV_MODE
+        source = f"env:{ENV_MODE}"
     mode = value.lower() if isinstance(value, str) else value
     if mode not in MODES:
         raise ConfigError(
-            f"op_compiler_cache_mode={value!r} is not valid; use one of {', '.join(MODES)}"
+            f"{option}={value!r} is not valid; use one of {', '.join(MODES)}", variable=variable
         )
-    return mode, "argument"
+    return mode, source
 
 
 def _resolve_debug_level(value: int | str | None) -> int:
@@ -333,12 +390,18 @@ def _valid_dir(text: str) -> bool:
     )
 
 
-def _absolute_dir(option: str, value: str | os.PathLike[str], env: Mapping[str, str]) -> Path:
+def _absolute_dir(
+    option: str,
+    value: str | os.PathLike[str],
+    env: Mapping[str, str],
+    variable: str | None = None,
+) -> Path:
     path = _expand(os.fspath(value), env)
     if not _valid_dir(str(path)):
         raise ConfigError(
             f"{option}={os.fspath(value)!r} is not valid: the path {str(path)!r} may contain "
-            f"only {_VALID_DIR_TEXT}"
+            f"only {_VALID_DIR_TEXT}",
+            variable=variable,
         )
     return path
 

@@ -1019,6 +1019,7 @@ def test_as_dict_carries_every_setting_and_its_source(env):
         "npu_collect_path": "default",
         "debug_dir": "default",
         "session": "default",
+        "base_dir": "default",
     }
 
 
