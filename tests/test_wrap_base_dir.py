@@ -75,7 +75,8 @@ def test_dependency_files_name_relative_paths(two_checkouts):
     build(env, second, "-MD")
     assert stats(env, "host")["hits"] == 1
     deps = (second / "build" / "k.d").read_text()
-    assert deps.startswith("k.o: ../src/k.c ../include/h.h"), deps
+    target, _, inputs = deps.partition(":")
+    assert target == "k.o" and {"../src/k.c", "../include/h.h"} <= set(inputs.split()), deps
     assert str(first) not in deps and str(second) not in deps
 
 
