@@ -319,7 +319,7 @@ def _replay(data: bytes, stream: TextIO) -> None:
 
 def _colour_terminal(env: Mapping[str, str]) -> bool:
     """Whether the compiler would colour its diagnostics here (gcc's and clang's ``auto``)."""
-    return os.isatty(2) and env.get("TERM") != "dumb"
+    return os.isatty(2) and env.get("TERM", "dumb") != "dumb"
 
 
 def exit_status(returncode: int) -> int:
