@@ -209,11 +209,26 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             f"{row['corrupt']:>7} {row['evicted_entries']:>7} {row['errors']:>6} "
             f"{row['time_saved_seconds']:>8.1f}s"
         )
-    for reason, count in report["bypass_reasons"].items():
-        print(f"bypassed ({reason}): {count}")
-    for reason, count in report["uncacheable_reasons"].items():
-        print(f"uncacheable ({reason}): {count}")
+    _print_reasons("bypassed the cache for a debug option", report["bypass_reasons"])
+    _print_reasons("not cached: commands opcache wrap cannot key", report["uncacheable_reasons"])
     return 0
+
+
+_TOP_REASONS = 10
+
+
+def _print_reasons(title: str, reasons: dict[str, int]) -> None:
+    """Why calls were not cached, most frequent first; past the top ten, a sum."""
+    if not reasons:
+        return
+    ranked = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
+    print(f"{title} ({_count(sum(reasons.values()), 'call')}), most frequent first:")
+    for reason, count in ranked[:_TOP_REASONS]:
+        print(f"{count:>10}  {reason}")
+    rest = ranked[_TOP_REASONS:]
+    if rest:
+        others = _count(len(rest), "other reason")
+        print(f"{sum(c for _, c in rest):>10}  {others} (opcache stats --json lists every one)")
 
 
 def _cmd_age(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import pytest
 from fake_opc import SOC, base_env, invocations, write_opc, write_operator
 from helpers_wrap import GCC, opcache, opcache_script, plain_gcc, stats, wrap, write_project
 
+from opcache import OpCache, resolve_settings
 from opcache.cli import main
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
@@ -280,6 +281,7 @@ def test_opc_masquerade(opc, tmp_path):
 
 # -- C compilers ----------------------------------------------------------------------
 
+
 @pytest.fixture
 def csrc(tmp_path: Path) -> tuple[dict[str, str], Path]:
     """(environment, a folder with k.c including h.h)."""
@@ -490,7 +492,27 @@ def test_commands_it_does_not_understand_run_uncached(csrc, command, reason):
     assert recorded.startswith(reason)
     assert report["hits"] == report["misses"] == 0
     text = opcache("stats", env=env, cwd=src).stdout.decode()
-    assert f"uncacheable ({recorded}): 1" in text
+    assert "not cached: commands opcache wrap cannot key (1 call)" in text
+    assert f"         1  {recorded}\n" in text
+
+
+def test_stats_says_why_calls_were_not_cached_most_frequent_first(tmp_path):
+    env = base_env(tmp_path)
+    settings = resolve_settings(environ=env, op_compiler_cache_mode="enable")
+    with OpCache(settings) as cache:
+        for n in range(12):  # reason n counted n + 1 times
+            for _ in range(n + 1):
+                cache.record_uncacheable("host", f"cc: unsupported flag -fthing{n:02}")
+        cache.record_uncacheable("host", "cc: not a compile to an object (-c missing)")
+    text = opcache("stats", env=env, cwd=tmp_path).stdout.decode().splitlines()
+    start = text.index(
+        "not cached: commands opcache wrap cannot key (79 calls), most frequent first:"
+    )
+    shown = text[start + 1 :]
+    assert shown[0] == "        12  cc: unsupported flag -fthing11"
+    assert shown[9] == "         3  cc: unsupported flag -fthing02"
+    assert shown[10] == "         4  3 other reasons (opcache stats --json lists every one)"
+    assert len(shown) == 11
 
 
 def test_cc_output_that_is_not_a_regular_file_is_left_alone(csrc):
