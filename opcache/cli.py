@@ -73,9 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         if masquerade.compiler_kind(sys.argv[0]):
             _leave(lambda: _masquerade(sys.argv))
-        argv = sys.argv[1:]
-        if argv[:1] == ["wrap"]:
-            _leave(lambda: _run(argv))  # type: ignore[arg-type]
+        args = sys.argv[1:]
+        if args[:1] == ["wrap"]:
+            _leave(lambda: _run(args))
+        argv = args
     return _run(argv)
 
 
@@ -94,7 +95,7 @@ def _leave(command: Callable[[], int]) -> NoReturn:
     try:
         status = command()
     except KeyboardInterrupt:
-        interrupted, status = True, 128 + 2
+        interrupted, status = True, 130  # (the status should SIGINT not end us)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say

@@ -307,10 +307,10 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
 
 
 def _replay(data: bytes, stream: TextIO) -> None:
-    """Write a command's saved output; colour codes only where the user sees colour."""
+    """Write a command's saved output; diagnostics in colour only where colour shows."""
     if not data:
         return
-    if b"\x1b[" in data and not (stream is sys.stderr and _colour_terminal(os.environ)):
+    if stream is sys.stderr and b"\x1b[" in data and not _colour_terminal(os.environ):
         data = re.sub(rb"\x1b\[[0-9;]*[mK]", b"", data)
     stream.flush()
     stream.buffer.write(data)
