@@ -34,6 +34,7 @@ OP_COMPILER_NAMES = ("op_compiler",)
 _CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")
 # Executables (by the name of what they resolve to) that are a compiler cache, never a compiler.
 _WRAPPERS = frozenset(("opcache", "ccache", "sccache"))
+_real_paths: dict[str, str] = {}  # each resolved once per process: a wrap hit asks twice
 
 
 def compiler_kind(executable: str) -> str | None:
@@ -63,11 +64,10 @@ def find_compiler(executable: str, environ: Mapping[str, str]) -> str | None:
     found the link, wrappers included.
     """
     ran = frozenset(_ran(environ))
-    me = os.path.realpath(sys.argv[0])
 
     def passed_over(candidate: str) -> bool:
-        real = os.path.realpath(candidate)
-        return real in ran or real == me or os.path.basename(real) in _WRAPPERS
+        real = _real_path(candidate)
+        return os.path.basename(real) in _WRAPPERS or real in ran or real == _real_path(sys.argv[0])
 
     if os.sep not in executable:
         return which(executable, environ, skip=passed_over)
@@ -86,8 +86,14 @@ def find_compiler(executable: str, environ: Mapping[str, str]) -> str | None:
 
 def compiler_environ(environ: Mapping[str, str], compiler: str) -> dict[str, str]:
     """The environment to run ``compiler`` in: ``environ``, marked as run by opcache."""
-    ran = [*_ran(environ), os.path.realpath(compiler)]
+    ran = [*_ran(environ), _real_path(compiler)]
     return {**environ, MARKER: os.pathsep.join(ran)}
+
+
+def _real_path(path: str) -> str:
+    if path not in _real_paths:
+        _real_paths[path] = os.path.realpath(path)
+    return _real_paths[path]
 
 
 def _ran(environ: Mapping[str, str]) -> list[str]:
