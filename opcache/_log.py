@@ -21,6 +21,22 @@ if TYPE_CHECKING:
 
 DEBUG = 10
 _hooks: list[Callable[[], None]] = []
+_held: list[list[str]] = []  # the innermost HeldWarnings' list last
+
+
+class HeldWarnings:
+    """``with HeldWarnings() as held:`` opcache's warnings go into ``held``, not to logging.
+
+    For a caller that decides itself whether to show them (``opcache wrap``
+    shows a configuration warning at most once an hour).
+    """
+
+    def __enter__(self) -> list[str]:
+        _held.append([])
+        return _held[-1]
+
+    def __exit__(self, *exc: object) -> None:
+        _held.pop()
 
 
 def on_first_use(hook: Callable[[], None]) -> None:
@@ -68,6 +84,9 @@ class Logger:
             self._real().info(msg, *args, stacklevel=2)
 
     def warning(self, msg: str, *args: object) -> None:
+        if _held:
+            _held[-1].append(msg % args if args else msg)
+            return
         self._real().warning(msg, *args, stacklevel=2)
 
 

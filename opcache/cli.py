@@ -12,9 +12,16 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from . import _log, wrap
+from . import _log, masquerade, wrap
 from .errors import ConfigError
-from .settings import DEFAULT_MODE, Settings, check_soc_version, resolve_settings
+from .settings import (
+    DEFAULT_MODE,
+    ENV_VERBOSE,
+    Settings,
+    check_soc_version,
+    env_true,
+    resolve_settings,
+)
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -64,27 +71,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     leaves at once when done (see ``_leave``).
     """
     if argv is None:
-        name = os.path.basename(sys.argv[0])
-        if wrap.compiler_kind(name):
-            _leave(_masquerade(name, sys.argv[1:]))
-        argv = sys.argv[1:]
-        if argv[:1] == ["wrap"]:
-            _leave(_run(argv))
+        if masquerade.compiler_kind(sys.argv[0]):
+            _leave(lambda: _masquerade(sys.argv))
+        args = sys.argv[1:]
+        if args[:1] == ["wrap"]:
+            _leave(lambda: _run(args))
+        argv = args
     return _run(argv)
 
 
-def _leave(status: int) -> NoReturn:
-    """Exit without the interpreter's teardown: about 6 ms of every ``opcache wrap``.
+def _leave(command: Callable[[], int]) -> NoReturn:
+    """Run a wrapped compile and exit without the interpreter's teardown.
 
-    Exit handlers run and the standard streams are flushed first, as at any
-    exit; only the freeing of modules and objects is skipped.
+    That teardown is about 6 ms of every ``opcache wrap``.  Exit handlers run
+    and the standard streams are flushed first, as at any exit; only the
+    freeing of modules and objects is skipped.  A Ctrl-C (SIGINT, which the
+    compiler gets too) ends opcache the way it ends the compiler: quietly, by
+    SIGINT once cleaned up, so the shell sees 130 and a shell loop stops.
     """
     import atexit
 
+    interrupted = False
+    try:
+        status = command()
+    except KeyboardInterrupt:
+        interrupted, status = True, 130  # (the status should SIGINT not end us)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
             stream.flush()
+    if interrupted:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(status)
 
 
@@ -114,6 +134,7 @@ def _wrap_main(argv: Sequence[str]) -> int:
     if not command:
         raise UsageError("wrap: no command after '--'")
     verbose, flags = _parse_wrap_flags(argv[:split])
+    verbose = verbose or env_true(os.environ, ENV_VERBOSE)
     return run_logged(verbose, lambda: _wrap_command(flags, command))
 
 
@@ -144,10 +165,15 @@ def _wrap_help() -> str:
         "",
         "Run a compile command (opc, or a C compiler) through the cache.",
         "",
-        "  -v, --verbose         say more",
+        "  -v, --verbose         say what happened (hit, miss...), with the key and its parts",
     ]
     for flag, (metavar, text) in CACHE_FLAGS.items():
         lines.append(f"  {flag} {metavar}".ljust(40) + text)
+    lines += [
+        "",
+        "Environment (for links named like a compiler, which take no flags): OPCACHE_DISABLE,",
+        "OPCACHE_DIR, OPCACHE_MODE, OPCACHE_BASE_DIR, OPCACHE_VERBOSE; see the README.",
+    ]
     return "\n".join(lines)
 
 
@@ -160,15 +186,10 @@ def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str]) -> in
     return wrap.run(command, settings_for)
 
 
-def _masquerade(name: str, argv: Sequence[str]) -> int:
-    """Invoked through a link named like a compiler: wrap the real one later on PATH."""
-    from .compilers._tool import which
-
-    real = which(name, os.environ, skip=os.path.realpath(sys.argv[0]))
-    if real is None:
-        print(f"opcache: error: no {name} on PATH other than opcache itself", file=sys.stderr)
-        return 127
-    return run_logged(False, lambda: _wrap_command({}, [real, *argv]))
+def _masquerade(argv: Sequence[str]) -> int:
+    """Started as a link named like a compiler: wrap the real one, later on PATH."""
+    verbose = env_true(os.environ, ENV_VERBOSE)
+    return run_logged(verbose, lambda: _wrap_command({}, argv))
 
 
 def run_logged(verbose: bool, func: Callable[[], int]) -> int:

@@ -209,11 +209,26 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             f"{row['corrupt']:>7} {row['evicted_entries']:>7} {row['errors']:>6} "
             f"{row['time_saved_seconds']:>8.1f}s"
         )
-    for reason, count in report["bypass_reasons"].items():
-        print(f"bypassed ({reason}): {count}")
-    for reason, count in report["uncacheable_reasons"].items():
-        print(f"uncacheable ({reason}): {count}")
+    _print_reasons("bypassed the cache for a debug option", report["bypass_reasons"])
+    _print_reasons("not cached: commands opcache wrap cannot key", report["uncacheable_reasons"])
     return 0
+
+
+_TOP_REASONS = 10
+
+
+def _print_reasons(title: str, reasons: dict[str, int]) -> None:
+    """Why calls were not cached, most frequent first; past the top ten, a sum."""
+    if not reasons:
+        return
+    ranked = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
+    print(f"{title} ({_count(sum(reasons.values()), 'call')}), most frequent first:")
+    for reason, count in ranked[:_TOP_REASONS]:
+        print(f"{count:>10}  {reason}")
+    rest = ranked[_TOP_REASONS:]
+    if rest:
+        others = _count(len(rest), "other reason")
+        print(f"{sum(c for _, c in rest):>10}  {others} (opcache stats --json lists every one)")
 
 
 def _cmd_age(args: argparse.Namespace) -> int:
@@ -494,6 +509,23 @@ def _cann_verify_lines(report: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def _cmd_masquerade(args: argparse.Namespace) -> int:
+    from .masquerade import make_links, opcache_executable
+
+    target = opcache_executable()
+    if target is None:
+        raise FileNotFoundError("no opcache program to link to beside this Python or on PATH")
+    folder = Path(os.path.abspath(args.folder))
+    done = make_links(folder, os.environ, target)
+    for name, what in done:
+        print(f"{name:<28} {what}")
+    if not done:
+        print("no compiler (cc, gcc, clang, g++, ..., opc) found on PATH", file=sys.stderr)
+        return 1
+    print(f"links point at {target}; use them with: PATH={folder}:$PATH")
+    return 0
+
+
 def _cmd_wrap_usage(args: argparse.Namespace) -> int:
     raise UsageError(WRAP_USAGE)  # (cli parses wrap itself: listed here for --help)
 
@@ -556,6 +588,16 @@ def _build_parser() -> argparse.ArgumentParser:
     cann.add_argument("--json", action="store_true", help="one JSON object")
     cann.add_argument("--dry-run", action="store_true", help="age: report, remove nothing")
     cann.add_argument("--fix", action="store_true", help="verify: remove what it finds")
+    masq = commands.add_parser(
+        "masquerade",
+        help="link the compilers found on PATH to opcache in DIR",
+        description="Make a link in DIR, named like each compiler found on PATH (cc, gcc, "
+        "x86_64-linux-gnu-gcc-12, g++, clang, opc...), that runs it through the cache. "
+        "Existing files are never replaced; running it again adds what is new.",
+    )
+    masq.add_argument("folder", metavar="DIR", help="the folder to put first on PATH")
+    masq.add_argument("-v", "--verbose", action="store_true", help="say more")
+    masq.set_defaults(func=_cmd_masquerade, soc_version=None)  # (main reads it)
     # Listed for --help; `opcache wrap` is parsed on its own (everything after -- is the command).
     command("wrap", _cmd_wrap_usage, "run a compile command through the cache: wrap -- cc ...")
     return parser

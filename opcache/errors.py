@@ -7,8 +7,15 @@ class ConfigError(ValueError):
     """A setting has a value opcache cannot use.
 
     The message names the option, the bad value and what is valid, so the
-    command line can print it as one line.
+    command line can print it as one line.  ``variable`` names the environment
+    variable that held the value, None when the caller passed it: a wrapped
+    compile goes on without the cache for a bad environment, never for a bad
+    flag on opcache's own command line.
     """
+
+    def __init__(self, message: str, *, variable: str | None = None) -> None:
+        super().__init__(message)
+        self.variable = variable
 
 
 class CompileError(RuntimeError):

@@ -47,7 +47,13 @@ REMOTE_OPTIONS = {
     "timeout": ("OPCACHE_REMOTE_TIMEOUT", 2.0),
 }
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+# For a build system that passes opcache no flags (the masquerade, `opcache wrap`):
+ENV_DIR = "OPCACHE_DIR"  # as op_compiler_cache_dir
+ENV_MODE = "OPCACHE_MODE"  # as op_compiler_cache_mode
+ENV_DISABLE = "OPCACHE_DISABLE"  # true-ish: no cache at all, whatever the mode
+ENV_BASE_DIR = "OPCACHE_BASE_DIR"  # paths under it are keyed relative to the working folder
+ENV_VERBOSE = "OPCACHE_VERBOSE"  # true-ish: `opcache wrap -v`
+_FALSE = ("", "0", "false", "no", "off")
 
 # CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
 # Checked without a regex: compiling the CJK class took 2 ms of every start-up.
@@ -80,6 +86,7 @@ class Settings(Record):
         "shared_group",
         "session",
         "remote",
+        "base_dir",
     )
     _compared = tuple(f for f in _fields if f != "sources")
     mode: str
@@ -96,6 +103,7 @@ class Settings(Record):
     shared_group: int | None  # gid of a group-shared cache
     session: str | None  # the compile session a force clears each chip once for
     remote: RemoteSettings | None  # the remote tier behind the cache folder
+    base_dir: Path | None  # wrapped C compiles key paths under it relative to their folder
 
     def __init__(
         self,
@@ -114,6 +122,7 @@ class Settings(Record):
         shared_group: int | None = None,
         session: str | None = None,
         remote: RemoteSettings | None = None,
+        base_dir: Path | None = None,
     ) -> None:
         self._init(locals())
 
@@ -171,6 +180,7 @@ class Settings(Record):
             "shared_group": self.shared_group,
             "session": self.session,
             "remote": None if self.remote is None else self.remote.as_dict(),
+            "base_dir": None if self.base_dir is None else str(self.base_dir),
             "sources": dict(self.sources),
         }
 
@@ -195,6 +205,7 @@ def resolve_settings(
     shared_group: str | int | None = None,
     session: str | None = None,
     remote: str | Mapping[str, object] | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
     hostname: str | None = None,
     default_mode: str = DEFAULT_MODE,
@@ -216,8 +227,16 @@ def resolve_settings(
     TLS, ``unix:///path?db=N``), or a mapping with ``url`` and the options of
     ``RemoteSettings``; each option unset there comes from its
     ``OPCACHE_REMOTE_*`` variable, then its default.
+    ``base_dir`` (else ``OPCACHE_BASE_DIR``), an absolute folder: ``opcache wrap``
+    keys the paths of a C compile under it relative to the compile's folder, so
+    checkouts in different folders share entries (ccache's ``base_dir``).
 
-    Raises ConfigError for an invalid option or ``ASCEND_CACHE_PATH``.  A bad
+    The environment may also set the mode (``OPCACHE_MODE``, below an argument;
+    ``OPCACHE_DISABLE`` true-ish wins over everything) and the cache folder
+    (``OPCACHE_DIR``, as ``op_compiler_cache_dir``, above ``ASCEND_CACHE_PATH``).
+
+    Raises ConfigError for an invalid option or environment variable (its
+    ``variable`` then names the variable).  A bad
     op_cache.ini or size variable only logs a warning and falls back.
     """
     env = os.environ if environ is None else environ
@@ -225,14 +244,17 @@ def resolve_settings(
     if default_mode not in MODES:
         raise ValueError(f"default_mode={default_mode!r} is not one of {', '.join(MODES)}")
 
-    mode, sources["mode"] = _resolve_mode(op_compiler_cache_mode, default_mode)
+    mode, sources["mode"] = _resolve_mode(op_compiler_cache_mode, default_mode, env)
 
     cache_dir = None
     if _is_set(op_compiler_cache_dir):
         cache_dir = _absolute_dir("op_compiler_cache_dir", op_compiler_cache_dir, env)
         root, sources["root"] = cache_dir / KERNEL_CACHE, "argument"
+    elif env.get(ENV_DIR):
+        cache_dir = _absolute_dir(ENV_DIR, env[ENV_DIR], env, variable=ENV_DIR)
+        root, sources["root"] = cache_dir / KERNEL_CACHE, f"env:{ENV_DIR}"
     elif env.get(ENV_CACHE_PATH):
-        base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env)
+        base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env, variable=ENV_CACHE_PATH)
         host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else os.uname().nodename)
         root, sources["root"] = base / f"{KERNEL_CACHE}_{host}", f"env:{ENV_CACHE_PATH}"
     else:
@@ -266,6 +288,7 @@ def resolve_settings(
         shared_group=_resolve_group(shared_group, env, sources),
         session=_resolve_session(session, env, sources),
         remote=_resolve_remote(remote, env, sources),
+        base_dir=_resolve_base_dir(base_dir, env, sources),
     )
 
 
@@ -332,12 +355,13 @@ def _resolve_remote(
     value: str | Mapping[str, object] | None, env: Mapping[str, str], sources: dict
 ) -> RemoteSettings | None:
     given = dict(value) if isinstance(value, Mapping) else {"url": value}
+    variable = None
     if _is_set(given.get("url")):
         sources["remote"] = "argument"
         url = str(given["url"])
     elif env.get(ENV_REMOTE):
         sources["remote"] = f"env:{ENV_REMOTE}"
-        url = env[ENV_REMOTE]
+        url, variable = env[ENV_REMOTE], ENV_REMOTE
     else:
         sources["remote"] = "default"
         return None
@@ -345,25 +369,28 @@ def _resolve_remote(
 
     scheme = url.partition("://")[0]
     if "://" not in url or scheme not in schemes():
+        shown = RemoteSettings(url, None, False, "", None, 0, 0).shown_url
         raise ConfigError(
-            f"remote={RemoteSettings(url, None, False, '', None, 0, 0).shown_url!r} is not "
-            f"valid; use a URL {' or '.join(s + '://...' for s in schemes())}"
+            f"{variable or 'remote'}={shown!r} is not valid; "
+            f"use a URL {' or '.join(s + '://...' for s in schemes())}",
+            variable=variable,
         )
     options: dict[str, object] = {}
-    for name, (variable, default) in REMOTE_OPTIONS.items():
+    for name, (option_variable, default) in REMOTE_OPTIONS.items():
         if _is_set(given.get(name)):
-            options[name] = _remote_option(name, given[name], f"remote {name}")
+            options[name] = _remote_option(name, given[name], f"remote {name}", None)
             sources[f"remote_{name}"] = "argument"
-        elif env.get(variable):
-            options[name] = _remote_option(name, env[variable], variable)
-            sources[f"remote_{name}"] = f"env:{variable}"
+        elif env.get(option_variable):
+            text = env[option_variable]
+            options[name] = _remote_option(name, text, option_variable, option_variable)
+            sources[f"remote_{name}"] = f"env:{option_variable}"
         else:
             options[name] = default
             sources[f"remote_{name}"] = "default"
     return RemoteSettings(url=url, **options)  # type: ignore[arg-type]
 
 
-def _remote_option(name: str, value: object, option: str) -> object:
+def _remote_option(name: str, value: object, option: str, variable: str | None) -> object:
     """A remote option's value from text (or a value of its own type); ConfigError if bad."""
     text = str(value).strip()
     if name == "read_only":
@@ -385,7 +412,32 @@ def _remote_option(name: str, value: object, option: str) -> object:
     else:  # password, prefix: any text
         return text if name == "prefix" else str(value)
     shown = "***" if name == "password" else value
-    raise ConfigError(f"{option}={shown!r} is not valid; use {valid}")
+    raise ConfigError(f"{option}={shown!r} is not valid; use {valid}", variable=variable)
+
+
+def env_true(environ: Mapping[str, str], name: str) -> bool:
+    """Whether a switch variable is on: set to anything but empty, 0, false, no or off."""
+    return environ.get(name, "").strip().lower() not in _FALSE
+
+
+def _resolve_base_dir(
+    value: str | os.PathLike[str] | None, env: Mapping[str, str], sources: dict
+) -> Path | None:
+    if _is_set(value):
+        sources["base_dir"], option, variable = "argument", "base_dir", None
+    elif env.get(ENV_BASE_DIR):
+        value = env[ENV_BASE_DIR]
+        sources["base_dir"], option, variable = f"env:{ENV_BASE_DIR}", ENV_BASE_DIR, ENV_BASE_DIR
+    else:
+        sources["base_dir"] = "default"
+        return None
+    text = os.fspath(value)  # type: ignore[arg-type]
+    if not (text.startswith("/") or text.startswith("~")):
+        # Relative to what? Each compile runs in its own folder.
+        raise ConfigError(
+            f"{option}={text!r} is not valid; use an absolute path", variable=variable
+        )
+    return _expand(text, env)
 
 
 def _resolve_session(value: str | None, env: Mapping[str, str], sources: dict) -> str | None:
@@ -419,7 +471,8 @@ def _resolve_group(value: str | int | None, env: Mapping[str, str], sources: dic
         return grp.getgrnam(text).gr_gid
     except KeyError:
         raise ConfigError(
-            f"{option}={value!r} is not valid; use the name or number of an existing group"
+            f"{option}={value!r} is not valid; use the name or number of an existing group",
+            variable=None if option == "shared_group" else option,
         ) from None
 
 
@@ -427,15 +480,22 @@ def _is_set(value: object) -> bool:
     return value is not None and value != ""
 
 
-def _resolve_mode(value: str | None, default: str) -> tuple[str, str]:
+def _resolve_mode(value: str | None, default: str, env: Mapping[str, str]) -> tuple[str, str]:
+    if env_true(env, ENV_DISABLE):
+        return "disable", f"env:{ENV_DISABLE}"  # the switch that turns every opcache off
+    option, variable, source = "op_compiler_cache_mode", None, "argument"
     if not _is_set(value):
-        return default, "default"
+        value = env.get(ENV_MODE)
+        if not value:
+            return default, "default"
+        option = variable = ENV_MODE
+        source = f"env:{ENV_MODE}"
     mode = value.lower() if isinstance(value, str) else value
     if mode not in MODES:
         raise ConfigError(
-            f"op_compiler_cache_mode={value!r} is not valid; use one of {', '.join(MODES)}"
+            f"{option}={value!r} is not valid; use one of {', '.join(MODES)}", variable=variable
         )
-    return mode, "argument"
+    return mode, source
 
 
 def _resolve_debug_level(value: int | str | None) -> int:
@@ -475,12 +535,18 @@ def _valid_dir(text: str) -> bool:
     )
 
 
-def _absolute_dir(option: str, value: str | os.PathLike[str], env: Mapping[str, str]) -> Path:
+def _absolute_dir(
+    option: str,
+    value: str | os.PathLike[str],
+    env: Mapping[str, str],
+    variable: str | None = None,
+) -> Path:
     path = _expand(os.fspath(value), env)
     if not _valid_dir(str(path)):
         raise ConfigError(
             f"{option}={os.fspath(value)!r} is not valid: the path {str(path)!r} may contain "
-            f"only {_VALID_DIR_TEXT}"
+            f"only {_VALID_DIR_TEXT}",
+            variable=variable,
         )
     return path
 

@@ -21,8 +21,14 @@ Three kinds of command are understood:
 
 The command runs with its outputs sent to a private folder; they are stored,
 then moved to where the command would have written them, and the command's
-stdout and stderr are replayed.  The exit status is always the command's.
-Anything else runs as it is and counts as ``uncacheable`` in stats.
+stdout and stderr are replayed.  The exit status is always the command's (a
+command killed by signal N gives 128+N, as a shell reports it).  Anything else
+runs as it is and counts as ``uncacheable`` in stats.
+
+The compiler run is the real one past opcache's own links and other compiler
+caches (``masquerade.py``).  A cache that cannot be used never fails a compile,
+nor does a bad setting from the environment: the compile runs without the
+cache, and configuration warnings show at most once an hour per cache.
 """
 
 from __future__ import annotations
@@ -35,15 +41,20 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from . import fsutil
+from . import _log, fsutil
 from ._log import get_logger
 from .cache import OpCache, process_group_session
 from .compilers._tool import file_identity, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, digest
+from .masquerade import compiler_environ, compiler_kind, find_compiler, reentered
 from .request import OpRequest
 from .settings import Settings
 from .storage.local import LocalStore
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from typing import TextIO
 
 log = get_logger(__name__)
 
@@ -51,24 +62,10 @@ STDOUT = ".opcache-stdout"
 STDERR = ".opcache-stderr"
 HOST_CHIP = "host"  # the chip folder of C compiles and uncacheable commands
 C_SOURCES = (".c", ".cc", ".cpp", ".cxx", ".C", ".s", ".S")
-OPC_NAMES = ("opc",)
-OP_COMPILER_NAMES = ("op_compiler",)
-_CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")
+WARN_SECONDS = 3600  # a configuration warning shows at most once an hour per cache
 # opc flags that say where outputs go: not part of the key.
 _OPC_OUTPUT_FLAGS = ("output", "debug_dir")
 _OPC_DEBUG_FLAGS = ("op_debug_level", "op_debug_config")
-
-
-def compiler_kind(executable: str) -> str | None:
-    """'opc', 'op_compiler', 'cc' or None, from the executable's file name."""
-    name = os.path.basename(executable)
-    if name in OPC_NAMES:
-        return "opc"
-    if name in OP_COMPILER_NAMES:
-        return "op_compiler"
-    if _CC_NAME.fullmatch(name):
-        return "cc"
-    return None
 
 
 class _ToolFailed(CompileError):
@@ -136,7 +133,7 @@ class _WrappedCommand:
         except OSError as e:
             raise _ToolFailed(127, b"", f"opcache: cannot run {argv[0]}: {e}\n".encode()) from None
         if done.returncode != 0:
-            raise _ToolFailed(done.returncode, done.stdout, done.stderr)
+            raise _ToolFailed(exit_status(done.returncode), done.stdout, done.stderr)
         (workdir / STDOUT).write_bytes(done.stdout)
         (workdir / STDERR).write_bytes(done.stderr)
 
@@ -150,35 +147,59 @@ def run(
     """Run ``argv`` through the cache; returns the command's exit status.
 
     ``settings_for(op_debug_level, op_debug_config)`` resolves the settings,
-    given the debug options found on the command line.
+    given the debug options found on the command line.  With ``-v`` (the
+    ``opcache`` logger at INFO) one line says what happened and the key.
     """
     env = dict(os.environ if environ is None else environ)
     kind = compiler_kind(argv[0])
-    base = settings_for(None, None)  # the cache flags alone (C lines have no others)
+    run_env = env
+    if kind is not None:
+        real = find_compiler(argv[0], env)
+        if real is None:
+            name = os.path.basename(argv[0])
+            print(
+                f"opcache: error: no {name} on PATH other than opcache or a compiler cache",
+                file=sys.stderr,
+            )
+            return 127
+        argv = [real, *argv[1:]]
+        run_env = compiler_environ(env, real)
+        if reentered(env):
+            # An opcache further up caches this compile (through ccache, a script...).
+            log.info("not cached: run by opcache again below itself; running %s directly", real)
+            return _run_plain(argv, run_env)
+    base = _settings(settings_for, None, None)  # the cache flags alone (C lines have no others)
+    if base is None or base.mode == "disable":
+        if base is not None:
+            log.info("disabled (%s): running the command as it is", base.sources["mode"])
+        return _run_plain(argv, run_env)
     try:
         if kind is None:
             raise Uncacheable(f"not a known compiler: {os.path.basename(argv[0])}")
         if kind == "opc":
-            plan = _plan_opc(argv, env)
+            plan = _plan_opc(argv, run_env)
         elif kind == "op_compiler":
-            plan = _plan_op_compiler(argv, env, base)
+            plan = _plan_op_compiler(argv, run_env, base)
         else:
-            store = None
-            if base.mode != "disable":
-                store = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
-            plan = _plan_cc(argv, env, HeaderMemo(store))
+            store = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
+            plan = _plan_cc(argv, run_env, HeaderMemo(store), base.base_dir)
     except Uncacheable as e:
-        settings = base
-        if settings.mode != "disable":
-            with OpCache(settings, stats_seconds=None) as cache:
-                cache.record_uncacheable(HOST_CHIP, str(e))
-        return _run_plain(argv, env)
-    settings = base
+        with OpCache(base, stats_seconds=None) as cache:
+            cache.record_uncacheable(HOST_CHIP, str(e))
+        log.info("uncacheable (%s): running the command as it is", e)
+        return _run_plain(argv, run_env)
+    settings: Settings | None = base
     if plan.debug_level is not None or plan.debug_config is not None:
         try:
-            settings = settings_for(plan.debug_level, plan.debug_config)
+            settings = _settings(settings_for, plan.debug_level, plan.debug_config)
         except ConfigError:
-            return _run_plain(argv, env)  # a bad debug flag on the line: the tool says why
+            settings = None  # a bad debug flag on the line: the tool says why
+        if settings is None:
+            return _run_plain(argv, run_env)
+    return _run_planned(plan, kind, settings, run_env)
+
+
+def _run_planned(plan: Plan, kind: str, settings: Settings, env: Mapping[str, str]) -> int:
     compiler = _WrappedCommand(plan, kind, env)
     staging = _staging_dir(plan)
     try:
@@ -190,13 +211,73 @@ def run(
             try:
                 result = cache.compile(plan.request, compiler, staging)
             except _ToolFailed as failed:
-                sys.stdout.buffer.write(failed.stdout)
-                sys.stderr.buffer.write(failed.stderr)
+                log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
+                _replay(failed.stdout, sys.stdout)
+                _replay(failed.stderr, sys.stderr)
                 return failed.returncode
+        said = f" ({result.reason})" if result.reason else ""
+        log.info("%s%s, key %s", result.status, said, result.key or "-")
         _restore(plan, result.files)
     finally:
         fsutil.remove_tree(staging)
     return 0
+
+
+def _settings(
+    settings_for: Callable[[str | None, str | None], Settings],
+    level: str | None,
+    config: str | None,
+) -> Settings | None:
+    """The settings, their warnings shown at most once an hour; None: compile without a cache.
+
+    A bad flag on opcache's own command line is the user's mistake (the
+    ConfigError goes up: exit 2).  A bad environment variable must not fail
+    every compile of a build: it is a warning, and the compile runs uncached.
+    """
+    with _log.HeldWarnings() as held:
+        try:
+            settings: Settings | None = settings_for(level, config)
+        except ConfigError as e:
+            if e.variable is None:
+                raise
+            settings = None
+            held.append(f"{e}; compiling without the cache")
+    if held:
+        _warn_rarely(held, settings)
+    return settings
+
+
+def _warn_rarely(messages: list[str], settings: Settings | None) -> None:
+    """Log each warning unless it was shown in the last hour for this cache.
+
+    A build runs opcache once per compile: the same warning on each of a
+    thousand compiles buries everything else.  When it was shown is noted in
+    the cache's bookkeeping; with no cache in use (disable mode, a bad
+    environment) in the user's own state folder.
+    """
+    import time
+
+    if settings is not None and settings.mode != "disable":
+        notes = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
+    else:
+        import platformdirs
+
+        notes = LocalStore(platformdirs.user_state_path("opcache"))
+    now = time.time()
+    for message in messages:
+        name = digest(message.encode())
+        try:
+            shown = float(notes.read_note("warned", name) or "nan")
+        except ValueError:
+            shown = float("nan")
+        if 0 <= now - shown < WARN_SECONDS:  # (false for nan: never shown)
+            log.debug("%s (shown less than an hour ago)", message)
+            continue
+        log.warning("%s", message)
+        try:
+            notes.write_note(repr(now).encode(), "warned", name)
+        except OSError as e:
+            log.debug("cannot note the warning: %s", e)
 
 
 def _staging_dir(plan: Plan) -> Path:
@@ -222,18 +303,35 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
                 os.chmod(target, mode | (mode & 0o444) >> 2)  # x wherever r, as chmod +x
     for saved, stream in ((stdout, sys.stdout), (stderr, sys.stderr)):
         if saved is not None:
-            data = saved.read_bytes()
-            if data:
-                stream.flush()
-                stream.buffer.write(data)
-                stream.buffer.flush()
+            _replay(saved.read_bytes(), stream)
+
+
+def _replay(data: bytes, stream: TextIO) -> None:
+    """Write a command's saved output; diagnostics in colour only where colour shows."""
+    if not data:
+        return
+    if stream is sys.stderr and b"\x1b[" in data and not _colour_terminal(os.environ):
+        data = re.sub(rb"\x1b\[[0-9;]*[mK]", b"", data)
+    stream.flush()
+    stream.buffer.write(data)
+    stream.buffer.flush()
+
+
+def _colour_terminal(env: Mapping[str, str]) -> bool:
+    """Whether the compiler would colour its diagnostics here (gcc's and clang's ``auto``)."""
+    return os.isatty(2) and env.get("TERM", "dumb") != "dumb"
+
+
+def exit_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: 128+N when killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
     import subprocess
 
     try:
-        return subprocess.run(list(argv), env=dict(env), check=False).returncode
+        return exit_status(subprocess.run(list(argv), env=dict(env), check=False).returncode)
     except OSError as e:
         print(f"opcache: error: cannot run {argv[0]}: {e.strerror or e}", file=sys.stderr)
         return 127
@@ -447,8 +545,15 @@ _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "de
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 
 
-def _plan_cc(argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo) -> Plan:
+def _plan_cc(
+    argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo, base_dir: Path | None = None
+) -> Plan:
     args = list(argv[1:])
+    cwd = os.getcwd()
+    # The folder as the compiler names it in debug info, when it lies under base_dir.
+    relative_to = _under_base_dir(base_dir, env, cwd) if base_dir is not None else None
+    if relative_to is not None:
+        args = _relative_args(args, base_dir, cwd)  # type: ignore[arg-type]
     compile_only = False
     output: str | None = None
     sources: list[str] = []
@@ -519,10 +624,16 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo) -> P
     )
     key_sources = {os.path.basename(source): source_data}
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": deps_in_key}
+    extra = []  # flags the key decides without holding them
     if debug or want_deps:
-        # Debug info and dependency files name folders: the key must too.
-        attrs["cwd"] = os.getcwd()
+        # Debug info and dependency files name folders: the key must too.  Under
+        # base_dir the paths are relative, and debug info names the folder ".".
+        attrs["cwd"] = cwd if relative_to is None else "."
         attrs["include_args"] = pass_args
+        if debug and relative_to is not None:
+            extra.append(f"-fdebug-prefix-map={relative_to}=.")  # first: the user's maps win
+    if _colour_wanted(argv[0], args, env):
+        extra.append("-fdiagnostics-color")  # replayed without colour where it cannot show
     outputs = {"object": out_path}
     if want_deps:
         dep_path = dep_file or os.path.splitext(output)[0] + ".d"
@@ -534,7 +645,7 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo) -> P
     request = OpRequest(op_type="cc", soc_version=HOST_CHIP, attrs=attrs, sources=key_sources)
 
     def command(workdir: Path) -> list[str]:
-        out = [argv[0], *pass_args, "-c", source, "-o", str(workdir / "object")]
+        out = [argv[0], *extra, *pass_args, "-c", source, "-o", str(workdir / "object")]
         if want_deps:
             out += [a for a in key_args if a in ("-MD", "-MMD")]
             out += ["-MF", str(workdir / "deps")]
@@ -544,6 +655,73 @@ def _plan_cc(argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo) -> P
         return out
 
     return Plan(request=request, fingerprint=compiler_identity, command=command, outputs=outputs)
+
+
+# Flags whose value is a path, glued to it ("" for a path on its own).
+_PATH_PREFIXES = ("-I", "-isystem", "-iquote", "-idirafter", "-include", "-MF", "-MT", "-MQ", "-o")
+_PATH_PREFIXES += ("",)
+_COLOUR_FLAGS = ("-fdiagnostics-color", "-fno-diagnostics-color", "-fcolor-diagnostics")
+_COLOUR_FLAGS += ("-fno-color-diagnostics",)
+
+
+def _under_base_dir(base_dir: Path, env: Mapping[str, str], cwd: str) -> str | None:
+    """The working folder as the compiler names it ($PWD, as gcc's getpwd) if under base_dir."""
+    apparent = cwd
+    pwd = env.get("PWD", "")
+    try:
+        if pwd.startswith("/") and os.path.samestat(os.stat(pwd), os.stat(cwd)):
+            apparent = pwd
+    except OSError:
+        pass
+    if _is_under(cwd, os.path.realpath(base_dir)) or _is_under(apparent, str(base_dir)):
+        return apparent
+    return None
+
+
+def _is_under(path: str, folder: str) -> bool:
+    folder = folder.rstrip("/")
+    return path == folder or path.startswith(folder + "/")
+
+
+def _relative_args(args: list[str], base_dir: Path, cwd: str) -> list[str]:
+    """Absolute paths under ``base_dir`` rewritten relative to ``cwd`` (ccache's base_dir)."""
+    bases = (str(base_dir), os.path.realpath(base_dir))
+    out = []
+    for arg in args:
+        for prefix in _PATH_PREFIXES:
+            path = arg[len(prefix) :]
+            if arg.startswith(prefix) and path.startswith("/"):
+                if any(_is_under(path, base) for base in bases):
+                    arg = prefix + _relative(path, cwd)
+                break
+        out.append(arg)
+    return out
+
+
+def _relative(path: str, cwd: str) -> str:
+    """``path`` from ``cwd`` (a real path), naming the same file.
+
+    Its folder is resolved first, so ``..`` steps are right whatever links the
+    path went through; its last part stays: a source linked from elsewhere
+    still finds its ``#include "..."`` files beside the link.
+    """
+    head, tail = os.path.split(path.rstrip("/") or "/")
+    if tail in ("", ".", ".."):
+        return os.path.relpath(os.path.realpath(path), cwd)
+    folder = os.path.relpath(os.path.realpath(head), cwd)
+    return tail if folder == "." else os.path.join(folder, tail)
+
+
+def _colour_wanted(cc: str, args: list[str], env: Mapping[str, str]) -> bool:
+    """Whether to ask gcc or clang for colour: on a terminal, when the user said nothing.
+
+    The compiler's output is captured, so its own ``auto`` would see a pipe.
+    As ccache does; the flag is not in the key, and colour codes are dropped
+    when the output is replayed where colour cannot show.
+    """
+    if not _colour_terminal(env) or any(a.startswith(_COLOUR_FLAGS) for a in args):
+        return False
+    return re.search(r"gcc|g\+\+|clang", os.path.basename(os.path.realpath(cc))) is not None
 
 
 def _target_args(key_args: list[str]) -> list[str]:

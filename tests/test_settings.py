@@ -1020,6 +1020,7 @@ def test_as_dict_carries_every_setting_and_its_source(env):
         "debug_dir": "default",
         "session": "default",
         "remote": "default",
+        "base_dir": "default",
     }
 
 

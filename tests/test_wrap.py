@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 from fake_opc import SOC, base_env, invocations, write_opc, write_operator
+from helpers_wrap import GCC, opcache, opcache_script, plain_gcc, stats, wrap, write_project
 
+from opcache import OpCache, resolve_settings
 from opcache.cli import main
 
-GCC = shutil.which("gcc")
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
 
 OPC_ARGS = [
@@ -30,28 +31,6 @@ OPC_ARGS = [
     f"--soc_version={SOC}",
     "--output=out",
 ]
-
-
-def opcache(
-    *args: str, env: dict[str, str], cwd: Path, status: int | None = 0
-) -> subprocess.CompletedProcess[bytes]:
-    done = subprocess.run(
-        [sys.executable, "-m", "opcache", *args], env=env, cwd=cwd, capture_output=True
-    )
-    assert b"Traceback" not in done.stderr, done.stderr.decode()
-    if status is not None:
-        assert done.returncode == status, done.stderr.decode()
-    return done
-
-
-def wrap(*command: str, env: dict[str, str], cwd: Path, status: int | None = 0, flags=()):
-    return opcache("wrap", *flags, "--", *command, env=env, cwd=cwd, status=status)
-
-
-def stats(env: dict[str, str], soc: str | None = None, *flags: str) -> dict:
-    done = opcache("stats", "--json", *flags, env=env, cwd=Path(env["HOME"]))
-    report = json.loads(done.stdout)
-    return report["chips"].get(soc, {}) if soc else report
 
 
 def not_a_cache(env: dict[str, str]) -> bool:
@@ -302,24 +281,11 @@ def test_opc_masquerade(opc, tmp_path):
 
 # -- C compilers ----------------------------------------------------------------------
 
-K_C = """\
-#include "h.h"
-int scale(int x) { return x * FACTOR + OFFSET; }
-"""
-
 
 @pytest.fixture
 def csrc(tmp_path: Path) -> tuple[dict[str, str], Path]:
     """(environment, a folder with k.c including h.h)."""
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "k.c").write_text(K_C)
-    (src / "h.h").write_text("#define FACTOR 3\n")
-    return base_env(tmp_path), src
-
-
-def plain_gcc(cwd: Path, *args: str) -> None:
-    subprocess.run([GCC, *args], cwd=cwd, check=True)
+    return base_env(tmp_path), write_project(tmp_path / "src")
 
 
 def host(env: dict[str, str]) -> dict:
@@ -526,7 +492,27 @@ def test_commands_it_does_not_understand_run_uncached(csrc, command, reason):
     assert recorded.startswith(reason)
     assert report["hits"] == report["misses"] == 0
     text = opcache("stats", env=env, cwd=src).stdout.decode()
-    assert f"uncacheable ({recorded}): 1" in text
+    assert "not cached: commands opcache wrap cannot key (1 call)" in text
+    assert f"         1  {recorded}\n" in text
+
+
+def test_stats_says_why_calls_were_not_cached_most_frequent_first(tmp_path):
+    env = base_env(tmp_path)
+    settings = resolve_settings(environ=env, op_compiler_cache_mode="enable")
+    with OpCache(settings) as cache:
+        for n in range(12):  # reason n counted n + 1 times
+            for _ in range(n + 1):
+                cache.record_uncacheable("host", f"cc: unsupported flag -fthing{n:02}")
+        cache.record_uncacheable("host", "cc: not a compile to an object (-c missing)")
+    text = opcache("stats", env=env, cwd=tmp_path).stdout.decode().splitlines()
+    start = text.index(
+        "not cached: commands opcache wrap cannot key (79 calls), most frequent first:"
+    )
+    shown = text[start + 1 :]
+    assert shown[0] == "        12  cc: unsupported flag -fthing11"
+    assert shown[9] == "         3  cc: unsupported flag -fthing02"
+    assert shown[10] == "         4  3 other reasons (opcache stats --json lists every one)"
+    assert len(shown) == 11
 
 
 def test_cc_output_that_is_not_a_regular_file_is_left_alone(csrc):
@@ -555,13 +541,6 @@ def test_missing_command_is_reported(csrc):
     env, src = csrc
     done = wrap("no-such-compiler-xyz", "-c", "k.c", env=env, cwd=src, status=127)
     assert b"no-such-compiler-xyz" in done.stderr
-
-
-def opcache_script() -> str:
-    found = shutil.which("opcache", path=os.path.dirname(sys.executable))
-    if found is None:
-        pytest.skip("the opcache console script is not installed next to python")
-    return found
 
 
 def test_cc_masquerade_through_a_link_named_gcc(csrc, tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fake_op_compiler import write_op_compiler
 from fake_opc import base_env
-from test_wrap import opcache
+from helpers_wrap import opcache
 
 SOC = "Ascend910B1"
 MATMUL = {

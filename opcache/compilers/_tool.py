@@ -6,7 +6,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import CompileError
@@ -71,12 +71,14 @@ def _digest_of(real: str, st: os.stat_result, notes: LocalStore | None) -> str:
     return found
 
 
-def which(name: str, environ: Mapping[str, str], *, skip: str | None = None) -> str | None:
+def which(
+    name: str, environ: Mapping[str, str], *, skip: Callable[[str], bool] | None = None
+) -> str | None:
     """The executable ``name`` as the given environment's PATH finds it.
 
-    ``skip``: a real path to pass over (opcache itself, when it stands in for
-    a compiler).  Written out rather than ``shutil.which`` to keep shutil off
-    the start-up of ``opcache wrap``.
+    ``skip(candidate)`` true passes a candidate over (opcache itself, when it
+    stands in for a compiler).  Written out rather than ``shutil.which`` to
+    keep shutil off the start-up of ``opcache wrap``.
     """
     if os.sep in name:
         folders = [""]
@@ -85,7 +87,7 @@ def which(name: str, environ: Mapping[str, str], *, skip: str | None = None) -> 
     for folder in folders:
         candidate = os.path.join(folder, name)
         runnable = os.path.isfile(candidate) and os.access(candidate, os.X_OK)
-        if runnable and (skip is None or os.path.realpath(candidate) != skip):
+        if runnable and (skip is None or not skip(candidate)):
             return candidate
     return None
 

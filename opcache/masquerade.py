@@ -1,0 +1,160 @@
+"""The masquerade: links named like a compiler that run opcache, and the real compiler past them.
+
+A link named ``gcc`` (or ``cc``, ``x86_64-linux-gnu-gcc-12``, ``opc``...) that
+points at the ``opcache`` executable, first on PATH, sends every call of that
+compiler through ``opcache wrap``.  opcache then runs the real compiler, found
+on PATH past:
+
+- every entry that resolves to opcache itself or to another compiler cache
+  (ccache, sccache), whose links would only lead back to a compiler cache;
+- whatever an opcache further up already ran.  opcache marks the environment
+  of every compiler it runs (``OPCACHE_RAN``: the real paths run so far), and
+  an opcache started below a marked one (through a wrapper it cannot
+  recognise: a script, distcc) runs the compiler directly, without caching
+  the same compile twice.
+
+Each pass adds a path to the mark and never runs a marked path, so no chain
+of wrappers can loop.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from .compilers._tool import which
+
+MARKER = "OPCACHE_RAN"
+OPC_NAMES = ("opc",)
+OP_COMPILER_NAMES = ("op_compiler",)
+# cc, gcc, clang, c++, g++, clang++, with a target prefix and a version suffix.
+_CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")
+# Executables (by the name of what they resolve to) that are a compiler cache, never a compiler.
+_WRAPPERS = frozenset(("opcache", "ccache", "sccache"))
+_real_paths: dict[str, str] = {}  # each resolved once per process: a wrap hit asks twice
+
+
+def compiler_kind(executable: str) -> str | None:
+    """'opc', 'op_compiler', 'cc' or None, from the executable's file name."""
+    name = os.path.basename(executable)
+    if name in OPC_NAMES:
+        return "opc"
+    if name in OP_COMPILER_NAMES:
+        return "op_compiler"
+    if _CC_NAME.fullmatch(name):
+        return "cc"
+    return None
+
+
+def reentered(environ: Mapping[str, str]) -> bool:
+    """True when an opcache further up runs this process's compile already."""
+    return bool(environ.get(MARKER))
+
+
+def find_compiler(executable: str, environ: Mapping[str, str]) -> str | None:
+    """The compiler ``executable`` names, past opcache, compiler caches and marked paths.
+
+    A bare name is looked up on PATH, passing those over.  A path is taken as
+    it is, unless it is one of those (a masquerade link, as opcache was
+    started): then the compiler is the next of that name found later on PATH
+    than the path's folder.  What came before that folder on PATH is what
+    found the link, wrappers included.
+    """
+    ran = frozenset(_ran(environ))
+
+    def passed_over(candidate: str) -> bool:
+        real = _real_path(candidate)
+        return os.path.basename(real) in _WRAPPERS or real in ran or real == _real_path(sys.argv[0])
+
+    if os.sep not in executable:
+        return which(executable, environ, skip=passed_over)
+    if not passed_over(executable):
+        return executable
+    path = environ.get("PATH", os.defpath).split(os.pathsep)
+    places = [os.path.abspath(p or ".") for p in path]
+    folder = os.path.abspath(os.path.dirname(executable))
+    if folder in places:
+        path = path[places.index(folder) + 1 :]
+        if not path:
+            return None
+    later = {"PATH": os.pathsep.join(path)}
+    return which(os.path.basename(executable), later, skip=passed_over)
+
+
+def compiler_environ(environ: Mapping[str, str], compiler: str) -> dict[str, str]:
+    """The environment to run ``compiler`` in: ``environ``, marked as run by opcache."""
+    ran = [*_ran(environ), _real_path(compiler)]
+    return {**environ, MARKER: os.pathsep.join(ran)}
+
+
+def _real_path(path: str) -> str:
+    if path not in _real_paths:
+        _real_paths[path] = os.path.realpath(path)
+    return _real_paths[path]
+
+
+def _ran(environ: Mapping[str, str]) -> list[str]:
+    return [p for p in environ.get(MARKER, "").split(os.pathsep) if p]
+
+
+def opcache_executable() -> str | None:
+    """The ``opcache`` program links point at: beside this Python, else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "opcache")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return which("opcache", os.environ)
+
+
+def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tuple[str, str]]:
+    """Link in ``folder`` every compiler name found on PATH to ``target`` (opcache).
+
+    Returns (name, what happened) for each name, sorted.  Idempotent: a link
+    that is already opcache's is kept, and any other file is left alone.
+    Scripts named like a compiler (``c89-gcc``) are passed over: a cache
+    would know the script, not the compiler it runs.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    found: dict[str, str] = {}
+    for place in environ.get("PATH", os.defpath).split(os.pathsep):
+        try:
+            if os.path.samefile(place or ".", folder):
+                continue
+            names = sorted(os.listdir(place or "."))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(place or ".", name)
+            if name in found or not compiler_kind(name) or not os.access(path, os.X_OK):
+                continue
+            if os.path.isfile(path) and find_compiler(path, environ) == path:
+                found[name] = path  # not a compiler cache's link, nor opcache's
+    report = []
+    for name, real in sorted(found.items()):
+        link = folder / name
+        if os.path.lexists(link):
+            mine = os.path.realpath(link) == os.path.realpath(target)
+            report.append(
+                (
+                    name,
+                    "kept: already a link to opcache"
+                    if mine
+                    else "left alone: not a link to opcache",
+                )
+            )
+        elif _is_script(real):
+            report.append((name, f"passed over: {real} is a script, not a compiler"))
+        else:
+            os.symlink(target, link)
+            report.append((name, f"made, wraps {real}"))
+    return report
+
+
+def _is_script(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
