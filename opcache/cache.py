@@ -39,6 +39,12 @@ log = get_logger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
 UNUSABLE = "not stored: the cache is unusable"
+# The session `opcache wrap` names when none is set: a build, that is a run of
+# force compiles of a chip with no pause longer than BUILD_GAP_SECONDS between
+# them, whatever processes they run in (make, ninja and scripts start compile
+# commands in ways no process tree tells apart).
+BUILD_SESSION = "opcache:build"
+BUILD_GAP_SECONDS = 600.0
 # Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>, locked while they run.
 _BUILD_LABEL = ".opcache-build"
 
@@ -130,8 +136,8 @@ class OpCache:
     from ``OPCACHE_SESSION``).  OpCaches in any process that name the same
     session clear each chip once between them: the first to touch it clears
     it, the others use what the first stored.  ``opcache wrap``, which runs
-    once per compile command, names its build's process group
-    (``process_group_session``).
+    once per compile command, names ``BUILD_SESSION``: a build is then a run
+    of force compiles with no pause longer than ``BUILD_GAP_SECONDS``.
     """
 
     def __init__(
@@ -505,14 +511,17 @@ class OpCache:
         """``force``'s clear of a chip, once per session; True if there was one to clear."""
         if self._session is None:
             return self._store.clear_chip(soc)
-        mark = self._session.encode()
         # Locked: processes of one session that start together clear once, and
         # none clears after another has begun to store.
         with locks.flocked(self._store.folder("locks") / f"{soc}.force", self._store.modes):
-            if self._store.read_note("force", soc) == mark:
-                return False
-            cleared = self._store.clear_chip(soc)
-            self._store.write_note(mark, "force", soc)
+            session, _, when = (self._store.read_note("force", soc) or b"").partition(b"\n")
+            now = time.time()
+            same = session == self._session.encode()
+            if same and self._session == BUILD_SESSION:
+                same = now - float(when or 0) < BUILD_GAP_SECONDS
+            cleared = False if same else self._store.clear_chip(soc)
+            if not same or self._session == BUILD_SESSION:  # (a build's clock runs on)
+                self._store.write_note(f"{self._session}\n{now}".encode(), "force", soc)
         return cleared
 
     def _after_store(self, soc: str, size: int) -> None:
@@ -713,23 +722,6 @@ class _Filled:
         self.files = files or {}
         self.note = note
         self.artifacts = artifacts or {}
-
-
-def process_group_session() -> str:
-    """The session of a build: the process group this process runs in.
-
-    ``make``, ninja or a build script and every compile command it starts
-    share a process group, and a new build gets a new one.  The group
-    leader's start time tells a reused group id from the old one.
-    """
-    group = os.getpgrp()
-    try:
-        with open(f"/proc/{group}/stat", "rb") as f:
-            # Fields after the command name (which may hold spaces): starttime is the 20th.
-            started = f.read().rpartition(b")")[2].split()[19].decode()
-    except (OSError, IndexError):
-        started = "-"  # the leader is gone; its group id is not reused while we live
-    return f"group:{os.uname().nodename}:{group}:{started}"
 
 
 def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:

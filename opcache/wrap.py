@@ -43,7 +43,7 @@ from pathlib import Path
 
 from . import _log, fsutil
 from ._log import get_logger
-from .cache import OpCache, process_group_session
+from .cache import BUILD_SESSION, OpCache
 from .compilers._tool import file_identity, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, digest
@@ -204,9 +204,7 @@ def _run_planned(plan: Plan, kind: str, settings: Settings, env: Mapping[str, st
     staging = _staging_dir(plan)
     try:
         # One wrap per compile command: force clears once per build, not per command.
-        session = None
-        if settings.mode == "force" and settings.session is None:
-            session = process_group_session()
+        session = settings.session or BUILD_SESSION
         with OpCache(settings, stats_seconds=None, session=session) as cache:
             try:
                 result = cache.compile(plan.request, compiler, staging)

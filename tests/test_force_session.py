@@ -1,9 +1,10 @@
 """``force`` clears a chip once per compile session, then behaves as ``enable``.
 
 A session is one OpCache unless one is named (``OPCACHE_SESSION``, or
-``OpCache(session=...)``); ``opcache wrap`` names its build's process group,
-so a build of many short compile commands clears once, at its first command,
-and keeps every entry it stores.
+``OpCache(session=...)``); ``opcache wrap`` names a build: a run of force
+compiles with no pause longer than ten minutes.  So a build of many short
+compile commands (make, ninja, a script, in parallel or not) clears once, at
+its first command, and keeps every entry it stores.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from helpers_cache import (
 )
 
 import opcache
-from opcache.cache import process_group_session
+from opcache.cache import BUILD_GAP_SECONDS
 
 GCC = shutil.which("gcc")
 
@@ -104,29 +105,28 @@ def test_processes_of_one_session_keep_each_others_entries(tmp_path: Path) -> No
     assert all(json.loads((tmp_path / f"r{r}").read_text()) == ["miss"] * 4 for r in range(4))
 
 
-def test_process_group_session_names_the_group_and_its_leader() -> None:
-    here = process_group_session()
-    assert here == process_group_session()
-    assert f":{os.getpgrp()}:" in here
-    code = "from opcache.cache import process_group_session as s; print(s())"
-    apart = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, start_new_session=True
-    )
-    assert apart.stdout.strip() not in ("", here)
-
-
 # -------------------------------------------------------------------- opcache wrap
 
 
-def _build(project: Path, env: dict[str, str], *, parallel: bool) -> None:
-    """One build: a shell compiling every source with its own ``opcache wrap``, in a new group."""
-    wrap = f"{sys.executable} -m opcache wrap --op_compiler_cache_mode force -- gcc -c"
-    each = f"{wrap} $f.c -o $f.o" + (" &" if parallel else ";")
-    script = f"for f in a b c d; do {each} done; wait"
-    done = subprocess.run(
-        ["sh", "-c", script], cwd=project, env=env, capture_output=True, start_new_session=True
-    )
-    assert done.returncode == 0, done.stderr.decode()
+WRAP = f"{sys.executable} -m opcache wrap --op_compiler_cache_mode force -- gcc"
+
+
+def _build(project: Path, env: dict[str, str], how: str) -> None:
+    """One build of a.c .. d.c, each file compiled by its own ``opcache wrap``."""
+    if how == "ninja":
+        (project / "build.ninja").write_text(
+            f"rule cc\n  command = {WRAP} -c $in -o $out\n"
+            + "".join(f"build {f}.o: cc {f}.c\n" for f in "abcd")
+        )
+        argv = ["ninja", "-j", "4"]
+    else:
+        each = f"{WRAP} -c $f.c -o $f.o" + (" &" if how == "parallel" else ";")
+        argv = ["sh", "-c", f"rm -f *.o; for f in a b c d; do {each} done; wait"]
+    if how == "ninja":
+        for obj in project.glob("*.o"):
+            obj.unlink()
+    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, start_new_session=True)
+    assert done.returncode == 0, done.stderr.decode() + done.stdout.decode()
     assert b"Traceback" not in done.stderr
 
 
@@ -138,8 +138,10 @@ def _stats(env: dict[str, str], cwd: Path) -> dict:
 
 
 @pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
-@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_a_force_build_through_wrap_keeps_every_entry(tmp_path: Path, parallel: bool) -> None:
+@pytest.mark.parametrize("how", ["serial", "parallel", "ninja"])
+def test_a_force_build_through_wrap_keeps_every_entry(tmp_path: Path, how: str) -> None:
+    if how == "ninja" and shutil.which("ninja") is None:
+        pytest.skip("ninja is not installed (apt-get install ninja-build)")
     project = tmp_path / "project"
     project.mkdir()
     for name in "abcd":
@@ -149,13 +151,34 @@ def test_a_force_build_through_wrap_keeps_every_entry(tmp_path: Path, parallel: 
         "HOME": str(tmp_path),
         "ASCEND_CACHE_PATH": str(tmp_path / "cache"),
     }
-    _build(project, env, parallel=parallel)
+    _build(project, env, how)
     first = _stats(env, tmp_path)
     assert first["entries"] == 4 and first["misses"] == 4
-    # Every command of the build after the first used the cache as enable does.
-    _build(project, {**env, "OPCACHE_SESSION": "kept"}, parallel=parallel)
+    # The same build again, soon after: still one session, nothing cleared.
+    _build(project, env, how)
     second = _stats(env, tmp_path)
-    assert second["entries"] == 4 and second["misses"] == 8  # a new session: cleared once
-    _build(project, {**env, "OPCACHE_SESSION": "kept"}, parallel=parallel)
+    assert second["entries"] == 4 and second["hits"] == 4
+    # After a pause longer than a build's gap, the next force build clears again.
+    note = next((tmp_path / "cache").glob("kernel_cache_*/.opcache/force/host"))
+    session, _, when = note.read_bytes().partition(b"\n")
+    note.write_bytes(session + b"\n" + str(float(when) - BUILD_GAP_SECONDS - 1).encode())
+    _build(project, env, how)
     third = _stats(env, tmp_path)
-    assert third["entries"] == 4 and third["hits"] == 4  # the same session: nothing cleared
+    assert third["entries"] == 4 and third["misses"] == 8 and third["hits"] == 4
+
+
+@pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+def test_a_named_session_decides_for_wrap_too(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in "abcd":
+        (project / f"{name}.c").write_text(f"int {name}(void) {{ return {ord(name)}; }}\n")
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "ASCEND_CACHE_PATH": str(tmp_path / "cache"),
+    }
+    for session, misses in (("ci-1", 4), ("ci-1", 4), ("ci-2", 8)):
+        _build(project, {**env, "OPCACHE_SESSION": session}, "parallel")
+        stats = _stats(env, tmp_path)
+        assert stats["entries"] == 4 and stats["misses"] == misses
