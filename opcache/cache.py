@@ -336,10 +336,10 @@ class OpCache:
                 entry, claim = self._claim_or_wait(soc, key)
                 if entry is not None:
                     return _Filled(entry, "remote")
-            if lock and lock.waited:
+            if lock and lock.waited and not lock.inherited:
                 # Its compile failed (or could not be stored): compile here, but
                 # let the other waiters do the same at once instead of one after
-                # another.
+                # another.  (Its holder died instead: one compile, the lock kept.)
                 lock.release()
             files, note, stored, artifacts = self._compile_and_store(
                 request, compiler, key, inputs, out
@@ -749,7 +749,7 @@ def _compile_into(
     Build folders that killed compiles left in ``out`` go first; a failed
     compile leaves no ``out`` it created.
     """
-    made = not out.is_dir()
+    made = _missing_folders(out)
     if made:
         out.mkdir(parents=True, exist_ok=True)
     else:
@@ -768,12 +768,24 @@ def _compile_into(
                 log.debug("ignoring %s: not a plain file", entry.path)
     except BaseException:
         build.close()
-        if made:
-            with contextlib.suppress(OSError):  # not empty: something else is in it now
-                out.rmdir()
+        for folder in made:  # deepest first; one not empty holds something else now
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     build.close()
     return files, artifacts
+
+
+def _missing_folders(out: Path) -> list[Path]:
+    """``out`` and its parents that do not exist yet, deepest first."""
+    missing = []
+    folder = Path(os.path.abspath(out))
+    while not folder.is_dir() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def _compile_uncached(request: OpRequest, compiler: Compiler, out: Path) -> dict[str, Path]:

@@ -67,21 +67,19 @@ def cache_settings(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
-    Run as the program (``argv`` None), a wrapped compile does not return: it
-    leaves at once when done (see ``_leave``).
+    Run as the program (``argv`` None), a command does not return: it leaves
+    at once when done, and quietly on a Ctrl-C (see ``_leave``).
     """
     if argv is None:
         if masquerade.compiler_kind(sys.argv[0]):
             _leave(lambda: _masquerade(sys.argv))
         args = sys.argv[1:]
-        if args[:1] == ["wrap"]:
-            _leave(lambda: _run(args))
-        argv = args
+        _leave(lambda: _run(args))
     return _run(argv)
 
 
 def _leave(command: Callable[[], int]) -> NoReturn:
-    """Run a wrapped compile and exit without the interpreter's teardown.
+    """Run a command and exit without the interpreter's teardown.
 
     That teardown is about 6 ms of every ``opcache wrap``.  Exit handlers run
     and the standard streams are flushed first, as at any exit; only the

@@ -48,6 +48,9 @@ class KeyLock:
         self._modes = modes
         self._fd: int | None = None
         self.waited = False  # True once acquire() found it held by someone else
+        # True when the lock was won on a file already there: its last holder
+        # died without letting go (a holder that lets go deletes the file).
+        self.inherited = False
 
     def acquire(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lock; True if it is now held."""
@@ -74,6 +77,7 @@ class KeyLock:
         return False
 
     def _try_once(self) -> bool:
+        existed = os.path.lexists(self.path)
         try:
             fd = _open_lock_file(self.path, self._modes)
         except FileNotFoundError:
@@ -95,6 +99,7 @@ class KeyLock:
             os.close(fd)  # we locked a file its holder had already deleted
             return False
         self._fd = fd
+        self.inherited = existed
         _held.add(fd)
         return True
 

@@ -120,7 +120,7 @@ class CompileResult(Record):
     seconds: float
     reason: str | None
     saved_seconds: float
-    error: Exception | None
+    error: BaseException | None
     tier: str
 
     def __init__(
@@ -131,7 +131,7 @@ class CompileResult(Record):
         seconds: float,
         reason: str | None = None,
         saved_seconds: float = 0.0,
-        error: Exception | None = None,
+        error: BaseException | None = None,
         tier: str = "",
     ) -> None:
         self._init(locals())

@@ -27,7 +27,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ._log import get_logger
@@ -38,8 +38,6 @@ from .request import CompileResult, OpRequest
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from .compilers.protocol import Compiler
     from .request import Status
     from .storage.entry import Entry
@@ -103,12 +101,15 @@ class _Schedule:
         self._waiting: list[tuple[float, int, _Job]] = []
         self._busy = 0  # jobs taken and not yet finished or put back
         self._count = 0  # tie-breaker for the heap
+        self._stopped = False
         self._cond = threading.Condition()
 
     def take(self) -> tuple[_Job, bool] | None:
         """(a job, whether it is fresh), or None when every job is finished."""
         with self._cond:
             while True:
+                if self._stopped:
+                    return None
                 if self._fresh:
                     self._busy += 1
                     return self._fresh.popleft(), True
@@ -122,6 +123,12 @@ class _Schedule:
                     self._cond.wait()  # a job in hand may come back
                 else:
                     return None
+
+    def stop(self) -> None:
+        """No more jobs for anyone (Ctrl-C): every ``take`` returns None."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
 
     def finished(self) -> None:
         with self._cond:
@@ -173,9 +180,13 @@ def compile_many(
     ]
     for worker in workers:
         worker.start()
-    batch.work(schedule)  # this thread works too
-    for worker in workers:
-        worker.join()
+    try:
+        batch.work(schedule)  # this thread works too
+    finally:
+        for worker in workers:  # (after a Ctrl-C, each ends with its current compile)
+            worker.join()
+    if batch.stopped_by is not None:
+        raise batch.stopped_by
     return batch.results  # type: ignore[return-value]  # every slot is filled by now
 
 
@@ -194,6 +205,7 @@ class _Batch:
         self.compiler = compiler
         self.outs = outs
         self.results: list[CompileResult | None] = [None] * len(requests)
+        self.stopped_by: BaseException | None = None  # what stopped a worker thread
 
     def first_look(self) -> list[_Job]:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
@@ -230,7 +242,7 @@ class _Batch:
                         job, cache._backfill(soc, job.key, *found[job.key]), started, "remote"
                     )
                 except Exception as e:  # one operator's failure does not stop the others
-                    self._settle(job, _failed(job.key, e, started))
+                    self._fail(job, e)
         return [job for job in jobs if self.results[job.indices[0]] is None]
 
     def _first_look(
@@ -267,17 +279,31 @@ class _Batch:
     def work(self, schedule: _Schedule) -> None:
         while (taken := schedule.take()) is not None:
             job, fresh = taken
+            done = True
             try:
                 done = self._try(job, fresh)
             except Exception as e:  # one operator's failure does not stop the others
-                if job.held is not None:
-                    job.held.release()
-                self._settle(job, _failed(job.key, e, time.perf_counter()))
-                done = True
-            if done:
-                schedule.finished()
-            else:
-                schedule.later(job)
+                self._fail(job, e)
+            except BaseException as e:  # Ctrl-C, SystemExit: every thread stops
+                self._fail(job, e)
+                schedule.stop()
+                if threading.current_thread() is threading.main_thread():
+                    raise
+                self.stopped_by = e
+                return
+            finally:
+                if done:
+                    schedule.finished()
+                else:
+                    schedule.later(job)
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        """Let go of the job's lock; its requests not settled yet failed with ``error``."""
+        if job.held is not None:
+            job.held.release()
+        for index in job.indices:
+            if self.results[index] is None:
+                self.results[index] = _failed(job.key, error, time.perf_counter())
 
     def _try(self, job: _Job, fresh: bool) -> bool:
         """Settle ``job`` if it can be now; False when another process holds its key."""
@@ -327,11 +353,20 @@ class _Batch:
         return True
 
     def _hits(self, job: _Job, entry: Entry, started: float, tier: str) -> None:
+        soc = job.request.soc_version
         for index in job.indices:
-            out = self.outs[index]
-            self.results[index] = self.cache._hit(
-                entry, job.request.soc_version, out, started, tier
+            self._each(
+                job, index, lambda i: self.cache._hit(entry, soc, self.outs[i], started, tier)
             )
+
+    def _each(self, job: _Job, index: int, result: Callable[[int], CompileResult]) -> None:
+        """Request ``index`` of the job gets ``result(index)``, or its own error: a
+        failure to deliver into its out_dir is not the other requests' failure."""
+        started = time.perf_counter()
+        try:
+            self.results[index] = result(index)
+        except Exception as e:
+            self.results[index] = _failed(job.key, e, started)
 
     def _remote_timed_out(self, job: _Job) -> bool:
         """Whether this process has waited ``lock_timeout`` for another machine's compile."""
@@ -395,15 +430,18 @@ class _Batch:
         for index in others:
             if artifacts is None or result.status == "error":
                 self.results[index] = result
-                continue
-            started = time.perf_counter()
-            files = _deliver(self.outs[index], artifacts)
-            self.cache._stats.add(job.request.soc_version, "hits")
-            seconds = time.perf_counter() - started
-            self.results[index] = CompileResult(
-                "hit", job.key, files, seconds, saved_seconds=result.seconds, tier="local"
-            )
+            else:
+                self._each(job, index, lambda i: self._copy(job, i, artifacts, result.seconds))
+
+    def _copy(
+        self, job: _Job, index: int, artifacts: dict[str, bytes], saved: float
+    ) -> CompileResult:
+        started = time.perf_counter()
+        files = _deliver(self.outs[index], artifacts)
+        self.cache._stats.add(job.request.soc_version, "hits")
+        seconds = time.perf_counter() - started
+        return CompileResult("hit", job.key, files, seconds, saved_seconds=saved, tier="local")
 
 
-def _failed(key: str, error: Exception, started: float) -> CompileResult:
+def _failed(key: str, error: BaseException, started: float) -> CompileResult:
     return CompileResult("error", key, {}, time.perf_counter() - started, str(error), error=error)

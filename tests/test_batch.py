@@ -430,3 +430,47 @@ def test_every_compile_flag_has_help(capsys):
     assert "--op SPEC.json [SPEC.json ...]\n" in text
     listed = text[text.index("--op SPEC.json") :].split("\n")[1]
     assert "spec file" in listed
+
+
+FLAGS = ["--output", "out", "--jobs", "3"]
+
+
+def test_ctrl_c_stops_compile_quietly(tmp_path):
+    """Ctrl-C (SIGINT to the process group) ends `opcache compile --jobs 3` at once, quietly."""
+    import signal
+    import time
+
+    root = make_toolkit(tmp_path / "toolkit")
+    env = {**base_env(tmp_path), "ASCEND_HOME_PATH": str(root), "FAKE_OPC_SLEEP": "3"}
+    (tmp_path / "add.py").write_text(OP_SOURCE)
+    ops = [
+        {
+            "op_type": "Add",
+            "soc_version": SOC,
+            "op_name": f"add_{i}",
+            "inputs": [{"shape": [16, 64 * (i + 1)], "dtype": "float16"}] * 2,
+            "outputs": [{"shape": [16, 64 * (i + 1)], "dtype": "float16"}],
+            "sources": {"add.py": "add.py"},
+        }
+        for i in range(9)
+    ]
+    (tmp_path / "ops.json").write_text(json.dumps(ops))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opcache", "compile", "--op", "ops.json", *FLAGS],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    log = tmp_path / "opc.log"
+    deadline = time.monotonic() + 30
+    while not (log.exists() and len(invocations(log)) >= 3):
+        assert time.monotonic() < deadline, "opc never started"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=30)[1]  # no thread left waiting forever
+    assert proc.returncode == -signal.SIGINT
+    assert "Traceback" not in err and err == ""
+    assert len(invocations(log)) == 3  # nothing more was started

@@ -278,3 +278,80 @@ def test_bad_arguments(tmp_path: Path) -> None:
         results = cache.compile_many([bad, make_request(1)], compiler, lambda r: tmp_path / "o")
     assert results[0].status == "error" and isinstance(results[0].error, TypeError)
     assert results[1].status == "miss"
+
+
+class InterruptedInMain(ToyCompiler):
+    """The toy compiler; a compile in the main thread is interrupted (as by Ctrl-C)."""
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        super().compile(request, workdir)
+
+
+def test_a_ctrl_c_stops_every_worker_and_reaches_the_caller(tmp_path: Path) -> None:
+    compiler = InterruptedInMain(tmp_path / "calls", sleep=0.1)
+    requests = [make_request(i) for i in range(12)]
+    before = set(threading.enumerate())
+    with opcache.OpCache(settings_for(tmp_path)) as cache, pytest.raises(KeyboardInterrupt):
+        cache.compile_many(requests, compiler, lambda r: tmp_path / r.op_name, jobs=3)
+    assert set(threading.enumerate()) <= before  # no worker left behind
+    assert compiler.calls() < 12  # the rest were not started
+    # Nothing half-done stays locked: the same operators compile at once afterwards.
+    with opcache.OpCache(settings_for(tmp_path), lock_timeout=5) as cache:
+        results = cache.compile_many(requests, ToyCompiler(tmp_path / "calls"), [tmp_path] * 12)
+    assert {r.status for r in results} <= {"hit", "miss"}
+
+
+def test_a_request_whose_folder_fails_does_not_fail_the_others_of_its_key(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(0), make_request(0, op_name="again")]
+    outs = [tmp_path / "good", tmp_path / "a-file" / "sub"]
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        results = cache.compile_many(requests, compiler, outs)
+        # The same when the key is a hit: each request is delivered on its own.
+        hits = cache.compile_many(requests, compiler, [tmp_path / "good2", outs[1]])
+    assert [r.status for r in results] == ["miss", "error"]
+    assert [r.status for r in hits] == ["hit", "error"]
+    assert isinstance(results[1].error, OSError)
+    assert read_dir(tmp_path / "good") == expected_files(requests[0])
+    assert read_dir(tmp_path / "good2") == expected_files(requests[0])
+
+
+def _waiting_rank(tmp: str, result: str) -> None:
+    tmp_path = Path(tmp)
+    requests = [make_request(i) for i in range(6)]
+    outs = [tmp_path / "ranks" / f"{os.getpid()}" / r.op_name for r in requests]
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        compiler = ToyCompiler(tmp_path / "calls", sleep=0.5)  # time for the others to come
+        results = cache.compile_many(requests, compiler, outs, jobs=2)
+    ok = all(read_dir(o) == expected_files(r) for r, o in zip(requests, outs, strict=True))
+    write_json(result, {"ok": ok, "statuses": [r.status for r in results]})
+
+
+def test_a_dead_holders_key_is_compiled_once_by_the_ranks_waiting_for_it(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "hanging"
+    holder = MP.Process(target=_hang_child, args=(str(tmp_path), str(marker)))
+    holder.start()
+    wait_for(marker)
+    ranks = [
+        MP.Process(target=_waiting_rank, args=(str(tmp_path), str(tmp_path / f"r{n}.json")))
+        for n in range(3)
+    ]
+    for rank in ranks:
+        rank.start()
+    time.sleep(0.5)  # every rank is waiting for add_3 by now
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    for rank in ranks:
+        rank.join(60)
+        assert rank.exitcode == 0
+    for n in range(3):
+        assert read_json(tmp_path / f"r{n}.json")["ok"]
+    calls = (tmp_path / "calls").read_text().split("\n")
+    assert sum(line.endswith(" add_3") for line in calls) == 1  # once, not once per rank

@@ -72,3 +72,18 @@ def test_a_failed_compile_leaves_no_out_dir_it_made(tmp_path: Path, mode: str) -
         good = ToyCompiler(tmp_path / "calls")
         cache.compile(make_request(0), good, tmp_path / "new" / "op")
     assert read_dir(tmp_path / "new" / "op") == expected_files(make_request(0))
+
+
+def test_a_failed_compile_leaves_none_of_the_folders_it_made(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "deeper" / "op"
+    for mode in ("enable", "disable"):
+        settings = settings_for(tmp_path, mode)
+        with opcache.OpCache(settings) as cache, pytest.raises(opcache.CompileError):
+            cache.compile(make_request(0), ToyCompiler(tmp_path / "calls", fail=True), out)
+        assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    with opcache.OpCache(settings) as cache, pytest.raises(opcache.CompileError):
+        cache.compile(
+            make_request(0), ToyCompiler(tmp_path / "calls", fail=True), tmp_path / "kept" / "op"
+        )
+    assert (tmp_path / "kept").is_dir()  # it was there before

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 _STDERR_TAIL = 2000
+_SIGINT = 2  # signal.SIGINT, without importing signal on `opcache wrap`'s start-up
 _HEX = b"0123456789abcdef"
 _TOO_NEW_SECONDS = 2.0
 _identities: dict[tuple[str, int, int], str] = {}
@@ -99,7 +100,8 @@ def run_tool(
     environ: Mapping[str, str] | None = None,
     what: str,
 ) -> subprocess.CompletedProcess[bytes]:
-    """Run a compiler; CompileError with the command line and stderr's tail on failure."""
+    """Run a compiler; CompileError with the command line and stderr's tail on failure,
+    KeyboardInterrupt when a Ctrl-C killed it."""
     import subprocess
 
     try:
@@ -113,6 +115,9 @@ def run_tool(
         )
     except OSError as e:
         raise CompileError(f"{what}: cannot run {argv[0]}: {e.strerror or e}") from None
+    if done.returncode == -_SIGINT:
+        # The user's Ctrl-C reached the compiler (its process group's): stop, as make does.
+        raise KeyboardInterrupt
     if done.returncode != 0:
         tail = done.stderr.decode(errors="replace")[-_STDERR_TAIL:].strip()
         raise CompileError(
