@@ -60,6 +60,7 @@ def cache_settings(
         op_compiler_cache_dir=flags.get("op_compiler_cache_dir"),
         op_debug_level=debug_level if debug_level is not None else flags.get("op_debug_level"),
         op_debug_config=debug_config if debug_config is not None else flags.get("op_debug_config"),
+        remote=flags.get("remote"),
         default_mode=default_mode,
     )
 

@@ -73,6 +73,9 @@ def main(argv: Sequence[str]) -> int:
     return run_logged(args.verbose, lambda: args.func(args))
 
 
+_REMOTE_COUNTERS = ("remote_hits", "remote_misses", "remote_stores", "remote_errors")
+
+
 def _count(n: int, noun: str, plural: str = "") -> str:
     """``1 entry``, ``2 entries``: a number and its noun in agreement."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
@@ -96,6 +99,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
     sources = data.pop("sources")
+    remote = data.pop("remote")
+    data["remote"] = None if remote is None else remote.pop("url")
+    for name, value in (remote or {}).items():
+        data[f"remote_{name}"] = value
     width = max(map(len, data))
     for name, value in data.items():
         origin = sources.get(name, "")
@@ -208,6 +215,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             f"{row['misses']:>8} {rate:>8} {row['stores']:>7} {row['bypasses']:>7} "
             f"{row['corrupt']:>7} {row['evicted_entries']:>7} {row['errors']:>6} "
             f"{row['time_saved_seconds']:>8.1f}s"
+        )
+    if cache.settings.remote is not None or any(report[n] for n in _REMOTE_COUNTERS):
+        where = cache.settings.remote.shown_url if cache.settings.remote else "(none set now)"
+        print(
+            f"remote {where}: {_count(report['remote_hits'], 'hit')}, "
+            f"{_count(report['remote_misses'], 'miss', 'misses')}, "
+            f"{_count(report['remote_stores'], 'store')}, "
+            f"{_count(report['remote_errors'], 'error')}, {report['remote_corrupt']} corrupt; "
+            f"{_size(report['remote_bytes_down'])} down, {_size(report['remote_bytes_up'])} up"
         )
     _print_reasons("bypassed the cache for a debug option", report["bypass_reasons"])
     _print_reasons("not cached: commands opcache wrap cannot key", report["uncacheable_reasons"])
@@ -376,6 +392,50 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "op_debug_config": args.op_debug_config,
     }
     return run(keep=args.keep, cache_options=options)
+
+
+def _cmd_remote(args: argparse.Namespace) -> int:
+    """``opcache remote stats|clear``: the remote tier, this cache's keys only."""
+    from .storage import RemoteError, open_remote
+
+    settings = _settings(args)
+    if settings.remote is None:
+        raise UsageError(
+            "remote: no remote is set: OPCACHE_REMOTE=redis://host:6379/0, or --remote URL"
+        )
+    try:
+        remote = open_remote(settings.remote)
+        try:
+            if args.action == "clear":
+                removed = remote.clear(args.soc_version)
+                print(f"removed {_count(removed, 'entry', 'entries')} from {remote.where}")
+                return 0
+            usage = remote.usage(args.soc_version)
+        finally:
+            remote.close()
+    except RemoteError as e:
+        print(f"opcache: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"remote": settings.remote.shown_url, **usage}, indent=2, sort_keys=True))
+        return 0
+    print(f"remote: {settings.remote.shown_url}, keys under {settings.remote.prefix!r}")
+    chips = usage["chips"]
+    total = {"entries": sum(c["entries"] for c in chips.values())}
+    total["bytes"] = sum(c["bytes"] for c in chips.values())
+    print(f"{'chip':<16} {'entries':>8} {'size':>10}")
+    for name, row in [("total", total), *chips.items()]:
+        print(f"{name:<16} {row['entries']:>8} {_size(row['bytes']):>10}")
+    used, limit, policy = usage["used_memory"], usage["maxmemory"], usage["maxmemory_policy"]
+    limit_text = _size(limit) if limit else "no limit"
+    print(f"server memory: {_size(used or 0)} used of {limit_text}, eviction {policy}")
+    if policy == "noeviction" or not limit:
+        print(
+            "opcache: warning: the server never evicts: once its memory is full, stores fail; "
+            "set maxmemory and maxmemory-policy allkeys-lru (README: 'A Redis for a cluster')",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _cmd_cann(args: argparse.Namespace) -> int:
@@ -588,6 +648,14 @@ def _build_parser() -> argparse.ArgumentParser:
     cann.add_argument("--json", action="store_true", help="one JSON object")
     cann.add_argument("--dry-run", action="store_true", help="age: report, remove nothing")
     cann.add_argument("--fix", action="store_true", help="verify: remove what it finds")
+    remote = command("remote", _cmd_remote, "the remote tier: stats, or clear this cache's keys")
+    remote.add_argument(
+        "action",
+        choices=("stats", "clear"),
+        help="stats: entries and bytes per chip, the server's memory; clear: delete them",
+    )
+    remote.add_argument("--remote", metavar="URL", help="the remote (else OPCACHE_REMOTE)")
+    remote.add_argument("--json", action="store_true", help="one JSON object")
     masq = commands.add_parser(
         "masquerade",
         help="link the compilers found on PATH to opcache in DIR",
