@@ -379,7 +379,7 @@ class OpCache:
                 return entry, claim or UNCLAIMED
             if time.monotonic() >= deadline:
                 log.warning(
-                    "waited %.0f s for another machine compiling %s/%s; compiling it here too",
+                    "waited %.3g s for another machine compiling %s/%s; compiling it here too",
                     self._lock_timeout,
                     soc,
                     key,
@@ -449,7 +449,7 @@ class OpCache:
             if lock.acquire(self._lock_timeout):
                 return lock
             log.warning(
-                "waited %.0f s for another process compiling %s/%s; compiling it here too",
+                "waited %.3g s for another process compiling %s/%s; compiling it here too",
                 self._lock_timeout,
                 soc,
                 key,

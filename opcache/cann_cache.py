@@ -44,6 +44,7 @@ from ._log import get_logger
 from ._record import Record
 from .request import is_plain_name
 from .settings import AGE_SECONDS, INI_NAME, KERNEL_CACHE, MB, Settings, size_limits
+from .storage.local import pid_alive
 
 log = get_logger(__name__)
 
@@ -61,6 +62,10 @@ NOTES = (
     "an entry whose <kernel>.lock a CANN writer holds is never deleted (CANN's aging does not "
     "check)",
     "folders others can write are refused (the trust rule of opcache's own cache)",
+    "files in subfolders of a chip folder count toward its size, as CANN counts them, but "
+    "are never deleted (CANN would age jsons found there)",
+    "size settings are read as opcache reads them: a value with trailing text (500MB) is "
+    "ignored, where CANN's stoi takes its leading digits",
 )
 
 _LOCK_MODE = 0o640  # CANN chmods its lock files to this
@@ -712,25 +717,11 @@ def _stale_temp(name: str, st: os.stat_result, now: float) -> str | None:
     """Why a ``.temp`` file is left over, or None while its writer may still finish it."""
     idle = now - st.st_mtime
     match = _TEMP.fullmatch(name)
-    if match and idle >= TEMP_GRACE_SECONDS and not _running(int(match["pid"])):
+    if match and idle >= TEMP_GRACE_SECONDS and not pid_alive(int(match["pid"])):
         return f"its writer (pid {match['pid']}) is not running"
     if idle >= TEMP_MAX_AGE_SECONDS:
         return f"untouched for {int(idle // 60)} minutes"
     return None
-
-
-def _running(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    except OverflowError:
-        return False
-    return True
 
 
 def _unchanged(fd: int, name: str, seen: os.stat_result) -> bool:

@@ -501,7 +501,7 @@ class _Batch:
                 return None
         elif now - job.since >= cache._lock_timeout:
             log.warning(
-                "waited %.0f s for another process compiling %s/%s; compiling it here too",
+                "waited %.3g s for another process compiling %s/%s; compiling it here too",
                 cache._lock_timeout,
                 soc,
                 job.key,

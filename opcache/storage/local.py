@@ -50,10 +50,6 @@ from .entry import (
     parse_manifest,
 )
 
-TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
-if TYPE_CHECKING:
-    pass
-
 log = get_logger(__name__)
 
 BOOKKEEPING = ".opcache"
@@ -749,14 +745,17 @@ def _abandoned(path: Path, name: str, now: float) -> bool:
     parts = name.rsplit(".", 3)
     if len(parts) == 4 and parts[1] == _HOST and parts[2].isdigit():
         # This host: the lock is reliable; a minute covers mkdir-to-flock.
-        return not _pid_alive(int(parts[2])) or age > STALE_LOCAL_SECONDS
+        return not pid_alive(int(parts[2])) or age > STALE_LOCAL_SECONDS
     return age > TMP_GRACE_SECONDS
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine with this id runs (someone else's counts)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
