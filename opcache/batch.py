@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from .cache import OpCache
 from .compilers import get_compiler
 from .compilers._tool import kernel_name
 from .errors import ConfigError
-from .request import OpRequest
+from .request import CompileResult, OpRequest
 from .settings import Settings
 
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -137,26 +137,42 @@ def compile_specs(
     compiler: str = "auto",
     compiler_options: dict[str, Any] | None = None,
     jobs: int | None = None,
-) -> Iterator[Outcome]:
+    on_outcome: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
     """Compile every operator of ``specs``, ``jobs`` at a time (default: the cores
-    this process may use); yields an outcome per operator, in order.
+    this process may use); returns an outcome per operator, in order.
 
+    ``on_outcome`` is called with each as soon as it is known (bad specs first,
+    then the operators as they finish, from the thread that did each).
     Raises ConfigError (before compiling anything) for a bad compiler name or option.
     """
     built = get_compiler(compiler, **(compiler_options or {}))  # a bad one fails here, once
-    loaded = list(load_specs(specs))
-    for where, request in loaded:  # bad specs first: they are known before anything compiles
+    report = on_outcome or (lambda outcome: None)
+    outcomes: list[Outcome] = []
+    good: list[tuple[str, OpRequest]] = []
+    for where, request in load_specs(specs):  # bad specs first: known before any compile
         if isinstance(request, str):
-            yield Outcome(where, "?", "error", error=request)
-    good = [(where, request) for where, request in loaded if not isinstance(request, str)]
+            outcomes.append(Outcome(where, "?", "error", error=request))
+            report(outcomes[-1])
+        else:
+            good.append((where, request))
     outs = [_target(Path(output), request) for _, request in good]
-    with OpCache(settings) as cache:
-        results = cache.compile_many([r for _, r in good], built, outs, jobs=jobs)
-    for (where, request), out, result in zip(good, outs, results, strict=True):
+
+    def outcome(index: int, result: CompileResult) -> Outcome:
+        where, request = good[index]
         label = request.op_name or request.op_type
         if result.error is not None:
-            yield Outcome(where, label, "error", result.seconds, error=str(result.error))
-        else:
-            yield Outcome(
-                where, label, result.status, result.seconds, result.saved_seconds, output=str(out)
-            )
+            return Outcome(where, label, "error", result.seconds, error=str(result.error))
+        return Outcome(
+            where, label, result.status, result.seconds, result.saved_seconds, str(outs[index])
+        )
+
+    with OpCache(settings) as cache:
+        results = cache.compile_many(
+            [request for _, request in good],
+            built,
+            outs,
+            jobs=jobs,
+            on_result=lambda index, result: report(outcome(index, result)),
+        )
+    return outcomes + [outcome(index, result) for index, result in enumerate(results)]

@@ -205,6 +205,7 @@ class OpCache:
         out_dirs: OutDirs,
         *,
         jobs: int | None = None,
+        on_result: Callable[[int, CompileResult], None] | None = None,
     ) -> list[CompileResult]:
         """Compile many operators, sharing the work with every process that needs them.
 
@@ -222,11 +223,13 @@ class OpCache:
         ``"error"`` and the exception (usually a ``CompileError``) in
         ``error``.  Requests that share a key are compiled once.  Modes,
         bypasses, stats and the promise that the cache never fails a compile
-        hold as for ``compile``.  Thread-safe, as ``compile`` is.
+        hold as for ``compile``.  Thread-safe, as ``compile`` is.  ``on_result(index,
+        result)`` is called as each request is done (from the thread that did it),
+        for progress.
         """
         from .shared_work import compile_many  # threads: not on `opcache wrap`'s start-up
 
-        return compile_many(self, requests, compiler, out_dirs, jobs)
+        return compile_many(self, requests, compiler, out_dirs, jobs, on_result)
 
     def _uncached(self, request: OpRequest) -> tuple[Status, str | None] | None:
         """(status, reason) when the mode or a debug option keeps the cache out; else None."""

@@ -329,7 +329,9 @@ def _cmd_compilers(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from .batch import compile_specs
+    import threading
+
+    from .batch import Outcome, compile_specs
 
     if args.compiler == "command" and not args.template:
         raise UsageError(
@@ -340,24 +342,26 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         raise UsageError("compile: --template is for --compiler command only")
     settings = _settings(args, COMPILING_DEFAULT_MODE)
     options = {"template": args.template} if args.template else {}
-    outcomes = []
     totals = {"hit": 0, "miss": 0, "bypass": 0, "disabled": 0, "error": 0}
-    saved = 0.0
-    stream = compile_specs(
+    printing = threading.Lock()
+
+    def show(outcome: Outcome) -> None:
+        """One line per operator as it finishes; a compiler's stderr tail follows, indented."""
+        if outcome.error:
+            detail = outcome.error.replace("\n", "\n    ")
+            line = f"error    {outcome.spec}: {detail}"
+        else:
+            line = f"{outcome.status:<8} {outcome.seconds:8.3f}s  {outcome.op}"
+        with printing:
+            print(line, flush=True)
+
+    outcomes = compile_specs(
         args.op, settings, args.output, compiler=args.compiler,
-        compiler_options=options, jobs=args.jobs,
+        compiler_options=options, jobs=args.jobs, on_outcome=None if args.json else show,
     )  # fmt: skip
-    for outcome in stream:
-        outcomes.append(outcome)
+    for outcome in outcomes:
         totals[outcome.status] += 1
-        saved += outcome.saved_seconds
-        if not args.json:
-            if outcome.error:
-                # One line per operator; a compiler's stderr tail follows it, indented.
-                detail = outcome.error.replace("\n", "\n    ")
-                print(f"error    {outcome.spec}: {detail}")
-            else:
-                print(f"{outcome.status:<8} {outcome.seconds:8.3f}s  {outcome.op}")
+    saved = sum(outcome.saved_seconds for outcome in outcomes)
     summary = {
         "operators": len(outcomes),
         "hits": totals["hit"],

@@ -210,6 +210,7 @@ def compile_many(
     compiler: Compiler,
     out_dirs: OutDirs,
     jobs: int | None,
+    on_result: Callable[[int, CompileResult], None] | None = None,
 ) -> list[CompileResult]:
     """See ``OpCache.compile_many``."""
     jobs = default_jobs() if jobs is None else jobs
@@ -221,7 +222,7 @@ def compile_many(
         outs = [Path(out) for out in out_dirs]
     else:
         raise ValueError(f"{len(requests)} requests but {len(out_dirs)} output folders")
-    batch = _Batch(cache, requests, compiler, outs)
+    batch = _Batch(cache, requests, compiler, outs, on_result)
     fresh = batch.first_look()
     random.Random().shuffle(fresh)  # ranks that start together go for different keys
     schedule = _Schedule(fresh)
@@ -250,6 +251,7 @@ class _Batch:
         requests: Sequence[OpRequest],
         compiler: Compiler,
         outs: list[Path],
+        on_result: Callable[[int, CompileResult], None] | None,
     ) -> None:
         self.cache = cache
         self.requests = requests
@@ -257,6 +259,7 @@ class _Batch:
         self.outs = outs
         self.results: list[CompileResult | None] = [None] * len(requests)
         self.stopped_by: BaseException | None = None  # what stopped a worker thread
+        self.on_result = on_result
         # Jobs whose key another machine compiles, by (chip, key); their local lock held.
         self._parked: dict[tuple[str, str], _Job] = {}
         self._parked_lock = threading.Lock()
@@ -271,7 +274,7 @@ class _Batch:
             try:
                 job = self._first_look(index, request, fingerprint, by_key, started)
             except Exception as e:  # one operator's failure does not stop the others
-                self.results[index] = _failed("", e, started)
+                self._set(index, _failed("", e, started))
                 continue
             if job is not None:
                 jobs.append(job)
@@ -325,7 +328,7 @@ class _Batch:
                 known = cache._lookup(soc, key)
         if known is not None:
             by_key[(soc, key)] = known
-            self.results[index] = cache._hit(known, soc, self.outs[index], started, "local")
+            self._set(index, cache._hit(known, soc, self.outs[index], started, "local"))
             return None
         job = by_key[(soc, key)] = _Job(index, request, key, inputs)
         return job
@@ -400,13 +403,18 @@ class _Batch:
             still = bool(self._parked)
         schedule.polled(settled, again, still)
 
+    def _set(self, index: int, result: CompileResult) -> None:
+        self.results[index] = result
+        if self.on_result is not None:
+            self.on_result(index, result)
+
     def _fail(self, job: _Job, error: BaseException) -> None:
         """Let go of the job's lock; its requests not settled yet failed with ``error``."""
         if job.held is not None:
             job.held.release()
         for index in job.indices:
             if self.results[index] is None:
-                self.results[index] = _failed(job.key, error, time.perf_counter())
+                self._set(index, _failed(job.key, error, time.perf_counter()))
 
     def _try(self, job: _Job, fresh: bool) -> _State:
         """Settle ``job`` if it can be now (_DONE); _LATER when another process of
@@ -477,9 +485,9 @@ class _Batch:
         failure to deliver into its out_dir is not the other requests' failure."""
         started = time.perf_counter()
         try:
-            self.results[index] = result(index)
+            self._set(index, result(index))
         except Exception as e:
-            self.results[index] = _failed(job.key, e, started)
+            self._set(index, _failed(job.key, e, started))
 
     def _due(self, job: _Job) -> bool:
         """Whether a key another process held may be done: worth a look at the store."""
@@ -523,10 +531,10 @@ class _Batch:
     ) -> None:
         """The job's first request gets ``result``; the others of its key a copy (a hit)."""
         first, *others = job.indices
-        self.results[first] = result
+        self._set(first, result)
         for index in others:
             if artifacts is None or result.status == "error":
-                self.results[index] = result
+                self._set(index, result)
             else:
                 self._each(job, index, lambda i: self._copy(job, i, artifacts, result.seconds))
 
