@@ -130,6 +130,20 @@ def _build(project: Path, env: dict[str, str], how: str) -> None:
     assert b"Traceback" not in done.stderr
 
 
+def _project(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """Four C sources to build, and an environment with a cache of its own."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in "abcd":
+        (project / f"{name}.c").write_text(f"int {name}(int x) {{ return x * {ord(name)}; }}\n")
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "ASCEND_CACHE_PATH": str(tmp_path / "cache"),
+    }
+    return project, env
+
+
 def _stats(env: dict[str, str], cwd: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "opcache", "stats", "--json"], env=env, cwd=cwd, capture_output=True
@@ -142,15 +156,7 @@ def _stats(env: dict[str, str], cwd: Path) -> dict:
 def test_a_force_build_through_wrap_keeps_every_entry(tmp_path: Path, how: str) -> None:
     if how == "ninja" and shutil.which("ninja") is None:
         pytest.skip("ninja is not installed (apt-get install ninja-build)")
-    project = tmp_path / "project"
-    project.mkdir()
-    for name in "abcd":
-        (project / f"{name}.c").write_text(f"int {name}(int x) {{ return x * {ord(name)}; }}\n")
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(tmp_path),
-        "ASCEND_CACHE_PATH": str(tmp_path / "cache"),
-    }
+    project, env = _project(tmp_path)
     _build(project, env, how)
     first = _stats(env, tmp_path)
     assert first["entries"] == 4 and first["misses"] == 4
@@ -169,15 +175,7 @@ def test_a_force_build_through_wrap_keeps_every_entry(tmp_path: Path, how: str) 
 
 @pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
 def test_a_named_session_decides_for_wrap_too(tmp_path: Path) -> None:
-    project = tmp_path / "project"
-    project.mkdir()
-    for name in "abcd":
-        (project / f"{name}.c").write_text(f"int {name}(void) {{ return {ord(name)}; }}\n")
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(tmp_path),
-        "ASCEND_CACHE_PATH": str(tmp_path / "cache"),
-    }
+    project, env = _project(tmp_path)
     for session, misses in (("ci-1", 4), ("ci-1", 4), ("ci-2", 8)):
         _build(project, {**env, "OPCACHE_SESSION": session}, "parallel")
         stats = _stats(env, tmp_path)

@@ -512,15 +512,19 @@ def _shared_worker(folder: str, count: int, many: bool, go, queue) -> None:
 def _shared_run(folder: Path, ranks: int, count: int, many: bool) -> tuple[float, int]:
     """(seconds from the start signal until the last rank is done, compiles performed)."""
     shutil.rmtree(folder / "out", ignore_errors=True)
+    return _started_together(_shared_worker, [(str(folder), count, many)] * ranks)
+
+
+def _started_together(target: Callable[..., None], args: list[tuple]) -> tuple[float, int]:
+    """Run ``target(*arg, go, queue)`` in a process per arg, all let go at once when
+    every one has started: (seconds until the last put its (time, compiles) on the
+    queue, the compiles they performed)."""
     ctx = multiprocessing.get_context("spawn")
     go, queue = ctx.Event(), ctx.Queue()
-    procs = [
-        ctx.Process(target=_shared_worker, args=(str(folder), count, many, go, queue))
-        for _ in range(ranks)
-    ]
+    procs = [ctx.Process(target=target, args=(*arg, go, queue)) for arg in args]
     for p in procs:
         p.start()
-    time.sleep(2.0)  # every rank has imported opcache and opened its cache
+    time.sleep(1.0 + 0.15 * len(procs))  # every one has imported opcache and opened its cache
     started = time.perf_counter()
     go.set()
     done = [queue.get() for _ in procs]
@@ -631,25 +635,8 @@ def _bench_cluster(
         if label == "cold":
             server.client().flushall()
             shutil.rmtree(folder, ignore_errors=True)
-        ctx = multiprocessing.get_context("spawn")
-        go, queue = ctx.Event(), ctx.Queue()
-        procs = [
-            ctx.Process(
-                target=_cluster_rank, args=(str(folder / f"m{m}"), server.url, count, go, queue)
-            )
-            for m in range(machines)
-            for _ in range(ranks)
-        ]
-        for p in procs:
-            p.start()
-        time.sleep(3.0)  # every rank has imported opcache and opened its cache
-        started = time.perf_counter()
-        go.set()
-        done = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-        wall = max(t for t, _ in done) - started
-        compiles = sum(c for _, c in done)
+        args = [(str(folder / f"m{m}"), server.url, count) for m in range(machines)]
+        wall, compiles = _started_together(_cluster_rank, args * ranks)
         print(f"  ({label}: {compiles} compiles performed in the cluster)")
         name = f"{machines} machines x {ranks} ranks x {count} operators, {label}"
         report.add("remote", name, [wall], ideal=wall / ideal, compiles=compiles)
