@@ -478,7 +478,7 @@ def _op_compiler_flags(args: Sequence[str]) -> dict[str, tuple[str | None, list[
 
 
 def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Settings) -> Plan:
-    from .compilers.cann import find_toolkit, interpreter_identity, tune_bank_digest, version_files
+    from .compilers.cann import find_toolkit, toolkit_fingerprint
 
     given = _op_compiler_flags(argv[1:])
     flags = {name: value for name, (value, _) in given.items()}
@@ -510,12 +510,7 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
     notes = None
     if base.mode != "disable":
         notes = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
-    fingerprint = {
-        "op_compiler": file_identity(tool, notes),
-        "python": interpreter_identity(tool, env),
-        "versions": version_files(home, env),
-        "tune_bank": tune_bank_digest(env),
-    }
+    fingerprint = toolkit_fingerprint("op_compiler", tool, home, env, notes)
 
     def command(workdir: Path) -> list[str]:
         words = [w for name, (_, spelled) in given.items() if name != "output" for w in spelled]
@@ -523,7 +518,7 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
 
     return Plan(
         request=request,
-        fingerprint=json.dumps(fingerprint, sort_keys=True),
+        fingerprint=fingerprint,
         command=command,
         output_dir=Path(os.path.abspath(flags["output"] or ".")),
         executables=(".run",),

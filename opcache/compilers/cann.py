@@ -20,6 +20,10 @@ from ..key import digest
 from ..request import OpRequest
 from ._tool import file_identity, kernel_name, run_tool, which
 
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from ..storage.local import LocalStore
+
 HOME_VARIABLES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
 # Options that are opc's own arguments, not flags passed through.
 _MAIN_FUNC = "main_func"
@@ -119,7 +123,27 @@ def version_files(home: Path | None, environ: Mapping[str, str]) -> dict[str, st
     return found
 
 
-def tune_bank_digest(environ: Mapping[str, str]) -> str:
+def toolkit_fingerprint(
+    name: str,
+    tool: str,
+    home: Path | None,
+    environ: Mapping[str, str],
+    notes: LocalStore | None = None,
+) -> str:
+    """The identity of CANN's tool ``name`` (opc, op_compiler) at ``tool`` and of its
+    toolkit: the tool's digest, the Python it runs with, the toolkit's version
+    files, the tuning knowledge base.  ``notes``: where file digests are
+    remembered between processes (``file_identity``)."""
+    parts = {
+        name: file_identity(tool, notes),
+        "versions": version_files(home, environ),
+        "python": interpreter_identity(tool, environ),
+        "tune_bank": tune_bank_digest(environ, notes),
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+def tune_bank_digest(environ: Mapping[str, str], notes: LocalStore | None = None) -> str:
     """Digest of the tuning knowledge base's files (names and contents), or "none"."""
     bank = environ.get("TUNE_BANK_PATH")
     if not bank and environ.get("ASCEND_CACHE_PATH"):
@@ -131,7 +155,7 @@ def tune_bank_digest(environ: Mapping[str, str]) -> str:
         if count > _MAX_BANK_FILES:
             break
         if path.is_file():
-            listing.append(f"{path.relative_to(bank)}:{file_identity(path)}")
+            listing.append(f"{path.relative_to(bank)}:{file_identity(path, notes)}")
     return digest("\n".join(listing).encode())
 
 
@@ -144,7 +168,13 @@ class CannCompiler:
 
     name = "cann"
 
-    def __init__(self, opc: str | None = None, *, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        opc: str | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        notes: LocalStore | None = None,
+    ) -> None:
         env = os.environ if environ is None else environ
         home, found, looked = find_toolkit(env)
         if opc is None and found is None:
@@ -158,6 +188,7 @@ class CannCompiler:
         self.opc = opc or found
         self.home = home
         self._environ = dict(env)
+        self._notes = notes  # where tool digests are remembered (opcache wrap's cache)
         self._fingerprint: str | None = None
 
     @classmethod
@@ -167,13 +198,9 @@ class CannCompiler:
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            parts = {
-                "opc": file_identity(self.opc),
-                "versions": version_files(self.home, self._environ),
-                "python": interpreter_identity(self.opc, self._environ),
-                "tune_bank": tune_bank_digest(self._environ),
-            }
-            self._fingerprint = json.dumps(parts, sort_keys=True)
+            self._fingerprint = toolkit_fingerprint(
+                "opc", self.opc, self.home, self._environ, self._notes
+            )
         return self._fingerprint
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
