@@ -10,11 +10,12 @@ from __future__ import annotations
 import _thread  # threading's primitives, without importing threading on wrap's start-up
 import contextlib
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from . import fsutil, locks, stats
+from . import fsutil, locks, stats, trust
 from ._log import get_logger
 from .aging import MIN_IDLE_SECONDS, STAMP_GRANULARITY, ChipAging, age_chip
 from .errors import CompileError
@@ -630,9 +631,21 @@ class OpCache:
     # -- maintenance ----------------------------------------------------------
 
     def _chips(self, soc_version: str | None) -> list[str]:
-        if soc_version is not None:
-            return [check_soc_version(soc_version)]
-        return self._store.chips()
+        if soc_version is None:
+            return self._store.chips()
+        path = self._store.chip_dir(check_soc_version(soc_version))
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return [soc_version]  # no folder, but maybe its stats: nothing to act on
+        # Maintenance renames, empties or recounts it: only a chip folder of ours.
+        if not stat.S_ISDIR(st.st_mode):
+            problem: str | None = "a link or a file, not a folder"
+        else:
+            problem = trust.problem(st, self._store.modes)
+        if problem:
+            raise trust.UntrustedFolder(f"{path} is not a chip folder ({problem}): left alone")
+        return [soc_version]
 
     def age(
         self,

@@ -405,7 +405,8 @@ def _cmd_remote(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if settings.remote is None:
         raise UsageError(
-            "remote: no remote is set: OPCACHE_REMOTE=redis://host:6379/0, or --remote URL"
+            settings.remote_error
+            or "remote: no remote is set: OPCACHE_REMOTE=redis://host:6379/0, or --remote URL"
         )
     try:
         remote = open_remote(settings.remote)

@@ -60,7 +60,13 @@ _FALSE = ("", "0", "false", "no", "off")
 _DIR_ASCII = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-/")
 _CJK = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2FA1F))
 _VALID_DIR_TEXT = "ASCII letters, digits, '_', '-', '.', '/' and CJK ideographs"
-_SOC = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+# A chip's folder name.  CANN's chips are named like Ascend910B1, Ascend310P3,
+# Ascend910B4-1, Ascend910_9391, Ascend950PR_9599: letters, digits, '_', '-'.
+# No dot and no leading '_' or '-': the root also holds op_cache.ini and
+# .opcache, which `opcache clear --soc_version` must never be able to name.
+_SOC = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_GID_END = 2**32 - 1  # gid_t's range; (gid_t)-1 means "no change" to chown
+_WHOLE_MAX = 2**31 - 1  # the largest TTL or size cap a remote option takes
 _HOST_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -87,6 +93,7 @@ class Settings(Record):
         "session",
         "remote",
         "base_dir",
+        "remote_error",
     )
     _compared = tuple(f for f in _fields if f != "sources")
     mode: str
@@ -104,6 +111,7 @@ class Settings(Record):
     session: str | None  # the compile session a force clears each chip once for
     remote: RemoteSettings | None  # the remote tier behind the cache folder
     base_dir: Path | None  # wrapped C compiles key paths under it relative to their folder
+    remote_error: str | None  # why the remote the environment names is not used
 
     def __init__(
         self,
@@ -123,6 +131,7 @@ class Settings(Record):
         session: str | None = None,
         remote: RemoteSettings | None = None,
         base_dir: Path | None = None,
+        remote_error: str | None = None,
     ) -> None:
         self._init(locals())
 
@@ -180,6 +189,7 @@ class Settings(Record):
             "shared_group": self.shared_group,
             "session": self.session,
             "remote": None if self.remote is None else self.remote.as_dict(),
+            "remote_error": self.remote_error,
             "base_dir": None if self.base_dir is None else str(self.base_dir),
             "sources": dict(self.sources),
         }
@@ -189,8 +199,8 @@ def check_soc_version(soc_version: str) -> str:
     """Return ``soc_version`` if it is a safe folder name, else raise ConfigError."""
     if not isinstance(soc_version, str) or not _SOC.fullmatch(soc_version):
         raise ConfigError(
-            f"soc_version={soc_version!r} is not valid; use letters, digits, '_', '-' and '.' "
-            "(not starting with '.'), e.g. 'Ascend910B1'"
+            f"soc_version={_shown(soc_version)} is not valid; use up to 64 letters, digits, "
+            "'_' and '-', starting with a letter or digit, e.g. 'Ascend910B1'"
         )
     return soc_version
 
@@ -236,10 +246,13 @@ def resolve_settings(
     (``OPCACHE_DIR``, as ``op_compiler_cache_dir``, above ``ASCEND_CACHE_PATH``).
 
     Raises ConfigError for an invalid option or environment variable (its
-    ``variable`` then names the variable).  A bad
-    op_cache.ini or size variable only logs a warning and falls back.
+    ``variable`` then names the variable).  A bad op_cache.ini or size
+    variable only logs a warning and falls back; a bad ``OPCACHE_REMOTE*``
+    variable logs a warning and leaves the remote out (``remote_error`` says
+    why), the cache folder still in use.
     """
     env = os.environ if environ is None else environ
+    _check_environ(env)
     sources: dict[str, str] = {}
     if default_mode not in MODES:
         raise ValueError(f"default_mode={default_mode!r} is not one of {', '.join(MODES)}")
@@ -272,6 +285,7 @@ def resolve_settings(
     collect_path = env.get(ENV_COLLECT_PATH) or None
     sources["npu_collect_path"] = f"env:{ENV_COLLECT_PATH}" if collect_path else "default"
     sources["debug_dir"] = "argument" if _is_set(debug_dir) else "default"
+    remote_settings, remote_error = _resolve_remote(remote, env, sources)
 
     return Settings(
         mode=mode,
@@ -287,8 +301,9 @@ def resolve_settings(
         debug_dir=_expand(os.fspath(debug_dir), env) if _is_set(debug_dir) else None,
         shared_group=_resolve_group(shared_group, env, sources),
         session=_resolve_session(session, env, sources),
-        remote=_resolve_remote(remote, env, sources),
+        remote=remote_settings,
         base_dir=_resolve_base_dir(base_dir, env, sources),
+        remote_error=remote_error,
     )
 
 
@@ -353,6 +368,23 @@ class RemoteSettings(Record):
 
 def _resolve_remote(
     value: str | Mapping[str, object] | None, env: Mapping[str, str], sources: dict
+) -> tuple[RemoteSettings | None, str | None]:
+    """(the remote, None), or (None, why not) for a bad remote setting in the environment.
+
+    A bad remote variable costs only the remote: a warning, and the cache
+    folder goes on alone.  A bad argument is the caller's error (ConfigError).
+    """
+    try:
+        return _remote_settings(value, env, sources), None
+    except ConfigError as e:
+        if e.variable is None:
+            raise
+        log.warning("%s; not using the remote (the local cache still works)", e)
+        return None, str(e)
+
+
+def _remote_settings(
+    value: str | Mapping[str, object] | None, env: Mapping[str, str], sources: dict
 ) -> RemoteSettings | None:
     given = dict(value) if isinstance(value, Mapping) else {"url": value}
     variable = None
@@ -365,15 +397,13 @@ def _resolve_remote(
     else:
         sources["remote"] = "default"
         return None
-    from .storage import schemes
-
-    scheme = url.partition("://")[0]
-    if "://" not in url or scheme not in schemes():
+    problem = _url_problem(url)
+    if problem:
         shown = RemoteSettings(url, None, False, "", None, 0, 0).shown_url
+        if "?" in shown:  # a query may hold secrets (?password=...): never shown
+            shown = shown.partition("?")[0] + "?..."
         raise ConfigError(
-            f"{variable or 'remote'}={shown!r} is not valid; "
-            f"use a URL {' or '.join(s + '://...' for s in schemes())}",
-            variable=variable,
+            f"{variable or 'remote'}={_shown(shown)} is not valid: {problem}", variable=variable
         )
     options: dict[str, object] = {}
     for name, (option_variable, default) in REMOTE_OPTIONS.items():
@@ -390,6 +420,117 @@ def _resolve_remote(
     return RemoteSettings(url=url, **options)  # type: ignore[arg-type]
 
 
+# Query options a remote URL may hold: what redis-py takes from a URL and
+# opcache does not set itself (its timeouts and retries stay opcache's).
+_URL_OPTIONS = ("db",)
+_TLS_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_ca_data",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+    "ssl_ciphers",
+)
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with a remote's URL, or None.
+
+    Everything the client would choke on, or silently read otherwise, is
+    refused here: a port that is not 1..65535, a db that is not a number (a
+    client would quietly use db 0), a host name no resolver takes (a label
+    over 63 characters), a query option redis-py would pass on blindly.
+    """
+    from .storage import schemes
+
+    scheme, sep, rest = url.partition("://")
+    valid = " or ".join(s + "://..." for s in schemes())
+    if not sep or scheme not in schemes():
+        return f"use a URL {valid}"
+    if not all(33 <= ord(c) <= 126 for c in url):
+        return "a URL holds no spaces, control or non-ASCII characters (percent-encode them)"
+    if "#" in rest:
+        return "a URL has no '#' (write %23 in a password)"
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    _, _, hostport = netloc.rpartition("@")
+    if scheme == "unix":
+        if hostport or not path:
+            return "use unix:///path/to/redis.sock[?db=N]"
+        return _query_problem(query, ())
+    host, port = hostport, ""
+    if hostport.startswith("["):  # an IPv6 address: [::1]:6379
+        host, _, port = hostport[1:].partition("]")
+        if port and not port.startswith(":"):
+            return f"{hostport!r} is not host:port"
+        port = port[1:]
+        problem = _ip6_problem(host)
+    else:
+        host, _, port = hostport.partition(":")
+        problem = _host_problem(host)
+    if problem:
+        return problem
+    if port and not (port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
+        return f"the port {port!r} is not a number from 1 to 65535"
+    if slash and path and _number_problem(path):
+        return f"the database {path!r} is not a number (redis://host:port/0)"
+    return _query_problem(query, _TLS_OPTIONS if scheme == "rediss" else ())
+
+
+def _host_problem(host: str) -> str | None:
+    if not host:
+        return "name the server's host (redis://host:6379/0)"
+    labels = host.split(".")
+    if len(host) > 253 or not all(
+        0 < len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label) for label in labels
+    ):
+        return (
+            f"the host {_shown(host)} is not a host name (labels of 1 to 63 letters, "
+            "digits, '-' and '_', 253 characters in all) or an IP address"
+        )
+    return None
+
+
+def _ip6_problem(host: str) -> str | None:
+    import ipaddress
+
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return f"the host [{_shown(host)[1:-1]}] is not an IPv6 address"
+    return None
+
+
+def _number_problem(text: str) -> bool:
+    number = _whole(text)
+    return number is None or number > _WHOLE_MAX
+
+
+def _whole(text: str) -> int | None:
+    """The number ASCII digits spell, None for anything else or more than 10 digits.
+
+    (int() takes at most 4,300 digits; a setting never needs 11.)
+    """
+    if text.isascii() and text.isdigit() and len(text.lstrip("0")) <= 10:
+        return int(text)
+    return None
+
+
+def _query_problem(query: str, also: tuple[str, ...]) -> str | None:
+    from urllib.parse import parse_qsl
+
+    taken = (*_URL_OPTIONS, *also)
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in taken:
+            return f"its query may hold {', '.join(taken)}, not {_shown(name)}"
+        if name == "db" and _number_problem(value):
+            return f"db={_shown(value)} is not a number"
+    return None
+
+
 def _remote_option(name: str, value: object, option: str, variable: str | None) -> object:
     """A remote option's value from text (or a value of its own type); ConfigError if bad."""
     text = str(value).strip()
@@ -398,9 +539,11 @@ def _remote_option(name: str, value: object, option: str, variable: str | None) 
             return value if isinstance(value, bool) else text.lower() in _TRUE
         valid = "true or false (1/0, yes/no, on/off)"
     elif name in ("ttl", "max_entry_mb"):
-        if text.isascii() and text.isdigit() and int(text) >= (0 if name == "ttl" else 1):
-            return int(text) or None  # a TTL of 0: none
-        valid = "a whole number of seconds (0: none)" if name == "ttl" else "a whole number >= 1"
+        lowest, number = (0 if name == "ttl" else 1), _whole(text)
+        if number is not None and lowest <= number <= _WHOLE_MAX:
+            return number or None  # a TTL of 0: none
+        what = "seconds (0: none)" if name == "ttl" else "MB"
+        valid = f"a whole number of {what} from {lowest} to {_WHOLE_MAX}"
     elif name == "timeout":
         try:
             seconds = float(text)
@@ -409,10 +552,20 @@ def _remote_option(name: str, value: object, option: str, variable: str | None) 
         if 0 < seconds <= 600:
             return seconds
         valid = "a number of seconds, more than 0 and at most 600"
-    else:  # password, prefix: any text
+    elif _encodable(str(value)):  # password, prefix: any text the server can be sent
         return text if name == "prefix" else str(value)
-    shown = "***" if name == "password" else value
-    raise ConfigError(f"{option}={shown!r} is not valid; use {valid}", variable=variable)
+    else:
+        valid = "text in UTF-8"
+    shown = "***" if name == "password" else _shown(value)
+    raise ConfigError(f"{option}={shown} is not valid; use {valid}", variable=variable)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # bytes of another encoding, as os.environ holds them
+        return False
+    return True
 
 
 def env_true(environ: Mapping[str, str], name: str) -> bool:
@@ -435,7 +588,7 @@ def _resolve_base_dir(
     if not (text.startswith("/") or text.startswith("~")):
         # Relative to what? Each compile runs in its own folder.
         raise ConfigError(
-            f"{option}={text!r} is not valid; use an absolute path", variable=variable
+            f"{option}={_shown(text)} is not valid; use an absolute path", variable=variable
         )
     return _expand(text, env)
 
@@ -446,6 +599,11 @@ def _resolve_session(value: str | None, env: Mapping[str, str], sources: dict) -
         return str(value)
     if env.get(ENV_SESSION):
         sources["session"] = f"env:{ENV_SESSION}"
+        if not _encodable(env[ENV_SESSION]):  # it is written in a note, as UTF-8
+            raise ConfigError(
+                f"{ENV_SESSION}={_shown(env[ENV_SESSION])} is not valid; use text in UTF-8",
+                variable=ENV_SESSION,
+            )
         return env[ENV_SESSION]
     sources["session"] = "default"
     return None
@@ -462,18 +620,56 @@ def _resolve_group(value: str | int | None, env: Mapping[str, str], sources: dic
     else:
         sources["shared_group"] = "default"
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    text = str(value).strip()
-    if text.isascii() and text.isdigit():
-        return int(text)
-    try:
-        return grp.getgrnam(text).gr_gid
-    except KeyError:
+    gid: int | None
+    if isinstance(value, int) and not isinstance(value, bool):
+        gid = value
+    else:
+        text = str(value).strip()
+        gid = _whole(text) if text.isascii() and text.isdigit() else _group_id(text)
+    if gid is None or not 0 <= gid < _GID_END:  # chown cannot take it: the cache could not
         raise ConfigError(
-            f"{option}={value!r} is not valid; use the name or number of an existing group",
+            f"{option}={_shown(value)} is not valid; use the name or number "
+            f"(0 to {_GID_END - 1}) of an existing group",
             variable=None if option == "shared_group" else option,
-        ) from None
+        )
+    return gid
+
+
+def _group_id(name: str) -> int | None:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except (KeyError, ValueError):  # ValueError: a NUL, or text no file name can hold
+        return None
+
+
+# Variables whose text resolve_settings passes on, as paths or names: a NUL
+# (possible only through ``environ=``) would fail a system call far from here.
+_TEXT_VARIABLES = (
+    "HOME",
+    ENV_CACHE_PATH,
+    ENV_COLLECT_PATH,
+    ENV_SHARED_GROUP,
+    ENV_SESSION,
+    ENV_DIR,
+    ENV_MODE,
+    ENV_DISABLE,
+    ENV_BASE_DIR,
+)
+
+
+def _check_environ(env: Mapping[str, str]) -> None:
+    for name in _TEXT_VARIABLES:
+        value = env.get(name)
+        if isinstance(value, str) and "\0" in value:
+            raise ConfigError(
+                f"{name}={_shown(value)} is not valid: it holds a NUL character", variable=name
+            )
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short: a message names the value, not 5,000 digits of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(str(value))} characters)"
 
 
 def _is_set(value: object) -> bool:
@@ -493,7 +689,8 @@ def _resolve_mode(value: str | None, default: str, env: Mapping[str, str]) -> tu
     mode = value.lower() if isinstance(value, str) else value
     if mode not in MODES:
         raise ConfigError(
-            f"{option}={value!r} is not valid; use one of {', '.join(MODES)}", variable=variable
+            f"{option}={_shown(value)} is not valid; use one of {', '.join(MODES)}",
+            variable=variable,
         )
     return mode, source
 
@@ -517,7 +714,16 @@ def _resolve_debug_level(value: int | str | None) -> int:
 def _home(env: Mapping[str, str]) -> Path:
     # Without HOME in the given environment: the account's home from the user
     # database, not os.environ (the environment given is the only one read).
-    return Path(env.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir)
+    home = env.get("HOME")
+    if not home:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    if not home.startswith("/"):  # a cache in whichever folder each compile runs in
+        raise ConfigError(
+            f"HOME={_shown(home)} is not valid for the cache folder; use an absolute path "
+            f"(or set {ENV_DIR})",
+            variable="HOME",
+        )
+    return Path(home)
 
 
 def _expand(text: str, env: Mapping[str, str]) -> Path:
@@ -544,8 +750,8 @@ def _absolute_dir(
     path = _expand(os.fspath(value), env)
     if not _valid_dir(str(path)):
         raise ConfigError(
-            f"{option}={os.fspath(value)!r} is not valid: the path {str(path)!r} may contain "
-            f"only {_VALID_DIR_TEXT}",
+            f"{option}={_shown(os.fspath(value))} is not valid: the path "
+            f"{_shown(str(path))} may contain only {_VALID_DIR_TEXT}",
             variable=variable,
         )
     return path
@@ -600,6 +806,6 @@ def _env_limit(
         return default, "default"
     value = parse(text)
     if value is None:
-        log.warning("ignoring %s=%r: not %s; using %s", name, text, valid, default)
+        log.warning("ignoring %s=%s: not %s; using %s", name, _shown(text), valid, default)
         return default, "default"
     return value, f"env:{name}"
