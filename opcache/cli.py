@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from . import _log, masquerade, wrap
+from . import _log, _sigint_raises, masquerade, wrap
 from .errors import ConfigError
 from .settings import (
     DEFAULT_MODE,
@@ -87,12 +87,18 @@ def _leave(command: Callable[[], int]) -> NoReturn:
     freeing of modules and objects is skipped.  A Ctrl-C (SIGINT, which the
     compiler gets too) ends opcache the way it ends the compiler: quietly, by
     SIGINT once cleaned up, so the shell sees 130 and a shell loop stops.
+    Before and after the command (imports, exit) it ends opcache at once,
+    silently: the handler ``opcache/__init__.py`` sets first thing.
     """
     import atexit
 
     interrupted = False
     try:
-        status = command()
+        try:
+            _sigint_raises(True)  # the command cleans up on KeyboardInterrupt
+            status = command()
+        finally:
+            _sigint_raises(False)
     except KeyboardInterrupt:
         interrupted, status = True, 130  # (the status should SIGINT not end us)
     atexit._run_exitfuncs()

@@ -184,10 +184,7 @@ def run(
             store = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
             plan = _plan_cc(argv, run_env, HeaderMemo(store), base.base_dir)
     except Uncacheable as e:
-        with OpCache(base, stats_seconds=None) as cache:
-            cache.record_uncacheable(HOST_CHIP, str(e))
-        log.info("uncacheable (%s): running the command as it is", e)
-        return _run_plain(argv, run_env)
+        return _run_uncacheable(argv, run_env, base, str(e))
     settings: Settings | None = base
     if plan.debug_level is not None or plan.debug_config is not None:
         try:
@@ -196,28 +193,48 @@ def run(
             settings = None  # a bad debug flag on the line: the tool says why
         if settings is None:
             return _run_plain(argv, run_env)
-    return _run_planned(plan, kind, settings, run_env)
-
-
-def _run_planned(plan: Plan, kind: str, settings: Settings, env: Mapping[str, str]) -> int:
-    compiler = _WrappedCommand(plan, kind, env)
-    staging = _staging_dir(plan)
+    staging = _staging_path(plan)
     try:
-        # One wrap per compile command: force clears once per build, not per command.
-        session = settings.session or BUILD_SESSION
-        with OpCache(settings, stats_seconds=None, session=session) as cache:
-            try:
-                result = cache.compile(plan.request, compiler, staging)
-            except _ToolFailed as failed:
-                log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
-                _replay(failed.stdout, sys.stdout)
-                _replay(failed.stderr, sys.stderr)
-                return failed.returncode
-        said = f" ({result.reason})" if result.reason else ""
-        log.info("%s%s, key %s", result.status, said, result.key or "-")
-        _restore(plan, result.files)
+        try:
+            staging.parent.mkdir(parents=True, exist_ok=True)  # opc makes its --output folder
+            staging.mkdir(mode=0o700)
+        except OSError as e:
+            # An output folder opcache cannot write in: the compiler says so best.
+            reason = f"cannot write in the output folder: {e.strerror or e}"
+            return _run_uncacheable(argv, run_env, base, reason)
+        return _run_planned(plan, kind, settings, run_env, staging)
     finally:
-        fsutil.remove_tree(staging)
+        if os.path.lexists(staging):  # (made, even if a Ctrl-C came before mkdir returned)
+            fsutil.remove_tree(staging)
+
+
+def _run_uncacheable(
+    argv: Sequence[str], env: Mapping[str, str], settings: Settings, reason: str
+) -> int:
+    """Run a command the cache cannot take as it is, counted with its reason in stats."""
+    with OpCache(settings, stats_seconds=None) as cache:
+        cache.record_uncacheable(HOST_CHIP, reason)
+    log.info("uncacheable (%s): running the command as it is", reason)
+    return _run_plain(argv, env)
+
+
+def _run_planned(
+    plan: Plan, kind: str, settings: Settings, env: Mapping[str, str], staging: Path
+) -> int:
+    compiler = _WrappedCommand(plan, kind, env)
+    # One wrap per compile command: force clears once per build, not per command.
+    session = settings.session or BUILD_SESSION
+    with OpCache(settings, stats_seconds=None, session=session) as cache:
+        try:
+            result = cache.compile(plan.request, compiler, staging)
+        except _ToolFailed as failed:
+            log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
+            _replay(failed.stdout, sys.stdout)
+            _replay(failed.stderr, sys.stderr)
+            return failed.returncode
+    said = f" ({result.reason})" if result.reason else ""
+    log.info("%s%s, key %s", result.status, said, result.key or "-")
+    _restore(plan, result.files)
     return 0
 
 
@@ -278,13 +295,10 @@ def _warn_rarely(messages: list[str], settings: Settings | None) -> None:
             log.debug("cannot note the warning: %s", e)
 
 
-def _staging_dir(plan: Plan) -> Path:
-    """A private folder beside the outputs, so moving them there is a rename."""
+def _staging_path(plan: Plan) -> Path:
+    """Where a private folder beside the outputs goes, so moving them there is a rename."""
     parent = plan.output_dir or next(iter(plan.outputs.values())).parent
-    parent.mkdir(parents=True, exist_ok=True)  # opc makes its --output folder
-    staging = parent / fsutil.unique_name(".opcache-wrap")
-    staging.mkdir(mode=0o700)
-    return staging
+    return parent / fsutil.unique_name(".opcache-wrap")
 
 
 def _restore(plan: Plan, files: dict[str, Path]) -> None:
