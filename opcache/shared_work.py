@@ -124,6 +124,7 @@ class _Schedule:
         self._count = 0  # tie-breaker for the heap
         self._poll_at: float | None = None  # when the parked jobs are next looked at
         self._poll_delay = _FIRST_POLL
+        self._polling = False  # a thread is looking at the parked jobs
         self._stopped = False
         self._cond = threading.Condition()
 
@@ -134,9 +135,11 @@ class _Schedule:
                 if self._stopped:
                     return None
                 now = time.monotonic()
-                if self._poll_at is not None and self._poll_at <= now:
+                poll_at = None if self._polling else self._poll_at  # one poller at a time
+                if poll_at is not None and poll_at <= now:
                     # Before fresh jobs: the parked ones hold local locks others wait on.
                     self._poll_at = None
+                    self._polling = True
                     return POLL, False
                 if self._fresh:
                     self._busy += 1
@@ -145,10 +148,10 @@ class _Schedule:
                 if job_at is not None and job_at <= now:
                     self._busy += 1
                     return heapq.heappop(self._waiting)[2], False
-                nexts = [t for t in (job_at, self._poll_at) if t is not None]
+                nexts = [t for t in (job_at, poll_at) if t is not None]
                 if nexts:
                     self._cond.wait(min(nexts) - now)
-                elif self._busy:
+                elif self._busy or self._polling:
                     self._cond.wait()  # a job in hand may come back
                 else:
                     return None
@@ -185,6 +188,7 @@ class _Schedule:
         """After a poll: ``settled`` jobs are done, ``again`` go back to be tried
         (first of all), and while jobs stay ``parked`` the next poll is due."""
         with self._cond:
+            self._polling = False
             self._busy -= settled + len(again)
             self._fresh.extendleft(again)
             if parked:
@@ -192,7 +196,9 @@ class _Schedule:
                 self._poll_delay = (
                     _FIRST_POLL if progress else min(self._poll_delay * 2, _LAST_POLL)
                 )
-                self._poll_at = time.monotonic() + self._poll_delay
+                due = time.monotonic() + self._poll_delay
+                # (A job parked during this poll may have made one due sooner.)
+                self._poll_at = due if self._poll_at is None else min(self._poll_at, due)
             self._cond.notify_all()
 
 
@@ -232,13 +238,12 @@ def compile_many(
     ]
     for worker in workers:
         worker.start()
-    try:
-        batch.work(schedule)  # this thread works too
-    finally:
-        for worker in workers:  # (after a Ctrl-C, each ends with its current compile)
-            worker.join()
-    if batch.stopped_by is not None:
-        raise batch.stopped_by
+    batch.work(schedule)  # this thread works too
+    for worker in workers:  # (after a stop, each ends with its current compile)
+        worker.join()
+    batch.end()
+    if batch.stopped_by is not None and not isinstance(batch.stopped_by, Exception):
+        raise batch.stopped_by  # Ctrl-C, an exit: the caller's, once every thread is done
     return batch.results  # type: ignore[return-value]  # every slot is filled by now
 
 
@@ -258,7 +263,8 @@ class _Batch:
         self.compiler = compiler
         self.outs = outs
         self.results: list[CompileResult | None] = [None] * len(requests)
-        self.stopped_by: BaseException | None = None  # what stopped a worker thread
+        self.stopped_by: BaseException | None = None  # what stopped the batch, if anything
+        self.jobs: list[_Job] = []  # the jobs left after the first look
         self.on_result = on_result
         # Jobs whose key another machine compiles, by (chip, key); their local lock held.
         self._parked: dict[tuple[str, str], _Job] = {}
@@ -278,7 +284,8 @@ class _Batch:
                 continue
             if job is not None:
                 jobs.append(job)
-        return jobs if self.cache._remote is None else self._from_remote(jobs)
+        self.jobs = jobs if self.cache._remote is None else self._from_remote(jobs)
+        return list(self.jobs)
 
     def _from_remote(self, jobs: list[_Job]) -> list[_Job]:
         """Deliver the local misses the remote has (one batch per chip); the jobs left."""
@@ -334,30 +341,52 @@ class _Batch:
         return job
 
     def work(self, schedule: _Schedule) -> None:
-        while (taken := schedule.take()) is not None:
-            job, fresh = taken
-            if isinstance(job, _Poll):
-                self._poll(schedule)
-                continue
-            state = _DONE
-            try:
-                state = self._try(job, fresh)
-            except Exception as e:  # one operator's failure does not stop the others
-                self._fail(job, e)
-            except BaseException as e:  # Ctrl-C, SystemExit: every thread stops
-                self._fail(job, e)
-                schedule.stop()
-                if threading.current_thread() is threading.main_thread():
-                    raise
+        """Take jobs until none is left.  Anything a job's own handling does not
+        catch (a poll, the schedule, ``on_result``, Ctrl-C) stops every thread
+        after its current compile, and ``compile_many`` ends: never a batch that
+        waits forever for a thread that is gone."""
+        try:
+            while (taken := schedule.take()) is not None:
+                job, fresh = taken
+                if isinstance(job, _Poll):
+                    self._poll(schedule)
+                    continue
+                state = _DONE
+                try:
+                    state = self._try(job, fresh)
+                except Exception as e:  # one operator's failure does not stop the others
+                    self._fail(job, e)
+                finally:
+                    if state is _DONE:
+                        schedule.finished()
+                    elif state is _LATER:
+                        schedule.later(job)
+                    else:
+                        schedule.parked()
+        except BaseException as e:
+            schedule.stop()
+            if self.stopped_by is None:  # (the first of threads stopping at once)
                 self.stopped_by = e
-                return
-            finally:
-                if state is _DONE:
-                    schedule.finished()
-                elif state is _LATER:
-                    schedule.later(job)
-                else:
-                    schedule.parked()
+
+    def end(self) -> None:
+        """After every thread is done: if one stopped the batch, let go of the locks
+        still held, and (unless Ctrl-C or an exit stopped it) give each request
+        not done the error as its result."""
+        error = self.stopped_by
+        if error is None:
+            return
+        for job in self.jobs:
+            if job.held is not None:
+                job.held.release()
+        if not isinstance(error, Exception):
+            return
+        undone = sum(result is None for result in self.results)
+        log.warning(
+            "compile_many stopped, %d of %d operators not compiled: %s: %s",
+            undone, len(self.results), type(error).__name__, error,
+        )  # fmt: skip
+        for job in self.jobs:
+            self._fail(job, error)
 
     def _park(self, job: _Job) -> _State:
         """Keep ``job`` (and its local lock) until another machine's compile of it is done."""

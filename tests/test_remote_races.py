@@ -1,0 +1,179 @@
+"""Races of the remote tier: machines that park keys for each other, a worker
+thread that dies, remotes that fail in ways redis-py does not name.
+
+Every wait here is bounded: a machine runs in a forked process joined with a
+timeout (killed, and the test failed, when it hangs), never a timed assertion.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+from helpers_cache import (
+    MP,
+    ToyCompiler,
+    expected_files,
+    make_request,
+    make_settings,
+    read_dir,
+    read_json,
+    wait_for,
+    write_json,
+)
+
+import opcache
+from opcache import remote_tier, shared_work
+
+# A machine that hangs is killed after this long: far more than a round needs.
+_HUNG = 60.0
+
+
+def _machine_settings(tmp: Path, name: str, url: str, **remote: object) -> opcache.Settings:
+    return make_settings(tmp / name, tmp, remote={"url": url, **remote})
+
+
+def _slow_polls(seconds: float) -> None:
+    """Widen the race window: every look at the parked keys takes ``seconds`` more."""
+    real = remote_tier.RemoteTier.poll
+
+    def poll(self, soc, keys):  # type: ignore[no-untyped-def]
+        time.sleep(seconds)
+        return real(self, soc, keys)
+
+    remote_tier.RemoteTier.poll = poll  # (in a forked child: the test's process is untouched)
+
+
+def _rounds(spec: dict) -> None:
+    """One machine: ``rounds`` compile_many batches, each in step with the other machine."""
+    report: dict = {"error": None, "bad": []}
+    try:
+        _slow_polls(spec["poll_sleep"])
+        tmp = Path(spec["tmp"])
+        compiler = ToyCompiler(tmp / "calls", sleep=spec["sleep"])
+        requests = [make_request(i) for i in range(spec["ops"])]
+        for n in range(spec["rounds"]):
+            (tmp / f"{spec['name']}-ready-{n}").touch()
+            for other in spec["others"]:
+                wait_for(tmp / f"{other}-ready-{n}")
+            prefix = f"opcache:round{n}:"  # each round a cold remote
+            settings = _machine_settings(tmp, f"{spec['name']}-{n}", spec["url"], prefix=prefix)
+            outs = [tmp / "out" / spec["name"] / str(n) / r.op_name for r in requests]
+            with opcache.OpCache(settings) as cache:
+                results = cache.compile_many(requests, compiler, outs, jobs=spec["jobs"])
+            for request, result, out in zip(requests, results, outs, strict=True):
+                if result.error is not None or read_dir(out) != expected_files(request):
+                    report["bad"].append(f"round {n} {request.op_name}: {result.error!r}")
+    except BaseException:
+        report["error"] = traceback.format_exc()
+    write_json(spec["result"], report)
+
+
+def test_machines_parking_keys_for_each_other_never_hang(tmp_path: Path, redis_url: str) -> None:
+    """Two machines x jobs=4 on one list of keys, many rounds: each parks the keys
+    the other compiles, and one thread looks at them while others park more.
+    (Two threads polling at once once made the batch wait forever.)"""
+    names = ["a", "b"]
+    specs = [
+        {
+            "tmp": str(tmp_path),
+            "name": name,
+            "others": [n for n in names if n != name],
+            "url": redis_url,
+            "rounds": 10,
+            "ops": 40,
+            "jobs": 4,
+            "sleep": 0.02,
+            "poll_sleep": 0.05,
+            "result": str(tmp_path / f"{name}.json"),
+        }
+        for name in names
+    ]
+    procs = [MP.Process(target=_rounds, args=(spec,)) for spec in specs]
+    for proc in procs:
+        proc.start()
+    hung = []
+    for proc, spec in zip(procs, specs, strict=True):
+        proc.join(_HUNG)
+        if proc.is_alive():
+            hung.append(spec["name"])
+            proc.kill()
+            proc.join()
+    assert not hung, f"compile_many hung on machine(s) {hung}"
+    for spec in specs:
+        report = read_json(spec["result"])
+        assert report["error"] is None, report["error"]
+        assert report["bad"] == []
+
+
+def _poll_dies(spec: dict) -> None:
+    """A machine whose look at the parked keys raises; then the same keys again."""
+    import redis
+
+    report: dict = {"error": None}
+    try:
+
+        def broken(self, schedule):  # type: ignore[no-untyped-def]
+            raise RuntimeError("injected failure of a poll")
+
+        real, shared_work._Batch._poll = shared_work._Batch._poll, broken
+        tmp = Path(spec["tmp"])
+        compiler = ToyCompiler(tmp / "calls")
+        requests = [make_request(i) for i in range(spec["ops"])]
+        settings = _machine_settings(tmp, "a", spec["url"])
+        with opcache.OpCache(settings, lock_timeout=3600) as cache:
+            results = cache.compile_many(requests, compiler, [tmp / "o1"] * len(requests), jobs=4)
+            report["first"] = [[r.status, str(r.error)] for r in results]
+            shared_work._Batch._poll = real
+            redis.Redis.from_url(spec["url"]).delete(*spec["claims"])
+            # Nothing stays locked: with the claims gone, every key compiles (a lock
+            # left held would make this wait lock_timeout, an hour).
+            again = cache.compile_many(requests, compiler, [tmp / "o2"] * len(requests), jobs=4)
+            report["again"] = [r.status for r in again]
+    except BaseException:
+        report["error"] = traceback.format_exc()
+    write_json(spec["result"], report)
+
+
+def test_a_worker_that_dies_ends_the_batch_with_errors(
+    tmp_path: Path, redis_url: str, redis_server
+) -> None:
+    """An exception outside a job's own handling (here: in the poll of the keys
+    another machine compiles) ends the batch: those keys fail with it, the
+    others are done, no lock is left held.  (It once left the batch waiting
+    forever for a count of jobs in hand that never came back to zero.)"""
+    ops, claimed = 8, 4
+    with opcache.OpCache(make_settings(tmp_path / "keys", tmp_path)) as local:
+        compiler = ToyCompiler(tmp_path / "key-calls")
+        keys = [local.compile(make_request(i), compiler, tmp_path / "k").key for i in range(ops)]
+    soc = make_request(0).soc_version
+    claims = [f"opcache:1:{soc}:{key}:claim" for key in keys[:claimed]]
+    client = redis_server.client()
+    for name in claims:  # another machine compiles these, for a minute
+        client.set(name, "another-machine", px=60_000)
+    spec = {
+        "tmp": str(tmp_path),
+        "url": redis_url,
+        "ops": ops,
+        "claims": claims,
+        "result": str(tmp_path / "result.json"),
+    }
+    proc = MP.Process(target=_poll_dies, args=(spec,))
+    proc.start()
+    proc.join(_HUNG)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        pytest.fail(f"compile_many still running after {_HUNG:.0f} s: hung")
+    report = read_json(spec["result"])
+    assert report["error"] is None, report["error"]
+    first = report["first"]
+    # The keys parked for the other machine fail with the error; the others were
+    # compiled, or failed the same way if the poll came before them.
+    assert [status for status, _ in first[:claimed]] == ["error"] * claimed
+    for status, error in first:
+        assert status == "miss" or "injected failure of a poll" in error
+    assert report["again"][:claimed] == ["miss"] * claimed
+    assert set(report["again"]) <= {"hit", "miss"}
