@@ -672,9 +672,10 @@ class OpCache:
         """
         report = VerifyReport()
         for soc in self._chips(soc_version):
-            before_entries, before_bytes = self._store.used(soc)
-            chip = ChipVerify(counted_entries=before_entries, counted_bytes=before_bytes)
+            # The counters are read under the lock that holds off stores and
+            # removals: read before it, a store in between looked like a wrong count.
             with self._store.counting_paused(soc):
+                chip = ChipVerify(*self._store.used(soc))
                 self._verify_chip(soc, chip, progress)
             report.chips[soc] = chip
         report.leftovers_removed = self._store.clean_leftovers(self._clock())

@@ -4,15 +4,21 @@ A counter folder holds ``SHARDS`` small JSON files; a process adds its deltas to
 the shard of its pid under that shard's lock, so writers rarely meet, and a
 reader sums the shards.  Each shard is replaced by rename, so a writer killed
 mid-update leaves the old values, never a torn file.
+
+Every file is reached through one handle on the folder, opened by the owner of
+the counters without following links: a folder or a shard swapped for a link
+never leads a read or a write elsewhere, and a FIFO or a device in a shard's
+place is neither waited on nor read.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+import stat
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import fsutil
@@ -23,20 +29,35 @@ log = get_logger(__name__)
 
 SHARDS = 16
 Counts = dict[str, float]
+# O_NONBLOCK: opening a FIFO planted as a shard must not wait for a writer.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_MAX_SHARD = 1 << 20
 
 
 class CounterFiles:
-    """The sharded counter files in ``folder`` (created on the first write)."""
+    """The sharded counter files in ``folder`` (created on the first write).
 
-    def __init__(self, folder: Path, *, modes: fsutil.Modes = fsutil.PRIVATE) -> None:
+    ``open_folder(write)``, if given, opens the folder instead: it returns a
+    handle (closed here after each use) on the folder, made if missing when
+    ``write``; it raises FileNotFoundError when there is none, and OSError
+    (such as trust.UntrustedFolder) when it may not be used.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        modes: fsutil.Modes = fsutil.PRIVATE,
+        open_folder: Callable[[bool], int] | None = None,
+    ) -> None:
         self.folder = folder
         self._modes = modes
+        self._open_folder = open_folder or self._open_path
 
-    def _shard(self, index: int) -> Path:
-        return self.folder / f"{index:02d}.json"
-
-    def _lock(self, index: int) -> AbstractContextManager[None]:
-        return flocked(self.folder / f"{index:02d}.lock", self._modes)
+    def _open_path(self, write: bool) -> int:
+        if write:
+            fsutil.makedirs(self.folder, self._modes)
+        return os.open(self.folder, fsutil.DIR_FLAGS)
 
     def add(self, deltas: Mapping[str, float]) -> None:
         """Add ``deltas`` to the counters; raises OSError if the folder is unwritable."""
@@ -44,20 +65,32 @@ class CounterFiles:
         if not deltas:
             return
         index = os.getpid() % SHARDS
-        if not os.path.isdir(self.folder):
-            fsutil.makedirs(self.folder, self._modes)
-        with self._lock(index):
-            counts = _read(self._shard(index))
-            for name, value in deltas.items():
-                counts[name] = counts.get(name, 0) + value
-            self._write(index, counts)
+        fd = self._open_folder(True)
+        try:
+            with flocked(_lock_name(index), self._modes, dir_fd=fd):
+                counts = self._read(_shard_name(index), fd)
+                for name, value in deltas.items():
+                    counts[name] = counts.get(name, 0) + value
+                self._write(index, counts, fd)
+        finally:
+            os.close(fd)
 
     def totals(self) -> Counts:
-        """The sum of every shard (missing or unreadable shards count as zero)."""
+        """The sum of every shard (missing or unreadable shards, or folders, count as zero)."""
+        try:
+            fd = self._open_folder(False)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            log.debug("cannot read counters in %s: %s", self.folder, e)
+            return {}
         total: Counts = {}
-        for index in range(SHARDS):
-            for name, value in _read(self._shard(index)).items():
-                total[name] = total.get(name, 0) + value
+        try:
+            for index in range(SHARDS):
+                for name, value in self._read(_shard_name(index), fd).items():
+                    total[name] = total.get(name, 0) + value
+        finally:
+            os.close(fd)
         return total
 
     def reset(
@@ -68,40 +101,96 @@ class CounterFiles:
         The shards are locked one after another, so a concurrent ``add`` lands
         either before its shard is reset or after, never half.
         """
-        fsutil.makedirs(self.folder, self._modes)
-        for index in range(SHARDS):
-            path = self._shard(index)
-            if index and not path.exists():
-                continue  # an add that creates it now lands after the reset: right
-            with self._lock(index):
-                kept = {name: v for name, v in _read(path).items() if name in keep}
-                if index == 0 and values:
-                    kept.update((n, v) for n, v in values.items() if n not in keep)
-                self._write(index, kept)
+        fd = self._open_folder(True)
+        try:
+            for index in range(SHARDS):
+                name = _shard_name(index)
+                if index and not fsutil.lexists(name, fd):
+                    continue  # an add that creates it now lands after the reset: right
+                with flocked(_lock_name(index), self._modes, dir_fd=fd):
+                    kept = {n: v for n, v in self._read(name, fd).items() if n in keep}
+                    if index == 0 and values:
+                        kept.update((n, v) for n, v in values.items() if n not in keep)
+                    self._write(index, kept, fd)
+        finally:
+            os.close(fd)
 
-    def _write(self, index: int, counts: Counts) -> None:
+    def _read(self, name: str, dir_fd: int) -> Counts:
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                log.warning("ignoring the counter file %s/%s: it is a link", self.folder, name)
+            else:
+                log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
+            return {}
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.warning(
+                    "ignoring the counter file %s/%s: not a regular file", self.folder, name
+                )
+                return {}
+            raw = os.read(fd, _MAX_SHARD)
+        except OSError as e:
+            log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
+            return {}
+        finally:
+            os.close(fd)
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            log.warning("ignoring the damaged counter file %s/%s", self.folder, name)
+            return {}
+        return {
+            str(key): value
+            for key, value in data.items()
+            if isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        }
+
+    def _write(self, index: int, counts: Counts, dir_fd: int) -> None:
         data = json.dumps(counts, sort_keys=True, separators=(",", ":")).encode()
-        fsutil.write_atomic(self._shard(index), data, self._modes)
+        name = _shard_name(index)
+        try:
+            fsutil.write_atomic(name, data, self._modes, dir_fd=dir_fd)
+        except OSError as e:
+            # A full disk has no block for the new copy, but the shard has its
+            # own: rewritten in place (under its lock), a count made on a full
+            # disk is kept, not lost.  Only then: a writer killed mid-write, or
+            # a reader meeting it, could see a torn file (read as zero, warned).
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not _overwrite(name, data, dir_fd):
+                raise
 
 
-def _read(path: Path) -> Counts:
+def _shard_name(index: int) -> str:
+    return f"{index:02d}.json"
+
+
+def _lock_name(index: int) -> str:
+    return f"{index:02d}.lock"
+
+
+def _overwrite(name: str, data: bytes, dir_fd: int) -> bool:
+    """Write ``data`` over the shard ``name`` in the blocks it has; False if they are too few."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(1 << 20)
-    except FileNotFoundError:
-        return {}
-    except OSError as e:
-        log.debug("cannot read counters %s: %s", path, e)
-        return {}
+        fd = os.open(
+            name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError:
+        return False
     try:
-        data = json.loads(raw)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        log.warning("ignoring the damaged counter file %s", path)
-        return {}
-    return {
-        str(name): value
-        for name, value in data.items()
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    }
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or len(data) > st.st_blocks * 512:
+            return False
+        # Spaces after the JSON (which its parser skips) cover a longer old text.
+        os.pwrite(fd, data.ljust(st.st_size), 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -11,7 +11,6 @@ import contextlib
 import errno
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from ._record import Record
@@ -122,62 +121,85 @@ def is_temp_name(name: str) -> bool:
     return bool(_TEMP.fullmatch(name))
 
 
-def write_atomic(path: Path, data: bytes, modes: Modes) -> None:
-    """Write ``data`` to ``path`` through a temp file and a rename."""
-    tmp = path.parent / unique_name(f".{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, modes.file_bits)
+def write_atomic(path: Path | str, data: bytes, modes: Modes, *, dir_fd: int | None = None) -> None:
+    """Write ``data`` to ``path`` (relative to ``dir_fd`` if given) through a temp file
+    and a rename."""
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, unique_name(f".{name}"))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, modes.file_bits, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             os.fchmod(f.fileno(), modes.file_bits)
-        os.replace(tmp, path)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 
-def remove_tree(path: Path | str) -> int:
+def remove_tree(path: Path | str, dir_fd: int | None = None) -> int:
     """Delete a folder tree without following links, tolerating parts that vanish.
 
-    Returns the bytes of the regular files it deleted.  A ``.nfsXXXX`` file
-    (an NFS client's placeholder for a file still open elsewhere) can keep a
-    folder from going; that folder is left for a later pass.  A link is removed
-    itself, never what it points at.
+    ``path`` is relative to ``dir_fd`` when given.  Returns the bytes of the
+    regular files it deleted.  A link is removed itself, never what it points
+    at, and so is a folder swapped for a link while the walk goes on: every
+    folder is opened without following a link and emptied through that handle,
+    never through a path that could lead elsewhere.  A ``.nfsXXXX`` file (an
+    NFS client's placeholder for a file still open elsewhere) can keep a
+    folder from going; that folder is left for a later pass.
     """
-    if os.path.islink(path):
-        _ignore_gone(os.unlink, path)
-        return 0
     try:
-        entries = list(os.scandir(path))
+        fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno == errno.ENOTDIR:
-            _ignore_gone(os.unlink, path)
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            _unlink(path, dir_fd)  # a file or a link: itself, not its target
         elif e.errno not in GONE:
             raise
         return 0
+    try:
+        return remove_folder(fd, path, dir_fd)
+    finally:
+        os.close(fd)
+
+
+def remove_folder(fd: int, path: Path | str, dir_fd: int | None = None) -> int:
+    """Delete what is in the folder open as ``fd``, then its name ``path`` (relative to
+    ``dir_fd`` if given) if that is empty now; returns the bytes of the files deleted."""
     size = 0
+    with os.scandir(fd) as listed:
+        entries = list(listed)
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            size += remove_tree(entry.path)
+            size += remove_tree(entry.name, fd)
             continue
         try:
             if entry.is_file(follow_symlinks=False):
                 size += entry.stat(follow_symlinks=False).st_size
         except OSError:
             pass
-        _ignore_gone(os.unlink, entry.path)
+        _unlink(entry.name, fd)
     try:
-        os.rmdir(path)
+        os.rmdir(path, dir_fd=dir_fd)
     except OSError as e:
         if e.errno not in (*GONE, errno.ENOTEMPTY, errno.EBUSY):
             raise
     return size
 
 
-def _ignore_gone(func: Callable[[str], None], path: Path | str) -> None:
+def _unlink(path: Path | str, dir_fd: int | None) -> None:
     try:
-        func(path)
+        os.unlink(path, dir_fd=dir_fd)
     except OSError as e:
         if e.errno not in (*GONE, errno.EBUSY):
             raise
+
+
+def lexists(name: str, dir_fd: int) -> bool:
+    """Whether anything (a link too) is named ``name`` in the folder open as ``dir_fd``."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True

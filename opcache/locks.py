@@ -15,11 +15,12 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import fsutil
+from . import fsutil, trust
 
 _POLL_FIRST = 0.002
 _POLL_MAX = 0.05
@@ -47,6 +48,7 @@ class KeyLock:
         self.path = path
         self._modes = modes
         self._fd: int | None = None
+        self._dir_fd: int | None = None  # the lock file's folder, while held
         self.waited = False  # True once acquire() found it held by someone else
         # True when the lock was won on a file already there: its last holder
         # died without letting go (a holder that lets go deletes the file).
@@ -77,12 +79,36 @@ class KeyLock:
         return False
 
     def _try_once(self) -> bool:
-        existed = os.path.lexists(self.path)
+        # Everything through one handle on the folder, opened without following
+        # a link: a folder swapped for a link meanwhile cannot lead the lock
+        # file, or its deletion at release, anywhere else.
         try:
-            fd = _open_lock_file(self.path, self._modes)
+            dir_fd = os.open(self.path.parent, fsutil.DIR_FLAGS)
         except FileNotFoundError:
             fsutil.makedirs(self.path.parent, self._modes)
             return False
+        except OSError as e:
+            if e.errno in (errno.ENOTDIR, errno.ELOOP):
+                raise trust.UntrustedFolder(f"{self.path.parent} is a link or a file") from None
+            raise
+        try:
+            trust.check(os.fstat(dir_fd), self._modes, self.path.parent)
+            if self._lock_in(dir_fd):
+                self._dir_fd = dir_fd
+                return True
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        os.close(dir_fd)
+        return False
+
+    def _lock_in(self, dir_fd: int) -> bool:
+        name = self.path.name
+        existed = fsutil.lexists(name, dir_fd)
+        try:
+            fd = _open_lock_file(name, self._modes, dir_fd)
+        except FileNotFoundError:
+            return False  # (the folder was deleted: the next try makes it again)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -91,7 +117,7 @@ class KeyLock:
                 return False
             raise
         try:
-            current = os.stat(self.path, follow_symlinks=False)
+            current = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             current = None
         held = os.fstat(fd)
@@ -105,26 +131,36 @@ class KeyLock:
 
     def release(self) -> None:
         """Delete the lock file and let the next waiter in."""
-        if self._fd is None or self._fd not in _held:
-            self._fd = None  # never held, or dropped in a forked child
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        _held.discard(self._fd)
-        os.close(self._fd)
-        self._fd = None
+        dir_fd, self._dir_fd = self._dir_fd, None
+        try:
+            if self._fd is None or self._fd not in _held:
+                self._fd = None  # never held, or dropped in a forked child
+                return
+            with contextlib.suppress(OSError):
+                os.unlink(self.path.name, dir_fd=dir_fd)
+            _held.discard(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
 
 
 @contextlib.contextmanager
 def flocked(
-    path: Path, modes: fsutil.Modes = fsutil.PRIVATE, *, shared: bool = False
+    path: Path | str,
+    modes: fsutil.Modes = fsutil.PRIVATE,
+    *,
+    shared: bool = False,
+    dir_fd: int | None = None,
 ) -> Iterator[None]:
     """Hold ``flock`` on the (kept) file ``path`` for a critical section.
 
-    Exclusive, or ``shared`` with other shared holders.  The operating system
-    releases the lock of a process that dies.
+    Exclusive, or ``shared`` with other shared holders.  ``path`` is relative
+    to ``dir_fd`` when given.  The operating system releases the lock of a
+    process that dies.
     """
-    fd = _open_lock_file(path, modes)
+    fd = _open_lock_file(path, modes, dir_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
     except BaseException:
@@ -139,12 +175,25 @@ def flocked(
             os.close(fd)
 
 
-def _open_lock_file(path: Path, modes: fsutil.Modes) -> int:
-    """Open (or make) a lock file others of a group-shared cache can open too."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, modes.file_bits)
-    if modes.group is not None:
-        st = os.fstat(fd)
-        if st.st_uid == os.geteuid() and st.st_mode & 0o7777 != modes.file_bits:
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, modes.file_bits)  # the umask narrowed what we made
+def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = None) -> int:
+    """Open (or make) a lock file others of a group-shared cache can open too.
+
+    Never through a link, and never a FIFO or a device planted in its place:
+    O_NONBLOCK keeps such an open from waiting, and only a regular file is kept.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, modes.file_bits, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise trust.UntrustedFolder(f"the lock file {path} is a link") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise trust.UntrustedFolder(f"the lock file {path} is not a regular file")
+    mine = st.st_uid == os.geteuid()
+    if modes.group is not None and mine and st.st_mode & 0o7777 != modes.file_bits:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, modes.file_bits)  # the umask narrowed what we made
     return fd

@@ -9,7 +9,7 @@ that died (or could not start); ``sweep`` deletes it.  Where folders cannot
 be locked (NFS turns ``flock`` into byte-range locks, which need a file open
 for writing), there are no deleters: callers delete in place.
 
-Run as ``python -m opcache.trash FD FOLDER`` by ``delete_later``.
+Run as ``python -m opcache.trash FD TRASH_FD NAME`` by ``delete_later``.
 """
 
 from __future__ import annotations
@@ -36,17 +36,19 @@ _ATTEMPTS = 8
 _deleters: list[subprocess.Popen[bytes]] = []
 
 
-def new_folder(trash_dir: Path, label: str, modes: fsutil.Modes) -> tuple[Path, int] | None:
-    """A fresh trash folder and the descriptor holding its lock.
+def new_folder(trash_fd: int, label: str, modes: fsutil.Modes) -> tuple[str, int] | None:
+    """A fresh folder in the trash (open as ``trash_fd``): its name, and the
+    descriptor holding its lock.
 
     None where folders cannot be locked: the caller deletes in place then.
     """
     for _ in range(_ATTEMPTS):
-        path = trash_dir / fsutil.unique_name(label)
-        os.mkdir(path, modes.dir_bits)
-        fsutil.fix_new_dir(path, modes)  # a group-shared cache's members sweep each other's
+        name = fsutil.unique_name(label)
+        os.mkdir(name, modes.dir_bits, dir_fd=trash_fd)
+        # A group-shared cache's members sweep each other's.
+        fsutil.fix_new_dir(name, modes, dir_fd=trash_fd)
         try:
-            fd = os.open(path, fsutil.DIR_FLAGS)
+            fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=trash_fd)
         except FileNotFoundError:
             continue  # a sweep took it before we could lock it
         try:
@@ -54,34 +56,34 @@ def new_folder(trash_dir: Path, label: str, modes: fsutil.Modes) -> tuple[Path, 
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.rmdir(path)
+                os.rmdir(name, dir_fd=trash_fd)
             return None
         if os.fstat(fd).st_nlink:
-            return path, fd
+            return name, fd
         os.close(fd)  # a sweep deleted it between our mkdir and our lock
-    raise OSError(errno.EAGAIN, "cannot make a trash folder that stays", str(trash_dir))
+    raise OSError(errno.EAGAIN, "cannot make a trash folder that stays")
 
 
-def delete_later(path: Path, fd: int) -> None:
-    """Delete the trash folder ``path`` (locked by ``fd``) from a detached process.
+def delete_later(trash_fd: int, name: str, fd: int) -> None:
+    """Delete the trash folder ``name`` (locked by ``fd``) from a detached process.
 
     The process inherits the lock, so no ``sweep`` deletes the folder under it.
     Where no Python can be started for it, the folder is deleted here and now.
-    ``fd`` is closed either way.
+    ``fd`` is closed either way (``trash_fd`` stays the caller's).
     """
     try:
         try:
-            os.rmdir(path)  # nothing was put in it: no process needed
+            os.rmdir(name, dir_fd=trash_fd)  # nothing was put in it: no process needed
             return
         except OSError:
             pass
-        if not _spawn_deleter(path, fd):
-            fsutil.remove_tree(path)
+        if not _spawn_deleter(trash_fd, name, fd):
+            fsutil.remove_folder(fd, name, trash_fd)
     finally:
         os.close(fd)
 
 
-def _spawn_deleter(path: Path, fd: int) -> bool:
+def _spawn_deleter(trash_fd: int, name: str, fd: int) -> bool:
     # An embedding program's sys.executable may be anything but a Python.
     if not os.path.basename(sys.executable or "").startswith("python"):
         return False
@@ -94,8 +96,10 @@ def _spawn_deleter(path: Path, fd: int) -> bool:
     try:
         _deleters.append(
             subprocess.Popen(
-                [sys.executable, "-m", "opcache.trash", str(fd), str(path)],
-                pass_fds=(fd,),
+                # Handles, not paths: the deleter deletes in the folders this
+                # process opened, wherever a link now in their place leads.
+                [sys.executable, "-m", "opcache.trash", str(fd), str(trash_fd), name],
+                pass_fds=(fd, trash_fd),
                 env=env,
                 # Not the caller's folder: an "opcache" folder there would be
                 # imported instead, and the folder would be kept busy.
@@ -107,27 +111,27 @@ def _spawn_deleter(path: Path, fd: int) -> bool:
             )
         )
     except OSError as e:
-        log.debug("cannot start a deleter for %s (%s): deleting it now", path, e)
+        log.debug("cannot start a deleter for the trash folder %s (%s): deleting it now", name, e)
         return False
     return True
 
 
-def sweep(trash_dir: Path) -> int:
-    """Delete what is in the trash and no deleter holds; returns how many folders."""
+def sweep(trash_fd: int) -> int:
+    """Delete what is in the trash (open as ``trash_fd``) and no deleter holds;
+    returns how many folders."""
     try:
-        names = os.listdir(trash_dir)
+        names = os.listdir(trash_fd)
     except OSError:
         return 0
     removed = 0
     for name in names:
         if name.startswith(".nfs"):
             continue  # NFS removes these itself when the last reader closes
-        path = trash_dir / name
         try:
-            fd = os.open(path, fsutil.DIR_FLAGS)
+            fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=trash_fd)
         except OSError:
             with contextlib.suppress(OSError):
-                fsutil.remove_tree(path)  # a file or a link: remove_tree unlinks it
+                fsutil.remove_tree(name, trash_fd)  # a file or a link: removed itself
                 removed += 1
             continue
         try:
@@ -138,23 +142,24 @@ def sweep(trash_dir: Path) -> int:
         except OSError:
             pass  # folders cannot be locked here, so no deleter can be at work
         try:
-            fsutil.remove_tree(path)
+            fsutil.remove_folder(fd, name, trash_fd)
             removed += 1
         except OSError as e:
-            log.debug("cannot delete %s: %s", path, e)
+            log.debug("cannot delete the trash folder %s: %s", name, e)
         finally:
             os.close(fd)
     return removed
 
 
 def _main(argv: list[str]) -> None:
-    fd, folder = int(argv[0]), argv[1]
+    fd, trash_fd, name = int(argv[0]), int(argv[1]), argv[2]
     with contextlib.suppress(OSError):
         os.nice(10)  # the compiles that go on matter more
     try:
-        fsutil.remove_tree(folder)
+        fsutil.remove_folder(fd, name, trash_fd)
     finally:
         os.close(fd)
+        os.close(trash_fd)
 
 
 if __name__ == "__main__":

@@ -101,15 +101,19 @@ def test_a_sweep_leaves_trash_a_deleter_holds_and_deletes_trash_nobody_holds(
     tmp_path: Path,
 ) -> None:
     store = LocalStore(tmp_path / "cache")
-    held_path, held = trash.new_folder(store.folder("trash"), "busy", store.modes)
-    (held_path / "entry").mkdir()
-    (held_path / "entry" / "MANIFEST").write_bytes(b"x")
-    orphan_path, orphan = trash.new_folder(store.folder("trash"), "orphan", store.modes)
-    (orphan_path / "entry").mkdir()
+    trash_fd = store.open_folder("trash")
+    try:
+        held_name, held = trash.new_folder(trash_fd, "busy", store.modes)
+        orphan_name, orphan = trash.new_folder(trash_fd, "orphan", store.modes)
+    finally:
+        os.close(trash_fd)
+    (store.trash_dir / held_name / "entry").mkdir()
+    (store.trash_dir / held_name / "entry" / "MANIFEST").write_bytes(b"x")
+    (store.trash_dir / orphan_name / "entry").mkdir()
     os.close(orphan)  # its deleter died
     try:
         assert store.clean_leftovers() == 1
-        assert os.listdir(store.trash_dir) == [held_path.name]
+        assert os.listdir(store.trash_dir) == [held_name]
     finally:
         os.close(held)
     assert store.clean_leftovers() == 1
@@ -147,20 +151,24 @@ def test_a_trash_folder_swept_before_its_lock_is_replaced(
     """A sweep may take a new trash folder between its mkdir and its lock."""
     store = LocalStore(tmp_path / "cache")
     trash_dir = store.folder("trash")
+    trash_fd = store.open_folder("trash")
     real_flock = trash.fcntl.flock
     swept: list[int] = []
 
     def flock(fd: int, operation: int) -> None:
         if not swept and operation == trash.fcntl.LOCK_EX:  # new_folder's, not the sweep's
-            swept.append(trash.sweep(trash_dir))
+            swept.append(trash.sweep(trash_fd))
         real_flock(fd, operation)
 
     monkeypatch.setattr(trash.fcntl, "flock", flock)
-    made = trash.new_folder(trash_dir, "batch", store.modes)
+    try:
+        made = trash.new_folder(trash_fd, "batch", store.modes)
+    finally:
+        os.close(trash_fd)
     assert made is not None
-    path, fd = made
+    name, fd = made
     try:
         assert swept == [1]  # the first folder went
-        assert path.is_dir() and os.listdir(trash_dir) == [path.name]
+        assert (trash_dir / name).is_dir() and os.listdir(trash_dir) == [name]
     finally:
         os.close(fd)

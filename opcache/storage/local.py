@@ -34,6 +34,7 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from .. import fsutil, locks, trash, trust
@@ -60,8 +61,8 @@ _BUCKET = re.compile(r"[0-9a-f]{2}")
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", os.uname().nodename) or "host"
 # O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-# /proc/self/fd/N names the folder open as N wherever it has been renamed to.
-_PROC_FD = os.path.isdir("/proc/self/fd")
+# The root, resolved once, may have been a link; nothing below it may be.
+_ROOT_FLAGS = fsutil.DIR_FLAGS & ~os.O_NOFOLLOW
 # An unlocked build folder of another host (whose locks may not reach us) gets
 # this long; one of this host, whose locks do, a minute.
 TMP_GRACE_SECONDS = 6 * 3600
@@ -121,37 +122,76 @@ class LocalStore:
         return self.folder("locks", soc) / key
 
     def stats_files(self, soc: str, *, create: bool = True) -> CounterFiles:
-        """A chip's hit / miss / ... counters."""
-        folder = self.folder("stats", soc) if create else self.stats_dir / soc
-        return CounterFiles(folder, modes=self.modes)
+        """A chip's hit / miss / ... counters (their folder made on a write, if ``create``).
 
-    def sizes(self, soc: str) -> CounterFiles:
-        """The chip's entry and byte counters, for reading (they live in the chip folder)."""
-        return CounterFiles(self.chip_dir(soc) / SIZE_FOLDER, modes=self.modes)
+        Like the size counters (``sizes``), read without the trust rule (they
+        are numbers to show, and root's cron may show a user's), but never
+        through a link; written only in trusted folders.
+        """
+
+        def open_folder(write: bool) -> int:
+            return self.open_folder("stats", soc, create=write and create, trusted=write)
+
+        return CounterFiles(self.stats_dir / soc, modes=self.modes, open_folder=open_folder)
+
+    def sizes(self, soc: str, chip_fd: int | None = None) -> CounterFiles:
+        """The chip's entry and byte counters (in its folder, or the one open as ``chip_fd``)."""
+
+        def open_folder(write: bool) -> int:
+            return self._open_sizes(soc, chip_fd, create=write, trusted=write)
+
+        return CounterFiles(
+            self.chip_dir(soc) / SIZE_FOLDER, modes=self.modes, open_folder=open_folder
+        )
+
+    def _open_sizes(
+        self, soc: str, chip_fd: int | None, *, create: bool, trusted: bool = True
+    ) -> int:
+        where = self.chip_dir(soc)
+        if chip_fd is not None:
+            return self._open_dir(SIZE_FOLDER, chip_fd, where, create=create, trusted=trusted)
+        chip_fd = self._open_chip(soc, create=create, trusted=trusted)
+        try:
+            return self._open_dir(SIZE_FOLDER, chip_fd, where, create=create, trusted=trusted)
+        finally:
+            os.close(chip_fd)
+
+    def open_folder(self, *parts: str, create: bool = True, trusted: bool = True) -> int:
+        """A handle on ``<root>/.opcache/<parts>``, each level made if missing (with
+        ``create``), opened without following a link and (if ``trusted``) trusted.
+
+        Writers put lock files, counters, builds and trash here, and cleaning
+        deletes in them: a link, or a folder others can write, would let them
+        redirect what we write or delete (UntrustedFolder).  FileNotFoundError
+        when a level is missing and not ``create``.
+        """
+        try:
+            fd = os.open(self.root, _ROOT_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+            fsutil.makedirs(self.root, self.modes)
+            fd = os.open(self.root, _ROOT_FLAGS)
+        where = self.root
+        try:
+            for part in (BOOKKEEPING, *parts):
+                child = self._open_dir(part, fd, where, create=create, trusted=trusted)
+                os.close(fd)
+                fd, where = child, where / part
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def folder(self, *parts: str) -> Path:
-        """``<root>/.opcache/<parts>``, made if missing, each level a trusted real folder.
+        """``<root>/.opcache/<parts>`` for callers that need a path, checked as
+        ``open_folder`` checks it.
 
-        Writers put lock files, counters, builds and trash here: a link or a
-        folder others can write would let them redirect or swap what we write.
         Checked once per process: a trusted parent keeps its children in place.
         """
-        path = self.root / BOOKKEEPING
+        path = self.root.joinpath(BOOKKEEPING, *parts)
         if path not in self._verified:
-            fsutil.makedirs(self.root, self.modes)
-        for part in ("", *parts):
-            path = path / part if part else path
-            if path in self._verified:
-                continue
-            try:
-                os.mkdir(path, self.modes.dir_bits)
-                fsutil.fix_new_dir(path, self.modes)
-            except FileExistsError:
-                pass
-            st = os.stat(path, follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode):
-                raise trust.UntrustedFolder(f"{path} is a link or a file, not a folder")
-            trust.check(st, self.modes, path)
+            os.close(self.open_folder(*parts))
             self._verified.add(path)
         return path
 
@@ -163,10 +203,15 @@ class LocalStore:
     def read_note(self, *parts: str) -> bytes | None:
         """A small record under ``.opcache/<parts>``; None if absent or untrusted."""
         try:
-            path = self.folder(*parts[:-1]) / parts[-1]
-            fd = os.open(path, _FILE_FLAGS)
+            dir_fd = self.open_folder(*parts[:-1], create=False)
         except OSError:
             return None
+        try:
+            fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return None
+        finally:
+            os.close(dir_fd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or trust.problem(st, self.modes):
@@ -177,7 +222,11 @@ class LocalStore:
 
     def write_note(self, data: bytes, *parts: str) -> None:
         """Replace the record under ``.opcache/<parts>`` whole (OSError if it cannot)."""
-        fsutil.write_atomic(self.folder(*parts[:-1]) / parts[-1], data, self.modes)
+        dir_fd = self.open_folder(*parts[:-1])
+        try:
+            fsutil.write_atomic(parts[-1], data, self.modes, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def chips(self) -> list[str]:
         """The chip folders present under the root (real folders, not links)."""
@@ -235,7 +284,8 @@ class LocalStore:
             except OSError as e:
                 # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
                 # link or a file in the entry's place from an entry that is not there.
-                misplaced = e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(key, bucket_fd)
+                misplaced = e.errno in (errno.ENOTDIR, errno.ELOOP)
+                misplaced = misplaced and fsutil.lexists(key, bucket_fd)
                 os.close(bucket_fd)
                 if misplaced:
                     raise CorruptEntry("the entry is not a folder (a link or a file)") from None
@@ -362,8 +412,9 @@ class LocalStore:
         It stays locked while the returned Workdir is open, so that cleaning
         knows its writer is alive however long the compile takes.
         """
-        workdir = new_build_folder(self.folder("tmp"), key, self.modes.dir_bits)
-        fsutil.fix_new_dir(workdir.path, self.modes)
+        tmp_fd = self.open_folder("tmp")
+        workdir = new_build_folder(self.tmp_dir, key, self.modes.dir_bits, tmp_fd)
+        fsutil.fix_new_dir(workdir.path.name, self.modes, dir_fd=tmp_fd)
         return workdir
 
     def put(
@@ -384,47 +435,73 @@ class LocalStore:
         workdir = self._new_workdir(key)
         try:
             file_mode = self.modes.file_bits
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             for name, data in (*files.items(), (MANIFEST, manifest)):
-                with os.fdopen(os.open(workdir.path / name, flags, file_mode), "wb") as f:
+                fd = os.open(name, flags, file_mode, dir_fd=workdir.fd)
+                with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), file_mode)  # exact in a group-shared cache
                     f.write(data)
-            os.utime(workdir.path / MANIFEST, (now, now))
+            os.utime(MANIFEST, (now, now), dir_fd=workdir.fd, follow_symlinks=False)
             size = len(manifest) + sum(map(len, files.values()))
             with self._counting(soc):
-                return self._publish_counted(soc, key, workdir.path, size)
+                return self._publish_counted(soc, key, workdir, size)
         finally:
             try:
                 workdir.close()
             except OSError as e:
                 log.debug("cannot remove %s: %s", workdir.path, e)
 
-    def _publish_counted(self, soc: str, key: str, workdir: Path, size: int) -> int | None:
+    def _publish_counted(self, soc: str, key: str, workdir: Workdir, size: int) -> int | None:
         for _attempt in range(_PUBLISH_ATTEMPTS):
-            # The entry and its counters go through one handle on the chip folder:
-            # if force or clear renames that folder away meanwhile, both go with it.
-            chip_fd = None
             try:
-                chip_fd = self._open_chip(soc, create=True)
-                bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=True)
-                try:
-                    os.rename(workdir, key, dst_dir_fd=bucket_fd)
-                finally:
-                    os.close(bucket_fd)
+                return size if self._publish_in_chip(soc, key, workdir, size) else None
             except OSError as e:
-                if chip_fd is not None:
-                    os.close(chip_fd)
-                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                    return None
                 if e.errno not in fsutil.GONE:
                     raise
-                continue  # the chip folder was deleted under us: a new one then
+                # The chip folder was deleted under us: a new one then.
+        raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(self.chip_dir(soc)))
+
+    def _publish_in_chip(self, soc: str, key: str, workdir: Workdir, size: int) -> bool:
+        """Count the entry, then rename it into place; False if another writer's stands.
+
+        In that order (both under the counting lock, shared): an entry anyone
+        can see, and so remove and count out, is always counted.  Counting after
+        the rename left an entry uncounted for good when that count failed (a
+        full disk), and the counters too low until a verify.  A rename that
+        fails takes its count back; if even that fails, a warning says so.
+        """
+        # The entry and its counters go through one handle on the chip folder:
+        # if force or clear renames that folder away meanwhile, both go with it.
+        chip_fd = self._open_chip(soc, create=True)
+        try:
+            bucket_fd = self._open_dir(key[:2], chip_fd, self.chip_dir(soc), create=True)
             try:
                 self._count(chip_fd, soc, {"entries": 1, "bytes": size})
+                try:
+                    os.rename(
+                        workdir.path.name, key, src_dir_fd=workdir.parent_fd, dst_dir_fd=bucket_fd
+                    )
+                except OSError as e:
+                    self._uncount(chip_fd, soc, size)
+                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                        return False
+                    raise
             finally:
-                os.close(chip_fd)
-            return size
-        raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(self.chip_dir(soc)))
+                os.close(bucket_fd)
+        finally:
+            os.close(chip_fd)
+        return True
+
+    def _uncount(self, chip_fd: int, soc: str, size: int) -> None:
+        try:
+            self._count(chip_fd, soc, {"entries": -1, "bytes": -size})
+        except OSError as e:
+            log.warning(
+                "the counters of %s count an entry that was not stored (%s): "
+                "`opcache verify` sets them right",
+                soc,
+                e,
+            )
 
     def discard(self, soc: str, key: str) -> int | None:
         """Remove one entry; returns its bytes, or None if it was already gone."""
@@ -441,28 +518,31 @@ class LocalStore:
         trash folder, deleted after the batch by a detached process
         (``trash.py``): the caller pays a rename per entry, not a deletion.
         """
-        trash_dir = self.folder("trash")
-        # Locked, so that no sweep deletes under us (None: folders cannot be locked here).
-        folder = trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes)
+        trash_fd = self.open_folder("trash")
         try:
-            with self._counting(soc):
-                chip_fd = self._open_chip_if_there(soc)
-                if chip_fd is None:
-                    yield lambda key: None
-                    return
-                with self._remover(soc, chip_fd, trash_dir, folder, later) as remove:
-                    yield remove
+            # Locked, so that no sweep deletes under us (None: folders cannot be locked here).
+            folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
+            try:
+                with self._counting(soc):
+                    chip_fd = self._open_chip_if_there(soc)
+                    if chip_fd is None:
+                        yield lambda key: None
+                        return
+                    with self._remover(soc, chip_fd, trash_fd, folder, later) as remove:
+                        yield remove
+            finally:
+                if folder is not None:
+                    trash.delete_later(trash_fd, *folder)  # (at once if it is empty)
         finally:
-            if folder is not None:
-                trash.delete_later(*folder)  # (at once if it is empty)
+            os.close(trash_fd)
 
     @contextlib.contextmanager
     def _remover(
         self,
         soc: str,
         chip_fd: int,
-        trash_dir: Path,
-        folder: tuple[Path, int] | None,
+        trash_fd: int,
+        folder: tuple[str, int] | None,
         later: bool,
     ) -> Iterator[Callable[[str], int | None]]:
         buckets: dict[str, int | None] = {}
@@ -482,7 +562,7 @@ class LocalStore:
             bucket_fd = buckets[bucket]
             if bucket_fd is None:
                 return None
-            size = _into_trash(key, bucket_fd, trash_dir, folder, later=later)
+            size = _into_trash(key, bucket_fd, trash_fd, folder, later=later)
             if size is None:
                 return None
             removed["entries"] -= 1
@@ -513,7 +593,7 @@ class LocalStore:
                 return None
             raise
 
-    def _open_chip(self, soc: str, *, create: bool) -> int:
+    def _open_chip(self, soc: str, *, create: bool, trusted: bool = True) -> int:
         # Every hit comes here: one open in the common case.  The root is a
         # resolved path (it may have been a link; nothing below it may be),
         # and O_NOFOLLOW guards the chip folder itself.
@@ -522,10 +602,10 @@ class LocalStore:
         except OSError:
             pass  # missing, a link, a file...: the careful way below makes or names it
         else:
-            return self._trusted(fd, self.root, soc)
-        root_fd = os.open(self.root, fsutil.DIR_FLAGS & ~os.O_NOFOLLOW)
+            return self._trusted(fd, self.root, soc) if trusted else fd
+        root_fd = os.open(self.root, _ROOT_FLAGS)
         try:
-            return self._open_dir(soc, root_fd, self.root, create=create)
+            return self._open_dir(soc, root_fd, self.root, create=create, trusted=trusted)
         finally:
             os.close(root_fd)
 
@@ -538,8 +618,11 @@ class LocalStore:
             raise
         return fd
 
-    def _open_dir(self, name: str, parent_fd: int, parent: Path | str, *, create: bool) -> int:
-        """A trusted folder under ``parent_fd``, never through a link; made if asked."""
+    def _open_dir(
+        self, name: str, parent_fd: int, parent: Path | str, *, create: bool, trusted: bool = True
+    ) -> int:
+        """A folder under ``parent_fd``, never through a link, trusted unless ``trusted``
+        is False; made if asked."""
         try:
             fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=parent_fd)
         except FileNotFoundError:
@@ -551,12 +634,12 @@ class LocalStore:
                 fsutil.fix_new_dir(name, self.modes, dir_fd=parent_fd)
             except FileExistsError:
                 pass
-            return self._open_dir(name, parent_fd, parent, create=False)
+            return self._open_dir(name, parent_fd, parent, create=False, trusted=trusted)
         except OSError as e:
-            if e.errno in (errno.ENOTDIR, errno.ELOOP) and _lexists(name, parent_fd):
+            if e.errno in (errno.ENOTDIR, errno.ELOOP) and fsutil.lexists(name, parent_fd):
                 raise trust.UntrustedFolder(f"{parent}/{name} is a link or a file") from None
             raise
-        return self._trusted(fd, parent, name)
+        return self._trusted(fd, parent, name) if trusted else fd
 
     def _count(self, chip_fd: int, soc: str, deltas: dict[str, float] | None) -> None:
         """Move (or, with ``deltas`` None, zero) the size counters of the chip folder
@@ -566,20 +649,11 @@ class LocalStore:
         it: there is nothing left to count then, and no error.
         """
         try:
-            size_fd = self._open_dir(SIZE_FOLDER, chip_fd, self.chip_dir(soc), create=True)
-            try:
-                folder = (
-                    Path(f"/proc/self/fd/{size_fd}")
-                    if _PROC_FD
-                    else self.chip_dir(soc) / SIZE_FOLDER
-                )
-                counters = CounterFiles(folder, modes=self.modes)
-                if deltas is None:
-                    counters.reset()
-                else:
-                    counters.add(deltas)
-            finally:
-                os.close(size_fd)
+            counters = self.sizes(soc, chip_fd)
+            if deltas is None:
+                counters.reset()
+            else:
+                counters.add(deltas)
         except OSError as e:
             if e.errno not in fsutil.GONE:
                 raise
@@ -593,14 +667,17 @@ class LocalStore:
         """
         if not os.path.lexists(self.chip_dir(soc)):
             return False  # nothing to clear: create nothing either
-        trash_dir = self.folder("trash")
-        folder = trash.new_folder(trash_dir, f"{soc}.{_HOST}", self.modes)
+        trash_fd = self.open_folder("trash")
         try:
-            chip = str(self.chip_dir(soc))
-            return _into_trash(chip, None, trash_dir, folder, later=True) is not None
+            folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
+            try:
+                chip = str(self.chip_dir(soc))
+                return _into_trash(chip, None, trash_fd, folder, later=True) is not None
+            finally:
+                if folder is not None:
+                    trash.delete_later(trash_fd, *folder)
         finally:
-            if folder is not None:
-                trash.delete_later(*folder)
+            os.close(trash_fd)
 
     def recount(self, soc: str, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Walk a chip folder and set its counters to what is there."""
@@ -619,7 +696,7 @@ class LocalStore:
         For a walk that resets the counters: a store counted between the walk
         and the reset would be lost.  This thread's own removals go on.
         """
-        with locks.flocked(self._count_lock(soc), self.modes):
+        with self._count_lock(soc, shared=False):
             _WALKERS[(self.root, soc)] = _thread.get_ident()
             try:
                 yield
@@ -632,11 +709,20 @@ class LocalStore:
         if _WALKERS.get((self.root, soc)) == _thread.get_ident():
             yield  # this thread is the walker: it holds the lock already
             return
-        with locks.flocked(self._count_lock(soc), self.modes, shared=True):
+        with self._count_lock(soc, shared=True):
             yield
 
-    def _count_lock(self, soc: str) -> Path:
-        return self.folder("locks") / f"{soc}.count"
+    @contextlib.contextmanager
+    def _count_lock(self, soc: str, *, shared: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as held:
+            locks_fd = self.open_folder("locks")
+            try:
+                held.enter_context(
+                    locks.flocked(f"{soc}.count", self.modes, shared=shared, dir_fd=locks_fd)
+                )
+            finally:
+                os.close(locks_fd)
+            yield
 
     def set_used(self, soc: str, entries: int, size: int) -> None:
         """Set a chip's counters to a walk's result (walk and set under ``counting_paused``)."""
@@ -650,45 +736,106 @@ class LocalStore:
             os.close(chip_fd)
 
     def clean_leftovers(self, now: float | None = None) -> int:
-        """Delete build folders of dead writers, and trash no deleter is working on."""
+        """Delete build folders of dead writers, trash no deleter is working on, and
+        temp files of killed writers; returns how many.
+
+        Each folder is opened without following a link, must pass the trust
+        rule, and is listed and deleted in through that handle: a link in a
+        bookkeeping folder's place would lead the deletion into whatever folder
+        it names (root's cron ``opcache age`` would empty a folder of root's
+        that a user's link names).  A folder that may not be used is skipped:
+        what uses it for its own work (a store, a trim) says why, once.
+        """
         now = time.time() if now is None else now
-        removed = trash.sweep(self.trash_dir) + remove_abandoned(self.tmp_dir, now)
+
+        def clean(open_folder: Callable[[], int], action: Callable[[int], int]) -> int:
+            try:
+                fd = open_folder()
+            except OSError as e:
+                # Not there (yet, or any more), not readable, or not to be trusted.
+                log.debug("not cleaning: %s", e)
+                return 0
+            try:
+                return action(fd)
+            finally:
+                os.close(fd)
+
         # Temp files of small atomic writes (counters, op_cache.ini) of killed
         # writers: such a write takes microseconds, so a minute-old one is dead.
-        folders = [self.root, *(self.chip_dir(soc) / SIZE_FOLDER for soc in self.chips())]
-        with contextlib.suppress(OSError):
-            folders += [self.stats_dir / soc for soc in os.listdir(self.stats_dir)]
-        for folder in folders:
-            removed += _remove_stale_temps(folder, now)
+        stale = partial(_remove_stale_temps, now=now)
+
+        def root_temps(root_fd: int) -> int:
+            # The root's own trust is another matter (it is the user's to choose),
+            # but nothing is deleted in a root that fails the rule.
+            return 0 if trust.problem(os.fstat(root_fd), self.modes) else stale(root_fd)
+
+        def each_chip_stats(stats_fd: int) -> int:
+            return sum(
+                clean(partial(self._open_dir, soc, stats_fd, self.stats_dir, create=False), stale)
+                for soc in _names(stats_fd)
+            )
+
+        removed = clean(partial(self.open_folder, "trash", create=False), trash.sweep)
+        removed += clean(
+            partial(self.open_folder, "tmp", create=False), partial(_remove_abandoned, now=now)
+        )
+        removed += clean(partial(os.open, self.root, _ROOT_FLAGS), root_temps)
+        for soc in self.chips():
+            removed += clean(partial(self._open_sizes, soc, None, create=False), stale)
+        removed += clean(partial(self.open_folder, "stats", create=False), each_chip_stats)
         return removed
 
 
 class Workdir:
-    """A build folder and the lock that says its writer is alive."""
+    """A build folder and the lock that says its writer is alive.
 
-    def __init__(self, path: Path, fd: int) -> None:
+    ``fd`` is the folder, ``parent_fd`` the folder it was made in: what is done
+    in it goes through them, not through a path a link could now lead elsewhere.
+    """
+
+    def __init__(self, path: Path, fd: int, parent_fd: int) -> None:
         self.path = path
-        self._fd = fd
+        self.fd = fd
+        self.parent_fd = parent_fd
+        self._open = True
 
     def close(self) -> None:
         """Unlock, then delete what is left of the folder (nothing, once published)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        fsutil.remove_tree(self.path)
+        if not self._open:
+            return
+        self._open = False
+        os.close(self.fd)
+        try:
+            fsutil.remove_tree(self.path.name, self.parent_fd)
+        finally:
+            os.close(self.parent_fd)
 
 
-def new_build_folder(parent: Path, label: str, dir_bits: int) -> Workdir:
+def new_build_folder(
+    parent: Path, label: str, dir_bits: int, parent_fd: int | None = None
+) -> Workdir:
     """A fresh folder ``<label>.<host>.<pid>.<random>`` in ``parent``, locked while open.
 
     The lock tells ``remove_abandoned`` that its writer is alive, however long
-    the compile takes.
+    the compile takes.  ``parent_fd``, if given, is ``parent`` already open
+    (the Workdir takes it over); else ``parent`` is opened as named.
     """
-    path = parent / fsutil.unique_name(f"{label}.{_HOST}")
-    os.mkdir(path, dir_bits)
-    fd = os.open(path, fsutil.DIR_FLAGS)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return Workdir(path, fd)
+    if parent_fd is None:
+        parent_fd = os.open(parent, _ROOT_FLAGS)
+    name = fsutil.unique_name(f"{label}.{_HOST}")
+    try:
+        os.mkdir(name, dir_bits, dir_fd=parent_fd)
+        fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=parent_fd)
+    except BaseException:
+        os.close(parent_fd)
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        os.close(parent_fd)
+        raise
+    return Workdir(parent / name, fd, parent_fd)
 
 
 def remove_abandoned(folder: Path, now: float, label: str | None = None) -> int:
@@ -698,17 +845,24 @@ def remove_abandoned(folder: Path, now: float, label: str | None = None) -> int:
     names them are considered: ``folder`` is someone else's (an out_dir).
     """
     try:
-        names = os.listdir(folder)
+        fd = os.open(folder, _ROOT_FLAGS)  # (the caller's folder, as the caller named it)
     except OSError:
         return 0
+    try:
+        return _remove_abandoned(fd, now, label)
+    finally:
+        os.close(fd)
+
+
+def _remove_abandoned(folder_fd: int, now: float, label: str | None = None) -> int:
     removed = 0
-    for name in names:
+    for name in _names(folder_fd):
         if label is not None and not _is_build_name(name, label):
             continue
-        if name.startswith(".nfs") or not _abandoned(folder / name, name, now):
+        if name.startswith(".nfs") or not _abandoned(folder_fd, name, now):
             continue  # (NFS removes its .nfs files itself when the last reader closes)
         with contextlib.suppress(OSError):
-            fsutil.remove_tree(folder / name)
+            fsutil.remove_tree(name, folder_fd)
             removed += 1
     return removed
 
@@ -724,14 +878,14 @@ def _is_build_name(name: str, label: str) -> bool:
     )
 
 
-def _abandoned(path: Path, name: str, now: float) -> bool:
-    """True when nobody is building in ``path`` any more.
+def _abandoned(folder_fd: int, name: str, now: float) -> bool:
+    """True when nobody is building in the folder ``name`` any more.
 
     A live writer holds a flock on its folder.  Where flock may not reach
     (another host over NFS without a lock manager), a grace period decides.
     """
     try:
-        fd = os.open(path, fsutil.DIR_FLAGS)
+        fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=folder_fd)
     except OSError:
         return True  # not a folder: a stray file, or a link planted here
     try:
@@ -762,18 +916,25 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temps(folder: Path, now: float) -> int:
+def _remove_stale_temps(folder_fd: int, now: float) -> int:
     removed = 0
-    try:
-        names = [n for n in os.listdir(folder) if fsutil.is_temp_name(n)]
-    except OSError:
-        return 0
-    for name in names:
+    for name in _names(folder_fd):
+        if not fsutil.is_temp_name(name):
+            continue
         with contextlib.suppress(OSError):
-            if now - os.stat(folder / name, follow_symlinks=False).st_mtime > STALE_LOCAL_SECONDS:
-                os.unlink(folder / name)
+            st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+            if now - st.st_mtime > STALE_LOCAL_SECONDS:
+                os.unlink(name, dir_fd=folder_fd)
                 removed += 1
     return removed
+
+
+def _names(folder_fd: int) -> list[str]:
+    """What is in the folder open as ``folder_fd`` (nothing, if it cannot be listed)."""
+    try:
+        return os.listdir(folder_fd)
+    except OSError:
+        return []
 
 
 def _is_real_dir(path: Path) -> bool:
@@ -821,8 +982,8 @@ def _folder_bytes(name: str, parent_fd: int) -> int:
 def _into_trash(
     src: str,
     src_dir_fd: int | None,
-    trash_dir: Path,
-    folder: tuple[Path, int] | None,
+    trash_fd: int,
+    folder: tuple[str, int] | None,
     *,
     later: bool,
 ) -> int | None:
@@ -830,20 +991,20 @@ def _into_trash(
 
     With ``later`` it stays there for ``folder``'s deleter; otherwise it is
     deleted now.  Without a folder (none can be locked here), it is renamed
-    into the trash alone and deleted now.
+    into the trash (open as ``trash_fd``) alone and deleted now.
     """
     name = os.path.basename(src)
     if folder is None:
-        aside = trash_dir / fsutil.unique_name(f"{name}.{_HOST}")
-        return fsutil.remove_tree(aside) if _rename_if_there(src, src_dir_fd, aside) else None
+        aside = fsutil.unique_name(f"{name}.{_HOST}")
+        if not _rename_if_there(src, src_dir_fd, aside, trash_fd):
+            return None
+        return fsutil.remove_tree(aside, trash_fd)
     if not _rename_if_there(src, src_dir_fd, name, folder[1]):
         return None
-    return _folder_bytes(name, folder[1]) if later else fsutil.remove_tree(folder[0] / name)
+    return _folder_bytes(name, folder[1]) if later else fsutil.remove_tree(name, folder[1])
 
 
-def _rename_if_there(
-    src: str, src_dir_fd: int | None, dst: str | Path, dst_dir_fd: int | None = None
-) -> bool:
+def _rename_if_there(src: str, src_dir_fd: int | None, dst: str, dst_dir_fd: int) -> bool:
     """Rename, never through a link; False if ``src`` was gone already."""
     try:
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
@@ -851,14 +1012,6 @@ def _rename_if_there(
         if e.errno in fsutil.GONE:
             return False
         raise
-    return True
-
-
-def _lexists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return False
     return True
 
 
