@@ -355,7 +355,7 @@ def publish_then_hang_child(spec: dict[str, Any]) -> None:
     """Store one entry and stop dead just before or just after its rename into place.
 
     ``spec['when']`` is "before" (a complete build folder left in .opcache/tmp)
-    or "after" (the entry visible, but its writer never counted it): what a
+    or "after" (the entry visible, and counted before the rename): what a
     SIGKILL at those instants leaves.
     """
     import time
