@@ -780,7 +780,8 @@ class HeaderMemo:
                     "args": pass_args,
                     "source": [source, digest(source_data)],
                     "cwd": os.getcwd(),
-                    "env": {name: env.get(name) for name in _INCLUDE_VARIABLES},
+                    # repr: text even for bytes of no encoding (os.environ's surrogates)
+                    "env": repr([env.get(name) for name in _INCLUDE_VARIABLES]),
                 }
             )
         )
@@ -847,6 +848,25 @@ def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, st
     )
     if done.returncode != 0:
         raise Uncacheable("cc: the preprocessor failed (the compile will report why)")
-    text = done.stdout.decode(errors="surrogateescape").replace("\\\n", " ")
-    _, _, deps = text.partition(":")
-    return [name for name in dict.fromkeys(re.split(r"(?<!\\)\s+", deps.strip())) if name]
+    return list(dict.fromkeys(_make_prerequisites(done.stdout.decode(errors="surrogateescape"))))
+
+
+# gcc's make quoting (libcpp/mkdeps.cc): a space or tab of a name follows a
+# backslash, and the backslashes right before it are doubled (2N+1 then a
+# space: N of the name and the space; 2N: N that end the name); $ is $$, # is
+# \#; other backslashes are as they are; a backslash-newline continues a line.
+_MAKE_QUOTING = re.compile(r"(?P<run>\\+)(?P<space>[ \t])|\\(?P<hash>#)|\$(?P<dollar>\$)|\\\n|\s")
+
+
+def _make_prerequisites(rule: str) -> list[str]:
+    """The file names after the target of a make rule as ``cc -M`` writes it."""
+    target_end = re.search(r":(\s|$)", rule)
+    prerequisites = rule[target_end.end() :] if target_end else ""
+
+    def unquote(match: re.Match[str]) -> str:
+        if match["run"] is not None:
+            run = len(match["run"])
+            return "\\" * (run // 2) + (match["space"] if run % 2 else "\0")
+        return match["hash"] or match["dollar"] or "\0"  # "\0": between two names
+
+    return [name for name in _MAKE_QUOTING.sub(unquote, prerequisites).split("\0") if name]
