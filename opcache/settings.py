@@ -520,6 +520,8 @@ def _whole(text: str) -> int | None:
 
 
 def _query_problem(query: str, also: tuple[str, ...]) -> str | None:
+    if not query:
+        return None
     from urllib.parse import parse_qsl
 
     taken = (*_URL_OPTIONS, *also)
