@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import SOC, base_env, invocations, write_opc, write_operator
+from helpers_faults import read_only
 from helpers_wrap import GCC, opcache, opcache_script, plain_gcc, stats, wrap, write_project
 
 from opcache import OpCache, resolve_settings
@@ -529,6 +530,48 @@ def test_cc_output_folder_missing_lets_the_compiler_say_why(csrc):
     done = wrap("gcc", "-DOFFSET=1", "-c", "k.c", "-o", "nowhere/k.o", env=env, cwd=src, status=1)
     assert b"nowhere/k.o" in done.stderr
     assert stats(env)["uncacheable"] == 1
+
+
+def test_cc_output_folder_opcache_cannot_write_in_lets_the_compiler_say_why(csrc, tmp_path):
+    env, src = csrc
+    out = tmp_path / "read-only"
+    out.mkdir()
+    cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", str(out / "k.o")]
+    with read_only(out):
+        plain = subprocess.run([GCC, *cmd[1:]], cwd=src, capture_output=True)
+        assert plain.returncode != 0 and b"Read-only file system" in plain.stderr
+        done = wrap(*cmd, env=env, cwd=src, status=plain.returncode)
+    assert done.stderr == plain.stderr  # the compiler's own words, nothing of opcache's
+    reasons = stats(env)["uncacheable_reasons"]
+    assert reasons == {"cannot write in the output folder: Read-only file system": 1}
+
+
+def test_cc_paths_with_spaces_dollars_and_hashes_are_cached(csrc, tmp_path):
+    """``cc -M`` quotes such names for make; opcache reads them back as gcc wrote them."""
+    env, _ = csrc
+    src = tmp_path / "dir with space $HOME #1"
+    headers = src / "sub dir #2"
+    headers.mkdir(parents=True)
+    (headers / "h $x #y.h").write_text("#define FACTOR 3\n")
+    (headers / "back\\ slash\tand tab.h").write_text("#define OFFSET 4\n")
+    (src / "my file.c").write_text(
+        '#include "h $x #y.h"\n#include "back\\ slash\tand tab.h"\n'
+        "int scale(int x) { return x * FACTOR + OFFSET; }\n"
+    )
+    cmd = ["gcc", f"-I{headers.name}", "-c", "my file.c", "-o", "my $file #1.o"]
+    for _ in range(2):
+        (src / "my $file #1.o").unlink(missing_ok=True)
+        wrap(*cmd, env=env, cwd=src)
+    assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
+    plain_gcc(src, *cmd[1:-1], "plain.o")
+    assert (src / "my $file #1.o").read_bytes() == (src / "plain.o").read_bytes()
+    # The headers are in the key: a change to either is a miss.
+    for header, text in (("h $x #y.h", "#define FACTOR 5\n"),
+                         ("back\\ slash\tand tab.h", "#define OFFSET 6\n")):  # fmt: skip
+        (headers / header).write_text(text)
+        wrap(*cmd, env=env, cwd=src)
+    assert (host(env)["misses"], host(env)["hits"]) == (3, 1)
+    assert stats(env)["uncacheable"] == 0
 
 
 def test_uncacheable_command_keeps_its_exit_status(csrc):
