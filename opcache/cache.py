@@ -24,7 +24,7 @@ from .key import compute_key
 from .request import CompileResult, OpRequest, is_plain_name
 from .settings import INI_NAME, Settings, check_soc_version
 from .storage.entry import MANIFEST, CorruptEntry, Entry, make_manifest
-from .storage.local import LocalStore, new_build_folder, remove_abandoned
+from .storage.local import LocalStore, Workdir, new_build_folder, remove_abandoned
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ log = get_logger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
 UNUSABLE = "not stored: the cache is unusable"
-# A delivered file, made as open(path, "wb") makes it.
-_OUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+# A hit's file, made in its build folder with the mode open(path, "wb") gives.
+_OUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # How long a read of a chip's size counters stands in for them after a store.
 _USED_FRESH_SECONDS = 2.0
 # The session `opcache wrap` names when none is set: a build, that is a run of
@@ -554,18 +554,35 @@ class OpCache:
         """``force``'s clear of a chip, once per session; True if there was one to clear."""
         if self._session is None:
             return self._store.clear_chip(soc)
+        # Escaped, any session is one line of ASCII, told apart from every other.
+        session = self._session.encode("unicode_escape")
         # Locked: processes of one session that start together clear once, and
         # none clears after another has begun to store.
         with locks.flocked(self._store.folder("locks") / f"{soc}.force", self._store.modes):
-            session, _, when = (self._store.read_note("force", soc) or b"").partition(b"\n")
             now = time.time()
-            same = session == self._session.encode()
-            if same and self._session == BUILD_SESSION:
-                same = now - float(when or 0) < BUILD_GAP_SECONDS
+            same = self._noted(self._store.read_note("force", soc), session, now)
             cleared = False if same else self._store.clear_chip(soc)
             if not same or self._session == BUILD_SESSION:  # (a build's clock runs on)
-                self._store.write_note(f"{self._session}\n{now}".encode(), "force", soc)
+                self._store.write_note(session + b"\n" + str(now).encode(), "force", soc)
         return cleared
+
+    def _noted(self, note: bytes | None, session: bytes, now: float) -> bool:
+        """Whether the force note ``note`` says this session cleared the chip already.
+
+        A note that is not the escaped session and a time, one a line, is another
+        session's.
+        """
+        noted, _, when = (note or b"").partition(b"\n")
+        if noted != session:
+            return False
+        if self._session != BUILD_SESSION:
+            return True
+        try:
+            age = now - float(when)
+        except ValueError:
+            return False
+        # A time far ahead (inf, a garbled number) would make one build last forever.
+        return -BUILD_GAP_SECONDS < age < BUILD_GAP_SECONDS
 
     def _after_store(self, soc: str, size: int) -> None:
         max_bytes = self.settings.max_bytes
@@ -793,23 +810,37 @@ class _Filled:
 
 
 def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
-    paths = {}
-    for name, data in files.items():
-        path = out / name
-        # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
-        try:
-            fd = os.open(path, _OUT_FLAGS, 0o666)
-        except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
-            out.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, _OUT_FLAGS, 0o666)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        paths[name] = path
-    return paths
+    """Put a hit's ``files`` into ``out`` as a miss puts its compile's: written in a
+    build folder of its own, then moved in (``_move_out``)."""
+    try:
+        build = new_build_folder(out, _BUILD_LABEL, 0o700)
+    except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
+        out.mkdir(parents=True, exist_ok=True)
+        build = new_build_folder(out, _BUILD_LABEL, 0o700)
+    try:
+        for name, data in files.items():
+            # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
+            fd = os.open(name, _OUT_FLAGS, 0o666, dir_fd=build.fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        return {name: _move_out(build, name, out) for name in files}
+    finally:
+        build.close()
+
+
+def _move_out(build: Workdir, name: str, out: Path) -> Path:
+    """Move the file ``name`` of ``build`` into ``out``, the folder it was made in.
+
+    A rename: whatever had that name in ``out`` (a link someone put there in a
+    folder others write to, a file with other names) is replaced, never
+    written through.
+    """
+    os.replace(name, name, src_dir_fd=build.fd, dst_dir_fd=build.parent_fd)
+    return out / name
 
 
 def _compile_into(
@@ -835,8 +866,7 @@ def _compile_into(
             if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
                 with open(entry.path, "rb") as f:
                     artifacts[entry.name] = f.read()
-                os.replace(entry.path, out / entry.name)
-                files[entry.name] = out / entry.name
+                files[entry.name] = _move_out(build, entry.name, out)
             else:
                 log.debug("ignoring %s: not a plain file", entry.path)
     except BaseException:

@@ -75,7 +75,6 @@ _TEMP = re.compile(r"(?P<dst>.+)_(?P<pid>[0-9]+)_(?P<usec>[0-9]+)_(?P<rand>[0-9]
 _MIX_SUFFIXES = ("_mix_aic.json", "_mix_aiv.json")
 _PRE_SUFFIX = "_pre.json"
 _KERNEL_FILE_SUFFIXES = (".o", ".so", ".h")
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NOATIME = getattr(os, "O_NOATIME", 0)
 
 
@@ -136,19 +135,23 @@ class Limits(Record):
         }
 
 
-def read_limits(root: Path, environ: Mapping[str, str] | None = None) -> Limits:
+def read_limits(
+    root: Path, environ: Mapping[str, str] | None = None, shared_group: int | None = None
+) -> Limits:
     """CANN's size settings for ``root``: ``root/op_cache.ini`` > environment > defaults.
 
     CANN applies the ini's size keys only when the file also names the toolkit
     versions (it writes them itself); otherwise it ignores the file whole.
+    An ini the trust rule refuses (``shared_group``: the group of a
+    group-shared folder), or that is not a regular file, is ignored with a warning.
     """
     path = root / INI_NAME
-    applies = ini.cann_applies_sizes(path)
+    applies = ini.cann_applies_sizes(path, shared_group)
     sources: dict[str, str] = {}
     env = os.environ if environ is None else environ
-    _, max_mb, ratio = size_limits([path] if applies else [], env, sources)
+    _, max_mb, ratio = size_limits([path] if applies else [], env, sources, shared_group)
     ignored = None
-    if not applies and ini.read_size_limits(path) is not None:
+    if not applies and ini.read_size_limits(path, shared_group) is not None:
         ignored = f"{path} is ignored, as CANN ignores it: no adk_version and ops_version in it"
     return Limits(max_mb, ratio, path, ignored, sources)
 
@@ -160,9 +163,8 @@ def open_cann_cache(
 ) -> CannCache:
     """The CANN cache ``settings`` locate, with CANN's size settings for it."""
     root = cann_root(settings)
-    return CannCache(
-        root, read_limits(root, environ), modes=fsutil.modes_for(settings.shared_group), clock=clock
-    )
+    limits = read_limits(root, environ, settings.shared_group)
+    return CannCache(root, limits, modes=fsutil.modes_for(settings.shared_group), clock=clock)
 
 
 class CannCache:
@@ -659,17 +661,18 @@ def _atime(st: os.stat_result) -> int:
 
 
 def _open_quietly(fd: int, name: str) -> int:
-    """Open for reading without moving the access time where the kernel allows it.
+    """Open a regular file for reading without moving the access time where the kernel
+    allows it (never through a link, never waiting on a FIFO swapped in since the scan).
 
     O_NOATIME needs the file's owner (or CAP_FOWNER); for others' files a
     plain read may move it, as any reader's would.
     """
     if _NOATIME:
         try:
-            return os.open(name, _READ_FLAGS | _NOATIME, dir_fd=fd)
+            return fsutil.open_regular(name, os.O_RDONLY | _NOATIME, dir_fd=fd)[0]
         except PermissionError:
             pass
-    return os.open(name, _READ_FLAGS, dir_fd=fd)
+    return fsutil.open_regular(name, dir_fd=fd)[0]
 
 
 def _read_json(fd: int, name: str) -> object:
@@ -763,15 +766,17 @@ def _kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
 
     A shared (read) fcntl lock: it fails while a writer holds its write lock,
     and makes a writer that comes while we delete skip its store, as CANN's
-    writers do when the lock is taken.  A missing lock file is no writer.
+    writers do when the lock is taken.  A missing lock file is no writer; a
+    link, FIFO, device or folder in its place is no lock either, and keeps
+    the entry, as a held one does.
     """
     try:
-        lock_fd = os.open(f"{kernel}.lock", _READ_FLAGS, dir_fd=fd)
+        lock_fd, _ = fsutil.open_regular(f"{kernel}.lock", dir_fd=fd)
     except FileNotFoundError:
         yield True
         return
     except OSError:
-        yield False  # a link or something unreadable where the lock should be
+        yield False  # not a lock file we can open, but it is named as one
         return
     try:
         yield _try_lock(lock_fd, fcntl.LOCK_SH)
@@ -785,19 +790,18 @@ def _del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
 
     CANN opens it with ``fopen("a+")``, chmods it 0640 and takes a
     non-blocking whole-file write lock; a process that cannot skips its pass.
-    A dry run only tests it, creating nothing.
+    A dry run only tests it, creating nothing.  Anything but a regular file
+    in its place (a link, FIFO, device, folder) skips the pass, untouched.
     """
+    flags = os.O_RDONLY if dry_run else os.O_RDWR | os.O_CREAT | os.O_APPEND
     try:
-        if dry_run:
-            lock_fd = os.open(DEL_LOCK, _READ_FLAGS, dir_fd=fd)
-        else:
-            flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-            lock_fd = os.open(DEL_LOCK, flags, 0o666, dir_fd=fd)
+        lock_fd, _ = fsutil.open_regular(DEL_LOCK, flags, dir_fd=fd)
     except FileNotFoundError:
         yield None  # (dry run) no lock file: no one holds it
         return
     except OSError as e:
-        yield f"cannot open {DEL_LOCK}: {e.strerror or e}"
+        why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
+        yield f"cannot open {DEL_LOCK}: {why}"
         return
     try:
         if not dry_run:

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import re
+import stat
 from pathlib import Path
 
 from ._record import Record
@@ -203,3 +204,24 @@ def lexists(name: str, dir_fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def open_regular(
+    path: Path | str, flags: int = os.O_RDONLY, mode: int = 0o666, *, dir_fd: int | None = None
+) -> tuple[int, os.stat_result]:
+    """(fd, fstat) of ``path``, opened only if it is a regular file; OSError otherwise.
+
+    For a file anyone else could have put there: a link is never followed
+    (ELOOP), and a FIFO or a device neither blocks the open (O_NONBLOCK, which
+    a regular file ignores) nor is kept (EINVAL, "not a regular file").
+    """
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if flags & os.O_CREAT:
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    else:  # (no mode: pyfakefs, in the tests, chmods any file opened with one)
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    return fd, st

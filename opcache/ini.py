@@ -10,11 +10,12 @@ the environment variables keep their effect until a person sets them here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from pathlib import Path
 
-from . import fsutil
+from . import fsutil, trust
 from ._log import get_logger
 from ._record import Record
 
@@ -87,25 +88,44 @@ class SizeLimits(Record):
         self._init(locals())
 
 
-def read_size_limits(path: Path) -> SizeLimits | None:
+def read_size_limits(path: Path, shared_group: int | None = None) -> SizeLimits | None:
     """Return the size limits ``path`` supplies, or None.
 
     A missing file, or one with neither size key, is silent.  Anything else that
     keeps the file from supplying both keys logs one warning naming the file and
-    what is wrong with it.
+    what is wrong with it.  That includes a file the cache's trust rule refuses
+    (``shared_group``: the group of a group-shared cache) and a link, FIFO,
+    device or folder in its place: the root is not trust-checked, so anyone
+    who can write there could otherwise set every user's limits, or hang
+    every compile with a FIFO.
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_FILE_BYTES + 1)
+        raw = _read(path, shared_group)
     except (FileNotFoundError, NotADirectoryError):
         return None  # a file in the path: the cache says so when it tries to use the folder
+    except trust.UntrustedFolder as e:
+        log.warning("ignoring %s: %s", path, e)
+        return None
     except OSError as e:
-        log.warning("ignoring %s: cannot read it (%s)", path, e.strerror or e)
+        why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
+        log.warning("ignoring %s: cannot read it (%s)", path, why)
         return None
     problem, limits = _parse(raw)
     if problem:
         log.warning("ignoring the size settings of %s: %s", path, problem)
     return limits
+
+
+def _read(path: Path, shared_group: int | None) -> bytes:
+    """The file's bytes, one more than a config may hold; OSError unless it is a
+    regular file the trust rule accepts."""
+    fd, st = fsutil.open_regular(path)
+    try:
+        trust.check(st, fsutil.modes_for(shared_group), "it")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(_MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
@@ -156,17 +176,17 @@ def _load(raw: bytes) -> tuple[str | None, configparser.ConfigParser | None]:
     return None, parser
 
 
-def cann_applies_sizes(path: Path) -> bool:
+def cann_applies_sizes(path: Path, shared_group: int | None = None) -> bool:
     """Whether CANN's graph engine itself would apply the size keys of ``path``.
 
     CANN reads them only from a file whose one section (with keys) is
     ``[op_compiler_cache]`` and that names both ``adk_version`` and
     ``ops_version``, which CANN writes there itself; any other file it ignores
     whole, so a hand-made file with only the two size keys has no effect on it.
+    A file ``read_size_limits`` would not read applies nothing either.
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_FILE_BYTES + 1)
+        raw = _read(path, shared_group)
     except OSError:
         return False
     if len(raw) > _MAX_FILE_BYTES:
@@ -185,7 +205,7 @@ def ensure_ini_file(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> bool:
     defaults.  It appears whole or not at all (written aside, then linked into
     place), and a file that already exists, whoever wrote it, is never replaced.
     """
-    if path.exists():
+    if os.path.lexists(path):  # (a link too: never written through)
         return False
     fsutil.makedirs(path.parent, modes)
     tmp = path.parent / fsutil.unique_name(f".{path.name}")

@@ -273,7 +273,8 @@ def resolve_settings(
     else:
         root, sources["root"] = _home(env) / "atc_data" / KERNEL_CACHE, "default"
 
-    ini_path, max_mb, ratio = _resolve_size_limits(root, cache_dir, env, sources)
+    group = _resolve_group(shared_group, env, sources)  # the ini's trust rule needs it
+    ini_path, max_mb, ratio = _resolve_size_limits(root, cache_dir, env, sources, group)
 
     level = _resolve_debug_level(op_debug_level)
     sources["debug_level"] = "argument" if _is_set(op_debug_level) else "default"
@@ -299,7 +300,7 @@ def resolve_settings(
         collect_path=collect_path,
         sources=sources,
         debug_dir=_expand(os.fspath(debug_dir), env) if _is_set(debug_dir) else None,
-        shared_group=_resolve_group(shared_group, env, sources),
+        shared_group=group,
         session=_resolve_session(session, env, sources),
         remote=remote_settings,
         base_dir=_resolve_base_dir(base_dir, env, sources),
@@ -760,28 +761,36 @@ def _absolute_dir(
 
 
 def _resolve_size_limits(
-    root: Path, cache_dir: Path | None, env: Mapping[str, str], sources: dict[str, str]
+    root: Path,
+    cache_dir: Path | None,
+    env: Mapping[str, str],
+    sources: dict[str, str],
+    shared_group: int | None,
 ) -> tuple[Path, int, int]:
     """(ini_path, max MB, ratio): op_cache.ini if it supplies both, else env, else defaults."""
     candidates = [root / INI_NAME]
     if cache_dir is not None:
         candidates.append(cache_dir / INI_NAME)
-    ini_path, max_mb, ratio = size_limits(candidates, env, sources)
+    ini_path, max_mb, ratio = size_limits(candidates, env, sources, shared_group)
     return ini_path or candidates[0], max_mb, ratio
 
 
 def size_limits(
-    ini_paths: Sequence[Path], environ: Mapping[str, str], sources: dict[str, str]
+    ini_paths: Sequence[Path],
+    environ: Mapping[str, str],
+    sources: dict[str, str],
+    shared_group: int | None = None,
 ) -> tuple[Path | None, int, int]:
     """(ini in force, size limit in MB, share kept in %) by CANN's priority.
 
     The first op_cache.ini of ``ini_paths`` that supplies both size keys, else
     ``ASCEND_MAX_OP_CACHE_SIZE`` and ``ASCEND_REMAIN_CACHE_SIZE_RATIO`` each on
     its own, else 500 MB and 50 %.  The ini is None when none supplied them;
-    ``sources`` gets where each value came from.
+    ``sources`` gets where each value came from; ``shared_group`` is the
+    cache's group, for the trust rule an ini must pass.
     """
     for path in ini_paths:
-        limits = ini.read_size_limits(path)
+        limits = ini.read_size_limits(path, shared_group)
         if limits is not None:
             sources["max_op_cache_size_mb"] = sources["remain_cache_size_ratio"] = INI_NAME
             sources["ini_path"] = INI_NAME  # the file in force supplied the size keys
