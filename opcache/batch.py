@@ -22,7 +22,7 @@ from typing import Any
 
 from .cache import OpCache
 from .compilers import get_compiler
-from .compilers._tool import kernel_name
+from .compilers._tool import kernel_name, read_input
 from .errors import ConfigError
 from .request import CompileResult, OpRequest
 from .settings import Settings
@@ -61,12 +61,15 @@ def load_specs(paths: Sequence[str | os.PathLike[str]]) -> Iterator[tuple[str, O
     for path in paths:
         path = Path(path)
         try:
-            data = json.loads(path.read_bytes())
+            data = json.loads(read_input(path))
         except OSError as e:
             yield str(path), f"cannot read it: {e.strerror or e}"
             continue
         except ValueError as e:
             yield str(path), f"not JSON: {e}"
+            continue
+        except RecursionError:
+            yield str(path), "nested too deeply to be an operator spec"
             continue
         items = data if isinstance(data, list) else [data]
         for index, item in enumerate(items):
@@ -92,7 +95,7 @@ def _request(item: Any, base: Path) -> OpRequest | str:
             return f"field 'sources.{name}': expected a path string"
         path = base / value
         try:
-            sources[name] = path.read_bytes()
+            sources[name] = read_input(path)
         except OSError as e:
             return f"field 'sources.{name}': cannot read {path}: {e.strerror or e}"
     for tensor_field in ("inputs", "outputs"):

@@ -44,7 +44,7 @@ from pathlib import Path
 from . import _log, fsutil
 from ._log import get_logger
 from .cache import BUILD_SESSION, OpCache
-from .compilers._tool import file_identity, which
+from .compilers._tool import file_identity, read_input, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, digest
 from .masquerade import compiler_environ, compiler_kind, find_compiler, reentered
@@ -351,8 +351,7 @@ def _run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
 
 def _read(path: str) -> bytes:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_input(path)
     except OSError as e:
         raise Uncacheable(f"cannot read {path}: {e.strerror or e}") from None
 
@@ -829,8 +828,7 @@ def _current_digests(variant: list[list[str]]) -> list[str] | None:
     digests = []
     for path, want in variant:
         try:
-            with open(path, "rb") as f:
-                now = digest(f.read())
+            now = digest(read_input(path))
         except OSError:
             return None
         if now != want:

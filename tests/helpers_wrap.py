@@ -22,9 +22,16 @@ int scale(int x) { return x * FACTOR + OFFSET; }
 def opcache(
     *args: str, env: dict[str, str], cwd: Path, status: int | None = 0
 ) -> subprocess.CompletedProcess[bytes]:
-    """``python -m opcache ARGS``; asserts no traceback and, unless None, the exit status."""
+    """``python -m opcache ARGS``; asserts no traceback and, unless None, the exit status.
+
+    A run that does not end within two minutes fails the test (TimeoutExpired): a hang.
+    """
     done = subprocess.run(
-        [sys.executable, "-m", "opcache", *args], env=env, cwd=cwd, capture_output=True
+        [sys.executable, "-m", "opcache", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        timeout=120,
     )
     assert b"Traceback" not in done.stderr, done.stderr.decode()
     if status is not None:

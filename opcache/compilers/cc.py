@@ -31,9 +31,12 @@ _MACRO_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 
 
 def find_cc(environ: Mapping[str, str]) -> list[str] | None:
-    """``CC`` (which may carry arguments), else the first of cc, gcc, clang on PATH."""
+    """``CC`` (which may carry arguments), else the first of cc, gcc, clang on PATH.
+
+    Raises ConfigError for a ``CC`` that is no command line.
+    """
     if environ.get("CC"):
-        argv = shlex.split(environ["CC"])
+        argv = command_line(environ["CC"], "CC", variable="CC")
         found = which(argv[0], environ)
         return [found, *argv[1:]] if found else None
     for name in CANDIDATES:
@@ -41,6 +44,19 @@ def find_cc(environ: Mapping[str, str]) -> list[str] | None:
         if found:
             return [found]
     return None
+
+
+def command_line(text: str, setting: str, *, variable: str | None = None) -> list[str]:
+    """A compiler and its arguments, split as a shell would; ConfigError if there are none."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError(
+            f"{setting}={text!r} is not a command line: {e}", variable=variable
+        ) from None
+    if not argv:
+        raise ConfigError(f"{setting}={text!r} names no compiler", variable=variable)
+    return argv
 
 
 class CcCompiler:
@@ -55,10 +71,12 @@ class CcCompiler:
 
     def __init__(self, cc: str | None = None, *, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
-        argv = shlex.split(cc) if cc else find_cc(env)
+        argv = command_line(cc, "cc") if cc else find_cc(env)
         if not argv:
             raise ConfigError(
-                "cc: no C compiler found: CC is unset and none of cc, gcc, clang is on PATH"
+                f"cc: no C compiler found: CC={env['CC']!r} is not on PATH"
+                if env.get("CC")
+                else "cc: no C compiler found: CC is unset and none of cc, gcc, clang is on PATH"
             )
         self.argv = argv
         self._environ = dict(env)
@@ -66,7 +84,10 @@ class CcCompiler:
 
     @classmethod
     def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
-        argv = find_cc(environ)
+        try:
+            argv = find_cc(environ)
+        except ConfigError as e:
+            return False, str(e)
         return (True, argv[0]) if argv else (False, "no C compiler (CC, cc, gcc, clang)")
 
     def fingerprint(self) -> str:
