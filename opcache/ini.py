@@ -213,7 +213,7 @@ def ensure_ini_file(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> bool:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(_TEMPLATE)
-        os.chmod(tmp, modes.file_bits)
+            os.fchmod(f.fileno(), modes.file_bits)  # (by name, a link put there is followed)
         try:
             # link() fails if the name exists: the no-overwrite rename POSIX lacks.
             os.link(tmp, path)

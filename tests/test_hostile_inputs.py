@@ -27,7 +27,7 @@ from helpers_cann import write_ini as write_cann_ini
 from helpers_faults import IS_ROOT, MEMBER_A, NEEDS_ROOT, NOBODY, TEAM_GID, settings_for
 
 import opcache
-from opcache import cann_cache
+from opcache import cann_cache, fsutil
 from opcache.cache import BUILD_SESSION
 from opcache.wrap import HOST_CHIP
 
@@ -140,6 +140,28 @@ def test_a_hostile_op_cache_ini_is_one_warning_and_every_command_goes_on(
     # Nothing written through it, nothing put in its place.
     assert (kind_of(ini), os.lstat(ini).st_mode) == before
     assert (tmp_path / "outside" / "op_cache.ini").read_text() == SIZE_INI
+
+
+def test_making_op_cache_ini_never_changes_a_file_a_link_swapped_in_leads_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    os.chmod(victim, 0o600)
+    ini = tmp_path / "root" / "op_cache.ini"
+    real_fdopen = os.fdopen
+
+    def swapped(fd: int, *args: object, **kwargs: object):
+        # Someone who can write the root swaps the temp file for a link as it is written.
+        (temp,) = [p for p in ini.parent.iterdir() if p.name.startswith(".op_cache.ini.")]
+        temp.unlink()
+        temp.symlink_to(victim)
+        return real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", swapped)
+    opcache.ensure_ini_file(ini, fsutil.group_shared(os.getgid()))
+    monkeypatch.undo()
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600 and victim.read_text() == "secret"
 
 
 @pytest.mark.skipif(not IS_ROOT, reason=NEEDS_ROOT)
