@@ -218,11 +218,14 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         )
     if cache.settings.remote is not None or any(report[n] for n in _REMOTE_COUNTERS):
         where = cache.settings.remote.shown_url if cache.settings.remote else "(none set now)"
+        errors, by_url = _count(report["remote_errors"], "error"), report["remote_errors_by_url"]
+        if set(by_url) - {where}:  # errors of another remote: say whose
+            errors += f" ({', '.join(f'{n} at {url}' for url, n in by_url.items())})"
         print(
             f"remote {where}: {_count(report['remote_hits'], 'hit')}, "
             f"{_count(report['remote_misses'], 'miss', 'misses')}, "
             f"{_count(report['remote_stores'], 'store')}, "
-            f"{_count(report['remote_errors'], 'error')}, {report['remote_corrupt']} corrupt; "
+            f"{errors}, {report['remote_corrupt']} corrupt; "
             f"{_size(report['remote_bytes_down'])} down, {_size(report['remote_bytes_up'])} up"
         )
     _print_reasons("bypassed the cache for a debug option", report["bypass_reasons"])

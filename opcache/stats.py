@@ -45,6 +45,7 @@ ACTIVITY = (
 )
 BYPASS_PREFIX = "bypass:"
 UNCACHEABLE_PREFIX = "uncacheable:"
+REMOTE_ERROR_PREFIX = "remote_error:"  # + the URL that failed (its password masked)
 FLUSH_SECONDS = 2.0
 
 
@@ -185,6 +186,7 @@ def chip_report(activity: dict[str, float], entries: int, size: int) -> dict[str
     report["bypass_reasons"] = _by_prefix(activity, BYPASS_PREFIX)
     report["uncacheable"] = sum(v for n, v in activity.items() if n.startswith(UNCACHEABLE_PREFIX))
     report["uncacheable_reasons"] = _by_prefix(activity, UNCACHEABLE_PREFIX)
+    report["remote_errors_by_url"] = _by_prefix(activity, REMOTE_ERROR_PREFIX)
     for name, value in report.items():
         if isinstance(value, float) and name != "time_saved_seconds" and value.is_integer():
             report[name] = int(value)

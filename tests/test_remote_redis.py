@@ -278,3 +278,54 @@ def _closed_port() -> int:
     from helpers_redis import free_port
 
     return free_port()
+
+
+def test_a_host_name_the_client_library_chokes_on_is_a_remote_error() -> None:
+    """redis-py raises UnicodeError (the idna codec) for a host label over 63
+    characters, not one of its own errors."""
+    from opcache.settings import RemoteSettings
+
+    url = f"redis://{'a' * 64}.example:6379/0"  # (settings refuse it; a remote must cope anyway)
+    r = open_remote(RemoteSettings(url, None, False, "opcache:1:", None, 64, 1.0))
+    for call in (lambda: r.get(SOC, KEY), lambda: r.get_many(SOC, [KEY, OTHER])):
+        with pytest.raises(RemoteError, match="example"):
+            call()
+    with pytest.raises(RemoteError):
+        r.claim(SOC, KEY, 5)
+    r.close()
+
+
+@pytest.fixture
+def locked_server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A redis-server of its own that wants the password ``sesame``."""
+    from helpers_redis import RedisServer, find_server
+
+    server = RedisServer(find_server(), tmp_path / "locked")
+    server.start()
+    server.client().config_set("requirepass", "sesame")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    ("password", "says"),
+    [(None, "wants a password"), ("wrong", "refused"), ("sesame", None)],
+    ids=["none", "wrong", "right"],
+)
+def test_a_server_that_wants_a_password_says_which_setting_gives_it(
+    locked_server, password: str | None, says: str | None
+) -> None:
+    env = {"HOME": "/nowhere"} | ({} if password is None else {"OPCACHE_REMOTE_PASSWORD": password})
+    settings = opcache.resolve_settings(remote={"url": locked_server.url}, environ=env)
+    r = open_remote(settings.remote)
+    if says is None:
+        r.put(SOC, KEY, *entry())
+        assert r.get(SOC, KEY) is not None
+        return
+    for call in (lambda: r.get(SOC, KEY), lambda: r.put(SOC, KEY, *entry())):
+        with pytest.raises(RemoteError) as raised:
+            call()
+        message = str(raised.value)
+        assert says in message and "OPCACHE_REMOTE_PASSWORD" in message, message
+        assert "HELLO" not in message and "sesame" not in message
+    r.close()

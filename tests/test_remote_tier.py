@@ -303,3 +303,117 @@ def test_no_remote_no_remote_code(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["compile", "compile_many"])
+def test_a_damaged_value_is_warned_about_and_counted_once(
+    tmp_path: Path, redis_url: str, redis_server, caplog: pytest.LogCaptureFixture, many: bool
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    request = make_request(0)
+    with opcache.OpCache(machine(tmp_path, "a", redis_url)) as a:
+        key = a.compile(request, compiler, tmp_path / "o").key
+    client = redis_server.client()
+    name = f"opcache:1:{SOC}:{key}"
+    value = bytearray(client.get(name))
+    value[len(value) // 2] ^= 0xFF
+    client.set(name, bytes(value))
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(machine(tmp_path, "b", redis_url)) as b,
+    ):
+        if many:
+            (result,) = b.compile_many([request], compiler, [tmp_path / "b"])
+        else:
+            result = b.compile(request, compiler, tmp_path / "b")
+        stats = remote_stats(b)
+    assert result.status == "miss"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "corrupt remote entry" in warnings[0], warnings
+    assert stats["remote_corrupt"] == 1
+
+
+def test_bytes_down_and_up_are_both_the_bytes_on_the_wire(
+    tmp_path: Path, redis_url: str, redis_server
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls", size=64 << 10)  # compressible: zlib'd on the wire
+    requests = [make_request(i) for i in range(3)]
+    with opcache.OpCache(machine(tmp_path, "a", redis_url)) as a:
+        a.compile_many(requests, compiler, lambda r: tmp_path / "a" / r.op_name)
+        up = remote_stats(a)["remote_bytes_up"]
+    client = redis_server.client()
+    stored = sum(client.strlen(name) for name in client.keys("opcache:1:*"))
+    assert up == stored
+    with opcache.OpCache(machine(tmp_path, "b", redis_url)) as b:
+        b.compile_many(requests[:2], compiler, lambda r: tmp_path / "b" / r.op_name)
+        b.compile(requests[2], compiler, tmp_path / "b" / "2")
+        down = remote_stats(b)["remote_bytes_down"]
+    assert down == stored  # not the (bigger) artifacts once uncompressed
+    assert down < 3 * sum(map(len, expected_files(requests[0], 64 << 10).values()))
+
+
+@pytest.mark.parametrize("error", [UnicodeError, ValueError, OverflowError])
+def test_any_error_of_the_client_library_is_a_remote_unavailable(
+    tmp_path: Path,
+    redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    error: type[Exception],
+) -> None:
+    """redis-py lets some errors through as they are: a host label over 63
+    characters is a UnicodeError from the idna codec, at connect time."""
+    import socket
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise error("label empty or too long")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(3)]
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(machine(tmp_path, "a", redis_url)) as a,
+    ):
+        first = a.compile(requests[0], compiler, tmp_path / "o0")
+        rest = a.compile_many(requests[1:], compiler, [tmp_path / "o1", tmp_path / "o2"])
+        stats = remote_stats(a)
+    assert [r.status for r in (first, *rest)] == ["miss"] * 3
+    for i, request in enumerate(requests):
+        assert read_dir(tmp_path / f"o{i}") == expected_files(request)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not used for" in warnings[0], warnings
+    assert "label empty or too long" in warnings[0]
+    assert stats["remote_errors"] == 1  # then paused
+
+
+def test_a_corrected_url_is_tried_at_once_and_stats_blame_the_one_that_failed(
+    tmp_path: Path, redis_server, redis_url: str
+) -> None:
+    from helpers_redis import free_port
+
+    bad = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(machine(tmp_path, "a", bad, timeout=1)) as first:
+        assert first.compile(make_request(0), compiler, tmp_path / "o0").status == "miss"
+        assert remote_stats(first)["remote_errors"] == 1  # the bad URL is paused
+    # The user fixes the URL: the next process of the folder uses it at once.
+    with opcache.OpCache(machine(tmp_path, "a", redis_url, timeout=1)) as fixed:
+        assert fixed.compile(make_request(1), compiler, tmp_path / "o1").status == "miss"
+        stats = fixed.stats()
+    assert stats["remote_stores"] == 1 and stats["remote_errors"] == 1
+    assert stats["remote_errors_by_url"] == {bad: 1}
+    assert redis_server.client().dbsize() == 1
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "OPCACHE_DIR": str(tmp_path / "a"),
+        "OPCACHE_REMOTE": redis_url,
+    }
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", "stats"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("remote ")]
+    assert f"1 error (1 at {bad})" in line, line

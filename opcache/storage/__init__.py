@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from ..settings import RemoteSettings
     from .entry import Entry
 
+    # A value fetched and checked: (the entry, its manifest's bytes, the value's
+    # size on the wire, which is what ``remote_bytes_down`` counts).
+    Fetched = tuple[Entry, bytes, int]
+
     class Claim(Protocol):
         """A key taken for one compile in the cluster, until ``release``.
 
@@ -48,15 +52,13 @@ if TYPE_CHECKING:
         def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
             """(the checked entry, its manifest's bytes), or None when absent."""
 
-        def get_many(
-            self, soc: str, keys: list[str]
-        ) -> dict[str, tuple[Entry, bytes] | RemoteCorrupt]:
+        def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
             """The entries of ``keys`` that are there, by key, in few round trips
             (a bad value as its RemoteCorrupt)."""
 
         def watch(
             self, soc: str, keys: list[str]
-        ) -> tuple[dict[str, tuple[Entry, bytes] | RemoteCorrupt], set[str]]:
+        ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
             """(``get_many``'s answer, the keys a claim is held on), in one round trip:
             how a client waits for keys others compile."""
 
@@ -80,11 +82,17 @@ if TYPE_CHECKING:
 
 
 class RemoteError(Exception):
-    """The remote failed: down, too slow, refused the credentials or a command."""
+    """The remote failed: down, too slow, refused the credentials or a command.
+
+    A remote raises nothing else for a failure of its server, network or client
+    library (the cache still treats anything else as one, never failing a compile).
+    """
 
 
 class RemoteCorrupt(Exception):
     """A value fetched from the remote is not a whole, valid entry of its key."""
+
+    size = 0  # the value's bytes on the wire
 
 
 # URL scheme -> the module (in this package) that opens it.

@@ -15,8 +15,11 @@ returned: ``RemoteCorrupt`` otherwise.
 The client waits a fraction of a second to connect and ``timeout`` seconds
 for an answer, and never retries: a cache must not hold up a compile for the
 sake of a remote (redis-py's defaults wait 5 s and retry ten times).  Every
-failure is a ``RemoteError``.  A write the server's ACL refuses turns the
-client read-only, with one warning.
+failure is a ``RemoteError``: redis-py's own errors, and the others it lets
+through (a host label over 63 characters is a UnicodeError from the idna
+codec); a server that wants a password, or refuses the one given, is told
+as such, naming ``OPCACHE_REMOTE_PASSWORD``.  A write the server's ACL
+refuses turns the client read-only, with one warning.
 
 Claims are ``SET NX PX`` with a random token; a thread renews the claims this
 process holds, and releasing deletes a claim only if it is still ours.  A
@@ -29,6 +32,7 @@ import os
 import struct
 import threading
 import zlib
+from urllib.parse import urlsplit
 
 import xxhash
 
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     import redis as redis_py
 
     from ..settings import RemoteSettings
+    from . import Fetched
 
 log = get_logger(__name__)
 
@@ -116,6 +121,15 @@ def unpack(key: str, value: bytes) -> tuple[Entry, bytes]:
     return Entry(key, files, described["compile_seconds"], 0.0), manifest
 
 
+def _fetched(key: str, value: bytes) -> Fetched | RemoteCorrupt:
+    """``unpack``'s answer with the value's size on the wire, or its RemoteCorrupt."""
+    try:
+        return (*unpack(key, value), len(value))
+    except RemoteCorrupt as e:
+        e.size = len(value)
+        return e
+
+
 def connect(settings: RemoteSettings) -> RedisRemote:
     """A client of the Redis server ``settings`` names."""
     try:
@@ -137,7 +151,7 @@ def connect(settings: RemoteSettings) -> RedisRemote:
             health_check_interval=0,
             **extra,
         )
-    except (ValueError, redis_py.RedisError) as e:
+    except Exception as e:  # ValueError for a bad port, and whatever else redis-py finds
         raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
     return RedisRemote(client, settings)
 
@@ -149,8 +163,11 @@ class RedisRemote:
         import redis as redis_py
 
         self._redis = client
-        self._errors = redis_py.RedisError
         self._denied = redis_py.exceptions.NoPermissionError
+        self._refused = redis_py.exceptions.AuthenticationError
+        self._password_given = settings.password is not None or bool(
+            urlsplit(settings.url).password
+        )
         self._prefix = settings.prefix
         self._ttl = settings.ttl
         self.read_only = settings.read_only
@@ -169,8 +186,20 @@ class RedisRemote:
     def _call(self, what: str, func, *args, **kwargs):  # type: ignore[no-untyped-def]
         try:
             return func(*args, **kwargs)
-        except self._errors as e:
-            raise RemoteError(f"{self.where}: {what}: {e}") from None
+        except Exception as e:  # (not only redis-py's own: see the module's docstring)
+            raise self._failure(what, e) from None
+
+    def _failure(self, what: str, error: Exception) -> RemoteError:
+        """The RemoteError for ``error``; a refused login says which setting to look at
+        (redis-py's words for it, "HELLO must be called...", name none)."""
+        if not isinstance(error, self._refused):
+            return RemoteError(f"{self.where}: {what}: {error}")
+        if self._password_given:
+            why = "the server refused the user name or password"
+            why += " (from OPCACHE_REMOTE_PASSWORD or the URL)"
+        else:
+            why = "the server wants a password: set OPCACHE_REMOTE_PASSWORD"
+        return RemoteError(f"{self.where}: {why}")
 
     # -- entries ---------------------------------------------------------------------
 
@@ -178,22 +207,17 @@ class RedisRemote:
         value = self._call("GET", self._redis.get, self._name(soc, key))
         return None if value is None else unpack(key, value)
 
-    def get_many(self, soc: str, keys: list[str]) -> dict[str, tuple[Entry, bytes] | RemoteCorrupt]:
+    def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
         """The entries of ``keys`` that are there, by key (a bad value as its RemoteCorrupt)."""
         return self.watch(soc, keys, claims=False)[0]
 
     def watch(
         self, soc: str, keys: list[str], *, claims: bool = True
-    ) -> tuple[dict[str, tuple[Entry, bytes] | RemoteCorrupt], set[str]]:
+    ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
         """(the entries of ``keys`` that are there, the keys claimed), in one round trip."""
         if len(keys) == 1 and not claims:  # a plain GET: a pipeline costs a hit 0.1 ms more
             value = self._call("GET", self._redis.get, self._name(soc, keys[0]))
-            if value is None:
-                return {}, set()
-            try:
-                return {keys[0]: unpack(keys[0], value)}, set()
-            except RemoteCorrupt as e:
-                return {keys[0]: e}, set()
+            return ({} if value is None else {keys[0]: _fetched(keys[0], value)}), set()
         pipe = self._redis.pipeline(transaction=False)
         batches = [keys[start : start + _MGET_KEYS] for start in range(0, len(keys), _MGET_KEYS)]
         for batch in batches:
@@ -201,14 +225,11 @@ class RedisRemote:
         if claims:
             pipe.mget([self._name(soc, k) + _CLAIM_SUFFIX for k in keys])
         answers = self._call("MGET", pipe.execute)
-        found: dict[str, tuple[Entry, bytes] | RemoteCorrupt] = {}
+        found: dict[str, Fetched | RemoteCorrupt] = {}
         for batch, values in zip(batches, answers, strict=False):
             for key, value in zip(batch, values, strict=True):
                 if value is not None:
-                    try:
-                        found[key] = unpack(key, value)
-                    except RemoteCorrupt as e:
-                        found[key] = e
+                    found[key] = _fetched(key, value)
         claimed = set()
         if claims:
             claimed = {key for key, token in zip(keys, answers[-1], strict=True) if token}
@@ -239,8 +260,8 @@ class RedisRemote:
                     "%s refuses our writes (%s): only reading it from now on", self.where, e
                 )
             return False
-        except self._errors as e:
-            raise RemoteError(f"{self.where}: {what}: {e}") from None
+        except Exception as e:
+            raise self._failure(what, e) from None
 
     # -- claims ----------------------------------------------------------------------
 
@@ -280,7 +301,7 @@ class RedisRemote:
             for claim in held:
                 try:
                     self._renew(keys=[claim.name], args=[claim.token, claim.millis])
-                except self._errors as e:
+                except Exception as e:  # it expires, and another client compiles it too
                     log.debug("cannot renew the claim %s: %s", claim.name, e)
 
     def _drop(self, claim: _Claim) -> None:
@@ -288,7 +309,7 @@ class RedisRemote:
             self._claims.pop(claim.token, None)
         try:
             self._release(keys=[claim.name], args=[claim.token])
-        except self._errors as e:  # it expires by itself
+        except Exception as e:  # it expires by itself
             log.debug("cannot release the claim %s: %s", claim.name, e)
 
     # -- maintenance -----------------------------------------------------------------
@@ -335,7 +356,10 @@ class RedisRemote:
             held = list(self._claims.values())
         for claim in held:
             claim.release()
-        self._redis.close()
+        try:
+            self._redis.close()
+        except Exception as e:  # a connection that never was, or is gone already
+            log.debug("cannot close the connection to %s: %s", self.where, e)
 
 
 class _Claim:
