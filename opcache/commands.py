@@ -8,15 +8,17 @@ and argparse would cost it milliseconds it does not need.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from . import __version__
-from .cache import OpCache
+from .cache import AgingReport, OpCache, VerifyReport
 from .cli import (
     CACHE_FLAGS,
     COMPILING_DEFAULT_MODE,
@@ -112,29 +114,86 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _open_cache(args: argparse.Namespace) -> OpCache:
-    """The cache the maintenance commands work on; it must exist.
+    """The cache the maintenance commands work on; it must exist and be readable.
 
     A cron job given a wrong path must not pass silently: a root that holds
-    no cache is an error (exit 1) that says which root was read and why.
+    no cache is an error (exit 1) that says which root was read and why, and
+    so is one this user cannot list (OSError: exit 1).
     """
     settings = _settings(args)
-    if not _holds_a_cache(settings.root):
+    try:
+        held = _holds_a_cache(settings.root)
+    except OSError as e:
+        raise OSError(f"cannot read the cache folder {settings.root}: {e.strerror or e}") from None
+    if not held:
         raise FileNotFoundError(f"no cache in {settings.root} ({_why_this_root(settings)})")
     return OpCache(settings)
 
 
 def _holds_a_cache(root: Path) -> bool:
-    """True when ``root`` has op_cache.ini, opcache's bookkeeping or a chip folder."""
+    """True when ``root`` has op_cache.ini, opcache's bookkeeping or a chip folder;
+    OSError when it is there but cannot be listed."""
     try:
         entries = list(os.scandir(root))
     except (FileNotFoundError, NotADirectoryError):
         return False
-    except OSError:
-        return True  # there but unreadable: the command itself says why
     return any(
         e.name in (INI_NAME, BOOKKEEPING) or (not e.name.startswith(".") and e.is_dir())
         for e in entries
     )
+
+
+class _Chips:
+    """The chip folders a maintenance command can work on, and those it cannot read.
+
+    A folder this user cannot list would otherwise count as empty (``stats``
+    0 entries) or be passed over, and the command would succeed: each is said
+    on stderr, the others are worked on, and the command exits 1.  Without
+    the bookkeeping folder, or the one chip asked for, nothing can be done
+    (OSError).
+    """
+
+    def __init__(self, root: Path, soc: str | None) -> None:
+        self.root = root
+        self.unreadable: dict[str, str] = {}
+        names = [soc] if soc else [e.name for e in os.scandir(root) if _is_chip_folder(e)]
+        self.readable = []
+        for name in sorted(names):
+            try:
+                os.scandir(root / name).close()
+            except FileNotFoundError:
+                continue  # (the one asked for, and it is not there: the command says so)
+            except OSError as e:
+                self.unreadable[name] = e.strerror or str(e)
+            else:
+                self.readable.append(name)
+        try:
+            os.scandir(root / BOOKKEEPING).close()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise OSError(f"cannot read {root / BOOKKEEPING}: {e.strerror or e}") from None
+        if soc and self.unreadable:
+            raise OSError(self._error(soc))
+
+    def each(self, soc: str | None) -> list[str | None]:
+        """The ``soc_version`` arguments to call the command with: as asked, or each
+        readable chip when some cannot be read."""
+        return [soc] if soc or not self.unreadable else list(self.readable)
+
+    def report(self, undone: str) -> int:
+        """Say which folders could not be read (the command's output left them ``undone``);
+        the exit status."""
+        for name in self.unreadable:
+            print(f"opcache: error: {self._error(name)}; {undone}", file=sys.stderr)
+        return 1 if self.unreadable else 0
+
+    def _error(self, name: str) -> str:
+        return f"cannot read the chip folder {self.root / name}: {self.unreadable[name]}"
+
+
+def _is_chip_folder(entry: os.DirEntry[str]) -> bool:
+    return not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)
 
 
 def _root_setting(settings: Settings) -> str:
@@ -166,8 +225,9 @@ def _why_this_root(settings: Settings) -> str:
             "the default, $HOME/atc_data/kernel_cache: neither --op_compiler_cache_dir "
             "nor ASCEND_CACHE_PATH is set"
         )
-    if _holds_a_cache(other):
-        hint += ", which holds a cache"
+    with contextlib.suppress(OSError):
+        if _holds_a_cache(other):
+            hint += ", which holds a cache"
     return f"{said}; {hint}"
 
 
@@ -197,10 +257,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             cache.zero_stats(args.soc_version)
             print(json.dumps({"zeroed": True}) if args.json else "statistics zeroed")
             return 0
+        chips = _Chips(cache.settings.root, args.soc_version)
         report = cache.stats(args.soc_version)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
-        return 0
+        return chips.report("its entries and size are not counted")
     print(f"cache folder: {cache.settings.root} (from {_root_setting(cache.settings)})")
     rows = [("total", report), *sorted(report["chips"].items())]
     print(
@@ -230,7 +291,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         )
     _print_reasons("bypassed the cache for a debug option", report["bypass_reasons"])
     _print_reasons("not cached: commands opcache wrap cannot key", report["uncacheable_reasons"])
-    return 0
+    return chips.report("its entries and size are not counted")
 
 
 _TOP_REASONS = 10
@@ -251,11 +312,14 @@ def _print_reasons(title: str, reasons: dict[str, int]) -> None:
 
 
 def _cmd_age(args: argparse.Namespace) -> int:
+    report = AgingReport()
     with _open_cache(args) as cache:
-        report = cache.age(args.soc_version, dry_run=args.dry_run, progress=_progress("aging"))
+        chips = _Chips(cache.settings.root, args.soc_version)
+        for soc in chips.each(args.soc_version):
+            _merge(report, cache.age(soc, dry_run=args.dry_run, progress=_progress("aging")))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return 1 if report.errors else 0
+        return max(chips.report("not aged"), 1 if report.errors else 0)
     verb = "would remove" if args.dry_run else "removed"
     for soc, chip in report.chips.items():
         if chip.removed_entries or chip.errors or args.verbose:
@@ -275,22 +339,35 @@ def _cmd_age(args: argparse.Namespace) -> int:
             f"{_size(report.freed_bytes)}, of {_count(len(report.chips), 'chip folder')}"
             + (" (dry run: nothing was removed)" if args.dry_run else "")
         )
-    return 1 if report.errors else 0
+    return max(chips.report("not aged"), 1 if report.errors else 0)
+
+
+_Report = TypeVar("_Report", AgingReport, VerifyReport)
+
+
+def _merge(report: _Report, part: _Report) -> None:
+    """Add the report of one call (a call per readable chip) to the whole."""
+    report.chips.update(part.chips)
+    report.leftovers_removed += part.leftovers_removed
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
     with _open_cache(args) as cache:
-        cleared = cache.clear(args.soc_version)
+        chips = _Chips(cache.settings.root, args.soc_version)
+        cleared = [name for soc in chips.each(args.soc_version) for name in cache.clear(soc)]
     print(f"cleared {', '.join(cleared)}" if cleared else "nothing to clear")
-    return 0
+    return chips.report("not cleared")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    report = VerifyReport()
     with _open_cache(args) as cache:
-        report = cache.verify(args.soc_version, progress=_progress("verifying"))
+        chips = _Chips(cache.settings.root, args.soc_version)
+        for soc in chips.each(args.soc_version):
+            _merge(report, cache.verify(soc, progress=_progress("verifying")))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return 1 if report.errors else 0
+        return max(chips.report("not verified"), 1 if report.errors else 0)
     for soc, chip in report.chips.items():
         drift = ""
         # The corrupt entries verify removed were in the counters, with the size
@@ -310,7 +387,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             + (f"; {chip.errors} could not be checked or removed" if chip.errors else "")
         )
     print(f"removed {_count(report.leftovers_removed, 'leftover')} of interrupted writers")
-    return 1 if report.errors else 0
+    return max(chips.report("not verified"), 1 if report.errors else 0)
 
 
 def _cmd_compilers(args: argparse.Namespace) -> int:

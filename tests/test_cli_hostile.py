@@ -22,8 +22,11 @@ import pytest
 from fake_opc import SOC, base_env
 from helpers_wrap import GCC, opcache
 
-pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+from opcache.cli import main
 
+needs_gcc = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+
+DENIED = "Permission denied"
 MEMORY = 2 << 30  # what an opcache run may map: /dev/zero read whole fails fast, not the machine
 
 
@@ -65,6 +68,7 @@ def specs(tmp_path: Path) -> Path:
     return folder
 
 
+@needs_gcc
 @pytest.mark.parametrize(
     ("spec", "said"),
     [
@@ -87,6 +91,7 @@ def test_a_spec_or_source_that_is_no_file_is_that_spec_s_error(specs, tmp_path, 
     assert done.stderr == ""
 
 
+@needs_gcc
 @pytest.mark.parametrize("cc", ['"', " ", "gcc '-O2"])
 def test_a_cc_that_is_no_command_line_is_one_error_line(specs, tmp_path, cc):
     env = {**base_env(tmp_path), "CC": cc}
@@ -98,3 +103,72 @@ def test_a_cc_that_is_no_command_line_is_one_error_line(specs, tmp_path, cc):
     # `opcache compilers` lists cc as not usable, with the same reason, and goes on.
     listed = opcache("compilers", env=env, cwd=specs).stdout.decode()
     assert f"not usable  CC={cc!r} " in listed
+
+
+# -- maintenance on a cache this user cannot read ---------------------------------------------
+
+UNREADABLE_CODE = """
+import contextlib, io
+from opcache.cli import main
+
+ops = Path({ops!r})
+settings = opcache.resolve_settings(
+    op_compiler_cache_mode="enable", op_compiler_cache_dir=str(ops), environ={{}}
+)
+compiler = h.ToyCompiler(ops / "calls")
+with opcache.OpCache(settings) as cache:  # two chips of one entry each
+    for soc in (h.SOC, "Ascend310P3"):
+        cache.compile(h.make_request(0, soc_version=soc), compiler, ops / "out" / soc)
+
+
+def run(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main([*args, "--op_compiler_cache_dir", str(ops)])
+    return [status, out.getvalue(), err.getvalue()]
+
+
+said = {{}}
+for folder in ("root", "chip"):
+    path = settings.root if folder == "root" else settings.root / h.SOC
+    os.chmod(path, 0)
+    commands = ("stats", "stats --json", "age --json", "verify", "verify --json")
+    said[folder] = {{c: run(*c.split()) for c in commands}}
+    said[folder]["clear"] = run("clear")  # last: the other chip goes
+    os.chmod(path, 0o750)
+print(json.dumps(said))
+"""
+
+
+def test_maintenance_on_a_cache_it_cannot_read_says_so_and_fails(tmp_path):
+    """As a user without root's DAC override: a root or a chip folder of mode 000."""
+    from helpers_faults import CHILD_PROLOGUE, NOBODY, open_folder, run_as
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another user")
+    with open_folder() as base:
+        os.chown(base, NOBODY, NOBODY)
+        said = run_as(NOBODY, NOBODY, CHILD_PROLOGUE + UNREADABLE_CODE.format(ops=str(base)))
+        root = base / "kernel_cache"
+        for command, (status, out, err) in said["root"].items():
+            assert (status, out) == (1, ""), (command, out, err)
+            assert "Traceback" not in err, err
+            # (After a warning that op_cache.ini cannot be read.)
+            assert err.endswith(f"opcache: error: cannot read the cache folder {root}: {DENIED}\n")
+        chip = root / SOC
+        for command, (status, out, err) in said["chip"].items():
+            assert status == 1, (command, out, err)
+            assert "Traceback" not in err and "[Errno" not in err, err
+            assert err.startswith(f"opcache: error: cannot read the chip folder {chip}: {DENIED};")
+            # The other chip is worked on all the same.
+            assert "Ascend310P3" in out, (command, out)
+        assert said["chip"]["clear"][1] == "cleared Ascend310P3\n"
+
+
+def test_maintenance_on_a_cache_path_too_long_to_use_fails(tmp_path, capsys):
+    for command in ("stats", "age", "verify", "clear"):
+        status = main([command, "--op_compiler_cache_dir", str(tmp_path / ("x" * 5000))])
+        last = capsys.readouterr().err.splitlines()[-1]  # (after warnings about op_cache.ini)
+        assert status == 1
+        assert last.startswith("opcache: error: cannot read the cache folder ")
+        assert last.endswith(": File name too long")
