@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread  # threading's primitives, without importing threading on wrap's start-up
 import contextlib
+import errno
 import os
 import stat
 import time
@@ -41,8 +42,11 @@ log = get_logger(__name__)
 
 LOCK_TIMEOUT_SECONDS = 600.0
 UNUSABLE = "not stored: the cache is unusable"
-# A hit's file, made in its build folder with the mode open(path, "wb") gives.
-_OUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# A hit's file, made with the mode open(path, "wb") gives.  O_NONBLOCK: a FIFO
+# in its place must not hang the open; no O_TRUNC before it is known to be ours.
+_OUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_EUID = os.geteuid()
 # How long a read of a chip's size counters stands in for them after a store.
 _USED_FRESH_SECONDS = 2.0
 # The session `opcache wrap` names when none is set: a build, that is a run of
@@ -810,23 +814,64 @@ class _Filled:
 
 
 def _deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
-    """Put a hit's ``files`` into ``out`` as a miss puts its compile's: written in a
-    build folder of its own, then moved in (``_move_out``)."""
+    """Write a hit's ``files`` into ``out``.
+
+    A name that is free, or holds a file of this user's with no other name, is
+    written in place.  Anything else there (a link or a file with other links
+    someone put in a folder others write to, another user's file, a FIFO) is
+    replaced as a miss replaces it, never written through (``_replace_into``).
+    """
+    paths = {}
+    others = {}
+    for name, data in files.items():
+        fd = _open_own(out, name)
+        if fd is None:
+            others[name] = data
+            continue
+        try:
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        paths[name] = out / name
+    if others:
+        paths.update(_replace_into(out, others))
+    return paths
+
+
+def _open_own(out: Path, name: str) -> int | None:
+    """``out/name`` open for writing if it was free or is this user's own file with
+    no other name, else None."""
+    path = out / name
+    # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
     try:
-        build = new_build_folder(out, _BUILD_LABEL, 0o700)
-    except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
-        out.mkdir(parents=True, exist_ok=True)
-        build = new_build_folder(out, _BUILD_LABEL, 0o700)
+        try:
+            fd = os.open(path, _OUT_FLAGS, 0o666)
+        except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, _OUT_FLAGS, 0o666)
+    except OSError as e:
+        # A link; a FIFO nobody reads; a file we may not write (a rename still replaces it).
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EACCES):
+            return None
+        raise
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == _EUID:
+        return fd
+    os.close(fd)
+    return None
+
+
+def _replace_into(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """Put ``files`` into ``out`` as a miss puts its compile's: written in a build
+    folder of its own, then moved in (``_move_out``)."""
+    build = new_build_folder(out, _BUILD_LABEL, 0o700)
     try:
         for name, data in files.items():
-            # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
-            fd = os.open(name, _OUT_FLAGS, 0o666, dir_fd=build.fd)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
+            with open(os.open(name, _NEW_FLAGS, 0o666, dir_fd=build.fd), "wb") as f:
+                f.write(data)
         return {name: _move_out(build, name, out) for name in files}
     finally:
         build.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import base_env
-from helpers_cache import SOC, ToyCompiler, entry_dirs, expected_files, make_request, read_dir
+from helpers_cache import MP, SOC, ToyCompiler, entry_dirs, expected_files, make_request, read_dir
 from helpers_cann import held_by_other_process, kernel_name, set_access, store_entry
 from helpers_cann import write_ini as write_cann_ini
 from helpers_faults import IS_ROOT, MEMBER_A, NEEDS_ROOT, NOBODY, TEAM_GID, settings_for
@@ -251,35 +251,84 @@ def test_an_aging_lock_that_is_not_a_file_skips_aging_and_is_left_as_it_is(
 # -- out_dir artifacts -----------------------------------------------------------------------
 
 
+def _hit_child(tmp: str, shared: str, how: str) -> None:
+    """The hit (or compile_many's copy of one key) into ``shared``, in a child: if it
+    hangs on what is in out_dir, the test fails rather than hangs."""
+    tmp_path = Path(tmp)
+    compiler = ToyCompiler(tmp_path / "calls")
+    request = make_request(0)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        if how == "compile":
+            statuses = [cache.compile(request, compiler, tmp_path / "first").status]
+            statuses.append(cache.compile(request, compiler, shared).status)
+        else:  # one key twice: the second request's copy is delivered as a hit
+            twin = make_request(0, op_name="add_twin")
+            results = cache.compile_many([request, twin], compiler, [tmp_path / "first", shared])
+            statuses = [r.status for r in results]
+    (tmp_path / "statuses").write_text(json.dumps(statuses))
+
+
+OUT_KINDS = ["symlink", "hard link", "fifo", "device", "another user's file"]
+
+
 @pytest.mark.parametrize("how", ["compile", "compile_many"])
-@pytest.mark.parametrize("link", ["symlink", "hard link"])
-def test_a_hit_replaces_a_link_named_like_an_artifact_and_leaves_its_target_alone(
-    tmp_path: Path, link: str, how: str
+@pytest.mark.parametrize("kind", OUT_KINDS)
+def test_a_hit_replaces_what_someone_put_in_an_artifact_s_place_and_writes_nothing_through(
+    tmp_path: Path, kind: str, how: str
 ) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(b"someone else's file")
     shared = tmp_path / "shared"  # an out_dir others can write to, as /tmp
-    shared.mkdir(mode=0o1777)
-    request = make_request(0)
-    files = expected_files(request)
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    files = expected_files(make_request(0))
     for name in files:
-        if link == "symlink":
-            (shared / name).symlink_to(victim)
+        path = shared / name
+        if kind == "symlink":
+            plant(path, "link", victim)
+        elif kind == "hard link":
+            os.link(victim, path)
+        elif kind == "another user's file":
+            if not IS_ROOT:
+                pytest.skip(NEEDS_ROOT)
+            path.write_bytes(b"theirs")
+            os.chmod(path, 0o666)  # they can change what we write there, whenever they like
+            os.chown(path, NOBODY, NOBODY)
         else:
-            os.link(victim, shared / name)
-    compiler = ToyCompiler(tmp_path / "calls")
-    with opcache.OpCache(settings_for(tmp_path)) as cache:
-        if how == "compile":
-            assert cache.compile(request, compiler, tmp_path / "first").status == "miss"
-            assert cache.compile(request, compiler, shared).status == "hit"
-        else:  # one key twice: the second request's copy is delivered as a hit
-            twin = make_request(0, op_name="add_twin")
-            results = cache.compile_many([request, twin], compiler, [tmp_path / "first", shared])
-            assert [r.status for r in results] == ["miss", "hit"]
+            plant(path, kind)
+    child = MP.Process(target=_hit_child, args=(str(tmp_path), str(shared), how))
+    child.start()
+    child.join(TIMEOUT)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"a hit into an out_dir holding a {kind} hangs")
+    assert child.exitcode == 0
+    assert json.loads((tmp_path / "statuses").read_text()) == ["miss", "hit"]
     assert victim.read_bytes() == b"someone else's file"
-    assert read_dir(shared) == files
-    assert not any((shared / name).is_symlink() for name in files)
-    assert not [name for name in os.listdir(shared) if name not in files]  # no build folder left
+    for name, data in files.items():
+        path = shared / name
+        assert kind_of(path) == "file" and path.read_bytes() == data
+        assert path.stat().st_uid == os.geteuid() and path.stat().st_nlink == 1
+    assert sorted(os.listdir(shared)) == sorted(files)  # no build folder left
+
+
+def test_a_hit_rewrites_its_own_files_in_place(tmp_path: Path) -> None:
+    """The usual case, a file of ours from an earlier build: written in place, as always."""
+    compiler = ToyCompiler(tmp_path / "calls")
+    out = tmp_path / "out"
+    files = expected_files(make_request(0))
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "first")
+        out.mkdir()
+        for name in files:
+            (out / name).write_bytes(b"an older build's bytes, longer than the new ones" * 100)
+            os.chmod(out / name, 0o600)
+        inodes = {name: (out / name).stat().st_ino for name in files}
+        assert cache.compile(make_request(0), compiler, out).status == "hit"
+    assert read_dir(out) == files
+    assert {name: (out / name).stat().st_ino for name in files} == inodes
+    assert all(stat.S_IMODE((out / name).stat().st_mode) == 0o600 for name in files)
 
 
 def test_a_hit_makes_a_missing_out_dir(tmp_path: Path) -> None:
