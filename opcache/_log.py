@@ -21,17 +21,20 @@ if TYPE_CHECKING:
 
 DEBUG = 10
 _hooks: list[Callable[[], None]] = []
-_held: list[list[str]] = []  # the innermost HeldWarnings' list last
+_held: list[list[tuple[str, str]]] = []  # the innermost HeldWarnings' list last
 
 
 class HeldWarnings:
     """``with HeldWarnings() as held:`` opcache's warnings go into ``held``, not to logging.
 
-    For a caller that decides itself whether to show them (``opcache wrap``
-    shows a configuration warning at most once an hour).
+    Each as (topic, message).  For a caller that decides itself whether to
+    show them (``opcache wrap`` shows each at most once an hour): it goes by
+    the topic, which names the warning whatever its details (the cache folder
+    that cannot be written, not the key a write failed for); it is the
+    message itself unless the warning names one.
     """
 
-    def __enter__(self) -> list[str]:
+    def __enter__(self) -> list[tuple[str, str]]:
         _held.append([])
         return _held[-1]
 
@@ -83,9 +86,11 @@ class Logger:
         if "logging" in sys.modules:
             self._real().info(msg, *args, stacklevel=2)
 
-    def warning(self, msg: str, *args: object) -> None:
+    def warning(self, msg: str, *args: object, topic: str | None = None) -> None:
+        """As logging's; ``topic``: what the warning is about, for ``HeldWarnings``."""
         if _held:
-            _held[-1].append(msg % args if args else msg)
+            text = msg % args if args else msg
+            _held[-1].append((topic or text, text))
             return
         self._real().warning(msg, *args, stacklevel=2)
 

@@ -259,9 +259,9 @@ class OpCache:
         files = _compile_uncached(request, compiler, out)
         if status == "bypass":
             self._stats.add(request.soc_version, stats.BYPASS_PREFIX + str(reason))
-            log.debug(
-                "bypassing the cache for %s (%s): %s", request.op_name, request.op_type, reason
-            )
+            op = request.op_type  # (a wrapped C compile has no op_name)
+            name = f"{request.op_name} ({op})" if request.op_name else op
+            log.debug("bypassing the cache for %s: %s", name, reason)
         elif status == "miss":
             self._stats.add(request.soc_version, "misses")
         return CompileResult(status, key, files, time.perf_counter() - started, reason)
@@ -790,7 +790,8 @@ class OpCache:
                 log.debug("%s", message)
                 return
             self._warned.add(kind)
-        log.warning("%s", message)
+        # The topic, not the message (which names a key): opcache wrap shows it once an hour.
+        log.warning("%s", message, topic=f"{kind} {self._store.root}")
 
 
 class _Filled:

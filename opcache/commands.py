@@ -540,7 +540,7 @@ def _cmd_cann(args: argparse.Namespace) -> int:
         else:
             report = cache.verify(args.soc_version, fix=args.fix)
     except cann_cache.NoCannCache as e:
-        print(f"opcache: {e}", file=sys.stderr)  # a cron job with a wrong path must notice
+        print(f"opcache: error: {e}", file=sys.stderr)  # a cron job with a wrong path must notice
         return 1
     chips = report["chips"]
     failed = any("error" in c or c.get("errors") for c in chips.values())
@@ -655,8 +655,12 @@ def _cann_verify_lines(report: dict, args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_masquerade(args: argparse.Namespace) -> int:
+    import shlex
+
     from .masquerade import make_links, opcache_executable
 
+    if not args.folder:  # os.path.abspath("") is the current folder
+        raise UsageError("masquerade: DIR is empty; name the folder for the links")
     target = opcache_executable()
     if target is None:
         raise FileNotFoundError("no opcache program to link to beside this Python or on PATH")
@@ -667,7 +671,7 @@ def _cmd_masquerade(args: argparse.Namespace) -> int:
     if not done:
         print("no compiler (cc, gcc, clang, g++, ..., opc) found on PATH", file=sys.stderr)
         return 1
-    print(f"links point at {target}; use them with: PATH={folder}:$PATH")
+    print(f"links point at {target}; use them with: PATH={shlex.quote(str(folder))}:$PATH")
     return 0
 
 

@@ -114,9 +114,15 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
     Returns (name, what happened) for each name, sorted.  Idempotent: a link
     that is already opcache's is kept, and any other file is left alone.
     Scripts named like a compiler (``c89-gcc``) are passed over: a cache
-    would know the script, not the compiler it runs.
+    would know the script, not the compiler it runs.  OSError, its message a
+    sentence, when the folder or a link cannot be made.
     """
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise FileExistsError(f"{folder} is there and is not a folder") from None
+    except OSError as e:
+        raise OSError(f"cannot make the folder {folder}: {e.strerror or e}") from None
     found: dict[str, str] = {}
     for place in environ.get("PATH", os.defpath).split(os.pathsep):
         try:
@@ -147,7 +153,10 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
         elif _is_script(real):
             report.append((name, f"passed over: {real} is a script, not a compiler"))
         else:
-            os.symlink(target, link)
+            try:
+                os.symlink(target, link)
+            except OSError as e:
+                raise OSError(f"cannot make the link {link}: {e.strerror or e}") from None
             report.append((name, f"made, wraps {real}"))
     return report
 

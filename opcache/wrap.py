@@ -33,17 +33,18 @@ cache, and configuration warnings show at most once an hour per cache.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from . import _log, fsutil
 from ._log import get_logger
-from .cache import BUILD_SESSION, OpCache
+from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers._tool import file_identity, read_input, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, digest
@@ -212,7 +213,7 @@ def _run_uncacheable(
     argv: Sequence[str], env: Mapping[str, str], settings: Settings, reason: str
 ) -> int:
     """Run a command the cache cannot take as it is, counted with its reason in stats."""
-    with OpCache(settings, stats_seconds=None) as cache:
+    with _cache_warnings(settings), OpCache(settings, stats_seconds=None) as cache:
         cache.record_uncacheable(HOST_CHIP, reason)
     log.info("uncacheable (%s): running the command as it is", reason)
     return _run_plain(argv, env)
@@ -224,14 +225,17 @@ def _run_planned(
     compiler = _WrappedCommand(plan, kind, env)
     # One wrap per compile command: force clears once per build, not per command.
     session = settings.session or BUILD_SESSION
-    with OpCache(settings, stats_seconds=None, session=session) as cache:
+    failed = None
+    with _cache_warnings(settings), OpCache(settings, stats_seconds=None, session=session) as cache:
         try:
             result = cache.compile(plan.request, compiler, staging)
-        except _ToolFailed as failed:
-            log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
-            _replay(failed.stdout, sys.stdout)
-            _replay(failed.stderr, sys.stderr)
-            return failed.returncode
+        except _ToolFailed as e:
+            failed = e
+    if failed is not None:
+        log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
+        _replay(failed.stdout, sys.stdout)
+        _replay(failed.stderr, sys.stderr)
+        return failed.returncode
     said = f" ({result.reason})" if result.reason else ""
     log.info("%s%s, key %s", result.status, said, result.key or "-")
     _restore(plan, result.files)
@@ -249,6 +253,7 @@ def _settings(
     ConfigError goes up: exit 2).  A bad environment variable must not fail
     every compile of a build: it is a warning, and the compile runs uncached.
     """
+    off = None
     with _log.HeldWarnings() as held:
         try:
             settings: Settings | None = settings_for(level, config)
@@ -256,43 +261,82 @@ def _settings(
             if e.variable is None:
                 raise
             settings = None
-            held.append(f"{e}; compiling without the cache")
+            off = f"{e}; compiling without the cache"
     if held:
         _warn_rarely(held, settings)
+    if off is not None:
+        _warn_rarely([(off, off)], None, cache_off=True)
     return settings
 
 
-def _warn_rarely(messages: list[str], settings: Settings | None) -> None:
-    """Log each warning unless it was shown in the last hour for this cache.
+@contextlib.contextmanager
+def _cache_warnings(settings: Settings) -> Iterator[None]:
+    """The cache's warnings during the block (a read-only cache...), shown by ``_warn_rarely``."""
+    with _log.HeldWarnings() as held:
+        yield
+    if held:
+        _warn_rarely(held, settings)
+
+
+def _warn_rarely(
+    held: list[tuple[str, str]], settings: Settings | None, *, cache_off: bool = False
+) -> None:
+    """Log each warning (topic, message) unless it was shown in the last hour for this cache.
 
     A build runs opcache once per compile: the same warning on each of a
-    thousand compiles buries everything else.  When it was shown is noted in
-    the cache's bookkeeping; with no cache in use (disable mode, a bad
-    environment) in the user's own state folder.
+    thousand compiles buries everything else.  A setting that turns the cache
+    off (``cache_off``) must not leave the next builds uncached in silence
+    either: it shows again at the first compile of each build, a build being a
+    run of compiles with no pause longer than BUILD_GAP_SECONDS (as for
+    ``force``).  When each was shown, and last met, is noted in the cache's
+    bookkeeping, and where that cannot be written (a read-only cache) or no
+    cache is in use (disable mode, a bad environment), in the user's state
+    folder.
     """
     import time
 
-    if settings is not None and settings.mode != "disable":
-        notes = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
-    else:
-        import platformdirs
+    import platformdirs
 
-        notes = LocalStore(platformdirs.user_state_path("opcache"))
+    places = [LocalStore(platformdirs.user_state_path("opcache"))]
+    if settings is not None and settings.mode != "disable":
+        places.insert(0, LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group)))
     now = time.time()
-    for message in messages:
-        name = digest(message.encode())
-        try:
-            shown = float(notes.read_note("warned", name) or "nan")
-        except ValueError:
-            shown = float("nan")
-        if 0 <= now - shown < WARN_SECONDS:  # (false for nan: never shown)
+    for topic, message in held:
+        name = digest(topic.encode())
+        shown, met = _last_shown(places, name)
+        new_build = cache_off and not 0 <= now - met <= BUILD_GAP_SECONDS
+        if 0 <= now - shown < WARN_SECONDS and not new_build:  # (false for nan: never)
             log.debug("%s (shown less than an hour ago)", message)
-            continue
-        log.warning("%s", message)
+        else:
+            log.warning("%s", message)
+            shown = now
+        if cache_off:
+            _note_shown(places, name, f"{shown!r} {now!r}".encode())
+        elif shown == now:
+            _note_shown(places, name, repr(now).encode())
+
+
+def _last_shown(places: list[LocalStore], name: str) -> tuple[float, float]:
+    """(when a warning was last shown, when last met) by its notes, nan if never."""
+    shown, met = [], []
+    for notes in places:
         try:
-            notes.write_note(repr(now).encode(), "warned", name)
+            when = [float(word) for word in (notes.read_note("warned", name) or b"").split()]
+        except ValueError:
+            continue  # (a damaged note: as if never shown)
+        if when:  # (a note of one time: shown then)
+            shown.append(when[0])
+            met.append(when[-1])
+    return max(shown, default=float("nan")), max(met, default=float("nan"))
+
+
+def _note_shown(places: list[LocalStore], name: str, note: bytes) -> None:
+    for notes in places:
+        try:
+            notes.write_note(note, "warned", name)
+            return
         except OSError as e:
-            log.debug("cannot note the warning: %s", e)
+            log.debug("cannot note the warning in %s: %s", notes.root, e)
 
 
 def _staging_path(plan: Plan) -> Path:

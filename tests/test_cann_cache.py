@@ -500,7 +500,8 @@ def test_ascend_cache_path_is_used_as_cann_uses_it_without_a_host_suffix(
 def test_a_folder_without_a_cann_cache_says_so_and_exits_1(base, capsys):
     status, out, err = cann(capsys, base, "age")
     assert (status, out) == (1, "")
-    assert err == f"opcache: no CANN kernel cache at {base / 'kernel_cache'}: no such folder\n"
+    where = base / "kernel_cache"
+    assert err == f"opcache: error: no CANN kernel cache at {where}: no such folder\n"
     (base / "kernel_cache").mkdir(parents=True)
     status, _, err = cann(capsys, base, "stats")
     assert status == 1 and err.count("\n") == 1 and "holds no chip folder" in err

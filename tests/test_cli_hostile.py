@@ -172,3 +172,27 @@ def test_maintenance_on_a_cache_path_too_long_to_use_fails(tmp_path, capsys):
         assert status == 1
         assert last.startswith("opcache: error: cannot read the cache folder ")
         assert last.endswith(": File name too long")
+
+
+# -- smaller things the command line says ------------------------------------------------------
+
+
+def test_cann_on_a_folder_without_its_cache_is_an_error_line(tmp_path, capsys):
+    status = main(["cann", "stats", "--op_compiler_cache_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 1
+    where = tmp_path / "kernel_cache"
+    assert err == f"opcache: error: no CANN kernel cache at {where}: no such folder\n"
+
+
+@needs_gcc
+def test_compile_v_shows_the_compiler_s_warnings(specs, tmp_path):
+    (specs / "k.c").write_text('#warning "look-here-42"\nint k(int x) { return x + 1; }\n')
+    env = base_env(tmp_path)
+    args = ["compile", "--op", "ok.json", "--output", "build", "--compiler", "cc"]
+    quiet = opcache(*args, env=env, cwd=specs).stderr.decode()
+    assert quiet == ""  # a batch of a thousand operators: not a warning each
+    (specs / "k.c").write_text('#warning "look-here-43"\nint k(int x) { return x + 2; }\n')
+    said = opcache(*args, "-v", env=env, cwd=specs).stderr.decode()
+    assert "opcache: info: cc K said:\nk.c:1:2: warning: #warning " in said
+    assert "look-here-43" in said

@@ -455,6 +455,15 @@ def test_cc_warnings_are_replayed_on_a_hit(csrc):
     assert second.stderr == first.stderr
 
 
+def test_cc_bypassed_by_a_debug_flag_says_so_plainly(csrc):
+    env, src = csrc
+    flags = ["-v", "--op_debug_level=1"]
+    done = wrap("gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o", env=env, cwd=src, flags=flags)
+    said = done.stderr.decode().splitlines()
+    assert "opcache: debug: bypassing the cache for cc: op_debug_level is 1" in said, said
+    assert host(env)["bypasses"] == 1
+
+
 def test_cc_compile_error_propagates_and_is_not_cached(csrc):
     env, src = csrc
     (src / "bad.c").write_text("int bad(void) { return undeclared_thing_42; }\n")

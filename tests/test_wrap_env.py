@@ -12,10 +12,12 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from fake_opc import base_env
+from helpers_faults import read_only
 from helpers_wrap import (
     GCC,
     link_compilers,
@@ -186,6 +188,48 @@ def test_a_bad_environment_warns_once_and_compiles_without_the_cache(build, vari
     (line,) = warnings(*runs)
     assert variable in line and "compiling without the cache" in line
     assert not Path(env["HOME"], "cache").exists()  # no cache was made anywhere
+
+
+def state_notes(env: dict[str, str]) -> list[Path]:
+    """The notes of warnings shown, kept in the user's state folder."""
+    folder = Path(env["HOME"], ".local", "state", "opcache", ".opcache", "warned")
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def test_a_bad_setting_that_turns_the_cache_off_is_said_again_at_each_build(build):
+    """Once per build (no pause over ten minutes between compiles), and once an hour
+    within one: the next builds must not run uncached in silence."""
+    env, src = build
+    env = {**env, "OPCACHE_MODE": "sometimes"}
+    assert len(warnings(*[masquerade(env, src) for _ in range(3)])) == 1
+    (note,) = state_notes(env)
+    note.write_text(repr(time.time() - 601))  # last met ten minutes ago, as older opcaches note
+    assert len(warnings(*[masquerade(env, src) for _ in range(3)])) == 1  # a new build
+    note.write_text(f"{time.time() - 3000!r} {time.time() - 5!r}")
+    assert warnings(masquerade(env, src)) == []  # a build going on, told 50 minutes ago
+    note.write_text(f"{time.time() - 3601!r} {time.time() - 5!r}")
+    (line,) = warnings(masquerade(env, src))  # an hour later
+    assert "OPCACHE_MODE" in line and "compiling without the cache" in line
+
+
+def test_a_read_only_cache_warns_once_an_hour_and_compiles(build):
+    env, src = build
+    masquerade(env, src)  # the cache is made, with an entry
+
+    def miss(offset: int) -> subprocess.CompletedProcess[bytes]:
+        """A compile of a new key: it locks and stores, which a read-only cache refuses."""
+        cmd = [*COMPILE[:2], f"-DOFFSET={offset}", *COMPILE[3:]]
+        done = subprocess.run(cmd, env=env, cwd=src, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    with read_only(Path(env["ASCEND_CACHE_PATH"])):
+        (line,) = warnings(*[miss(offset) for offset in (10, 11, 12)])
+        assert "Read-only file system" in line and "goes on without the cache" in line
+        # Noted in the user's state folder, the cache being read-only; an hour later, again.
+        (note,) = state_notes(env)
+        note.write_text(repr(time.time() - 3601))
+        assert len(warnings(miss(13), miss(14))) == 1
 
 
 def test_a_bad_cache_flag_of_opcache_itself_is_still_an_error(build):

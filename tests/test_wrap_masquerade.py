@@ -225,3 +225,33 @@ def test_masquerade_with_no_compiler_on_path_says_so(tmp_path):
     env = {**base_env(tmp_path), "PATH": str(tmp_path / "empty")}
     done = opcache("masquerade", str(tmp_path / "links"), env=env, cwd=tmp_path, status=1)
     assert b"no compiler" in done.stderr
+
+
+def test_masquerade_mistakes_are_one_sentence(compilers, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    done = opcache("masquerade", "", env=compilers, cwd=work, status=2)
+    said = b"opcache: error: masquerade: DIR is empty; name the folder for the links\n"
+    assert done.stderr == said
+    assert list(work.iterdir()) == []  # not a link made in the current folder
+    (work / "a-file").write_text("")
+    for folder, said in (
+        ("a-file", f"{work / 'a-file'} is there and is not a folder"),
+        ("a-file/links", f"cannot make the folder {work / 'a-file/links'}: Not a directory"),
+    ):
+        done = opcache("masquerade", folder, env=compilers, cwd=work, status=1)
+        assert done.stderr.decode() == f"opcache: error: {said}\n"
+
+
+def test_masquerade_s_path_hint_is_quoted_for_the_shell(compilers, tmp_path):
+    links = tmp_path / "my links $HOME"
+    out = masquerade(links, compilers)
+    assert out[-1].endswith(f"PATH='{links}':$PATH")
+    shown = subprocess.run(
+        ["sh", "-c", out[-1].split("use them with: ")[1] + '; echo "$PATH"'],
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shown.stdout == f"{links}:/usr/bin:/bin\n"

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from .._log import get_logger
 from ..errors import CompileError
 from ..key import canonical_json, digest, request_parts
 from ..request import OpRequest
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     import subprocess
 
     from ..storage.local import LocalStore
+
+log = get_logger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 _STDERR_TAIL = 2000
@@ -148,4 +151,7 @@ def run_tool(
             f"{what} failed with exit status {done.returncode}: {subprocess.list2cmdline(argv)}"
             + (f"\n{tail}" if tail else "")
         )
+    said = done.stderr.decode(errors="replace").strip()
+    if said:  # warnings: shown with -v (the tool's stderr would be lost otherwise)
+        log.info("%s said:\n%s", what, said)
     return done
