@@ -353,10 +353,11 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
         if target is None and plan.output_dir is not None:
             target = plan.output_dir / name
         if target is not None:
-            os.replace(path, target)
+            # Made executable in staging, where nobody else can swap a link in.
             if name.endswith(plan.executables):
-                mode = os.stat(target).st_mode
-                os.chmod(target, mode | (mode & 0o444) >> 2)  # x wherever r, as chmod +x
+                mode = os.stat(path).st_mode
+                os.chmod(path, mode | (mode & 0o444) >> 2)  # x wherever r, as chmod +x
+            os.replace(path, target)
     for saved, stream in ((stdout, sys.stdout), (stderr, sys.stderr)):
         if saved is not None:
             _replay(saved.read_bytes(), stream)

@@ -27,7 +27,7 @@ from helpers_cann import write_ini as write_cann_ini
 from helpers_faults import IS_ROOT, MEMBER_A, NEEDS_ROOT, NOBODY, TEAM_GID, settings_for
 
 import opcache
-from opcache import cann_cache, fsutil
+from opcache import cann_cache, fsutil, wrap
 from opcache.cache import BUILD_SESSION
 from opcache.wrap import HOST_CHIP
 
@@ -339,6 +339,32 @@ def test_a_hit_makes_a_missing_out_dir(tmp_path: Path) -> None:
         assert cache.compile(make_request(0), compiler, out).status == "hit"
     assert read_dir(out) == expected_files(make_request(0))
     assert sorted(os.listdir(out)) == sorted(expected_files(make_request(0)))
+
+
+def test_wrap_makes_a_restored_package_executable_before_it_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone else's file")
+    os.chmod(victim, 0o644)
+    out = tmp_path / "out"  # op_compiler's -o, a folder others can write to
+    out.mkdir(mode=0o777)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "k.run").write_bytes(b"#!/bin/sh\n")
+    os.chmod(staging / "k.run", 0o644)
+    plan = wrap.Plan(make_request(0), "", lambda workdir: [], output_dir=out, executables=(".run",))
+    real_replace = os.replace
+
+    def replace_then_swap(src: str, dst: str) -> None:
+        real_replace(src, dst)
+        os.unlink(dst)  # someone swaps a link in as soon as the package is there
+        os.symlink(victim, dst)
+
+    monkeypatch.setattr(os, "replace", replace_then_swap)
+    wrap._restore(plan, {"k.run": staging / "k.run"})
+    monkeypatch.undo()
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
 
 
 # -- force notes -----------------------------------------------------------------------------
