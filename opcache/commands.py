@@ -156,8 +156,12 @@ class _Chips:
     def __init__(self, root: Path, soc: str | None) -> None:
         self.root = root
         self.unreadable: dict[str, str] = {}
-        names = [soc] if soc else [e.name for e in os.scandir(root) if _is_chip_folder(e)]
-        self.readable = []
+        if soc:
+            names = [soc]
+        else:
+            with os.scandir(root) as listed:
+                names = [e.name for e in listed if _is_chip_folder(e)]
+        self.readable: list[str] = []
         for name in sorted(names):
             try:
                 os.scandir(root / name).close()
