@@ -558,8 +558,8 @@ class OpCache:
         """``force``'s clear of a chip, once per session; True if there was one to clear."""
         if self._session is None:
             return self._store.clear_chip(soc)
-        # Escaped, any session is one line of ASCII, told apart from every other.
-        session = self._session.encode("unicode_escape")
+        # As ascii() spells it, any session is one line, told apart from every other.
+        session = ascii(self._session).encode()
         # Locked: processes of one session that start together clear once, and
         # none clears after another has begun to store.
         with locks.flocked(self._store.folder("locks") / f"{soc}.force", self._store.modes):
@@ -573,8 +573,8 @@ class OpCache:
     def _noted(self, note: bytes | None, session: bytes, now: float) -> bool:
         """Whether the force note ``note`` says this session cleared the chip already.
 
-        A note that is not the escaped session and a time, one a line, is another
-        session's.
+        A note that is not the session as ``ascii()`` spells it and a time, one a
+        line, is another session's.
         """
         noted, _, when = (note or b"").partition(b"\n")
         if noted != session:
