@@ -1,0 +1,468 @@
+"""Bookkeeping folders and files replaced by links, FIFOs and devices (issue 16).
+
+Whatever a folder of ``.opcache`` (or a chip's ``_size``) has been replaced by,
+cleaning, aging, verifying and compiling delete nothing and write nothing
+outside the cache, never wait forever, and never end in a traceback: as root
+(whose cron job ages users' caches) and as a member of a group-shared cache
+(where another member can plant the link).  And the counters stay right when
+the disk is full, or a store races ``verify``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_cache import (
+    MP,
+    SOC,
+    ToyCompiler,
+    base_spec,
+    compile_child,
+    entry_dirs,
+    expected_files,
+    make_request,
+    make_settings,
+    read_dir,
+    read_json,
+    run_script,
+    tree_bytes,
+)
+from helpers_faults import (
+    CHILD_PROLOGUE,
+    MEMBER_A,
+    MEMBER_B,
+    TEAM_GID,
+    open_folder,
+    requires_root,
+    run_as,
+    tmpfs,
+)
+
+import opcache
+from opcache import fsutil, locks
+from opcache.storage.local import LocalStore
+
+# Long dead, for every grace period of every cleaner.
+OLD = time.time() - 2 * 86400
+BAIT_KEY = "0123456789abcdef0123456789abcdef"
+# Every folder opcache keeps for itself, by its place under the cache root.
+BOOKKEEPING = [
+    ".opcache",
+    ".opcache/trash",
+    ".opcache/tmp",
+    ".opcache/locks",
+    f".opcache/locks/{SOC}",
+    ".opcache/stats",
+    f".opcache/stats/{SOC}",
+    f"{SOC}/_size",
+]
+# Where each of them could lead, inside a folder planted in its place.
+BAIT_FOLDERS = ["", "trash", "tmp", "locks", f"locks/{SOC}", "stats", f"stats/{SOC}", SOC, "_size"]
+
+
+def plant_bait(folder: Path) -> None:
+    """In ``folder`` and its cache-like subfolders, what each of opcache's cleaners
+    would delete (or its writers overwrite) were they the cache's, all old."""
+    for sub in BAIT_FOLDERS:
+        where = folder / sub
+        where.mkdir(parents=True, exist_ok=True)
+        (where / ".bait.4242.deadbeef").write_bytes(b"named as a temp file")
+        (where / "precious").mkdir()
+        (where / "precious" / "data.txt").write_bytes(b"a folder, as in the trash")
+        build = where / f"{BAIT_KEY}.elsewhere.4242.deadbeef"
+        build.mkdir()
+        (build / "kernel.o").write_bytes(b"named as a build folder")
+        (where / "00.json").write_bytes(b'{"entries": 5}')
+        (where / "00.lock").write_bytes(b"")
+        (where / BAIT_KEY).write_bytes(b"named as a key's lock file")
+    for dirpath, dirs, files in os.walk(folder, topdown=False):
+        for name in [*dirs, *files]:
+            os.utime(os.path.join(dirpath, name), (OLD, OLD))
+    os.utime(folder, (OLD, OLD))
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Everything below ``folder`` (itself too): kind, mode, owner, mtime, bytes."""
+    found = {}
+    for dirpath, dirs, files in os.walk(folder):
+        for name in [".", *dirs, *files]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            data = Path(path).read_bytes() if stat.S_ISREG(st.st_mode) else None
+            found[os.path.relpath(path, folder)] = (
+                stat.S_IFMT(st.st_mode),
+                stat.S_IMODE(st.st_mode),
+                st.st_uid,
+                st.st_gid,
+                st.st_mtime_ns,
+                data,
+            )
+    return found
+
+
+def replace_by_link(root: Path, rel: str, target: Path, aside: Path) -> Path:
+    """Put a link to ``target`` where the folder ``rel`` of the cache is (moved aside)."""
+    place = root / rel
+    if place.exists():
+        aside.mkdir(exist_ok=True)
+        shutil.move(place, aside / rel.replace("/", "_"))
+    os.symlink(target, place)
+    return place
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = {n: v for n, v in os.environ.items() if not n.startswith(("ASCEND_", "OPCACHE_", "NPU_"))}
+    env["HOME"] = str(home)
+    return env
+
+
+def opcache_cli(*args: str, home: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m opcache ARGS``, bounded; asserts it ended without a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", *args],
+        env=cli_env(home),
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def stored_cache(tmp_path: Path) -> tuple[opcache.Settings, ToyCompiler]:
+    """A cache with two entries, their counters, stats and lock folders."""
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(settings) as cache:
+        for i in (0, 1):
+            assert cache.compile(make_request(i), compiler, tmp_path / "first" / str(i)).key
+    return settings, compiler
+
+
+# ------------------------------------------------------------------ links, as root
+
+
+@pytest.mark.parametrize("rel", BOOKKEEPING)
+def test_a_linked_bookkeeping_folder_is_never_followed(tmp_path: Path, rel: str) -> None:
+    settings, compiler = stored_cache(tmp_path)
+    root = settings.root
+    victim = tmp_path / "victim"  # say, a folder of root's that a user's link names
+    plant_bait(victim)
+    replace_by_link(root, rel, victim, tmp_path / "aside")
+    before = snapshot(victim)
+
+    LocalStore(root).clean_leftovers(time.time() + 86400)
+    cache_dir = str(tmp_path / "ops")
+    for command in ("age", "verify", "stats"):
+        opcache_cli(command, "--op_compiler_cache_dir", cache_dir, home=tmp_path)
+    with opcache.OpCache(settings) as cache:
+        for i in (0, 2):  # stored before, and new
+            out = tmp_path / "again" / str(i)
+            cache.compile(make_request(i), compiler, out)
+            assert read_dir(out) == expected_files(make_request(i))
+        for action in (cache.age, cache.verify):
+            try:
+                action()
+            except OSError as e:  # refusing, and saying which link, is fine
+                assert rel.split("/")[0] in str(e)
+
+    assert snapshot(victim) == before
+
+
+@requires_root
+@pytest.mark.parametrize("rel", BOOKKEEPING)
+def test_roots_cron_on_a_users_cache_never_follows_the_users_links(
+    tmp_path: Path, rel: str
+) -> None:
+    settings, _compiler = stored_cache(tmp_path)
+    root = settings.root
+    victim = tmp_path / "root-only"
+    plant_bait(victim)
+    os.chmod(victim, 0o700)
+    replace_by_link(root, rel, victim, tmp_path / "aside")
+    for dirpath, dirs, files in os.walk(tmp_path / "ops"):  # the user's cache, links too
+        for name in [".", *dirs, *files]:
+            os.lchown(os.path.join(dirpath, name), MEMBER_A, MEMBER_A)
+    before = snapshot(victim)
+    cache_dir = str(tmp_path / "ops")
+    for command in ("age", "verify", "stats"):
+        opcache_cli(command, "--op_compiler_cache_dir", cache_dir, home=tmp_path)
+    assert snapshot(victim) == before
+
+
+# --------------------------------------------------- links, as a member of the group
+
+
+MEMBER_CODE = """
+from opcache.fsutil import group_shared
+from opcache.storage.local import LocalStore
+
+settings = h.make_settings({ops!r}, {base!r}, shared_group={gid})
+comp = h.ToyCompiler({calls!r})
+report = {{"good": [], "errors": []}}
+LocalStore(settings.root, modes=group_shared({gid})).clean_leftovers(time.time() + 86400)
+with opcache.OpCache(settings) as cache:
+    for i in {requests!r}:
+        out = Path({out!r}) / str(i)
+        cache.compile(h.make_request(i), comp, out)
+        report["good"].append(h.read_dir(out) == h.expected_files(h.make_request(i)))
+    for action in {actions!r}:
+        try:
+            getattr(cache, action)()
+        except OSError as e:
+            report["errors"].append(str(e))
+print(json.dumps(report))
+"""
+
+
+@requires_root
+@pytest.mark.parametrize("rel", BOOKKEEPING)
+def test_a_member_of_the_group_cannot_make_another_delete_or_write_outside(rel: str) -> None:
+    with open_folder() as base:
+        ops = base / "ops"
+        ops.mkdir()
+        os.chown(ops, 0, TEAM_GID)
+        os.chmod(ops, 0o2770)
+        calls = base / "calls"
+        calls.touch()
+        os.chmod(calls, 0o666)
+        for name in ("a", "b"):
+            (base / name).mkdir()
+            os.chmod(base / name, 0o777)
+
+        def member(uid: int, out: str, requests: list[int], actions: list[str]) -> dict:
+            code = MEMBER_CODE.format(
+                ops=str(ops),
+                base=str(base),
+                gid=TEAM_GID,
+                calls=str(calls),
+                out=str(base / out),
+                requests=requests,
+                actions=actions,
+            )
+            return run_as(uid, uid, CHILD_PROLOGUE + code, groups=(TEAM_GID,), timeout=120)
+
+        assert member(MEMBER_A, "a", [0, 1], ["age"])["good"] == [True, True]
+        # Member B's private folder, which member A cannot enter, let alone write.
+        victim = base / "private-of-b"
+        plant_bait(victim)
+        for dirpath, dirs, files in os.walk(victim):
+            for name in [".", *dirs, *files]:
+                os.lchown(os.path.join(dirpath, name), MEMBER_B, MEMBER_B)
+        os.chmod(victim, 0o700)
+        link = replace_by_link(ops / "kernel_cache", rel, victim, base / "aside")
+        os.lchown(link, MEMBER_A, TEAM_GID)  # what member A planted
+        before = snapshot(victim)
+
+        report = member(MEMBER_B, "b", [0, 2], ["age", "verify", "stats"])
+
+        assert report["good"] == [True, True]  # the compiles go on, whatever the cache does
+        assert snapshot(victim) == before
+
+
+# ------------------------------------------------------- a folder swapped mid-walk
+
+
+def test_remove_tree_never_follows_a_folder_swapped_for_a_link_mid_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "a.o").write_bytes(b"x" * 10)
+    victim = tmp_path / "victim"
+    plant_bait(victim)
+    before = snapshot(victim)
+    real_scandir = os.scandir
+    swapped = []
+
+    def scandir(path=".", /):
+        # Just as the walk lists "sub", someone swaps it for a link to the victim.
+        where = os.readlink(f"/proc/self/fd/{path}") if isinstance(path, int) else str(path)
+        if not swapped and os.path.basename(where) == "sub":
+            os.rename(tree / "sub", tmp_path / "sub-moved")
+            os.symlink(victim, tree / "sub")
+            swapped.append(where)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    fsutil.remove_tree(tree)
+    monkeypatch.undo()
+    assert swapped
+    assert snapshot(victim) == before
+
+
+def test_a_lock_folder_swapped_for_a_link_while_held_is_not_followed_at_release(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "locks" / SOC
+    folder.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    plant_bait(victim)
+    before = snapshot(victim)
+    lock = locks.KeyLock(folder / BAIT_KEY)
+    assert lock.acquire(5)
+    os.rename(folder, tmp_path / "moved")
+    os.symlink(victim, folder)
+    lock.release()
+    assert snapshot(victim) == before
+    assert os.listdir(tmp_path / "moved") == []  # its own lock file went
+
+
+# ---------------------------------------------------- FIFOs and devices: no hang
+
+
+def _plant_special(path: Path, kind: str) -> None:
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+        return
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # what /dev/zero is
+    except PermissionError:
+        pytest.skip("cannot make a device file here (needs CAP_MKNOD)")
+
+
+SPECIAL_PLACES = {
+    "size shards": lambda root: [root / SOC / "_size" / f"{i:02d}.json" for i in range(16)],
+    "stats shards": lambda root: [
+        root / ".opcache" / "stats" / SOC / f"{i:02d}.json" for i in range(16)
+    ],
+    "size locks": lambda root: [root / SOC / "_size" / f"{i:02d}.lock" for i in range(16)],
+    "stats locks": lambda root: [
+        root / ".opcache" / "stats" / SOC / f"{i:02d}.lock" for i in range(16)
+    ],
+    "count lock": lambda root: [root / ".opcache" / "locks" / f"{SOC}.count"],
+}
+
+COMPILE_CODE = """
+import json
+from pathlib import Path
+import helpers_cache as h, opcache
+settings = h.make_settings({ops!r}, {home!r})
+comp = h.ToyCompiler({calls!r})
+good = []
+with opcache.OpCache(settings) as cache:
+    for i in (0, 5):
+        out = Path({out!r}) / str(i)
+        cache.compile(h.make_request(i), comp, out)
+        good.append(h.read_dir(out) == h.expected_files(h.make_request(i)))
+    cache.stats()
+print(json.dumps(good))
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("place", sorted(SPECIAL_PLACES))
+def test_a_fifo_or_device_in_place_of_a_counter_or_lock_file_never_hangs(
+    tmp_path: Path, place: str, kind: str
+) -> None:
+    settings, _compiler = stored_cache(tmp_path)
+    for path in SPECIAL_PLACES[place](settings.root):
+        _plant_special(path, kind)
+    cache_dir = str(tmp_path / "ops")
+    for command in ("stats", "age", "verify"):
+        opcache_cli(command, "--op_compiler_cache_dir", cache_dir, home=tmp_path, timeout=30)
+    code = COMPILE_CODE.format(
+        ops=cache_dir, home=str(tmp_path), calls=str(tmp_path / "calls"), out=str(tmp_path / "o")
+    )
+    done = run_script(code)  # (bounded: 60 s)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]
+
+
+# ------------------------------------------------------- counters stay right
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+SMALL = f"size={128 * PAGE}"  # 512 KiB with 4 KiB pages
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def counted_and_walked(root: Path) -> tuple[tuple[int, int], tuple[int, int]]:
+    walked = entry_dirs(root)
+    actual = (len(walked), sum(tree_bytes(p) for p in walked.values()))
+    return LocalStore(root).used(SOC), actual
+
+
+def test_a_full_disk_never_leaves_an_entry_uncounted(tmp_path: Path) -> None:
+    # The disk fills up at every step of a store in turn (one more page of room
+    # each round): the counters match what is there after each, with no verify.
+    size = 3 * PAGE
+    compiler = ToyCompiler(tmp_path / "calls", size=size)
+    with tmpfs(tmp_path / "small", SMALL):
+        settings = make_settings(tmp_path / "small" / "ops", tmp_path)
+        with opcache.OpCache(settings) as cache:  # folders, and this process's shards
+            cache.compile(make_request(100), compiler, tmp_path / "warm")
+        filler = tmp_path / "small" / "filler"
+        for headroom in range(4, 10):
+            filler.write_bytes(b"\0" * (free_bytes(filler.parent) - headroom * PAGE))
+            request = make_request(headroom)
+            with opcache.OpCache(settings) as cache:
+                result = cache.compile(request, compiler, tmp_path / f"out{headroom}")
+            filler.unlink()
+            assert result.status == "miss"
+            assert read_dir(tmp_path / f"out{headroom}") == expected_files(request, size)
+            counted, actual = counted_and_walked(settings.root)
+            assert counted == actual, headroom
+
+
+def test_stats_counted_while_the_disk_is_full_are_kept(tmp_path: Path) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    with tmpfs(tmp_path / "small", SMALL):
+        settings = make_settings(tmp_path / "small" / "ops", tmp_path)
+        with opcache.OpCache(settings) as cache:  # this process's stats shard exists
+            cache.compile(make_request(0), compiler, tmp_path / "warm")
+        filler = tmp_path / "small" / "filler"
+        with opcache.OpCache(settings, stats_seconds=None) as cache:
+            for i in (0, 0, 1):  # two hits, a miss (stored)
+                cache.compile(make_request(i), compiler, tmp_path / "out" / str(i))
+            filler.write_bytes(b"\0" * free_bytes(filler.parent))
+            assert free_bytes(filler.parent) == 0
+        # (closed, its counts written, on the full disk)
+        filler.unlink()
+        with opcache.OpCache(settings) as cache:
+            stats = cache.stats()
+    assert (stats["hits"], stats["misses"], stats["stores"]) == (2, 2, 2)
+
+
+def test_a_store_just_before_verify_takes_its_lock_is_not_reported_as_a_wrong_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, _compiler = stored_cache(tmp_path)
+    real_pause = LocalStore.counting_paused
+    raced = []
+
+    def store_then_pause(self, soc):
+        if not raced:  # another process stores one entry, start to end, right now
+            spec = base_spec(tmp_path)
+            spec.update(requests=[7], result=str(tmp_path / "racer.json"))
+            racer = MP.Process(target=compile_child, args=(spec,))
+            racer.start()
+            racer.join(60)
+            raced.append(racer.exitcode)
+        return real_pause(self, soc)
+
+    monkeypatch.setattr(LocalStore, "counting_paused", store_then_pause)
+    with opcache.OpCache(settings) as cache:
+        chip = cache.verify().as_dict()["chips"][SOC]
+    monkeypatch.undo()
+    assert raced == [0]
+    assert read_json(tmp_path / "racer.json")["results"][0]["status"] == "miss"
+    assert (chip["counted_entries"], chip["counted_bytes"]) == (chip["entries"], chip["bytes"])
+    assert chip["entries"] == 3
