@@ -222,32 +222,51 @@ PRELOAD = (
     "errno",
     "fcntl",
     "filelock",
+    "functools",
     "grp",
+    "hashlib",
+    "heapq",
+    "importlib.metadata",
+    "ipaddress",
     "json",
     "logging",
     "math",
     "multiprocessing",
     "multiprocessing.util",
     "pathlib",
+    "platformdirs",
+    "pwd",
     "random",
     "re",
     "secrets",
+    "shlex",
     "shutil",
     "signal",
     "socket",
     "stat",
+    "struct",
     "subprocess",
     "tempfile",
     "threading",
     "time",
     "traceback",
     "typing",
+    "urllib.parse",
     "weakref",
     "xxhash",
+    "zlib",
 )
 
 
-def run_as(uid: int, gid: int, code: str, *, groups: tuple[int, ...] = (), umask: int = 0o022):
+def run_as(
+    uid: int,
+    gid: int,
+    code: str,
+    *,
+    groups: tuple[int, ...] = (),
+    umask: int = 0o022,
+    timeout: float = 120,
+):
     """Run ``code`` in a fresh Python as ``uid``/``gid`` (root only), opcache importable.
 
     The privileges are dropped before anything of opcache is imported (the trust
@@ -275,7 +294,7 @@ def run_as(uid: int, gid: int, code: str, *, groups: tuple[int, ...] = (), umask
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         cwd="/",
         check=False,
     )
