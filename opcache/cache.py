@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .compilers.protocol import Compiler
+    from .explain import Explanation
     from .remote_tier import RemoteTier
     from .request import Status
     from .shared_work import OutDirs
@@ -511,6 +512,7 @@ class OpCache:
         if MANIFEST in artifacts:
             self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
             return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts
+        self._explain_miss(request, key, inputs)
         manifest = make_manifest(key, artifacts, seconds, inputs, self._clock())
         if self._remote is not None:
             self._remote.store(soc, key, manifest, artifacts)
@@ -522,6 +524,24 @@ class OpCache:
         if size is not None:
             self._stats.add(soc, "stores")
         return files, None, size, artifacts
+
+    def _explain_miss(self, request: OpRequest, key: str, inputs: dict) -> None:
+        """Note the key's parts for ``opcache explain``, and count the miss as a new
+        key of an operator seen before or as one never seen."""
+        from . import explain  # on a miss only: not on a hit's start-up
+
+        seen = explain.record(self._store, request, key, inputs, now=self._clock())
+        if seen is not None:
+            self._stats.add(
+                request.soc_version, stats.MISSES_NEW_KEY if seen else stats.MISSES_NEVER_SEEN
+            )
+
+    def explain(self, request: OpRequest, compiler: Compiler) -> Explanation:
+        """Why ``request`` would miss: its key's parts and those that differ from the
+        nearest stored entry of its operator and chip (``explain.Explanation``)."""
+        from . import explain
+
+        return explain.explain(self._store, request, compiler)
 
     # -- chip folders and aging ---------------------------------------------
 
@@ -557,7 +577,7 @@ class OpCache:
     def _force_clear(self, soc: str) -> bool:
         """``force``'s clear of a chip, once per session; True if there was one to clear."""
         if self._session is None:
-            return self._store.clear_chip(soc)
+            return self._clear_chip(soc)
         # As ascii() spells it, any session is one line, told apart from every other.
         session = ascii(self._session).encode()
         # Locked: processes of one session that start together clear once, and
@@ -565,7 +585,7 @@ class OpCache:
         with locks.flocked(self._store.folder("locks") / f"{soc}.force", self._store.modes):
             now = time.time()
             same = self._noted(self._store.read_note("force", soc), session, now)
-            cleared = False if same else self._store.clear_chip(soc)
+            cleared = False if same else self._clear_chip(soc)
             if not same or self._session == BUILD_SESSION:  # (a build's clock runs on)
                 self._store.write_note(session + b"\n" + str(now).encode(), "force", soc)
         return cleared
@@ -641,6 +661,9 @@ class OpCache:
         if report.oldest_kept is not None:
             self._next_aging[soc] = report.oldest_kept + MIN_IDLE_SECONDS
         if report.removed_entries and not dry_run:
+            from . import explain
+
+            explain.prune(self._store, soc)
             log.info(
                 "aged %s: entries removed: %d, bytes freed: %d",
                 soc,
@@ -726,7 +749,14 @@ class OpCache:
 
     def clear(self, soc_version: str | None = None) -> list[str]:
         """Delete every entry (of one chip, or of all); returns the chips cleared."""
-        return [soc for soc in self._chips(soc_version) if self._store.clear_chip(soc)]
+        return [soc for soc in self._chips(soc_version) if self._clear_chip(soc)]
+
+    def _clear_chip(self, soc: str) -> bool:
+        """Delete a chip's entries and their explanations; True if there was a folder."""
+        from . import explain
+
+        explain.forget(self._store, soc)
+        return self._store.clear_chip(soc)
 
     def stats(self, soc_version: str | None = None) -> dict[str, Any]:
         """Counters and sizes per chip and in total (see README, 'opcache stats')."""

@@ -281,6 +281,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             f"{row['corrupt']:>7} {row['evicted_entries']:>7} {row['errors']:>6} "
             f"{row['time_saved_seconds']:>8.1f}s"
         )
+    if report["misses_new_key"] or report["misses_never_seen"]:
+        print(
+            f"misses: {_count(report['misses_new_key'], 'new key')} of operators seen before, "
+            f"{report['misses_never_seen']} never seen (opcache explain says why)"
+        )
     if cache.settings.remote is not None or any(report[n] for n in _REMOTE_COUNTERS):
         where = cache.settings.remote.shown_url if cache.settings.remote else "(none set now)"
         errors, by_url = _count(report["remote_errors"], "error"), report["remote_errors_by_url"]
@@ -679,6 +684,25 @@ def _cmd_masquerade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from .wrap import Uncacheable, plan_command
+
+    if not args.argv:
+        raise UsageError("explain needs the command after '--': opcache explain -- gcc -c k.c")
+    settings = _settings(args, COMPILING_DEFAULT_MODE)
+    try:
+        request, compiler = plan_command(args.argv, settings)
+    except Uncacheable as e:
+        raise UsageError(f"explain: opcache wrap would not cache this command: {e}") from None
+    with OpCache(settings, stats_seconds=None) as cache:
+        explained = cache.explain(request, compiler)
+    if args.json:
+        print(json.dumps(explained.as_dict(), indent=2, sort_keys=True))
+    else:
+        print(explained.text())
+    return 0
+
+
 def _cmd_wrap_usage(args: argparse.Namespace) -> int:
     raise UsageError(WRAP_USAGE)  # (cli parses wrap itself: listed here for --help)
 
@@ -759,6 +783,15 @@ def _build_parser() -> argparse.ArgumentParser:
     masq.add_argument("folder", metavar="DIR", help="the folder to put first on PATH")
     masq.add_argument("-v", "--verbose", action="store_true", help="say more")
     masq.set_defaults(func=_cmd_masquerade, soc_version=None)  # (main reads it)
+    explain = command(
+        "explain",
+        _cmd_explain,
+        "why a command would miss: its key's parts against the nearest stored entry",
+    )
+    explain.add_argument("--json", action="store_true", help="one JSON object")
+    explain.add_argument(
+        "argv", nargs="*", metavar="-- COMMAND", help="a command line as opcache wrap takes it"
+    )
     # Listed for --help; `opcache wrap` is parsed on its own (everything after -- is the command).
     command("wrap", _cmd_wrap_usage, "run a compile command through the cache: wrap -- cc ...")
     return parser

@@ -26,6 +26,10 @@ log = get_logger(__name__)
 ACTIVITY = (
     "hits",
     "misses",
+    # Misses of a key compiled and given to the cache (explain.py): a new key
+    # for an operator with an entry stored, and an operator never seen.
+    "misses_new_key",
+    "misses_never_seen",
     "stores",
     "bypasses",
     "uncacheable",
@@ -43,6 +47,8 @@ ACTIVITY = (
     "remote_bytes_down",
     "remote_bytes_up",
 )
+MISSES_NEW_KEY = "misses_new_key"
+MISSES_NEVER_SEEN = "misses_never_seen"
 BYPASS_PREFIX = "bypass:"
 UNCACHEABLE_PREFIX = "uncacheable:"
 REMOTE_ERROR_PREFIX = "remote_error:"  # + the URL that failed (its password masked)

@@ -913,3 +913,35 @@ def _make_prerequisites(rule: str) -> list[str]:
         return match["hash"] or match["dollar"] or "\0"  # "\0": between two names
 
     return [name for name in _MAKE_QUOTING.sub(unquote, prerequisites).split("\0") if name]
+
+
+# -- planning without running (opcache explain) ------------------------------------
+
+
+def plan_command(
+    argv: Sequence[str], settings: Settings, environ: Mapping[str, str] | None = None
+) -> tuple[OpRequest, _WrappedCommand]:
+    """How ``opcache wrap`` would key ``argv``, without running it: (the request,
+    the compiler whose name and fingerprint join the key).
+
+    Planned as ``run`` plans it, past opcache's own links; Uncacheable, with
+    the reason wrap would count, for a command it would not cache.  A C line's
+    headers are listed by ``cc -M`` afresh: nothing is noted in the cache.
+    """
+    env = dict(os.environ if environ is None else environ)
+    kind = compiler_kind(argv[0])
+    if kind is None:
+        raise Uncacheable(f"not a known compiler: {os.path.basename(argv[0])}")
+    real = find_compiler(argv[0], env)
+    if real is None:
+        name = os.path.basename(argv[0])
+        raise Uncacheable(f"no {name} on PATH other than opcache or a compiler cache")
+    argv = [real, *argv[1:]]
+    env = compiler_environ(env, real)
+    if kind == "opc":
+        plan = _plan_opc(argv, env)
+    elif kind == "op_compiler":
+        plan = _plan_op_compiler(argv, env, settings)
+    else:
+        plan = _plan_cc(argv, env, HeaderMemo(None), settings.base_dir)
+    return plan.request, _WrappedCommand(plan, kind, env)

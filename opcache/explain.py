@@ -1,0 +1,331 @@
+"""Why a call missed: the parts of its key against the nearest stored entry.
+
+Each compile the cache stores leaves a note of its key's parts (what
+``key.explain_key`` computes) beside the cache's bookkeeping, one note per
+operator and chip::
+
+    .opcache/explain/<soc>/<id[:2]>/<id>    the explanations of up to KEEP keys
+
+An operator is its ``op_type`` and the names of its sources (for a wrapped C
+compile, the source as the command line names it); ``op_name`` is left out,
+as it is left out of the key: one kernel under two node names is one entry.
+``explain`` compares a request's parts with each stored key of the same
+operator and chip whose entry is still there, and reports the nearest: the
+one with the fewest differing parts, the newest among equals.
+
+The notes stay bounded: a note keeps the last KEEP keys of its operator, and
+drops those whose entries are gone each time it is written; an aging pass
+that removed entries prunes the chip's notes, and clearing a chip (``clear``,
+``force``) removes them.  A note is a diagnosis, never a reason to serve or
+refuse an entry: a note that cannot be read or written only costs the
+explanation (a debug record says why).
+
+The hook for what a key does not hold but an entry is checked against (a
+read set of files): ``record(..., extra={"reads": {...}})`` keeps it in the
+note, and ``explain(..., extra=...)`` compares it part by part as the key's
+parts are compared, when the caller gives the current side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+from . import fsutil, locks
+from ._log import get_logger
+from ._record import Record
+from .key import canonical_json, digest, explain_key
+from .storage.local import _names
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
+
+    from .compilers.protocol import Compiler
+    from .request import OpRequest
+    from .storage.local import LocalStore
+
+log = get_logger(__name__)
+
+FOLDER = "explain"
+KEEP = 8  # keys explained per operator and chip, newest kept
+_SHORT = 100  # characters of a value shown in a difference
+_HEX = frozenset("0123456789abcdef")
+
+
+class Explanation(Record):
+    """What ``OpCache.explain`` found for one request.
+
+    ``key`` and ``parts`` (with ``part_digests``, a digest per part) are what
+    the key is made of, as ``explain_key`` gives them; ``operator`` names the
+    operator and its chip.  ``stored`` says the key has an entry (the call
+    would hit).  ``seen`` says another key of the operator is stored;
+    ``nearest`` is that entry's key (None when not ``seen``) and ``changes``
+    one line per part that differs from it, such as
+    ``attrs.args: ['-O2'] -> ['-O3']`` or ``sources.k.c: digest changed``.
+    """
+
+    __slots__ = _fields = (
+        "key",
+        "operator",
+        "parts",
+        "part_digests",
+        "stored",
+        "seen",
+        "nearest",
+        "changes",
+    )
+    key: str
+    operator: dict[str, Any]
+    parts: dict[str, Any]
+    part_digests: dict[str, str]
+    stored: bool
+    seen: bool
+    nearest: str | None
+    changes: list[str]
+
+    def __init__(
+        self,
+        key: str,
+        operator: dict[str, Any],
+        parts: dict[str, Any],
+        part_digests: dict[str, str],
+        stored: bool,
+        seen: bool,
+        nearest: str | None,
+        changes: list[str],
+    ) -> None:
+        self._init(locals())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._fields}
+
+    def text(self) -> str:
+        """The explanation as ``opcache explain`` prints it."""
+        op = self.operator
+        lines = [f"key: {self.key}", f"operator: {_operator_name(op)} on chip {op['soc']}"]
+        lines.append("parts (digest, value):")
+        for name, value in self.parts.items():
+            lines.append(f"  {name}: {self.part_digests[name][:12]}  {_short(value)}")
+        if self.stored:
+            lines.append("stored: an entry has this key (a hit)")
+        elif not self.seen:
+            lines.append("never seen: no stored entry of this operator on this chip (a miss)")
+        else:
+            lines.append(f"a new key for an operator seen before; nearest entry: {self.nearest}")
+            lines.append("differs in:" if self.changes else "differs in no part it records")
+            lines += [f"  {change}" for change in self.changes]
+        return "\n".join(lines)
+
+
+def operator_of(request: OpRequest) -> dict[str, Any]:
+    """The operator a request compiles, and its chip: what ``nearest`` searches by."""
+    source = request.attrs.get("source")
+    names = [source] if isinstance(source, str) else sorted(request.sources)
+    return {"soc": request.soc_version, "op_type": request.op_type, "sources": names}
+
+
+def _operator_name(op: Mapping[str, Any]) -> str:
+    return " ".join([op["op_type"], *op["sources"]])
+
+
+def _note_name(operator: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """The note's parts under ``.opcache``."""
+    name = digest(canonical_json(dict(operator)))
+    return FOLDER, operator["soc"], name[:2], name
+
+
+def record(
+    store: LocalStore,
+    request: OpRequest,
+    key: str,
+    parts: dict[str, Any],
+    *,
+    now: float | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> bool | None:
+    """Keep the explanation of a key just compiled for storing.
+
+    Returns whether another key of its operator is stored (a new key for an
+    operator seen before), or None when the notes cannot be read.  Kept are
+    this key and the last KEEP - 1 others whose entries are still there.
+    """
+    operator = operator_of(request)
+    soc = operator["soc"]
+    where = _note_name(operator)
+    note = {"key": key, "created": time.time() if now is None else now, "parts": parts}
+    if extra:
+        note["extra"] = dict(extra)
+    try:
+        # Locked: two keys of one operator stored at once must both be kept.
+        with locks.flocked(store.folder("locks") / f"{soc}.explain", store.modes):
+            kept = [n for n in _read(store, where) if n["key"] != key]
+            kept = [n for n in kept if store.stamp(soc, n["key"]) is not None]
+            seen = bool(kept)
+            store.write_note(json.dumps([*kept[-(KEEP - 1) :], note]).encode(), *where)
+    except OSError as e:
+        log.debug("cannot note the explanation of %s/%s: %s", soc, key, e)
+        return None
+    return seen
+
+
+def explain(
+    store: LocalStore,
+    request: OpRequest,
+    compiler: Compiler,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> Explanation:
+    """The key of ``request`` and how it differs from the nearest stored entry."""
+    explained = explain_key(request, compiler)
+    key = explained["key"]
+    parts = json.loads(canonical_json(explained["parts"]))  # as a note holds them: no tuples
+    operator = operator_of(request)
+    soc = operator["soc"]
+    stored = store.stamp(soc, key) is not None
+    best: tuple[int, float] | None = None
+    nearest, changes = None, []
+    for note in _read(store, _note_name(operator)):
+        if note["key"] == key or store.stamp(soc, note["key"]) is None:
+            continue
+        found = differences(note["parts"], parts)
+        if extra is not None and isinstance(note.get("extra"), dict):
+            found += differences(note["extra"], dict(extra))
+        rank = (len(found), -note["created"])
+        if best is None or rank < best:
+            best, nearest, changes = rank, note["key"], found
+    return Explanation(
+        key,
+        operator,
+        parts,
+        explained["part_digests"],
+        stored,
+        nearest is not None,
+        nearest,
+        changes,
+    )
+
+
+def differences(old: Any, new: Any, path: str = "") -> list[str]:
+    """One line per part of ``new`` that is not as in ``old``, named by its path."""
+    if old == new:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for name in sorted(set(old) | set(new), key=str):
+            at = f"{path}.{name}" if path else str(name)
+            if name not in old:
+                out.append(f"{at}: added, {_short(new[name])}")
+            elif name not in new:
+                out.append(f"{at}: removed, was {_short(old[name])}")
+            else:
+                out += differences(old[name], new[name], at)
+        return out
+    if _is_digest(old) and _is_digest(new):
+        return [f"{path}: digest changed"]
+    if (
+        isinstance(old, list)
+        and isinstance(new, list)
+        and len(old) == len(new)
+        and (
+            len(_short(old)) >= _SHORT
+            or any(isinstance(v, list | dict) or _is_digest(v) for v in old)
+        )
+    ):
+        out = []
+        for index, (was, now) in enumerate(zip(old, new, strict=True)):
+            out += differences(was, now, f"{path}[{index}]")
+        return out
+    return [f"{path}: {_short(old)} -> {_short(new)}"]
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 32 and set(value) <= _HEX
+
+
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= _SHORT else shown[: _SHORT - 3] + "..."
+
+
+def _read(store: LocalStore, where: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The explanations a note holds, oldest first; what is not one is left out."""
+    raw = store.read_note(*where)
+    try:
+        notes = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    return [
+        n
+        for n in (notes if isinstance(notes, list) else [])
+        if isinstance(n, dict)
+        and isinstance(n.get("key"), str)
+        and isinstance(n.get("parts"), dict)
+        and isinstance(n.get("created"), int | float)
+    ]
+
+
+def prune(store: LocalStore, soc: str) -> None:
+    """Drop the explanations of a chip's entries that are gone (after aging removed some)."""
+    try:
+        chip_fd = store.open_folder(FOLDER, soc, create=False)
+    except OSError:
+        return  # no notes (or none to trust): nothing to prune
+    try:
+        buckets = [b for b in _names(chip_fd) if len(b) == 2 and set(b) <= _HEX]
+    finally:
+        os.close(chip_fd)
+    try:
+        with locks.flocked(store.folder("locks") / f"{soc}.explain", store.modes):
+            _prune_buckets(store, soc, buckets)
+    except OSError as e:
+        log.debug("cannot prune the explanations of %s: %s", soc, e)
+
+
+def _prune_buckets(store: LocalStore, soc: str, buckets: list[str]) -> None:
+    for bucket in buckets:
+        try:
+            bucket_fd = store.open_folder(FOLDER, soc, bucket, create=False)
+        except OSError:
+            continue
+        try:
+            names = _names(bucket_fd)
+        finally:
+            os.close(bucket_fd)
+        for name in names:
+            if name.startswith(bucket) and len(name) == 32 and set(name) <= _HEX:
+                _prune_note(store, (FOLDER, soc, bucket, name))
+
+
+def _prune_note(store: LocalStore, where: tuple[str, str, str, str]) -> None:
+    soc = where[1]
+    notes = _read(store, where)
+    kept = [n for n in notes if store.stamp(soc, n["key"]) is not None]
+    if len(kept) == len(notes) and notes:
+        return
+    with contextlib.suppress(OSError):
+        if kept:
+            store.write_note(json.dumps(kept).encode(), *where)
+        else:
+            bucket_fd = store.open_folder(*where[:-1], create=False)
+            try:
+                os.unlink(where[-1], dir_fd=bucket_fd)
+            finally:
+                os.close(bucket_fd)
+
+
+def forget(store: LocalStore, soc: str) -> None:
+    """Remove every explanation of a chip (its entries were cleared)."""
+    try:
+        folder_fd = store.open_folder(FOLDER, create=False)
+    except OSError:
+        return
+    try:
+        fsutil.remove_tree(soc, folder_fd)
+    except OSError as e:
+        log.debug("cannot remove the explanations of %s: %s", soc, e)
+    finally:
+        os.close(folder_fd)

@@ -1,0 +1,253 @@
+"""``opcache explain``: why a call missed (issue 17).
+
+Real gcc (and the stand-in opc) through ``opcache wrap`` as real processes;
+then ``opcache explain -- <the same command>`` with one thing changed must
+name that part, and only it.  The library call and the stats counters that
+tell a new key of a known operator from an operator never seen, too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from fake_opc import SOC, base_env, write_opc, write_operator
+from helpers_cache import (
+    FakeClock,
+    ToyCompiler,
+    entry_dirs,
+    make_request,
+    make_settings,
+    write_size_ini,
+)
+from helpers_wrap import GCC, opcache, stats, wrap, write_project
+
+from opcache import OpCache
+
+pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+
+CC = ["gcc", "-O2", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
+
+
+@pytest.fixture
+def csrc(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """(environment, a folder with k.c including h.h), compiled once through the cache."""
+    env, src = base_env(tmp_path), write_project(tmp_path / "src")
+    wrap(*CC, env=env, cwd=src)
+    return env, src
+
+
+def explain(*command: str, env: dict[str, str], cwd: Path) -> dict:
+    done = opcache("explain", "--json", "--", *command, env=env, cwd=cwd)
+    return json.loads(done.stdout)
+
+
+def explain_text(*command: str, env: dict[str, str], cwd: Path) -> str:
+    return opcache("explain", "--", *command, env=env, cwd=cwd).stdout.decode()
+
+
+def test_the_command_wrap_stored_is_explained_as_stored(csrc):
+    env, src = csrc
+    found = explain(*CC, env=env, cwd=src)
+    assert found["stored"] is True
+    assert found["changes"] == []
+    assert found["operator"] == {"soc": "host", "op_type": "cc", "sources": ["k.c"]}
+    assert found["parts"]["attrs"]["args"] == ["-O2", "-DOFFSET=1"]
+    assert set(found["part_digests"]) == set(found["parts"])
+    assert "stored: an entry has this key" in explain_text(*CC, env=env, cwd=src)
+
+
+def test_a_changed_define_is_named(csrc):
+    env, src = csrc
+    changed = [a.replace("OFFSET=1", "OFFSET=2") for a in CC]
+    found = explain(*changed, env=env, cwd=src)
+    assert (found["stored"], found["seen"]) == (False, True)
+    assert found["changes"] == ["attrs.args: ['-O2', '-DOFFSET=1'] -> ['-O2', '-DOFFSET=2']"]
+    stored = explain(*CC, env=env, cwd=src)
+    assert found["nearest"] == stored["key"] != found["key"]
+    text = explain_text(*changed, env=env, cwd=src)
+    assert "a new key for an operator seen before" in text
+    assert "attrs.args: ['-O2', '-DOFFSET=1'] -> ['-O2', '-DOFFSET=2']" in text
+
+
+def test_a_changed_source_is_named(csrc):
+    env, src = csrc
+    (src / "k.c").write_text((src / "k.c").read_text() + "int unused;\n")
+    found = explain(*CC, env=env, cwd=src)
+    assert found["seen"] and not found["stored"]
+    assert found["changes"] == ["sources.k.c: digest changed"]
+
+
+def test_a_changed_header_is_named(csrc):
+    env, src = csrc
+    (src / "h.h").write_text("#define FACTOR 5\n")
+    found = explain(*CC, env=env, cwd=src)
+    assert found["seen"] and not found["stored"]
+    assert len(found["changes"]) == 1
+    assert found["changes"][0].startswith("attrs.headers[")
+    assert found["changes"][0].endswith(": digest changed")
+
+
+def test_a_changed_compiler_is_named(tmp_path):
+    """The compiler's identity (a gcc on PATH before the system's) is part of the key."""
+    env, src = base_env(tmp_path), write_project(tmp_path / "src")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    gcc = bin_dir / "gcc"
+    gcc.write_text(f'#!/bin/sh\nexec {GCC} "$@"\n')
+    gcc.chmod(0o755)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    wrap(*CC, env=env, cwd=src)
+    gcc.write_text(f'#!/bin/sh\n# another version\nexec {GCC} "$@"\n')
+    found = explain(*CC, env=env, cwd=src)
+    assert found["seen"] and not found["stored"]
+    assert len(found["changes"]) == 1
+    assert found["changes"][0].startswith("compiler.fingerprint: ")
+
+
+def test_an_operator_never_seen_says_so(csrc):
+    env, src = csrc
+    (src / "j.c").write_text("int j(void) { return 1; }\n")
+    found = explain("gcc", "-c", "j.c", "-o", "j.o", env=env, cwd=src)
+    assert (found["stored"], found["seen"], found["nearest"], found["changes"]) == (
+        False,
+        False,
+        None,
+        [],
+    )
+    text = explain_text("gcc", "-c", "j.c", "-o", "j.o", env=env, cwd=src)
+    assert "never seen" in text
+
+
+def test_explain_runs_nothing_and_an_empty_cache_has_seen_nothing(tmp_path):
+    env, src = base_env(tmp_path), write_project(tmp_path / "src")
+    found = explain(*CC, env=env, cwd=src)
+    assert (found["stored"], found["seen"]) == (False, False)
+    assert not (src / "k.o").exists()
+    assert not (tmp_path / "cache").exists()  # nothing made in the cache either
+
+
+def test_an_opc_flag_change_is_named(tmp_path):
+    write_opc(tmp_path / "bin")
+    op_dir = tmp_path / "op"
+    write_operator(op_dir)
+    env = base_env(tmp_path, tmp_path / "bin")
+    args = ["add.py", "--main_func=add", "--input_param=p.json", f"--soc_version={SOC}"]
+    wrap("opc", *args, "--output=out", "--impl_mode=high_performance", env=env, cwd=op_dir)
+    found = explain(
+        "opc", *args, "--output=out2", "--impl_mode=high_precision", env=env, cwd=op_dir
+    )
+    assert found["operator"]["soc"] == SOC
+    assert found["seen"] and not found["stored"]
+    assert found["changes"] == [
+        "attrs.flags[2]: ['impl_mode', 'value', 'high_performance'] "
+        "-> ['impl_mode', 'value', 'high_precision']"
+    ]
+    assert not (op_dir / "out2").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ([], "explain needs the command after '--'"),
+        (["ls", "-l"], "not a known compiler: ls"),
+        (["gcc", "-c", "missing.c", "-o", "m.o"], "cannot read missing.c"),
+    ],
+)
+def test_user_errors_are_one_line_with_status_2(csrc, command, says):
+    env, src = csrc
+    done = opcache("explain", "--", *command, env=env, cwd=src, status=2)
+    lines = done.stderr.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("opcache: error: ")
+    assert says in lines[0]
+    assert done.stdout == b""
+
+
+def test_stats_count_new_keys_of_known_operators_apart_from_never_seen(csrc):
+    env, src = csrc
+    wrap(*[a.replace("OFFSET=1", "OFFSET=2") for a in CC], env=env, cwd=src)  # new key
+    wrap(*[a.replace("-O2", "-O1") for a in CC], env=env, cwd=src)  # new key
+    (src / "j.c").write_text("int j(void) { return 1; }\n")
+    wrap("gcc", "-c", "j.c", "-o", "j.o", env=env, cwd=src)  # never seen
+    wrap(*CC, env=env, cwd=src)  # a hit
+    chip = stats(env, "host")
+    assert (chip["misses"], chip["hits"]) == (4, 1)
+    assert (chip["misses_never_seen"], chip["misses_new_key"]) == (2, 2)
+    assert stats(env)["misses_new_key"] == 2
+    text = opcache("stats", env=env, cwd=src).stdout.decode()
+    assert "misses: 2 new keys of operators seen before, 2 never seen" in text
+
+
+def test_the_library_call(tmp_path):
+    compiler = ToyCompiler(tmp_path / "calls")
+    with OpCache(make_settings(tmp_path / "cache", tmp_path)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "out0")
+        never = cache.explain(make_request(0, op_type="Mul"), compiler)
+        assert (never.seen, never.stored, never.nearest, never.changes) == (False, False, None, [])
+        stored = cache.explain(make_request(0), compiler)
+        assert stored.stored and stored.changes == []
+        other = cache.explain(make_request(1, op_name="another_node"), compiler)
+        assert (other.seen, other.stored, other.nearest) == (True, False, stored.key)
+        assert other.changes == [
+            "inputs[0].shape: [16, 1024] -> [16, 1025]",
+            "inputs[1].shape: [16, 1024] -> [16, 1025]",
+            "outputs[0].shape: [16, 1024] -> [16, 1025]",
+        ]
+        newer = ToyCompiler(tmp_path / "calls", version="2.0")
+        assert cache.explain(make_request(0), newer).changes == [
+            "compiler.fingerprint: 'toycc 1.0' -> 'toycc 2.0'"
+        ]
+        assert other.as_dict()["changes"] == other.changes
+        assert "inputs[0].shape" in other.text()
+
+
+def test_the_nearest_entry_is_the_one_with_fewest_differences(tmp_path):
+    compiler = ToyCompiler(tmp_path / "calls")
+    with OpCache(make_settings(tmp_path / "cache", tmp_path)) as cache:
+        cache.compile(make_request(0, attrs={"alpha": 2.0}), compiler, tmp_path / "a")
+        near = cache.compile(make_request(1), compiler, tmp_path / "b")
+        cache.compile(make_request(0, attrs={"alpha": 3.0}), compiler, tmp_path / "c")
+        found = cache.explain(make_request(1, attrs={"alpha": 4.0}), compiler)
+        assert found.nearest == near.key
+        assert found.changes == ["attrs.alpha: 1.0 -> 4.0"]
+
+
+def explanation_notes(root: Path) -> list[Path]:
+    return [p for p in (root / ".opcache" / "explain").rglob("*") if p.is_file()]
+
+
+def test_clear_removes_the_explanations_and_notes_stay_bounded(tmp_path):
+    compiler = ToyCompiler(tmp_path / "calls")
+    settings = make_settings(tmp_path / "cache", tmp_path)
+    with OpCache(settings) as cache:
+        for index in range(12):
+            cache.compile(make_request(index), compiler, tmp_path / f"out{index}")
+        notes = explanation_notes(settings.root)
+        assert len(notes) == 1  # one operator
+        kept = json.loads(notes[0].read_bytes())
+        assert len(kept) == 8  # the last eight keys of it
+        assert cache.explain(make_request(11), compiler).stored
+        assert cache.clear() == [make_request().soc_version]
+        assert explanation_notes(settings.root) == []
+        again = cache.explain(make_request(12), compiler)
+        assert (again.seen, again.stored) == (False, False)
+
+
+def test_explanations_of_aged_entries_go(tmp_path):
+    compiler = ToyCompiler(tmp_path / "calls", size=400_000)
+    clock = FakeClock()
+    write_size_ini(tmp_path / "cache" / "kernel_cache", 1, 50)
+    settings = make_settings(tmp_path / "cache", tmp_path)
+    with OpCache(settings, clock=clock) as cache:
+        for index in range(3):
+            cache.compile(make_request(index), compiler, tmp_path / f"out{index}")
+            clock.advance(7200)
+        cache.age()
+        kept = entry_dirs(settings.root)
+        assert 0 < len(kept) < 3  # aging removed some
+        noted = {
+            n["key"] for f in explanation_notes(settings.root) for n in json.loads(f.read_text())
+        }
+        assert noted == set(kept)
