@@ -93,37 +93,38 @@ def read_size_limits(path: Path, shared_group: int | None = None) -> SizeLimits 
 
     A missing file, or one with neither size key, is silent.  Anything else that
     keeps the file from supplying both keys logs one warning naming the file and
-    what is wrong with it.  That includes a file the cache's trust rule refuses
-    (``shared_group``: the group of a group-shared cache) and a link, FIFO,
-    device or folder in its place: the root is not trust-checked, so anyone
-    who can write there could otherwise set every user's limits, or hang
-    every compile with a FIFO.
+    what is wrong with it.  That includes a link, FIFO, device or folder in its
+    place, and a file with size keys that the cache's trust rule refuses
+    (``shared_group``: the group of a group-shared cache): the root is not
+    trust-checked, so anyone who can write there could otherwise set every
+    user's limits, or hang every compile with a FIFO.
     """
     try:
-        raw = _read(path, shared_group)
+        raw, untrusted = _read(path, shared_group)
     except (FileNotFoundError, NotADirectoryError):
         return None  # a file in the path: the cache says so when it tries to use the folder
-    except trust.UntrustedFolder as e:
-        log.warning("ignoring %s: %s", path, e)
-        return None
     except OSError as e:
         why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
         log.warning("ignoring %s: cannot read it (%s)", path, why)
         return None
     problem, limits = _parse(raw)
+    # Silent when it would set nothing: opcache's own file, in a group's cache
+    # that this process reads as a private one, is group-writable.
+    if untrusted and (problem or limits):
+        log.warning("ignoring %s: it is %s", path, untrusted)
+        return None
     if problem:
         log.warning("ignoring the size settings of %s: %s", path, problem)
     return limits
 
 
-def _read(path: Path, shared_group: int | None) -> bytes:
-    """The file's bytes, one more than a config may hold; OSError unless it is a
-    regular file the trust rule accepts."""
+def _read(path: Path, shared_group: int | None) -> tuple[bytes, str | None]:
+    """(its bytes, one more than a config may hold; why the trust rule refuses it,
+    or None); OSError unless it is a regular file."""
     fd, st = fsutil.open_regular(path)
     try:
-        trust.check(st, fsutil.modes_for(shared_group), "it")
         with open(fd, "rb", closefd=False) as f:
-            return f.read(_MAX_FILE_BYTES + 1)
+            return f.read(_MAX_FILE_BYTES + 1), trust.problem(st, fsutil.modes_for(shared_group))
     finally:
         os.close(fd)
 
@@ -186,10 +187,10 @@ def cann_applies_sizes(path: Path, shared_group: int | None = None) -> bool:
     A file ``read_size_limits`` would not read applies nothing either.
     """
     try:
-        raw = _read(path, shared_group)
+        raw, untrusted = _read(path, shared_group)
     except OSError:
         return False
-    if len(raw) > _MAX_FILE_BYTES:
+    if untrusted or len(raw) > _MAX_FILE_BYTES:
         return False
     _, parser = _load(raw)
     if parser is None or [s for s in parser.sections() if parser[s]] != [SECTION]:
