@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,31 @@ def test_explanations_of_aged_entries_go(tmp_path):
             n["key"] for f in explanation_notes(settings.root) for n in json.loads(f.read_text())
         }
         assert noted == set(kept)
+
+
+def test_planted_links_and_fifos_in_the_explanations_are_left_alone(csrc, tmp_path):
+    """A link in place of a chip's notes leads nowhere outside the cache; a FIFO in
+    place of a note neither hangs a compile or ``explain`` nor is written through."""
+    env, src = csrc
+    notes = Path(env["ASCEND_CACHE_PATH"]).glob("kernel_cache*/.opcache/explain/host")
+    (chip_notes,) = list(notes)
+    (note,) = [p for p in chip_notes.rglob("*") if p.is_file()]
+    note.unlink()
+    os.mkfifo(note)
+    found = explain(*[a.replace("OFFSET=1", "OFFSET=3") for a in CC], env=env, cwd=src)
+    assert (found["stored"], found["seen"]) == (False, False)
+    wrap(*[a.replace("OFFSET=1", "OFFSET=3") for a in CC], env=env, cwd=src)
+    assert note.is_file() and not note.is_symlink()  # replaced, not written through
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("mine\n")
+    before = sorted(p.name for p in victim.rglob("*"))
+    shutil.rmtree(chip_notes)
+    chip_notes.symlink_to(victim, target_is_directory=True)
+    wrap(*[a.replace("OFFSET=1", "OFFSET=4") for a in CC], env=env, cwd=src)
+    explain(*CC, env=env, cwd=src)
+    opcache("clear", env=env, cwd=src)
+    assert sorted(p.name for p in victim.rglob("*")) == before
+    assert (victim / "keep").read_text() == "mine\n"
+    assert stats(env, "host")["misses"] == 3
