@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -157,7 +158,8 @@ class _Chips:
         self.root = root
         self.unreadable: dict[str, str] = {}
         if soc:
-            names = [soc]
+            # A link or a file in its place is the cache's to refuse ("not a chip folder").
+            names = [soc] if _is_real_folder(root / soc) else []
         else:
             with os.scandir(root) as listed:
                 names = [e.name for e in listed if _is_chip_folder(e)]
@@ -194,6 +196,13 @@ class _Chips:
 
     def _error(self, name: str) -> str:
         return f"cannot read the chip folder {self.root / name}: {self.unreadable[name]}"
+
+
+def _is_real_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return True  # (missing or unreadable: the listing below says which)
 
 
 def _is_chip_folder(entry: os.DirEntry[str]) -> bool:
