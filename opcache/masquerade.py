@@ -1,6 +1,6 @@
 """The masquerade: links named like a compiler that run opcache, and the real compiler past them.
 
-A link named ``gcc`` (or ``cc``, ``x86_64-linux-gnu-gcc-12``, ``opc``...) that
+A link named ``gcc`` (or ``cc``, ``x86_64-linux-gnu-gcc-12``, ``opc``, ``asc_opc``...) that
 points at the ``opcache`` executable, first on PATH, sends every call of that
 compiler through ``opcache wrap``.  opcache then runs the real compiler, found
 on PATH past:
@@ -28,7 +28,7 @@ from pathlib import Path
 from .compilers._tool import which
 
 MARKER = "OPCACHE_RAN"
-OPC_NAMES = ("opc",)
+OPC_NAMES = ("opc", "asc_opc")  # asc_opc: the current CANN's name, called as opc is
 OP_COMPILER_NAMES = ("op_compiler",)
 # cc, gcc, clang, c++, g++, clang++, with a target prefix and a version suffix.
 _CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")

@@ -47,15 +47,17 @@ from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers._tool import file_identity, read_input, which
 from .errors import CompileError, ConfigError
-from .key import canonical_json, digest
+from .key import canonical_json, compute_key, digest
 from .masquerade import compiler_environ, compiler_kind, find_compiler, reentered
-from .request import OpRequest
+from .request import CompileResult, OpRequest
 from .settings import Settings
 from .storage.local import LocalStore
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     from typing import TextIO
+
+    from .readset import ReadSet
 
 log = get_logger(__name__)
 
@@ -99,6 +101,7 @@ class Plan:
         debug_level: str | None = None,
         debug_config: str | None = None,
         executables: tuple[str, ...] = (),
+        trace: _OpcTrace | None = None,
     ) -> None:
         self.request = request
         self.fingerprint = fingerprint
@@ -108,6 +111,7 @@ class Plan:
         self.debug_level = debug_level
         self.debug_config = debug_config
         self.executables = executables
+        self.trace = trace  # how the command is traced, its read set joining the key
 
 
 class Uncacheable(Exception):
@@ -125,10 +129,17 @@ class _WrappedCommand:
     def fingerprint(self) -> str:
         return self._plan.fingerprint
 
-    def compile(self, request: OpRequest, workdir: Path) -> None:
+    def compile(
+        self,
+        request: OpRequest,
+        workdir: Path,
+        wrap: Callable[[list[str]], list[str]] | None = None,
+    ) -> None:
+        """Run the command; ``wrap`` puts a command (strace) in front of it."""
         import subprocess  # a hit runs nothing: keep it off start-up
 
         argv = self._plan.command(workdir)
+        argv = argv if wrap is None else wrap(argv)
         try:
             done = subprocess.run(argv, capture_output=True, env=dict(self._environ), check=False)
         except OSError as e:
@@ -178,7 +189,7 @@ def run(
         if kind is None:
             raise Uncacheable(f"not a known compiler: {os.path.basename(argv[0])}")
         if kind == "opc":
-            plan = _plan_opc(argv, run_env)
+            plan = _plan_opc(argv, run_env, base)
         elif kind == "op_compiler":
             plan = _plan_op_compiler(argv, run_env, base)
         else:
@@ -228,7 +239,10 @@ def _run_planned(
     failed = None
     with _cache_warnings(settings), OpCache(settings, stats_seconds=None, session=session) as cache:
         try:
-            result = cache.compile(plan.request, compiler, staging)
+            if plan.trace is not None:
+                result = plan.trace.compile(cache, compiler, staging)
+            else:
+                result = cache.compile(plan.request, compiler, staging)
         except _ToolFailed as e:
             failed = e
     if failed is not None:
@@ -428,7 +442,11 @@ def _opc_flags(args: Sequence[str]) -> tuple[list[str], list[tuple[str, str | No
     return positional, flags
 
 
-def _plan_opc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
+def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None = None) -> Plan:
+    """An opc (or asc_opc) line.  With ``base`` (the settings of a wrap that runs it)
+    the compile is traced (``readset.py``), or without strace cached only when
+    the user lists what else it reads (``OPCACHE_EXTRA_FILES``, ``OPCACHE_KEY_ENV``)."""
+    from . import readset
     from .compilers.cann import CannCompiler
 
     positional, flags = _opc_flags(argv[1:])
@@ -455,17 +473,50 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
         else:
             key_flags.append([name, "value", value])
     output_dir = Path(os.path.abspath(values.get("output") or "."))
-    try:
-        request = OpRequest(
-            op_type=op_type,
-            soc_version=soc,
-            op_name=op_name,
-            attrs={"flags": key_flags},
-            sources=sources,
+    user_env = [n for n in re.split(r"[\s,:]+", env.get(ENV_KEY_ENV, "")) if n]
+    extra = _extra_files(env)
+    attrs: dict[str, object] = {
+        "flags": key_flags,
+        # repr: text even for bytes of no encoding (os.environ's surrogates)
+        "env": repr([[n, env.get(n)] for n in (*OPC_KEY_ENVIRONMENT, *user_env)]),
+    }
+    if extra is not None:
+        attrs["extra_files"] = extra
+
+    def make_request(reads: str | None) -> OpRequest:
+        keyed = attrs if reads is None else {**attrs, "reads": reads}
+        return OpRequest(
+            op_type=op_type, soc_version=soc, op_name=op_name, attrs=keyed, sources=sources
         )
+
+    try:
+        request = make_request(None)
     except ValueError as e:
         raise Uncacheable(f"opc: {e}") from None
-    opc = CannCompiler(opc=_which(argv[0], env), environ=env)
+    notes = None
+    if base is not None and base.mode != "disable":
+        notes = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
+    opc = CannCompiler(opc=_which(argv[0], env), environ=env, notes=notes)
+    fingerprint = opc.fingerprint()
+    trace = None
+    strace = readset.strace_program(env)
+    if base is not None and strace is None:
+        if extra is None and not user_env:
+            why = f"no strace on PATH or {readset.ENV_TRACE}=off"
+            message = (
+                f"opc: cannot see which files opc reads ({why}): its calls are not cached; "
+                f"install strace, or list what it reads in {ENV_EXTRA_FILES} / {ENV_KEY_ENV}"
+            )
+            _warn_rarely([("opc-untraced", message)], base)
+            raise Uncacheable(f"opc: not traced ({why}) and no {ENV_EXTRA_FILES}")
+    elif base is not None and strace is not None:
+        memo_key = digest(
+            canonical_json(
+                {"key": compute_key(request, "wrap-opc", fingerprint)[0], "cwd": os.getcwd()}
+            )
+        )
+        folders = _opc_trace_folders(opc, env)
+        trace = _OpcTrace(strace, memo_key, notes, make_request, *folders)
 
     def command(workdir: Path) -> list[str]:
         out = [argv[0], source]
@@ -475,14 +526,223 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str]) -> Plan:
             out.append(f"--{name}" if value is None else f"--{name}={value}")
         return [*out, f"--output={workdir}"]
 
-    return Plan(
+    plan = Plan(
         request=request,
-        fingerprint=opc.fingerprint(),
+        fingerprint=fingerprint,
         command=command,
         output_dir=output_dir,
         debug_level=values.get("op_debug_level"),
         debug_config=values.get("op_debug_config"),
+        trace=trace,
     )
+    return plan
+
+
+# Variables the operator scripts and the tools they run read (CANN's generated
+# op .py, asc-devkit's build scripts): where sources, tiling libraries and the
+# device compiler are found.  PATH and PYTHONPATH decide which programs and
+# modules a lookup finds, so the read set's lookups hold only under the same ones.
+OPC_KEY_ENVIRONMENT = (
+    "BUILD_KERNEL_SRC", "ASCEND_CUSTOM_OPP_PATH", "ASCEND_OPP_PATH", "ASCEND_HOME_PATH",
+    "ASCEND_TOOLKIT_HOME", "ASCEND_AICPU_PATH", "BISHENG_REAL_PATH", "TILINGKEY_PAR_COMPILE",
+    "ASCENDC_SPK_SUB_ID", "BUILD_BUILTIN_OPP", "PATH", "PYTHONPATH", "PYTHONHOME",
+    "LD_LIBRARY_PATH", "LD_PRELOAD",
+)  # fmt: skip
+# Paths or globs (os.pathsep between) whose contents join an opc key, and
+# variable names (spaces, commas or colons between) whose values join it.
+ENV_EXTRA_FILES = "OPCACHE_EXTRA_FILES"
+ENV_KEY_ENV = "OPCACHE_KEY_ENV"
+
+
+def _extra_files(env: Mapping[str, str]) -> list[list[object]] | None:
+    """The files ``OPCACHE_EXTRA_FILES`` names (a folder: every file in it), with their digests."""
+    import glob
+
+    spec = env.get(ENV_EXTRA_FILES)
+    if spec is None:
+        return None
+    found: list[list[object]] = []
+    for pattern in (p for p in spec.split(os.pathsep) if p):
+        paths = []
+        for match in sorted(glob.glob(pattern, recursive=True)):
+            if os.path.isdir(match):
+                paths += sorted(str(p) for p in Path(match).rglob("*") if p.is_file())
+            else:
+                paths.append(match)
+        if not paths:
+            found.append([pattern, "no match"])
+        for path in paths:
+            data = _read(path)
+            found.append([path, len(data), digest(data)])
+    return found
+
+
+def _opc_trace_folders(opc: object, env: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """(folders left out of a read set, folders under them kept in it).
+
+    Left out: the toolkit (when it has the version files its fingerprint
+    holds) and the standard library of the Python opc runs with (its
+    ``site-packages`` stay in).  Kept: the custom operator folders, which
+    users change without changing the toolkit.
+    """
+    import glob
+
+    from .compilers.cann import script_interpreter, version_files
+
+    home = getattr(opc, "home", None)
+    exclude = [str(home)] if home is not None and version_files(home, env) else []
+    interpreter = script_interpreter(getattr(opc, "opc", ""), env)
+    if interpreter:
+        for path in {interpreter, os.path.realpath(interpreter)}:
+            prefix = os.path.dirname(os.path.dirname(path))
+            exclude += glob.glob(os.path.join(glob.escape(prefix), "lib*", "python3*"))
+    keep = [p for p in env.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep) if p]
+    if home is not None:
+        keep.append(str(Path(home) / "opp" / "vendors"))
+    opp = env.get("ASCEND_OPP_PATH")
+    if opp:
+        keep.append(os.path.join(opp, "vendors"))
+    return exclude, keep
+
+
+class _Done(Exception):
+    """The compile was served under another key (its read set's): the result."""
+
+    def __init__(self, result: CompileResult) -> None:
+        super().__init__("done")
+        self.result = result
+
+
+class _Unproven(Exception):
+    """The compile ran, but what it read cannot be known: its files, not to be stored."""
+
+    def __init__(self, reason: str, files: dict[str, bytes]) -> None:
+        super().__init__(reason)
+        self.files = files
+
+
+class _OpcTrace:
+    """An opc line whose key holds what the compile read (``readset.py``).
+
+    The key's ``reads`` part is the digest of the newest remembered read set
+    that still holds; with none, "unknown": a key never stored, whose compile
+    (one at a time, under its lock) is traced and then stored under the key
+    of what it read.
+    """
+
+    def __init__(
+        self,
+        strace: str,
+        memo_key: str,
+        notes: LocalStore | None,
+        make_request: Callable[[str | None], OpRequest],
+        exclude: list[str],
+        keep: list[str],
+    ) -> None:
+        from . import readset
+
+        self.strace = strace
+        self.memo_key = memo_key
+        self._make_request = make_request
+        self.memo = readset.Memo(notes)
+        self.exclude = exclude
+        self.keep = keep
+        self.cwd = os.getcwd()
+
+    def request(self, reads: ReadSet | None) -> OpRequest:
+        return self._make_request(reads.digest if reads is not None else "unknown")
+
+    def compile(self, cache: OpCache, command: _WrappedCommand, staging: Path) -> CompileResult:
+        import time
+
+        known = self.memo.matching(self.memo_key)
+        traced = _TracedCommand(self, command, cache, known)
+        started = time.perf_counter()
+        try:
+            return cache.compile(self.request(known), traced, staging)
+        except _Done as done:
+            return done.result
+        except _Unproven as e:
+            cache.record_uncacheable(self.request(None).soc_version, f"opc: {e}")
+            files = {}
+            for name, data in e.files.items():
+                (staging / name).write_bytes(data)
+                files[name] = staging / name
+            return CompileResult("miss", "", files, time.perf_counter() - started, str(e))
+
+
+class _TracedCommand:
+    """An opc compile under strace; stored under the key of what it read."""
+
+    def __init__(
+        self, trace: _OpcTrace, command: _WrappedCommand, cache: OpCache, known: ReadSet | None
+    ) -> None:
+        self.name = command.name
+        self._trace = trace
+        self._command = command
+        self._cache = cache
+        self._known = known
+
+    def fingerprint(self) -> str:
+        return self._command.fingerprint()
+
+    def compile(self, request: OpRequest, workdir: Path) -> None:
+        import tempfile
+        import time
+
+        from . import readset
+
+        trace, out = self._trace, workdir.parent  # (the cache builds in its out_dir)
+        if self._known is None:
+            known = trace.memo.matching(trace.memo_key)
+            if known is not None:  # traced by another process while this one waited
+                again = _TracedCommand(trace, self._command, self._cache, known)
+                raise _Done(self._cache.compile(trace.request(known), again, out))
+        trace_dir = tempfile.mkdtemp(prefix=".opcache-trace", dir=out)
+        try:
+            started = time.time_ns()
+            self._command.compile(
+                request,
+                workdir,
+                wrap=lambda argv: readset.traced_command(trace.strace, trace_dir, argv),
+            )
+            try:
+                # (opcache's staging, where the outputs go: no input)
+                left_out = [*trace.exclude, str(out)]
+                reads = readset.record(trace_dir, trace.cwd, started, left_out, trace.keep)
+            except readset.Unprovable as e:
+                raise _Unproven(str(e), _read_outputs(workdir)) from None
+        finally:
+            fsutil.remove_tree(trace_dir)
+        trace.memo.remember(trace.memo_key, reads)
+        if self._known is not None and reads.digest == self._known.digest:
+            return  # stored under this key
+        made = _Made(self.name, self.fingerprint(), _read_outputs(workdir))
+        raise _Done(self._cache.compile(trace.request(reads), made, out))
+
+
+class _Made:
+    """A compiler whose compile is done: it hands over the files made."""
+
+    def __init__(self, name: str, fingerprint: str, files: dict[str, bytes]) -> None:
+        self.name = name
+        self._fingerprint = fingerprint
+        self._files = files
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def compile(self, request: OpRequest, workdir: Path) -> None:
+        for name, data in self._files.items():
+            (workdir / name).write_bytes(data)
+
+
+def _read_outputs(workdir: Path) -> dict[str, bytes]:
+    return {
+        entry.name: Path(entry.path).read_bytes()
+        for entry in os.scandir(workdir)
+        if entry.is_file(follow_symlinks=False)
+    }
 
 
 def _opc_names(param: bytes, main_func: str | None) -> tuple[str, str]:
@@ -600,6 +860,9 @@ def _plan_cc(
     argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo, base_dir: Path | None = None
 ) -> Plan:
     args = list(argv[1:])
+    for name in CC_SIDE_OUTPUT_ENVIRONMENT:
+        if env.get(name):
+            raise Uncacheable(f"cc: {name} is set")
     cwd = os.getcwd()
     # The folder as the compiler names it in debug info, when it lies under base_dir.
     relative_to = _under_base_dir(base_dir, env, cwd) if base_dir is not None else None
@@ -670,12 +933,19 @@ def _plan_cc(
         raise Uncacheable("cc: the output folder does not exist")
     source_data = _read(source)
     compiler_identity = file_identity(_which(argv[0], env), memo.store)
-    deps_in_key = memo.header_digests(
-        argv[0], compiler_identity, pass_args, source, source_data, env
-    )
+    inputs = memo.header_digests(argv[0], compiler_identity, pass_args, source, source_data, env)
     key_sources = {os.path.basename(source): source_data}
-    attrs: dict[str, object] = {"args": key_args, "source": source, "headers": deps_in_key}
+    attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
+    keyed_env = [(name, env[name]) for name in CC_KEY_ENVIRONMENT if name in env]
+    if keyed_env:
+        attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
+    macros = {*inputs.macros, *_macros_in(source_data), *_macros_in(os.fsencode(" ".join(args)))}
+    attrs |= _clock_key(argv[0], macros, env, [source, *inputs.paths])
     extra = []  # flags the key decides without holding them
+    if debug or want_deps or not macros.isdisjoint(("__FILE__", "__FILE_NAME__")):
+        # Debug info, dependency files and __FILE__ name the headers where they
+        # were found (the same contents in another folder is another object).
+        attrs["header_paths"] = inputs.paths
     if debug or want_deps:
         # Debug info and dependency files name folders: the key must too.  Under
         # base_dir the paths are relative, and debug info names the folder ".".
@@ -706,6 +976,37 @@ def _plan_cc(
         return out
 
     return Plan(request=request, fingerprint=compiler_identity, command=command, outputs=outputs)
+
+
+def _clock_key(
+    cc: str, macros: set[str], env: Mapping[str, str], files: list[str]
+) -> dict[str, object]:
+    """What the key needs for the clock macros the compile expands (ccache's rule).
+
+    ``__DATE__``: the date, or SOURCE_DATE_EPOCH, which gcc uses instead of the
+    clock for both ``__DATE__`` and ``__TIME__``; another compiler (clang before
+    16 ignores it) keys the clock too.  ``__TIME__`` with no such epoch is
+    uncacheable.  ``__TIMESTAMP__``: the modification time of every file read
+    (it names the time of the file it is expanded in).  TZ joins, as local time
+    is what these macros show.
+    """
+    import time
+
+    out: dict[str, object] = {}
+    epoch = env.get("SOURCE_DATE_EPOCH") or None
+    honours_epoch = re.search(r"gcc|g\+\+", os.path.basename(os.path.realpath(cc))) is not None
+    if "__TIME__" in macros and not (epoch and honours_epoch):
+        raise Uncacheable("cc: __TIME__ without SOURCE_DATE_EPOCH")
+    if "__DATE__" in macros or "__TIME__" in macros:
+        clock = None if epoch and honours_epoch else time.strftime("%Y-%m-%d")
+        out["date"] = [epoch, clock, env.get("TZ")]
+    if "__TIMESTAMP__" in macros:
+        try:
+            out["mtimes"] = [[path, int(os.stat(path).st_mtime)] for path in files]
+        except OSError as e:
+            raise Uncacheable(f"cc: __TIMESTAMP__ and a file with no time: {e}") from None
+        out["mtimes_tz"] = env.get("TZ")
+    return out
 
 
 # Flags whose value is a path, glued to it ("" for a path on its own).
@@ -797,9 +1098,12 @@ class HeaderMemo:
 
     Keyed by everything that decides which headers the preprocessor opens (the
     compiler, the flags and include folders, the source's path and contents,
-    the working folder, the include variables).  A remembered header list is
-    used only while every header still has the contents it had then: same
-    contents, same ``#include``s, same list.  Otherwise ``cc -M`` runs again.
+    the working folder, the environment variables in ``CC_KEY_ENVIRONMENT``).
+    A remembered header list is used only while every header still has the
+    contents it had then (same contents, same ``#include``s, same list) and
+    every place the preprocessor looked for a header before the folder where
+    it found it, or for a ``__has_include`` that failed, is still empty (a
+    header created earlier on the include path).  Otherwise ``cc -M`` runs again.
     """
 
     _VARIANTS = 4  # header sets remembered per source (e.g. a header edited back and forth)
@@ -815,17 +1119,18 @@ class HeaderMemo:
         source: str,
         source_data: bytes,
         env: Mapping[str, str],
-    ) -> list[str]:
-        """The digests of the headers ``source`` includes, in the order first read."""
+    ) -> CcInputs:
+        """The headers ``source`` includes (in the order first read), with their digests."""
         memo_key = digest(
             canonical_json(
                 {
+                    "format": 2,  # variants with negative lookups and macros
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
                     "cwd": os.getcwd(),
                     # repr: text even for bytes of no encoding (os.environ's surrogates)
-                    "env": repr([env.get(name) for name in _INCLUDE_VARIABLES]),
+                    "env": repr([env.get(name) for name in CC_KEY_ENVIRONMENT]),
                 }
             )
         )
@@ -833,29 +1138,45 @@ class HeaderMemo:
         for variant in variants:
             digests = _current_digests(variant)
             if digests is not None:
-                return digests
-        headers = [h for h in _cc_headers(cc, pass_args, source, env) if h != source]
-        variant = [[h, digest(_read(h))] for h in headers]
-        self._remember(memo_key, [variant, *variants][: self._VARIANTS])
-        return [d for _, d in variant]
+                return CcInputs(variant["headers"], digests, variant["macros"])
+        found = _cc_headers(cc, pass_args, source, env)
+        headers = [h for h in found.headers if h != source]
+        contents = {h: _read(h) for h in headers}
+        absent, present = _negative_lookups(found, {source: source_data, **contents})
+        for path in present:
+            with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
+                contents.setdefault(path, read_input(path))
+        macros = sorted({m for data in contents.values() for m in _macros_in(data)})
+        paths = list(contents)
+        digests = [digest(data) for data in contents.values()]
+        if found.searched:  # the search list is known: the list can be checked on a hit
+            variant = {
+                "headers": paths,
+                "digests": digests,
+                "absent": absent,
+                "macros": macros,
+            }
+            self._remember(memo_key, [variant, *variants][: self._VARIANTS])
+        return CcInputs(paths, digests, macros)
 
-    def _recall(self, memo_key: str) -> list[list[list[str]]]:
+    def _recall(self, memo_key: str) -> list[dict[str, list[str]]]:
         raw = self.store.read_note("direct", memo_key[:2], memo_key) if self.store else None
         try:
             variants = json.loads(raw) if raw else []
         except ValueError:
             return []
+        fields = ("headers", "digests", "absent", "macros")
         ok = isinstance(variants, list) and all(
-            isinstance(v, list)
+            isinstance(v, dict)
             and all(
-                isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
-                for h in v
+                isinstance(v.get(f), list) and all(isinstance(x, str) for x in v[f]) for f in fields
             )
+            and len(v["headers"]) == len(v["digests"])
             for v in variants
         )
         return variants if ok else []
 
-    def _remember(self, memo_key: str, variants: list[list[list[str]]]) -> None:
+    def _remember(self, memo_key: str, variants: list[dict[str, list[str]]]) -> None:
         if self.store is None:
             return
         try:
@@ -865,13 +1186,89 @@ class HeaderMemo:
             log.debug("cannot remember the headers of %s: %s", memo_key, e)
 
 
-_INCLUDE_VARIABLES = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH")
+class CcInputs:
+    """The headers a C compile reads, their digests, and the macros in them that
+    make the output depend on more than their contents (``_KEY_MACROS``)."""
+
+    def __init__(self, paths: list[str], digests: list[str], macros: list[str]) -> None:
+        self.paths = paths
+        self.digests = digests
+        self.macros = macros
 
 
-def _current_digests(variant: list[list[str]]) -> list[str] | None:
-    """The headers' digests if every one still has the recorded contents, else None."""
+class _Found:
+    """What ``cc -M -v`` says: the headers read; the include search list, its
+    ``#include "..."`` folders (``quote``) then its ``#include <...>`` ones
+    (``bracket``); the folders of the list that do not exist; whether the
+    compiler printed its search list at all (``searched``)."""
+
+    def __init__(
+        self,
+        headers: list[str],
+        quote: list[str],
+        bracket: list[str],
+        absent: list[str],
+        searched: bool,
+    ) -> None:
+        self.headers = headers
+        self.quote = [d.rstrip("/") or "/" for d in quote]
+        self.bracket = [d.rstrip("/") or "/" for d in bracket]
+        self.absent = absent
+        self.searched = searched
+
+
+# Environment variables that change what a C compile gives: its object, its
+# dependency file or its messages (README, "The environment of a C compile").
+CC_KEY_ENVIRONMENT = (
+    "CPATH",
+    "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH",
+    "OBJC_INCLUDE_PATH",
+    "OBJCPLUS_INCLUDE_PATH",
+    "GCC_EXEC_PREFIX",
+    "COMPILER_PATH",
+    "GCC_COMPARE_DEBUG",
+    "CCC_OVERRIDE_OPTIONS",
+    "QA_OVERRIDE_GCC3_OPTIONS",
+    "SDKROOT",
+    "MACOSX_DEPLOYMENT_TARGET",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "GCC_COLORS",
+    "GCC_URLS",
+    "TERM_URLS",
+    "COLUMNS",
+    "GCC_EXTRA_DIAGNOSTIC_OUTPUT",
+)
+# Variables that make the compiler write a file opcache does not capture.
+CC_SIDE_OUTPUT_ENVIRONMENT = (
+    "DEPENDENCIES_OUTPUT",
+    "SUNPRO_DEPENDENCIES",
+    "CC_PRINT_OPTIONS",
+    "CC_PRINT_HEADERS",
+    "CC_LOG_DIAGNOSTICS",
+    "CC_PRINT_PROC_STAT",
+)
+# Macros whose expansion is not in the files' contents: the time, a file's
+# time, a file's path.  Found as text (a name pasted together by ## is not).
+_KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", "__FILE__", "__FILE_NAME__")
+
+
+def _macros_in(data: bytes) -> list[str]:
+    return [m for m in _KEY_MACROS if m.encode() in data]
+
+
+def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:
+    """The headers' digests if every one still has the recorded contents and every
+    recorded negative lookup still finds nothing, else None."""
+    for path in variant["absent"]:
+        if not _absent(path):
+            return None
     digests = []
-    for path, want in variant:
+    for path, want in zip(variant["headers"], variant["digests"], strict=True):
         try:
             now = digest(read_input(path))
         except OSError:
@@ -882,16 +1279,106 @@ def _current_digests(variant: list[list[str]]) -> list[str] | None:
     return digests
 
 
-def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, str]) -> list[str]:
-    """Every file the preprocessor reads for ``source``, in the order ``cc -M`` lists them."""
+def _absent(path: str) -> bool:
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False  # (cannot tell: not a place known to be empty)
+    return False
+
+
+# #include "name" (and its kin) looks beside the including file first;
+# __has_include asks about a header without reading it.
+_QUOTED_INCLUDE = re.compile(
+    rb'^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^"\n]+)"', re.M
+)
+_HAS_INCLUDE = re.compile(rb'__has_include(?:_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)')
+
+
+def _negative_lookups(found: _Found, reads: dict[str, bytes]) -> tuple[list[str], list[str]]:
+    """(places looked up and empty, files ``__has_include`` found) for a compile.
+
+    A header found in folder k of the search list was first looked for in
+    folders 0..k-1 (all of them: a quoted include, ``#include_next`` and a
+    header under two folders of the list are all covered by taking every
+    earlier folder); a quoted include was looked for beside its includer.
+    Each such place that does not exist is recorded, as its first missing
+    folder when one is (``A/sys`` stands for every ``A/sys/*.h``).
+    """
+    absent = set(found.absent)
+    chain = found.quote + found.bracket
+    for header in found.headers:
+        for k, folder in enumerate(chain):
+            prefix = folder if folder.endswith("/") else folder + "/"
+            if header.startswith(prefix):
+                name = header[len(prefix) :]
+                absent.update(filter(None, (_first_missing(f, name) for f in chain[:k])))
+    present = []
+    for path, data in reads.items():
+        beside = os.path.dirname(path)
+        for raw in _QUOTED_INCLUDE.findall(data):
+            missing = _first_missing(beside, os.fsdecode(raw))
+            if missing:
+                absent.add(missing)
+        for quoted, angled in _HAS_INCLUDE.findall(data):
+            name = os.fsdecode(quoted or angled)
+            for folder in [beside, *chain] if quoted else found.bracket:
+                missing = _first_missing(folder, name)
+                if missing is None:
+                    present.append(os.path.join(folder, name))
+                    break
+                absent.add(missing)
+    return sorted(absent), present
+
+
+def _first_missing(folder: str, name: str) -> str | None:
+    """The first part of ``folder/name`` that does not exist (None: all of it exists)."""
+    path = folder
+    for part in name.split("/"):
+        path = os.path.join(path, part) if path else part
+        if part and _absent(path):
+            return path
+    return None
+
+
+def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, str]) -> _Found:
+    """Every file the preprocessor reads for ``source``, in the order ``cc -M`` lists
+    them, and the include search list ``-v`` prints beside."""
     import subprocess
 
     done = subprocess.run(
-        [cc, *pass_args, "-M", source], capture_output=True, env=dict(env), check=False
+        [cc, *pass_args, "-M", "-v", source], capture_output=True, env=dict(env), check=False
     )
     if done.returncode != 0:
         raise Uncacheable("cc: the preprocessor failed (the compile will report why)")
-    return list(dict.fromkeys(_make_prerequisites(done.stdout.decode(errors="surrogateescape"))))
+    headers = _make_prerequisites(done.stdout.decode(errors="surrogateescape"))
+    return _search_list(list(dict.fromkeys(headers)), done.stderr.decode(errors="surrogateescape"))
+
+
+def _search_list(headers: list[str], said: str) -> _Found:
+    """The include search list gcc and clang print with ``-v``: the ``#include "..."``
+    folders, then the ``#include <...>`` ones; and the folders they left out as
+    nonexistent."""
+    quote: list[str] = []
+    bracket: list[str] = []
+    absent = []
+    into = None
+    searched = False
+    for line in said.splitlines():
+        if line.startswith('ignoring nonexistent directory "') and line.endswith('"'):
+            absent.append(line[len('ignoring nonexistent directory "') : -1])
+        elif line.startswith('#include "..." search starts here:'):
+            into = quote
+        elif line.startswith("#include <...> search starts here:"):
+            into = bracket
+        elif line == "End of search list.":
+            into = None
+            searched = True
+        elif into is not None and line.startswith(" "):
+            into.append(line.strip().removesuffix(" (framework directory)"))
+    return _Found(headers, quote, bracket, absent, searched)
 
 
 # gcc's make quoting (libcpp/mkdeps.cc): a space or tab of a name follows a

@@ -3,8 +3,9 @@
 The toolkit is found through ``ASCEND_HOME_PATH``, ``ASCEND_TOOLKIT_HOME``,
 ``ASCEND_OPP_PATH`` or ``opc`` on PATH.  The fingerprint covers the toolkit's
 version files, the opc executable, the Python that runs it (opc is a Python
-script: the interpreter its ``#!`` line names, not opcache's own) and the tuning
-knowledge base, so an upgrade or a re-tune gives new keys instead of stale kernels.
+script: the interpreter its ``#!`` line names, not opcache's own), the tuning
+knowledge base and the NPU driver's ``version.info`` (when a driver is
+installed), so an upgrade or a re-tune gives new keys instead of stale kernels.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 from ..errors import CompileError, ConfigError
 from ..key import digest
 from ..request import OpRequest
-from ._tool import file_identity, kernel_name, run_tool, which
+from ._tool import file_identity, kernel_name, read_input, run_tool, which
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     from ..storage.local import LocalStore
 
 HOME_VARIABLES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
+DRIVER_VARIABLE = "ASCEND_DRIVER_PATH"
+INSTALL_INFO = "/etc/ascend_install.info"
 # Options that are opc's own arguments, not flags passed through.
 _MAIN_FUNC = "main_func"
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -140,7 +143,37 @@ def toolkit_fingerprint(
         "python": interpreter_identity(tool, environ),
         "tune_bank": tune_bank_digest(environ, notes),
     }
+    driver = driver_version(environ)
+    if driver is not None:  # (no driver installed, as on a build machine: nothing joins)
+        parts["driver"] = driver
     return json.dumps(parts, sort_keys=True)
+
+
+def driver_folder(environ: Mapping[str, str]) -> Path:
+    """The NPU driver's folder: ``ASCEND_DRIVER_PATH``, else where CANN's installers
+    look (``Driver_Install_Path_Param`` in /etc/ascend_install.info, plus
+    ``/driver``), else /usr/local/Ascend/driver."""
+    if environ.get(DRIVER_VARIABLE):
+        return Path(environ[DRIVER_VARIABLE])
+    try:
+        with open(INSTALL_INFO, "rb") as f:
+            info = f.read(1 << 16).decode(errors="replace")
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        name, eq, value = line.partition("=")
+        if eq and name.strip() == "Driver_Install_Path_Param" and value.strip():
+            return Path(value.strip()) / "driver"
+    return Path("/usr/local/Ascend/driver")
+
+
+def driver_version(environ: Mapping[str, str]) -> str | None:
+    """The digest of the driver's ``version.info`` (CANN requires equal drivers for
+    servers that share a cache); None when there is none."""
+    try:
+        return digest(read_input(driver_folder(environ) / "version.info"))
+    except OSError:
+        return None
 
 
 def tune_bank_digest(environ: Mapping[str, str], notes: LocalStore | None = None) -> str:

@@ -1,0 +1,342 @@
+"""Read sets: what a compile read or looked for; a hit is served only while all of it is unchanged.
+
+A tool such as CANN's ``opc`` reads files its command line does not name (the
+kernel source an operator ``.py`` finds through ``BUILD_KERNEL_SRC`` or beside
+itself, the headers that source includes, helper modules, the tiling library
+under ``ASCEND_CUSTOM_OPP_PATH``).  On a miss the compile runs under
+``strace -f``; every path any of its processes opened, executed, listed or
+looked up (``stat``, ``access``, ``readlink``...) is recorded with what it is
+now: a file's mode, size, times and digest; a folder's mode (and, when the
+tool listed it, the digest of its names); a link's target; or that it is
+missing (ENOENT, ENOTDIR: a negative entry, so a file created later earlier on
+a search path is seen).  Left out: what the compile wrote, made, renamed or
+deleted itself (its outputs and temporary files), and the folders ``exclude``
+names (the toolkit and Python's standard library, which the toolkit
+fingerprint covers, and ``/proc``, ``/sys``, ``/dev``, ``/run``).
+
+``ReadSet.digest`` covers the paths and contents, not the times: it joins a
+cache key.  ``ReadSet.unchanged()`` checks the set against the machine: one
+``lstat`` per path, and a file's digest only when its stat moved.  A set can
+be remembered per compile command (``Memo``), as ccache's direct mode
+remembers a source's headers, so a hit costs only those stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+from ._log import get_logger
+from .compilers._tool import read_input, which
+from .key import canonical_json, digest
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from .storage.local import LocalStore
+
+log = get_logger(__name__)
+
+ENV_TRACE = "OPCACHE_TRACE"  # "off": do not trace (as where strace is missing)
+SYSTEM_FOLDERS = ("/proc", "/sys", "/dev", "/run")
+TRACE_PREFIX = "trace"
+# opcache's own folders beside a compile's outputs (staging, builds): not in a listing.
+OWN_NAMES = ".opcache-"
+_VARIANTS = 8  # read sets remembered per command (e.g. a kernel edited back and forth)
+
+# strace's output with -xx (every string as \xNN), -y (fds and AT_FDCWD followed by <path>).
+_HEX = r"(?:\\x[0-9a-f]{2})*"
+_CALL = re.compile(r"^(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<" + _HEX + r">)?(?:\s+(E[A-Z0-9]+))?")
+_PATH_ARG = re.compile(r"(?:(?:AT_FDCWD|-?\d+)<(" + _HEX + r")>,\s*)?\"(" + _HEX + r")\"")
+_FD_ARG = re.compile(r"^-?\d+<(" + _HEX + r")>")
+# Calls that look at a path (the first one), calls that change one or two.
+_LOOKS = frozenset((
+    "access", "faccessat", "faccessat2", "stat", "stat64", "lstat", "lstat64", "newfstatat",
+    "fstatat64", "statx", "readlink", "readlinkat", "execve", "execveat", "open", "openat",
+    "openat2", "getxattr", "lgetxattr", "listxattr", "llistxattr", "uselib",
+))  # fmt: skip
+_CHANGES = dict.fromkeys((
+    "creat", "mkdir", "mkdirat", "unlink", "unlinkat", "rmdir", "truncate", "chmod", "fchmodat",
+    "lchown", "chown", "fchownat", "utime", "utimes", "utimensat", "futimesat", "mknod",
+    "mknodat", "setxattr", "lsetxattr", "removexattr", "lremovexattr",
+), 1)  # fmt: skip
+_CHANGES |= dict.fromkeys(("rename", "renameat", "renameat2", "link", "linkat"), 2)
+_SYMLINKS = frozenset(("symlink", "symlinkat"))  # the second path is the one made
+_WRITE_FLAGS = re.compile(r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC")
+_MISSING = ("ENOENT", "ENOTDIR")
+
+
+class Unprovable(Exception):
+    """What the compile read cannot be known (the message says why): do not store it."""
+
+
+def strace_program(environ: Mapping[str, str]) -> str | None:
+    """The strace to trace compiles with; None where there is none or tracing is off."""
+    if environ.get(ENV_TRACE, "").strip().lower() in ("off", "0", "no", "false"):
+        return None
+    return which("strace", environ)
+
+
+def traced_command(strace: str, trace_dir: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` run under strace, one trace file per process in ``trace_dir``."""
+    out = os.path.join(trace_dir, TRACE_PREFIX)
+    calls = "trace=%file,fchdir,chdir"
+    options = ["-f", "-ff", "-qq", "-xx", "-y", "-s", "65535", "-e", calls, "-e", "signal=none"]
+    return [strace, *options, "-o", out, "--", *argv]
+
+
+class ReadSet:
+    """The files one compile read or looked for, as they were (or are) on the machine.
+
+    ``items``: ``[path, kind, mode, size, mtime_ns, ctime_ns, content]`` sorted
+    by path, ``kind`` one of ``file`` (content: its digest), ``dir`` (content:
+    the digest of its names when it was listed, else ""), ``link`` (content:
+    its target; the path's item as followed comes next, under ``path + "\\0"``),
+    ``missing``, ``other`` (a FIFO, socket or device: its type), ``error``
+    (content: the errno's name).
+    """
+
+    def __init__(self, items: list[list]) -> None:
+        self.items = items
+
+    @property
+    def digest(self) -> str:
+        """Of the paths and what they hold, not their times: a part of a key."""
+        return digest(canonical_json([[i[0], i[1], i[2], i[3], i[6]] for i in self.items]))
+
+    def unchanged(self) -> bool:
+        """True while every path is as recorded (stat first, a digest only when it moved)."""
+        for item in self.items:
+            path, kind = item[0], item[1]
+            follow = path.endswith("\0")
+            now = _facts(path[:-1] if follow else path, follow, listed=False, cheap=True)
+            if now[1] != kind or now[2] != item[2]:
+                return False
+            if kind in ("file", "dir") and now[3:6] == item[3:6]:
+                continue  # (a folder's names change its mtime)
+            if kind in ("file", "dir"):
+                listed = kind == "dir" and item[6] != ""
+                now = _facts(path[:-1] if follow else path, follow, listed=listed, cheap=False)
+            if now[3] != item[3] or now[6] != item[6]:
+                return False
+        return True
+
+    def to_json(self) -> list:
+        return self.items
+
+    @classmethod
+    def from_json(cls, data: object) -> ReadSet | None:
+        """The set written by ``to_json``; None when it is not one."""
+        if not isinstance(data, list):
+            return None
+        for item in data:
+            if not (
+                isinstance(item, list)
+                and len(item) == 7
+                and isinstance(item[0], str)
+                and isinstance(item[1], str)
+                and isinstance(item[6], str)
+                and all(isinstance(x, int) for x in item[2:6])
+            ):
+                return None
+        return cls(data)
+
+
+def record(
+    trace_dir: str, cwd: str, started_ns: int, exclude: Sequence[str], keep: Sequence[str] = ()
+) -> ReadSet:
+    """The read set of the compile whose trace files are in ``trace_dir``.
+
+    ``cwd``: the folder it started in.  Paths under ``exclude`` and the system
+    folders are left out, unless they are under ``keep`` or in a
+    ``site-packages`` / ``dist-packages`` folder right below an ``exclude``
+    folder (a Python's standard library is left out, its installed packages
+    are not).  Everything the compile changed is left out too.  Unprovable
+    when there is no trace, or a file it read changed after ``started_ns`` (it
+    may have read the old contents or the new).
+    """
+    looked, listed, changed, made = _parse(trace_dir, cwd)
+    if not looked and not changed:
+        raise Unprovable("strace recorded nothing (it may not be allowed to trace here)")
+    skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
+    kept = tuple(_folder(p) for p in keep)
+    made_dirs = tuple(_folder(p) for p in made)
+    items = []
+    for path in sorted(looked):
+        norm = os.path.normpath(path)
+        if norm in changed or norm.startswith(made_dirs) or _skipped(norm, skip, kept):
+            continue
+        for item in _facts_with_link(path, listed=norm in listed):
+            if item[1] == "file" and max(item[4], item[5]) >= started_ns:
+                raise Unprovable(f"{path} changed while the compile ran")
+            items.append(item)
+    return ReadSet(items)
+
+
+def _folder(path: str) -> str:
+    return os.path.normpath(path).rstrip("/") + "/"
+
+
+def _skipped(norm: str, skip: list[str], kept: tuple[str, ...]) -> bool:
+    inside = norm + "/"
+    if inside.startswith(kept):
+        return False
+    for folder in skip:
+        if inside.startswith(folder):
+            rest = inside[len(folder) :]
+            return not rest.startswith(("site-packages/", "dist-packages/"))
+    return False
+
+
+def _facts_with_link(path: str, *, listed: bool) -> list[list]:
+    """The items of ``path``: as it is, and as followed when it is a link."""
+    first = _facts(path, False, listed=listed, cheap=False)
+    if first[1] != "link":
+        return [first]
+    return [first, _facts(path, True, listed=listed, cheap=False)]
+
+
+def _facts(path: str, follow: bool, *, listed: bool, cheap: bool) -> list:
+    """``[name, kind, mode, size, mtime_ns, ctime_ns, content]``; ``cheap``: no content read."""
+    name = path + "\0" if follow else path
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except OSError as e:
+        code = e.errno or 0
+        error = os.strerror(code) if code else str(e)
+        kind = "missing" if _errno_name(code) in _MISSING else "error"
+        return [name, kind, 0, 0, 0, 0, "" if kind == "missing" else error]
+    mode = stat.S_IMODE(st.st_mode)
+    times = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return [name, "link", mode, 0, 0, 0, os.readlink(path)]
+        except OSError as e:
+            return [name, "error", 0, 0, 0, 0, e.strerror or str(e)]
+    if stat.S_ISDIR(st.st_mode):
+        content = ""
+        if listed and not cheap:
+            try:
+                names = sorted(n for n in os.listdir(path) if not n.startswith(OWN_NAMES))
+                content = digest("\0".join(names).encode(errors="surrogateescape"))
+            except OSError as e:
+                content = f"unlistable: {e.strerror or e}"
+        return [name, "dir", mode, *times, content]
+    if stat.S_ISREG(st.st_mode):
+        content = ""
+        if not cheap:
+            try:
+                content = digest(read_input(path))
+            except OSError as e:
+                content = f"unreadable: {e.strerror or e}"
+        return [name, "file", mode, *times, content]
+    return [name, "other", mode, 0, 0, 0, str(stat.S_IFMT(st.st_mode))]
+
+
+def _errno_name(code: int) -> str:
+    import errno
+
+    return errno.errorcode.get(code, "")
+
+
+def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[str]]:
+    """(paths looked at, folders listed, paths changed, folders made) by every process."""
+    looked: set[str] = set()
+    listed: set[str] = set()
+    changed: set[str] = set()
+    made: set[str] = set()
+    try:
+        names = [n for n in os.listdir(trace_dir) if n.startswith(TRACE_PREFIX + ".")]
+    except OSError:
+        names = []
+    for name in names:
+        here = cwd  # a process's folder: known from each AT_FDCWD<...>; chdir moves it
+        try:
+            with open(os.path.join(trace_dir, name), "rb") as f:
+                lines = f.read().decode("ascii", "replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            match = _CALL.match(line)
+            if match is None:
+                continue
+            call, args, result, _error = match.groups()
+            cwd_note = re.search(r"AT_FDCWD<(" + _HEX + r")>", args)
+            if cwd_note:
+                here = _unhex(cwd_note.group(1))
+            paths = [
+                os.path.join(here if not folder else _unhex(folder), _unhex(text))
+                for folder, text in _PATH_ARG.findall(args)
+                if text
+            ]
+            ok = result not in ("-1", "?")
+            if call in ("chdir", "fchdir") and ok:
+                fd = _FD_ARG.match(args)
+                if call == "fchdir" and fd:
+                    here = _unhex(fd.group(1))
+                elif paths:
+                    here = paths[0]
+                continue
+            paths = [os.path.normpath(p) for p in paths]
+            if call in _SYMLINKS and ok:
+                changed.update(paths[1:2])
+            elif call in _CHANGES and ok:
+                changed.update(paths[: _CHANGES[call]])
+                if call in ("mkdir", "mkdirat"):
+                    made.update(paths[:1])
+            elif call in _CHANGES or call in _SYMLINKS:
+                looked.update(paths[:1])  # (failed: what it found there decided that)
+            elif call in _LOOKS and paths:
+                if ok and call.startswith("open") and _WRITE_FLAGS.search(args):
+                    changed.add(paths[0])
+                    continue
+                looked.add(paths[0])
+                if ok and call.startswith("open") and "O_DIRECTORY" in args:
+                    listed.add(paths[0])
+    return looked, listed, changed, made
+
+
+def _unhex(text: str) -> str:
+    return os.fsdecode(bytes.fromhex(text.replace("\\x", "")))
+
+
+class Memo:
+    """The read sets seen for a compile command, newest first, in the cache's notes.
+
+    Keyed by everything that decides which files the command looks for (the
+    command's key inputs, its environment, its working folder): ``matching``
+    gives the first set that is still as recorded, whose digest then joins the
+    key.
+    """
+
+    def __init__(self, store: LocalStore | None) -> None:
+        self.store = store  # None: nothing is remembered
+
+    def recall(self, memo_key: str) -> list[ReadSet]:
+        raw = self.store.read_note("reads", memo_key[:2], memo_key) if self.store else None
+        try:
+            variants = json.loads(raw) if raw else []
+        except ValueError:
+            return []
+        if not isinstance(variants, list):
+            return []
+        found = [ReadSet.from_json(v) for v in variants]
+        return [v for v in found if v is not None]
+
+    def matching(self, memo_key: str) -> ReadSet | None:
+        """The newest remembered set that still holds, or None."""
+        return next((v for v in self.recall(memo_key) if v.unchanged()), None)
+
+    def remember(self, memo_key: str, reads: ReadSet) -> None:
+        if self.store is None:
+            return
+        others = [v for v in self.recall(memo_key) if v.digest != reads.digest]
+        variants = [reads, *others][:_VARIANTS]
+        try:
+            data = json.dumps([v.to_json() for v in variants]).encode()
+            self.store.write_note(data, "reads", memo_key[:2], memo_key)
+        except (OSError, ValueError) as e:
+            log.debug("cannot remember what %s read: %s", memo_key, e)

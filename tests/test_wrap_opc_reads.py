@@ -1,0 +1,306 @@
+"""``opcache wrap -- opc|asc_opc``: a hit only while everything the compile read is unchanged.
+
+An operator ``.py`` finds the kernel source through ``BUILD_KERNEL_SRC`` or
+beside itself, the kernel includes headers of its project, the ``.py`` imports
+project helper modules and reads files under ``ASCEND_CUSTOM_OPP_PATH``: none
+of these is on opc's command line.  Each is changed alone, and the output
+must then be what the tool itself writes (a miss), never the old kernel.
+With strace the read set is traced; without it (``OPCACHE_TRACE=off``) opc
+is cached only with the inputs the user lists.  The stand-in opc runs the
+operator ``.py``, as CANN's opc does, and writes what it returns to ``k.o``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from fake_opc import SOC, base_env, write_tool
+from helpers_wrap import opcache_script, stats, wrap
+
+needs_strace = pytest.mark.skipif(
+    shutil.which("strace") is None, reason="strace is needed to trace opc (CI installs it)"
+)
+
+# opc as CANN's: import the operator .py (its folder first on sys.path), call --main_func.
+STAND_IN = r"""
+import importlib.util, os, sys
+args = sys.argv[1:]
+source = [a for a in args if not a.startswith("--")][0]
+flags = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
+with open(os.environ["FAKE_OPC_LOG"], "a") as f:
+    f.write("run\n")
+sys.path.insert(0, os.path.dirname(os.path.abspath(source)))
+spec = importlib.util.spec_from_file_location("op", source)
+op = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(op)
+data = getattr(op, flags["main_func"])()
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(data)
+"""
+
+# The generated operator .py: the kernel by BUILD_KERNEL_SRC or beside itself,
+# the header beside the kernel, a tiling file under ASCEND_CUSTOM_OPP_PATH, a helper.
+OP_PY = """\
+import os
+import helper
+
+HERE = os.path.dirname(os.path.realpath(__file__))
+
+
+def add_custom():
+    src = os.environ.get("BUILD_KERNEL_SRC") or os.path.join(HERE, "kernel", "k.cpp")
+    with open(src, "rb") as f:
+        data = f.read()
+    with open(os.path.join(os.path.dirname(src), "common.h"), "rb") as f:
+        data += f.read()
+    tiling = os.path.join(os.environ.get("ASCEND_CUSTOM_OPP_PATH", HERE), "tiling.txt")
+    if os.path.exists(tiling):
+        with open(tiling, "rb") as f:
+            data += f.read()
+    data += helper.VALUE.encode() + os.environ.get("TILINGKEY_PAR_COMPILE", "").encode()
+    return data
+"""
+
+# The issue's reproduction: a shell opc that cats the kernel and its header.
+SHELL_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+echo run >> "$FAKE_OPC_LOG"
+mkdir -p "$out"
+cat "$BUILD_KERNEL_SRC" "$(dirname "$BUILD_KERNEL_SRC")/common.h" > "$out/k.o"
+"""
+
+ARGS = [
+    "op/add_custom.py",
+    "--main_func=add_custom",
+    f"--soc_version={SOC}",
+    "--impl_mode=high_performance,optional",
+    "--op_mode=dynamic",
+]
+ASC_ARGS = [
+    *ARGS,
+    "--simplified_key_mode=0",
+    '--tiling_key="1,2"',
+    "--kernel-template-input=op/templates.json",
+]
+
+
+def project(tmp_path: Path, tool: str = "opc") -> tuple[dict[str, str], Path]:
+    """(environment, project folder): the stand-in on PATH, op/, kernel/, custom opp."""
+    root = tmp_path / "proj"
+    (root / "op").mkdir(parents=True)
+    (root / "op" / "add_custom.py").write_text(OP_PY)
+    (root / "op" / "helper.py").write_text('VALUE = "helper-1\\n"\n')
+    (root / "op" / "templates.json").write_text("{}\n")
+    for kernel in (root / "kernel", root / "op" / "kernel"):
+        kernel.mkdir()
+        (kernel / "k.cpp").write_text(f"// kernel in {kernel.parent.name}\nint k = 1;\n")
+        (kernel / "common.h").write_text("#define TILE 8\n")
+    (root / "opp").mkdir()
+    (root / "opp" / "tiling.txt").write_text("tiling 1\n")
+    write_tool(tmp_path / "bin", tool, STAND_IN)
+    env = base_env(tmp_path, tmp_path / "bin")
+    env["BUILD_KERNEL_SRC"] = str(root / "kernel" / "k.cpp")
+    env["ASCEND_CUSTOM_OPP_PATH"] = str(root / "opp")
+    return env, root
+
+
+def runs(env: dict[str, str]) -> int:
+    log = Path(env["FAKE_OPC_LOG"])
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def fresh(env: dict[str, str], root: Path, tool: str, args: list[str]) -> bytes:
+    """What the tool itself writes now, without the cache."""
+    out = root.parent / "fresh"
+    shutil.rmtree(out, ignore_errors=True)
+    quiet = {**env, "FAKE_OPC_LOG": os.devnull}
+    command = [tool, *args, f"--output={out}"]
+    subprocess.run(command, env=quiet, cwd=root, check=True, timeout=60)
+    return (out / "k.o").read_bytes()
+
+
+def compile_into(env: dict[str, str], root: Path, out: str, tool: str = "opc", args=ARGS) -> bytes:
+    wrap(tool, *args, f"--output={out}", env=env, cwd=root)
+    return (root / out / "k.o").read_bytes()
+
+
+def edit(root: Path, env: dict[str, str], case: str) -> None:
+    """Change one input of the compile, alone."""
+    if case == "kernel":
+        (root / "kernel" / "k.cpp").write_text("// edited\nint k = 2;\n")
+    elif case == "header":
+        (root / "kernel" / "common.h").write_text("#define TILE 16\n")
+    elif case == "beside_the_py":
+        del env["BUILD_KERNEL_SRC"]  # (both compiles: the kernel found beside the .py)
+    elif case == "custom_opp":
+        (root / "opp" / "tiling.txt").write_text("tiling 2\n")
+    elif case == "helper":
+        (root / "op" / "helper.py").write_text('VALUE = "helper-2\\n"\n')
+    elif case == "helper_earlier_on_the_path":
+        # A module made where the import looks first: the folder's listing changed.
+        (root / "op" / "helper.py").rename(root / "helper_dir.py")  # (keep its text)
+        (root / "op" / "helper.py").write_text('VALUE = "helper-3\\n"\n')
+    else:
+        raise AssertionError(case)
+
+
+FILE_CASES = ["kernel", "header", "beside_the_py", "custom_opp", "helper"]
+
+
+@needs_strace
+def test_the_issues_shell_opc_edit_of_the_kernel_is_a_miss(tmp_path):
+    """The reproduction of the issue: a hit with the old kernel before."""
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", "")
+    (tmp_path / "bin" / "opc").write_text(SHELL_OPC)
+    first = compile_into(env, root, "out1")
+    assert first == fresh(env, root, "opc", ARGS)
+    (root / "kernel" / "k.cpp").write_text("// edited\nint k = 2;\n")
+    second = compile_into(env, root, "out2")
+    assert second == fresh(env, root, "opc", ARGS) != first
+    assert runs(env) == 2
+    (root / "kernel" / "common.h").write_text("#define TILE 16\n")
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 3
+    assert compile_into(env, root, "out4") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 3  # nothing changed: a hit
+
+
+@needs_strace
+@pytest.mark.parametrize("case", FILE_CASES)
+def test_each_file_opc_reads_changed_alone_is_a_miss(tmp_path, case):
+    env, root = project(tmp_path)
+    if case == "beside_the_py":
+        edit(root, env, case)
+        (root / "op" / "kernel" / "k.cpp").write_text("// beside, first\n")
+    compile_into(env, root, "out1")
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 1  # unchanged: a hit
+    if case == "beside_the_py":
+        (root / "op" / "kernel" / "k.cpp").write_text("// beside, edited\n")
+    else:
+        edit(root, env, case)
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2  # the tool ran: a miss
+    chip = stats(env, SOC)
+    assert (chip["hits"], chip["misses"]) == (1, 2)
+
+
+@needs_strace
+def test_a_helper_module_created_earlier_on_the_import_path_is_a_miss(tmp_path):
+    env, root = project(tmp_path)
+    (root / "op" / "helper.py").unlink()
+    (root / "lib").mkdir()
+    (root / "lib" / "helper.py").write_text('VALUE = "from lib\\n"\n')
+    env["PYTHONPATH"] = str(root / "lib")
+    compile_into(env, root, "out1")
+    # Created beside the .py, which is first on sys.path: it wins from now on.
+    (root / "op" / "helper.py").write_text('VALUE = "beside\\n"\n')
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    assert b"beside" in (root / "out2" / "k.o").read_bytes()
+    assert runs(env) == 2
+
+
+@needs_strace
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("BUILD_KERNEL_SRC", "op/kernel/k.cpp"),
+        ("ASCEND_CUSTOM_OPP_PATH", "other_opp"),
+        ("TILINGKEY_PAR_COMPILE", "1"),
+        ("ASCEND_OPP_PATH", "some/opp"),
+    ],
+)
+def test_each_environment_variable_opc_reads_changed_alone_is_a_miss(tmp_path, variable, value):
+    env, root = project(tmp_path)
+    (root / "other_opp").mkdir()
+    (root / "other_opp" / "tiling.txt").write_text("tiling of another opp\n")
+    compile_into(env, root, "out1")
+    env[variable] = str(root / value) if "/" in value or "opp" in value else value
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2
+
+
+@pytest.mark.parametrize("case", FILE_CASES)
+def test_without_strace_opc_is_never_stale(tmp_path, case):
+    """No tracing and no list of inputs: opc runs every time, and stats say why."""
+    env, root = project(tmp_path)
+    env["OPCACHE_TRACE"] = "off"
+    compile_into(env, root, "out1")
+    edit(root, env, case)
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2
+    reasons = stats(env, "host")["uncacheable_reasons"]
+    assert any("not traced" in reason for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("case", [c for c in FILE_CASES if c != "beside_the_py"])
+def test_without_strace_the_listed_extra_inputs_join_the_key(tmp_path, case):
+    env, root = project(tmp_path)
+    env["OPCACHE_TRACE"] = "off"
+    listed = [root / "kernel", root / "opp" / "*.txt", root / "op" / "*.py"]
+    env["OPCACHE_EXTRA_FILES"] = os.pathsep.join(str(p) for p in listed)
+    env["OPCACHE_KEY_ENV"] = "SOME_SETTING"
+    compile_into(env, root, "out1")
+    compile_into(env, root, "out2")
+    assert runs(env) == 1  # listed and unchanged: a hit
+    edit(root, env, case)
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2
+    env["SOME_SETTING"] = "x"
+    compile_into(env, root, "out4")
+    assert runs(env) == 3
+
+
+@needs_strace
+def test_asc_opc_is_cached_as_opc_with_its_flags(tmp_path):
+    env, root = project(tmp_path, "asc_opc")
+    compile_into(env, root, "out1", "asc_opc", ASC_ARGS)
+    assert compile_into(env, root, "out2", "asc_opc", ASC_ARGS) == fresh(
+        env, root, "asc_opc", ASC_ARGS
+    )
+    assert runs(env) == 1
+    (root / "op" / "templates.json").write_text('{"t": 1}\n')  # a file a flag names
+    compile_into(env, root, "out3", "asc_opc", ASC_ARGS)
+    assert runs(env) == 2
+    edit(root, env, "header")
+    assert compile_into(env, root, "out4", "asc_opc", ASC_ARGS) == fresh(
+        env, root, "asc_opc", ASC_ARGS
+    )
+    assert runs(env) == 3
+    assert stats(env, SOC)["hits"] == 1
+
+
+@needs_strace
+def test_asc_opc_masquerade(tmp_path):
+    env, root = project(tmp_path, "asc_opc")
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "asc_opc").symlink_to(opcache_script())
+    env["PATH"] = f"{links}{os.pathsep}{env['PATH']}"
+    for out in ("out1", "out2"):
+        command = ["asc_opc", *ASC_ARGS, f"--output={out}"]
+        done = subprocess.run(command, env=env, cwd=root, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()
+    assert runs(env) == 1
+    assert stats(env, SOC)["hits"] == 1
+
+
+@needs_strace
+def test_a_new_driver_version_is_a_miss(tmp_path):
+    env, root = project(tmp_path)
+    driver = tmp_path / "Ascend" / "driver"  # (not a folder of the toolkit's: not its version)
+    driver.mkdir(parents=True)
+    (driver / "version.info").write_text("Version=24.1.rc1\n")
+    env["ASCEND_DRIVER_PATH"] = str(driver)
+    compile_into(env, root, "out1")
+    compile_into(env, root, "out2")
+    assert runs(env) == 1
+    (driver / "version.info").write_text("Version=24.1.rc2\n")
+    compile_into(env, root, "out3")
+    assert runs(env) == 2
