@@ -92,11 +92,16 @@ class CcCompiler:
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
+            from ..wrap import CC_KEY_ENVIRONMENT  # (wrap does not import this module)
+
             version = subprocess.run(
                 [*self.argv, "--version"], capture_output=True, check=False, env=self._environ
             ).stdout
+            # The variables that change gcc's output; the epoch dates the clock macros.
+            names = (*CC_KEY_ENVIRONMENT, "SOURCE_DATE_EPOCH")
+            keyed = [(name, self._environ[name]) for name in names if name in self._environ]
             self._fingerprint = "|".join(
-                [*self.argv[1:], file_identity(self.argv[0]), digest(version)]
+                [*self.argv[1:], file_identity(self.argv[0]), digest(version), repr(keyed)]
             )
         return self._fingerprint
 
@@ -111,12 +116,22 @@ class CcCompiler:
             )
         kernel = kernel_name(request)
         obj = workdir / f"{kernel}.o"
+        # The clock macros (__DATE__, __TIME__, __TIMESTAMP__) from the epoch, as
+        # the fingerprint holds it: a kernel is the same whenever it is compiled.
+        epoch = self._environ.get("SOURCE_DATE_EPOCH") or "0"
+        stamp = int(epoch) if epoch.isdigit() else 0  # (gcc itself refuses a bad one)
         with tempfile.TemporaryDirectory(prefix="opcache-cc-") as src:
             for name, data in sources.items():
                 Path(src, name).write_bytes(data)
+                os.utime(Path(src, name), (stamp, stamp))
             # Relative names and a fixed cwd keep temp paths out of the object file.
             argv = [*self.argv, *self._flags(request), "-c", main[0], "-o", str(obj)]
-            run_tool(argv, cwd=Path(src), environ=self._environ, what=f"cc {request.op_type}")
+            run_tool(
+                argv,
+                cwd=Path(src),
+                environ=self._compile_environ(epoch),
+                what=f"cc {request.op_type}",
+            )
         description = {
             "kernelName": kernel,
             "opType": request.op_type,
@@ -127,6 +142,13 @@ class CcCompiler:
             "outputs": list(request.outputs),
         }
         (workdir / f"{kernel}.json").write_text(json.dumps(description, indent=2, sort_keys=True))
+
+    def _compile_environ(self, epoch: str) -> dict[str, str]:
+        from ..wrap import CC_SIDE_OUTPUT_ENVIRONMENT
+
+        # A dependency file the environment asks for would be written by a miss only.
+        env = {k: v for k, v in self._environ.items() if k not in CC_SIDE_OUTPUT_ENVIRONMENT}
+        return {**env, "SOURCE_DATE_EPOCH": epoch}
 
     def _flags(self, request: OpRequest) -> list[str]:
         options = dict(request.options)

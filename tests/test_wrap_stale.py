@@ -1,0 +1,290 @@
+"""A C compile through `opcache wrap` never gives a stale object (issue 17, items 2-4).
+
+Each case changes one thing the compile depends on and is not on its command
+line: the date and time macros, a header created earlier on the include path,
+an environment variable.  The object (and what the compiler said) must be
+what gcc itself gives in the changed situation.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fake_opc import base_env
+from helpers_wrap import GCC, stats, wrap
+
+from opcache import OpRequest
+from opcache.compilers.cc import CcCompiler
+
+pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return base_env(tmp_path)
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    folder = tmp_path / "src"
+    folder.mkdir()
+    return folder
+
+
+def gcc_alone(src: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
+    """gcc's own compile of the same command into ``plain.o``."""
+    done = subprocess.run(
+        [GCC, *args, "-o", "plain.o"], cwd=src, env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done
+
+
+def same_as_gcc(src: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
+    """``gcc ARGS -o k.o`` through opcache, then asserts the object and stderr are gcc's own."""
+    (src / "k.o").unlink(missing_ok=True)
+    done = wrap("gcc", *args, "-o", "k.o", env=env, cwd=src)
+    plain = gcc_alone(src, env, *args)
+    assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
+    assert done.stderr == plain.stderr
+    return done
+
+
+# -- item 2: __DATE__, __TIME__, __TIMESTAMP__ ----------------------------------------
+
+
+@pytest.mark.parametrize("where", ["source", "header"])
+def test_date_follows_source_date_epoch(env, src, where):
+    use = "const char *d(void) { return __DATE__; }\n"
+    if where == "header":
+        (src / "d.h").write_text("#define WHEN __DATE__\n")
+        use = '#include "d.h"\nconst char *d(void) { return WHEN; }\n'
+    (src / "k.c").write_text(use)
+    for epoch in ("0", "100000000"):
+        same_as_gcc(src, {**env, "SOURCE_DATE_EPOCH": epoch}, "-O2", "-c", "k.c")
+    assert b"Mar  3 1973" in (src / "k.o").read_bytes()
+    same_as_gcc(src, {**env, "SOURCE_DATE_EPOCH": "0"}, "-O2", "-c", "k.c")
+
+
+def test_date_without_source_date_epoch_is_today(env, src):
+    (src / "k.c").write_text("const char *d(void) { return __DATE__; }\n")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1  # the same day: a hit
+
+
+@pytest.mark.parametrize("where", ["source", "header", "define"])
+def test_time_two_seconds_apart_differs_as_gccs_does(env, src, where):
+    args = ["-O2", "-c", "k.c"]
+    if where == "source":
+        (src / "k.c").write_text("const char *t(void) { return __TIME__; }\n")
+    elif where == "header":
+        (src / "t.h").write_text("#define NOW __TIME__\n")
+        (src / "k.c").write_text('#include "t.h"\nconst char *t(void) { return NOW; }\n')
+    else:
+        (src / "k.c").write_text("const char *t(void) { return NOW; }\n")
+        args.insert(0, "-DNOW=__TIME__")
+    wrap("gcc", *args, "-o", "first.o", env=env, cwd=src)
+    time.sleep(2.1)
+    wrap("gcc", *args, "-o", "second.o", env=env, cwd=src)
+    assert (src / "first.o").read_bytes() != (src / "second.o").read_bytes()
+    reasons = stats(env)["uncacheable_reasons"]
+    assert reasons == {"cc: __TIME__ without SOURCE_DATE_EPOCH": 2}
+
+
+def test_time_with_source_date_epoch_is_cached_by_its_value(env, src):
+    (src / "k.c").write_text("const char *t(void) { return __TIME__; }\n")
+    for epoch in ("0", "5", "5"):
+        same_as_gcc(src, {**env, "SOURCE_DATE_EPOCH": epoch}, "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
+
+
+def test_timestamp_follows_the_source_modification_time(env, src):
+    (src / "k.c").write_text("const char *s(void) { return __TIMESTAMP__; }\n")
+    os.utime(src / "k.c", (0, 0))
+    same_as_gcc(src, {**env, "TZ": "UTC"}, "-O2", "-c", "k.c")
+    os.utime(src / "k.c", (100000000, 100000000))
+    same_as_gcc(src, {**env, "TZ": "UTC"}, "-O2", "-c", "k.c")
+    assert b"1973" in (src / "k.o").read_bytes()
+
+
+def test_timestamp_in_a_header_follows_the_headers_time(env, src):
+    (src / "s.h").write_text("static const char stamp[] = __TIMESTAMP__;\n")
+    (src / "k.c").write_text('#include "s.h"\nconst char *s(void) { return stamp; }\n')
+    os.utime(src / "s.h", (0, 0))
+    same_as_gcc(src, {**env, "TZ": "UTC"}, "-O2", "-c", "k.c")
+    os.utime(src / "s.h", (100000000, 100000000))
+    same_as_gcc(src, {**env, "TZ": "UTC"}, "-O2", "-c", "k.c")
+
+
+# -- item 3: a header created earlier on the include path ------------------------------
+
+Q_C = '#include "q.h"\nint f(void) { return Q; }\n'
+ANGLE_C = "#include <q.h>\nint f(void) { return Q; }\n"
+
+
+@pytest.mark.parametrize("flag", ["-I", "-iquote", "-isystem", "-idirafter"])
+@pytest.mark.parametrize("a_exists", [True, False])
+def test_a_header_created_earlier_on_the_include_path_is_seen(env, src, flag, a_exists):
+    (src / "k.c").write_text(Q_C)
+    (src / "B").mkdir()
+    (src / "B" / "q.h").write_text("#define Q 2\n")
+    if a_exists:
+        (src / "A").mkdir()
+    args = [flag, "A", flag, "B", "-O2", "-c", "k.c"]
+    same_as_gcc(src, env, *args)
+    (src / "A").mkdir(exist_ok=True)
+    (src / "A" / "q.h").write_text("#define Q 1\n")
+    same_as_gcc(src, env, *args)
+    assert stats(env, "host")["hits"] == 0
+
+
+def test_a_header_created_beside_the_source_is_seen(env, src):
+    # A quoted include looks beside the file that includes it before any -I folder.
+    (src / "k.c").write_text(Q_C)
+    (src / "inc").mkdir()
+    (src / "inc" / "q.h").write_text("#define Q 2\n")
+    same_as_gcc(src, env, "-Iinc", "-O2", "-c", "k.c")
+    (src / "q.h").write_text("#define Q 1\n")
+    same_as_gcc(src, env, "-Iinc", "-O2", "-c", "k.c")
+
+
+def test_a_header_created_beside_an_including_header_is_seen(env, src):
+    (src / "sub").mkdir()
+    (src / "inc").mkdir()
+    (src / "k.c").write_text('#include "sub/w.h"\nint f(void) { return Q; }\n')
+    (src / "sub" / "w.h").write_text('#include "q.h"\n')
+    (src / "inc" / "q.h").write_text("#define Q 2\n")
+    same_as_gcc(src, env, "-Iinc", "-O2", "-c", "k.c")
+    (src / "sub" / "q.h").write_text("#define Q 1\n")
+    same_as_gcc(src, env, "-Iinc", "-O2", "-c", "k.c")
+
+
+def test_a_header_created_in_a_subfolder_earlier_on_the_path_is_seen(env, src):
+    (src / "k.c").write_text("#include <x/q.h>\nint f(void) { return Q; }\n")
+    (src / "A").mkdir()
+    (src / "B" / "x").mkdir(parents=True)
+    (src / "B" / "x" / "q.h").write_text("#define Q 2\n")
+    same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    (src / "A" / "x").mkdir()
+    (src / "A" / "x" / "q.h").write_text("#define Q 1\n")
+    same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+
+
+@pytest.mark.parametrize("variable", ["CPATH", "C_INCLUDE_PATH"])
+def test_a_header_created_earlier_on_an_include_variable_is_seen(env, src, variable):
+    (src / "k.c").write_text(ANGLE_C)
+    (src / "B").mkdir()
+    (src / "B" / "q.h").write_text("#define Q 2\n")
+    env = {**env, variable: f"{src / 'A'}:{src / 'B'}"}
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    (src / "A").mkdir()
+    (src / "A" / "q.h").write_text("#define Q 1\n")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+
+
+def test_has_include_sees_a_header_come_and_go(env, src):
+    (src / "k.c").write_text(
+        "#if __has_include(<opt.h>)\nint f(void) { return 1; }\n"
+        "#else\nint f(void) { return 2; }\n#endif\n"
+    )
+    (src / "A").mkdir()
+    same_as_gcc(src, env, "-IA", "-O2", "-c", "k.c")
+    (src / "A" / "opt.h").write_text("\n")
+    same_as_gcc(src, env, "-IA", "-O2", "-c", "k.c")
+    (src / "A" / "opt.h").unlink()
+    same_as_gcc(src, env, "-IA", "-O2", "-c", "k.c")
+
+
+def test_an_unchanged_include_path_still_hits(env, src):
+    (src / "k.c").write_text('#include "q.h"\n#include <stdio.h>\nint f(void) { return Q; }\n')
+    (src / "B").mkdir()
+    (src / "B" / "q.h").write_text("#define Q 2\n")
+    same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
+
+
+# -- item 4: the environment ---------------------------------------------------------
+
+
+def test_the_locale_decides_the_replayed_messages(env, src):
+    # gcc quotes names with U+2018/U+2019 in a UTF-8 locale and with ' in C.
+    (src / "k.c").write_text("int f(void) { int x; return x; }\n")
+    for locale in ("C.UTF-8", "C"):
+        done = same_as_gcc(src, {**env, "LC_ALL": locale}, "-O2", "-Wall", "-c", "k.c")
+        assert b"x" in done.stderr
+
+
+def test_a_compiler_path_assembler_is_used(env, src, tmp_path):
+    # COMPILER_PATH names where gcc finds as: a different assembler, another object.
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    real_as = subprocess.run([GCC, "-print-prog-name=as"], capture_output=True, text=True)
+    script = tools / "as"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for a; do case "$prev" in -o) out=$a;; esac; prev=$a; done\n'
+        f'{real_as.stdout.strip()} "$@" && printf tail >> "$out"\n'
+    )
+    script.chmod(0o755)
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    done = same_as_gcc(src, {**env, "COMPILER_PATH": str(tools)}, "-O2", "-c", "k.c")
+    assert done.returncode == 0
+    assert (src / "k.o").read_bytes().endswith(b"tail")
+
+
+@pytest.mark.parametrize("variable", ["DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES"])
+def test_a_dependency_file_asked_by_the_environment_is_written(env, src, variable):
+    (src / "k.c").write_text('#include "q.h"\nint f(void) { return Q; }\n')
+    (src / "q.h").write_text("#define Q 2\n")
+    env = {**env, variable: "deps.d"}
+    for _ in range(2):
+        (src / "deps.d").unlink(missing_ok=True)
+        wrap("gcc", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+        assert "q.h" in (src / "deps.d").read_text()
+    assert stats(env)["uncacheable_reasons"] == {f"cc: {variable} is set": 2}
+
+
+# -- the cc back-end (opcache's own compiles of C kernels) ----------------------------
+
+CLOCK_KERNEL = b"const char *when(void) { return __DATE__ __TIME__ __TIMESTAMP__; }\n"
+
+
+def clock_request() -> OpRequest:
+    return OpRequest(op_type="Clock", soc_version="host", sources={"k.c": CLOCK_KERNEL})
+
+
+def test_the_cc_back_end_dates_the_clock_macros_by_the_epoch(tmp_path):
+    objects = []
+    for label in ("first", "second"):
+        work = tmp_path / label
+        work.mkdir()
+        CcCompiler().compile(clock_request(), work)
+        objects.append(read_objects(work))
+        time.sleep(1.1)  # another second on the clock: the same kernel all the same
+    assert objects[0] == objects[1]
+    later = CcCompiler(environ={**os.environ, "SOURCE_DATE_EPOCH": "100000000"})
+    assert later.fingerprint() != CcCompiler().fingerprint()
+    work = tmp_path / "later"
+    work.mkdir()
+    later.compile(clock_request(), work)
+    assert b"1973" in read_objects(work)
+
+
+@pytest.mark.parametrize("variable", ["CPATH", "LC_ALL", "COMPILER_PATH", "GCC_EXEC_PREFIX"])
+def test_the_cc_back_end_fingerprint_holds_the_environment(variable):
+    plain = {k: v for k, v in os.environ.items() if k != variable}
+    assert (
+        CcCompiler(environ=plain).fingerprint()
+        != CcCompiler(environ={**plain, variable: "/elsewhere"}).fingerprint()
+    )
+
+
+def read_objects(folder: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(folder.glob("*.o")))
