@@ -101,11 +101,12 @@ class ReadSet:
 
     def __init__(self, items: list[list]) -> None:
         self.items = items
+        self.moved = False  # set by unchanged(): a stat moved, the contents did not
 
     @property
     def digest(self) -> str:
         """Of the paths and what they hold, not their times: a part of a key."""
-        return digest(canonical_json([[i[0], i[1], i[2], i[3], i[6]] for i in self.items]))
+        return digest(canonical_json([[i[0], i[1], i[2], _size(i), i[6]] for i in self.items]))
 
     def unchanged(self) -> bool:
         """True while every path is as recorded (stat first, a digest only when it moved)."""
@@ -120,8 +121,11 @@ class ReadSet:
             if kind in ("file", "dir"):
                 listed = kind == "dir" and item[6] != ""
                 now = _facts(path[:-1] if follow else path, follow, listed=listed, cheap=False)
-            if now[3] != item[3] or now[6] != item[6]:
+            if _size(now) != _size(item) or now[6] != item[6]:
                 return False
+            if now[3:6] != item[3:6]:
+                item[3:6] = now[3:6]  # (remembered, the next hit needs no digest)
+                self.moved = True
         return True
 
     def to_json(self) -> list:
@@ -143,6 +147,14 @@ class ReadSet:
             ):
                 return None
         return cls(data)
+
+
+def traced(trace_dir: str) -> bool:
+    """Whether strace wrote a trace into ``trace_dir`` (it could start the command)."""
+    try:
+        return any(n.startswith(TRACE_PREFIX + ".") for n in os.listdir(trace_dir))
+    except OSError:
+        return False
 
 
 def record(
@@ -189,6 +201,11 @@ def _skipped(norm: str, skip: list[str], kept: tuple[str, ...]) -> bool:
             rest = inside[len(folder) :]
             return not rest.startswith(("site-packages/", "dist-packages/"))
     return False
+
+
+def _size(item: list) -> int:
+    """A file's size; a folder's (its blocks, not its names) is no part of it."""
+    return item[3] if item[1] == "file" else 0
 
 
 def _facts_with_link(path: str, *, listed: bool) -> list[list]:
@@ -328,7 +345,10 @@ class Memo:
 
     def matching(self, memo_key: str) -> ReadSet | None:
         """The newest remembered set that still holds, or None."""
-        return next((v for v in self.recall(memo_key) if v.unchanged()), None)
+        found = next((v for v in self.recall(memo_key) if v.unchanged()), None)
+        if found is not None and found.moved:
+            self.remember(memo_key, found)  # its new times: the next check reads nothing
+        return found
 
     def remember(self, memo_key: str, reads: ReadSet) -> None:
         if self.store is None:

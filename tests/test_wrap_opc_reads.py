@@ -304,3 +304,26 @@ def test_a_new_driver_version_is_a_miss(tmp_path):
     (driver / "version.info").write_text("Version=24.1.rc2\n")
     compile_into(env, root, "out3")
     assert runs(env) == 2
+
+
+def test_a_strace_that_cannot_trace_never_fails_the_compile(tmp_path):
+    """strace refused (ptrace off in a container): opc runs as it is, uncached, said once."""
+    env, root = project(tmp_path)
+    write_tool(
+        tmp_path / "fake-strace",
+        "strace",
+        "import sys\n"
+        "sys.stderr.write('strace: ptrace(PTRACE_TRACEME, ...): Operation not permitted\\n')\n"
+        "sys.exit(1)\n",
+    )
+    env["PATH"] = f"{tmp_path / 'fake-strace'}{os.pathsep}{env['PATH']}"
+    for out, edited in (("out1", False), ("out2", True)):
+        if edited:
+            edit(root, env, "kernel")
+        done = wrap("opc", *ARGS, f"--output={out}", env=env, cwd=root)
+        assert (root / out / "k.o").read_bytes() == fresh(env, root, "opc", ARGS)
+        said = b"strace cannot trace here" in done.stderr
+        assert said == (not edited)  # a warning, once (an hour), not at every compile
+    assert runs(env) == 2
+    reasons = stats(env, SOC)["uncacheable_reasons"]
+    assert any("strace cannot trace here" in reason for reason in reasons), reasons
