@@ -536,12 +536,15 @@ class OpCache:
                 request.soc_version, stats.MISSES_NEW_KEY if seen else stats.MISSES_NEVER_SEEN
             )
 
-    def explain(self, request: OpRequest, compiler: Compiler) -> Explanation:
+    def explain(
+        self, request: OpRequest, compiler: Compiler, *, reads_changed: Sequence[str] = ()
+    ) -> Explanation:
         """Why ``request`` would miss: its key's parts and those that differ from the
-        nearest stored entry of its operator and chip (``explain.Explanation``)."""
+        nearest stored entry of its operator and chip (``explain.Explanation``);
+        ``reads_changed``, files its last compile read that changed, are named too."""
         from . import explain
 
-        return explain.explain(self._store, request, compiler)
+        return explain.explain(self._store, request, compiler, reads_changed=reads_changed)
 
     # -- chip folders and aging ---------------------------------------------
 

@@ -700,11 +700,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         raise UsageError("explain needs the command after '--': opcache explain -- gcc -c k.c")
     settings = _settings(args, COMPILING_DEFAULT_MODE)
     try:
-        request, compiler = plan_command(args.argv, settings)
+        request, compiler, reads_changed = plan_command(args.argv, settings)
     except Uncacheable as e:
         raise UsageError(f"explain: opcache wrap would not cache this command: {e}") from None
     with OpCache(settings, stats_seconds=None) as cache:
-        explained = cache.explain(request, compiler)
+        explained = cache.explain(request, compiler, reads_changed=reads_changed)
     if args.json:
         print(json.dumps(explained.as_dict(), indent=2, sort_keys=True))
     else:

@@ -20,10 +20,10 @@ that removed entries prunes the chip's notes, and clearing a chip (``clear``,
 refuse an entry: a note that cannot be read or written only costs the
 explanation (a debug record says why).
 
-The hook for what a key does not hold but an entry is checked against (a
-read set of files): ``record(..., extra={"reads": {...}})`` keeps it in the
-note, and ``explain(..., extra=...)`` compares it part by part as the key's
-parts are compared, when the caller gives the current side.
+What a compile read (an opc line's read set, ``readset.py``) joins its key as
+a digest, so a changed file shows as that part changed; the caller that knows
+which files changed (``wrap.plan_command``) passes them as ``reads_changed``,
+and each is one more line of ``changes``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .storage.local import _names
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
     from typing import Any
 
     from .compilers.protocol import Compiler
@@ -114,6 +114,7 @@ class Explanation(Record):
             lines.append("stored: an entry has this key (a hit)")
         elif not self.seen:
             lines.append("never seen: no stored entry of this operator on this chip (a miss)")
+            lines += [f"  {change}" for change in self.changes]
         else:
             lines.append(f"a new key for an operator seen before; nearest entry: {self.nearest}")
             lines.append("differs in:" if self.changes else "differs in no part it records")
@@ -145,7 +146,6 @@ def record(
     parts: dict[str, Any],
     *,
     now: float | None = None,
-    extra: Mapping[str, Any] | None = None,
 ) -> bool | None:
     """Keep the explanation of a key just compiled for storing.
 
@@ -157,8 +157,6 @@ def record(
     soc = operator["soc"]
     where = _note_name(operator)
     note = {"key": key, "created": time.time() if now is None else now, "parts": parts}
-    if extra:
-        note["extra"] = dict(extra)
     try:
         # Locked: two keys of one operator stored at once must both be kept.
         with locks.flocked(store.folder("locks") / f"{soc}.explain", store.modes):
@@ -177,9 +175,10 @@ def explain(
     request: OpRequest,
     compiler: Compiler,
     *,
-    extra: Mapping[str, Any] | None = None,
+    reads_changed: Sequence[str] = (),
 ) -> Explanation:
-    """The key of ``request`` and how it differs from the nearest stored entry."""
+    """The key of ``request`` and how it differs from the nearest stored entry;
+    ``reads_changed``: files the compile read last time that are not as they were."""
     explained = explain_key(request, compiler)
     key = explained["key"]
     parts = json.loads(canonical_json(explained["parts"]))  # as a note holds them: no tuples
@@ -192,11 +191,11 @@ def explain(
         if note["key"] == key or store.stamp(soc, note["key"]) is None:
             continue
         found = differences(note["parts"], parts)
-        if extra is not None and isinstance(note.get("extra"), dict):
-            found += differences(note["extra"], dict(extra))
         rank = (len(found), -note["created"])
         if best is None or rank < best:
             best, nearest, changes = rank, note["key"], found
+    if not stored:
+        changes = [*changes, *(f"read set: {path} changed" for path in reads_changed)]
     return Explanation(
         key,
         operator,
