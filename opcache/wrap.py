@@ -5,12 +5,17 @@ Three kinds of command are understood:
 - CANN's ``opc <op.py> --main_func=... --input_param=<json> --soc_version=...
   --output=<dir> [...]``: the key holds the operator source, the parameter
   JSON's contents, the chip and every other flag (a flag naming a file by that
-  file's contents); output locations (``--output``, ``--debug_dir``) are left
-  out; ``--op_debug_level`` / ``--op_debug_config`` bypass the cache by the
-  settings' rules.
+  file's contents), the variables the operator scripts read
+  (``OPC_KEY_ENVIRONMENT``) and what the compile read, traced with strace
+  (``readset.py``; without strace, only the inputs ``OPCACHE_EXTRA_FILES``
+  lists, else uncached); output locations (``--output``, ``--debug_dir``) are
+  left out; ``--op_debug_level`` / ``--op_debug_config`` bypass the cache by
+  the settings' rules.  ``asc_opc`` is the same tool under its current name.
 - C compilers, ``cc -c src.c -o out.o`` with ``-I -D -U -O -std -f -m -W -g -x``
   flags: the key holds the source and every header the compiler lists with
-  ``-M``, by content; include folders are not in it.
+  ``-M``, by content, the environment that changes the output and the clock
+  where ``__DATE__``/``__TIME__``/``__TIMESTAMP__`` are used; a hit also needs
+  every place the include search looked in and found empty still empty.
 - CANN's ``op_compiler -p <op-info dir> -v <soc> -j <n> -o <out> [-l level]
   [--enable_super_kernel] [--super_kernel_options S] [-f true]`` (torchair's
   static kernels): the key holds every file of the ``-p`` folder (names and
@@ -701,11 +706,21 @@ class _TracedCommand:
         trace_dir = tempfile.mkdtemp(prefix=".opcache-trace", dir=out)
         try:
             started = time.time_ns()
-            self._command.compile(
-                request,
-                workdir,
-                wrap=lambda argv: readset.traced_command(trace.strace, trace_dir, argv),
-            )
+            try:
+                self._command.compile(
+                    request,
+                    workdir,
+                    wrap=lambda argv: readset.traced_command(trace.strace, trace_dir, argv),
+                )
+            except _ToolFailed as e:
+                if readset.traced(trace_dir):
+                    raise  # opc's own failure
+                # strace could not start it (ptrace refused in a container...): as it is.
+                said = e.stderr.decode(errors="replace").strip().splitlines()
+                self._command.compile(request, workdir)
+                reason = f"strace cannot trace here ({said[0] if said else e})"
+                log.warning("opc: %s: opc calls are not cached", reason, topic="opc-strace")
+                raise _Unproven(reason, _read_outputs(workdir)) from None
             try:
                 # (opcache's staging, where the outputs go: no input)
                 left_out = [*trace.exclude, str(out)]
@@ -1142,7 +1157,8 @@ class HeaderMemo:
         found = _cc_headers(cc, pass_args, source, env)
         headers = [h for h in found.headers if h != source]
         contents = {h: _read(h) for h in headers}
-        absent, present = _negative_lookups(found, {source: source_data, **contents})
+        forced = [pass_args[i + 1] for i, a in enumerate(pass_args[:-1]) if a == "-include"]
+        absent, present = _negative_lookups(found, {source: source_data, **contents}, forced)
         for path in present:
             with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
                 contents.setdefault(path, read_input(path))
@@ -1297,7 +1313,9 @@ _QUOTED_INCLUDE = re.compile(
 _HAS_INCLUDE = re.compile(rb'__has_include(?:_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)')
 
 
-def _negative_lookups(found: _Found, reads: dict[str, bytes]) -> tuple[list[str], list[str]]:
+def _negative_lookups(
+    found: _Found, reads: dict[str, bytes], forced: list[str]
+) -> tuple[list[str], list[str]]:
     """(places looked up and empty, files ``__has_include`` found) for a compile.
 
     A header found in folder k of the search list was first looked for in
@@ -1307,7 +1325,8 @@ def _negative_lookups(found: _Found, reads: dict[str, bytes]) -> tuple[list[str]
     Each such place that does not exist is recorded, as its first missing
     folder when one is (``A/sys`` stands for every ``A/sys/*.h``).
     """
-    absent = set(found.absent)
+    # (an -include file is looked for in the working folder first)
+    absent = {*found.absent, *filter(None, (_first_missing("", name) for name in forced))}
     chain = found.quote + found.bracket
     for header in found.headers:
         for k, folder in enumerate(chain):
@@ -1349,7 +1368,10 @@ def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, st
     import subprocess
 
     done = subprocess.run(
-        [cc, *pass_args, "-M", "-v", source], capture_output=True, env=dict(env), check=False
+        [cc, *pass_args, "-M", "-v", source],
+        capture_output=True,
+        env={**env, "LC_ALL": "C"},  # the search list in English, to be read
+        check=False,
     )
     if done.returncode != 0:
         raise Uncacheable("cc: the preprocessor failed (the compile will report why)")
