@@ -164,6 +164,16 @@ def test_a_header_created_beside_an_including_header_is_seen(env, src):
     same_as_gcc(src, env, "-Iinc", "-O2", "-c", "k.c")
 
 
+def test_a_forced_include_created_in_the_working_folder_is_seen(env, src):
+    # -include looks in the working folder before the include path.
+    (src / "k.c").write_text("int f(void) { return Q; }\n")
+    (src / "B").mkdir()
+    (src / "B" / "q.h").write_text("#define Q 2\n")
+    same_as_gcc(src, env, "-include", "q.h", "-IB", "-O2", "-c", "k.c")
+    (src / "q.h").write_text("#define Q 1\n")
+    same_as_gcc(src, env, "-include", "q.h", "-IB", "-O2", "-c", "k.c")
+
+
 def test_a_header_created_in_a_subfolder_earlier_on_the_path_is_seen(env, src):
     (src / "k.c").write_text("#include <x/q.h>\nint f(void) { return Q; }\n")
     (src / "A").mkdir()
