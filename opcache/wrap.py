@@ -732,17 +732,21 @@ class _TracedCommand:
         trace.memo.remember(trace.memo_key, reads)
         if self._known is not None and reads.digest == self._known.digest:
             return  # stored under this key
-        made = _Made(self.name, self.fingerprint(), _read_outputs(workdir))
+        seconds = (time.time_ns() - started) / 1e9
+        made = _Made(self.name, self.fingerprint(), _read_outputs(workdir), seconds)
         raise _Done(self._cache.compile(trace.request(reads), made, out))
 
 
 class _Made:
     """A compiler whose compile is done: it hands over the files made."""
 
-    def __init__(self, name: str, fingerprint: str, files: dict[str, bytes]) -> None:
+    def __init__(
+        self, name: str, fingerprint: str, files: dict[str, bytes], seconds: float
+    ) -> None:
         self.name = name
         self._fingerprint = fingerprint
         self._files = files
+        self.compile_seconds = seconds  # the compile's, not the hand-over's (stats' time saved)
 
     def fingerprint(self) -> str:
         return self._fingerprint
@@ -1010,8 +1014,10 @@ def _clock_key(
     out: dict[str, object] = {}
     epoch = env.get("SOURCE_DATE_EPOCH") or None
     honours_epoch = re.search(r"gcc|g\+\+", os.path.basename(os.path.realpath(cc))) is not None
-    if "__TIME__" in macros and not (epoch and honours_epoch):
+    if "__TIME__" in macros and not epoch:
         raise Uncacheable("cc: __TIME__ without SOURCE_DATE_EPOCH")
+    if "__TIME__" in macros and not honours_epoch:
+        raise Uncacheable("cc: __TIME__ and a compiler not known to use SOURCE_DATE_EPOCH")
     if "__DATE__" in macros or "__TIME__" in macros:
         clock = None if epoch and honours_epoch else time.strftime("%Y-%m-%d")
         out["date"] = [epoch, clock, env.get("TZ")]

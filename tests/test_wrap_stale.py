@@ -298,3 +298,17 @@ def test_the_cc_back_end_fingerprint_holds_the_environment(variable):
 
 def read_objects(folder: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(folder.glob("*.o")))
+
+
+def test_time_is_uncacheable_with_a_compiler_that_may_ignore_the_epoch(env, src, tmp_path):
+    # clang before 16 reads no SOURCE_DATE_EPOCH: its __TIME__ is the clock's.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "clang").write_text(f'#!/bin/sh\nexec {GCC} "$@"\n')
+    (bin_dir / "clang").chmod(0o755)
+    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}", "SOURCE_DATE_EPOCH": "0"}
+    (src / "k.c").write_text("const char *t(void) { return __TIME__; }\n")
+    for _ in range(2):
+        wrap("clang", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+    reason = "cc: __TIME__ and a compiler not known to use SOURCE_DATE_EPOCH"
+    assert stats(env)["uncacheable_reasons"] == {reason: 2}
