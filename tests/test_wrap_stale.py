@@ -72,8 +72,11 @@ def test_date_follows_source_date_epoch(env, src, where):
 
 def test_date_without_source_date_epoch_is_today(env, src):
     (src / "k.c").write_text("const char *d(void) { return __DATE__; }\n")
+    day = time.strftime("%Y-%m-%d")
     same_as_gcc(src, env, "-O2", "-c", "k.c")
     same_as_gcc(src, env, "-O2", "-c", "k.c")
+    if time.strftime("%Y-%m-%d") != day:
+        pytest.skip("midnight passed between the compiles")
     assert stats(env, "host")["hits"] == 1  # the same day: a hit
 
 
