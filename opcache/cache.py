@@ -509,6 +509,8 @@ class OpCache:
             self._stats.add(soc, "compile_errors")
             raise
         seconds = time.perf_counter() - compile_started
+        # A compiler whose compile ran before its key was known (wrap's traced opc) says how long.
+        seconds = getattr(compiler, "compile_seconds", None) or seconds
         if MANIFEST in artifacts:
             self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
             return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts

@@ -29,7 +29,8 @@ needs_strace = pytest.mark.skipif(
 
 # opc as CANN's: import the operator .py (its folder first on sys.path), call --main_func.
 STAND_IN = r"""
-import importlib.util, os, sys
+import importlib.util, os, sys, time
+time.sleep(float(os.environ.get("STAND_IN_SLEEP", "0")))
 args = sys.argv[1:]
 source = [a for a in args if not a.startswith("--")][0]
 flags = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
@@ -348,3 +349,14 @@ def test_a_strace_that_cannot_trace_never_fails_the_compile(tmp_path):
     assert runs(env) == 2
     reasons = stats(env, SOC)["uncacheable_reasons"]
     assert any("strace cannot trace here" in reason for reason in reasons), reasons
+
+
+@needs_strace
+def test_time_saved_is_the_traced_compiles(tmp_path):
+    """The entry of a traced miss (stored once its read set is known) keeps its compile time."""
+    env, root = project(tmp_path)
+    env["STAND_IN_SLEEP"] = "0.5"
+    compile_into(env, root, "out1")
+    compile_into(env, root, "out2")
+    assert runs(env) == 1
+    assert stats(env, SOC)["time_saved_seconds"] >= 0.5  # (at least the sleep: no upper bound)
