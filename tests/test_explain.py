@@ -165,6 +165,10 @@ def test_a_file_opc_read_off_its_command_line_is_named(tmp_path, edited):
     assert f"read set: {root / 'kernel' / edited} changed" in explain_text(
         "opc", *args, "--output=out2", env=env, cwd=root
     )
+    wrap("opc", *args, "--output=out2", env=env, cwd=root)
+    chip = stats(env, SOC)
+    assert (chip["misses"], chip["misses_never_seen"], chip["misses_new_key"]) == (2, 1, 1)
+    assert explain("opc", *args, "--output=out3", env=env, cwd=root)["stored"]
 
 
 @needs_strace
