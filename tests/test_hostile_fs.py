@@ -266,6 +266,8 @@ FOLDERS = {
     "direct": [".opcache/direct"],
     "direct-bucket": [".opcache/direct/??"],
     "tools": [".opcache/tools"],
+    "explain": [".opcache/explain"],
+    "explain-chip": [".opcache/explain/host"],
     "chip": ["host"],
     "size": ["host/_size"],
     "bucket": ["host/??"],
@@ -284,6 +286,7 @@ FILES = {
     "stats-locks": [f".opcache/stats/host/{i}.lock" for i in SHARDS],
     "direct-note": [".opcache/direct/??/*"],
     "tool-note": [".opcache/tools/*"],
+    "explain-note": [".opcache/explain/host/??/*"],
     "manifest": ["host/??/*/MANIFEST"],
     "artifact": ["host/??/*/object"],
 }
