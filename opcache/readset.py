@@ -67,6 +67,9 @@ _CHANGES |= dict.fromkeys(("rename", "renameat", "renameat2", "link", "linkat"),
 _SYMLINKS = frozenset(("symlink", "symlinkat"))  # the second path is the one made
 _WRITE_FLAGS = re.compile(r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC")
 _MISSING = ("ENOENT", "ENOTDIR")
+# File times come from the kernel's coarse clock, up to a tick (10 ms at HZ=100)
+# behind time.time_ns(): a file changed that close to the start counts as changed during it.
+_CLOCK_LAG_NS = 10_000_000
 
 
 class Unprovable(Exception):
@@ -96,7 +99,7 @@ class ReadSet:
     the digest of its names when it was listed, else ""), ``link`` (content:
     its target; the path's item as followed comes next, under ``path + "\\0"``),
     ``missing``, ``other`` (a FIFO, socket or device: its type), ``error``
-    (content: the errno's name).
+    (content: the error's text).
     """
 
     def __init__(self, items: list[list]) -> None:
@@ -182,7 +185,7 @@ def record(
         if norm in changed or norm.startswith(made_dirs) or _skipped(norm, skip, kept):
             continue
         for item in _facts_with_link(path, listed=norm in listed):
-            if item[1] == "file" and max(item[4], item[5]) >= started_ns:
+            if item[1] == "file" and max(item[4], item[5]) >= started_ns - _CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
             items.append(item)
     return ReadSet(items)
