@@ -93,7 +93,9 @@ class Plan:
     ``workdir``; ``outputs`` maps an artifact name to where the command would
     have written it, or ``output_dir`` takes every file the command wrote.
     Restored files whose names end with one of ``executables`` are made
-    executable (the cache keeps contents, not modes).
+    executable (the cache keeps contents, not modes).  ``settled()``, run after
+    the command, gives a reason not to store what it made (an input changed
+    while it ran), or None.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class Plan:
         debug_config: str | None = None,
         executables: tuple[str, ...] = (),
         trace: _OpcTrace | None = None,
+        settled: Callable[[], str | None] | None = None,
     ) -> None:
         self.request = request
         self.fingerprint = fingerprint
@@ -117,6 +120,7 @@ class Plan:
         self.debug_config = debug_config
         self.executables = executables
         self.trace = trace  # how the command is traced, its read set joining the key
+        self.settled = settled
 
 
 class Uncacheable(Exception):
@@ -153,6 +157,9 @@ class _WrappedCommand:
             raise _ToolFailed(exit_status(done.returncode), done.stdout, done.stderr)
         (workdir / STDOUT).write_bytes(done.stdout)
         (workdir / STDERR).write_bytes(done.stderr)
+        unsettled = self._plan.settled() if self._plan.settled is not None else None
+        if unsettled is not None:
+            raise _Unproven(unsettled, _read_outputs(workdir))
 
 
 def run(
@@ -250,6 +257,8 @@ def _run_planned(
                 result = cache.compile(plan.request, compiler, staging)
         except _ToolFailed as e:
             failed = e
+        except _Unproven as e:
+            result = _unstored(cache, plan.request.soc_version, str(e), e, staging, 0.0)
     if failed is not None:
         log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
         _replay(failed.stdout, sys.stdout)
@@ -561,11 +570,11 @@ ENV_KEY_ENV = "OPCACHE_KEY_ENV"
 
 def _extra_files(env: Mapping[str, str]) -> list[list[object]] | None:
     """The files ``OPCACHE_EXTRA_FILES`` names (a folder: every file in it), with their digests."""
-    import glob
-
     spec = env.get(ENV_EXTRA_FILES)
     if spec is None:
         return None
+    import glob
+
     found: list[list[object]] = []
     for pattern in (p for p in spec.split(os.pathsep) if p):
         paths = []
@@ -626,6 +635,18 @@ class _Unproven(Exception):
         self.files = files
 
 
+def _unstored(
+    cache: OpCache, soc: str, reason: str, made: _Unproven, staging: Path, seconds: float
+) -> CompileResult:
+    """What a compile made that is not to be stored, in ``staging``; counted as uncacheable."""
+    cache.record_uncacheable(soc, reason)
+    files = {}
+    for name, data in made.files.items():
+        (staging / name).write_bytes(data)
+        files[name] = staging / name
+    return CompileResult("miss", "", files, seconds, str(made))
+
+
 class _OpcTrace:
     """An opc line whose key holds what the compile read (``readset.py``).
 
@@ -668,12 +689,10 @@ class _OpcTrace:
         except _Done as done:
             return done.result
         except _Unproven as e:
-            cache.record_uncacheable(self.request(None).soc_version, f"opc: {e}")
-            files = {}
-            for name, data in e.files.items():
-                (staging / name).write_bytes(data)
-                files[name] = staging / name
-            return CompileResult("miss", "", files, time.perf_counter() - started, str(e))
+            seconds = time.perf_counter() - started
+            return _unstored(
+                cache, self.request(None).soc_version, f"opc: {e}", e, staging, seconds
+            )
 
 
 class _TracedCommand:
@@ -994,7 +1013,27 @@ def _plan_cc(
             out += _target_args(key_args)
         return out
 
-    return Plan(request=request, fingerprint=compiler_identity, command=command, outputs=outputs)
+    read = dict(zip([source, *inputs.paths], [digest(source_data), *inputs.digests], strict=True))
+
+    def settled() -> str | None:
+        # A file rewritten while the compiler ran (a generator still writing a
+        # header): the object may hold other contents than the key says.
+        for path, want in read.items():
+            try:
+                if digest(read_input(path)) == want:
+                    continue
+            except OSError:
+                pass
+            return "cc: a file it read changed during the compile"
+        return None
+
+    return Plan(
+        request=request,
+        fingerprint=compiler_identity,
+        command=command,
+        outputs=outputs,
+        settled=settled,
+    )
 
 
 def _clock_key(

@@ -315,3 +315,25 @@ def test_time_is_uncacheable_with_a_compiler_that_may_ignore_the_epoch(env, src,
         wrap("clang", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
     reason = "cc: __TIME__ and a compiler not known to use SOURCE_DATE_EPOCH"
     assert stats(env)["uncacheable_reasons"] == {reason: 2}
+
+
+def test_a_header_changed_while_the_compiler_runs_is_not_stored(env, src, tmp_path):
+    # A generator rewrites q.h while gcc compiles: the object is of the new
+    # contents, read after opcache took the old ones into the key.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    once = tmp_path / "rewritten"
+    (bin_dir / "gcc").write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -c "*) [ -e {once} ] || {{ touch {once}; '
+        f"echo '#define Q 9' > {src / 'q.h'}; }};; esac\n"
+        f'exec {GCC} "$@"\n'
+    )
+    (bin_dir / "gcc").chmod(0o755)
+    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    (src / "k.c").write_text(Q_C)
+    (src / "q.h").write_text("#define Q 1\n")
+    wrap("gcc", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+    (src / "q.h").write_text("#define Q 1\n")  # back as it was when opcache read it
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert stats(env)["uncacheable_reasons"] == {"cc: a file it read changed during the compile": 1}
