@@ -113,8 +113,9 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
 
     Returns (name, what happened) for each name, sorted.  Idempotent: a link
     that is already opcache's is kept, and any other file is left alone.
-    Scripts named like a compiler (``c89-gcc``) are passed over: a cache
-    would know the script, not the compiler it runs.  OSError, its message a
+    Scripts named like a C compiler (``c89-gcc``) are passed over: a cache
+    would know the script, not the compiler it runs.  CANN's tools (``opc``,
+    ``asc_opc``, ``op_compiler``) are scripts themselves, and linked.  OSError, its message a
     sentence, when the folder or a link cannot be made.
     """
     try:
@@ -150,7 +151,7 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
                     else "left alone: not a link to opcache",
                 )
             )
-        elif _is_script(real):
+        elif _is_script(real) and compiler_kind(name) == "cc":
             report.append((name, f"passed over: {real} is a script, not a compiler"))
         else:
             try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import SOC, base_env, write_tool
-from helpers_wrap import opcache_script, stats, wrap
+from helpers_wrap import opcache, opcache_script, stats, wrap
 
 from opcache.wrap import OPC_KEY_ENVIRONMENT
 
@@ -300,10 +300,12 @@ def test_asc_opc_is_cached_as_opc_with_its_flags(tmp_path):
 
 @needs_strace
 def test_asc_opc_masquerade(tmp_path):
+    """`opcache masquerade` links asc_opc (a Python script, as CANN's is) and caches it."""
     env, root = project(tmp_path, "asc_opc")
     links = tmp_path / "links"
-    links.mkdir()
-    (links / "asc_opc").symlink_to(opcache_script())
+    done = opcache("masquerade", str(links), env=env, cwd=tmp_path)
+    assert b"asc_opc" in done.stdout and (links / "asc_opc").is_symlink(), done.stdout
+    assert os.path.realpath(links / "asc_opc") == os.path.realpath(opcache_script())
     env["PATH"] = f"{links}{os.pathsep}{env['PATH']}"
     for out in ("out1", "out2"):
         command = ["asc_opc", *ASC_ARGS, f"--output={out}"]
