@@ -188,6 +188,24 @@ def open_folder() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def team_cache(base: Path) -> tuple[Path, Path]:
+    """In ``base``, what two members of the team share: ``ops``, the cache folder as an
+    administrator sets one up (root's, group TEAM_GID, 2770), ``calls``, a file any
+    member's stand-in compiler counts its runs in, and ``a`` and ``b``, output folders
+    anyone may write.  Returns ``ops`` and ``calls``."""
+    ops = base / "ops"
+    ops.mkdir()
+    os.chown(ops, 0, TEAM_GID)
+    os.chmod(ops, 0o2770)
+    calls = base / "calls"
+    calls.touch()
+    os.chmod(calls, 0o666)
+    for name in ("a", "b"):
+        (base / name).mkdir()
+        os.chmod(base / name, 0o777)
+    return ops, calls
+
+
 @functools.cache
 def _child_imports() -> Path:
     """A copy of opcache and the test helpers that every user may read.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -20,22 +21,37 @@ int scale(int x) { return x * FACTOR + OFFSET; }
 
 
 def opcache(
-    *args: str, env: dict[str, str], cwd: Path, status: int | None = 0
-) -> subprocess.CompletedProcess[bytes]:
+    *args: str,
+    env: dict[str, str],
+    cwd: Path,
+    status: int | None = 0,
+    text: bool = False,
+    timeout: float = 120,
+    memory: int | None = None,
+) -> subprocess.CompletedProcess:
     """``python -m opcache ARGS``; asserts no traceback and, unless None, the exit status.
 
-    A run that does not end within two minutes fails the test (TimeoutExpired): a hang.
+    Its output is bytes, or str with ``text``.  A run that does not end within ``timeout``
+    seconds fails the test (TimeoutExpired): a hang.  ``memory`` bounds what the run may
+    map (RLIMIT_AS), so a read that never ends fails fast instead of taking the machine.
     """
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
     done = subprocess.run(
         [sys.executable, "-m", "opcache", *args],
         env=env,
         cwd=cwd,
         capture_output=True,
-        timeout=120,
+        text=text,
+        timeout=timeout,
+        preexec_fn=None if memory is None else limit_memory,
     )
-    assert b"Traceback" not in done.stderr, done.stderr.decode()
+    stderr = done.stderr if text else done.stderr.decode(errors="replace")
+    assert "Traceback" not in stderr, stderr
     if status is not None:
-        assert done.returncode == status, done.stderr.decode()
+        assert done.returncode == status, stderr
     return done
 
 

@@ -14,8 +14,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -43,8 +41,10 @@ from helpers_faults import (
     open_folder,
     requires_root,
     run_as,
+    team_cache,
     tmpfs,
 )
+from helpers_wrap import opcache as run_opcache
 
 import opcache
 from opcache import fsutil, locks
@@ -124,19 +124,13 @@ def cli_env(home: Path) -> dict[str, str]:
     return env
 
 
-def opcache_cli(*args: str, home: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    """``python -m opcache ARGS``, bounded; asserts it ended without a traceback."""
-    done = subprocess.run(
-        [sys.executable, "-m", "opcache", *args],
-        env=cli_env(home),
-        cwd=home,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert "Traceback" not in done.stderr, done.stderr
-    return done
+def maintain_by_cli(home: Path, *commands: str, timeout: float = 60) -> None:
+    """``opcache COMMAND --op_compiler_cache_dir <home>/ops`` for each command, run from
+    ``home``: bounded, never a traceback, whatever its status (helpers_wrap.opcache)."""
+    env = cli_env(home)
+    for command in commands:
+        args = (command, "--op_compiler_cache_dir", str(home / "ops"))
+        run_opcache(*args, env=env, cwd=home, status=None, timeout=timeout)
 
 
 def stored_cache(tmp_path: Path) -> tuple[opcache.Settings, ToyCompiler]:
@@ -162,9 +156,7 @@ def test_a_linked_bookkeeping_folder_is_never_followed(tmp_path: Path, rel: str)
     before = snapshot(victim)
 
     LocalStore(root).clean_leftovers(time.time() + 86400)
-    cache_dir = str(tmp_path / "ops")
-    for command in ("age", "verify", "stats"):
-        opcache_cli(command, "--op_compiler_cache_dir", cache_dir, home=tmp_path)
+    maintain_by_cli(tmp_path, "age", "verify", "stats")
     with opcache.OpCache(settings) as cache:
         for i in (0, 2):  # stored before, and new
             out = tmp_path / "again" / str(i)
@@ -194,9 +186,7 @@ def test_roots_cron_on_a_users_cache_never_follows_the_users_links(
         for name in [".", *dirs, *files]:
             os.lchown(os.path.join(dirpath, name), MEMBER_A, MEMBER_A)
     before = snapshot(victim)
-    cache_dir = str(tmp_path / "ops")
-    for command in ("age", "verify", "stats"):
-        opcache_cli(command, "--op_compiler_cache_dir", cache_dir, home=tmp_path)
+    maintain_by_cli(tmp_path, "age", "verify", "stats")
     assert snapshot(victim) == before
 
 
@@ -229,16 +219,7 @@ print(json.dumps(report))
 @pytest.mark.parametrize("rel", BOOKKEEPING)
 def test_a_member_of_the_group_cannot_make_another_delete_or_write_outside(rel: str) -> None:
     with open_folder() as base:
-        ops = base / "ops"
-        ops.mkdir()
-        os.chown(ops, 0, TEAM_GID)
-        os.chmod(ops, 0o2770)
-        calls = base / "calls"
-        calls.touch()
-        os.chmod(calls, 0o666)
-        for name in ("a", "b"):
-            (base / name).mkdir()
-            os.chmod(base / name, 0o777)
+        ops, calls = team_cache(base)
 
         def member(uid: int, out: str, requests: list[int], actions: list[str]) -> dict:
             code = MEMBER_CODE.format(
@@ -370,9 +351,8 @@ def test_a_fifo_or_device_in_place_of_a_counter_or_lock_file_never_hangs(
     settings, _compiler = stored_cache(tmp_path)
     for path in SPECIAL_PLACES[place](settings.root):
         _plant_special(path, kind)
+    maintain_by_cli(tmp_path, "stats", "age", "verify", timeout=30)
     cache_dir = str(tmp_path / "ops")
-    for command in ("stats", "age", "verify"):
-        opcache_cli(command, "--op_compiler_cache_dir", cache_dir, home=tmp_path, timeout=30)
     code = COMPILE_CODE.format(
         ops=cache_dir, home=str(tmp_path), calls=str(tmp_path / "calls"), out=str(tmp_path / "o")
     )

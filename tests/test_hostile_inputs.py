@@ -14,8 +14,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from helpers_cache import MP, SOC, ToyCompiler, entry_dirs, expected_files, make
 from helpers_cann import held_by_other_process, kernel_name, set_access, store_entry
 from helpers_cann import write_ini as write_cann_ini
 from helpers_faults import IS_ROOT, MEMBER_A, NEEDS_ROOT, NOBODY, TEAM_GID, settings_for
+from helpers_wrap import opcache as run_opcache
 
 import opcache
 from opcache import cann_cache, fsutil, wrap
@@ -60,20 +59,6 @@ def kind_of(path: Path) -> str:
     kinds = {stat.S_ISFIFO: "fifo", stat.S_ISLNK: "link", stat.S_ISCHR: "device"}
     kinds |= {stat.S_ISDIR: "folder", stat.S_ISREG: "file"}
     return next(name for test, name in kinds.items() if test(mode))
-
-
-def run_opcache(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``python -m opcache ARGS``, bounded; asserts it ends without a traceback."""
-    done = subprocess.run(
-        [sys.executable, "-m", "opcache", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert "Traceback" not in done.stderr, done.stderr
-    return done
 
 
 # -- op_cache.ini ----------------------------------------------------------------------------
@@ -124,18 +109,17 @@ def test_a_hostile_op_cache_ini_is_one_warning_and_every_command_goes_on(
     project.mkdir()
     (project / "k.c").write_text("int k(int x) { return x * 3; }\n")
 
-    done = run_opcache("wrap", "--", "gcc", "-c", "k.c", "-o", "k.o", env=env, cwd=project)
-    assert done.returncode == 0, done.stderr
+    argv = ["wrap", "--", "gcc", "-c", "k.c", "-o", "k.o"]
+    done = run_opcache(*argv, env=env, cwd=project, text=True, timeout=TIMEOUT)
     assert (project / "k.o").stat().st_size > 0
     warned = [line for line in done.stderr.splitlines() if str(ini) in line]
     assert len(warned) == 1, done.stderr
     assert "ignoring" in warned[0]
 
-    config = run_opcache("config", "--json", env=env, cwd=tmp_path)
-    assert config.returncode == 0, config.stderr
+    config = run_opcache("config", "--json", env=env, cwd=tmp_path, text=True, timeout=TIMEOUT)
     assert '"max_op_cache_size_mb": 500' in config.stdout  # the planted limit of 1 MB is not read
     for command in (["stats"], ["age"], ["verify"], ["cann", "stats"], ["cann", "age"]):
-        run_opcache(*command, env=env, cwd=tmp_path)
+        run_opcache(*command, env=env, cwd=tmp_path, status=None, timeout=TIMEOUT)
 
     # Nothing written through it, nothing put in its place.
     assert (kind_of(ini), os.lstat(ini).st_mode) == before
@@ -196,9 +180,8 @@ def cann_folder(base: Path) -> tuple[Path, list[str]]:
 def cann_run(base: Path, *args: str) -> tuple[int, dict]:
     env = {**base_env(base.parent), "HOME": str(base.parent)}
     del env["ASCEND_CACHE_PATH"]
-    done = run_opcache(
-        "cann", *args, "--op_compiler_cache_dir", str(base), "--json", env=env, cwd=base.parent
-    )
+    argv = ("cann", *args, "--op_compiler_cache_dir", str(base), "--json")
+    done = run_opcache(*argv, env=env, cwd=base.parent, status=None, timeout=TIMEOUT)
     return done.returncode, json.loads(done.stdout)
 
 
@@ -425,8 +408,8 @@ def test_a_force_build_through_wrap_survives_a_garbled_note(tmp_path: Path) -> N
     note.write_bytes(b"opcache:build\ngarbage")
     argv = ["wrap", "--op_compiler_cache_mode", "force", "--", "gcc", "-c", "k.c", "-o", "k.o"]
     for _ in range(2):
-        done = run_opcache(*argv, env=env, cwd=project)
-        assert done.returncode == 0, done.stderr
+        run_opcache(*argv, env=env, cwd=project, timeout=TIMEOUT)
         assert (project / "k.o").stat().st_size > 0
-    chip = json.loads(run_opcache("stats", "--json", env=env, cwd=tmp_path).stdout)["chips"]
+    stats = run_opcache("stats", "--json", env=env, cwd=tmp_path, status=None, timeout=TIMEOUT)
+    chip = json.loads(stats.stdout)["chips"]
     assert (chip[HOST_CHIP]["misses"], chip[HOST_CHIP]["hits"]) == (1, 1)

@@ -45,6 +45,23 @@ def remote_stats(cache: opcache.OpCache) -> dict[str, int]:
     return {k: v for k, v in report.items() if k.startswith("remote_")}
 
 
+def store_then_damage(
+    tmp_path: Path, redis_url: str, redis_server, compiler: ToyCompiler, request: opcache.OpRequest
+) -> tuple[str, bytes]:
+    """Store ``request`` on machine a, then flip a byte in the middle of its remote value.
+
+    Returns the value's name in Redis and the damaged value.
+    """
+    with opcache.OpCache(machine(tmp_path, "a", redis_url)) as a:
+        key = a.compile(request, compiler, tmp_path / "o").key
+    client = redis_server.client()
+    name = f"opcache:1:{SOC}:{key}"
+    value = bytearray(client.get(name))
+    value[len(value) // 2] ^= 0xFF
+    client.set(name, bytes(value))
+    return name, bytes(value)
+
+
 def test_two_machines_share_entries_through_the_remote(tmp_path: Path, redis_url: str) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
     request = make_request(0)
@@ -127,20 +144,15 @@ def test_a_corrupted_remote_value_is_never_served_and_is_replaced(
 ) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
     request = make_request(0)
-    with opcache.OpCache(machine(tmp_path, "a", redis_url)) as a:
-        key = a.compile(request, compiler, tmp_path / "o").key
+    name, damaged = store_then_damage(tmp_path, redis_url, redis_server, compiler, request)
     client = redis_server.client()
-    name = f"opcache:1:{SOC}:{key}"
-    value = bytearray(client.get(name))
-    value[len(value) // 2] ^= 0xFF
-    client.set(name, bytes(value))
     with opcache.OpCache(machine(tmp_path, "b", redis_url)) as b:
         result = b.compile(request, compiler, tmp_path / "b")
         stats = remote_stats(b)
     assert result.status == "miss"  # compiled again, not served
     assert read_dir(tmp_path / "b") == expected_files(request)
     assert stats["remote_corrupt"] >= 1
-    assert client.get(name) != bytes(value)  # the good compile took its place
+    assert client.get(name) != damaged  # the good compile took its place
     with opcache.OpCache(machine(tmp_path, "c", redis_url)) as c:
         assert c.compile(request, compiler, tmp_path / "c").tier == "remote"
 
@@ -311,13 +323,7 @@ def test_a_damaged_value_is_warned_about_and_counted_once(
 ) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
     request = make_request(0)
-    with opcache.OpCache(machine(tmp_path, "a", redis_url)) as a:
-        key = a.compile(request, compiler, tmp_path / "o").key
-    client = redis_server.client()
-    name = f"opcache:1:{SOC}:{key}"
-    value = bytearray(client.get(name))
-    value[len(value) // 2] ^= 0xFF
-    client.set(name, bytes(value))
+    store_then_damage(tmp_path, redis_url, redis_server, compiler, request)
     with (
         caplog.at_level(logging.WARNING, logger="opcache"),
         opcache.OpCache(machine(tmp_path, "b", redis_url)) as b,

@@ -43,6 +43,7 @@ from helpers_faults import (
     requires_root,
     run_as,
     settings_for,
+    team_cache,
     warnings_of,
 )
 
@@ -570,16 +571,7 @@ print(json.dumps(report))
 @requires_root
 def test_two_members_of_the_group_share_one_cache() -> None:
     with open_folder() as base:
-        ops = base / "ops"
-        ops.mkdir()
-        os.chown(ops, 0, TEAM_GID)  # what an administrator sets up for the team
-        os.chmod(ops, 0o2770)
-        calls = base / "calls"
-        calls.touch()
-        os.chmod(calls, 0o666)
-        for name in ("a", "b"):
-            (base / name).mkdir()
-            os.chmod(base / name, 0o777)
+        ops, calls = team_cache(base)
 
         def member(uid: int, out: str, stores: list[int], *, ahead: float = 0, age=False):
             code = MEMBER_CODE.format(
