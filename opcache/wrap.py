@@ -1016,14 +1016,16 @@ def _plan_cc(
     read = dict(zip([source, *inputs.paths], [digest(source_data), *inputs.digests], strict=True))
 
     def settled() -> str | None:
-        # A file rewritten while the compiler ran (a generator still writing a
-        # header): the object may hold other contents than the key says.
+        # A file rewritten or a header made while the compiler ran (a generator
+        # still writing): the object may hold other contents than the key says.
         for path, want in read.items():
             try:
                 if digest(read_input(path)) == want:
                     continue
             except OSError:
                 pass
+            return "cc: a file it read changed during the compile"
+        if not all(_absent(path) for path in inputs.absent):
             return "cc: a file it read changed during the compile"
         return None
 
@@ -1198,7 +1200,7 @@ class HeaderMemo:
         for variant in variants:
             digests = _current_digests(variant)
             if digests is not None:
-                return CcInputs(variant["headers"], digests, variant["macros"])
+                return CcInputs(variant["headers"], digests, variant["macros"], variant["absent"])
         found = _cc_headers(cc, pass_args, source, env)
         headers = [h for h in found.headers if h != source]
         contents = {h: _read(h) for h in headers}
@@ -1218,7 +1220,7 @@ class HeaderMemo:
                 "macros": macros,
             }
             self._remember(memo_key, [variant, *variants][: self._VARIANTS])
-        return CcInputs(paths, digests, macros)
+        return CcInputs(paths, digests, macros, absent)
 
     def _recall(self, memo_key: str) -> list[dict[str, list[str]]]:
         raw = self.store.read_note("direct", memo_key[:2], memo_key) if self.store else None
@@ -1248,13 +1250,17 @@ class HeaderMemo:
 
 
 class CcInputs:
-    """The headers a C compile reads, their digests, and the macros in them that
-    make the output depend on more than their contents (``_KEY_MACROS``)."""
+    """The headers a C compile reads, their digests, the macros in them that
+    make the output depend on more than their contents (``_KEY_MACROS``), and
+    the places the include search found empty (``absent``)."""
 
-    def __init__(self, paths: list[str], digests: list[str], macros: list[str]) -> None:
+    def __init__(
+        self, paths: list[str], digests: list[str], macros: list[str], absent: list[str]
+    ) -> None:
         self.paths = paths
         self.digests = digests
         self.macros = macros
+        self.absent = absent
 
 
 class _Found:

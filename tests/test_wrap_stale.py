@@ -337,3 +337,28 @@ def test_a_header_changed_while_the_compiler_runs_is_not_stored(env, src, tmp_pa
     (src / "q.h").write_text("#define Q 1\n")  # back as it was when opcache read it
     same_as_gcc(src, env, "-O2", "-c", "k.c")
     assert stats(env)["uncacheable_reasons"] == {"cc: a file it read changed during the compile": 1}
+
+
+def test_a_header_created_earlier_on_the_path_while_the_compiler_runs_is_not_stored(
+    env, src, tmp_path
+):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    once = tmp_path / "created"
+    (bin_dir / "gcc").write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -c "*) [ -e {once} ] || {{ touch {once}; '
+        f"echo '#define Q 9' > {src / 'A' / 'q.h'}; }};; esac\n"
+        f'exec {GCC} "$@"\n'
+    )
+    (bin_dir / "gcc").chmod(0o755)
+    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    (src / "k.c").write_text(Q_C)
+    (src / "A").mkdir()
+    (src / "B").mkdir()
+    (src / "B" / "q.h").write_text("#define Q 2\n")
+    wrap("gcc", "-IA", "-IB", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+    (src / "A" / "q.h").unlink()  # back as it was when opcache looked
+    same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    reason = "cc: a file it read changed during the compile"
+    assert stats(env)["uncacheable_reasons"] == {reason: 1}
