@@ -1361,6 +1361,9 @@ def _absent(path: str) -> bool:
 _QUOTED_INCLUDE = re.compile(
     rb'^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^"\n]+)"', re.M
 )
+_COMPUTED_INCLUDE = re.compile(
+    rb"^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]", re.M
+)
 _HAS_INCLUDE = re.compile(rb'__has_include(?:_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)')
 
 
@@ -1379,17 +1382,23 @@ def _negative_lookups(
     # (an -include file is looked for in the working folder first)
     absent = {*found.absent, *filter(None, (_first_missing("", name) for name in forced))}
     chain = found.quote + found.bracket
+    names = {os.path.basename(header) for header in found.headers}
     for header in found.headers:
         for k, folder in enumerate(chain):
             prefix = folder if folder.endswith("/") else folder + "/"
             if header.startswith(prefix):
                 name = header[len(prefix) :]
+                names.add(name)
                 absent.update(filter(None, (_first_missing(f, name) for f in chain[:k])))
     present = []
     for path, data in reads.items():
         beside = os.path.dirname(path)
-        for raw in _QUOTED_INCLUDE.findall(data):
-            missing = _first_missing(beside, os.fsdecode(raw))
+        quoted_names = [os.fsdecode(raw) for raw in _QUOTED_INCLUDE.findall(data)]
+        if _COMPUTED_INCLUDE.search(data):
+            # A name a macro gives is not in the text: every name found, beside it.
+            quoted_names += names
+        for name in quoted_names:
+            missing = _first_missing(beside, name)
             if missing:
                 absent.add(missing)
         for quoted, angled in _HAS_INCLUDE.findall(data):
