@@ -25,8 +25,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +33,7 @@ import pytest
 from helpers_cann import SOC as CANN_SOC
 from helpers_cann import kernel_name, set_access, store_entry
 from helpers_faults import IS_ROOT, MEMBER_A, MEMBER_B, TEAM_GID, open_folder, run_as
+from helpers_wrap import opcache as run_opcache
 
 pytestmark = pytest.mark.skipif(
     not IS_ROOT or shutil.which("gcc") is None,
@@ -321,23 +320,10 @@ def template() -> Iterator[tuple[Path, Path, str]]:
         (src / "k.c").write_text(SOURCE)
         os.chmod(src / "k.c", 0o644)
         cache = top / "template"
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(top),
-            "OPCACHE_DIR": str(cache),
-            "OPCACHE_SHARED_GROUP": str(TEAM_GID),
-        }
+        env = _team_env(top, cache)
 
         def opcache(*argv: str, **extra: str) -> None:
-            done = subprocess.run(
-                [sys.executable, "-m", "opcache", *argv],
-                env={**env, **extra},
-                cwd=src,
-                capture_output=True,
-                timeout=120,
-                check=False,
-            )
-            assert done.returncode == 0, done.stderr.decode()
+            run_opcache(*argv, env={**env, **extra}, cwd=src)
 
         out = top / "tout"
         out.mkdir()
@@ -350,6 +336,45 @@ def template() -> Iterator[tuple[Path, Path, str]]:
         root = cache / "kernel_cache"
         key = next((root / CHIP).glob("??/*")).name
         yield top, root, key
+
+
+def _team_env(home: Path, cache: Path) -> dict[str, str]:
+    """The whole environment of a team member's opcache: ``cache`` shared with TEAM_GID."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "OPCACHE_DIR": str(cache),
+        "OPCACHE_SHARED_GROUP": str(TEAM_GID),
+    }
+
+
+def _case_folder(base: Path, uid: int, template_root: Path | None) -> Path:
+    """``base``, open to all, holding a copy of the template's cache given to the team
+    (none if ``template_root`` is None) and ``out``, which ``uid`` and the team may write.
+    Returns ``out``."""
+    base.mkdir()
+    os.chmod(base, 0o755)
+    if template_root is not None:
+        shutil.copytree(template_root, base / "cache" / "kernel_cache", symlinks=True)
+        _give_to_team(base / "cache", MEMBER_A)
+    out = base / "out"
+    out.mkdir()
+    os.chown(out, uid, TEAM_GID)
+    os.chmod(out, 0o2770)  # a folder the team may write: so may the planter
+    return out
+
+
+def _case(kind: str, src_top: Path, base: Path, home: Path, commands: list, objects: list) -> dict:
+    """One case of the runner's plan: ``commands`` run in the sources with ``base``'s
+    cache, and the ``objects`` they make."""
+    return {
+        "kind": kind,
+        "cwd": str(src_top / "src"),
+        "bound": BOUND,
+        "env": _team_env(home, base / "cache"),
+        "commands": commands,
+        "objects": objects,
+    }
 
 
 def _expand(root: Path, patterns: list[str], key: str) -> list[tuple[Path, bool]]:
@@ -372,15 +397,8 @@ def _opcache_cases(template, target: str, runner: str, top: Path) -> tuple[list,
     plan, victims = [], {}
     for kind in KINDS:
         base = top / kind
-        base.mkdir()
-        os.chmod(base, 0o755)
+        out = _case_folder(base, uid, template_root)
         root = base / "cache" / "kernel_cache"
-        shutil.copytree(template_root, root, symlinks=True)
-        _give_to_team(base / "cache", MEMBER_A)
-        out = base / "out"
-        out.mkdir()
-        os.chown(out, uid, TEAM_GID)
-        os.chmod(out, 0o2770)  # a folder the team may write: so may the planter
         places = _expand(root, patterns, key)
         victim = base / "victim"
         _make_victim(victim, [p.name for p, _ in places], uid)
@@ -390,21 +408,8 @@ def _opcache_cases(template, target: str, runner: str, top: Path) -> tuple[list,
         home = base / "home"
         home.mkdir()
         os.chown(home, uid, -1)
-        plan.append(
-            {
-                "kind": kind,
-                "cwd": str(src_top / "src"),
-                "bound": BOUND,
-                "env": {
-                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                    "HOME": str(home),
-                    "OPCACHE_DIR": str(base / "cache"),
-                    "OPCACHE_SHARED_GROUP": str(TEAM_GID),
-                },
-                "commands": _commands(out),
-                "objects": [str(out / n) for n in ("a.o", "b.o", "c.o")],
-            }
-        )
+        objects = [str(out / n) for n in ("a.o", "b.o", "c.o")]
+        plan.append(_case(kind, src_top, base, home, _commands(out), objects))
     return plan, victims
 
 
@@ -431,42 +436,17 @@ def test_a_planted_output_fares_as_with_the_compiler_alone(template, runner: str
         for kind in KINDS:
             for who in ("opcache", "gcc"):
                 base = top / f"{kind}-{who}"
-                base.mkdir()
-                os.chmod(base, 0o755)
-                if who == "opcache":
-                    shutil.copytree(template_root, base / "cache" / "kernel_cache", symlinks=True)
-                    _give_to_team(base / "cache", MEMBER_A)
-                out = base / "out"
-                out.mkdir()
-                os.chown(out, uid, TEAM_GID)
-                os.chmod(out, 0o2770)  # a folder the team may write: so may the planter
+                out = _case_folder(base, uid, template_root if who == "opcache" else None)
                 victim = base / "victim"
                 _make_victim(victim, list(OUTPUTS), uid)
                 for name in OUTPUTS:
                     _plant(out / name, kind, victim, False)
                 victims[f"{kind}-{who}"] = (victim, _snapshot(victim))
                 compile_ = _compile(str(out / "b.o"))
-                plan.append(
-                    {
-                        "kind": f"{kind}-{who}",
-                        "cwd": str(src_top / "src"),
-                        "bound": BOUND,
-                        "env": {
-                            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                            "HOME": str(base),
-                            "OPCACHE_DIR": str(base / "cache"),
-                            "OPCACHE_SHARED_GROUP": str(TEAM_GID),
-                        },
-                        "commands": [
-                            [
-                                "compile",
-                                compile_ if who == "opcache" else ["!plain", *compile_[2:]],
-                                {},
-                            ]
-                        ],
-                        "objects": [str(out / "b.o")],
-                    }
-                )
+                argv = compile_ if who == "opcache" else ["!plain", *compile_[2:]]
+                commands = [["compile", argv, {}]]
+                objects = [str(out / "b.o")]
+                plan.append(_case(f"{kind}-{who}", src_top, base, base, commands, objects))
         report = {case["kind"]: case for case in _run(uid, _gid, plan)}
         for kind in KINDS:
             ours, alone = report[f"{kind}-opcache"], report[f"{kind}-gcc"]
