@@ -17,8 +17,15 @@ machines are noisy).  Scenarios:
 8. remote: a remote hit (loopback Redis, 100 KB) vs the floor (a raw GET and
    the write to out_dir); 4 machines (cache folders) x 4 ranks x 200 operators
    of a 50 ms compiler, cold, sharing one Redis, against the ideal
+9. read set: `opcache wrap` hits of gcc (1 vs 1,000 headers) and of a stand-in
+   opc (reading 1 vs 1,000 files off its command line, traced with strace on
+   its miss), beside `ccache gcc` and, with --before DIR, the same on older
+   code (e.g. `git archive 5427549 opcache | tar -x -C DIR`, before issue 17):
+   per-hit time and the cost per read-set file; an opc miss traced vs one with
+   OPCACHE_TRACE=off and OPCACHE_EXTRA_FILES listing the same inputs
 
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
+                          [--before DIR]
 """
 
 from __future__ import annotations
@@ -125,7 +132,9 @@ class Report:
     def add(self, scenario: str, name: str, times: list[float], **ratios: float) -> dict:
         row = {"scenario": scenario, "name": name, **summary(times), **ratios}
         self.rows.append(row)
-        extra = "  ".join(f"{k}={v:.2f}x" for k, v in ratios.items())
+        extra = "  ".join(
+            f"{k}={v:.2f}{'' if k.startswith('us_') else 'x'}" for k, v in ratios.items()
+        )
         print(f"  {name:<44} median {_ms(row['median']):>10}  p90 {_ms(row['p90']):>10}  {extra}")
         return row
 
@@ -427,6 +436,167 @@ def bench_wrap(report: Report, tmp: Path, repeat: int) -> None:
     report.add("wrap", f"restore floor ({size} B object)", floor)
 
 
+# -- 9. wrap hits that check a read set --------------------------------------------------
+
+READ_SET_FILES = 1000  # files in the large read set; the small one has one
+# opc as a shell script: cats the operator source and every file its list names,
+# none of them on the command line, so only tracing it finds them.
+SHELL_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+cat "$1" $(cat "${1%.py}.lst") > "$out/k.o"
+"""
+
+
+def _read_set_projects(folder: Path) -> dict[int, Path]:
+    """A C project and an opc project per read-set size: {files: project folder}."""
+    projects = {}
+    for count in (1, READ_SET_FILES):
+        root = folder / f"files-{count}"
+        (root / "inc").mkdir(parents=True)
+        (root / "data").mkdir()
+        names = [f"h{i}.h" for i in range(count)]
+        for i, name in enumerate(names):
+            (root / "inc" / name).write_text(f"#define H{i} {i}\n")
+            (root / "data" / f"d{i}.txt").write_text(f"tile {i}\n")
+        (root / "k.c").write_text(
+            "".join(f'#include "{n}"\n' for n in names) + "int k(int a) { return a * H0; }\n"
+        )
+        (root / "op").mkdir()
+        # Sources that differ: the projects' keys differ even where only the source is keyed.
+        (root / "op" / "add.py").write_text(f"def add(): pass  # {count} files\n")
+        (root / "op" / "add.lst").write_text(
+            "".join(f"{root}/data/d{i}.txt\n" for i in range(count))
+        )
+        projects[count] = root
+    return projects
+
+
+def _files(count: int) -> str:
+    return f"{count:,} file{'s' if count > 1 else ''}"
+
+
+def bench_read_set(report: Report, tmp: Path, repeat: int, before: Path | None) -> None:
+    print(
+        f"9. wrap hits that check a read set: gcc and a stand-in opc, 1 file vs {READ_SET_FILES:,}"
+    )
+    strace = shutil.which("strace")
+    if strace is None:
+        print("  strace is missing (apt-get install strace): opc is not traced; skipped")
+        return
+    folder = tmp / "read-set"
+    projects = _read_set_projects(folder)
+    (folder / "bin").mkdir()
+    (folder / "bin" / "opc").write_text(SHELL_OPC)
+    (folder / "bin" / "opc").chmod(0o755)
+    base = {
+        "PATH": f"{folder / 'bin'}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
+        "HOME": str(folder),
+        "LANG": "C.UTF-8",
+        "CCACHE_DIR": str(folder / "ccache"),
+        # The opcache this bench imported (a checkout given by PYTHONPATH, or the installed one).
+        "PYTHONPATH": str(Path(opcache.__file__).resolve().parent.parent),
+    }
+    codes = {"now": base}
+    if before is not None:
+        codes["before 17"] = {**base, "PYTHONPATH": str(before)}
+    ccache = _ccache()
+    if ccache is None:
+        print("  ccache is missing and cannot be installed here: that peer is skipped")
+    gcc = ["gcc", "-O2", "-Iinc", "-c", "k.c", "-o", "k.o"]
+    opc = ["opc", "op/add.py", "--main_func=add", f"--soc_version={SOC}", "--output=out"]
+    sides: dict[str, Callable[[], object]] = {}
+    for count, root in projects.items():
+        for code, env in codes.items():
+            for tool, argv in (("gcc", gcc), ("opc", opc)):
+                cache = f"--op_compiler_cache_dir={folder / code.replace(' ', '-')}"
+                command = [sys.executable, "-m", "opcache", "wrap", cache, "--", *argv]
+                sides[f"opcache wrap {tool} hit, {_files(count)}, {code}"] = _run(
+                    command, root, env
+                )
+        if ccache:
+            sides[f"ccache gcc hit, {_files(count)}"] = _run([ccache, *gcc], root, base)
+    times = timeit_side_by_side(sides, repeat, warmup=2)
+    for code, env in codes.items():
+        # Every timed run must have been a hit: one miss per tool and project.
+        counts = _cache_counts(folder / code.replace(" ", "-"), env)
+        print(f"  ({code}: {counts['hits']} hits, {counts['misses']} misses, 4 expected)")
+        if counts["misses"] != 2 * len(projects):
+            print("  NOT EVERY TIMED RUN WAS A HIT: the hit figures below are not hits")
+    for name, row_times in times.items():
+        ratios = {}
+        if _files(READ_SET_FILES) in name:
+            small = statistics.median(times[name.replace(_files(READ_SET_FILES), _files(1))])
+            extra = statistics.median(row_times) - small
+            ratios["us_per_file"] = extra / (READ_SET_FILES - 1) * 1e6
+        report.add("read set", name, row_times, **ratios)
+    root = projects[READ_SET_FILES]
+    _bench_traced_miss(report, folder, root, opc, base, strace, max(repeat // 3, 5))
+
+
+def _cache_counts(cache: Path, env: dict[str, str]) -> dict:
+    """``opcache stats --json``'s totals for this cache folder."""
+    command = [
+        sys.executable,
+        "-m",
+        "opcache",
+        "stats",
+        "--json",
+        f"--op_compiler_cache_dir={cache}",
+    ]
+    done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> Callable[[], None]:
+    return lambda: subprocess.run(argv, cwd=cwd, env=env, check=True, capture_output=True)
+
+
+def _bench_traced_miss(
+    report: Report,
+    folder: Path,
+    root: Path,
+    opc: list[str],
+    env: dict[str, str],
+    strace: str,
+    repeat: int,
+) -> None:
+    """A miss under strace vs one without (the same inputs listed), a new cache each time."""
+    listed = f"{root / 'op'}{os.pathsep}{root / 'data'}"
+    untraced = {**env, "OPCACHE_TRACE": "off", "OPCACHE_EXTRA_FILES": listed}
+    counter = iter(range(10**9))
+
+    def miss(environ: dict[str, str]) -> Callable[[], None]:
+        def run() -> None:
+            cache = f"--op_compiler_cache_dir={folder / 'misses' / str(next(counter))}"
+            command = [sys.executable, "-m", "opcache", "wrap", cache, "--", *opc]
+            subprocess.run(command, cwd=root, env=environ, check=True, capture_output=True)
+
+        return run
+
+    times = timeit_side_by_side(
+        {
+            "untraced": miss(untraced),
+            "traced": miss(env),
+            "plain": _run(opc, root, env),
+            "strace": _run([strace, "-f", "-o", os.devnull, *opc], root, env),
+        },
+        repeat,
+        warmup=1,
+    )
+    last = next(counter)
+    for side, number in (("untraced", last - 2), ("traced", last - 1)):
+        counts = _cache_counts(folder / "misses" / str(number), env)
+        if counts["stores"] != 1:
+            print(f"  THE {side.upper()} MISS STORED NOTHING: {counts['uncacheable_reasons']}")
+    name = f"opc miss, {_files(READ_SET_FILES)}"
+    report.add("read set", f"{name}, plain opc (no opcache)", times["plain"])
+    report.add("read set", f"{name}, plain opc under strace -f", times["strace"])
+    report.add("read set", f"{name}, OPCACHE_TRACE=off + EXTRA_FILES", times["untraced"])
+    ratio = statistics.median(times["traced"]) / statistics.median(times["untraced"])
+    report.add("read set", f"{name}, traced with strace", times["traced"], vs_untraced=ratio)
+
+
 # -- 6. session ------------------------------------------------------------------------------
 
 
@@ -678,8 +848,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG of hit cost against entry count here")
     parser.add_argument("--only", help="comma-separated scenario numbers, e.g. 1,5")
+    parser.add_argument(
+        "--before", type=Path, help="a folder holding older code's opcache/ (scenario 9's baseline)"
+    )
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 9))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 10))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -700,6 +873,7 @@ def main(argv: list[str] | None = None) -> int:
             6: lambda: bench_session(report, tmp, session),
             7: lambda: bench_shared(report, tmp, 100 if args.quick else 200),
             8: lambda: bench_remote(report, tmp, repeat, 100 if args.quick else 200),
+            9: lambda: bench_read_set(report, tmp, repeat, args.before),
         }
         for number, run in scenarios.items():
             if number in only:
