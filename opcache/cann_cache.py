@@ -31,7 +31,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import re
 import stat
@@ -39,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from . import fsutil, ini, trust
+from . import _json, fsutil, ini, trust
 from ._log import get_logger
 from ._record import Record
 from .request import is_plain_name
@@ -686,8 +685,8 @@ def _read_json(fd: int, name: str) -> object:
     if len(raw) > _MAX_JSON_BYTES:
         return None
     try:
-        return json.loads(raw)
-    except ValueError:
+        return _json.loads(raw)
+    except ValueError:  # too deep too: a corrupt json, as one too big (age leaves it alone)
         return None
 
 

@@ -21,7 +21,7 @@ import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import fsutil
+from . import _json, fsutil
 from ._log import get_logger
 from .locks import flocked
 
@@ -32,6 +32,8 @@ Counts = dict[str, float]
 # O_NONBLOCK: opening a FIFO planted as a shard must not wait for a writer.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_SHARD = 1 << 20
+# A count past it is planted, not made: sums and float() of it must not overflow.
+_MAX_COUNT = 1 << 63
 
 
 class CounterFiles:
@@ -139,7 +141,7 @@ class CounterFiles:
         finally:
             os.close(fd)
         try:
-            data = json.loads(raw)
+            data = _json.loads(raw)
         except ValueError:
             data = None
         if not isinstance(data, dict):
@@ -151,6 +153,7 @@ class CounterFiles:
             if isinstance(value, int | float)
             and not isinstance(value, bool)
             and math.isfinite(value)
+            and abs(value) < _MAX_COUNT
         }
 
     def _write(self, index: int, counts: Counts, dir_fd: int) -> None:

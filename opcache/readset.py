@@ -28,6 +28,7 @@ import os
 import re
 import stat
 
+from . import _json
 from ._log import get_logger
 from .compilers._tool import read_input, which
 from .key import canonical_json, digest
@@ -338,7 +339,7 @@ class Memo:
     def recall(self, memo_key: str) -> list[ReadSet]:
         raw = self.store.read_note("reads", memo_key[:2], memo_key) if self.store else None
         try:
-            variants = json.loads(raw) if raw else []
+            variants = _json.loads(raw) if raw else []
         except ValueError:
             return []
         if not isinstance(variants, list):

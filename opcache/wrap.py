@@ -47,7 +47,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from . import _log, fsutil
+from . import _json, _log, fsutil
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers._tool import file_identity, read_input, which
@@ -786,7 +786,7 @@ def _read_outputs(workdir: Path) -> dict[str, bytes]:
 def _opc_names(param: bytes, main_func: str | None) -> tuple[str, str]:
     """(op_type, op_name) for op_debug_list, from the parameter JSON where it says."""
     try:
-        data = json.loads(param)
+        data = _json.loads(param)
     except ValueError:
         data = None
     data = data if isinstance(data, dict) else {}
@@ -1225,7 +1225,7 @@ class HeaderMemo:
     def _recall(self, memo_key: str) -> list[dict[str, list[str]]]:
         raw = self.store.read_note("direct", memo_key[:2], memo_key) if self.store else None
         try:
-            variants = json.loads(raw) if raw else []
+            variants = _json.loads(raw) if raw else []
         except ValueError:
             return []
         fields = ("headers", "digests", "absent", "macros")

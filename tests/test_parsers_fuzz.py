@@ -10,22 +10,29 @@ deadline).
 from __future__ import annotations
 
 import json
+import math
+import os
 import tempfile
 from pathlib import Path
 
 import pytest
+from fake_opc import base_env
+from helpers_wrap import GCC, opcache, stats, wrap, write_project
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opcache import ConfigError
 from opcache.batch import load_specs
+from opcache.cann_cache import _read_json as cann_read_json
 from opcache.counters import CounterFiles
 from opcache.debug import read_debug_config
 from opcache.ini import read_size_limits
 from opcache.key import digest
+from opcache.readset import Memo
 from opcache.request import OpRequest
 from opcache.storage.entry import CorruptEntry, make_manifest, parse_manifest
-from opcache.wrap import Plan, Uncacheable, _plan_opc
+from opcache.storage.local import LocalStore
+from opcache.wrap import HeaderMemo, Plan, Uncacheable, _opc_names, _plan_opc
 
 FUZZ = settings(
     max_examples=150,
@@ -170,3 +177,94 @@ def test_spec_files_of_any_content(data: bytes) -> None:
     for where, request in load_specs([spec]):
         assert where.startswith(str(spec))
         assert isinstance(request, OpRequest | str)
+
+
+# -- JSON that Python's parser fails on in other ways than ValueError --------------------
+# Too deep for its recursion ('[' * 200000: RecursionError), deep enough that the next
+# recursive walk of what it parsed fails, or numbers that overflow on float() / isfinite.
+DEEP = b"[" * 200_000
+NEARLY_DEEP = b"[" * 900 + b"]" * 900
+DEEP_OBJECTS = b'{"a":' * 900 + b"1" + b"}" * 900
+HUGE = b"9" * 4000
+HOSTILE = [DEEP, NEARLY_DEEP, DEEP_OBJECTS, HUGE, b"-" + HUGE, b"1e999", b"NaN", b"-Infinity"]
+hostile_json = st.tuples(
+    st.sampled_from(HOSTILE),
+    st.sampled_from([b"%s", b"[%s]", b'{"hits":%s}', b'{"headers":%s,"digests":[]}']),
+).map(lambda parts: parts[1] % parts[0])
+HOSTILE_FUZZ = settings(FUZZ, max_examples=40)
+
+
+@HOSTILE_FUZZ
+@given(st.lists(hostile_json, min_size=1, max_size=3), st.integers(0, 10**30))
+def test_stats_files_too_deep_or_too_large_read_as_numbers(shards: list[bytes], big: int) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="opcache-fuzz-"))
+    for index, data in enumerate(shards):
+        (folder / f"{index:02d}.json").write_bytes(data)
+    (folder / "15.json").write_bytes(b'{"hits":%d,"bytes":1}' % big)
+    totals = CounterFiles(folder).totals()
+    assert all(abs(v) < 2**63 + 1 and math.isfinite(v) for v in totals.values())
+    assert totals["bytes"] == 1 and totals.get("hits", 0) == (big if big < 2**63 else 0)
+    CounterFiles(folder).add({"hits": 1})
+    assert CounterFiles(folder).totals()["hits"] >= 1
+
+
+@HOSTILE_FUZZ
+@given(hostile_json)
+def test_manifest_too_deep_or_too_large_is_corrupt(inner: bytes) -> None:
+    for body in (inner, make_manifest(KEY, {}, 1.0, {}, 0.0).split(b"\n", 1)[1]):
+        body = body.replace(b'"compile_seconds":1.0', b'"compile_seconds":' + HUGE[:400])
+        raw = digest(body).encode() + b"\n" + body
+        with pytest.raises(CorruptEntry):
+            parse_manifest(raw, KEY)
+
+
+@HOSTILE_FUZZ
+@given(hostile_json)
+def test_notes_too_deep_or_too_large_are_forgotten(data: bytes) -> None:
+    store = LocalStore(Path(tempfile.mkdtemp(prefix="opcache-fuzz-")))
+    for where in (("reads", KEY[:2], KEY), ("direct", KEY[:2], KEY)):
+        store.write_note(data, *where)
+    assert Memo(store).recall(KEY) == []
+    assert HeaderMemo(store)._recall(KEY) == []
+
+
+@HOSTILE_FUZZ
+@given(hostile_json)
+def test_cann_jsons_too_deep_or_too_large_do_not_parse(data: bytes) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="opcache-fuzz-"))
+    (folder / "k.json").write_bytes(data)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert cann_read_json(fd, "k.json") is None
+    finally:
+        os.close(fd)
+
+
+@HOSTILE_FUZZ
+@given(hostile_json)
+def test_opc_parameter_json_too_deep_or_too_large(data: bytes) -> None:
+    assert _opc_names(data, "add") == ("add", "")
+
+
+@pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+def test_planted_counter_shards_too_deep_or_too_large_fail_no_compile(tmp_path: Path) -> None:
+    env, src = base_env(tmp_path), write_project(tmp_path / "src")
+    cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
+    wrap(*cmd, env=env, cwd=src)
+    (src / "k.o").unlink()
+    shards = [
+        *tmp_path.glob("cache/**/_size/*.json"),
+        *tmp_path.glob("cache/**/.opcache/stats/host/*.json"),
+    ]
+    assert {p.parent.name for p in shards} == {"_size", "host"}
+    for folder in {p.parent for p in shards}:
+        (folder / "03.json").write_bytes(b'{"bytes":' + HUGE + b"}")
+        (folder / "05.json").write_bytes(b'{"entries":' + HUGE[:400] + b"}")
+        (folder / "07.json").write_bytes(DEEP)
+    wrap(*cmd, env=env, cwd=src)  # a hit or a miss, but k.o made, no traceback
+    assert (src / "k.o").stat().st_size > 0
+    (src / "k.o").unlink()
+    wrap(*cmd, "-O1", env=env, cwd=src)
+    assert (src / "k.o").stat().st_size > 0
+    assert stats(env, "host")
+    opcache("age", env=env, cwd=tmp_path)

@@ -9,8 +9,7 @@ manifest's checksum and every artifact against it before anything is used.
 
 from __future__ import annotations
 
-import json
-
+from .. import _json
 from .._record import Record
 from ..key import canonical_json, digest
 from ..request import is_plain_name
@@ -86,7 +85,7 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     if not newline or check.decode("ascii", "replace") != digest(body):
         raise CorruptEntry("the manifest is damaged (checksum)")
     try:
-        data = json.loads(body)
+        data = _json.loads(body)
     except ValueError:
         raise CorruptEntry("the manifest is not JSON") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
