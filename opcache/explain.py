@@ -54,6 +54,7 @@ FOLDER = "explain"
 KEEP = 8  # keys explained per operator and chip, newest kept
 _SHORT = 100  # characters of a value shown in a difference
 _HEX = frozenset("0123456789abcdef")
+_LONGEST = 1 << 16  # characters of a keyed text opened up for comparing (notes may be planted)
 
 
 class Explanation(Record):
@@ -190,7 +191,7 @@ def explain(
     for note in _read(store, _note_name(operator)):
         if note["key"] == key or store.stamp(soc, note["key"]) is None:
             continue
-        found = differences(note["parts"], parts)
+        found = differences(_readable(note["parts"]), _readable(parts))
         rank = (len(found), -note["created"])
         if best is None or rank < best:
             best, nearest, changes = rank, note["key"], found
@@ -239,6 +240,45 @@ def differences(old: Any, new: Any, path: str = "") -> list[str]:
             out += differences(was, now, f"{path}[{index}]")
         return out
     return [f"{path}: {_short(old)} -> {_short(new)}"]
+
+
+def _readable(parts: dict[str, Any]) -> dict[str, Any]:
+    """``parts`` with the values the key holds as text opened up for comparing:
+    the environment (a repr of [name, value] pairs) as a mapping, a fingerprint
+    that is a JSON object as that object; each then differs by name."""
+    out = dict(parts)
+    attrs = out.get("attrs")
+    if isinstance(attrs, dict) and isinstance(attrs.get("env"), str):
+        out["attrs"] = {**attrs, "env": _pairs(attrs["env"])}
+    compiler = out.get("compiler")
+    if isinstance(compiler, dict) and isinstance(compiler.get("fingerprint"), str):
+        out["compiler"] = {**compiler, "fingerprint": _json_object(compiler["fingerprint"])}
+    return out
+
+
+def _pairs(text: str) -> Any:
+    """The mapping a repr of [name, value] pairs stands for, else ``text`` as it is."""
+    import ast
+
+    if len(text) > _LONGEST:
+        return text
+    try:
+        pairs = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
+    if not isinstance(pairs, list | tuple) or not all(
+        isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+    ):
+        return text
+    return {name: value for name, value in pairs}
+
+
+def _json_object(text: str) -> Any:
+    try:
+        found = json.loads(text) if len(text) <= _LONGEST else None
+    except (ValueError, RecursionError):
+        return text
+    return found if isinstance(found, dict) else text
 
 
 def _is_digest(value: Any) -> bool:

@@ -24,8 +24,12 @@ from helpers_cache import (
     write_size_ini,
 )
 from helpers_wrap import GCC, opcache, stats, wrap, write_project
+from test_wrap_opc_reads import ARGS as OPC_ARGS
+from test_wrap_opc_reads import edit
+from test_wrap_opc_reads import project as opc_project
 
 from opcache import OpCache
+from opcache.wrap import CC_KEY_ENVIRONMENT, OPC_KEY_ENVIRONMENT
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
 
@@ -324,3 +328,143 @@ def test_planted_links_and_fifos_in_the_explanations_are_left_alone(csrc, tmp_pa
     assert sorted(p.name for p in victim.rglob("*")) == before
     assert (victim / "keep").read_text() == "mine\n"
     assert stats(env, "host")["misses"] == 3
+
+
+# -- each stale case of issue 17 (tests/test_wrap_stale.py, test_wrap_opc_reads.py) ----
+# The compile, one thing changed, and explain names that thing.
+
+
+def changes_after(src: Path, env: dict[str, str], args: list[str], then: dict[str, str]) -> list:
+    """Compile ``gcc ARGS -c k.c -o k.o`` under ``env``; explain it under ``then``."""
+    command = ["gcc", *args, "-c", "k.c", "-o", "k.o"]
+    wrap(*command, env=env, cwd=src)
+    found = explain(*command, env=then, cwd=src)
+    assert found["seen"] and not found["stored"]
+    return found["changes"]
+
+
+@pytest.mark.parametrize("macro", ["__DATE__", "__TIME__"])
+def test_a_changed_source_date_epoch_is_named(tmp_path, macro):
+    env, src = base_env(tmp_path), tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text(f"const char *d(void) {{ return {macro}; }}\n")
+    changes = changes_after(
+        src, {**env, "SOURCE_DATE_EPOCH": "0"}, ["-O2"], {**env, "SOURCE_DATE_EPOCH": "100000000"}
+    )
+    assert changes == ["attrs.date: ['0', None, None] -> ['100000000', None, None]"]
+
+
+def test_time_without_an_epoch_is_explained_as_uncacheable(tmp_path):
+    env, src = base_env(tmp_path), tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text("const char *t(void) { return __TIME__; }\n")
+    command = ["gcc", "-O2", "-c", "k.c", "-o", "k.o"]
+    wrap(*command, env=env, cwd=src)
+    done = opcache("explain", "--", *command, env=env, cwd=src, status=2)
+    assert done.stderr.decode() == (
+        "opcache: error: explain: opcache wrap would not cache this command: "
+        "cc: __TIME__ without SOURCE_DATE_EPOCH\n"
+    )
+    assert done.stdout == b""  # no key pretended
+
+
+def test_a_changed_timestamp_is_named_with_its_file(tmp_path):
+    env, src = {**base_env(tmp_path), "TZ": "UTC"}, tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text("const char *s(void) { return __TIMESTAMP__; }\n")
+    os.utime(src / "k.c", (0, 0))
+    command = ["gcc", "-O2", "-c", "k.c", "-o", "k.o"]
+    wrap(*command, env=env, cwd=src)
+    os.utime(src / "k.c", (100000000, 100000000))
+    found = explain(*command, env=env, cwd=src)
+    assert found["changes"] == ["attrs.mtimes[0]: ['k.c', 0] -> ['k.c', 100000000]"]
+
+
+# Values that keep gcc working: a folder that is not there, a locale it knows (not
+# one Python coerces to C.UTF-8 by setting LC_CTYPE).  Left out: those that break it.
+CC_VARIABLES = {name: None for name in CC_KEY_ENVIRONMENT} | {
+    "LANG": "C.utf8",
+    "LC_CTYPE": "C.utf8",
+    "LC_ALL": "C",
+}
+UNSETTABLE_CC = ("GCC_COMPARE_DEBUG", "GCC_EXEC_PREFIX")
+
+
+@pytest.mark.parametrize("variable", [v for v in CC_VARIABLES if v not in UNSETTABLE_CC])
+def test_each_keyed_variable_of_a_c_compile_is_named(tmp_path, variable):
+    env, src = base_env(tmp_path), write_project(tmp_path / "src")
+    value = CC_VARIABLES[variable] or str(tmp_path / "elsewhere")
+    changes = changes_after(src, env, ["-O2", "-DOFFSET=1"], {**env, variable: value})
+    was = repr(env[variable]) if variable in env else None
+    if was is None:
+        assert changes == [f"attrs.env.{variable}: added, {value!r}"]
+    else:
+        assert changes == [f"attrs.env.{variable}: {was} -> {value!r}"]
+
+
+def test_a_variable_that_makes_a_c_compile_uncacheable_says_so(csrc):
+    env, src = csrc
+    env = {**env, "DEPENDENCIES_OUTPUT": "deps.d"}
+    done = opcache("explain", "--", *CC, env=env, cwd=src, status=2)
+    assert "would not cache this command: cc: DEPENDENCIES_OUTPUT is set" in done.stderr.decode()
+
+
+@needs_strace
+@pytest.mark.parametrize(
+    ("case", "read"),
+    [
+        ("kernel", "kernel/k.cpp"),
+        ("header", "kernel/common.h"),
+        ("beside_the_py", "op/kernel/k.cpp"),
+        ("custom_opp", "opp/tiling.txt"),
+        ("helper", "op/helper.py"),
+    ],
+)
+def test_each_file_opc_reads_is_named(tmp_path, case, read):
+    env, root = opc_project(tmp_path)
+    if case == "beside_the_py":
+        edit(root, env, case)  # (both compiles: the kernel found beside the .py)
+    command = ["opc", *OPC_ARGS, "--output=out1"]
+    wrap(*command, env=env, cwd=root)
+    if case == "beside_the_py":
+        (root / "op" / "kernel" / "k.cpp").write_text("// beside, edited\n")
+    else:
+        edit(root, env, case)
+    found = explain(*command, env=env, cwd=root)
+    assert found["seen"] and not found["stored"]
+    assert found["changes"][0].startswith("attrs.reads: ")
+    assert f"read set: {root / read} changed" in found["changes"][1:]
+
+
+@needs_strace
+@pytest.mark.parametrize(
+    "variable", [v for v in OPC_KEY_ENVIRONMENT if v not in ("LD_PRELOAD", "PYTHONHOME")]
+)
+def test_each_keyed_variable_of_an_opc_compile_is_named(tmp_path, variable):
+    env, root = opc_project(tmp_path)
+    command = ["opc", *OPC_ARGS, "--output=out1"]
+    wrap(*command, env=env, cwd=root)
+    was = env.get(variable)
+    value = str(tmp_path / "elsewhere")
+    env[variable] = value if variable != "PATH" else f"{value}{os.pathsep}{env['PATH']}"
+    found = explain(*command, env=env, cwd=root)
+    assert found["seen"] and not found["stored"]
+    shown = [repr(v) if len(repr(v)) <= 100 else repr(v)[:97] + "..." for v in (was, value)]
+    shown[1] = shown[1] if variable != "PATH" else repr(env[variable])[:97] + "..."
+    assert f"attrs.env.{variable}: {shown[0]} -> {shown[1]}" in found["changes"]
+
+
+@needs_strace
+def test_a_new_driver_is_named(tmp_path):
+    env, root = opc_project(tmp_path)
+    driver = tmp_path / "Ascend" / "driver"
+    driver.mkdir(parents=True)
+    (driver / "version.info").write_text("Version=24.1.rc1\n")
+    env["ASCEND_DRIVER_PATH"] = str(driver)
+    command = ["opc", *OPC_ARGS, "--output=out1"]
+    wrap(*command, env=env, cwd=root)
+    (driver / "version.info").write_text("Version=24.1.rc2\n")
+    found = explain(*command, env=env, cwd=root)
+    reads, driver = found["changes"]  # (the read set is remembered by toolkit: unknown)
+    assert reads.startswith("attrs.reads: ") and reads.endswith(" -> 'unknown'")
+    assert driver == "compiler.fingerprint.driver: digest changed"
