@@ -13,10 +13,12 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from fake_opc import base_env
+from helpers_cann import SOC, kernel_json, kernel_name, set_access, store_entry, write_ini
 from helpers_wrap import GCC, opcache, stats, wrap, write_project
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -268,3 +270,31 @@ def test_planted_counter_shards_too_deep_or_too_large_fail_no_compile(tmp_path: 
     assert (src / "k.o").stat().st_size > 0
     assert stats(env, "host")
     opcache("age", env=env, cwd=tmp_path)
+
+
+def test_cann_age_keeps_entries_whose_json_is_too_deep_or_too_large(tmp_path: Path) -> None:
+    """Read as a corrupt json, which age leaves alone (CANN ages only what it parses; its
+    parser rejects a number no double holds), and verify reports."""
+    base = tmp_path / "atc"
+    root = base / "kernel_cache"
+    chip = root / SOC
+    kept = {}
+    for label, planted in (("deep", b"[" * 100_000 + b"]" * 100_000), ("huge", HUGE), ("ok", b"1")):
+        kernel = kernel_name("Add", label)
+        binary = os.urandom(600 * 1024)
+        paths = store_entry(chip, kernel, binary)
+        body = json.dumps({**kernel_json(kernel, binary), "pad": "X"}).encode()
+        paths[0].write_bytes(body.replace(b'"X"', planted))
+        set_access(paths, time.time() - 5 * 3600)
+        kept[label] = paths
+    write_ini(root, max_mb=1, ratio=10)
+    env = {"HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    opcache("cann", "age", "--op_compiler_cache_dir", str(base), env=env, cwd=tmp_path)
+    assert all(p.exists() for p in kept["deep"] + kept["huge"])
+    assert not any(p.exists() for p in kept["ok"])
+    verify = ("cann", "verify", "--op_compiler_cache_dir", str(base), "--json")
+    done = opcache(*verify, env=env, cwd=tmp_path, status=1, text=True)
+    faults = json.loads(done.stdout)["chips"][SOC]["faults"]
+    assert sorted(f["name"] for f in faults) == sorted(
+        kernel_name("Add", label) for label in ("deep", "huge")
+    )
