@@ -17,13 +17,20 @@ import fcntl
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import fsutil, trust
 
 _POLL_FIRST = 0.002
 _POLL_MAX = 0.05
+# How long a critical section (``flocked``) waits for a lock others hold.  Its
+# holders keep it for milliseconds, but a recount by ``opcache verify`` holds
+# the counting lock for its whole walk, and anyone who can open a lock file
+# (the group, in a group-shared cache) can hold it forever: past this, the
+# caller gives up (a compile is then not stored, with a warning) rather than
+# hang every compile.
+LOCK_WAIT_SECONDS = 10.0
 
 # Descriptors of the locks this process holds.  A forked child gets copies,
 # and a copy keeps the lock held after the parent lets go: the child drops its
@@ -56,18 +63,15 @@ class KeyLock:
 
     def acquire(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lock; True if it is now held."""
-        deadline = time.monotonic() + timeout
-        delay = _POLL_FIRST
         fsutil.makedirs(self.path.parent, self._modes)
-        while True:
+
+        def attempt() -> bool:
             if self._try_once():
                 return True
             self.waited = True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, _POLL_MAX)
+            return False
+
+        return _poll(attempt, timeout)
 
     def try_acquire(self) -> bool:
         """Take the lock if no one holds it, without waiting; True if it is now held."""
@@ -146,6 +150,19 @@ class KeyLock:
                 os.close(dir_fd)
 
 
+def _poll(attempt: Callable[[], bool], timeout: float) -> bool:
+    """Call ``attempt`` until it returns True or ``timeout`` seconds are up; whether it did."""
+    deadline = time.monotonic() + timeout
+    delay = _POLL_FIRST
+    while not attempt():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, _POLL_MAX)
+    return True
+
+
 @contextlib.contextmanager
 def flocked(
     path: Path | str,
@@ -153,16 +170,34 @@ def flocked(
     *,
     shared: bool = False,
     dir_fd: int | None = None,
+    timeout: float | None = None,
 ) -> Iterator[None]:
     """Hold ``flock`` on the (kept) file ``path`` for a critical section.
 
     Exclusive, or ``shared`` with other shared holders.  ``path`` is relative
-    to ``dir_fd`` when given.  The operating system releases the lock of a
-    process that dies.
+    to ``dir_fd`` when given.  Waits up to ``timeout`` seconds (by default
+    ``LOCK_WAIT_SECONDS``, read at each call) for other holders, then raises
+    BlockingIOError.  The operating system releases the lock of a process
+    that dies.
     """
+    wait = LOCK_WAIT_SECONDS if timeout is None else timeout
+    operation = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
     fd = _open_lock_file(path, modes, dir_fd)
+
+    def attempt() -> bool:
+        try:
+            fcntl.flock(fd, operation)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        if not _poll(attempt, wait):
+            raise BlockingIOError(
+                errno.EWOULDBLOCK, f"another process held the lock {path} for over {wait:g} s"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -182,8 +217,11 @@ def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = 
     O_NONBLOCK keeps such an open from waiting, and only a regular file is kept.
     """
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    # flock needs no write access: a private cache's lock file readable by the
+    # group would let any member hold it.
+    bits = modes.file_bits if modes.group is not None else modes.file_bits & 0o600
     try:
-        fd = os.open(path, flags, modes.file_bits, dir_fd=dir_fd)
+        fd = os.open(path, flags, bits, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise trust.UntrustedFolder(f"the lock file {path} is a link") from None

@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -446,3 +448,43 @@ def test_a_store_just_before_verify_takes_its_lock_is_not_reported_as_a_wrong_co
     assert read_json(tmp_path / "racer.json")["results"][0]["status"] == "miss"
     assert (chip["counted_entries"], chip["counted_bytes"]) == (chip["entries"], chip["bytes"])
     assert chip["entries"] == 3
+
+
+# ---------------------------------------- a lock held forever: the miss still ends
+
+
+HOLD_CODE = """
+import fcntl, os, sys, time
+fd = os.open({lock!r}, os.O_RDONLY)  # flock needs no more than reading
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_counting_lock_held_forever_by_another_process_does_not_hang_a_miss(
+    tmp_path: Path,
+) -> None:
+    settings, _compiler = stored_cache(tmp_path)
+    lock = settings.root / ".opcache" / "locks" / f"{SOC}.count"
+    assert lock.is_file()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_CODE.format(lock=str(lock))], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        code = COMPILE_CODE.format(
+            ops=str(tmp_path / "ops"),
+            home=str(tmp_path),
+            calls=str(tmp_path / "calls"),
+            out=str(tmp_path / "o"),
+        )
+        # Two compiles, one a miss that waits locks.LOCK_WAIT_SECONDS for the
+        # counting lock and is then not stored: well within run_script's 60 s.
+        done = run_script(code)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]
