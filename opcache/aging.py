@@ -9,8 +9,10 @@ time (the others skip, they do not wait), and compiling never waits for it.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 
+from . import locks
 from ._log import get_logger
 from .settings import AGE_SECONDS
 from .storage.local import LocalStore
@@ -60,20 +62,20 @@ def age_chip(
     report = ChipAging(soc, used, entries)
     if max_bytes is None or used < max_bytes:
         return report
-    import filelock  # only here, past the cheap check: it costs the start-up of every process
-
-    lock = filelock.FileLock(
-        store.folder("locks") / f"{soc}.cleanup", timeout=0, mode=store.modes.file_bits
-    )
-    try:
-        lock.acquire()
-    except filelock.Timeout:
-        report.skipped = "another process is trimming this chip folder"
-        return report
-    try:
+    with contextlib.ExitStack() as held:
+        # Through a handle on the locks folder, never through a link at the lock
+        # file's name (which filelock before 3.20.1 followed, truncating and
+        # chmodding its target: CVE-2025-68146).
+        locks_fd = store.open_folder("locks")
+        held.callback(os.close, locks_fd)
+        try:
+            held.enter_context(
+                locks.flocked(f"{soc}.cleanup", store.modes, dir_fd=locks_fd, timeout=0)
+            )
+        except BlockingIOError:
+            report.skipped = "another process is trimming this chip folder"
+            return report
         _trim(store, soc, used - max_bytes * ratio // 100, now, dry_run, report, progress, on_evict)
-    finally:
-        lock.release()
     report.bytes_after = used - report.freed_bytes
     return report
 

@@ -10,6 +10,8 @@ the disk is full, or a store races ``verify``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -17,6 +19,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,7 @@ from helpers_cache import (
     read_json,
     run_script,
     tree_bytes,
+    write_size_ini,
 )
 from helpers_faults import (
     CHILD_PROLOGUE,
@@ -448,6 +452,52 @@ def test_a_store_just_before_verify_takes_its_lock_is_not_reported_as_a_wrong_co
     assert read_json(tmp_path / "racer.json")["results"][0]["status"] == "miss"
     assert (chip["counted_entries"], chip["counted_bytes"]) == (chip["entries"], chip["bytes"])
     assert chip["entries"] == 3
+
+
+# ------------------------------------------- the trim's lock file: never followed
+
+
+class _FileLockBefore3201:
+    """filelock < 3.20.1's lock (CVE-2025-68146): opened through a link with
+    O_TRUNC, then fchmod'ed, whatever the path named."""
+
+    def __init__(self, path: os.PathLike[str] | str, timeout: float = -1, mode: int = 0o644):
+        self._path, self._mode, self._fd = path, mode, -1
+
+    def acquire(self) -> None:
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, self._mode)
+        os.fchmod(self._fd, self._mode)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def release(self) -> None:
+        os.close(self._fd)
+
+
+@pytest.mark.parametrize("filelock_version", ["installed", "before 3.20.1"])
+def test_a_link_at_the_trim_lock_is_never_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, filelock_version: str
+) -> None:
+    if filelock_version != "installed":  # the trim must not depend on filelock's open
+        old = types.ModuleType("filelock")
+        old.FileLock = _FileLockBefore3201
+        old.Timeout = TimeoutError
+        monkeypatch.setitem(sys.modules, "filelock", old)
+    settings, _compiler = stored_cache(tmp_path)
+    root = settings.root
+    victim = tmp_path / "secret"
+    victim.write_bytes(b"the victim's private data")
+    victim.chmod(0o600)
+    # Over its limit: the next age trims, taking the chip's cleanup lock.
+    write_size_ini(root, 1, 50)
+    (root / SOC / "_size" / "07.json").write_text('{"bytes": 5000000000}')
+    os.symlink(victim, root / ".opcache" / "locks" / f"{SOC}.cleanup")
+
+    settings = make_settings(tmp_path / "ops", tmp_path)  # (reads the new limit)
+    with opcache.OpCache(settings) as cache, contextlib.suppress(OSError):  # (a refusal is fine)
+        cache.age()
+
+    assert victim.read_bytes() == b"the victim's private data"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
 
 
 # ---------------------------------------- a lock held forever: the miss still ends
