@@ -54,7 +54,7 @@ from helpers_wrap import opcache as run_opcache
 
 import opcache
 from opcache import fsutil, locks
-from opcache.storage.local import LocalStore
+from opcache.storage.local import LocalStore, new_build_folder
 
 # Long dead, for every grace period of every cleaner.
 OLD = time.time() - 2 * 86400
@@ -538,3 +538,39 @@ def test_a_counting_lock_held_forever_by_another_process_does_not_hang_a_miss(
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]
+
+
+# ------------------------------------------- out_dir: only our own build folders go
+
+
+def test_a_folder_renamed_to_a_build_folders_name_in_out_dir_is_not_deleted(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)  # a team's out folder, without the sticky bit
+    mine = out / "include"
+    mine.mkdir(mode=0o755)
+    (mine / "victim.h").write_bytes(b"precious")
+    os.utime(mine, (OLD, OLD))
+    # What anyone who may write in out can do: rename it, files and all.
+    renamed = out / ".opcache-build.elsewhere.1.deadbeef"
+    os.rename(mine, renamed)
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    with opcache.OpCache(settings) as cache:
+        cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), out)
+    assert (renamed / "victim.h").read_bytes() == b"precious"
+
+
+def test_a_folder_swapped_in_for_a_build_folder_is_not_deleted_at_close(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    plant_bait(victim)
+    before = snapshot(victim)
+    build = new_build_folder(out, ".opcache-build", 0o700)
+    os.rename(build.path, tmp_path / "moved")
+    os.rename(victim, build.path)
+    build.close()
+    os.rename(build.path, victim)
+    assert snapshot(victim) == before

@@ -804,10 +804,21 @@ class Workdir:
         if not self._open:
             return
         self._open = False
-        os.close(self.fd)
         try:
-            fsutil.remove_tree(self.path.name, self.parent_fd)
+            # Only if the name still is our folder: whoever can write in the
+            # parent (an out_dir) could have put another folder in its place.
+            # Held locked until gone, so no clean-up takes it for abandoned.
+            try:
+                now = os.stat(self.path.name, dir_fd=self.parent_fd, follow_symlinks=False)
+            except OSError:
+                return
+            held = os.fstat(self.fd)
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                fsutil.remove_folder(self.fd, self.path.name, self.parent_fd)
+            else:
+                log.debug("not deleting %s: another folder is in its place", self.path)
         finally:
+            os.close(self.fd)
             os.close(self.parent_fd)
 
 
@@ -859,7 +870,7 @@ def _remove_abandoned(folder_fd: int, now: float, label: str | None = None) -> i
     for name in _names(folder_fd):
         if label is not None and not _is_build_name(name, label):
             continue
-        if name.startswith(".nfs") or not _abandoned(folder_fd, name, now):
+        if name.startswith(".nfs") or not _abandoned(folder_fd, name, now, label is not None):
             continue  # (NFS removes its .nfs files itself when the last reader closes)
         with contextlib.suppress(OSError):
             fsutil.remove_tree(name, folder_fd)
@@ -878,22 +889,28 @@ def _is_build_name(name: str, label: str) -> bool:
     )
 
 
-def _abandoned(folder_fd: int, name: str, now: float) -> bool:
+def _abandoned(folder_fd: int, name: str, now: float, foreign: bool = False) -> bool:
     """True when nobody is building in the folder ``name`` any more.
 
     A live writer holds a flock on its folder.  Where flock may not reach
     (another host over NFS without a lock manager), a grace period decides.
+    In a ``foreign`` folder (an out_dir others may write in), only a folder
+    as we make build folders there (ours, 0700) counts: anyone who can write
+    in it can rename any folder of ours, with its files, to a build folder's name.
     """
     try:
         fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=folder_fd)
     except OSError:
-        return True  # not a folder: a stray file, or a link planted here
+        return not foreign  # not a folder: a stray file, or a link planted here
     try:
+        st = os.fstat(fd)
+        if foreign and (st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700):
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             return False  # its writer holds it
-        age = now - os.fstat(fd).st_mtime
+        age = now - st.st_mtime
     finally:
         os.close(fd)
     parts = name.rsplit(".", 3)
