@@ -140,6 +140,10 @@ def write_atomic(path: Path | str, data: bytes, modes: Modes, *, dir_fd: int | N
         raise
 
 
+# Times remove_folder starts over when a folder it walks is moved meanwhile.
+_RESTARTS = 8
+
+
 def remove_tree(path: Path | str, dir_fd: int | None = None) -> int:
     """Delete a folder tree without following links, tolerating parts that vanish.
 
@@ -151,13 +155,8 @@ def remove_tree(path: Path | str, dir_fd: int | None = None) -> int:
     NFS client's placeholder for a file still open elsewhere) can keep a
     folder from going; that folder is left for a later pass.
     """
-    try:
-        fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ENOTDIR, errno.ELOOP):
-            _unlink(path, dir_fd)  # a file or a link: itself, not its target
-        elif e.errno not in GONE:
-            raise
+    fd = _open_subfolder(path, dir_fd)
+    if fd is None:
         return 0
     try:
         return remove_folder(fd, path, dir_fd)
@@ -167,13 +166,68 @@ def remove_tree(path: Path | str, dir_fd: int | None = None) -> int:
 
 def remove_folder(fd: int, path: Path | str, dir_fd: int | None = None) -> int:
     """Delete what is in the folder open as ``fd``, then its name ``path`` (relative to
-    ``dir_fd`` if given) if that is empty now; returns the bytes of the files deleted."""
+    ``dir_fd`` if given) if that is empty now; returns the bytes of the files deleted.
+
+    Walked with a list, not recursion, and with one folder open at a time, so
+    that no depth (a planted folder thousands of levels deep) runs out of
+    stack or descriptors.  Each step up opens ``..`` and checks it is the
+    folder come down from: if a folder was moved meanwhile (out of the tree,
+    or to lead elsewhere), the walk starts again from ``fd``.
+    """
     size = 0
+    cur = os.dup(fd)
+    # Per level from the top: its name in the level above, the identity of that
+    # level, and the subfolders still to delete (None: not listed yet).
+    levels: list[tuple[str, tuple[int, int], list[str] | None]] = [("", (0, 0), None)]
+    restarts = 0
+    try:
+        while True:
+            name, above, pending = levels[-1]
+            if pending is None:
+                size, pending = _remove_files(cur, size)
+                levels[-1] = (name, above, pending)
+            if pending:
+                sub = pending.pop()
+                child = _open_subfolder(sub, cur)
+                if child is not None:
+                    levels.append((sub, _identity(os.fstat(cur)), None))
+                    os.close(cur)
+                    cur = child
+                continue
+            levels.pop()
+            if not levels:
+                break
+            up = os.open("..", DIR_FLAGS, dir_fd=cur)
+            os.close(cur)
+            cur = up
+            if _identity(os.fstat(cur)) != above:
+                restarts += 1
+                if restarts > _RESTARTS:
+                    raise OSError(errno.ESTALE, "folders keep moving while being deleted", name)
+                os.close(cur)
+                cur = os.dup(fd)
+                levels = [("", (0, 0), None)]
+                continue
+            _rmdir(name, cur)
+    finally:
+        os.close(cur)
+    _rmdir(path, dir_fd)
+    return size
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _remove_files(fd: int, size: int) -> tuple[int, list[str]]:
+    """Delete all but the subfolders of the folder open as ``fd``: (``size`` plus
+    the bytes of the files deleted, the subfolders' names)."""
     with os.scandir(fd) as listed:
         entries = list(listed)
+    folders = []
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            size += remove_tree(entry.name, fd)
+            folders.append(entry.name)
             continue
         try:
             if entry.is_file(follow_symlinks=False):
@@ -181,12 +235,28 @@ def remove_folder(fd: int, path: Path | str, dir_fd: int | None = None) -> int:
         except OSError:
             pass
         _unlink(entry.name, fd)
+    return size, folders
+
+
+def _open_subfolder(name: Path | str, parent_fd: int | None) -> int | None:
+    """The folder ``name`` opened without following a link; None if it is gone, or
+    is a file or a link (then removed itself, never its target)."""
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            _unlink(name, parent_fd)
+        elif e.errno not in GONE:
+            raise
+        return None
+
+
+def _rmdir(path: Path | str, dir_fd: int | None) -> None:
     try:
         os.rmdir(path, dir_fd=dir_fd)
     except OSError as e:
         if e.errno not in (*GONE, errno.ENOTEMPTY, errno.EBUSY):
             raise
-    return size
 
 
 def _unlink(path: Path | str, dir_fd: int | None) -> None:

@@ -574,3 +574,65 @@ def test_a_folder_swapped_in_for_a_build_folder_is_not_deleted_at_close(tmp_path
     build.close()
     os.rename(build.path, victim)
     assert snapshot(victim) == before
+
+
+# ------------------------------------------ planted deep folders, odd build names
+
+
+DEPTH = 2000
+
+
+def plant_deep(folder: Path, name: str) -> Path:
+    """``folder/name/d/d/...``, DEPTH levels, made through handles (the path is
+    longer than PATH_MAX), all old."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    os.mkdir(name, 0o700, dir_fd=fd)
+    cur = os.open(name, os.O_RDONLY, dir_fd=fd)
+    for _ in range(DEPTH):
+        os.mkdir("d", dir_fd=cur)
+        below = os.open("d", os.O_RDONLY, dir_fd=cur)
+        os.close(cur)
+        cur = below
+    os.close(cur)
+    os.utime(name, (OLD, OLD), dir_fd=fd)
+    os.close(fd)
+    return folder / name
+
+
+# (where, relative to the cache root or, for "out", to the compile's out_dir; name)
+PLANTED = {
+    "deep in trash": (".opcache/trash", "x.elsewhere.1.deadbeef"),
+    "deep in tmp": (".opcache/tmp", f"{BAIT_KEY}.elsewhere.1.deadbeef"),
+    "deep in out": ("out", ".opcache-build.elsewhere.1.deadbeef"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_a_planted_deep_or_oddly_named_folder_is_cleaned_without_a_traceback(
+    tmp_path: Path, case: str
+) -> None:
+    settings, compiler = stored_cache(tmp_path)
+    where, name = PLANTED[case]
+    folder = tmp_path / "o" if where == "out" else settings.root / where
+    if case.startswith("deep"):
+        planted = plant_deep(folder, name)
+    else:
+        planted = folder / name
+        planted.mkdir(mode=0o700, parents=True)
+        os.utime(planted, (OLD, OLD))
+    try:
+        with opcache.OpCache(settings) as cache:  # a first compile cleans leftovers
+            for i in (0, 2):
+                cache.compile(make_request(i), compiler, tmp_path / "o")
+            cache.age()
+            cache.verify()
+        maintain_by_cli(tmp_path, "age", "verify")  # (no traceback, or it fails)
+        assert read_dir(tmp_path / "o") == {
+            **expected_files(make_request(0)),
+            **expected_files(make_request(2)),
+        }
+        # Dead writers' and old: deleted; but not in out_dir a name no build folder has.
+        assert planted.exists() == (case == "unicode pid in out")
+    finally:  # (pytest's own clean-up of old tmp_paths recurses)
+        subprocess.run(["rm", "-rf", str(planted)], check=False, timeout=60)
