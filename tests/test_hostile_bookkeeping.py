@@ -54,6 +54,7 @@ from helpers_wrap import opcache as run_opcache
 
 import opcache
 from opcache import fsutil, locks
+from opcache.storage import local
 from opcache.storage.local import LocalStore, new_build_folder
 
 # Long dead, for every grace period of every cleaner.
@@ -600,11 +601,17 @@ def plant_deep(folder: Path, name: str) -> Path:
     return folder / name
 
 
+def build_name(label: str, pid: str) -> str:
+    return f"{label}.{local._HOST}.{pid}.deadbeef"
+
+
 # (where, relative to the cache root or, for "out", to the compile's out_dir; name)
 PLANTED = {
     "deep in trash": (".opcache/trash", "x.elsewhere.1.deadbeef"),
     "deep in tmp": (".opcache/tmp", f"{BAIT_KEY}.elsewhere.1.deadbeef"),
     "deep in out": ("out", ".opcache-build.elsewhere.1.deadbeef"),
+    "unicode pid in tmp": (".opcache/tmp", build_name(BAIT_KEY, "\u00b2")),
+    "unicode pid in out": ("out", build_name(".opcache-build", "\u00b2")),
 }
 
 

@@ -883,10 +883,15 @@ def _is_build_name(name: str, label: str) -> bool:
     return (
         len(parts) == 4
         and parts[0] == label
-        and parts[2].isdigit()
+        and _is_pid(parts[2])
         and len(parts[3]) == 8
         and not parts[3].strip("0123456789abcdef")
     )
+
+
+def _is_pid(text: str) -> bool:
+    # ASCII only: str.isdigit() is also true of "²", which int() refuses.
+    return text.isascii() and text.isdigit()
 
 
 def _abandoned(folder_fd: int, name: str, now: float, foreign: bool = False) -> bool:
@@ -914,7 +919,7 @@ def _abandoned(folder_fd: int, name: str, now: float, foreign: bool = False) -> 
     finally:
         os.close(fd)
     parts = name.rsplit(".", 3)
-    if len(parts) == 4 and parts[1] == _HOST and parts[2].isdigit():
+    if len(parts) == 4 and parts[1] == _HOST and _is_pid(parts[2]):
         # This host: the lock is reliable; a minute covers mkdir-to-flock.
         return not pid_alive(int(parts[2])) or age > STALE_LOCAL_SECONDS
     return age > TMP_GRACE_SECONDS
