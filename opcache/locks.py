@@ -217,11 +217,8 @@ def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = 
     O_NONBLOCK keeps such an open from waiting, and only a regular file is kept.
     """
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    # flock needs no write access: a private cache's lock file readable by the
-    # group would let any member hold it.
-    bits = modes.file_bits if modes.group is not None else modes.file_bits & 0o600
     try:
-        fd = os.open(path, flags, bits, dir_fd=dir_fd)
+        fd = os.open(path, flags, modes.file_bits, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise trust.UntrustedFolder(f"the lock file {path} is a link") from None
