@@ -514,7 +514,7 @@ class OpCache:
         if MANIFEST in artifacts:
             self._warn_once("manifest-name", f"an artifact named {MANIFEST} cannot be cached")
             return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts
-        self._explain_miss(request, key, inputs)
+        self._explain_miss(request, key, inputs, getattr(compiler, "explain_names", None))
         manifest = make_manifest(key, artifacts, seconds, inputs, self._clock())
         if self._remote is not None:
             self._remote.store(soc, key, manifest, artifacts)
@@ -527,12 +527,13 @@ class OpCache:
             self._stats.add(soc, "stores")
         return files, None, size, artifacts
 
-    def _explain_miss(self, request: OpRequest, key: str, inputs: dict) -> None:
-        """Note the key's parts for ``opcache explain``, and count the miss as a new
-        key of an operator seen before or as one never seen."""
+    def _explain_miss(self, request: OpRequest, key: str, inputs: dict, names: dict | None) -> None:
+        """Note the key's parts (and the compiler's ``explain_names``) for ``opcache
+        explain``, and count the miss as a new key of an operator seen before or as
+        one never seen."""
         from . import explain  # on a miss only: not on a hit's start-up
 
-        seen = explain.record(self._store, request, key, inputs, now=self._clock())
+        seen = explain.record(self._store, request, key, inputs, now=self._clock(), names=names)
         if seen is not None:
             self._stats.add(
                 request.soc_version, stats.MISSES_NEW_KEY if seen else stats.MISSES_NEVER_SEEN

@@ -23,7 +23,10 @@ explanation (a debug record says why).
 What a compile read (an opc line's read set, ``readset.py``) joins its key as
 a digest, so a changed file shows as that part changed; the caller that knows
 which files changed (``wrap.plan_command``) passes them as ``reads_changed``,
-and each is one more line of ``changes``.
+and each is one more line of ``changes``.  A compiler whose key holds files by
+contents only (a wrapped C compile's headers) names them in ``explain_names``
+(``NAMES``), which its note keeps: a changed header is then named by its path,
+and a place its include search found empty that now exists is named too.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ FOLDER = "explain"
 KEEP = 8  # keys explained per operator and chip, newest kept
 _SHORT = 100  # characters of a value shown in a difference
 _HEX = frozenset("0123456789abcdef")
+# What a note keeps by name beside the key's parts: the headers a C compile read,
+# in the order of ``attrs.headers``, and the places its include search found empty.
+NAMES = ("headers", "absent")
 _LONGEST = 1 << 16  # characters of a keyed text opened up for comparing (notes may be planted)
 
 
@@ -147,17 +153,21 @@ def record(
     parts: dict[str, Any],
     *,
     now: float | None = None,
+    names: Mapping[str, Sequence[str]] | None = None,
 ) -> bool | None:
     """Keep the explanation of a key just compiled for storing.
 
     Returns whether another key of its operator is stored (a new key for an
     operator seen before), or None when the notes cannot be read.  Kept are
     this key and the last KEEP - 1 others whose entries are still there.
+    ``names``: what the key holds by contents only, by name (``NAMES``).
     """
     operator = operator_of(request)
     soc = operator["soc"]
     where = _note_name(operator)
     note = {"key": key, "created": time.time() if now is None else now, "parts": parts}
+    if names:
+        note["names"] = {name: list(names[name]) for name in NAMES if name in names}
     try:
         # Locked: two keys of one operator stored at once must both be kept.
         with locks.flocked(store.folder("locks") / f"{soc}.explain", store.modes):
@@ -181,22 +191,27 @@ def explain(
     """The key of ``request`` and how it differs from the nearest stored entry;
     ``reads_changed``: files the compile read last time that are not as they were."""
     explained = explain_key(request, compiler)
+    names = getattr(compiler, "explain_names", None)
     key = explained["key"]
     parts = json.loads(canonical_json(explained["parts"]))  # as a note holds them: no tuples
     operator = operator_of(request)
     soc = operator["soc"]
     stored = store.stamp(soc, key) is not None
     best: tuple[int, float] | None = None
-    nearest, changes = None, []
+    nearest, changes, was = None, [], {"names": {}}
     for note in _read(store, _note_name(operator)):
         if note["key"] == key or store.stamp(soc, note["key"]) is None:
             continue
         found = differences(_readable(note["parts"]), _readable(parts))
         rank = (len(found), -note["created"])
         if best is None or rank < best:
-            best, nearest, changes = rank, note["key"], found
+            best, nearest, changes, was = rank, note["key"], found, note
+    if nearest is not None and names:
+        changes = _by_name(changes, was, names, parts)
     if not stored:
         changes = [*changes, *(f"read set: {path} changed" for path in reads_changed)]
+        absent = was["names"].get("absent", ())
+        changes += [f"lookup: {path} now exists" for path in absent if _exists(path)]
     return Explanation(
         key,
         operator,
@@ -242,6 +257,38 @@ def differences(old: Any, new: Any, path: str = "") -> list[str]:
     return [f"{path}: {_short(old)} -> {_short(new)}"]
 
 
+def _by_name(
+    changes: list[str],
+    note: Mapping[str, Any],
+    names: Mapping[str, Sequence[str]],
+    parts: Mapping[str, Any],
+) -> list[str]:
+    """``changes`` with the headers' lines by file: the key holds the headers'
+    contents in order (``attrs.headers``), the notes their names."""
+    old_names, new_names = note["names"].get("headers"), names.get("headers")
+    if old_names is None or new_names is None:
+        return changes
+    old_attrs, new_attrs = note["parts"].get("attrs"), parts.get("attrs")
+    if not isinstance(old_attrs, dict) or not isinstance(new_attrs, dict):
+        return changes
+    old_digests, new_digests = old_attrs.get("headers"), new_attrs.get("headers")
+    if not isinstance(old_digests, list) or not isinstance(new_digests, list):
+        return changes
+    if len(old_names) != len(old_digests) or len(new_names) != len(new_digests):
+        return changes
+    old = dict(zip(old_names, old_digests, strict=True))
+    new = dict(zip(new_names, new_digests, strict=True))
+    named = [f"attrs.headers: {path} removed" for path in old if path not in new]
+    for path, value in new.items():
+        if path not in old:
+            named.append(f"attrs.headers: {path} added")
+        elif old[path] != value:
+            named.append(f"attrs.headers: {path} changed")
+    if not named:
+        return changes  # (the same headers, in another order)
+    return [c for c in changes if not c.startswith("attrs.headers")] + named
+
+
 def _readable(parts: dict[str, Any]) -> dict[str, Any]:
     """``parts`` with the values the key holds as text opened up for comparing:
     the environment (a repr of [name, value] pairs) as a mapping, a fingerprint
@@ -281,6 +328,14 @@ def _json_object(text: str) -> Any:
     return found if isinstance(found, dict) else text
 
 
+def _exists(path: str) -> bool:
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    return True
+
+
 def _is_digest(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 32 and set(value) <= _HEX
 
@@ -297,7 +352,7 @@ def _read(store: LocalStore, where: tuple[str, ...]) -> list[dict[str, Any]]:
         notes = json.loads(raw) if raw else []
     except ValueError:
         return []
-    return [
+    found = [
         n
         for n in (notes if isinstance(notes, list) else [])
         if isinstance(n, dict)
@@ -305,6 +360,15 @@ def _read(store: LocalStore, where: tuple[str, ...]) -> list[dict[str, Any]]:
         and isinstance(n.get("parts"), dict)
         and isinstance(n.get("created"), int | float)
     ]
+    for note in found:
+        names = note.get("names")
+        names = names if isinstance(names, dict) else {}
+        note["names"] = {
+            name: names[name]
+            for name in NAMES
+            if isinstance(names.get(name), list) and all(isinstance(p, str) for p in names[name])
+        }
+    return found
 
 
 def prune(store: LocalStore, soc: str) -> None:

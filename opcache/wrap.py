@@ -95,7 +95,8 @@ class Plan:
     Restored files whose names end with one of ``executables`` are made
     executable (the cache keeps contents, not modes).  ``settled()``, run after
     the command, gives a reason not to store what it made (an input changed
-    while it ran), or None.
+    while it ran), or None.  ``explain_names``: what the key holds by contents
+    only, by name, for ``opcache explain`` (``explain.NAMES``).
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class Plan:
         executables: tuple[str, ...] = (),
         trace: _OpcTrace | None = None,
         settled: Callable[[], str | None] | None = None,
+        explain_names: dict[str, list[str]] | None = None,
     ) -> None:
         self.request = request
         self.fingerprint = fingerprint
@@ -121,6 +123,7 @@ class Plan:
         self.executables = executables
         self.trace = trace  # how the command is traced, its read set joining the key
         self.settled = settled
+        self.explain_names = explain_names
 
 
 class Uncacheable(Exception):
@@ -134,6 +137,7 @@ class _WrappedCommand:
         self.name = f"wrap-{kind}"
         self._plan = plan
         self._environ = environ
+        self.explain_names = plan.explain_names  # (noted beside the key on a miss)
 
     def fingerprint(self) -> str:
         return self._plan.fingerprint
@@ -1035,6 +1039,10 @@ def _plan_cc(
         command=command,
         outputs=outputs,
         settled=settled,
+        explain_names={
+            "headers": [os.path.abspath(path) for path in inputs.paths],
+            "absent": [os.path.abspath(path) for path in inputs.absent],
+        },
     )
 
 

@@ -90,9 +90,7 @@ def test_a_changed_header_is_named(csrc):
     (src / "h.h").write_text("#define FACTOR 5\n")
     found = explain(*CC, env=env, cwd=src)
     assert found["seen"] and not found["stored"]
-    assert len(found["changes"]) == 1
-    assert found["changes"][0].startswith("attrs.headers[")
-    assert found["changes"][0].endswith(": digest changed")
+    assert found["changes"] == [f"attrs.headers: {src / 'h.h'} changed"]
 
 
 def test_a_changed_compiler_is_named(tmp_path):
@@ -366,6 +364,28 @@ def test_time_without_an_epoch_is_explained_as_uncacheable(tmp_path):
         "cc: __TIME__ without SOURCE_DATE_EPOCH\n"
     )
     assert done.stdout == b""  # no key pretended
+
+
+@pytest.mark.parametrize("a_exists", [True, False])
+def test_a_header_created_earlier_on_the_include_path_is_named(tmp_path, a_exists):
+    env, src = base_env(tmp_path), tmp_path / "src"
+    (src / "B").mkdir(parents=True)
+    (src / "k.c").write_text('#include "q.h"\nint f(void) { return Q; }\n')
+    (src / "B" / "q.h").write_text("#define Q 2\n")
+    if a_exists:
+        (src / "A").mkdir()
+    command = ["gcc", "-IA", "-IB", "-O2", "-c", "k.c", "-o", "k.o"]
+    wrap(*command, env=env, cwd=src)
+    (src / "A").mkdir(exist_ok=True)
+    (src / "A" / "q.h").write_text("#define Q 1\n")
+    found = explain(*command, env=env, cwd=src)
+    assert found["changes"] == [
+        f"attrs.headers: {src / 'B' / 'q.h'} removed",
+        f"attrs.headers: {src / 'A' / 'q.h'} added",
+        f"lookup: {src / 'A' / 'q.h' if a_exists else src / 'A'} now exists",
+    ]
+    text = explain_text(*command, env=env, cwd=src)
+    assert f"lookup: {src / 'A' / 'q.h' if a_exists else src / 'A'} now exists" in text
 
 
 def test_a_changed_timestamp_is_named_with_its_file(tmp_path):
