@@ -36,7 +36,7 @@ import json
 import os
 import time
 
-from . import fsutil, locks
+from . import _json, fsutil, locks
 from ._log import get_logger
 from ._record import Record
 from .key import canonical_json, digest, explain_key
@@ -349,7 +349,7 @@ def _read(store: LocalStore, where: tuple[str, ...]) -> list[dict[str, Any]]:
     """The explanations a note holds, oldest first; what is not one is left out."""
     raw = store.read_note(*where)
     try:
-        notes = json.loads(raw) if raw else []
+        notes = _json.loads(raw) if raw else []
     except ValueError:
         return []
     found = [
