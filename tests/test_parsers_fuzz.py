@@ -28,6 +28,7 @@ from opcache.batch import load_specs
 from opcache.cann_cache import _read_json as cann_read_json
 from opcache.counters import CounterFiles
 from opcache.debug import read_debug_config
+from opcache.explain import _read as explain_notes
 from opcache.ini import read_size_limits
 from opcache.key import digest
 from opcache.readset import Memo
@@ -228,6 +229,14 @@ def test_notes_too_deep_or_too_large_are_forgotten(data: bytes) -> None:
         store.write_note(data, *where)
     assert Memo(store).recall(KEY) == []
     assert HeaderMemo(store)._recall(KEY) == []
+
+
+@HOSTILE_FUZZ
+@given(hostile_json)
+def test_explain_notes_too_deep_or_too_large_are_forgotten(data: bytes) -> None:
+    store = LocalStore(Path(tempfile.mkdtemp(prefix="opcache-fuzz-")))
+    store.write_note(data, "explain", "s", KEY)
+    assert explain_notes(store, ("explain", "s", KEY)) == []
 
 
 @HOSTILE_FUZZ
