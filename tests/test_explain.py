@@ -488,3 +488,18 @@ def test_a_new_driver_is_named(tmp_path):
     reads, driver = found["changes"]  # (the read set is remembered by toolkit: unknown)
     assert reads.startswith("attrs.reads: ") and reads.endswith(" -> 'unknown'")
     assert driver == "compiler.fingerprint.driver: digest changed"
+
+
+def test_names_in_a_note_that_are_not_lists_of_paths_are_left_out(csrc):
+    """A note's names are a diagnosis only: garbage in them costs the names, not explain."""
+    env, src = csrc
+    (note,) = Path(env["ASCEND_CACHE_PATH"]).glob("kernel_cache*/.opcache/explain/host/*/*")
+    kept = json.loads(note.read_bytes())
+    *_, last = kept[0]["names"]["headers"]  # (gcc's stdc-predef.h may come first)
+    assert last == str(src / "h.h")
+    place = len(kept[0]["names"]["headers"]) - 1
+    kept[0]["names"] = {"headers": 5, "absent": [1, None]}
+    note.write_text(json.dumps(kept))
+    (src / "h.h").write_text("#define FACTOR 5\n")
+    found = explain(*CC, env=env, cwd=src)
+    assert found["changes"] == [f"attrs.headers[{place}]: digest changed"]  # (by its place)
