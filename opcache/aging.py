@@ -9,10 +9,8 @@ time (the others skip, they do not wait), and compiling never waits for it.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 
-from . import locks
 from ._log import get_logger
 from .settings import AGE_SECONDS
 from .storage.local import LocalStore
@@ -66,12 +64,8 @@ def age_chip(
         # Through a handle on the locks folder, never through a link at the lock
         # file's name (which filelock before 3.20.1 followed, truncating and
         # chmodding its target: CVE-2025-68146).
-        locks_fd = store.open_folder("locks")
-        held.callback(os.close, locks_fd)
         try:
-            held.enter_context(
-                locks.flocked(f"{soc}.cleanup", store.modes, dir_fd=locks_fd, timeout=0)
-            )
+            held.enter_context(store.locked(f"{soc}.cleanup", timeout=0))
         except BlockingIOError:
             report.skipped = "another process is trimming this chip folder"
             return report

@@ -588,7 +588,7 @@ class OpCache:
         session = ascii(self._session).encode()
         # Locked: processes of one session that start together clear once, and
         # none clears after another has begun to store.
-        with locks.flocked(self._store.folder("locks") / f"{soc}.force", self._store.modes):
+        with self._store.locked(f"{soc}.force"):
             now = time.time()
             same = self._noted(self._store.read_note("force", soc), session, now)
             cleared = False if same else self._clear_chip(soc)

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from helpers_cache import (
     MP,
+    OTHER_SOC,
     SOC,
     ToyCompiler,
     base_spec,
@@ -643,3 +644,28 @@ def test_a_planted_deep_or_oddly_named_folder_is_cleaned_without_a_traceback(
         assert planted.exists() == (case == "unicode pid in out")
     finally:  # (pytest's own clean-up of old tmp_paths recurses)
         subprocess.run(["rm", "-rf", str(planted)], check=False, timeout=60)
+
+
+# -------------------- the locks folder swapped for a link after its first check
+
+
+def test_a_locks_folder_swapped_after_a_long_lived_process_checked_it_is_not_followed(
+    tmp_path: Path,
+) -> None:
+    settings = make_settings(tmp_path / "ops", tmp_path, "force")
+    compiler = ToyCompiler(tmp_path / "calls")
+    victim = tmp_path / "victim"
+    plant_bait(victim)
+    before = snapshot(victim)
+    with opcache.OpCache(settings, session="build-1") as cache:
+        # The first chip's force clear and miss check the locks folder once...
+        cache.compile(make_request(0), compiler, tmp_path / "o" / "0")
+        replace_by_link(settings.root, ".opcache/locks", victim, tmp_path / "aside")
+        # ...then another chip's force lock and the keys' single-flight locks are
+        # taken (by compiles that fail: what a miss notes for opcache explain is
+        # explain.py's own business).
+        failing = ToyCompiler(tmp_path / "calls", fail=True)
+        for i, soc in ((1, OTHER_SOC), (2, SOC)):
+            with pytest.raises(opcache.CompileError):
+                cache.compile(make_request(i, soc_version=soc), failing, tmp_path / "o" / str(i))
+    assert snapshot(victim) == before

@@ -118,8 +118,13 @@ class LocalStore:
         return self.root / soc / key[:2] / key
 
     def lock_path(self, soc: str, key: str) -> Path:
-        """Where the single-flight lock of a key lives (its folder made and checked)."""
-        return self.folder("locks", soc) / key
+        """Where the single-flight lock of a key lives (its folder made and checked).
+
+        Checked at every call, not once per process: a long-lived process must
+        not make or delete lock files wherever a link swapped in since leads.
+        """
+        os.close(self.open_folder("locks", soc))
+        return self.locks_dir / soc / key
 
     def stats_files(self, soc: str, *, create: bool = True) -> CounterFiles:
         """A chip's hit / miss / ... counters (their folder made on a write, if ``create``).
@@ -713,16 +718,27 @@ class LocalStore:
             yield
 
     @contextlib.contextmanager
-    def _count_lock(self, soc: str, *, shared: bool) -> Iterator[None]:
+    def locked(
+        self, name: str, *, shared: bool = False, timeout: float | None = None
+    ) -> Iterator[None]:
+        """Hold the lock file ``.opcache/locks/<name>`` (``locks.flocked``).
+
+        Through a handle on the locks folder opened and checked now, not a path
+        checked once: in a long-lived process the folder may have been swapped
+        for a link since.
+        """
         with contextlib.ExitStack() as held:
             locks_fd = self.open_folder("locks")
             try:
                 held.enter_context(
-                    locks.flocked(f"{soc}.count", self.modes, shared=shared, dir_fd=locks_fd)
+                    locks.flocked(name, self.modes, shared=shared, dir_fd=locks_fd, timeout=timeout)
                 )
             finally:
                 os.close(locks_fd)
             yield
+
+    def _count_lock(self, soc: str, *, shared: bool) -> contextlib.AbstractContextManager[None]:
+        return self.locked(f"{soc}.count", shared=shared)
 
     def set_used(self, soc: str, entries: int, size: int) -> None:
         """Set a chip's counters to a walk's result (walk and set under ``counting_paused``)."""
