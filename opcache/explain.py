@@ -36,7 +36,7 @@ import json
 import os
 import time
 
-from . import _json, fsutil, locks
+from . import _json, fsutil
 from ._log import get_logger
 from ._record import Record
 from .key import canonical_json, digest, explain_key
@@ -170,7 +170,7 @@ def record(
         note["names"] = {name: list(names[name]) for name in NAMES if name in names}
     try:
         # Locked: two keys of one operator stored at once must both be kept.
-        with locks.flocked(store.folder("locks") / f"{soc}.explain", store.modes):
+        with store.locked(f"{soc}.explain"):
             kept = [n for n in _read(store, where) if n["key"] != key]
             kept = [n for n in kept if store.stamp(soc, n["key"]) is not None]
             seen = bool(kept)
@@ -322,8 +322,8 @@ def _pairs(text: str) -> Any:
 
 def _json_object(text: str) -> Any:
     try:
-        found = json.loads(text) if len(text) <= _LONGEST else None
-    except (ValueError, RecursionError):
+        found = _json.loads(text) if len(text) <= _LONGEST else None
+    except ValueError:
         return text
     return found if isinstance(found, dict) else text
 
@@ -382,7 +382,7 @@ def prune(store: LocalStore, soc: str) -> None:
     finally:
         os.close(chip_fd)
     try:
-        with locks.flocked(store.folder("locks") / f"{soc}.explain", store.modes):
+        with store.locked(f"{soc}.explain"):
             _prune_buckets(store, soc, buckets)
     except OSError as e:
         log.debug("cannot prune the explanations of %s: %s", soc, e)

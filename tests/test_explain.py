@@ -503,3 +503,38 @@ def test_names_in_a_note_that_are_not_lists_of_paths_are_left_out(csrc):
     (src / "h.h").write_text("#define FACTOR 5\n")
     found = explain(*CC, env=env, cwd=src)
     assert found["changes"] == [f"attrs.headers[{place}]: digest changed"]  # (by its place)
+
+
+@needs_strace
+def test_a_helper_module_created_earlier_on_the_import_path_is_named(tmp_path):
+    env, root = opc_project(tmp_path)
+    (root / "op" / "helper.py").unlink()
+    (root / "lib").mkdir()
+    (root / "lib" / "helper.py").write_text('VALUE = "from lib\\n"\n')
+    env["PYTHONPATH"] = str(root / "lib")
+    command = ["opc", *OPC_ARGS, "--output=out1"]
+    wrap(*command, env=env, cwd=root)
+    (root / "op" / "helper.py").write_text('VALUE = "beside\\n"\n')  # first on sys.path
+    found = explain(*command, env=env, cwd=root)
+    assert found["seen"] and not found["stored"]
+    assert found["changes"][0].startswith("attrs.reads: ")
+    # (the import listed the .py's folder: its listing changed)
+    assert f"read set: {root / 'op'} changed" in found["changes"][1:]
+
+
+def test_a_locks_folder_swapped_for_a_link_later_is_not_followed(tmp_path):
+    """A long-lived process notes explanations under a lock of ``.opcache/locks``:
+    a link put there after its first use leads nowhere (the folder is checked at each use)."""
+    compiler = ToyCompiler(tmp_path / "calls")
+    settings = make_settings(tmp_path / "cache", tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("mine\n")
+    with OpCache(settings) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "out0")
+        locks = settings.root / ".opcache" / "locks"
+        locks.rename(tmp_path / "aside")
+        locks.symlink_to(victim, target_is_directory=True)
+        cache.compile(make_request(1), compiler, tmp_path / "out1")
+        cache.age()
+    assert sorted(p.name for p in victim.iterdir()) == ["keep"]
