@@ -292,11 +292,14 @@ def _by_name(
 def _readable(parts: dict[str, Any]) -> dict[str, Any]:
     """``parts`` with the values the key holds as text opened up for comparing:
     the environment (a repr of [name, value] pairs) as a mapping, a fingerprint
-    that is a JSON object as that object; each then differs by name."""
+    that is a JSON object as that object, the listed extra files by path; each
+    then differs by name."""
     out = dict(parts)
     attrs = out.get("attrs")
     if isinstance(attrs, dict) and isinstance(attrs.get("env"), str):
-        out["attrs"] = {**attrs, "env": _pairs(attrs["env"])}
+        out["attrs"] = attrs = {**attrs, "env": _pairs(attrs["env"])}
+    if isinstance(attrs, dict) and isinstance(attrs.get("extra_files"), list):
+        out["attrs"] = {**attrs, "extra_files": _by_path(attrs["extra_files"])}
     compiler = out.get("compiler")
     if isinstance(compiler, dict) and isinstance(compiler.get("fingerprint"), str):
         out["compiler"] = {**compiler, "fingerprint": _json_object(compiler["fingerprint"])}
@@ -318,6 +321,14 @@ def _pairs(text: str) -> Any:
     ):
         return text
     return {name: value for name, value in pairs}
+
+
+def _by_path(files: list[Any]) -> Any:
+    """``OPCACHE_EXTRA_FILES``' [path, size, digest] (or [pattern, "no match"]) as
+    path: digest, else ``files`` as they are."""
+    if not all(isinstance(f, list) and f and isinstance(f[0], str) for f in files):
+        return files
+    return {f[0]: f[-1] for f in files}
 
 
 def _json_object(text: str) -> Any:

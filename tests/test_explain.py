@@ -538,3 +538,16 @@ def test_a_locks_folder_swapped_for_a_link_later_is_not_followed(tmp_path):
         cache.compile(make_request(1), compiler, tmp_path / "out1")
         cache.age()
     assert sorted(p.name for p in victim.iterdir()) == ["keep"]
+
+
+def test_opc_without_tracing_is_explained_as_uncacheable_or_by_its_listed_files(tmp_path):
+    env, root = opc_project(tmp_path)
+    env["OPCACHE_TRACE"] = "off"
+    command = ["opc", *OPC_ARGS, "--output=out1"]
+    done = opcache("explain", "--", *command, env=env, cwd=root, status=2)
+    assert "would not cache this command: opc: not traced" in done.stderr.decode()
+    env["OPCACHE_EXTRA_FILES"] = str(root / "kernel")
+    wrap(*command, env=env, cwd=root)
+    edit(root, env, "header")
+    found = explain(*command, env=env, cwd=root)
+    assert found["changes"] == [f"attrs.extra_files.{root / 'kernel' / 'common.h'}: digest changed"]
