@@ -332,6 +332,7 @@ def _by_path(files: list[Any]) -> Any:
 
 
 def _json_object(text: str) -> Any:
+    """The object a JSON text holds (CANN's tool fingerprints), else ``text`` as it is."""
     try:
         found = _json.loads(text) if len(text) <= _LONGEST else None
     except ValueError:
@@ -340,6 +341,7 @@ def _json_object(text: str) -> Any:
 
 
 def _exists(path: str) -> bool:
+    """Whether anything is at ``path`` (itself, not where a link leads)."""
     try:
         os.lstat(path)
     except OSError:
