@@ -239,7 +239,6 @@ PRELOAD = (
     "encodings.utf_8_sig",
     "errno",
     "fcntl",
-    "filelock",
     "functools",
     "grp",
     "hashlib",
