@@ -317,20 +317,26 @@ def test_time_is_uncacheable_with_a_compiler_that_may_ignore_the_epoch(env, src,
     assert stats(env)["uncacheable_reasons"] == {reason: 2}
 
 
-def test_a_header_changed_while_the_compiler_runs_is_not_stored(env, src, tmp_path):
-    # A generator rewrites q.h while gcc compiles: the object is of the new
-    # contents, read after opcache took the old ones into the key.
+def gcc_writing_while_it_runs(tmp_path: Path, env: dict, header: Path) -> dict:
+    """``env`` with a gcc first on PATH that writes ``#define Q 9`` into ``header``
+    during its first compile (as a generator racing the build would)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    once = tmp_path / "rewritten"
+    once = tmp_path / "written"
     (bin_dir / "gcc").write_text(
         "#!/bin/sh\n"
         f'case " $* " in *" -c "*) [ -e {once} ] || {{ touch {once}; '
-        f"echo '#define Q 9' > {src / 'q.h'}; }};; esac\n"
+        f"echo '#define Q 9' > {header}; }};; esac\n"
         f'exec {GCC} "$@"\n'
     )
     (bin_dir / "gcc").chmod(0o755)
-    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    return {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+
+
+def test_a_header_changed_while_the_compiler_runs_is_not_stored(env, src, tmp_path):
+    # A generator rewrites q.h while gcc compiles: the object is of the new
+    # contents, read after opcache took the old ones into the key.
+    env = gcc_writing_while_it_runs(tmp_path, env, src / "q.h")
     (src / "k.c").write_text(Q_C)
     (src / "q.h").write_text("#define Q 1\n")
     wrap("gcc", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
@@ -342,17 +348,7 @@ def test_a_header_changed_while_the_compiler_runs_is_not_stored(env, src, tmp_pa
 def test_a_header_created_earlier_on_the_path_while_the_compiler_runs_is_not_stored(
     env, src, tmp_path
 ):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    once = tmp_path / "created"
-    (bin_dir / "gcc").write_text(
-        "#!/bin/sh\n"
-        f'case " $* " in *" -c "*) [ -e {once} ] || {{ touch {once}; '
-        f"echo '#define Q 9' > {src / 'A' / 'q.h'}; }};; esac\n"
-        f'exec {GCC} "$@"\n'
-    )
-    (bin_dir / "gcc").chmod(0o755)
-    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    env = gcc_writing_while_it_runs(tmp_path, env, src / "A" / "q.h")
     (src / "k.c").write_text(Q_C)
     (src / "A").mkdir()
     (src / "B").mkdir()
