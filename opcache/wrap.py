@@ -530,7 +530,11 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     elif base is not None and strace is not None:
         memo_key = digest(
             canonical_json(
-                {"key": compute_key(request, "wrap-opc", fingerprint)[0], "cwd": os.getcwd()}
+                {
+                    "key": compute_key(request, "wrap-opc", fingerprint)[0],
+                    "cwd": os.getcwd(),
+                    "env": repr([[n, env.get(n)] for n in OPC_READS_ENVIRONMENT]),
+                }
             )
         )
         folders = _opc_trace_folders(opc, env)
@@ -565,6 +569,12 @@ OPC_KEY_ENVIRONMENT = (
     "ASCEND_TOOLKIT_HOME", "ASCEND_AICPU_PATH", "BISHENG_REAL_PATH", "TILINGKEY_PAR_COMPILE",
     "ASCENDC_SPK_SUB_ID", "BUILD_BUILTIN_OPP", "PATH", "PYTHONPATH", "PYTHONHOME",
     "LD_LIBRARY_PATH", "LD_PRELOAD",
+)  # fmt: skip
+# Variables that move where Python looks for modules (the user site-packages).
+# Not in the key: the read set holds what was found there.  They pick which
+# remembered read sets are tried, as the working folder does.
+OPC_READS_ENVIRONMENT = (
+    "HOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONSAFEPATH", "PYTHONPLATLIBDIR",
 )  # fmt: skip
 # Paths or globs (os.pathsep between) whose contents join an opc key, and
 # variable names (spaces, commas or colons between) whose values join it.
@@ -1213,14 +1223,17 @@ class HeaderMemo:
         headers = [h for h in found.headers if h != source]
         contents = {h: _read(h) for h in headers}
         forced = [pass_args[i + 1] for i, a in enumerate(pass_args[:-1]) if a == "-include"]
-        absent, present = _negative_lookups(found, {source: source_data, **contents}, forced)
+        reads = {source: source_data, **contents}
+        absent, present, known = _negative_lookups(found, reads, forced)
         for path in present:
             with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
                 contents.setdefault(path, read_input(path))
         macros = sorted({m for data in contents.values() for m in _macros_in(data)})
         paths = list(contents)
         digests = [digest(data) for data in contents.values()]
-        if found.searched:  # the search list is known: the list can be checked on a hit
+        # Only when the search list is known and every header was placed in it
+        # can a hit check that no header has been created earlier on it.
+        if found.searched and known:
             variant = {
                 "headers": paths,
                 "digests": digests,
@@ -1377,8 +1390,9 @@ _HAS_INCLUDE = re.compile(rb'__has_include(?:_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>
 
 def _negative_lookups(
     found: _Found, reads: dict[str, bytes], forced: list[str]
-) -> tuple[list[str], list[str]]:
-    """(places looked up and empty, files ``__has_include`` found) for a compile.
+) -> tuple[list[str], list[str], bool]:
+    """(places looked up and empty, files ``__has_include`` found, whether every
+    header lies in a folder of the search list or beside a file read) for a compile.
 
     A header found in folder k of the search list was first looked for in
     folders 0..k-1 (all of them: a quoted include, ``#include_next`` and a
@@ -1391,13 +1405,21 @@ def _negative_lookups(
     absent = {*found.absent, *filter(None, (_first_missing("", name) for name in forced))}
     chain = found.quote + found.bracket
     names = {os.path.basename(header) for header in found.headers}
+    places = [*chain, *{os.path.dirname(path) for path in reads}]
+    known = True
     for header in found.headers:
-        for k, folder in enumerate(chain):
-            prefix = folder if folder.endswith("/") else folder + "/"
-            if header.startswith(prefix):
-                name = header[len(prefix) :]
+        placed = False
+        for k, folder in enumerate(places):
+            name = _name_under(header, folder)
+            if name is None:
+                continue
+            placed = True
+            if k < len(chain):
                 names.add(name)
                 absent.update(filter(None, (_first_missing(f, name) for f in chain[:k])))
+        if not placed:
+            log.debug("%s lies in no folder searched: its earlier places are not known", header)
+            known = False
     present = []
     for path, data in reads.items():
         beside = os.path.dirname(path)
@@ -1417,7 +1439,20 @@ def _negative_lookups(
                     present.append(os.path.join(folder, name))
                     break
                 absent.add(missing)
-    return sorted(absent), present
+    return sorted(absent), present, known
+
+
+def _name_under(header: str, folder: str) -> str | None:
+    """``header``'s name relative to ``folder`` if it lies there (None if not).
+
+    ``cc -M`` drops a leading ``./`` and doubled slashes from a header's name
+    while ``-v`` prints the folder as given (``-I./C``): both are normalised.
+    """
+    path, place = os.path.normpath(header), os.path.normpath(folder)
+    if place == "." and not os.path.isabs(path):
+        return path
+    prefix = place if place.endswith("/") else place + "/"
+    return path[len(prefix) :] if path.startswith(prefix) else None
 
 
 def _first_missing(folder: str, name: str) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -362,3 +363,42 @@ def test_time_saved_is_the_traced_compiles(tmp_path):
     compile_into(env, root, "out2")
     assert runs(env) == 1
     assert stats(env, SOC)["time_saved_seconds"] >= 0.5  # (at least the sleep: no upper bound)
+
+
+# opc as a Python script that imports a module installed with `pip install --user`.
+USER_SITE_OPC = r"""
+import os, sys, opextra
+with open(os.environ["FAKE_OPC_LOG"], "a") as f:
+    f.write("run\n")
+out = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--output=")][0]
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "k.o"), "w") as f:
+    f.write(opextra.VALUE)
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("variable", ["HOME", "PYTHONUSERBASE"])
+def test_another_python_user_site_is_a_miss(tmp_path, variable):
+    """HOME (or PYTHONUSERBASE) picks the user site-packages: each its own module."""
+    python = getattr(sys, "_base_executable", sys.executable)  # (a venv's has no user site)
+    probe = "import site; print(site.ENABLE_USER_SITE, site.getusersitepackages())"
+    env, root = project(tmp_path)
+    sites = {}
+    for name in ("u1", "u2"):
+        base = tmp_path / name / ".local"
+        where = {**env, "PYTHONUSERBASE": str(base)}
+        enabled, site = subprocess.run(
+            [python, "-c", probe], env=where, capture_output=True, text=True, check=True
+        ).stdout.split()
+        if enabled != "True":
+            pytest.skip(f"{python} has no user site-packages")
+        Path(site).mkdir(parents=True)
+        (Path(site) / "opextra.py").write_text(f"VALUE = 'from {name}'\n")
+        sites[name] = str(tmp_path / name) if variable == "HOME" else str(base)
+    (tmp_path / "bin" / "opc").write_text(f"#!{python}\n{USER_SITE_OPC}")
+    env[variable] = sites["u1"]
+    assert compile_into(env, root, "out1") == b"from u1"
+    env[variable] = sites["u2"]
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS) == b"from u2"
+    assert runs(env) == 2

@@ -369,3 +369,22 @@ def test_a_computed_include_sees_a_header_created_beside_its_includer(env, src):
     same_as_gcc(src, env, "-Iinc", "-O2", "-c", "k.c")
     (src / "sub" / "q.h").write_text("#define Q 1\n")
     same_as_gcc(src, env, "-Iinc", "-O2", "-c", "k.c")
+
+
+# -- issue 16 (review 17): gcc's staleness findings ----------------------------------
+
+
+@pytest.mark.parametrize("form", ["./C", "C//", "C/.", "x/../C", "abs"])
+def test_a_header_created_before_a_folder_spelt_otherwise_is_seen(env, src, form):
+    # cc -M names C/cfg.h where -v prints the folder as given (./C, C//, ...).
+    (src / "A").mkdir()
+    (src / "C").mkdir()
+    (src / "x").mkdir()
+    (src / "C" / "cfg.h").write_text("#define V 1\n")
+    (src / "k.c").write_text("#include <cfg.h>\nint f(void) { return V; }\n")
+    folder = str(src / "x" / ".." / "C") if form == "abs" else form
+    args = ["-IA", f"-I{folder}", "-O2", "-c", "k.c"]
+    same_as_gcc(src, env, *args)
+    (src / "A" / "cfg.h").write_text("#define V 2\n")
+    same_as_gcc(src, env, *args)
+    assert stats(env, "host")["hits"] == 0
