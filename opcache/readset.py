@@ -48,9 +48,13 @@ TRACE_PREFIX = "trace"
 OWN_NAMES = ".opcache-"
 _VARIANTS = 8  # read sets remembered per command (e.g. a kernel edited back and forth)
 
-# strace's output with -xx (every string as \xNN), -y (fds and AT_FDCWD followed by <path>).
+# strace's output with -ttt (each call's time), -xx (every string as \xNN), -y (fds and
+# AT_FDCWD followed by <path>).
 _HEX = r"(?:\\x[0-9a-f]{2})*"
-_CALL = re.compile(r"^(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<" + _HEX + r">)?(?:\s+(E[A-Z0-9]+))?")
+_TIME = r"(?:(\d+)\.(\d{6}) )?"
+_CALL = re.compile(
+    r"^" + _TIME + r"(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<" + _HEX + r">)?(?:\s+(E[A-Z0-9]+))?"
+)
 _PATH_ARG = re.compile(r"(?:(?:AT_FDCWD|-?\d+)<(" + _HEX + r")>,\s*)?\"(" + _HEX + r")\"")
 _FD_ARG = re.compile(r"^-?\d+<(" + _HEX + r")>")
 # Calls that look at a path (the first one), calls that change one or two.
@@ -88,7 +92,9 @@ def traced_command(strace: str, trace_dir: str, argv: Sequence[str]) -> list[str
     """``argv`` run under strace, one trace file per process in ``trace_dir``."""
     out = os.path.join(trace_dir, TRACE_PREFIX)
     calls = "trace=%file,fchdir,chdir"
-    options = ["-f", "-ff", "-qq", "-xx", "-y", "-s", "65535", "-e", calls, "-e", "signal=none"]
+    # -ttt: when each call was made, to tell a file read and then rewritten from one made and read
+    options = ["-f", "-ff", "-qq", "-ttt", "-xx", "-y", "-s", "65535", "-e", calls]
+    options += ["-e", "signal=none"]
     return [strace, *options, "-o", out, "--", *argv]
 
 
@@ -172,9 +178,10 @@ def record(
     folder (a Python's standard library is left out, its installed packages
     are not).  Everything the compile changed is left out too.  Unprovable
     when there is no trace, or a file it read changed after ``started_ns`` (it
-    may have read the old contents or the new).
+    may have read the old contents or the new), or was changed by the compile
+    after it read it (what it read is gone).
     """
-    looked, listed, changed, made = _parse(trace_dir, cwd)
+    looked, listed, changed, made, rewritten = _parse(trace_dir, cwd)
     if not looked and not changed:
         raise Unprovable("strace recorded nothing (it may not be allowed to trace here)")
     skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
@@ -183,7 +190,11 @@ def record(
     items = []
     for path in sorted(looked):
         norm = os.path.normpath(path)
-        if norm in changed or norm.startswith(made_dirs) or _skipped(norm, skip, kept):
+        if norm.startswith(made_dirs) or _skipped(norm, skip, kept):
+            continue
+        if norm in rewritten:
+            raise Unprovable(f"{path} changed while the compile ran (it wrote what it had read)")
+        if norm in changed:
             continue
         for item in _facts_with_link(path, listed=norm in listed):
             if item[1] == "file" and max(item[4], item[5]) >= started_ns - _CLOCK_LAG_NS:
@@ -263,12 +274,17 @@ def _errno_name(code: int) -> str:
     return errno.errorcode.get(code, "")
 
 
-def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[str]]:
-    """(paths looked at, folders listed, paths changed, folders made) by every process."""
+def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[str], set[str]]:
+    """(paths looked at, folders listed, paths changed, folders made, paths read and then
+    changed) by every process."""
     looked: set[str] = set()
     listed: set[str] = set()
     changed: set[str] = set()
     made: set[str] = set()
+    # When (µs) each path was first opened to read, first changed: the processes' files
+    # interleave only by their times.  (No time: read before anything, as a tie is.)
+    first_read: dict[str, int] = {}
+    first_change: dict[str, int] = {}
     try:
         names = [n for n in os.listdir(trace_dir) if n.startswith(TRACE_PREFIX + ".")]
     except OSError:
@@ -284,7 +300,8 @@ def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[
             match = _CALL.match(line)
             if match is None:
                 continue
-            call, args, result, _error = match.groups()
+            seconds, micros, call, args, result, _error = match.groups()
+            when = int(seconds) * 1_000_000 + int(micros) if seconds else 0
             cwd_note = re.search(r"AT_FDCWD<(" + _HEX + r")>", args)
             if cwd_note:
                 here = _unhex(cwd_note.group(1))
@@ -302,22 +319,30 @@ def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[
                     here = paths[0]
                 continue
             paths = [os.path.normpath(p) for p in paths]
+            done: list[str] = []
             if call in _SYMLINKS and ok:
-                changed.update(paths[1:2])
+                done = paths[1:2]
             elif call in _CHANGES and ok:
-                changed.update(paths[: _CHANGES[call]])
+                done = paths[: _CHANGES[call]]
                 if call in ("mkdir", "mkdirat"):
                     made.update(paths[:1])
             elif call in _CHANGES or call in _SYMLINKS:
                 looked.update(paths[:1])  # (failed: what it found there decided that)
             elif call in _LOOKS and paths:
                 if ok and call.startswith("open") and _WRITE_FLAGS.search(args):
-                    changed.add(paths[0])
-                    continue
-                looked.add(paths[0])
-                if ok and call.startswith("open") and "O_DIRECTORY" in args:
-                    listed.add(paths[0])
-    return looked, listed, changed, made
+                    done = paths[:1]
+                else:
+                    looked.add(paths[0])
+                    if ok and call.startswith("open"):
+                        first_read.setdefault(paths[0], when)
+                        first_read[paths[0]] = min(first_read[paths[0]], when)
+                    if ok and call.startswith("open") and "O_DIRECTORY" in args:
+                        listed.add(paths[0])
+            for path in done:
+                changed.add(path)
+                first_change[path] = min(first_change.get(path, when), when)
+    rewritten = {p for p, when in first_change.items() if first_read.get(p, when + 1) <= when}
+    return looked, listed, changed, made, rewritten
 
 
 def _unhex(text: str) -> str:

@@ -402,3 +402,33 @@ def test_another_python_user_site_is_a_miss(tmp_path, variable):
     env[variable] = sites["u2"]
     assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS) == b"from u2"
     assert runs(env) == 2
+
+
+# opc reads its tiling config and writes it back (normalised in place).
+REWRITING_OPC = r"""
+import json, os, sys
+with open(os.environ["FAKE_OPC_LOG"], "a") as f:
+    f.write("run\n")
+out = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--output=")][0]
+with open("op/tiling.json") as f:
+    cfg = json.load(f)
+with open("op/tiling.json", "w") as f:
+    json.dump(cfg, f)
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "k.o"), "w") as f:
+    f.write(str(cfg["tile"]))
+"""
+
+
+@needs_strace
+def test_an_input_opc_reads_and_writes_back_is_never_stale(tmp_path):
+    """Read, then rewritten by the compile: what it read is unknown, the compile unstored."""
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", REWRITING_OPC)
+    (root / "op" / "tiling.json").write_text('{"tile": 8}\n')
+    assert compile_into(env, root, "out1") == b"8"
+    (root / "op" / "tiling.json").write_text('{"tile": 16}\n')
+    assert compile_into(env, root, "out2") == b"16" == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2
+    reasons = stats(env, SOC)["uncacheable_reasons"]
+    assert any("tiling.json changed while the compile ran" in r for r in reasons), reasons
