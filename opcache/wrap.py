@@ -904,6 +904,13 @@ _CC_INCLUDE_DIRS = ("-I", "-isystem", "-iquote", "-idirafter")
 _CC_KEY_PREFIXES = ("-D", "-U", "-O", "-std=", "-f", "-m", "-W", "-g", "-x", "-pedantic")
 _CC_KEY_EXACT = {"-w", "-pipe", "-ansi", "-pthread"}
 _CC_UNPREDICTABLE = ("-fprofile-", "-fauto-profile", "-save-temps", "-Wp,", "-Wa,", "-Wl,")
+# Flags that make gcc write a file beside the object (.dwo, .su, .gcno, .ci,
+# dumps, reports, SARIF/JSON diagnostics): the compile runs in a private folder
+# and a hit restores the object alone, so the file would be missing.
+_CC_SIDE_FILES = ("-gsplit-dwarf", "-fstack-usage", "-fdump-", "-fcallgraph-info")
+_CC_SIDE_FILES += ("-ftest-coverage", "-fsave-optimization-record")
+_CC_SIDE_FILES += ("-fdiagnostics-format=sarif-file", "-fdiagnostics-format=json-file")
+_CC_SIDE_FILES += ("-fdiagnostics-add-output=",)
 _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 
@@ -944,6 +951,8 @@ def _plan_cc(
             raise Uncacheable(f"cc: {_CC_NOT_A_COMPILE[arg]} ({arg})")
         if arg.startswith(_CC_UNPREDICTABLE):
             raise Uncacheable(f"cc: {arg} makes the output unpredictable")
+        if arg.startswith(_CC_SIDE_FILES) or (arg.startswith("-fopt-info") and "=" in arg):
+            raise Uncacheable(f"cc: {arg} writes a side file a hit could not give back")
         if arg == "-c":
             compile_only = True
         elif arg == "-o" or (arg.startswith("-o") and len(arg) > 2):

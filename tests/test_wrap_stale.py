@@ -388,3 +388,28 @@ def test_a_header_created_before_a_folder_spelt_otherwise_is_seen(env, src, form
     (src / "A" / "cfg.h").write_text("#define V 2\n")
     same_as_gcc(src, env, *args)
     assert stats(env, "host")["hits"] == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "side"),
+    [
+        (["-g", "-gsplit-dwarf"], "k.dwo"),
+        (["-fstack-usage"], "k.su"),
+        (["-ftest-coverage"], "k.gcno"),
+        (["-fcallgraph-info"], "k.ci"),
+        (["-fdump-tree-original"], "k.c.005t.original"),
+        (["-fopt-info-all=opt.txt"], "opt.txt"),
+    ],
+)
+def test_a_flag_writing_a_side_file_runs_uncached(env, src, flags, side):
+    # gcc writes these beside the object: a hit (or a miss compiled in a
+    # private folder) would leave the file out.
+    (src / "k.c").write_text("int f(int x) { int a[10]; a[x] = 1; return a[3]; }\n")
+    for _ in range(2):
+        for made in src.iterdir():
+            if made.name != "k.c":
+                made.unlink()
+        wrap("gcc", *flags, "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+        assert {"k.o", side} <= {p.name for p in src.iterdir()}
+    (reason,) = stats(env)["uncacheable_reasons"]
+    assert reason == f"cc: {flags[-1]} writes a side file a hit could not give back"
