@@ -995,6 +995,11 @@ def _plan_cc(
     source_data = _read(source)
     compiler_identity = file_identity(_which(argv[0], env), memo.store)
     inputs = memo.header_digests(argv[0], compiler_identity, pass_args, source, source_data, env)
+    for place in [*inputs.paths, *inputs.absent]:
+        # gcc takes <place>.gch, where it exists, for the header it looks for
+        # there; cc -M names the header alone, so the key would not hold it.
+        if not _absent(place + ".gch"):
+            raise Uncacheable(f"cc: a precompiled header {place}.gch may be used")
     key_sources = {os.path.basename(source): source_data}
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
     keyed_env = [(name, env[name]) for name in CC_KEY_ENVIRONMENT if name in env]

@@ -413,3 +413,23 @@ def test_a_flag_writing_a_side_file_runs_uncached(env, src, flags, side):
         assert {"k.o", side} <= {p.name for p in src.iterdir()}
     (reason,) = stats(env)["uncacheable_reasons"]
     assert reason == f"cc: {flags[-1]} writes a side file a hit could not give back"
+
+
+@pytest.mark.parametrize("where", [".", "A"])
+def test_a_precompiled_header_made_later_is_used_as_gcc_does(env, src, where):
+    # gcc reads foo.h.gch of a folder it searches instead of foo.h; cc -M names
+    # foo.h alone.
+    (src / "A").mkdir()
+    (src / "k.c").write_text("#include <foo.h>\nint f(void) { return V; }\n")
+    (src / "foo.h").write_text("#define V 1\n")
+    args = ["-IA", "-I.", "-O2", "-c", "k.c"]
+    same_as_gcc(src, env, *args)
+    same_as_gcc(src, env, *args)  # a hit: direct mode remembers foo.h
+    (src / "other.h").write_text("#define V 2\n")
+    gch = src / where / "foo.h.gch"
+    subprocess.run([GCC, "-O2", "-x", "c-header", "other.h", "-o", gch], cwd=src, check=True)
+    same_as_gcc(src, env, *args)
+    assert stats(env)["uncacheable_reasons"] == {
+        f"cc: a precompiled header {os.path.normpath(os.path.join(where, 'foo.h.gch'))} "
+        "may be used": 1
+    }
