@@ -57,6 +57,7 @@ _CALL = re.compile(
 )
 _PATH_ARG = re.compile(r"(?:(?:AT_FDCWD|-?\d+)<(" + _HEX + r")>,\s*)?\"(" + _HEX + r")\"")
 _FD_ARG = re.compile(r"^-?\d+<(" + _HEX + r")>")
+_CWD_NOTE = re.compile(r"AT_FDCWD<(" + _HEX + r")>")
 # Calls that look at a path (the first one), calls that change one or two.
 _LOOKS = frozenset((
     "access", "faccessat", "faccessat2", "stat", "stat64", "lstat", "lstat64", "newfstatat",
@@ -168,20 +169,21 @@ def traced(trace_dir: str) -> bool:
 
 
 def record(
-    trace_dir: str, cwd: str, started_ns: int, exclude: Sequence[str], keep: Sequence[str] = ()
+    trace_dir: str, started_ns: int, exclude: Sequence[str], keep: Sequence[str] = ()
 ) -> ReadSet:
     """The read set of the compile whose trace files are in ``trace_dir``.
 
-    ``cwd``: the folder it started in.  Paths under ``exclude`` and the system
-    folders are left out, unless they are under ``keep`` or in a
-    ``site-packages`` / ``dist-packages`` folder right below an ``exclude``
-    folder (a Python's standard library is left out, its installed packages
-    are not).  Everything the compile changed is left out too.  Unprovable
-    when there is no trace, or a file it read changed after ``started_ns`` (it
-    may have read the old contents or the new), or was changed by the compile
-    after it read it (what it read is gone).
+    Paths under ``exclude`` and the system folders are left out, unless they
+    are under ``keep`` or in a ``site-packages`` / ``dist-packages`` folder
+    right below an ``exclude`` folder (a Python's standard library is left
+    out, its installed packages are not).  Everything the compile changed is
+    left out too.  Unprovable when there is no trace, or a file it read
+    changed after ``started_ns`` (it may have read the old contents or the
+    new), or was changed by the compile after it read it (what it read is
+    gone), or a relative path cannot be placed (a process moved before the
+    trace noted its folder).
     """
-    looked, listed, changed, made, rewritten = _parse(trace_dir, cwd)
+    looked, listed, changed, made, rewritten = _parse(trace_dir)
     if not looked and not changed:
         raise Unprovable("strace recorded nothing (it may not be allowed to trace here)")
     skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
@@ -274,7 +276,7 @@ def _errno_name(code: int) -> str:
     return errno.errorcode.get(code, "")
 
 
-def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[str], set[str]]:
+def _parse(trace_dir: str) -> tuple[set[str], set[str], set[str], set[str], set[str]]:
     """(paths looked at, folders listed, paths changed, folders made, paths read and then
     changed) by every process."""
     looked: set[str] = set()
@@ -290,26 +292,21 @@ def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[
     except OSError:
         names = []
     for name in names:
-        here = cwd  # a process's folder: known from each AT_FDCWD<...>; chdir moves it
         try:
             with open(os.path.join(trace_dir, name), "rb") as f:
                 lines = f.read().decode("ascii", "replace").splitlines()
         except OSError:
             continue
-        for line in lines:
-            match = _CALL.match(line)
-            if match is None:
-                continue
-            seconds, micros, call, args, result, _error = match.groups()
+        calls = [match.groups() for match in map(_CALL.match, lines) if match]
+        # A process's folder: known from each AT_FDCWD<...>; chdir moves it.  Its calls
+        # before the first note ran where it started (its parent's folder at the fork).
+        here = _start_folder(calls)
+        for seconds, micros, call, args, result, _error in calls:
             when = int(seconds) * 1_000_000 + int(micros) if seconds else 0
-            cwd_note = re.search(r"AT_FDCWD<(" + _HEX + r")>", args)
+            cwd_note = _CWD_NOTE.search(args)
             if cwd_note:
                 here = _unhex(cwd_note.group(1))
-            paths = [
-                os.path.join(here if not folder else _unhex(folder), _unhex(text))
-                for folder, text in _PATH_ARG.findall(args)
-                if text
-            ]
+            paths = [_place(here, folder, text) for folder, text in _PATH_ARG.findall(args) if text]
             ok = result not in ("-1", "?")
             if call in ("chdir", "fchdir") and ok:
                 fd = _FD_ARG.match(args)
@@ -343,6 +340,28 @@ def _parse(trace_dir: str, cwd: str) -> tuple[set[str], set[str], set[str], set[
                 first_change[path] = min(first_change.get(path, when), when)
     rewritten = {p for p, when in first_change.items() if first_read.get(p, when + 1) <= when}
     return looked, listed, changed, made, rewritten
+
+
+def _start_folder(calls: list[tuple]) -> str | None:
+    """A process's folder when it started: its first AT_FDCWD<...> note; None when it
+    moved before any (or none is noted)."""
+    for call in calls:
+        cwd_note = _CWD_NOTE.search(call[3])
+        if cwd_note:
+            return _unhex(cwd_note.group(1))
+        if call[2] in ("chdir", "fchdir") and call[4] not in ("-1", "?"):
+            return None
+    return None
+
+
+def _place(here: str | None, folder: str, text: str) -> str:
+    """A call's path: in its dirfd's ``folder`` when noted, else in the process's ``here``."""
+    path = _unhex(text)
+    if folder:
+        return os.path.join(_unhex(folder), path)
+    if here is None and not os.path.isabs(path):
+        raise Unprovable(f"a relative path the trace cannot place: {path}")
+    return os.path.join(here or "", path)
 
 
 def _unhex(text: str) -> str:

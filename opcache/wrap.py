@@ -687,7 +687,6 @@ class _OpcTrace:
         self.memo = readset.Memo(notes)
         self.exclude = exclude
         self.keep = keep
-        self.cwd = os.getcwd()
 
     def request(self, reads: ReadSet | None) -> OpRequest:
         return self._make_request(reads.digest if reads is not None else "unknown")
@@ -757,7 +756,7 @@ class _TracedCommand:
             try:
                 # (opcache's staging, where the outputs go: no input)
                 left_out = [*trace.exclude, str(out)]
-                reads = readset.record(trace_dir, trace.cwd, started, left_out, trace.keep)
+                reads = readset.record(trace_dir, started, left_out, trace.keep)
             except readset.Unprovable as e:
                 raise _Unproven(str(e), _read_outputs(workdir)) from None
         finally:

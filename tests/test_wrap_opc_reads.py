@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import SOC, base_env, write_tool
-from helpers_wrap import opcache, opcache_script, stats, wrap
+from helpers_wrap import GCC, opcache, opcache_script, stats, wrap
 
 from opcache.wrap import OPC_KEY_ENVIRONMENT
 
@@ -432,3 +432,52 @@ def test_an_input_opc_reads_and_writes_back_is_never_stale(tmp_path):
     assert runs(env) == 2
     reasons = stats(env, SOC)["uncacheable_reasons"]
     assert any("tiling.json changed while the compile ran" in r for r in reasons), reasons
+
+
+# A shell opc that cd's into its tools folder and runs a program there by a relative path.
+CD_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+echo run >> "$FAKE_OPC_LOG"
+mkdir -p "$out"
+cd tools && ./gen > "$out/k.o"
+"""
+
+
+@needs_strace
+@pytest.mark.skipif(GCC is None, reason="gcc builds the program opc runs")
+def test_a_program_run_by_a_relative_path_after_a_cd_is_in_the_read_set(tmp_path):
+    """A child's calls before its first note of its folder are placed in the folder it had."""
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", "")
+    (tmp_path / "bin" / "opc").write_text(CD_OPC)
+    (root / "tools").mkdir()
+
+    def build(text: str) -> None:
+        c = tmp_path / "gen.c"
+        c.write_text(f'#include <stdio.h>\nint main(void) {{ puts("{text}"); return 0; }}\n')
+        subprocess.run([GCC, str(c), "-o", str(root / "tools" / "gen")], check=True, timeout=60)
+
+    build("v1")
+    assert compile_into(env, root, "out1") == b"v1\n"
+    assert compile_into(env, root, "out2") == b"v1\n"
+    assert runs(env) == 1  # placed: cached
+    build("v2")
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS) == b"v2\n"
+    assert runs(env) == 2
+
+
+def test_a_relative_path_the_trace_cannot_place_is_unprovable(tmp_path):
+    """A process that moves before any note of its folder: its relative paths are not guessed."""
+    from opcache import readset
+
+    def hexed(text: str) -> str:
+        return "".join(f"\\x{b:02x}" for b in text.encode())
+
+    traces = tmp_path / "trace"
+    traces.mkdir()
+    (traces / f"{readset.TRACE_PREFIX}.7").write_text(
+        f'1700000000.000001 chdir("{hexed("tools")}") = 0\n'
+        f'1700000000.000002 execve("{hexed("./gen")}", ["{hexed("./gen")}"], 0x1) = 0\n'
+    )
+    with pytest.raises(readset.Unprovable, match="a relative path the trace cannot place"):
+        readset.record(str(traces), 0, [])
