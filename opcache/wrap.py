@@ -950,6 +950,10 @@ def _plan_cc(
             raise Uncacheable(f"cc: {_CC_NOT_A_COMPILE[arg]} ({arg})")
         if arg.startswith(_CC_UNPREDICTABLE):
             raise Uncacheable(f"cc: {arg} makes the output unpredictable")
+        if arg.startswith(("-march=", "-mtune=", "-mcpu=")) and arg.endswith("=native"):
+            # The same flag names another CPU on another machine sharing the cache.
+            reason = "depends on this machine's CPU (uncacheable, not expanded into the key)"
+            raise Uncacheable(f"cc: {arg} {reason}")
         if arg.startswith(_CC_SIDE_FILES) or (arg.startswith("-fopt-info") and "=" in arg):
             raise Uncacheable(f"cc: {arg} writes a side file a hit could not give back")
         if arg == "-c":

@@ -433,3 +433,14 @@ def test_a_precompiled_header_made_later_is_used_as_gcc_does(env, src, where):
         f"cc: a precompiled header {os.path.normpath(os.path.join(where, 'foo.h.gch'))} "
         "may be used": 1
     }
+
+
+@pytest.mark.parametrize("flag", ["-march=native", "-mtune=native"])
+def test_a_native_cpu_flag_runs_uncached(env, src, flag):
+    # On a shared cache another machine's CPU would give its instructions.
+    (src / "k.c").write_text("int f(int x) { return x * 3; }\n")
+    same_as_gcc(src, env, flag, "-O2", "-c", "k.c")
+    same_as_gcc(src, env, flag, "-O2", "-c", "k.c")
+    assert stats(env)["uncacheable_reasons"] == {
+        f"cc: {flag} depends on this machine's CPU (uncacheable, not expanded into the key)": 2
+    }
