@@ -910,6 +910,9 @@ _CC_SIDE_FILES = ("-gsplit-dwarf", "-fstack-usage", "-fdump-", "-fcallgraph-info
 _CC_SIDE_FILES += ("-ftest-coverage", "-fsave-optimization-record")
 _CC_SIDE_FILES += ("-fdiagnostics-format=sarif-file", "-fdiagnostics-format=json-file")
 _CC_SIDE_FILES += ("-fdiagnostics-add-output=",)
+# Flags naming a file whose contents change the output (a plugin, clang's
+# sanitizer lists): the file's digest joins the key.
+_CC_FILE_FLAGS = ("-fplugin=", "-fsanitize-ignorelist=", "-fsanitize-blacklist=")
 _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 
@@ -934,6 +937,7 @@ def _plan_cc(
     dep_file: str | None = None
     want_deps = debug = False
     has_target = False
+    flag_files: list[list[str]] = []  # [flag, the digest of the file it names]
     i = 0
     while i < len(args):
         arg = args[i]
@@ -978,6 +982,10 @@ def _plan_cc(
             if not arg.endswith(C_SOURCES):
                 raise Uncacheable(f"cc: {arg} is not a C source")
             sources.append(arg)
+        elif arg.startswith(_CC_FILE_FLAGS):
+            flag_files.append([arg, _flag_file_digest(arg)])
+            key_args.append(arg)
+            pass_args.append(arg)
         elif arg in _CC_KEY_EXACT or arg.startswith(_CC_KEY_PREFIXES):
             debug = debug or (arg.startswith("-g") and arg != "-g0")
             words = [arg, value] if value is not None else [arg]
@@ -1005,6 +1013,8 @@ def _plan_cc(
             raise Uncacheable(f"cc: a precompiled header {place}.gch may be used")
     key_sources = {os.path.basename(source): source_data}
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
+    if flag_files:
+        attrs["flag_files"] = flag_files
     keyed_env = [(name, env[name]) for name in CC_KEY_ENVIRONMENT if name in env]
     if keyed_env:
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
@@ -1071,6 +1081,18 @@ def _plan_cc(
             "absent": [os.path.abspath(path) for path in inputs.absent],
         },
     )
+
+
+def _flag_file_digest(arg: str) -> str:
+    """The digest of the file a ``_CC_FILE_FLAGS`` flag names."""
+    flag, path = arg.split("=", 1)
+    if flag == "-fplugin" and "/" not in path:
+        # gcc looks for NAME.so in its own plugin folder.
+        raise Uncacheable(f"cc: {arg} names a plugin of gcc's own folder (not keyed)")
+    try:
+        return digest(read_input(path))
+    except OSError as e:
+        raise Uncacheable(f"cc: cannot read the file of {flag}= ({e.strerror})") from None
 
 
 def _clock_key(

@@ -444,3 +444,33 @@ def test_a_native_cpu_flag_runs_uncached(env, src, flag):
     assert stats(env)["uncacheable_reasons"] == {
         f"cc: {flag} depends on this machine's CPU (uncacheable, not expanded into the key)": 2
     }
+
+
+def build_plugin(path: Path, says: str) -> None:
+    """A gcc plugin (no plugin headers needed) that prints ``says`` when loaded."""
+    code = path.with_suffix(".c")
+    code.write_text(
+        "#include <stdio.h>\nint plugin_is_GPL_compatible;\n"
+        f'int plugin_init(void *i, void *v) {{ fputs("{says}\\n", stderr); return 0; }}\n'
+    )
+    subprocess.run([GCC, "-shared", "-fPIC", code, "-o", path], check=True, timeout=120)
+
+
+def test_a_plugin_rebuilt_at_the_same_path_is_used(env, src, tmp_path):
+    plugin = tmp_path / "plug.so"
+    build_plugin(plugin, "plugin one")
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    args = [f"-fplugin={plugin}", "-O2", "-c", "k.c"]
+    same_as_gcc(src, env, *args)
+    assert same_as_gcc(src, env, *args).stderr == b"plugin one\n"
+    assert stats(env, "host")["hits"] == 1  # the same plugin: a hit
+    build_plugin(plugin, "plugin two")
+    assert same_as_gcc(src, env, *args).stderr == b"plugin two\n"
+
+
+def test_a_plugin_found_by_name_runs_uncached(env, src):
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    wrap("gcc", "-fplugin=nosuch", "-c", "k.c", env=env, cwd=src, status=None)
+    assert stats(env)["uncacheable_reasons"] == {
+        "cc: -fplugin=nosuch names a plugin of gcc's own folder (not keyed)": 1
+    }
