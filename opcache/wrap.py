@@ -1424,7 +1424,7 @@ _QUOTED_INCLUDE = re.compile(
 _COMPUTED_INCLUDE = re.compile(
     rb"^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]", re.M
 )
-_HAS_INCLUDE = re.compile(rb'__has_include(?:_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)')
+_HAS_INCLUDE = re.compile(rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)')
 
 
 def _negative_lookups(
@@ -1470,14 +1470,18 @@ def _negative_lookups(
             missing = _first_missing(beside, name)
             if missing:
                 absent.add(missing)
-        for quoted, angled in _HAS_INCLUDE.findall(data):
+        for next_, quoted, angled in _HAS_INCLUDE.findall(data):
             name = os.fsdecode(quoted or angled)
             for folder in [beside, *chain] if quoted else found.bracket:
                 missing = _first_missing(folder, name)
                 if missing is None:
                     present.append(os.path.join(folder, name))
-                    break
-                absent.add(missing)
+                    # _next searches after the includer's folder, which holds
+                    # its own copy: every place of the list is taken.
+                    if not next_:
+                        break
+                else:
+                    absent.add(missing)
     return sorted(absent), present, known
 
 

@@ -474,3 +474,19 @@ def test_a_plugin_found_by_name_runs_uncached(env, src):
     assert stats(env)["uncacheable_reasons"] == {
         "cc: -fplugin=nosuch names a plugin of gcc's own folder (not keyed)": 1
     }
+
+
+def test_has_include_next_sees_the_next_header_appear(env, src):
+    # A wrapper header (gnulib, libc++ style) includes the next one if there is one.
+    (src / "A").mkdir()
+    (src / "C").mkdir()
+    (src / "A" / "cfg.h").write_text(
+        "#if __has_include_next(<cfg.h>)\n#include_next <cfg.h>\n#endif\n"
+        "#ifndef V\n#define V 1\n#endif\n"
+    )
+    (src / "k.c").write_text("#include <cfg.h>\nint f(void) { return V; }\n")
+    args = ["-IA", "-IC", "-O2", "-c", "k.c"]
+    same_as_gcc(src, env, *args)
+    (src / "C" / "cfg.h").write_text("#define V 2\n")
+    same_as_gcc(src, env, *args)
+    assert stats(env, "host")["hits"] == 0
