@@ -1015,6 +1015,9 @@ def _plan_cc(
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
     if flag_files:
         attrs["flag_files"] = flag_files
+    assembler = _path_assembler(argv[0], compiler_identity, env, memo.store)
+    if assembler is not None:
+        attrs["assembler"] = assembler
     keyed_env = [(name, env[name]) for name in CC_KEY_ENVIRONMENT if name in env]
     if keyed_env:
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
@@ -1081,6 +1084,38 @@ def _plan_cc(
             "absent": [os.path.abspath(path) for path in inputs.absent],
         },
     )
+
+
+def _path_assembler(
+    cc: str, identity: str, env: Mapping[str, str], store: LocalStore | None
+) -> str | None:
+    """The identity of the assembler gcc takes from PATH, if it takes one.
+
+    ``cc -print-prog-name=as`` names a bare ``as`` when the compiler has none
+    of its own (a distribution's gcc): then PATH picks it, and another one
+    earlier on PATH (binutils of a module or a conda environment) makes
+    another object.  What the compiler says is remembered per compiler.
+    """
+    # (COMPILER_PATH and GCC_EXEC_PREFIX move where gcc looks for its own)
+    asked = [identity, *(env.get(n, "") for n in ("COMPILER_PATH", "GCC_EXEC_PREFIX"))]
+    memo_key = digest(canonical_json(asked))
+    name = store.read_note("prog-as", memo_key[:2], memo_key) if store else None
+    if name is None:
+        import subprocess  # (not on a hit: a hit's start-up is its cost)
+
+        try:
+            done = subprocess.run(
+                [cc, "-print-prog-name=as"], capture_output=True, env=env, check=False, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Uncacheable(f"cc: cannot ask {cc} for its assembler ({e})") from None
+        name = done.stdout.strip() if done.returncode == 0 else b""
+        if store is not None:
+            with contextlib.suppress(OSError):
+                store.write_note(name, "prog-as", memo_key[:2], memo_key)
+    if not name or b"/" in name:
+        return None  # (a path of the compiler's own: PATH does not choose it)
+    return file_identity(_which(os.fsdecode(name), env), store)
 
 
 def _flag_file_digest(arg: str) -> str:

@@ -9,6 +9,7 @@ what gcc itself gives in the changed situation.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -490,3 +491,26 @@ def test_has_include_next_sees_the_next_header_appear(env, src):
     (src / "C" / "cfg.h").write_text("#define V 2\n")
     same_as_gcc(src, env, *args)
     assert stats(env, "host")["hits"] == 0
+
+
+def test_an_assembler_earlier_on_path_is_used(env, src, tmp_path):
+    # gcc -print-prog-name=as says "as": gcc takes the assembler from PATH.
+    named = subprocess.run([GCC, "-print-prog-name=as"], capture_output=True, text=True)
+    if "/" in named.stdout:
+        pytest.skip("this gcc has an assembler of its own")
+    real_as = shutil.which("as", path=env["PATH"])
+    assert real_as is not None
+    tools = tmp_path / "newbin"
+    tools.mkdir()
+    script = tools / "as"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for a; do case "$prev" in -o) out=$a;; esac; prev=$a; done\n'
+        f'{real_as} "$@" && printf tail >> "$out"\n'
+    )
+    script.chmod(0o755)
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    done = same_as_gcc(src, {**env, "PATH": f"{tools}:{env['PATH']}"}, "-O2", "-c", "k.c")
+    assert done.returncode == 0
+    assert (src / "k.o").read_bytes().endswith(b"tail")
