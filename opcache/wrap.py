@@ -38,6 +38,7 @@ cache, and configuration warnings show at most once an hour per cache.
 
 from __future__ import annotations
 
+import _signal  # built in, loaded at start-up (opcache/__init__ uses it too)
 import contextlib
 import json
 import os
@@ -232,8 +233,21 @@ def run(
             return _run_uncacheable(argv, run_env, base, reason)
         return _run_planned(plan, kind, settings, run_env, staging)
     finally:
-        if os.path.lexists(staging):  # (made, even if a Ctrl-C came before mkdir returned)
+        _remove_staging(staging)
+
+
+def _remove_staging(staging: Path) -> None:
+    """Delete the staging folder (made, even if a Ctrl-C came before mkdir returned).
+
+    A Ctrl-C is held off meanwhile: raised half way, it would leave the folder
+    behind in the user's output folder.  It is raised once the folder is gone.
+    """
+    held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
+    try:
+        if os.path.lexists(staging):
             fsutil.remove_tree(staging)
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, held)
 
 
 def _run_uncacheable(

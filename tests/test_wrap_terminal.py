@@ -26,7 +26,10 @@ import os, signal, sys, time
 from pathlib import Path
 
 log = Path(os.environ["STANDIN_LOG"])
-if "-M" in sys.argv:  # opcache asks for the header list first
+if "-print-prog-name=as" in sys.argv:  # opcache asks which assembler it runs
+    print("/usr/bin/as")
+    sys.exit(0)
+if "-M" in sys.argv:  # and for the header list
     print("k.o: " + next(a for a in sys.argv if a.endswith(".c")))
     sys.exit(0)
 how = os.environ["STANDIN"]
