@@ -240,18 +240,23 @@ def test_the_locale_decides_the_replayed_messages(env, src):
         assert b"x" in done.stderr
 
 
-def test_a_compiler_path_assembler_is_used(env, src, tmp_path):
-    # COMPILER_PATH names where gcc finds as: a different assembler, another object.
-    tools = tmp_path / "tools"
-    tools.mkdir()
-    real_as = subprocess.run([GCC, "-print-prog-name=as"], capture_output=True, text=True)
-    script = tools / "as"
+def tailing_assembler(folder: Path, real_as: str) -> Path:
+    """``folder`` holding an ``as`` that runs ``real_as``, then appends ``tail`` to its object."""
+    folder.mkdir()
+    script = folder / "as"
     script.write_text(
         "#!/bin/sh\n"
         'for a; do case "$prev" in -o) out=$a;; esac; prev=$a; done\n'
-        f'{real_as.stdout.strip()} "$@" && printf tail >> "$out"\n'
+        f'{real_as} "$@" && printf tail >> "$out"\n'
     )
     script.chmod(0o755)
+    return folder
+
+
+def test_a_compiler_path_assembler_is_used(env, src, tmp_path):
+    # COMPILER_PATH names where gcc finds as: a different assembler, another object.
+    real_as = subprocess.run([GCC, "-print-prog-name=as"], capture_output=True, text=True)
+    tools = tailing_assembler(tmp_path / "tools", real_as.stdout.strip())
     (src / "k.c").write_text("int f(void) { return 1; }\n")
     same_as_gcc(src, env, "-O2", "-c", "k.c")
     done = same_as_gcc(src, {**env, "COMPILER_PATH": str(tools)}, "-O2", "-c", "k.c")
@@ -495,15 +500,7 @@ def test_an_assembler_earlier_on_path_is_used(env, src, tmp_path):
         pytest.skip("this gcc has an assembler of its own")
     real_as = shutil.which("as", path=env["PATH"])
     assert real_as is not None
-    tools = tmp_path / "newbin"
-    tools.mkdir()
-    script = tools / "as"
-    script.write_text(
-        "#!/bin/sh\n"
-        'for a; do case "$prev" in -o) out=$a;; esac; prev=$a; done\n'
-        f'{real_as} "$@" && printf tail >> "$out"\n'
-    )
-    script.chmod(0o755)
+    tools = tailing_assembler(tmp_path / "newbin", real_as)
     (src / "k.c").write_text("int f(void) { return 1; }\n")
     same_as_gcc(src, env, "-O2", "-c", "k.c")
     done = same_as_gcc(src, {**env, "PATH": f"{tools}:{env['PATH']}"}, "-O2", "-c", "k.c")
