@@ -765,7 +765,7 @@ class OpCache:
         return self._store.clear_chip(soc)
 
     def stats(self, soc_version: str | None = None) -> dict[str, Any]:
-        """Counters and sizes per chip and in total (see README, 'opcache stats')."""
+        """Counters and sizes per chip and in total (see docs/how-it-works.md, 'Stats')."""
         self._stats.flush()
         socs = set(self._chips(soc_version))
         if soc_version is None:

@@ -177,7 +177,7 @@ def _wrap_help() -> str:
     lines += [
         "",
         "Environment (for links named like a compiler, which take no flags): OPCACHE_DISABLE,",
-        "OPCACHE_DIR, OPCACHE_MODE, OPCACHE_BASE_DIR, OPCACHE_VERBOSE; see the README.",
+        "OPCACHE_DIR, OPCACHE_MODE, OPCACHE_BASE_DIR, OPCACHE_VERBOSE; see docs/wrap.md.",
     ]
     return "\n".join(lines)
 

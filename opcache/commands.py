@@ -535,7 +535,7 @@ def _cmd_remote(args: argparse.Namespace) -> int:
     if policy == "noeviction" or not limit:
         print(
             "opcache: warning: the server never evicts: once its memory is full, stores fail; "
-            "set maxmemory and maxmemory-policy allkeys-lru (README: 'A Redis for a cluster')",
+            "set maxmemory and maxmemory-policy allkeys-lru (see docs/remote.md)",
             file=sys.stderr,
         )
     return 0

@@ -1394,7 +1394,7 @@ class _Found:
 
 
 # Environment variables that change what a C compile gives: its object, its
-# dependency file or its messages (README, "The environment of a C compile").
+# dependency file or its messages (docs/wrap.md, "The environment of a C compile").
 CC_KEY_ENVIRONMENT = (
     "CPATH",
     "C_INCLUDE_PATH",
