@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from . import _log, _sigint_raises, masquerade, wrap
 from .errors import ConfigError
+from .request import check_soc_version
 from .settings import (
     DEFAULT_MODE,
     ENV_VERBOSE,
     Settings,
-    check_soc_version,
     env_true,
     resolve_settings,
 )

@@ -29,7 +29,8 @@ from .cli import (
     cache_settings,
     run_logged,
 )
-from .settings import DEFAULT_MODE, INI_NAME, Settings, check_soc_version, resolve_settings
+from .request import check_soc_version
+from .settings import DEFAULT_MODE, INI_NAME, Settings, resolve_settings
 from .storage.local import BOOKKEEPING
 
 

@@ -20,3 +20,9 @@ class ConfigError(ValueError):
 
 class CompileError(RuntimeError):
     """The operator compiler failed; nothing was stored in the cache."""
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, cut short: a message names the value, not 5,000 digits of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(str(value))} characters)"

@@ -25,7 +25,7 @@ import time
 
 from ._log import get_logger
 from .stats import REMOTE_ERROR_PREFIX
-from .storage import RemoteCorrupt, open_remote
+from .storage import UNCLAIMED, RemoteCorrupt, open_remote
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -43,18 +43,6 @@ FIRST_PAUSE = 10.0
 LAST_PAUSE = 300.0
 _PAUSE_NOTE = "remote-pause-"  # + a digest of the URL
 _NOTE_FRESH_SECONDS = 1.0
-
-
-class Unclaimed:
-    """A compile that goes on without a claim: the remote cannot take one (read-only, down)."""
-
-    owned = False
-
-    def release(self) -> None:
-        pass
-
-
-UNCLAIMED = Unclaimed()
 
 
 class RemoteTier:

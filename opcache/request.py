@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
 from ._record import Record
-from .settings import check_soc_version
+from .errors import ConfigError, shown
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     from typing import Any, Literal
 
     Status = Literal["hit", "miss", "bypass", "disabled", "error"]
+
+# A chip's folder name.  CANN's chips are named like Ascend910B1, Ascend310P3,
+# Ascend910B4-1, Ascend910_9391, Ascend950PR_9599: letters, digits, '_', '-'.
+# No dot and no leading '_' or '-': the root also holds op_cache.ini and
+# .opcache, which `opcache clear --soc_version` must never be able to name.
+_SOC = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+def check_soc_version(soc_version: str) -> str:
+    """Return ``soc_version`` if it is a safe folder name, else raise ConfigError."""
+    if not isinstance(soc_version, str) or not _SOC.fullmatch(soc_version):
+        raise ConfigError(
+            f"soc_version={shown(soc_version)} is not valid; use up to 64 letters, digits, "
+            "'_' and '-', starting with a letter or digit, e.g. 'Ascend910B1'"
+        )
+    return soc_version
 
 
 def is_plain_name(name: str) -> bool:

@@ -20,6 +20,8 @@ from . import debug, ini
 from ._log import get_logger
 from ._record import Record
 from .errors import ConfigError
+from .errors import shown as _shown
+from .request import check_soc_version
 
 log = get_logger(__name__)
 
@@ -46,6 +48,8 @@ REMOTE_OPTIONS = {
     "max_entry_mb": ("OPCACHE_REMOTE_MAX_ENTRY_MB", 64),
     "timeout": ("OPCACHE_REMOTE_TIMEOUT", 2.0),
 }
+# A remote's URL scheme -> the module of opcache.storage that opens it.
+REMOTE_KINDS = {"redis": "redis", "rediss": "redis", "unix": "redis"}
 _TRUE = ("1", "true", "yes", "on")
 # For a build system that passes opcache no flags (the masquerade, `opcache wrap`):
 ENV_DIR = "OPCACHE_DIR"  # as op_compiler_cache_dir
@@ -53,6 +57,10 @@ ENV_MODE = "OPCACHE_MODE"  # as op_compiler_cache_mode
 ENV_DISABLE = "OPCACHE_DISABLE"  # true-ish: no cache at all, whatever the mode
 ENV_BASE_DIR = "OPCACHE_BASE_DIR"  # paths under it are keyed relative to the working folder
 ENV_VERBOSE = "OPCACHE_VERBOSE"  # true-ish: `opcache wrap -v`
+# torch_npu's variables (LazyInitAclops.cpp, MakeCompileCacheDirAndSetOption):
+# it hands them to ACL as the options op_compiler_cache_dir and _mode.
+ENV_ACL_DIR = "ACL_OP_COMPILER_CACHE_DIR"
+ENV_ACL_MODE = "ACL_OP_COMPILER_CACHE_MODE"
 _FALSE = ("", "0", "false", "no", "off")
 
 # CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
@@ -60,11 +68,6 @@ _FALSE = ("", "0", "false", "no", "off")
 _DIR_ASCII = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-/")
 _CJK = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2FA1F))
 _VALID_DIR_TEXT = "ASCII letters, digits, '_', '-', '.', '/' and CJK ideographs"
-# A chip's folder name.  CANN's chips are named like Ascend910B1, Ascend310P3,
-# Ascend910B4-1, Ascend910_9391, Ascend950PR_9599: letters, digits, '_', '-'.
-# No dot and no leading '_' or '-': the root also holds op_cache.ini and
-# .opcache, which `opcache clear --soc_version` must never be able to name.
-_SOC = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _GID_END = 2**32 - 1  # gid_t's range; (gid_t)-1 means "no change" to chown
 _WHOLE_MAX = 2**31 - 1  # the largest TTL or size cap a remote option takes
 _HOST_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -195,16 +198,6 @@ class Settings(Record):
         }
 
 
-def check_soc_version(soc_version: str) -> str:
-    """Return ``soc_version`` if it is a safe folder name, else raise ConfigError."""
-    if not isinstance(soc_version, str) or not _SOC.fullmatch(soc_version):
-        raise ConfigError(
-            f"soc_version={_shown(soc_version)} is not valid; use up to 64 letters, digits, "
-            "'_' and '-', starting with a letter or digit, e.g. 'Ascend910B1'"
-        )
-    return soc_version
-
-
 def resolve_settings(
     *,
     op_compiler_cache_mode: str | None = None,
@@ -241,9 +234,11 @@ def resolve_settings(
     keys the paths of a C compile under it relative to the compile's folder, so
     checkouts in different folders share entries (ccache's ``base_dir``).
 
-    The environment may also set the mode (``OPCACHE_MODE``, below an argument;
-    ``OPCACHE_DISABLE`` true-ish wins over everything) and the cache folder
-    (``OPCACHE_DIR``, as ``op_compiler_cache_dir``, above ``ASCEND_CACHE_PATH``).
+    The environment may also set the mode (``OPCACHE_MODE``, below an argument,
+    then torch_npu's ``ACL_OP_COMPILER_CACHE_MODE``; ``OPCACHE_DISABLE``
+    true-ish wins over everything) and the cache folder (``OPCACHE_DIR``, as
+    ``op_compiler_cache_dir``, then ``ACL_OP_COMPILER_CACHE_DIR``, both above
+    ``ASCEND_CACHE_PATH``).
 
     Raises ConfigError for an invalid option or environment variable (its
     ``variable`` then names the variable).  A bad op_cache.ini or size
@@ -266,6 +261,10 @@ def resolve_settings(
     elif env.get(ENV_DIR):
         cache_dir = _absolute_dir(ENV_DIR, env[ENV_DIR], env, variable=ENV_DIR)
         root, sources["root"] = cache_dir / KERNEL_CACHE, f"env:{ENV_DIR}"
+    elif env.get(ENV_ACL_DIR):
+        # torch_npu passes it to CANN as op_compiler_cache_dir: above ASCEND_CACHE_PATH.
+        cache_dir = _absolute_dir(ENV_ACL_DIR, env[ENV_ACL_DIR], env, variable=ENV_ACL_DIR)
+        root, sources["root"] = cache_dir / KERNEL_CACHE, f"env:{ENV_ACL_DIR}"
     elif env.get(ENV_CACHE_PATH):
         base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env, variable=ENV_CACHE_PATH)
         host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else os.uname().nodename)
@@ -445,11 +444,9 @@ def _url_problem(url: str) -> str | None:
     client would quietly use db 0), a host name no resolver takes (a label
     over 63 characters), a query option redis-py would pass on blindly.
     """
-    from .storage import schemes
-
     scheme, sep, rest = url.partition("://")
-    valid = " or ".join(s + "://..." for s in schemes())
-    if not sep or scheme not in schemes():
+    valid = " or ".join(s + "://..." for s in sorted(REMOTE_KINDS))
+    if not sep or scheme not in REMOTE_KINDS:
         return f"use a URL {valid}"
     if not all(33 <= ord(c) <= 126 for c in url):
         return "a URL holds no spaces, control or non-ASCII characters (percent-encode them)"
@@ -657,6 +654,8 @@ _TEXT_VARIABLES = (
     ENV_MODE,
     ENV_DISABLE,
     ENV_BASE_DIR,
+    ENV_ACL_DIR,
+    ENV_ACL_MODE,
 )
 
 
@@ -667,12 +666,6 @@ def _check_environ(env: Mapping[str, str]) -> None:
             raise ConfigError(
                 f"{name}={_shown(value)} is not valid: it holds a NUL character", variable=name
             )
-
-
-def _shown(value: object) -> str:
-    """``repr(value)``, cut short: a message names the value, not 5,000 digits of it."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(str(value))} characters)"
 
 
 def _is_set(value: object) -> bool:
@@ -686,7 +679,7 @@ def _resolve_mode(value: str | None, default: str, env: Mapping[str, str]) -> tu
     if not _is_set(value):
         value = env.get(ENV_MODE)
         if not value:
-            return default, "default"
+            return _acl_mode(default, env)
         option = variable = ENV_MODE
         source = f"env:{ENV_MODE}"
     mode = value.lower() if isinstance(value, str) else value
@@ -696,6 +689,26 @@ def _resolve_mode(value: str | None, default: str, env: Mapping[str, str]) -> tu
             variable=variable,
         )
     return mode, source
+
+
+def _acl_mode(default: str, env: Mapping[str, str]) -> tuple[str, str]:
+    """The mode torch_npu gives CANN from ``ACL_OP_COMPILER_CACHE_MODE``, when it is set.
+
+    torch_npu takes the three modes as spelled, and any other value as
+    ``enable`` (its MakeCompileCacheDirAndSetOption): so does opcache, with a warning.
+    """
+    value = env.get(ENV_ACL_MODE)
+    if not value:  # (empty is unset, as for every variable of opcache's)
+        return default, "default"
+    if value not in MODES:
+        log.warning(
+            "%s=%s is not one of %s: taken as enable, as torch_npu takes it",
+            ENV_ACL_MODE,
+            _shown(value),
+            ", ".join(MODES),
+        )
+        return "enable", f"env:{ENV_ACL_MODE}"
+    return value, f"env:{ENV_ACL_MODE}"
 
 
 def _resolve_debug_level(value: int | str | None) -> int:

@@ -1,84 +1,36 @@
 """Where entries are kept: the local folder, and a remote behind it.
 
-The cache (``cache.py``) decides which tier to ask and when; a storage
-back-end only knows bytes, by chip and key.  What an entry is, and how every
-read of one is checked, is ``entry.py``'s.
+The cache decides which tier to ask and when (``flow.py`` for one key,
+``remote_tier.py`` for the remote's part); a storage back-end only knows
+bytes, by chip and key.  What an entry is, and how every read of one is
+checked, is ``entry.py``'s.
 
 - ``local.py``: the cache folder (``LocalStore``), ``get`` / ``put`` /
   ``touch`` / ``discard`` and the folder's own housekeeping.
-- a remote (``redis.py``, Redis or Valkey) is a ``Remote``: ``get``,
-  ``get_many`` and ``watch`` return entries already checked like a local read
-  (``RemoteCorrupt`` otherwise), ``put`` stores one (manifest and files),
-  ``discard`` drops one, ``claim`` takes a key for one compile in the whole
-  cluster, and ``usage`` / ``clear`` act on this cache's keys only.  Every
-  failure of the server or the network is a ``RemoteError``; the cache turns
-  it into a warning and a back-off, never a failed compile.
+- a remote (``redis.py``, Redis or Valkey) is a ``Remote``: see its docstring
+  for what a kind must provide and what it may add.  Every failure of the
+  server or the network is a ``RemoteError``; the cache turns it into a
+  warning and a back-off, never a failed compile.
 
 Adding another kind of remote (a shared folder, S3...) is one new module here
-with a class that has ``Remote``'s methods and a ``connect(settings)``
-function, plus its URL scheme in ``_KINDS``.
+with a ``Remote`` subclass and a ``connect(settings)`` function that returns
+one, plus its URL scheme in ``settings.REMOTE_KINDS``.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from ..settings import MB, REMOTE_KINDS
+
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
-    from typing import Protocol
-
     from ..settings import RemoteSettings
     from .entry import Entry
 
     # A value fetched and checked: (the entry, its manifest's bytes, the value's
     # size on the wire, which is what ``remote_bytes_down`` counts).
     Fetched = tuple[Entry, bytes, int]
-
-    class Claim(Protocol):
-        """A key taken for one compile in the cluster, until ``release``.
-
-        ``owned`` is False for a claim that could not be taken but need not be
-        waited for (a read-only client): the compile goes on unclaimed.
-        """
-
-        owned: bool
-
-        def release(self) -> None: ...
-
-    class Remote(Protocol):
-        read_only: bool
-        max_entry_bytes: int
-
-        def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
-            """(the checked entry, its manifest's bytes), or None when absent."""
-
-        def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
-            """The entries of ``keys`` that are there, by key, in few round trips
-            (a bad value as its RemoteCorrupt)."""
-
-        def watch(
-            self, soc: str, keys: list[str]
-        ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
-            """(``get_many``'s answer, the keys a claim is held on), in one round trip:
-            how a client waits for keys others compile."""
-
-        def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
-            """Store an entry; returns the bytes sent (0 when it was not sent)."""
-
-        def discard(self, soc: str, key: str) -> None: ...
-
-        def claim(self, soc: str, key: str, seconds: float) -> Claim | None:
-            """The key for one compile in the cluster, or None when another
-            client holds it.  A claim lasts ``seconds`` past its holder's death."""
-
-        def claimed(self, soc: str, key: str) -> bool:
-            """Whether a claim on ``key`` is held."""
-
-        def usage(self, soc: str | None = None) -> dict[str, object]: ...
-
-        def clear(self, soc: str | None = None) -> int: ...
-
-        def close(self) -> None: ...
 
 
 class RemoteError(Exception):
@@ -95,17 +47,109 @@ class RemoteCorrupt(Exception):
     size = 0  # the value's bytes on the wire
 
 
-# URL scheme -> the module (in this package) that opens it.
-_KINDS = {"redis": "redis", "rediss": "redis", "unix": "redis"}
+class Claim:
+    """A key taken for one compile in the cluster, until ``release``.
+
+    ``owned`` is False for a claim that could not be taken but need not be
+    waited for (a read-only client, a remote with no claims, one that is
+    down): the compile goes on unclaimed.  This base class is that unowned
+    claim; a kind with claims subclasses it with ``owned`` True.
+    """
+
+    owned = False
+
+    def release(self) -> None:
+        """Let the key go; a second call does nothing."""
 
 
-def schemes() -> list[str]:
-    """The URL schemes a remote can have."""
-    return sorted(_KINDS)
+UNCLAIMED = Claim()
+
+
+class Remote:
+    """One kind of remote tier.  A new kind subclasses this and provides:
+
+    - ``get_many``: the entries of some keys of a chip, each checked as
+      ``entry.py`` checks a local read (``RemoteCorrupt`` for a bad value);
+    - ``put``: store one entry (the manifest's bytes and the files);
+    - a module function ``connect(settings)`` that returns the instance.
+
+    Everything else has a default a kind may override: ``get`` asks
+    ``get_many``; with no ``claim`` every client compiles the keys it misses
+    (no single flight across machines); ``watch`` is ``get_many`` with no
+    claims; ``discard``, ``usage`` and ``clear`` (``opcache remote``) raise
+    ``RemoteError`` ("not supported"); ``close`` does nothing.  Every method
+    raises ``RemoteError`` for a failure of the server or the network.
+
+    ``read_only`` (a client that never writes), ``max_entry_bytes`` (the
+    largest entry ``put`` sends) and ``where`` (the URL with its password
+    masked, for messages) come from the settings.
+    """
+
+    def __init__(self, settings: RemoteSettings) -> None:
+        self.read_only = settings.read_only
+        self.max_entry_bytes = settings.max_entry_mb * MB
+        self.where = settings.shown_url
+
+    # -- what every kind provides ------------------------------------------------------
+
+    def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
+        """The entries of ``keys`` that are there, by key, in few round trips
+        (a bad value as its RemoteCorrupt, with its ``size``)."""
+        raise NotImplementedError
+
+    def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        """Store an entry; returns the bytes sent (0 when it was not sent: read-only,
+        over ``max_entry_bytes``)."""
+        raise NotImplementedError
+
+    # -- what a kind may add -------------------------------------------------------------
+
+    def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
+        """(the checked entry, its manifest's bytes), or None when absent."""
+        got = self.get_many(soc, [key]).get(key)
+        if got is None:
+            return None
+        if isinstance(got, RemoteCorrupt):
+            raise got
+        return got[0], got[1]
+
+    def claim(self, soc: str, key: str, seconds: float) -> Claim | None:
+        """The key for one compile in the cluster, or None when another client
+        holds it.  A claim lasts ``seconds`` past its holder's death.  By
+        default there are no claims: the compile goes on unclaimed."""
+        return UNCLAIMED
+
+    def claimed(self, soc: str, key: str) -> bool:
+        """Whether a claim on ``key`` is held."""
+        return False
+
+    def watch(
+        self, soc: str, keys: list[str]
+    ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
+        """(``get_many``'s answer, the keys a claim is held on), in one round trip:
+        how a client waits for keys others compile."""
+        return self.get_many(soc, keys), set()
+
+    def discard(self, soc: str, key: str) -> None:
+        """Drop one entry."""
+        raise RemoteError(f"{self.where}: removing an entry is not supported")
+
+    def usage(self, soc: str | None = None) -> dict[str, object]:
+        """``opcache remote stats``: {"chips": {soc: {"entries", "bytes"}}, and what
+        the server says of its memory}."""
+        raise RemoteError(f"{self.where}: stats are not supported for this kind of remote")
+
+    def clear(self, soc: str | None = None) -> int:
+        """``opcache remote clear``: delete this cache's entries (of one chip), never
+        another's; returns how many."""
+        raise RemoteError(f"{self.where}: clearing is not supported for this kind of remote")
+
+    def close(self) -> None:
+        """Let go of connections and claims; the remote is not used after."""
 
 
 def open_remote(settings: RemoteSettings) -> Remote:
     """The remote ``settings`` names (RemoteError when its library is missing)."""
     scheme = settings.url.partition(":")[0]
-    module = importlib.import_module(f".{_KINDS[scheme]}", __name__)
+    module = importlib.import_module(f".{REMOTE_KINDS[scheme]}", __name__)
     return module.connect(settings)

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import xxhash
 
 from .._log import get_logger
-from . import RemoteCorrupt, RemoteError
+from . import Claim, Remote, RemoteCorrupt, RemoteError
 from .entry import CorruptEntry, Entry, check_artifact, parse_manifest
 
 TYPE_CHECKING = False
@@ -58,7 +58,6 @@ _CHECK = 16  # bytes of XXH3-128
 _COMPRESS_FROM = 1024
 _MGET_KEYS = 64  # keys per MGET: a batch of big kernels stays a bounded answer
 _CLAIM_SUFFIX = ":claim"
-_MB = 1024 * 1024
 
 # Renew a claim, or delete it, only while it holds our token.
 _RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -156,12 +155,13 @@ def connect(settings: RemoteSettings) -> RedisRemote:
     return RedisRemote(client, settings)
 
 
-class RedisRemote:
+class RedisRemote(Remote):
     """The remote tier on one Redis server (see the module's docstring)."""
 
     def __init__(self, client: redis_py.Redis, settings: RemoteSettings) -> None:
         import redis as redis_py
 
+        super().__init__(settings)
         self._redis = client
         self._denied = redis_py.exceptions.NoPermissionError
         self._refused = redis_py.exceptions.AuthenticationError
@@ -170,9 +170,6 @@ class RedisRemote:
         )
         self._prefix = settings.prefix
         self._ttl = settings.ttl
-        self.read_only = settings.read_only
-        self.max_entry_bytes = settings.max_entry_mb * _MB
-        self.where = settings.shown_url
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._claims: dict[str, _Claim] = {}
@@ -362,7 +359,7 @@ class RedisRemote:
             log.debug("cannot close the connection to %s: %s", self.where, e)
 
 
-class _Claim:
+class _Claim(Claim):
     """A claim on a key; ``owned`` False for one a read-only client goes on without."""
 
     def __init__(self, remote: RedisRemote, name: str, token: str, millis: int, *, owned: bool):
