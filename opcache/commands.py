@@ -41,11 +41,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """The ATC spellings of the cache options, shared by every command."""
+def _add_cache_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = ()) -> None:
+    """The ATC spellings of the cache options, shared by every command (``flags``: those only)."""
     group = parser.add_argument_group("cache options (as ATC spells them)")
     for flag, (metavar, text) in CACHE_FLAGS.items():
-        group.add_argument(flag, metavar=metavar, help=text)
+        if not flags or flag in flags:
+            group.add_argument(flag, metavar=metavar, help=text)
 
 
 def _positive(text: str) -> int:
@@ -725,10 +726,12 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> _Parser:
+    def command(
+        name: str, func: Callable[[argparse.Namespace], int], help: str, flags: Sequence[str] = ()
+    ) -> _Parser:
         sub = commands.add_parser(name, help=help, description=help)
         sub.add_argument("-v", "--verbose", action="store_true", help="say more")
-        _add_cache_flags(sub)
+        _add_cache_flags(sub, flags)
         sub.set_defaults(func=func)
         return sub
 
@@ -766,7 +769,13 @@ def _build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--json", action="store_true", help="one JSON object")
     demo = command("demo", _cmd_demo, "compile a dozen C kernels through the cache, twice")
     demo.add_argument("--keep", action="store_true", help="keep the demo's folder")
-    cann = command("cann", _cmd_cann, "CANN's own kernel_cache: stats, age or verify it (cron)")
+    # (CANN's cache is found by its folder alone: no mode or debug option changes it)
+    cann = command(
+        "cann",
+        _cmd_cann,
+        "CANN's own kernel_cache: stats, age or verify it (cron)",
+        ("--op_compiler_cache_dir", "--soc_version"),
+    )
     cann.add_argument(
         "action",
         choices=("stats", "age", "verify"),

@@ -4,7 +4,8 @@
 command-line flags, NPURunConfig's keyword options or a TensorFlow session's
 ``parameter_map``, ignores the rest, and applies each surface's own default
 mode: ATC disables the cache unless told otherwise, NPURunConfig and the
-session config enable it.
+session config enable it.  ``torch_npu`` is the dict of ``torch.npu.set_option``,
+whose ``ACL_*`` names torch_npu hands to CANN as these options.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from typing import Any
 from .errors import ConfigError
 from .settings import Settings, resolve_settings
 
-FRAMEWORKS = {"atc": "disable", "npu_run_config": "enable", "tf_session": "enable"}
+FRAMEWORKS = {
+    "atc": "disable",
+    "npu_run_config": "enable",
+    "tf_session": "enable",
+    "torch_npu": "enable",  # (MakeCompileCacheDirAndSetOption's default)
+}
 OPTIONS = (
     "op_compiler_cache_mode",
     "op_compiler_cache_dir",
@@ -24,6 +30,13 @@ OPTIONS = (
     "op_debug_config",
     "debug_dir",
 )
+# torch.npu.set_option's names of them (torch_npu's EnvVariables.cpp hooks).
+TORCH_NPU_OPTIONS = {
+    "ACL_OP_COMPILER_CACHE_MODE": "op_compiler_cache_mode",
+    "ACL_OP_COMPILER_CACHE_DIR": "op_compiler_cache_dir",
+    "ACL_OP_DEBUG_LEVEL": "op_debug_level",
+    "ACL_DEBUG_DIR": "debug_dir",
+}
 _PATH_OPTIONS = ("op_compiler_cache_dir", "op_debug_config", "debug_dir")
 
 
@@ -37,9 +50,13 @@ def settings_from_options(
 
     ``framework`` is ``"atc"`` (``options``: ATC flags such as
     ``["--op_compiler_cache_mode=enable", "--op_compiler_cache_dir", "/data"]``),
-    ``"npu_run_config"`` (NPURunConfig keyword options) or ``"tf_session"`` (a
+    ``"npu_run_config"`` (NPURunConfig keyword options), ``"tf_session"`` (a
     ``parameter_map``-style mapping whose values may be bytes or AttrValue-like
-    objects with ``.s`` / ``.i``).  Raises ConfigError for a bad value.
+    objects with ``.s`` / ``.i``) or ``"torch_npu"`` (the dict given to
+    ``torch.npu.set_option``: ``ACL_OP_COMPILER_CACHE_MODE``, ``_DIR``,
+    ``ACL_OP_DEBUG_LEVEL``, ``ACL_DEBUG_DIR``; a name left out or empty falls
+    to the environment, ``ACL_OP_COMPILER_CACHE_*`` included, as torch_npu
+    does).  Raises ConfigError for a bad value.
     """
     if framework not in FRAMEWORKS:
         raise ConfigError(
@@ -49,6 +66,14 @@ def settings_from_options(
         if isinstance(options, Mapping | str | bytes):
             raise ConfigError("framework='atc' takes a list of flags, e.g. ['--op_debug_level=0']")
         found = _atc_flags(options)
+    elif framework == "torch_npu":
+        if not isinstance(options, Mapping):
+            raise ConfigError("framework='torch_npu' takes the dict given to torch.npu.set_option")
+        found = {
+            name: _plain(name, options[acl])
+            for acl, name in TORCH_NPU_OPTIONS.items()
+            if acl in options
+        }
     else:
         if not isinstance(options, Mapping):
             raise ConfigError(f"framework={framework!r} takes a mapping of option names to values")

@@ -57,6 +57,10 @@ ENV_MODE = "OPCACHE_MODE"  # as op_compiler_cache_mode
 ENV_DISABLE = "OPCACHE_DISABLE"  # true-ish: no cache at all, whatever the mode
 ENV_BASE_DIR = "OPCACHE_BASE_DIR"  # paths under it are keyed relative to the working folder
 ENV_VERBOSE = "OPCACHE_VERBOSE"  # true-ish: `opcache wrap -v`
+# torch_npu's variables (LazyInitAclops.cpp, MakeCompileCacheDirAndSetOption):
+# it hands them to ACL as the options op_compiler_cache_dir and _mode.
+ENV_ACL_DIR = "ACL_OP_COMPILER_CACHE_DIR"
+ENV_ACL_MODE = "ACL_OP_COMPILER_CACHE_MODE"
 _FALSE = ("", "0", "false", "no", "off")
 
 # CANN accepts letters, digits, '_', '-', '.' (and '/' between them) and CJK ideographs.
@@ -230,9 +234,11 @@ def resolve_settings(
     keys the paths of a C compile under it relative to the compile's folder, so
     checkouts in different folders share entries (ccache's ``base_dir``).
 
-    The environment may also set the mode (``OPCACHE_MODE``, below an argument;
-    ``OPCACHE_DISABLE`` true-ish wins over everything) and the cache folder
-    (``OPCACHE_DIR``, as ``op_compiler_cache_dir``, above ``ASCEND_CACHE_PATH``).
+    The environment may also set the mode (``OPCACHE_MODE``, below an argument,
+    then torch_npu's ``ACL_OP_COMPILER_CACHE_MODE``; ``OPCACHE_DISABLE``
+    true-ish wins over everything) and the cache folder (``OPCACHE_DIR``, as
+    ``op_compiler_cache_dir``, then ``ACL_OP_COMPILER_CACHE_DIR``, both above
+    ``ASCEND_CACHE_PATH``).
 
     Raises ConfigError for an invalid option or environment variable (its
     ``variable`` then names the variable).  A bad op_cache.ini or size
@@ -255,6 +261,10 @@ def resolve_settings(
     elif env.get(ENV_DIR):
         cache_dir = _absolute_dir(ENV_DIR, env[ENV_DIR], env, variable=ENV_DIR)
         root, sources["root"] = cache_dir / KERNEL_CACHE, f"env:{ENV_DIR}"
+    elif env.get(ENV_ACL_DIR):
+        # torch_npu passes it to CANN as op_compiler_cache_dir: above ASCEND_CACHE_PATH.
+        cache_dir = _absolute_dir(ENV_ACL_DIR, env[ENV_ACL_DIR], env, variable=ENV_ACL_DIR)
+        root, sources["root"] = cache_dir / KERNEL_CACHE, f"env:{ENV_ACL_DIR}"
     elif env.get(ENV_CACHE_PATH):
         base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env, variable=ENV_CACHE_PATH)
         host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else os.uname().nodename)
@@ -644,6 +654,8 @@ _TEXT_VARIABLES = (
     ENV_MODE,
     ENV_DISABLE,
     ENV_BASE_DIR,
+    ENV_ACL_DIR,
+    ENV_ACL_MODE,
 )
 
 
@@ -667,7 +679,7 @@ def _resolve_mode(value: str | None, default: str, env: Mapping[str, str]) -> tu
     if not _is_set(value):
         value = env.get(ENV_MODE)
         if not value:
-            return default, "default"
+            return _acl_mode(default, env)
         option = variable = ENV_MODE
         source = f"env:{ENV_MODE}"
     mode = value.lower() if isinstance(value, str) else value
@@ -677,6 +689,26 @@ def _resolve_mode(value: str | None, default: str, env: Mapping[str, str]) -> tu
             variable=variable,
         )
     return mode, source
+
+
+def _acl_mode(default: str, env: Mapping[str, str]) -> tuple[str, str]:
+    """The mode torch_npu gives CANN from ``ACL_OP_COMPILER_CACHE_MODE``, when it is set.
+
+    torch_npu takes the three modes as spelled, and any other value as
+    ``enable`` (its MakeCompileCacheDirAndSetOption): so does opcache, with a warning.
+    """
+    value = env.get(ENV_ACL_MODE)
+    if not value:  # (empty is unset, as for every variable of opcache's)
+        return default, "default"
+    if value not in MODES:
+        log.warning(
+            "%s=%s is not one of %s: taken as enable, as torch_npu takes it",
+            ENV_ACL_MODE,
+            _shown(value),
+            ", ".join(MODES),
+        )
+        return "enable", f"env:{ENV_ACL_MODE}"
+    return value, f"env:{ENV_ACL_MODE}"
 
 
 def _resolve_debug_level(value: int | str | None) -> int:
