@@ -13,14 +13,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from . import _log, _sigint_raises, masquerade, wrap
-from .errors import ConfigError
-from .request import check_soc_version
+from .errors import ConfigError, UsageError
 from .settings import (
-    DEFAULT_MODE,
+    CACHE_FLAGS,
+    COMPILING_DEFAULT_MODE,
     ENV_VERBOSE,
     Settings,
+    cache_settings,
     env_true,
-    resolve_settings,
 )
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -29,40 +29,7 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
 EXIT_USAGE = 2
-# The compiling commands exist to cache: their mode defaults to enable.
-COMPILING_DEFAULT_MODE = "enable"
-# The ATC spellings of the cache options every command takes: flag -> (metavar, help).
-CACHE_FLAGS = {
-    "--op_compiler_cache_mode": ("MODE", "enable, force or disable"),
-    "--op_compiler_cache_dir": ("DIR", "cache folder"),
-    "--op_debug_level": ("N", "0..4; not 0 bypasses the cache"),
-    "--op_debug_config": ("CFG", "debug .cfg file"),
-    "--soc_version": ("SOC", "one chip, e.g. Ascend910B1"),
-}
 WRAP_USAGE = "wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o"
-
-
-class UsageError(Exception):
-    """A mistake on the command line: one ``opcache: error:`` line, exit 2."""
-
-
-def cache_settings(
-    flags: Mapping[str, str | None],
-    default_mode: str = DEFAULT_MODE,
-    debug_level: str | None = None,
-    debug_config: str | None = None,
-) -> Settings:
-    """The settings the cache flags (by name without ``--``) resolve to."""
-    if flags.get("soc_version"):  # empty is unset, as for every option
-        check_soc_version(flags["soc_version"])  # type: ignore[arg-type]
-    return resolve_settings(
-        op_compiler_cache_mode=flags.get("op_compiler_cache_mode"),
-        op_compiler_cache_dir=flags.get("op_compiler_cache_dir"),
-        op_debug_level=debug_level if debug_level is not None else flags.get("op_debug_level"),
-        op_debug_config=debug_config if debug_config is not None else flags.get("op_debug_config"),
-        remote=flags.get("remote"),
-        default_mode=default_mode,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,7 +86,10 @@ def _run(argv: Sequence[str]) -> int:
             return _wrap_main(argv[1:])
         from . import commands
 
-        return commands.main(argv)
+        args = commands.parse(argv)
+        if args is None:
+            return EXIT_USAGE
+        return run_logged(args.verbose, lambda: args.func(args))
     except (UsageError, ConfigError) as e:
         print(f"opcache: error: {e}", file=sys.stderr)
         return EXIT_USAGE

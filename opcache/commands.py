@@ -20,17 +20,17 @@ from typing import TypeVar
 
 from . import __version__
 from .cache import AgingReport, OpCache, VerifyReport
-from .cli import (
+from .errors import UsageError
+from .request import check_soc_version
+from .settings import (
     CACHE_FLAGS,
     COMPILING_DEFAULT_MODE,
-    EXIT_USAGE,
-    WRAP_USAGE,
-    UsageError,
+    DEFAULT_MODE,
+    INI_NAME,
+    Settings,
     cache_settings,
-    run_logged,
+    resolve_settings,
 )
-from .request import check_soc_version
-from .settings import DEFAULT_MODE, INI_NAME, Settings, resolve_settings
 from .storage.local import BOOKKEEPING
 
 
@@ -64,18 +64,20 @@ def _settings(args: argparse.Namespace, default_mode: str = DEFAULT_MODE) -> Set
     return cache_settings(vars(args), default_mode)
 
 
-def main(argv: Sequence[str]) -> int:
-    """Parse and run one command (not wrap); returns its exit status."""
+def parse(argv: Sequence[str]) -> argparse.Namespace | None:
+    """Parse one command line (not wrap): ``args.func(args)`` runs it (``cli`` runs
+    it under ``run_logged``, with ``args.verbose``).  None when there is no command:
+    the list of commands went to stderr.  UsageError for a mistake."""
     parser = _build_parser()
     if not argv:
         # As git does: the commands, not just "a command is required". On
         # stderr with the usage status: it is a mistake, and stdout stays clean.
         parser.print_help(sys.stderr)
-        return EXIT_USAGE
+        return None
     args = parser.parse_args(argv)
     if not args.soc_version:
         args.soc_version = None  # empty is unset, as for every other option
-    return run_logged(args.verbose, lambda: args.func(args))
+    return args
 
 
 _REMOTE_COUNTERS = ("remote_hits", "remote_misses", "remote_stores", "remote_errors")
@@ -714,10 +716,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_wrap_usage(args: argparse.Namespace) -> int:
-    raise UsageError(WRAP_USAGE)  # (cli parses wrap itself: listed here for --help)
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opcache", description="An operator compile cache.")
     python = sys.version.split()[0]
@@ -811,6 +809,8 @@ def _build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "argv", nargs="*", metavar="-- COMMAND", help="a command line as opcache wrap takes it"
     )
-    # Listed for --help; `opcache wrap` is parsed on its own (everything after -- is the command).
-    command("wrap", _cmd_wrap_usage, "run a compile command through the cache: wrap -- cc ...")
+    # Listed for --help only: `opcache wrap` is parsed in cli, by hand (everything
+    # after -- is the command), and never reaches this parser.
+    wrap_help = "run a compile command through the cache: wrap -- cc ..."
+    commands.add_parser("wrap", help=wrap_help, description=wrap_help)
     return parser

@@ -22,6 +22,10 @@ class CompileError(RuntimeError):
     """The operator compiler failed; nothing was stored in the cache."""
 
 
+class UsageError(Exception):
+    """A mistake on the command line: one ``opcache: error:`` line, exit 2."""
+
+
 def shown(value: object) -> str:
     """``repr(value)``, cut short: a message names the value, not 5,000 digits of it."""
     text = repr(value)

@@ -27,6 +27,16 @@ log = get_logger(__name__)
 
 MODES = ("enable", "force", "disable")
 DEFAULT_MODE = "disable"  # ATC's default
+# The compiling commands exist to cache: their mode defaults to enable.
+COMPILING_DEFAULT_MODE = "enable"
+# The ATC spellings of the cache options every command takes: flag -> (metavar, help).
+CACHE_FLAGS = {
+    "--op_compiler_cache_mode": ("MODE", "enable, force or disable"),
+    "--op_compiler_cache_dir": ("DIR", "cache folder"),
+    "--op_debug_level": ("N", "0..4; not 0 bypasses the cache"),
+    "--op_debug_config": ("CFG", "debug .cfg file"),
+    "--soc_version": ("SOC", "one chip, e.g. Ascend910B1"),
+}
 MB = 1024 * 1024
 AGE_SECONDS = 1800  # CANN ages only entries not used for half an hour
 
@@ -566,6 +576,25 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:  # bytes of another encoding, as os.environ holds them
         return False
     return True
+
+
+def cache_settings(
+    flags: Mapping[str, str | None],
+    default_mode: str = DEFAULT_MODE,
+    debug_level: str | None = None,
+    debug_config: str | None = None,
+) -> Settings:
+    """The settings the command line's cache flags (by name without ``--``) resolve to."""
+    if flags.get("soc_version"):  # empty is unset, as for every option
+        check_soc_version(flags["soc_version"])  # type: ignore[arg-type]
+    return resolve_settings(
+        op_compiler_cache_mode=flags.get("op_compiler_cache_mode"),
+        op_compiler_cache_dir=flags.get("op_compiler_cache_dir"),
+        op_debug_level=debug_level if debug_level is not None else flags.get("op_debug_level"),
+        op_debug_config=debug_config if debug_config is not None else flags.get("op_debug_config"),
+        remote=flags.get("remote"),
+        default_mode=default_mode,
+    )
 
 
 def env_true(environ: Mapping[str, str], name: str) -> bool:
