@@ -29,7 +29,6 @@ PACKAGE = TESTS_DIR.parent / "opcache"
 # xfail turns that into a failure until the line is gone.
 KNOWN_CIRCLES: list[tuple[str, ...]] = [
     ("cache", "shared_work"),
-    ("cli", "commands"),
 ]
 
 
