@@ -551,8 +551,17 @@ def _cmd_cann(args: argparse.Namespace) -> int:
 
     if args.fix and args.action != "verify":
         raise UsageError("--fix goes with 'opcache cann verify'")
-    if args.dry_run and args.action != "age":
-        raise UsageError("--dry-run goes with 'opcache cann age'")
+    if args.dry_run and args.action in ("stats", "verify", "export"):
+        raise UsageError(f"--dry-run does not go with 'opcache cann {args.action}'")
+    if (args.file is None) != (args.action not in ("export", "import")):
+        raise UsageError(
+            f"cann {args.action}: "
+            + ("FILE is missing" if args.file is None else f"no FILE here ({args.file!r})")
+        )
+    if args.remote is not None and args.action not in ("push", "pull"):
+        raise UsageError("--remote goes with 'opcache cann push' and 'pull'")
+    if args.action in ("push", "pull", "export", "import"):
+        return _cmd_transfer(args)
     cache = cann_cache.open_cann_cache(_settings(args))
     try:
         if args.action == "stats":
@@ -575,6 +584,88 @@ def _cmd_cann(args: argparse.Namespace) -> int:
         for line in lines[args.action](report, args):
             print(line)
     return 1 if failed else 0
+
+
+# Exit statuses of push, pull, export and import, for the scripts that run them.
+EXIT_PARTIAL = 1  # done, but some entries were not moved (damaged, refused by a check)
+EXIT_REFUSED = 3  # nothing moved: versions differ, op_cache.ini invalid, archive bad
+EXIT_UNAVAILABLE = 4  # the remote cannot be reached or the file read
+
+
+def _cmd_transfer(args: argparse.Namespace) -> int:
+    """``opcache cann push|pull|export|import`` and ``opcache export|import``."""
+    from . import archive, cann_transfer
+    from .storage import RemoteError
+
+    settings = _settings(args)
+    progress = _progress(f"{args.action}ing")
+    soc = args.soc_version
+    try:
+        if args.command == "cann" and args.action in ("push", "pull"):
+            move = cann_transfer.push if args.action == "push" else cann_transfer.pull
+            report = move(soc, settings=settings, dry_run=args.dry_run, progress=progress)
+        elif args.command == "cann" and args.action == "export":
+            report = cann_transfer.export_archive(
+                Path(args.file), soc, settings=settings, progress=progress
+            )
+        elif args.command == "cann":
+            report = cann_transfer.import_archive(
+                Path(args.file), soc, settings=settings, dry_run=args.dry_run, progress=progress
+            )
+        elif args.action == "export":
+            report = archive.export_cache(settings, Path(args.file), soc, progress)
+        else:
+            report = archive.import_cache(
+                settings, Path(args.file), soc, dry_run=args.dry_run, progress=progress
+            )
+    except archive.BadArchive as e:
+        print(f"opcache: error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (RemoteError, OSError) as e:
+        print(f"opcache: error: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    chips = report.get("chips", {"": report})
+    for soc_name, chip in chips.items():
+        if "refused" in chip:
+            print(f"opcache: error: {soc_name}: {chip['refused']}", file=sys.stderr)
+        elif not args.json:
+            print(_transfer_line(soc_name, chip))
+    if any("refused" in c for c in chips.values()):
+        return EXIT_REFUSED
+    bad = ("corrupt", "rejected", "not_sent", "errors")
+    return EXIT_PARTIAL if any(c.get(k) for c in chips.values() for k in bad) else 0
+
+
+def _transfer_line(soc: str, chip: dict) -> str:
+    """One line per chip: what moved, and what did not."""
+    head = f"{soc}: " if soc else ""
+    if "would_send" in chip or "would_pull" in chip or "would_import" in chip:
+        n = chip.get("would_send", chip.get("would_pull", chip.get("would_import")))
+        return f"{head}dry run: {_count(n, 'entry', 'entries')} to move"
+    if "sent" in chip:
+        parts = [
+            f"{_count(chip['sent'], 'entry', 'entries')} sent ({_size(chip['bytes'])})",
+            f"{chip['present']} already there",
+        ]
+    elif "written" in chip:
+        parts = [
+            f"{_count(chip['written'], 'entry', 'entries')} written ({_size(chip['bytes'])})",
+            f"{chip['present']} already there",
+        ]
+        if chip["locked"]:
+            parts.append(f"{len(chip['locked'])} skipped (a CANN writer holds its lock)")
+        if chip["stopped_at_limit"]:
+            parts.append("stopped before the size limit")
+    else:
+        key = "entries" if "entries" in chip else "imported"
+        parts = [f"{_count(chip[key], 'entry', 'entries')} ({_size(chip['bytes'])})"]
+    for key in ("corrupt", "rejected", "not_sent", "skipped", "errors"):
+        for item in chip.get(key) or []:
+            what = item if isinstance(item, str) else f"{item['entry']} ({item['why']})"
+            parts.append(f"{key.replace('_', ' ')}: {what}")
+    return head + "; ".join(parts)
 
 
 def _cann_limit_line(report: dict) -> str:
@@ -776,12 +867,29 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     cann.add_argument(
         "action",
-        choices=("stats", "age", "verify"),
-        help="stats: what is there; age: CANN's aging pass; verify: find (--fix: remove) faults",
+        choices=("stats", "age", "verify", "push", "pull", "export", "import"),
+        help="stats: what is there; age: CANN's aging pass; verify: find (--fix: remove) faults; "
+        "push/pull: to/from the remote; export/import: to/from one archive FILE",
+    )
+    cann.add_argument("file", nargs="?", metavar="FILE", help="export, import: the archive")
+    cann.add_argument(
+        "--remote", metavar="URL", help="push, pull: the remote (else OPCACHE_REMOTE)"
     )
     cann.add_argument("--json", action="store_true", help="one JSON object")
-    cann.add_argument("--dry-run", action="store_true", help="age: report, remove nothing")
+    cann.add_argument(
+        "--dry-run", action="store_true", help="age, push, pull, import: report, change nothing"
+    )
     cann.add_argument("--fix", action="store_true", help="verify: remove what it finds")
+    for name, text in (
+        ("export", "write opcache's cache (or one chip's) into one archive FILE"),
+        ("import", "store the entries of an archive FILE in opcache's cache"),
+    ):
+        sub = command(name, _cmd_transfer, text, ("--op_compiler_cache_dir", "--soc_version"))
+        sub.add_argument("file", metavar="FILE", help="the archive (.tar, or .tar.gz: compressed)")
+        sub.add_argument("--json", action="store_true", help="one JSON object")
+        sub.set_defaults(action=name, dry_run=False)
+        if name == "import":
+            sub.add_argument("--dry-run", action="store_true", help="check FILE, store nothing")
     remote = command("remote", _cmd_remote, "the remote tier: stats, or clear this cache's keys")
     remote.add_argument(
         "action",

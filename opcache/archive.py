@@ -1,0 +1,299 @@
+"""One archive file of cache entries: ``opcache export`` / ``import``, and the
+container ``opcache cann export`` / ``import`` use.
+
+An archive is a tar (gzip-compressed when its name ends in ``.gz`` or
+``.tgz``) of regular files only, in this order:
+
+- ``<kind>/<soc>/<key>``: one entry each, packed as the remote tier stores
+  it (``storage/redis.py``'s ``pack``: the manifest and every artifact, an
+  XXH3-128 of the whole and each artifact's digest in the manifest), most
+  recently used first;
+- ``opcache-archive.json`` last: the kind (``opcache`` or ``cann``), the
+  format and how many entries came before it.  An archive without it, or
+  whose count differs, was cut short.
+
+Reading checks the whole archive before anything is written (``check``):
+a member that is not a regular file (a link, a folder, a device), a name
+that is not ``<kind>/<soc>/<plain name>`` (``..``, an absolute path, more
+parts), a value that does not unpack, a truncated file: the archive is
+refused, with the reason.  Writing goes to a temp file beside ``FILE``,
+renamed over it when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import tarfile
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from . import fsutil
+from ._log import get_logger
+from .request import is_plain_name
+from .settings import Settings, check_soc_version
+from .storage import RemoteCorrupt
+from .storage.entry import CorruptEntry, Entry
+from .storage.redis import pack, unpack
+
+log = get_logger(__name__)
+
+FORMAT = 1
+TRAILER = "opcache-archive.json"
+OPCACHE = "opcache"
+CANN = "cann"
+# A bigger member is not an entry any cache writes (the remote's cap is 64 MB).
+MAX_MEMBER_BYTES = 1 << 30
+
+
+class BadArchive(Exception):
+    """The file is not a whole, valid archive of the kind asked; nothing was written."""
+
+
+def _compressed(path: Path) -> bool:
+    return path.name.endswith((".gz", ".tgz"))
+
+
+class ArchiveWriter:
+    """Writes an archive of ``kind`` to ``path``: ``add`` each entry, then ``close``.
+
+    Used as a context manager, an exception leaves no file behind (and no
+    half-written one at ``path``).
+    """
+
+    def __init__(self, path: Path, kind: str) -> None:
+        self.path = path
+        self.kind = kind
+        self.count = 0
+        self.bytes = 0
+        self._tmp = path.parent / fsutil.unique_name(f".{path.name}")
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self._file = os.fdopen(fd, "wb")
+        self._tar = tarfile.open(  # noqa: SIM115  (closed by close or abort)
+            fileobj=self._file,
+            mode="w|gz" if _compressed(path) else "w|",
+            format=tarfile.PAX_FORMAT,
+        )
+
+    def add(self, soc: str, key: str, value: bytes, when: float) -> None:
+        """One entry's packed value (``pack``) under ``<kind>/<soc>/<key>``."""
+        self._member(f"{self.kind}/{soc}/{key}", value, when)
+        self.count += 1
+        self.bytes += len(value)
+
+    def _member(self, name: str, data: bytes, when: float) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        info.mtime = int(when)
+        info.mode = 0o640
+        self._tar.addfile(info, io.BytesIO(data))
+
+    def close(self) -> None:
+        """Write the trailer and put the archive at its name."""
+        trailer = {"format": FORMAT, "kind": self.kind, "entries": self.count}
+        self._member(TRAILER, json.dumps(trailer, sort_keys=True).encode(), time.time())
+        self._tar.close()
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._tar.close()
+        self._file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> ArchiveWriter:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def members(path: Path, kind: str) -> Iterator[tuple[str, str, bytes]]:
+    """(soc, key, packed value) of each entry of an archive, in its order.
+
+    Raises BadArchive at the first member that is not what an archive of
+    ``kind`` holds, and at the end when the trailer is missing or its count
+    differs; OSError when the file cannot be read.  The values are not
+    unpacked here (``check`` does it).
+    """
+    count = 0
+    trailer = None
+    try:
+        fd, _ = fsutil.open_regular(path)
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # open_regular's "not a regular file"
+            raise BadArchive(f"{path} is not a regular file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        try:
+            with tarfile.open(fileobj=f, mode="r|*") as tar:
+                for info in tar:
+                    if trailer is not None:
+                        raise BadArchive(f"{info.name!r} comes after {TRAILER}")
+                    if not info.isreg():
+                        what = "a link" if info.issym() or info.islnk() else "not a regular file"
+                        raise BadArchive(f"{info.name!r} is {what}: an archive holds files only")
+                    if info.size > MAX_MEMBER_BYTES:
+                        raise BadArchive(
+                            f"{info.name!r} is {info.size} bytes: too big for an entry"
+                        )
+                    data = _read_member(tar, info)
+                    if info.name == TRAILER:
+                        trailer = data
+                        continue
+                    soc, key = _entry_name(info.name, kind)
+                    count += 1
+                    yield soc, key, data
+        except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+            # (gzip's BadGzipFile is an OSError: a damaged file reads as one too)
+            raise BadArchive(f"{path}: not a whole tar file ({e or 'unexpected end'})") from None
+    _check_trailer(path, trailer, kind, count)
+
+
+def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    reader = tar.extractfile(info)
+    data = reader.read() if reader is not None else b""
+    if len(data) != info.size:
+        raise BadArchive(f"{info.name!r} is cut short: the archive is truncated")
+    return data
+
+
+def _entry_name(name: str, kind: str) -> tuple[str, str]:
+    parts = name.split("/")
+    if len(parts) != 3 or parts[0] != kind or not is_plain_name(parts[2]):
+        raise BadArchive(f"{name!r} is not {kind}/<soc>/<entry>: refusing the archive")
+    try:
+        check_soc_version(parts[1])
+    except ValueError:
+        raise BadArchive(f"{name!r} does not name a chip: refusing the archive") from None
+    return parts[1], parts[2]
+
+
+def _check_trailer(path: Path, raw: bytes | None, kind: str, count: int) -> None:
+    if raw is None:
+        raise BadArchive(f"{path} has no {TRAILER}: the archive is truncated")
+    try:
+        trailer = json.loads(raw)
+    except ValueError:
+        trailer = None
+    if not isinstance(trailer, dict) or trailer.get("format") != FORMAT:
+        raise BadArchive(f"{path}: {TRAILER} is not of an archive this opcache writes")
+    if trailer.get("kind") != kind:
+        raise BadArchive(f"{path} is an archive of {trailer.get('kind')!r} entries, not {kind!r}")
+    if trailer.get("entries") != count:
+        raise BadArchive(
+            f"{path} holds {count} entries, its {TRAILER} says {trailer.get('entries')}: truncated"
+        )
+
+
+def check(path: Path, kind: str) -> dict[str, list[tuple[str, int, bytes]]]:
+    """Read the whole archive once: {soc: [(key, packed size, manifest bytes)]} in its order.
+
+    BadArchive for anything ``members`` refuses, and for a value that does not
+    unpack (damaged, or another key's): nothing of such a file is used.
+    """
+    found: dict[str, list[tuple[str, int, bytes]]] = {}
+    for soc, key, value in members(path, kind):
+        _, manifest = unpacked(soc, key, value)
+        found.setdefault(soc, []).append((key, len(value), manifest))
+    return found
+
+
+def unpacked(soc: str, key: str, value: bytes) -> tuple[Entry, bytes]:
+    """``unpack``'s (entry, manifest), or BadArchive naming the member."""
+    try:
+        return unpack(key, value)
+    except RemoteCorrupt as e:
+        raise BadArchive(f"{soc}/{key}: {e}: refusing the archive") from None
+
+
+# -- opcache's own cache ------------------------------------------------------------------
+
+
+def export_cache(
+    settings: Settings,
+    path: Path,
+    soc: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, object]:
+    """Every sound entry of opcache's cache (of one chip) into an archive at ``path``.
+
+    An entry that fails its checks is left out and reported.  Returns
+    {"file", "entries", "bytes", "skipped": [{"entry", "why"}]}.
+    """
+    from .storage.local import LocalStore
+
+    store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
+    chips = [soc] if soc is not None else store.chips()
+    skipped: list[dict[str, str]] = []
+    with ArchiveWriter(path, OPCACHE) as out:
+        for done, chip in enumerate(chips, 1):
+            infos = sorted(store.scan(chip), key=lambda i: -i.stamp)
+            for info in infos:
+                try:
+                    got = store.get_with_manifest(chip, info.key)
+                except (OSError, CorruptEntry) as e:
+                    skipped.append({"entry": f"{chip}/{info.key}", "why": str(e)})
+                    continue
+                if got is not None:
+                    entry, manifest = got
+                    out.add(chip, info.key, pack(info.key, manifest, entry.files), info.stamp)
+            if progress is not None:
+                progress(done * 100 // len(chips))
+    return {"file": str(path), "entries": out.count, "bytes": out.bytes, "skipped": skipped}
+
+
+def import_cache(
+    settings: Settings,
+    path: Path,
+    soc: str | None = None,
+    *,
+    dry_run: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, object]:
+    """The entries of an archive ``export_cache`` wrote, stored in opcache's cache.
+
+    The archive is checked whole first (BadArchive: nothing stored).  An entry
+    the cache holds already is kept as it is.  Returns {"file", "imported",
+    "bytes", "present", "errors"}.
+    """
+    from .storage.local import LocalStore
+
+    found = check(path, OPCACHE)
+    total = sum(len(v) for s, v in found.items() if soc is None or s == soc)
+    report: dict[str, object] = {"file": str(path), "imported": 0, "bytes": 0, "present": 0}
+    errors: list[str] = []
+    report["errors"] = errors
+    if dry_run:
+        report["would_import"] = total
+        return report
+    store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
+    done = 0
+    for chip, key, value in members(path, OPCACHE):
+        if soc is not None and chip != soc:
+            continue
+        entry, manifest = unpacked(chip, key, value)
+        try:
+            stored = store.put(chip, key, manifest, entry.files, now=time.time())
+        except (OSError, ValueError) as e:
+            errors.append(f"{chip}/{key}: {e}")
+        else:
+            if stored is None:
+                report["present"] += 1  # type: ignore[operator]
+            else:
+                report["imported"] += 1  # type: ignore[operator]
+                report["bytes"] += stored  # type: ignore[operator]
+        done += 1
+        if progress is not None:
+            progress(done * 100 // max(total, 1))
+    return report

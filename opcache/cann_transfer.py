@@ -1,0 +1,930 @@
+"""CANN's own kernel cache across machines: push, pull, export, import.
+
+CANN's graph engine keeps its compiles in ``<base>/kernel_cache/<soc>/``
+(``cann_cache.py`` says how), one folder per machine.  This module moves
+those entries, whole, between such folders: through a remote tier
+(``push`` / ``pull``, any ``storage.Remote``) or through one archive file
+(``export_archive`` / ``import_archive``, ``archive.py``'s container).
+
+**What may be shared.**  CANN reuses an entry only under the same chip,
+toolkit and operator package (its ``op_cache.ini`` check: ``adk_version``,
+``ops_version``) and driver.  Every entry is filed under a namespace of
+exactly those: the chip, the two versions from the folder's
+``op_cache.ini`` and the digest of the driver's ``version.info``
+(``compilers.cann.driver_version``; ``none`` without a driver).  An entry
+of another namespace is never written into a folder; when the remote or the
+archive holds the chip only under other versions, the pull is refused
+(``Refused``) and says which.
+
+**Reading** (push, export): an entry is its json and the files it names
+(binary, header, a mix-core entry's sub-jsons and their binaries), taken
+only if CANN's hit check passes (``cann_cache``'s: the json parses, the
+binaries are there, sha256 equal, ``kernelName`` for ``.o``) and every file
+is named after its kernel.  Files are read without moving their access time.
+
+**Writing** (pull, import), as CANN's ``CopyFileToCacheDir`` writes:
+``<kernel>.lock`` taken (``F_SETLK``, non-blocking: an entry whose lock a
+CANN writer holds is skipped, and a CANN writer that comes meanwhile skips
+its store, as it does for any held lock); never over an existing file of
+the entry; each file into ``<name>_<pid>_<usec>_<rand>.temp`` (0640 whatever
+the umask) renamed into place, binaries first and the json last; the json
+is renamed only after the files on disk passed CANN's hit check, so no
+unchecked entry is ever visible.  The source's access time is kept, so
+CANN's aging still removes the least recently used first.  Entries go most
+recently used first, and the transfer stops before the chip folder's used
+size (counted as CANN counts it) would reach its limit.  A missing
+``op_cache.ini`` is created as CANN creates it (the two versions, 0640):
+without it CANN's first compile would wipe the folder.
+
+**The remote's keys.**  Per chip, ``cann:<soc>`` / ``#index``: the
+namespaces pushed and, per namespace, each kernel's last access and size
+(written back merged by every push: a push lost to a concurrent one is
+mended by the next).  Entries are ``cann:<soc>:<namespace id>`` /
+``<kernel>``, each an opcache entry (manifest and files, checked whole on
+every read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+from . import _json, fsutil, trust
+from ._log import get_logger
+from ._record import Record
+from .archive import CANN, ArchiveWriter, BadArchive, check, members, unpacked
+from .cann_cache import (
+    _LOCK_MODE,
+    Limits,
+    _atime,
+    _Entry,
+    _hash_problem,
+    _is_entry_json,
+    _open_dir,
+    _open_quietly,
+    _scan,
+    _try_lock,
+    cann_root,
+    read_limits,
+)
+from .compilers.cann import HOME_VARIABLES, driver_version
+from .errors import ConfigError
+from .key import canonical_json, digest
+from .request import is_plain_name
+from .settings import INI_NAME, Settings, resolve_settings
+from .storage import Remote, RemoteCorrupt, open_remote
+from .storage.entry import make_manifest
+from .storage.redis import pack
+
+log = get_logger(__name__)
+
+FORMAT = 1
+INDEX = "#index"
+INDEX_FILE = "index.json"
+SECTION = "op_compiler_cache"
+_BATCH = 32  # entries per round trip: a batch of big kernels stays a bounded answer
+_MAX_INI_BYTES = 1 << 20
+
+
+class Refused(Exception):
+    """This folder cannot take (or give) these entries; the message says why.  Nothing
+    was written."""
+
+
+class Namespace(Record):
+    """What makes CANN's entries interchangeable: chip, toolkit, operator package, driver."""
+
+    __slots__ = _fields = ("soc", "adk_version", "ops_version", "driver")
+    soc: str
+    adk_version: str
+    ops_version: str
+    driver: str
+
+    def __init__(self, soc: str, adk_version: str, ops_version: str, driver: str) -> None:
+        self._init(locals())
+
+    @property
+    def ident(self) -> str:
+        return digest(canonical_json(self.versions()))[:16]
+
+    @property
+    def remote_chip(self) -> str:
+        return f"cann:{self.soc}:{self.ident}"
+
+    def versions(self) -> dict[str, str]:
+        return {"adk_version": self.adk_version, "ops_version": self.ops_version,
+                "driver": self.driver}  # fmt: skip
+
+    def describe(self) -> str:
+        return (
+            f"adk_version {self.adk_version}, ops_version {self.ops_version}, "
+            f"driver {self.driver[:12]}"
+        )
+
+
+# -- versions ---------------------------------------------------------------------------
+
+
+def ini_versions(path: Path, shared_group: int | None = None) -> tuple[str, str] | None:
+    """(adk_version, ops_version) of ``op_cache.ini`` read as CANN reads it; None when
+    there is no file.
+
+    Refused when CANN would not use the file (``GetCacheInitFileCfg``: another
+    section with keys before ``[op_compiler_cache]`` in name order, or either
+    version empty or missing), when it is not a regular file, or when the
+    trust rule refuses it.
+    """
+    try:
+        fd, st = fsutil.open_regular(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
+        raise Refused(f"{path} cannot be read ({why})") from None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(_MAX_INI_BYTES + 1)
+    untrusted = trust.problem(st, fsutil.modes_for(shared_group))
+    if untrusted:
+        raise Refused(f"{path} is {untrusted}")
+    sections: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for line in raw.decode("latin-1").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1].strip(), {})
+            continue
+        key, eq, value = line.partition("=")
+        if eq and key.strip() and value.strip() and current is not None:
+            current.setdefault(key.strip(), value.strip())
+    for name in sorted(n for n, keys in sections.items() if keys):
+        if name != SECTION:
+            raise Refused(f"{path} is not CANN's: it has a section [{name}]; CANN ignores it")
+        break
+    cfg = sections.get(SECTION, {})
+    if not cfg.get("adk_version") or not cfg.get("ops_version"):
+        raise Refused(
+            f"{path} names no adk_version and ops_version: CANN neither checks nor repairs it"
+        )
+    return cfg["adk_version"], cfg["ops_version"]
+
+
+def toolkit_versions(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(adk_version, ops_version) of the installed toolkit, as CANN finds them
+    (``InitAdkAndOppVersion``): the ``Version=`` line of the compiler's
+    ``version.info`` and of ``$ASCEND_OPP_PATH/version.info``; None unless both
+    are found."""
+    homes = [Path(environ[n]) for n in HOME_VARIABLES[:2] if environ.get(n)]
+    adk = next((v for h in homes for p in ("compiler", ".") if (v := _version_line(h / p))), None)
+    opp = environ.get("ASCEND_OPP_PATH")
+    ops = _version_line(Path(opp)) if opp else None
+    return (adk, ops) if adk and ops else None
+
+
+def _version_line(folder: Path) -> str | None:
+    try:
+        fd, _ = fsutil.open_regular(folder / "version.info")
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(1 << 16).decode("latin-1")
+    for line in text.splitlines():
+        if line.startswith("Version="):
+            return line[len("Version=") :].strip() or None
+    return None
+
+
+def local_namespace(
+    root: Path, soc: str, environ: Mapping[str, str], shared_group: int | None, *, taking: bool
+) -> tuple[Namespace, bool]:
+    """(the namespace of ``root``'s chip folder ``soc``, whether op_cache.ini is missing).
+
+    ``taking`` (pull, import): a missing ini is fine when the toolkit's
+    versions are known (the caller creates it); giving (push, export) needs the
+    ini.  Refused when the ini is invalid, or says other versions than the
+    installed toolkit (CANN would wipe the folder at its next compile).
+    """
+    driver = driver_version(environ) or "none"
+    path = root / INI_NAME
+    in_ini = ini_versions(path, shared_group)
+    installed = toolkit_versions(environ)
+    if in_ini is None:
+        if not taking:
+            raise Refused(f"no {path}: CANN's next compile there wipes the folder")
+        if installed is None:
+            raise Refused(
+                f"no {path}, and no toolkit found to tell the versions it takes (set "
+                "ASCEND_HOME_PATH and ASCEND_OPP_PATH, or run one compile first)"
+            )
+        return Namespace(soc, *installed, driver), True
+    if installed is not None and installed != in_ini:
+        raise Refused(
+            f"{path} says adk_version {in_ini[0]}, ops_version {in_ini[1]}, the installed toolkit "
+            f"{installed[0]}, {installed[1]}: CANN wipes this folder at its next compile"
+        )
+    return Namespace(soc, *in_ini, driver), False
+
+
+def create_ini(path: Path, ns: Namespace) -> None:
+    """op_cache.ini as CANN's ``CreatOpCacheIniFile`` writes it: exactly the section and
+    the two versions, mode 0640 narrowed by the umask; never over an existing file."""
+    text = f"[{SECTION}]\nadk_version={ns.adk_version}\nops_version={ns.ops_version}\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+    except FileExistsError:
+        return  # another process made it: its versions are checked by the caller's next run
+    with os.fdopen(fd, "w", encoding="latin-1") as f:
+        f.write(text)
+
+
+# -- a chip folder, read --------------------------------------------------------------------
+
+
+class Bundle(Record):
+    """One entry whole: its kernel, last access (seconds), files by name."""
+
+    __slots__ = _fields = ("kernel", "atime", "files")
+    kernel: str
+    atime: int
+    files: dict[str, bytes]
+
+    def __init__(self, kernel: str, atime: int, files: dict[str, bytes]) -> None:
+        self._init(locals())
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.files.values()))
+
+
+def _own_name(kernel: str, name: str) -> bool:
+    """A file an entry may bring: named after its kernel, not a lock or a temp file."""
+    return is_plain_name(name) and name.startswith(kernel) and not name.endswith((".lock", ".temp"))
+
+
+class _Reader:
+    """The sound entries of a chip folder open as ``fd``, most recently used first."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        scan = _scan(fd)
+        self.files = scan.files
+        self.entries: dict[str, tuple[int, _Entry]] = {}
+        self.skipped: list[dict[str, str]] = []
+        for name in sorted(self.files, key=lambda n: -_atime(self.files[n])):
+            if not _is_entry_json(name):
+                continue
+            entry = _Entry(fd, name, self.files)
+            problem = entry.problem
+            if problem is None and not all(_own_name(entry.kernel, f) for f in entry.owned):
+                problem = "it names files not named after its kernel"
+            if problem is None and not is_plain_name(entry.kernel):
+                problem = "not a kernel name"
+            if problem is not None:
+                self.skipped.append({"entry": entry.kernel, "why": problem})
+                continue
+            self.entries[entry.kernel] = (_atime(self.files[name]), entry)
+
+    def size(self, kernel: str) -> int:
+        return sum(self.files[f].st_size for f in self.entries[kernel][1].owned)
+
+    def read(self, kernel: str) -> Bundle | str:
+        """The entry's bundle, or why it cannot be sent (CANN's hit check failed)."""
+        atime, entry = self.entries[kernel]
+        try:
+            problem = _hash_problem(self.fd, entry)
+            files = {}
+            for name in sorted(entry.owned):
+                with os.fdopen(_open_quietly(self.fd, name), "rb") as f:
+                    files[name] = f.read()
+        except OSError as e:
+            return f"cannot read it: {e.strerror or e}"
+        return problem or Bundle(kernel, atime, files)
+
+
+# -- a chip folder, written --------------------------------------------------------------
+
+
+class _Full(Exception):
+    """The next entry would take the chip folder to its size limit."""
+
+
+class _Writer:
+    """Stores bundles into a chip folder open as ``fd`` as CANN stores (module docstring)."""
+
+    def __init__(self, fd: int, limits: Limits, report: dict) -> None:
+        self.fd = fd
+        scan = _scan(fd)
+        self.present = set(scan.files)
+        self.used = scan.used
+        self.limit = limits.max_bytes
+        self.report = report
+
+    def has(self, kernel: str) -> bool:
+        return f"{kernel}.json" in self.present
+
+    def fits(self, size: int) -> bool:
+        return self.limit is None or self.used + size < self.limit
+
+    def write(self, bundle: Bundle) -> None:
+        """Store one bundle; the report says what became of it.  _Full when it does not fit."""
+        kernel, files = bundle.kernel, bundle.files
+        main = f"{kernel}.json"
+        if not is_plain_name(kernel) or main not in files:
+            return self._bad(kernel, "no json named after its kernel")
+        if not all(_own_name(kernel, name) for name in files):
+            return self._bad(kernel, "it brings files not named after its kernel")
+        if any(fsutil.lexists(name, self.fd) for name in files):
+            self.report["present"] += 1
+            return None
+        if not self.fits(bundle.size):
+            raise _Full
+        with self._locked(kernel) as free:
+            if not free:
+                self.report["locked"].append(kernel)
+                return None
+            if any(fsutil.lexists(name, self.fd) for name in files):  # (CANN re-checks too)
+                self.report["present"] += 1
+                return None
+            why = self._store(bundle, main)
+        if why is not None:
+            return self._bad(kernel, why)
+        self.used += bundle.size
+        self.present |= set(files)
+        self.report["written"] += 1
+        self.report["bytes"] += bundle.size
+        return None
+
+    def _bad(self, kernel: str, why: str) -> None:
+        self.report["rejected"].append({"entry": kernel, "why": why})
+        log.warning("%s not written: %s", kernel, why)
+
+    @contextlib.contextmanager
+    def _locked(self, kernel: str) -> Iterator[bool]:
+        """CANN's ``LockAndOpenCacheFile``: ``<kernel>.lock`` opened a+, chmod 0640,
+        a non-blocking whole-file write lock; False when another process holds it
+        (or something that is not a regular file stands there)."""
+        try:
+            lock_fd, _ = fsutil.open_regular(
+                f"{kernel}.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, _LOCK_MODE, dir_fd=self.fd
+            )
+        except OSError:
+            yield False
+            return
+        try:
+            with contextlib.suppress(OSError):  # another user's lock file: CANN goes on too
+                os.fchmod(lock_fd, _LOCK_MODE)
+            yield _try_lock(lock_fd, fcntl.LOCK_EX)
+        finally:
+            os.close(lock_fd)
+
+    def _store(self, bundle: Bundle, main: str) -> str | None:
+        """Write the files (json last), check them on disk, then show the json;
+        None, or why not (then nothing of it is left)."""
+        order = sorted(bundle.files, key=lambda n: (n == main, n.endswith(".json"), n))
+        done: list[str] = []
+        try:
+            for name in order[:-1]:
+                tmp = self._temp(name, bundle)
+                os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                done.append(name)
+            tmp = self._temp(main, bundle)
+            done.append(tmp)
+            why = self._check(bundle, main, tmp)
+            if why is None:
+                os.rename(tmp, main, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                return None
+        except OSError as e:
+            why = f"cannot write it: {e.strerror or e}"
+        for name in done:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self.fd)
+        return why
+
+    def _temp(self, name: str, bundle: Bundle) -> str:
+        """``name``'s bytes in CANN's ``<name>_<pid>_<usec>_<rand>.temp`` (0640 exactly),
+        with the source's access time."""
+        tmp = f"{name}_{os.getpid()}_{time.time_ns() // 1000}_{random.randint(0, 2**31 - 1)}.temp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, _LOCK_MODE, dir_fd=self.fd)
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                f.write(bundle.files[name])
+            os.fchmod(fd, _LOCK_MODE)
+            os.utime(fd, ns=(bundle.atime * 1_000_000_000, time.time_ns()))
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _check(self, bundle: Bundle, main: str, tmp: str) -> str | None:
+        """CANN's hit check on the files as written, the json still under its temp name."""
+        names = [n for n in bundle.files if n != main] + [tmp]
+        files = {n: os.stat(n, dir_fd=self.fd, follow_symlinks=False) for n in names}
+        entry = _Entry(self.fd, tmp, files)
+        why = entry.problem or _hash_problem(self.fd, entry)
+        if why is None and entry.owned != set(names):
+            why = "its files are not the ones its json names"
+        return why.replace(tmp, main) if why else None
+
+
+# -- the local side --------------------------------------------------------------------
+
+
+class _Chip:
+    """A chip folder of a CANN root, opened (and made, when taking) under the trust rule."""
+
+    def __init__(self, root: Path, soc: str, modes: fsutil.Modes, *, create: bool) -> None:
+        if create:
+            fsutil.makedirs(root, modes)
+        try:
+            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise Refused(f"no CANN kernel cache at {root}: no such folder") from None
+        try:
+            trust.check(os.fstat(root_fd), modes, root)
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(soc, modes.dir_bits, dir_fd=root_fd)
+            try:
+                self.fd = _open_dir(root_fd, soc, modes, f"{root}/{soc}")
+            except FileNotFoundError:
+                raise Refused(f"no CANN kernel cache for {soc} in {root}") from None
+        finally:
+            os.close(root_fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _chips(root: Path, soc: str | None) -> list[str]:
+    if soc is not None:
+        return [soc]
+    try:
+        with os.scandir(root) as listing:
+            names = sorted(
+                e.name
+                for e in listing
+                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            )
+    except OSError:
+        names = []
+    if not names:
+        raise ConfigError(f"no chip folder in {root}: say which chip with --soc_version")
+    return names
+
+
+def _new_report(ns: Namespace) -> dict:
+    return {
+        "namespace": {"soc": ns.soc, "id": ns.ident, **ns.versions()},
+        "written": 0, "bytes": 0, "present": 0, "locked": [], "rejected": [], "corrupt": [],
+        "gone": 0, "stopped_at_limit": False, "ini_created": False,
+    }  # fmt: skip
+
+
+def _taking(
+    root: Path, soc: str, settings: Settings, ns: Namespace, ini_missing: bool, dry_run: bool
+) -> tuple[dict, _Chip | None]:
+    """The report of a chip folder that takes entries, and the folder opened, made if
+    missing, with op_cache.ini created if missing (None on a dry run: nothing is made)."""
+    report = _new_report(ns)
+    if dry_run:
+        return report, None
+    chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=True)
+    if ini_missing:
+        create_ini(root / INI_NAME, ns)
+        report["ini_created"] = True
+    return report, chip
+
+
+# -- the remote ------------------------------------------------------------------------------
+
+
+def _index_chip(soc: str) -> str:
+    return f"cann:{soc}"
+
+
+def _read_index(remote: Remote, soc: str) -> dict:
+    """The chip's index on the remote ({} when there is none or it is damaged)."""
+    got = remote.get_many(_index_chip(soc), [INDEX]).get(INDEX)
+    if got is None:
+        return {}
+    if isinstance(got, RemoteCorrupt):
+        log.warning("the remote's index of %s is damaged (%s): starting a new one", soc, got)
+        return {}
+    try:
+        index = _json.loads(got[0].files.get(INDEX_FILE, b""))
+    except ValueError:
+        index = None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        log.warning("the remote's index of %s is not one this opcache reads: starting anew", soc)
+        return {}
+    return index
+
+
+def _index_entries(index: dict, ns: Namespace) -> dict[str, tuple[int, int]]:
+    """{kernel: (last access, size)} of ``ns`` in an index, bad rows dropped."""
+    space = index.get("namespaces", {}).get(ns.ident)
+    rows = space.get("entries") if isinstance(space, dict) else None
+    out = {}
+    for kernel, row in (rows if isinstance(rows, dict) else {}).items():
+        if (
+            is_plain_name(kernel)
+            and isinstance(row, list)
+            and len(row) == 2
+            and all(isinstance(v, int) for v in row)
+        ):
+            out[kernel] = (row[0], row[1])
+    return out
+
+
+def _have(remote: Remote, chip: str, keys: list[str]) -> set[str]:
+    """The keys the remote holds, in batches (``have_many`` where the remote has it:
+    without, each value is fetched)."""
+    have_many = getattr(remote, "have_many", None)
+    found: set[str] = set()
+    for at in range(0, len(keys), _BATCH):
+        batch = keys[at : at + _BATCH]
+        found |= set(have_many(chip, batch) if have_many else remote.get_many(chip, batch))
+    return found
+
+
+def _manifest(ns: Namespace, bundle: Bundle) -> bytes:
+    inputs = {"cann": ns.versions(), "soc": ns.soc, "atime": bundle.atime}
+    return make_manifest(bundle.kernel, bundle.files, 0.0, inputs, time.time())
+
+
+def _connect(settings: Settings) -> Remote:
+    if settings.remote is None:
+        raise ConfigError(
+            settings.remote_error
+            or "no remote is set: OPCACHE_REMOTE=redis://host:6379/0, or --remote URL"
+        )
+    return open_remote(settings.remote)
+
+
+def _settings(
+    settings: Settings | None, op_compiler_cache_dir: str | None, remote: str | None
+) -> Settings:
+    if settings is not None:
+        return settings
+    return resolve_settings(op_compiler_cache_dir=op_compiler_cache_dir, remote=remote)
+
+
+def push(
+    soc_version: str | None = None,
+    *,
+    op_compiler_cache_dir: str | None = None,
+    remote: str | None = None,
+    settings: Settings | None = None,
+    environ: Mapping[str, str] | None = None,
+    dry_run: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, object]:
+    """Upload the entries of CANN's chip folders (or ``soc_version``'s) the remote lacks.
+
+    The folder is found as CANN finds it (``op_compiler_cache_dir`` >
+    ``ASCEND_CACHE_PATH`` > ``$HOME/atc_data``), the remote from ``remote``
+    (else ``OPCACHE_REMOTE``).  Returns {"remote", "root", "chips": {soc:
+    report}}; a chip that cannot give is reported with ``refused``.  Raises
+    RemoteError when the remote fails, ConfigError when none is set.
+    """
+    settings = _settings(settings, op_compiler_cache_dir, remote)
+    env = os.environ if environ is None else environ
+    root = cann_root(settings)
+    chips: dict[str, object] = {}
+    client = _connect(settings)
+    try:
+        for soc in _chips(root, soc_version):
+            try:
+                chips[soc] = _push_chip(client, root, soc, settings, env, dry_run, progress)
+            except Refused as e:
+                chips[soc] = {"refused": str(e)}
+    finally:
+        client.close()
+    return {"remote": client.where, "root": str(root), "dry_run": dry_run, "chips": chips}
+
+
+def _push_chip(
+    client: Remote,
+    root: Path,
+    soc: str,
+    settings: Settings,
+    environ: Mapping[str, str],
+    dry_run: bool,
+    progress: Callable[[int], None] | None,
+) -> dict:
+    ns, _ = local_namespace(root, soc, environ, settings.shared_group, taking=False)
+    chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
+    try:
+        reader = _Reader(chip.fd)
+        kernels = list(reader.entries)
+        there = _have(client, ns.remote_chip, kernels)
+        missing = [k for k in kernels if k not in there]
+        report = {
+            "namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
+            "entries": len(kernels), "present": len(there), "sent": 0, "bytes": 0,
+            "not_sent": [], "skipped": reader.skipped,
+        }  # fmt: skip
+        if dry_run:
+            report["would_send"] = len(missing)
+            return report
+        stored = set(there)
+        for done, kernel in enumerate(missing, 1):
+            bundle = reader.read(kernel)
+            if isinstance(bundle, str):
+                report["skipped"].append({"entry": kernel, "why": bundle})
+                continue
+            sent = client.put(ns.remote_chip, kernel, _manifest(ns, bundle), bundle.files)
+            if sent:
+                report["sent"] += 1
+                report["bytes"] += sent
+                stored.add(kernel)
+            else:
+                why = "the remote is read-only" if client.read_only else "over its size cap"
+                report["not_sent"].append({"entry": kernel, "why": why})
+            if progress is not None:
+                progress(done * 100 // len(missing))
+        if stored or not there:
+            _write_index(client, ns, {k: (reader.entries[k][0], reader.size(k)) for k in stored})
+    finally:
+        chip.close()
+    return report
+
+
+def _write_index(client: Remote, ns: Namespace, rows: dict[str, tuple[int, int]]) -> None:
+    """Merge ``rows`` into the chip's index on the remote (latest access wins)."""
+    if client.read_only:
+        return
+    index = _read_index(client, ns.soc)
+    spaces = index.get("namespaces") if isinstance(index.get("namespaces"), dict) else {}
+    entries = _index_entries(index, ns)
+    for kernel, (atime, size) in rows.items():
+        old = entries.get(kernel, (0, 0))
+        entries[kernel] = (max(atime, old[0]), size)
+    spaces[ns.ident] = {
+        **ns.versions(),
+        "entries": {k: list(v) for k, v in entries.items()},
+    }
+    data = canonical_json({"format": FORMAT, "soc": ns.soc, "namespaces": spaces})
+    manifest = make_manifest(INDEX, {INDEX_FILE: data}, 0.0, {"soc": ns.soc}, time.time())
+    client.put(_index_chip(ns.soc), INDEX, manifest, {INDEX_FILE: data})
+
+
+def pull(
+    soc_version: str | None = None,
+    *,
+    op_compiler_cache_dir: str | None = None,
+    remote: str | None = None,
+    settings: Settings | None = None,
+    environ: Mapping[str, str] | None = None,
+    dry_run: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, object]:
+    """Download into CANN's chip folder (``soc_version``, else each one there) the
+    entries of its namespace the remote has and it lacks, as CANN writes them.
+
+    For a job launcher: call it before the job starts (``push`` at its end, or
+    from cron).  Returns {"remote", "root", "chips": {soc: report}}; a chip
+    refused (versions differ, invalid ini) has ``refused`` and nothing written.
+    Raises RemoteError when the remote fails, ConfigError when none is set.
+    """
+    settings = _settings(settings, op_compiler_cache_dir, remote)
+    env = os.environ if environ is None else environ
+    root = cann_root(settings)
+    chips: dict[str, object] = {}
+    client = _connect(settings)
+    try:
+        for soc in _chips(root, soc_version):
+            try:
+                chips[soc] = _pull_chip(client, root, soc, settings, env, dry_run, progress)
+            except Refused as e:
+                chips[soc] = {"refused": str(e)}
+    finally:
+        client.close()
+    return {"remote": client.where, "root": str(root), "dry_run": dry_run, "chips": chips}
+
+
+def _pull_chip(
+    client: Remote,
+    root: Path,
+    soc: str,
+    settings: Settings,
+    environ: Mapping[str, str],
+    dry_run: bool,
+    progress: Callable[[int], None] | None,
+) -> dict:
+    ns, ini_missing = local_namespace(root, soc, environ, settings.shared_group, taking=True)
+    index = _read_index(client, soc)
+    spaces = index.get("namespaces") if isinstance(index.get("namespaces"), dict) else {}
+    if ns.ident not in spaces:
+        others = [
+            f"{s.get('adk_version')}, {s.get('ops_version')}, driver {str(s.get('driver'))[:12]}"
+            for s in spaces.values()
+            if isinstance(s, dict)
+        ]
+        if others:
+            raise Refused(
+                f"the remote holds {soc} entries only for other versions ({'; '.join(others)}), "
+                f"not for this folder's {ns.describe()}: nothing pulled"
+            )
+    rows = _index_entries(index, ns)
+    report, chip = _taking(root, soc, settings, ns, ini_missing, dry_run)
+    if chip is None:
+        present = _present_names(root / soc)
+        report["would_pull"] = sum(1 for k in rows if f"{k}.json" not in present)
+        return report
+    try:
+        writer = _Writer(chip.fd, read_limits(root, environ, settings.shared_group), report)
+        wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
+        for at in range(0, len(wanted), _BATCH):
+            batch = wanted[at : at + _BATCH]
+            if not writer.fits(rows[batch[0]][1]):
+                report["stopped_at_limit"] = True
+                break
+            got = client.get_many(ns.remote_chip, batch)
+            if not _write_batch(writer, batch, got, report):
+                break
+            if progress is not None:
+                progress(min(at + _BATCH, len(wanted)) * 100 // len(wanted))
+    finally:
+        chip.close()
+    return report
+
+
+def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> bool:
+    """Write a fetched batch in order; False once the folder is full."""
+    for kernel in batch:
+        value = got.get(kernel)
+        if value is None:
+            report["gone"] += 1  # evicted since it was indexed
+            continue
+        if isinstance(value, RemoteCorrupt):
+            report["corrupt"].append({"entry": kernel, "why": str(value)})
+            log.warning("%s not written: the remote's value is damaged (%s)", kernel, value)
+            continue
+        entry, manifest = value[0], value[1]
+        try:
+            writer.write(Bundle(kernel, _atime_of(manifest), entry.files))
+        except _Full:
+            report["stopped_at_limit"] = True
+            return False
+    return True
+
+
+def _atime_of(manifest: bytes) -> int:
+    """The source's last access recorded in an entry's manifest (now when absent)."""
+    try:
+        inputs = _json.loads(manifest.partition(b"\n")[2]).get("inputs", {})  # type: ignore[union-attr]
+        atime = inputs.get("atime")
+    except (ValueError, AttributeError):
+        atime = None
+    return atime if isinstance(atime, int) and atime >= 0 else int(time.time())
+
+
+def _present_names(folder: Path) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except OSError:
+        return set()
+
+
+# -- an archive file ---------------------------------------------------------------------------
+
+
+def export_archive(
+    path: Path,
+    soc_version: str | None = None,
+    *,
+    op_compiler_cache_dir: str | None = None,
+    settings: Settings | None = None,
+    environ: Mapping[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, object]:
+    """Every sound entry of CANN's chip folders (or ``soc_version``'s) into one archive."""
+    settings = _settings(settings, op_compiler_cache_dir, None)
+    env = os.environ if environ is None else environ
+    root = cann_root(settings)
+    chips: dict[str, object] = {}
+    socs = _chips(root, soc_version)
+    with ArchiveWriter(Path(path), CANN) as out:
+        for soc in socs:
+            try:
+                ns, _ = local_namespace(root, soc, env, settings.shared_group, taking=False)
+                chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
+            except Refused as e:
+                chips[soc] = {"refused": str(e)}
+                continue
+            try:
+                reader = _Reader(chip.fd)
+                report = {"namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
+                          "entries": 0, "bytes": 0, "skipped": reader.skipped}  # fmt: skip
+                for done, kernel in enumerate(reader.entries, 1):
+                    bundle = reader.read(kernel)
+                    if isinstance(bundle, str):
+                        report["skipped"].append({"entry": kernel, "why": bundle})
+                        continue
+                    value = pack(kernel, _manifest(ns, bundle), bundle.files)
+                    out.add(soc, kernel, value, bundle.atime)
+                    report["entries"] += 1
+                    report["bytes"] += bundle.size
+                    if progress is not None:
+                        progress(done * 100 // len(reader.entries))
+            finally:
+                chip.close()
+            chips[soc] = report
+    return {"file": str(path), "root": str(root), "chips": chips}
+
+
+def import_archive(
+    path: Path,
+    soc_version: str | None = None,
+    *,
+    op_compiler_cache_dir: str | None = None,
+    settings: Settings | None = None,
+    environ: Mapping[str, str] | None = None,
+    dry_run: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, object]:
+    """The entries of an archive ``export_archive`` wrote, into CANN's chip folders, as
+    ``pull`` writes them.  The archive is checked whole first: BadArchive when it is
+    not a whole, valid one (nothing written)."""
+    settings = _settings(settings, op_compiler_cache_dir, None)
+    env = os.environ if environ is None else environ
+    root = cann_root(settings)
+    found = check(Path(path), CANN)
+    chips: dict[str, object] = {}
+    writers: dict[str, _Writer] = {}
+    opened: list[_Chip] = []
+    try:
+        for soc, rows in found.items():
+            if soc_version is not None and soc != soc_version:
+                continue
+            try:
+                ns, ini_missing = local_namespace(
+                    root, soc, env, settings.shared_group, taking=True
+                )
+                if {_versions_of(manifest) for _, _, manifest in rows} != {
+                    canonical_json(ns.versions())
+                }:
+                    raise Refused(
+                        f"the archive's {soc} entries are of other versions than this folder's "
+                        f"{ns.describe()}: nothing imported"
+                    )
+                report, chip = _taking(root, soc, settings, ns, ini_missing, dry_run)
+            except Refused as e:
+                chips[soc] = {"refused": str(e)}
+                continue
+            chips[soc] = report
+            if chip is None:
+                report["would_import"] = len(rows)
+                continue
+            opened.append(chip)
+            limits = read_limits(root, env, settings.shared_group)
+            writers[soc] = _Writer(chip.fd, limits, report)
+        total = sum(len(found[s]) for s in writers)
+        for done, (soc, kernel, value) in enumerate(members(Path(path), CANN), 1):
+            writer = writers.get(soc)
+            if writer is None or writer.report["stopped_at_limit"]:
+                continue
+            entry, manifest = unpacked(soc, kernel, value)
+            try:
+                writer.write(Bundle(kernel, _atime_of(manifest), entry.files))
+            except _Full:
+                writer.report["stopped_at_limit"] = True
+            if progress is not None:
+                progress(min(done, total) * 100 // max(total, 1))
+    finally:
+        for chip in opened:
+            chip.close()
+    return {"file": str(path), "root": str(root), "dry_run": dry_run, "chips": chips}
+
+
+def _versions_of(manifest: bytes) -> bytes:
+    try:
+        inputs = _json.loads(manifest.partition(b"\n")[2]).get("inputs", {})  # type: ignore[union-attr]
+        return canonical_json(inputs.get("cann"))
+    except (ValueError, AttributeError, TypeError):
+        return b""
+
+
+__all__ = [
+    "BadArchive",
+    "Namespace",
+    "Refused",
+    "export_archive",
+    "import_archive",
+    "ini_versions",
+    "pull",
+    "push",
+    "toolkit_versions",
+]

@@ -1,0 +1,329 @@
+"""opcache cann push / pull: CANN's own kernel_cache shared through a real Redis.
+
+Two CANN-format folders stand for two machines (``helpers_cann`` writes them
+as CANN's graph engine does); A pushes, B pulls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_cann import (
+    SOC,
+    held_by_other_process,
+    kernel_name,
+    set_access,
+    store_entry,
+    store_mix_entry,
+    store_prebuild,
+    write_ini,
+)
+
+from opcache import cann_transfer
+from opcache.cann_cache import CannCache, read_limits
+from opcache.settings import resolve_settings
+
+NOW = time.time()
+
+
+class Machine:
+    """One machine: its CANN cache base folder and the environment of its jobs."""
+
+    def __init__(self, base: Path, driver: Path, redis_url: str) -> None:
+        self.base = base
+        self.root = base / "kernel_cache"
+        self.chip = self.root / SOC
+        self.env = {"ASCEND_DRIVER_PATH": str(driver), "HOME": str(base)}
+        self.url = redis_url
+
+    def settings(self):  # type: ignore[no-untyped-def]
+        return resolve_settings(op_compiler_cache_dir=str(self.base), remote=self.url)
+
+    def push(self, **kw: object) -> dict:
+        report = cann_transfer.push(SOC, settings=self.settings(), environ=self.env, **kw)
+        return report["chips"][SOC]
+
+    def pull(self, **kw: object) -> dict:
+        report = cann_transfer.pull(SOC, settings=self.settings(), environ=self.env, **kw)
+        return report["chips"][SOC]
+
+    def toolkit(self, adk: str = "7.0.RC1", ops: str = "7.0.RC1") -> None:
+        """An installed toolkit whose version.info files say ``adk`` and ``ops``."""
+        home = self.base / "toolkit"
+        for folder, version in ((home / "compiler", adk), (home / "opp", ops)):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "version.info").write_text(f"Version={version}\nversion_dir=x\n")
+        self.env["ASCEND_HOME_PATH"] = str(home)
+        self.env["ASCEND_OPP_PATH"] = str(home / "opp")
+
+
+def _driver(path: Path, version: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "version.info").write_text(f"Version={version}\n")
+    return path
+
+
+@pytest.fixture
+def machines(tmp_path: Path, redis_url: str) -> tuple[Machine, Machine]:
+    driver = _driver(tmp_path / "driver", "24.1.rc2")
+    a = Machine(tmp_path / "a", driver, redis_url)
+    b = Machine(tmp_path / "b", driver, redis_url)
+    write_ini(a.root)
+    return a, b
+
+
+def _fill(a: Machine, count: int, size: int = 1000) -> list[str]:
+    """``count`` plain entries in A, the first used most recently."""
+    kernels = []
+    for i in range(count):
+        kernel = kernel_name("Add", f"k{i}")
+        paths = store_entry(a.chip, kernel, os.urandom(size))
+        set_access(paths, NOW - 3600 - 60 * i)
+        kernels.append(kernel)
+    return kernels
+
+
+def _entry_files(chip: Path) -> dict[str, bytes]:
+    """Every entry file of a chip folder (no locks, temps or prebuild results)."""
+    return {
+        p.name: p.read_bytes()
+        for p in chip.iterdir()
+        if not p.name.endswith((".lock", ".temp", "_pre.json"))
+    }
+
+
+def test_pushed_entries_are_pulled_byte_identical_whole_and_as_cann_writes(machines):
+    a, b = machines
+    kernels = _fill(a, 3)
+    store_entry(a.chip, kernel_name("Mul", "h"), b"\x7fELF-mul", header=b"// header\n")
+    store_mix_entry(a.chip, kernel_name("MatMul", "mix"), b"aic-bin", b"aiv-bin")
+    store_prebuild(a.chip, kernel_name("Add", "pre"))
+    pushed = a.push()
+    assert (pushed["sent"], pushed["present"], pushed["skipped"]) == (5, 0, [])
+
+    b.toolkit()  # B has no op_cache.ini yet: it is created with the toolkit's versions
+    pulled = b.pull()
+
+    assert pulled["written"] == 5 and pulled["rejected"] == pulled["corrupt"] == []
+    assert pulled["ini_created"]
+    assert (b.root / "op_cache.ini").read_text() == (
+        "[op_compiler_cache]\nadk_version=7.0.RC1\nops_version=7.0.RC1\n"
+    )
+    assert _entry_files(b.chip) == _entry_files(a.chip)  # mix sub-jsons and headers too
+    for path in b.chip.iterdir():
+        if not path.name.endswith(".lock"):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o640, path
+    assert not list(b.chip.glob("*.temp"))
+    assert not list(b.chip.glob("*_pre.json"))  # prebuild results are not entries
+    # CANN's hit check on every pulled entry: json parses, binary there, sha256, kernelName.
+    cann = CannCache(b.root, read_limits(b.root, b.env))
+    report = cann.verify(SOC)["chips"][SOC]
+    assert (report["entries"], report["checked"], report["faults"]) == (5, 5, [])
+    # The source's access time is kept: CANN's aging order is the cluster's.
+    for kernel in kernels:
+        assert int((b.chip / f"{kernel}.json").stat().st_atime) == int(
+            (a.chip / f"{kernel}.json").stat().st_atime
+        )
+    # Nothing more to do either way.
+    assert a.push()["sent"] == 0
+    again = b.pull()
+    assert (again["written"], again["present"]) == (0, 0)
+
+
+def test_a_second_push_checks_existence_in_batches_and_sends_only_what_is_new(machines):
+    a, b = machines
+    _fill(a, 40)
+    assert a.push()["sent"] == 40
+    store_entry(a.chip, kernel_name("Sub", "new"), b"new")
+    second = a.push()
+    assert (second["present"], second["sent"]) == (40, 1)
+    b.toolkit()
+    assert b.pull()["written"] == 41
+
+
+def test_another_adk_version_in_b_pulls_nothing_and_says_why(machines):
+    a, b = machines
+    _fill(a, 2)
+    a.push()
+    (b.root).mkdir(parents=True)
+    (b.root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nadk_version=8.0.RC1\nops_version=7.0.RC1\n"
+    )
+    report = b.pull()
+    assert "8.0.RC1" in report["refused"] and "7.0.RC1" in report["refused"]
+    assert not b.chip.exists()
+
+
+def test_another_driver_in_b_pulls_nothing(machines, tmp_path):
+    a, b = machines
+    _fill(a, 2)
+    a.push()
+    b.env["ASCEND_DRIVER_PATH"] = str(_driver(tmp_path / "driver-b", "25.0.rc1"))
+    write_ini(b.root)
+    report = b.pull()
+    assert "only for other versions" in report["refused"]
+    assert not b.chip.exists()
+
+
+def test_a_toolkit_other_than_the_ini_pulls_nothing(machines):
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    write_ini(b.root)
+    b.toolkit(adk="8.0.RC1")
+    assert "CANN wipes this folder" in b.pull()["refused"]
+    assert not b.chip.exists()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[op_compiler_cache]\nmax_op_cache_size=100\nremain_cache_size_ratio=50\n",
+        "[op_compiler_cache]\nadk_version=7.0.RC1\nops_version=\n",
+        "[aaa]\nx=1\n[op_compiler_cache]\nadk_version=7.0.RC1\nops_version=7.0.RC1\n",
+    ],
+)
+def test_an_invalid_ini_in_b_says_why_and_does_nothing(machines, text):
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    b.toolkit()
+    b.root.mkdir(parents=True)
+    (b.root / "op_cache.ini").write_text(text)
+    report = b.pull()
+    assert "op_cache.ini" in report["refused"]
+    assert (b.root / "op_cache.ini").read_text() == text
+    assert not b.chip.exists()
+
+
+def test_an_entry_whose_lock_a_cann_writer_holds_is_skipped_and_left_alone(machines):
+    a, b = machines
+    kernels = _fill(a, 3)
+    a.push()
+    write_ini(b.root)
+    b.chip.mkdir(parents=True)
+    busy = kernels[1]
+    lock = b.chip / f"{busy}.lock"
+    with held_by_other_process(lock):
+        report = b.pull()
+        assert report["locked"] == [busy]
+        assert sorted(p.name for p in b.chip.glob(f"{busy}*")) == [f"{busy}.lock"]
+    # The writer then stores its own entry, as CANN does: nothing of ours is in the way.
+    mine = store_entry(b.chip, busy, b"the writer's own kernel")
+    assert mine[1].read_bytes() == b"the writer's own kernel"
+    assert report["written"] == 2
+
+
+def test_a_corrupt_value_in_redis_is_never_written(machines, redis_server):
+    a, b = machines
+    kernels = _fill(a, 3)
+    a.push()
+    client = redis_server.client()
+    (name,) = [n for n in client.keys("*") if n.decode().endswith(kernels[0])]
+    value = client.get(name)
+    client.set(name, value[:-20] + bytes(20))
+    write_ini(b.root)
+    report = b.pull()
+    assert [c["entry"] for c in report["corrupt"]] == [kernels[0]]
+    assert report["written"] == 2
+    assert not list(b.chip.glob(f"{kernels[0]}*.[jo]*"))
+
+
+def test_an_entry_failing_cann_checks_is_never_written(machines):
+    """A well-formed remote value whose json's sha256 is not its binary's (a bad pusher)."""
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    bad = kernel_name("Bad", "sha")
+    ns = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", _driver_digest(a))
+    files = {
+        f"{bad}.o": b"real bytes",
+        f"{bad}.json": json.dumps(
+            {"binFileName": bad, "binFileSuffix": ".o", "kernelName": "k", "sha256": "00" * 32}
+        ).encode(),
+    }
+    bundle = cann_transfer.Bundle(bad, int(NOW), files)
+    from opcache.storage import open_remote
+
+    remote = open_remote(a.settings().remote)
+    remote.put(ns.remote_chip, bad, cann_transfer._manifest(ns, bundle), files)
+    cann_transfer._write_index(remote, ns, {bad: (int(NOW) + 10, 100)})
+    remote.close()
+    write_ini(b.root)
+    report = b.pull()
+    assert [r["entry"] for r in report["rejected"]] == [bad]
+    assert "sha256" in report["rejected"][0]["why"]
+    assert report["written"] == 1
+    assert sorted(p.name for p in b.chip.glob(f"{bad}*")) == [f"{bad}.lock"]
+
+
+def _driver_digest(machine: Machine) -> str:
+    from opcache.compilers.cann import driver_version
+
+    return driver_version(machine.env) or "none"
+
+
+def test_b_ends_under_its_limit_with_the_most_recently_used_entries(machines):
+    a, b = machines
+    kernels = _fill(a, 20, size=100_000)  # 2 MB; the first used most recently
+    a.push()
+    write_ini(b.root, max_mb=1, ratio=50)
+    report = b.pull()
+    assert report["stopped_at_limit"]
+    used = sum(p.stat().st_size for p in b.chip.iterdir())
+    assert used < 1024 * 1024
+    pulled = {p.name[: -len(".json")] for p in b.chip.glob("*.json")}
+    assert pulled == set(kernels[: len(pulled)]) and len(pulled) >= 9
+
+
+def test_dry_runs_change_nothing(machines):
+    a, b = machines
+    _fill(a, 2)
+    assert a.push(dry_run=True)["would_send"] == 2
+    assert a.push()["sent"] == 2
+    b.toolkit()
+    assert b.pull(dry_run=True)["would_pull"] == 2
+    assert not b.root.exists()
+
+
+def _cli(machine: Machine, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **machine.env, "OPCACHE_REMOTE": machine.url}
+    argv = [sys.executable, "-m", "opcache", "cann", *args]
+    argv += ["--op_compiler_cache_dir", str(machine.base), "--soc_version", SOC]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_pushes_pulls_and_refuses_in_one_line(machines):
+    a, b = machines
+    _fill(a, 2)
+    pushed = _cli(a, "push", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["chips"][SOC]["sent"] == 2
+    write_ini(b.root)
+    pulled = _cli(b, "pull")
+    assert pulled.returncode == 0, pulled.stderr
+    assert "2 entries written" in pulled.stdout
+    (b.root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nadk_version=9.9\nops_version=7.0.RC1\n"
+    )
+    refused = _cli(b, "pull")
+    assert refused.returncode == 3
+    assert refused.stderr.count("\n") == 1 and refused.stderr.startswith("opcache: error:")
+    assert "Traceback" not in refused.stderr
+
+
+def test_without_a_remote_the_command_line_says_so(machines):
+    a, _ = machines
+    env = {k: v for k, v in os.environ.items() if k != "OPCACHE_REMOTE"}
+    argv = [sys.executable, "-m", "opcache", "cann", "push", "--soc_version", SOC]
+    argv += ["--op_compiler_cache_dir", str(a.base)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("opcache: error:") and "OPCACHE_REMOTE" in done.stderr
