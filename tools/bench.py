@@ -24,6 +24,12 @@ machines are noisy).  Scenarios:
    per-hit time and the cost per read-set file; an opc miss traced vs one with
    OPCACHE_TRACE=off and OPCACHE_EXTRA_FILES listing the same inputs
 
+10. CMake warm rebuild: a CMake + Ninja project of 20 C++ kernels with shared
+   headers, built through CMAKE_CXX_COMPILER_LAUNCHER (opcache;wrap;-- and
+   ccache) into a fresh build folder once the cache is warm: ninja's time
+   through opcache against ccache, and each one's hit rate (plain C++: ccache
+   cannot take the Ascend flags of the same kernels)
+
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
                           [--before DIR]
 """
@@ -434,6 +440,124 @@ def bench_wrap(report: Report, tmp: Path, repeat: int) -> None:
             )
         report.add("wrap", name, times, **ratios)
     report.add("wrap", f"restore floor ({size} B object)", floor)
+
+
+# -- 10. a CMake project's warm rebuild ------------------------------------------
+
+CMAKE_KERNEL = """#include "kernel.h"
+extern "C" void kernel_{i}(const float *in, float *out, int n) {{
+    for (int i = 0; i < n && i < TILE; i++) out[i] = activate(in[i]) + {i}.0f;
+}}
+"""
+
+
+def _cmake_project(folder: Path, kernels: int = 20) -> None:
+    (folder / "include").mkdir(parents=True)
+    (folder / "include" / "tiling.h").write_text("#pragma once\n#define TILE 256\n")
+    (folder / "include" / "kernel.h").write_text(
+        '#pragma once\n#include "tiling.h"\n#include <cmath>\n'
+        "static inline float activate(float x) { return std::tanh(x) * 0.5f; }\n"
+    )
+    (folder / "src").mkdir()
+    for i in range(kernels):
+        (folder / "src" / f"k{i:02d}.cpp").write_text(CMAKE_KERNEL.format(i=i))
+    names = " ".join(f"src/k{i:02d}.cpp" for i in range(kernels))
+    (folder / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.20)\nproject(kernels LANGUAGES CXX)\n"
+        f"include_directories(include)\nadd_library(kernels STATIC {names})\n"
+        "target_compile_options(kernels PRIVATE -O2 -std=c++17)\n"
+    )
+
+
+def _ccache_stats(env: dict[str, str]) -> tuple[int, int]:
+    """(hits, misses) from ``ccache --print-stats``."""
+    done = subprocess.run(
+        ["ccache", "--print-stats"], env=env, capture_output=True, text=True, check=True
+    )
+    counters = dict(line.split("\t", 1) for line in done.stdout.splitlines() if "\t" in line)
+    hits = int(counters.get("direct_cache_hit", 0)) + int(counters.get("preprocessed_cache_hit", 0))
+    return hits, int(counters.get("cache_miss", 0))
+
+
+def bench_cmake(report: Report, tmp: Path, repeat: int) -> None:
+    print("10. CMake warm rebuild: 20 C++ kernels, ninja into a fresh build folder, warm cache")
+    for tool in ("cmake", "ninja", "g++"):
+        if shutil.which(tool) is None:
+            print(f"  {tool} is not installed (Debian: cmake ninja-build g++): skipped")
+            return
+    folder = tmp / "cmake"
+    _cmake_project(folder)
+    opcache_exe = shutil.which("opcache", path=os.path.dirname(sys.executable)) or "opcache"
+    env = {
+        **os.environ,
+        "HOME": str(folder),
+        "OPCACHE_DIR": str(folder / "oc"),
+        "CCACHE_DIR": str(folder / "ccache"),
+    }
+    launchers = {"opcache": f"{opcache_exe};wrap;--"}
+    ccache = _ccache()
+    if ccache:
+        launchers["ccache"] = ccache
+    else:
+        print("  ccache is missing and cannot be installed here: reported as missing")
+
+    def build(name: str) -> Callable[[], None]:
+        out = folder / f"build-{name}"
+
+        def run() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            configure = ["cmake", "-G", "Ninja", "-S", str(folder), "-B", str(out)]
+            configure += ["-DCMAKE_CXX_COMPILER=g++"]
+            configure += [f"-DCMAKE_CXX_COMPILER_LAUNCHER={launchers[name]}"]
+            subprocess.run(configure, env=env, check=True, capture_output=True)
+            started = time.perf_counter()
+            subprocess.run(["ninja"], cwd=out, env=env, check=True, capture_output=True)
+            times[name].append(time.perf_counter() - started)
+
+        return run
+
+    times: dict[str, list[float]] = {name: [] for name in launchers}
+    for name in launchers:
+        build(name)()  # cold: fills the cache
+        times[name].clear()
+    before = {"opcache": _opcache_host(env)}
+    if ccache:
+        before["ccache"] = _ccache_stats(env)
+    for _ in range(repeat):
+        for name in launchers:
+            build(name)()
+    after = {"opcache": _opcache_host(env)}
+    if ccache:
+        after["ccache"] = _ccache_stats(env)
+    rates = {}
+    for name in launchers:
+        hits = after[name][0] - before[name][0]
+        misses = after[name][1] - before[name][1]
+        rates[name] = hits / max(hits + misses, 1)
+    ratio = {}
+    if ccache:
+        ratio["vs_ccache"] = statistics.median(times["opcache"]) / statistics.median(
+            times["ccache"]
+        )
+    ratio["hit_rate"] = rates["opcache"]
+    report.add("cmake", "opcache warm rebuild (ninja)", times["opcache"], **ratio)
+    if ccache:
+        report.add(
+            "cmake", "ccache warm rebuild (ninja)", times["ccache"], hit_rate=rates["ccache"]
+        )
+
+
+def _opcache_host(env: dict[str, str]) -> tuple[int, int]:
+    """(hits, misses) of opcache's C compiles (its ``host`` chip)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", "stats", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    chip = json.loads(done.stdout)["chips"].get("host", {})
+    return chip.get("hits", 0), chip.get("misses", 0)
 
 
 # -- 9. wrap hits that check a read set --------------------------------------------------
@@ -853,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         "--before", type=Path, help="a folder holding older code's opcache/ (scenario 9's baseline)"
     )
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 10))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 11))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -875,6 +999,7 @@ def main(argv: list[str] | None = None) -> int:
             7: lambda: bench_shared(report, tmp, 100 if args.quick else 200),
             8: lambda: bench_remote(report, tmp, repeat, 100 if args.quick else 200),
             9: lambda: bench_read_set(report, tmp, repeat, args.before),
+            10: lambda: bench_cmake(report, tmp, 3 if args.quick else 10),
         }
         for number, run in scenarios.items():
             if number in only:
