@@ -59,7 +59,16 @@ REMOTE_OPTIONS = {
     "timeout": ("OPCACHE_REMOTE_TIMEOUT", 2.0),
 }
 # A remote's URL scheme -> the module of opcache.storage that opens it.
-REMOTE_KINDS = {"redis": "redis", "rediss": "redis", "unix": "redis"}
+REMOTE_KINDS = {
+    "redis": "redis",
+    "rediss": "redis",
+    "unix": "redis",
+    "file": "folder",
+    "http": "http",
+    "https": "http",
+}
+# The query option any remote's URL may hold: this tier alone is read-only.
+TIER_READ_ONLY = "read_only"
 _TRUE = ("1", "true", "yes", "on")
 # For a build system that passes opcache no flags (the masquerade, `opcache wrap`):
 ENV_DIR = "OPCACHE_DIR"  # as op_compiler_cache_dir
@@ -361,19 +370,50 @@ class RemoteSettings(Record):
 
     @property
     def shown_url(self) -> str:
-        """The URL with its password masked."""
-        scheme, sep, rest = self.url.partition("://")
-        credentials, at, host = rest.rpartition("@")
-        if not at:
-            return self.url
-        user, colon, _ = credentials.partition(":")
-        return f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
+        """The URL (each tier's, separated by spaces) with its password masked."""
+        return " ".join(map(_masked_url, self.url.split(" ")))
+
+    def tiers(self) -> list[RemoteSettings]:
+        """Each tier's settings, nearest first: its URL without ``?read_only=...``,
+        read-only when that says so or ``read_only`` is set.  ``password`` is the
+        first tier's (the others' are in their URLs)."""
+        from urllib.parse import parse_qsl, urlencode
+
+        tiers = []
+        for at, url in enumerate(self.url.split(" ")):
+            base, mark, query = url.partition("?")
+            pairs = parse_qsl(query, keep_blank_values=True)
+            read_only = self.read_only or any(
+                name == TIER_READ_ONLY and value.lower() in _TRUE for name, value in pairs
+            )
+            rest = urlencode([(n, v) for n, v in pairs if n != TIER_READ_ONLY])
+            tiers.append(
+                RemoteSettings(
+                    f"{base}{mark if rest else ''}{rest}",
+                    self.password if at == 0 else None,
+                    read_only,
+                    self.prefix,
+                    self.ttl,
+                    self.max_entry_mb,
+                    self.timeout,
+                )
+            )
+        return tiers
 
     def as_dict(self) -> dict[str, object]:
         shown = {name: getattr(self, name) for name in self._fields}
         shown["url"] = self.shown_url
         shown["password"] = None if self.password is None else "***"
         return shown
+
+
+def _masked_url(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = credentials.partition(":")
+    return f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
 
 
 def _resolve_remote(
@@ -407,14 +447,19 @@ def _remote_settings(
     else:
         sources["remote"] = "default"
         return None
-    problem = _url_problem(url)
-    if problem:
-        shown = RemoteSettings(url, None, False, "", None, 0, 0).shown_url
-        if "?" in shown:  # a query may hold secrets (?password=...): never shown
-            shown = shown.partition("?")[0] + "?..."
-        raise ConfigError(
-            f"{variable or 'remote'}={_shown(shown)} is not valid: {problem}", variable=variable
-        )
+    # Tiers, nearest first, separated by spaces (or tabs, new lines).
+    tiers = url.split()
+    for tier in tiers or [url]:
+        problem = _url_problem(tier)
+        if problem:
+            shown = _masked_url(tier)
+            if "?" in shown:  # a query may hold secrets (?password=...): never shown
+                shown = shown.partition("?")[0] + "?..."
+            raise ConfigError(
+                f"{variable or 'remote'}={_shown(shown)} is not valid: {problem}",
+                variable=variable,
+            )
+    url = " ".join(tiers)
     options: dict[str, object] = {}
     for name, (option_variable, default) in REMOTE_OPTIONS.items():
         if _is_set(given.get(name)):
@@ -447,7 +492,7 @@ _TLS_OPTIONS = (
 
 
 def _url_problem(url: str) -> str | None:
-    """What is wrong with a remote's URL, or None.
+    """What is wrong with a remote's URL (one tier's), or None.
 
     Everything the client would choke on, or silently read otherwise, is
     refused here: a port that is not 1..65535, a db that is not a number (a
@@ -457,7 +502,7 @@ def _url_problem(url: str) -> str | None:
     scheme, sep, rest = url.partition("://")
     valid = " or ".join(s + "://..." for s in sorted(REMOTE_KINDS))
     if not sep or scheme not in REMOTE_KINDS:
-        return f"use a URL {valid}"
+        return f"use a URL {valid} (tiers separated by spaces)"
     if not all(33 <= ord(c) <= 126 for c in url):
         return "a URL holds no spaces, control or non-ASCII characters (percent-encode them)"
     if "#" in rest:
@@ -468,7 +513,30 @@ def _url_problem(url: str) -> str | None:
     if scheme == "unix":
         if hostport or not path:
             return "use unix:///path/to/redis.sock[?db=N]"
+        return _query_problem(query, _URL_OPTIONS)
+    if scheme == "file":
+        if netloc or not path:
+            return "use file:///path/to/the/shared/folder (an absolute path, no host)"
         return _query_problem(query, ())
+    if scheme.endswith("+cluster"):
+        if slash and path:
+            return f"a cluster has one database: no /{_shown(path)[1:-1]} after its nodes"
+        for node in hostport.split(","):
+            problem = _host_port_problem(node)
+            if problem:
+                return problem
+        return _query_problem(query, _TLS_OPTIONS if scheme == "rediss+cluster" else ())
+    problem = _host_port_problem(hostport)
+    if problem:
+        return problem
+    if scheme in ("http", "https"):
+        return _query_problem(query, ())  # the path is the server's: any
+    if slash and path and _number_problem(path):
+        return f"the database {path!r} is not a number (redis://host:port/0)"
+    return _query_problem(query, (*_URL_OPTIONS, *(_TLS_OPTIONS if scheme == "rediss" else ())))
+
+
+def _host_port_problem(hostport: str) -> str | None:
     host, port = hostport, ""
     if hostport.startswith("["):  # an IPv6 address: [::1]:6379
         host, _, port = hostport[1:].partition("]")
@@ -483,9 +551,7 @@ def _url_problem(url: str) -> str | None:
         return problem
     if port and not (port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
         return f"the port {port!r} is not a number from 1 to 65535"
-    if slash and path and _number_problem(path):
-        return f"the database {path!r} is not a number (redis://host:port/0)"
-    return _query_problem(query, _TLS_OPTIONS if scheme == "rediss" else ())
+    return None
 
 
 def _host_problem(host: str) -> str | None:
@@ -532,12 +598,14 @@ def _query_problem(query: str, also: tuple[str, ...]) -> str | None:
         return None
     from urllib.parse import parse_qsl
 
-    taken = (*_URL_OPTIONS, *also)
+    taken = (TIER_READ_ONLY, *also)
     for name, value in parse_qsl(query, keep_blank_values=True):
         if name not in taken:
             return f"its query may hold {', '.join(taken)}, not {_shown(name)}"
         if name == "db" and _number_problem(value):
             return f"db={_shown(value)} is not a number"
+        if name == TIER_READ_ONLY and value.lower() not in (*_TRUE, *_FALSE):
+            return f"{TIER_READ_ONLY}={_shown(value)} is not true or false"
     return None
 
 

@@ -76,7 +76,7 @@ def test_a_bad_or_dead_remote_never_fails_a_wrapped_compile(
 ) -> None:
     (tmp_path / "k.c").write_text("int k(void) { return 1; }\n")
     wrap = ["wrap", "--", "gcc", "-c", "k.c", "-o", "k.o"]
-    bad = opcache(*wrap, env={**env, "OPCACHE_REMOTE": "http://nope"}, cwd=tmp_path)
+    bad = opcache(*wrap, env={**env, "OPCACHE_REMOTE": "ftp://nope"}, cwd=tmp_path)
     assert "OPCACHE_REMOTE" in bad.stderr and (tmp_path / "k.o").exists()
     from helpers_redis import free_port
 
@@ -86,8 +86,8 @@ def test_a_bad_or_dead_remote_never_fails_a_wrapped_compile(
     assert (tmp_path / "k.o").exists()
     assert gone.stderr.count("opcache: warning:") == 1 and "not used for" in gone.stderr
     # A maintenance command given the same bad setting works on the cache folder, and says so.
-    said = opcache("stats", env={**env, "OPCACHE_REMOTE": "http://nope"}, cwd=tmp_path).stderr
-    assert said.startswith("opcache: warning: OPCACHE_REMOTE='http://nope' is not valid")
+    said = opcache("stats", env={**env, "OPCACHE_REMOTE": "ftp://nope"}, cwd=tmp_path).stderr
+    assert said.startswith("opcache: warning: OPCACHE_REMOTE='ftp://nope' is not valid")
 
 
 def test_remote_stats_and_clear_act_on_this_caches_keys(

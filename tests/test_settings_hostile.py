@@ -192,7 +192,7 @@ def test_a_remote_value_no_client_takes_never_fails_a_wrapped_compile(
 @pytest.mark.parametrize(
     ("url", "why"),
     [
-        ("http://cache:6379/0", "use a URL"),
+        ("ftp://cache:6379/0", "use a URL"),
         ("redis://cache:abc/0", "port"),
         ("redis://cache:999999/0", "port"),
         ("redis://cache:0/0", "port"),
@@ -257,7 +257,7 @@ def test_a_bad_remote_option_in_the_environment_leaves_the_remote_out(tmp_path, 
 @needs_gcc
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [("OPCACHE_REMOTE", "http://cache:6379/0"), ("OPCACHE_REMOTE_TIMEOUT", "abc")],
+    [("OPCACHE_REMOTE", "ftp://cache:6379/0"), ("OPCACHE_REMOTE_TIMEOUT", "abc")],
 )
 def test_a_remote_typo_keeps_the_local_cache_and_the_commands(tmp_path, env, variable, value):
     env = {**env, "OPCACHE_REMOTE": "redis://127.0.0.1:1/0", variable: value}
@@ -274,5 +274,5 @@ def test_a_remote_typo_keeps_the_local_cache_and_the_commands(tmp_path, env, var
     said = opcache("remote", "stats", env=env, cwd=tmp_path, status=2).stderr.decode()
     assert said.splitlines()[-1].startswith(f"opcache: error: {variable}=")
     # On opcache's own command line, the same mistake is an error.
-    flag = ["--remote", "http://cache:6379/0"]
+    flag = ["--remote", "ftp://cache:6379/0"]
     opcache("remote", "stats", *flag, env=env, cwd=tmp_path, status=2)

@@ -12,9 +12,13 @@ checked, is ``entry.py``'s.
   server or the network is a ``RemoteError``; the cache turns it into a
   warning and a back-off, never a failed compile.
 
-Adding another kind of remote (a shared folder, S3...) is one new module here
-with a ``Remote`` subclass and a ``connect(settings)`` function that returns
-one, plus its URL scheme in ``settings.REMOTE_KINDS``.
+The kinds: ``redis.py`` (``redis://``, ``rediss://``, ``unix://``),
+``folder.py`` (``file://``, a shared folder), ``http.py`` (``http://``,
+``https://``); ``tiers.py`` puts several in order.
+
+Adding another kind of remote (S3...) is one new module here with a
+``Remote`` subclass and a ``connect(settings)`` function that returns one,
+plus its URL scheme in ``settings.REMOTE_KINDS``.
 """
 
 from __future__ import annotations
@@ -149,7 +153,13 @@ class Remote:
 
 
 def open_remote(settings: RemoteSettings) -> Remote:
-    """The remote ``settings`` names (RemoteError when its library is missing)."""
+    """The remote ``settings`` names (RemoteError when its library is missing):
+    one kind's, or the tiers several URLs name (``tiers.py``)."""
+    tiers = settings.tiers()
+    if len(tiers) > 1:
+        from .tiers import Tiers
+
+        return Tiers(settings, tiers)
     scheme = settings.url.partition(":")[0]
     module = importlib.import_module(f".{REMOTE_KINDS[scheme]}", __name__)
-    return module.connect(settings)
+    return module.connect(tiers[0])

@@ -249,6 +249,12 @@ class LocalStore:
         Raises UntrustedFolder when a folder or file on the way fails the trust
         rule (``trust.py``): nothing is read from it.
         """
+        got = self.get_with_manifest(soc, key)
+        return None if got is None else got[0]
+
+    def get_with_manifest(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
+        """``get``'s entry and its manifest's bytes (a shared folder's remote sends
+        both on, as every remote does)."""
         fds = self._open_entry(soc, key)
         if fds is None:
             return None
@@ -307,7 +313,7 @@ class LocalStore:
         finally:
             os.close(chip_fd)
 
-    def _read_entry(self, key: str, entry_fd: int) -> Entry:
+    def _read_entry(self, key: str, entry_fd: int) -> tuple[Entry, bytes]:
         raw, mtime = self._read_file(entry_fd, MANIFEST, MAX_MANIFEST)
         manifest = parse_manifest(raw, key)
         files = {}
@@ -316,7 +322,7 @@ class LocalStore:
             files[name] = check_artifact(
                 name, size, want, self._read_file(entry_fd, name, size + 1)[0]
             )
-        return Entry(key, files, manifest["compile_seconds"], mtime)
+        return Entry(key, files, manifest["compile_seconds"], mtime), raw
 
     def _read_file(self, dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
         """(up to ``limit`` bytes, mtime) of a regular, trusted file in an entry."""

@@ -1,0 +1,248 @@
+"""An HTTP cache server as the remote tier: ``http://host[:port]/path``, ``https://...``.
+
+The plain HTTP cache protocol ccache's HTTP storage speaks, as nginx with
+WebDAV (``dav_methods PUT DELETE; create_full_put_path on;``), bazel-remote
+and object stores behind a gateway serve it: one object per entry,
+``GET`` to fetch (404: absent), ``HEAD`` then ``PUT`` to store (an object
+already there stands: another machine stored the same key), ``DELETE`` to
+drop one (a key whose object failed its checks is stored over, not
+kept).  The object of a key is::
+
+    <URL's path>/ac/<sha256 of "<prefix><soc>:<key>", 64 hex digits>
+
+bazel-remote's layout for its action cache (start it with
+``--disable_http_ac_validation``: the value is ours, not a protobuf).  The
+value is the Redis remote's (``redis.pack``): our own header, the manifest
+and artifacts, an XXH3-128 of the whole; every value is checked whole before
+it is used (``RemoteCorrupt`` otherwise), so a damaged, truncated or
+foreign object is never served.
+
+Credentials: a user name in the URL (``http://ci@host/...``) with
+``OPCACHE_REMOTE_PASSWORD`` (or a password in the URL) is basic auth; a
+password with no user name is sent as a bearer token.  Both are masked in
+every message.  A 401 is a ``RemoteError`` naming the setting; a 403 on a
+write turns the client read-only with one warning (the server allows this
+client reads only).
+
+Connections are kept open and reused, one per thread; a batch of look-ups
+runs on at most ``_THREADS`` threads at once.  No claims: every machine
+compiles the cold keys it misses (HTTP has no atomic create a client could
+hold a lease with).  ``opcache remote stats|clear`` are not supported: the
+protocol cannot list objects; age them on the server.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote, unquote, urlsplit
+
+from .._log import get_logger
+from . import Remote, RemoteCorrupt, RemoteError
+from .redis import _fetched, pack
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..settings import RemoteSettings
+    from . import Fetched
+
+log = get_logger(__name__)
+
+_THREADS = 8  # look-ups of one batch in flight at once
+_SLACK = 1 << 20  # bytes a value may hold beyond the entry cap (header, manifest)
+
+
+def connect(settings: RemoteSettings) -> HttpRemote:
+    """A client of the HTTP cache ``settings.url`` names (nothing is sent yet)."""
+    return HttpRemote(settings)
+
+
+class HttpRemote(Remote):
+    """The remote tier on an HTTP cache server (see the module's docstring)."""
+
+    def __init__(self, settings: RemoteSettings) -> None:
+        super().__init__(settings)
+        parts = urlsplit(settings.url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        self._port = parts.port
+        self._timeout = settings.timeout
+        self._base = parts.path.rstrip("/") + "/ac/"
+        self._prefix = settings.prefix
+        self._headers = {"Connection": "keep-alive"}
+        password = settings.password if settings.password is not None else parts.password
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(password or '')}".encode()
+            self._headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
+        elif password:
+            self._headers["Authorization"] = f"Bearer {unquote(password)}"
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()  # every thread's, for close
+        self._corrupt: set[tuple[str, str]] = set()  # keys whose object failed its checks
+
+    def _path(self, soc: str, key: str) -> str:
+        name = hashlib.sha256(f"{self._prefix}{soc}:{key}".encode()).hexdigest()
+        return quote(self._base) + name
+
+    # -- requests --------------------------------------------------------------------
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = kind(self._host, self._port, timeout=self._timeout)
+            self._local.conn = conn
+            self._local.used = False
+            with self._pool_lock:
+                self._open.add(conn)
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with self._pool_lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def _request(
+        self, method: str, path: str, body: bytes | None = None
+    ) -> tuple[int, bytes | None]:
+        """(status, body of a 200 GET) over this thread's kept connection.
+
+        A kept connection the server closed meanwhile is opened again once.
+        """
+        for attempt in (1, 2):
+            conn = self._connection()
+            reused = self._local.used
+            try:
+                conn.request(method, path, body=body, headers=self._headers)
+                response = conn.getresponse()
+                data = None
+                if method == "GET" and response.status == 200:
+                    data = self._read_body(response)
+                else:
+                    response.read()
+                self._local.used = True
+                if response.will_close:
+                    self._drop_connection()
+                return response.status, data
+            except RemoteCorrupt:
+                self._drop_connection()
+                raise
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                self._drop_connection()
+                if reused and attempt == 1:
+                    continue
+                raise RemoteError(f"{self.where}: {method}: {e or type(e).__name__}") from None
+            except Exception as e:  # refused, timed out, a bad certificate, a bad answer
+                self._drop_connection()
+                raise RemoteError(f"{self.where}: {method}: {e or type(e).__name__}") from None
+        raise AssertionError("unreachable")
+
+    def _read_body(self, response: http.client.HTTPResponse) -> bytes:
+        """The body, at most the entry cap's worth: a server sending more is not one of ours."""
+        limit = self.max_entry_bytes + _SLACK
+        length = response.getheader("Content-Length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            error = RemoteCorrupt(f"an object of {length} bytes, over the entry cap")
+            error.size = 0
+            raise error
+        data = response.read(limit + 1)
+        if len(data) > limit:
+            error = RemoteCorrupt("an object over the entry cap")
+            error.size = len(data)
+            raise error
+        return data
+
+    def _failure(self, method: str, status: int) -> RemoteError:
+        if status == 401:
+            given = "Authorization" in self._headers
+            why = "refused the credentials" if given else "wants credentials"
+            return RemoteError(
+                f"{self.where}: the server {why} (OPCACHE_REMOTE_PASSWORD, with a user name "
+                "in the URL for basic auth, without one for a bearer token)"
+            )
+        return RemoteError(f"{self.where}: {method} answered HTTP {status}")
+
+    # -- entries ---------------------------------------------------------------------
+
+    def _get_one(self, soc: str, key: str) -> Fetched | RemoteCorrupt | None:
+        try:
+            status, data = self._request("GET", self._path(soc, key))
+        except RemoteCorrupt as e:
+            self._corrupt.add((soc, key))
+            return e
+        if status == 404:
+            return None
+        if status != 200 or data is None:
+            raise self._failure("GET", status)
+        got = _fetched(key, data)
+        if isinstance(got, RemoteCorrupt):
+            self._corrupt.add((soc, key))
+        return got
+
+    def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
+        """The objects of ``keys``, fetched on up to ``_THREADS`` kept connections at once."""
+        if len(keys) == 1:
+            answers = [self._get_one(soc, keys[0])]
+        else:
+            answers = list(self._threads().map(lambda key: self._get_one(soc, key), keys))
+        return {key: got for key, got in zip(keys, answers, strict=True) if got is not None}
+
+    def _threads(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="opcache-http")
+            return self._pool
+
+    def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        if self.read_only or len(manifest) + sum(map(len, files.values())) > self.max_entry_bytes:
+            return 0
+        path = self._path(soc, key)
+        if (soc, key) not in self._corrupt:  # a bad object there is replaced, not kept
+            status, _ = self._request("HEAD", path)
+            if status == 200:
+                return 0  # another machine stored it
+            if status == 401 or status >= 500:
+                raise self._failure("HEAD", status)
+        value = pack(key, manifest, files)
+        status, _ = self._request("PUT", path, value)
+        if status in (200, 201, 204):
+            self._corrupt.discard((soc, key))
+            return len(value)
+        if status in (403, 405):
+            self._refused_writes(status)
+            return 0
+        raise self._failure("PUT", status)
+
+    def _refused_writes(self, status: int) -> None:
+        if not self.read_only:
+            self.read_only = True
+            log.warning(
+                "%s refuses our writes (HTTP %d): only reading it from now on", self.where, status
+            )
+
+    def discard(self, soc: str, key: str) -> None:
+        if self.read_only:
+            return
+        status, _ = self._request("DELETE", self._path(soc, key))
+        if status in (403, 405):
+            self._refused_writes(status)
+        elif status not in (200, 202, 204, 404):
+            raise self._failure("DELETE", status)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._pool_lock:
+            conns, self._open = self._open, set()
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,190 @@
+"""The shared-folder remote (file:///path, opcache/storage/folder.py).
+
+The folder is on a second mount (a tmpfs mounted for the test) when the
+machine lets us mount one (root), else a plain folder.  It is held to the
+local store's rules: entries checked whole, no link followed, a writer
+killed mid-store leaves nothing visible, read-only clients never write.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers_cache import MP, SOC, ToyCompiler, expected_files, make_request, read_dir
+
+import opcache
+from opcache.settings import RemoteSettings
+from opcache.storage import RemoteCorrupt, RemoteError
+from opcache.storage.entry import make_manifest
+from opcache.storage.folder import connect
+
+KEY = "0123456789abcdef" * 2
+OTHER = "fedcba9876543210" * 2
+
+
+@pytest.fixture
+def share(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The shared folder: a tmpfs of its own when we may mount one, else a folder."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(mount)],
+            capture_output=True,
+            check=False,
+        ).returncode
+        == 0
+    )
+    folder = mount / "opcache"
+    folder.mkdir()
+    yield folder
+    if mounted:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def settings(folder: Path, **options: object) -> RemoteSettings:
+    given = {"password": None, "read_only": False, "prefix": "opcache:1:", "ttl": None}
+    given |= {"max_entry_mb": 64, "timeout": 2.0, **options}
+    return RemoteSettings(url=f"file://{folder}", **given)  # type: ignore[arg-type]
+
+
+def entry(key: str = KEY, **files: bytes) -> tuple[bytes, dict[str, bytes]]:
+    files = files or {"k.o": b"\x7fELF" + bytes(range(256)) * 8, "k.json": b'{"a": 1}'}
+    return make_manifest(key, files, 1.5, {"op_type": "Add"}, 1000.0), files
+
+
+def test_entries_round_trip_and_two_clients_share_them(share: Path) -> None:
+    writer, reader = connect(settings(share)), connect(settings(share))
+    manifest, files = entry()
+    assert writer.put(SOC, KEY, manifest, files) == len(manifest) + sum(map(len, files.values()))
+    got, got_manifest = reader.get(SOC, KEY)
+    assert got.files == files and got_manifest == manifest and got.compile_seconds == 1.5
+    assert reader.get(SOC, OTHER) is None
+    found = reader.get_many(SOC, [KEY, OTHER])
+    assert list(found) == [KEY] and found[KEY][2] > sum(map(len, files.values()))
+    assert writer.put(SOC, KEY, manifest, files) == 0  # the first writer's stands
+
+
+def test_damaged_and_truncated_files_are_corrupt_never_served(share: Path) -> None:
+    r = connect(settings(share))
+    r.put(SOC, KEY, *entry())
+    r.put(SOC, OTHER, *entry(OTHER))
+    damaged = share / SOC / KEY[:2] / KEY / "k.o"
+    data = bytearray(damaged.read_bytes())
+    data[10] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    truncated = share / SOC / OTHER[:2] / OTHER / "k.o"
+    truncated.write_bytes(truncated.read_bytes()[:-1])
+    found = r.get_many(SOC, [KEY, OTHER])
+    assert all(isinstance(v, RemoteCorrupt) for v in found.values()) and len(found) == 2
+    with pytest.raises(RemoteCorrupt):
+        r.get(SOC, KEY)
+
+
+def test_links_and_fifos_planted_in_the_folder_are_never_followed(
+    share: Path, tmp_path: Path
+) -> None:
+    r = connect(settings(share))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, share / SOC)  # the chip folder: a link to another folder
+    with pytest.raises(RemoteError):
+        r.put(SOC, KEY, *entry())
+    assert list(elsewhere.iterdir()) == []
+    os.unlink(share / SOC)
+    r.put(SOC, KEY, *entry())
+    fifo = share / SOC / KEY[:2] / KEY / "k.o"
+    fifo.unlink()
+    os.mkfifo(fifo)  # a read that would block for ever
+    assert isinstance(r.get_many(SOC, [KEY])[KEY], RemoteCorrupt)
+
+
+def test_a_folder_others_can_write_is_not_trusted(share: Path) -> None:
+    r = connect(settings(share))
+    r.put(SOC, KEY, *entry())
+    os.chmod(share / SOC, 0o777)
+    with pytest.raises(RemoteError, match="writable by others"):
+        r.get(SOC, KEY)
+
+
+def _killed_before_publishing(folder: Path) -> None:
+    from opcache.storage.local import LocalStore
+
+    def die(*_args: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    LocalStore._publish_counted = die  # type: ignore[method-assign]
+    connect(settings(folder)).put(SOC, KEY, *entry(**{"big.o": os.urandom(4 << 20)}))
+
+
+def test_a_writer_killed_mid_store_leaves_nothing_visible(share: Path) -> None:
+    child = MP.Process(target=_killed_before_publishing, args=(share,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    r = connect(settings(share))
+    assert r.get(SOC, KEY) is None  # its files were all written, never published
+    assert any((share / ".opcache" / "tmp").iterdir())
+    assert r.put(SOC, KEY, *entry()) > 0
+    assert r.get(SOC, KEY) is not None
+    r.clear()
+    assert not any((share / ".opcache" / "tmp").iterdir())  # the dead writer's folder
+
+
+def test_a_read_only_client_never_writes(share: Path) -> None:
+    connect(settings(share)).put(SOC, OTHER, *entry(OTHER))
+    before = sorted(p.relative_to(share) for p in share.rglob("*"))
+    reader = connect(settings(share, read_only=True))
+    assert reader.put(SOC, KEY, *entry()) == 0
+    reader.discard(SOC, OTHER)
+    assert reader.get(SOC, OTHER) is not None
+    assert reader.claim(SOC, KEY, 5).owned is False  # no claims: it compiles its own
+    with pytest.raises(RemoteError, match="read-only"):
+        reader.clear()
+    assert sorted(p.relative_to(share) for p in share.rglob("*")) == before
+
+
+def test_a_folder_that_is_not_there_is_an_error_never_created(tmp_path: Path) -> None:
+    with pytest.raises(RemoteError, match="mount it or create it"):
+        connect(settings(tmp_path / "not-mounted"))
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_usage_and_clear(share: Path) -> None:
+    r = connect(settings(share))
+    r.put(SOC, KEY, *entry())
+    r.put("Ascend310P3", OTHER, *entry(OTHER))
+    usage = r.usage()
+    assert sorted(usage["chips"]) == ["Ascend310P3", SOC]
+    assert usage["chips"][SOC]["entries"] == 1
+    assert r.clear(SOC) == 1
+    assert r.get(SOC, KEY) is None and r.get("Ascend310P3", OTHER) is not None
+
+
+def test_two_machines_share_compiles_through_the_folder(share: Path, tmp_path: Path) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    request = make_request(0)
+
+    def machine(name: str) -> opcache.OpCache:
+        return opcache.OpCache(
+            opcache.resolve_settings(
+                op_compiler_cache_mode="enable",
+                op_compiler_cache_dir=str(tmp_path / name),
+                remote={"url": f"file://{share}"},
+                environ={"HOME": str(tmp_path)},
+            )
+        )
+
+    with machine("a") as a:
+        assert a.compile(request, compiler, tmp_path / "out-a").status == "miss"
+    with machine("b") as b:
+        result = b.compile(request, compiler, tmp_path / "out-b")
+        assert (result.status, result.tier) == ("hit", "remote")
+        assert b.compile(request, compiler, tmp_path / "out-b2").tier == "local"
+    assert compiler.calls() == 1
+    assert read_dir(tmp_path / "out-b") == expected_files(request)

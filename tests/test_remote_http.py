@@ -1,0 +1,224 @@
+"""The HTTP remote (http://, opcache/storage/http.py) against a real nginx with WebDAV.
+
+Two machines share entries; damaged and truncated objects are never served
+and are replaced; basic auth and a bearer token work and are never shown; a
+401, a server that refuses writes and a dead server never fail a compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
+from helpers_nginx import BASIC, HOW_TO_GET_ONE, TOKEN, Nginx, find_nginx
+
+import opcache
+from opcache.settings import RemoteSettings
+from opcache.storage import RemoteCorrupt, RemoteError
+from opcache.storage.entry import make_manifest
+from opcache.storage.http import connect
+
+KEY = "0123456789abcdef" * 2
+OTHER = "fedcba9876543210" * 2
+
+
+@pytest.fixture(scope="module")
+def nginx(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    binary = find_nginx()
+    if binary is None:
+        pytest.skip(HOW_TO_GET_ONE)
+    server = Nginx(binary, tmp_path_factory.mktemp("nginx"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server(nginx: Nginx) -> Nginx:
+    """The module's nginx, running, its stored objects deleted."""
+    if nginx.proc is None:
+        nginx.start()
+    for path in sorted(nginx.data.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    return nginx
+
+
+def settings(url: str, **options: object) -> RemoteSettings:
+    given = {"password": None, "read_only": False, "prefix": "opcache:1:", "ttl": None}
+    given |= {"max_entry_mb": 64, "timeout": 2.0, **options}
+    return RemoteSettings(url=url, **given)  # type: ignore[arg-type]
+
+
+def entry(key: str = KEY, **files: bytes) -> tuple[bytes, dict[str, bytes]]:
+    files = files or {"k.o": b"\x7fELF" + bytes(range(256)) * 8, "k.json": b'{"a": 1}'}
+    return make_manifest(key, files, 1.5, {"op_type": "Add"}, 1000.0), files
+
+
+def object_path(server: Nginx, key: str, soc: str = SOC) -> Path:
+    return server.data / "ac" / hashlib.sha256(f"opcache:1:{soc}:{key}".encode()).hexdigest()
+
+
+def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
+    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
+
+
+def test_entries_round_trip_as_one_object_each(server: Nginx) -> None:
+    writer, reader = connect(settings(server.url())), connect(settings(server.url()))
+    manifest, files = entry()
+    sent = writer.put(SOC, KEY, manifest, files)
+    assert sent == object_path(server, KEY).stat().st_size  # bazel-remote's ac/ layout
+    got, got_manifest = reader.get(SOC, KEY)
+    assert got.files == files and got_manifest == manifest
+    assert reader.get(SOC, OTHER) is None
+    assert writer.put(SOC, KEY, manifest, files) == 0  # HEAD: there already
+    writer.discard(SOC, KEY)
+    assert reader.get(SOC, KEY) is None
+    writer.close()
+    reader.close()
+
+
+def test_a_batch_is_fetched_on_a_bounded_number_of_kept_connections(server: Nginx) -> None:
+    r = connect(settings(server.url()))
+    keys = [f"{i:032x}" for i in range(60)]
+    for key in keys[::2]:
+        r.put(SOC, key, *entry(key))
+    for _ in range(3):
+        found = r.get_many(SOC, keys)
+        assert sorted(found) == sorted(keys[::2])
+        assert all(found[k][0].key == k for k in found)
+    assert 1 < len(r._open) <= 8 + 1  # the pool's threads' and this thread's, kept
+    r.close()
+    assert not r._open
+
+
+def test_damaged_and_truncated_objects_are_never_served(server: Nginx) -> None:
+    r = connect(settings(server.url()))
+    r.put(SOC, KEY, *entry())
+    r.put(SOC, OTHER, *entry(OTHER))
+    damaged = object_path(server, KEY)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    truncated = object_path(server, OTHER)
+    truncated.write_bytes(truncated.read_bytes()[:-7])
+    found = r.get_many(SOC, [KEY, OTHER])
+    assert all(isinstance(v, RemoteCorrupt) for v in found.values()) and len(found) == 2
+    assert r.put(SOC, KEY, *entry()) > 0  # a bad object is stored over, not kept
+    assert r.get(SOC, KEY) is not None
+
+
+def test_an_object_over_the_entry_cap_is_never_read_whole(server: Nginx) -> None:
+    r = connect(settings(server.url(), max_entry_mb=1))
+    object_path(server, KEY).parent.mkdir(parents=True, exist_ok=True)
+    object_path(server, KEY).write_bytes(b"x" * (3 << 20))
+    assert isinstance(r.get_many(SOC, [KEY])[KEY], RemoteCorrupt)
+
+
+def test_two_machines_share_entries_and_a_bad_object_is_replaced(
+    tmp_path: Path, server: Nginx
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    request = make_request(0)
+    with opcache.OpCache(machine(tmp_path, "a", server.url())) as a:
+        key = a.compile(request, compiler, tmp_path / "out-a").key
+    with opcache.OpCache(machine(tmp_path, "b", server.url())) as b:
+        result = b.compile(request, compiler, tmp_path / "out-b")
+        assert (result.status, result.tier) == ("hit", "remote")
+    assert compiler.calls() == 1
+    assert read_dir(tmp_path / "out-b") == expected_files(request)
+    path = object_path(server, key)
+    path.write_bytes(path.read_bytes()[:-1])
+    with opcache.OpCache(machine(tmp_path, "c", server.url())) as c:
+        result = c.compile(request, compiler, tmp_path / "out-c")
+        assert result.status == "miss" and c.stats()["remote_corrupt"] == 1
+    assert read_dir(tmp_path / "out-c") == expected_files(request)
+    with opcache.OpCache(machine(tmp_path, "d", server.url())) as d:
+        assert d.compile(request, compiler, tmp_path / "out-d").tier == "remote"
+
+
+def test_basic_auth_and_a_bearer_token_work_and_are_never_shown(server: Nginx) -> None:
+    user, password = BASIC
+    basic = connect(settings(server.url("basic").replace("//", f"//{user}@"), password=password))
+    assert basic.put(SOC, KEY, *entry()) > 0 and basic.get(SOC, KEY) is not None
+    in_url = connect(settings(server.url("basic").replace("//", f"//{user}:{password}@")))
+    assert in_url.get(SOC, KEY) is not None
+    token = connect(settings(server.url("token"), password=TOKEN))
+    assert token.put(SOC, KEY, *entry()) > 0 and token.get(SOC, KEY) is not None
+    wrong = connect(settings(server.url("token"), password="guess"))
+    with pytest.raises(RemoteError, match="refused the credentials") as refused:
+        wrong.get(SOC, KEY)
+    shown = f"{in_url.where} {refused.value} {token.where}"
+    assert password not in shown and TOKEN not in shown and "guess" not in str(refused.value)
+    anonymous = connect(settings(server.url("basic")))
+    with pytest.raises(RemoteError, match=r"wants credentials.*OPCACHE_REMOTE_PASSWORD"):
+        anonymous.get(SOC, KEY)
+
+
+def test_a_401_never_fails_a_compile_and_the_password_is_never_shown(
+    tmp_path: Path, server: Nginx, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    url = server.url("basic").replace("//", "//ci:wrong-pass@")
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(machine(tmp_path, "a", url)) as a,
+    ):
+        result = a.compile(make_request(0), compiler, tmp_path / "out")
+        stats = a.stats()
+    assert result.status == "miss" and stats["remote_errors"] == 1
+    assert read_dir(tmp_path / "out") == expected_files(make_request(0))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "refused the credentials" in warnings[0]
+    assert "wrong-pass" not in caplog.text + json.dumps(stats, default=str)
+
+
+def test_a_server_that_refuses_writes_is_read_from_with_one_warning(
+    tmp_path: Path, server: Nginx, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(machine(tmp_path, "a", server.url())) as a:
+        a.compile(make_request(0), compiler, tmp_path / "o0")
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(machine(tmp_path, "b", server.url("ro"))) as b,
+    ):
+        assert b.compile(make_request(0), compiler, tmp_path / "o1").tier == "remote"
+        for i in (1, 2):
+            assert b.compile(make_request(i), compiler, tmp_path / f"o{i}b").status == "miss"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "refuses our writes (HTTP 403)" in warnings[0]
+
+
+def test_a_dead_server_never_fails_a_compile(
+    tmp_path: Path, server: Nginx, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    server.stop()
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(machine(tmp_path, "a", server.url(), timeout=1)) as a,
+    ):
+        for i in range(3):
+            result = a.compile(make_request(i), compiler, tmp_path / f"o{i}")
+            assert result.status == "miss"
+            assert read_dir(tmp_path / f"o{i}") == expected_files(make_request(i))
+        assert a.stats()["remote_errors"] == 1  # then paused
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not used for" in warnings[0]
+
+
+def test_the_url_is_checked(tmp_path: Path) -> None:
+    for url, problem in (
+        ("http://", "name the server's host"),
+        ("https://cache:99999/x", "port"),
+        ("http://cache/x?layout=flat", "query may hold"),
+    ):
+        with pytest.raises(opcache.ConfigError, match=problem):
+            machine(tmp_path, "a", url)
+    assert machine(tmp_path, "a", "https://u:pw@cache.example:8443/ops").remote.shown_url == (
+        "https://u:***@cache.example:8443/ops"
+    )

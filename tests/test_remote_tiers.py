@@ -1,0 +1,161 @@
+"""Remotes in tiers (OPCACHE_REMOTE="<nearest> <farther> ...", opcache/storage/tiers.py).
+
+With a real Redis, a real nginx and a shared folder: looked up in order, a
+hit backfilled into the nearer tiers, stores to every writable tier, each
+tier read-only on its own, a dead tier costs only itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
+from helpers_nginx import HOW_TO_GET_ONE, Nginx, find_nginx
+
+import opcache
+
+
+@pytest.fixture(scope="module")
+def nginx(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    binary = find_nginx()
+    if binary is None:
+        pytest.skip(HOW_TO_GET_ONE)
+    server = Nginx(binary, tmp_path_factory.mktemp("nginx"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server(nginx: Nginx) -> Nginx:
+    if nginx.proc is None:
+        nginx.start()
+    shutil.rmtree(nginx.data)
+    nginx.data.mkdir()
+    return nginx
+
+
+@pytest.fixture
+def share(tmp_path: Path) -> Path:
+    folder = tmp_path / "share"
+    folder.mkdir()
+    return folder
+
+
+def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
+    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
+
+
+def in_http(server: Nginx, key: str) -> Path:
+    return server.data / "ac" / hashlib.sha256(f"opcache:1:{SOC}:{key}".encode()).hexdigest()
+
+
+def in_folder(share: Path, key: str) -> Path:
+    return share / SOC / key[:2] / key
+
+
+def test_stores_go_to_every_tier_and_a_far_hit_is_backfilled_near(
+    tmp_path: Path, server: Nginx, share: Path
+) -> None:
+    url = f"file://{share} {server.url()}"
+    compiler = ToyCompiler(tmp_path / "calls")
+    request = make_request(0)
+    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
+        key = a.compile(request, compiler, tmp_path / "out-a").key
+    assert in_folder(share, key).is_dir() and in_http(server, key).is_file()
+    shutil.rmtree(share / SOC)  # the near tier lost it (aged, another site's folder)
+    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+        result = b.compile(request, compiler, tmp_path / "out-b")
+    assert (result.status, result.tier) == ("hit", "remote")
+    assert read_dir(tmp_path / "out-b") == expected_files(request)
+    assert in_folder(share, key).is_dir()  # backfilled
+    assert compiler.calls() == 1
+
+
+def test_each_tier_is_read_only_on_its_own(tmp_path: Path, server: Nginx, share: Path) -> None:
+    url = f"file://{share} {server.url()}?read_only=true"
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
+        key = a.compile(make_request(0), compiler, tmp_path / "o").key
+    assert in_folder(share, key).is_dir() and not in_http(server, key).exists()
+    # The far tier, read-only, is still read; nothing is backfilled into it.
+    with opcache.OpCache(machine(tmp_path, "w", server.url())) as w:
+        key1 = w.compile(make_request(1), compiler, tmp_path / "o1").key
+    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+        assert b.compile(make_request(1), compiler, tmp_path / "o1b").tier == "remote"
+    assert in_folder(share, key1).is_dir()
+    # Read-only for all: nothing written anywhere.
+    with opcache.OpCache(machine(tmp_path, "c", url, read_only=True)) as c:
+        key2 = c.compile(make_request(2), compiler, tmp_path / "o2").key
+    assert not in_folder(share, key2).exists() and not in_http(server, key2).exists()
+
+
+def test_a_bad_value_in_one_tier_is_taken_sound_from_the_next(
+    tmp_path: Path, server: Nginx, share: Path
+) -> None:
+    url = f"file://{share} {server.url()}"
+    compiler = ToyCompiler(tmp_path / "calls")
+    request = make_request(0)
+    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
+        key = a.compile(request, compiler, tmp_path / "o").key
+    for artifact in in_folder(share, key).iterdir():
+        if artifact.name != "MANIFEST":
+            artifact.write_bytes(b"planted")
+    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+        result = b.compile(request, compiler, tmp_path / "o-b")
+    assert (result.status, result.tier) == ("hit", "remote")
+    assert read_dir(tmp_path / "o-b") == expected_files(request)
+    assert compiler.calls() == 1
+
+
+def test_a_dead_tier_costs_only_itself(
+    tmp_path: Path, server: Nginx, share: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server.stop()
+    url = f"{server.url()} file://{share}"
+    compiler = ToyCompiler(tmp_path / "calls")
+    with caplog.at_level(logging.WARNING, logger="opcache"):
+        with opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as a:
+            for i in range(3):
+                assert a.compile(make_request(i), compiler, tmp_path / f"o{i}").status == "miss"
+            assert a.stats()["remote_stores"] == 3  # into the folder
+        with opcache.OpCache(machine(tmp_path, "b", url, timeout=1)) as b:
+            assert b.compile(make_request(0), compiler, tmp_path / "o-b").tier == "remote"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert all(server.url() in w for w in warnings) and 1 <= len(warnings) <= 2
+    assert compiler.calls() == 3
+
+
+def test_redis_first_gives_claims_and_the_folder_behind_it_keeps_entries(
+    tmp_path: Path, redis_url: str, share: Path
+) -> None:
+    url = f"{redis_url} file://{share}"
+    settings = machine(tmp_path, "a", url)
+    assert settings.remote.shown_url == url
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(settings) as a:
+        results = a.compile_many(
+            [make_request(i) for i in range(4)], compiler, lambda r: tmp_path / r.op_name
+        )
+    assert [r.status for r in results] == ["miss"] * 4
+    assert all(in_folder(share, r.key).is_dir() for r in results)
+    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+        assert b.compile(make_request(3), compiler, tmp_path / "again").tier == "remote"
+    assert compiler.calls() == 4
+
+
+def test_tier_urls_are_each_checked_and_masked(tmp_path: Path) -> None:
+    with pytest.raises(opcache.ConfigError, match=r"'ftp://x'.*tiers separated by spaces"):
+        machine(tmp_path, "a", "redis://h:6379/0 ftp://x")
+    with pytest.raises(opcache.ConfigError, match="read_only='maybe' is not true or false"):
+        machine(tmp_path, "a", "redis://h:6379/0 http://h/x?read_only=maybe")
+    shown = machine(tmp_path, "a", "redis://:pw@h:6379/0  http://u:tok@h/x").remote.shown_url
+    assert shown == "redis://:***@h:6379/0 http://u:***@h/x"
+    tiers = machine(tmp_path, "a", "redis://h/0?read_only=1 http://h/x", password="p").remote
+    first, second = tiers.tiers()
+    assert (first.url, first.read_only, first.password) == ("redis://h/0", True, "p")
+    assert (second.url, second.read_only, second.password) == ("http://h/x", False, None)
