@@ -1,0 +1,234 @@
+"""opcache cann export / import and opcache export / import: one archive file, checked on import.
+
+For air-gapped sites and container images: an archive written on one
+machine fills another's cache; a damaged or hostile archive writes nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from helpers_cache import ToyCompiler, make_request, make_settings
+from helpers_cann import SOC, kernel_name, set_access, store_entry, store_mix_entry, write_ini
+
+import opcache
+from opcache import archive, cann_transfer
+from opcache.cann_cache import CannCache, read_limits
+
+NOW = time.time()
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    driver = tmp_path / "driver"
+    driver.mkdir(exist_ok=True)
+    (driver / "version.info").write_text("Version=24.1.rc2\n")
+    return {"ASCEND_DRIVER_PATH": str(driver), "HOME": str(tmp_path)}
+
+
+def _cann_folder(base: Path, count: int = 3) -> list[str]:
+    root = base / "kernel_cache"
+    write_ini(root)
+    kernels = []
+    for i in range(count):
+        kernel = kernel_name("Add", f"x{i}")
+        set_access(store_entry(root / SOC, kernel, os.urandom(2000)), NOW - 3600 - i)
+        kernels.append(kernel)
+    store_mix_entry(root / SOC, kernel_name("MatMul", "mix"), b"aic", b"aiv")
+    return kernels
+
+
+def _settings(base: Path):  # type: ignore[no-untyped-def]
+    return opcache.resolve_settings(op_compiler_cache_dir=str(base))
+
+
+def _export(tmp_path: Path, name: str = "cache.tar") -> Path:
+    a = tmp_path / "a"
+    _cann_folder(a)
+    path = tmp_path / name
+    report = cann_transfer.export_archive(path, SOC, settings=_settings(a), environ=_env(tmp_path))
+    assert report["chips"][SOC]["entries"] == 4
+    return path
+
+
+def _import(tmp_path: Path, path: Path) -> dict:
+    b = tmp_path / "b"
+    write_ini(b / "kernel_cache")
+    return cann_transfer.import_archive(path, settings=_settings(b), environ=_env(tmp_path))
+
+
+def _files(chip: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in chip.iterdir() if not p.name.endswith(".lock")}
+
+
+@pytest.mark.parametrize("name", ["cache.tar", "cache.tar.gz"])
+def test_a_cann_archive_fills_another_folder_byte_identical(tmp_path, name):
+    path = _export(tmp_path, name)
+    report = _import(tmp_path, path)["chips"][SOC]
+    assert (report["written"], report["rejected"]) == (4, [])
+    a_chip, b_chip = tmp_path / "a/kernel_cache" / SOC, tmp_path / "b/kernel_cache" / SOC
+    assert _files(b_chip) == _files(a_chip)
+    cann = CannCache(b_chip.parent, read_limits(b_chip.parent, {}))
+    assert cann.verify(SOC)["chips"][SOC]["faults"] == []
+    assert _import(tmp_path, path)["chips"][SOC]["present"] == 4  # never over an entry
+
+
+def test_an_archive_of_other_versions_is_refused(tmp_path):
+    path = _export(tmp_path)
+    b = tmp_path / "b" / "kernel_cache"
+    b.mkdir(parents=True)
+    (b / "op_cache.ini").write_text("[op_compiler_cache]\nadk_version=8.0\nops_version=8.0\n")
+    report = cann_transfer.import_archive(
+        path, settings=_settings(tmp_path / "b"), environ=_env(tmp_path)
+    )
+    assert "other versions" in report["chips"][SOC]["refused"]
+    assert not (b / SOC).exists()
+
+
+def _cut(path: Path, keep: int) -> Path:
+    data = path.read_bytes()
+    out = path.with_name("cut-" + path.name)
+    out.write_bytes(data[:keep])
+    return out
+
+
+@pytest.mark.parametrize("name", ["cache.tar", "cache.tar.gz"])
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 0.9])
+def test_a_truncated_archive_is_refused_and_nothing_written(tmp_path, name, fraction):
+    path = _export(tmp_path, name)
+    with tarfile.open(path) as tar:
+        last = tar.getmembers()[-1]
+    # Cut into the members' bytes: a tar's zero padding after them is no loss.
+    end = path.stat().st_size if name.endswith(".gz") else last.offset_data + last.size
+    cut = _cut(path, int(end * fraction))
+    with pytest.raises(archive.BadArchive, match=r"truncated|not a whole"):
+        _import(tmp_path, cut)
+    assert not (tmp_path / "b/kernel_cache" / SOC).exists()
+
+
+def test_an_archive_cut_at_a_member_boundary_is_refused(tmp_path):
+    """A tar cut right after a whole member reads as a shorter tar: the trailer tells."""
+    path = _export(tmp_path)
+    with tarfile.open(path) as tar:
+        first = tar.getmembers()[1]
+    cut = _cut(path, first.offset_data + ((first.size + 511) // 512) * 512)
+    with pytest.raises(archive.BadArchive, match="truncated"):
+        _import(tmp_path, cut)
+
+
+def _hostile(tmp_path: Path, member: tarfile.TarInfo, data: bytes = b"") -> Path:
+    """A good archive with ``member`` added before its trailer."""
+    good = _export(tmp_path)
+    out = tmp_path / "hostile.tar"
+    with tarfile.open(good) as src, tarfile.open(out, "w") as dst:
+        for info in src.getmembers():
+            if info.name == archive.TRAILER:
+                dst.addfile(member, io.BytesIO(data))
+            dst.addfile(info, src.extractfile(info))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name", ["cann/../../evil", f"cann/{SOC}/../x", "/etc/passwd", f"cann/{SOC}/sub/x", "x"]
+)
+def test_an_archive_with_a_bad_name_is_refused(tmp_path, name):
+    info = tarfile.TarInfo(name)
+    info.size = 3
+    path = _hostile(tmp_path, info, b"abc")
+    with pytest.raises(archive.BadArchive, match="refusing"):
+        _import(tmp_path, path)
+    assert not (tmp_path / "b/kernel_cache" / SOC).exists()
+    assert not (tmp_path / "evil").exists()
+
+
+@pytest.mark.parametrize("kind", [tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.DIRTYPE])
+def test_an_archive_with_a_link_or_folder_is_refused(tmp_path, kind):
+    info = tarfile.TarInfo(f"cann/{SOC}/te_add_link")
+    info.type = kind
+    info.linkname = "/etc/passwd"
+    path = _hostile(tmp_path, info)
+    with pytest.raises(archive.BadArchive, match=r"link|regular"):
+        _import(tmp_path, path)
+    assert not (tmp_path / "b/kernel_cache" / SOC).exists()
+
+
+def test_a_damaged_entry_in_an_archive_is_refused(tmp_path):
+    path = _export(tmp_path)
+    data = bytearray(path.read_bytes())
+    with tarfile.open(path) as tar:
+        member = tar.getmembers()[0]
+    data[member.offset_data + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(archive.BadArchive, match=r"damaged|checksum"):
+        _import(tmp_path, path)
+    assert not (tmp_path / "b/kernel_cache" / SOC).exists()
+
+
+def test_a_fifo_in_place_of_the_archive_is_refused_without_hanging(tmp_path):
+    fifo = tmp_path / "cache.tar"
+    os.mkfifo(fifo)
+    with pytest.raises(archive.BadArchive, match="not a regular file"):
+        _import(tmp_path, fifo)
+
+
+def test_opcache_own_cache_exports_and_imports(tmp_path):
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(3)]
+    with opcache.OpCache(make_settings(tmp_path / "one", tmp_path)) as cache:
+        for request in requests:
+            cache.compile(request, compiler, tmp_path / "out")
+    path = tmp_path / "seed.tar.gz"
+    report = archive.export_cache(make_settings(tmp_path / "one", tmp_path), path)
+    assert (report["entries"], report["skipped"]) == (3, [])
+
+    other = make_settings(tmp_path / "two", tmp_path)
+    imported = archive.import_cache(other, path)
+    assert (imported["imported"], imported["errors"]) == (3, [])
+    with opcache.OpCache(other) as cache:
+        for request in requests:
+            assert cache.compile(request, compiler, tmp_path / "out2").status == "hit"
+    assert compiler.calls() == 3  # the second cache compiled nothing
+    assert archive.import_cache(other, path)["present"] == 3
+
+
+def test_a_cann_archive_is_not_an_opcache_archive(tmp_path):
+    path = _export(tmp_path)
+    with pytest.raises(archive.BadArchive, match="is not opcache/"):
+        archive.import_cache(make_settings(tmp_path / "two", tmp_path), path)
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "opcache", *args]
+    return subprocess.run(
+        argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_command_line_exports_imports_and_refuses_a_bad_archive(tmp_path):
+    env = _env(tmp_path)
+    _cann_folder(tmp_path / "a")
+    path = tmp_path / "out.tar"
+    a, b = (
+        ["--op_compiler_cache_dir", str(tmp_path / "a")],
+        ["--op_compiler_cache_dir", str(tmp_path / "b")],
+    )
+    done = _cli("cann", "export", str(path), *a, "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["chips"][SOC]["entries"] == 4
+    write_ini(tmp_path / "b" / "kernel_cache")
+    done = _cli("cann", "import", str(path), *b, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "4 entries written" in done.stdout
+    cut = _cut(path, path.stat().st_size // 2)
+    done = _cli("cann", "import", str(cut), *b, env=env)
+    assert done.returncode == 3
+    assert done.stderr.startswith("opcache: error:") and done.stderr.count("\n") == 1
+    done = _cli("cann", "import", *b, env=env)
+    assert done.returncode == 2 and "FILE is missing" in done.stderr
