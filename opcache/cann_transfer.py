@@ -607,7 +607,7 @@ def push(
         for soc in _chips(root, soc_version):
             try:
                 chips[soc] = _push_chip(client, root, soc, settings, env, dry_run, progress)
-            except Refused as e:
+            except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
     finally:
         client.close()
@@ -654,8 +654,7 @@ def _push_chip(
                 report["not_sent"].append({"entry": kernel, "why": why})
             if progress is not None:
                 progress(done * 100 // len(missing))
-        if stored or not there:
-            _write_index(client, ns, {k: (reader.entries[k][0], reader.size(k)) for k in stored})
+        _write_index(client, ns, {k: (reader.entries[k][0], reader.size(k)) for k in stored})
     finally:
         chip.close()
     return report
@@ -707,7 +706,7 @@ def pull(
         for soc in _chips(root, soc_version):
             try:
                 chips[soc] = _pull_chip(client, root, soc, settings, env, dry_run, progress)
-            except Refused as e:
+            except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
     finally:
         client.close()
@@ -746,6 +745,7 @@ def _pull_chip(
     try:
         writer = _Writer(chip.fd, read_limits(root, environ, settings.shared_group), report)
         wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
+        report["present"] = len(rows) - len(wanted)
         for at in range(0, len(wanted), _BATCH):
             batch = wanted[at : at + _BATCH]
             if not writer.fits(rows[batch[0]][1]):
@@ -821,7 +821,7 @@ def export_archive(
             try:
                 ns, _ = local_namespace(root, soc, env, settings.shared_group, taking=False)
                 chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
-            except Refused as e:
+            except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
                 continue
             try:
@@ -881,7 +881,7 @@ def import_archive(
                         f"{ns.describe()}: nothing imported"
                     )
                 report, chip = _taking(root, soc, settings, ns, ini_missing, dry_run)
-            except Refused as e:
+            except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
                 continue
             chips[soc] = report

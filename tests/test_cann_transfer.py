@@ -134,7 +134,7 @@ def test_pushed_entries_are_pulled_byte_identical_whole_and_as_cann_writes(machi
     # Nothing more to do either way.
     assert a.push()["sent"] == 0
     again = b.pull()
-    assert (again["written"], again["present"]) == (0, 0)
+    assert (again["written"], again["present"]) == (0, 5)
 
 
 def test_a_second_push_checks_existence_in_batches_and_sends_only_what_is_new(machines):
@@ -281,6 +281,18 @@ def test_b_ends_under_its_limit_with_the_most_recently_used_entries(machines):
     assert used < 1024 * 1024
     pulled = {p.name[: -len(".json")] for p in b.chip.glob("*.json")}
     assert pulled == set(kernels[: len(pulled)]) and len(pulled) >= 9
+
+
+def test_a_chip_folder_that_is_a_link_is_refused_and_its_target_untouched(machines, tmp_path):
+    a, b = machines
+    _fill(a, 2)
+    a.push()
+    write_ini(b.root)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    b.chip.symlink_to(victim)
+    assert "link" in b.pull()["refused"]
+    assert list(victim.iterdir()) == []
 
 
 def test_dry_runs_change_nothing(machines):
