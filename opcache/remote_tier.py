@@ -1,7 +1,12 @@
-"""The remote tier as the cache uses it: what is counted, and what a failure costs.
+"""The remote tier as the cache uses it: the order of its steps, what is counted,
+and what a failure costs.
 
-The cache asks the remote only after a local miss (``cache.py`` decides the
-order).  Everything here keeps a remote from hurting a compile:
+The cache asks the remote only after a local miss.  A remote hit is served at
+once and copied into the cache folder in the background (``look``); a key
+missing there too is claimed in the whole cluster before it is compiled, or
+waited for while another client compiles it (``claim_or_wait``, one turn of
+which is ``step``); what another client stored is copied into the cache
+folder (``backfill``).  Everything here keeps a remote from hurting a compile:
 
 - a failure (down, timeout, refused credentials, or anything the client
   library raises) is counted (``remote_errors``, and by the URL that failed),
@@ -20,22 +25,29 @@ order).  Everything here keeps a remote from hurting a compile:
 
 from __future__ import annotations
 
+import _thread  # threading's primitives, without importing threading on wrap's start-up
 import hashlib
 import time
+from collections.abc import Callable
 
 from ._log import get_logger
 from .stats import REMOTE_ERROR_PREFIX
 from .storage import UNCLAIMED, RemoteCorrupt, open_remote
+from .storage.entry import Entry
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import threading
+
     from .settings import RemoteSettings
     from .stats import StatsRecorder
     from .storage import Claim, Fetched, Remote
-    from .storage.entry import Entry
     from .storage.local import LocalStore
 
 log = get_logger(__name__)
+
+# How the cache folder keeps a remote's entry: (chip, key, manifest, files).
+Keep = Callable[[str, str, bytes, dict[str, bytes]], None]
 
 # How long a claim outlives its holder's death (renewed while it lives).
 CLAIM_SECONDS = 10.0
@@ -46,12 +58,33 @@ _NOTE_FRESH_SECONDS = 1.0
 
 
 class RemoteTier:
-    """One remote, for one OpCache: connected on first use, paused after failures."""
+    """One remote, for one OpCache: connected on first use, paused after failures.
 
-    def __init__(self, settings: RemoteSettings, notes: LocalStore, stats: StatsRecorder) -> None:
+    ``keep`` stores a remote's entry in the cache folder (a failure there only
+    reported); ``clock`` stamps the hits; ``lock_timeout`` bounds a wait for
+    another client's compile.
+    """
+
+    def __init__(
+        self,
+        settings: RemoteSettings,
+        notes: LocalStore,
+        stats: StatsRecorder,
+        *,
+        keep: Keep,
+        clock: Callable[[], float],
+        lock_timeout: float,
+    ) -> None:
         self.settings = settings
         self._notes = notes
         self._stats = stats
+        self._keep = keep
+        self._clock = clock
+        self._lock_timeout = lock_timeout
+        self._mutex = _thread.allocate_lock()
+        # Remote hits whose local copy is still to be made, by (chip, key).
+        self._backfills: dict[tuple[str, str], tuple[Entry, bytes]] = {}
+        self._backfiller: threading.Thread | None = None
         self._remote: Remote | None = None
         self._paused_until = 0.0
         self._pause = FIRST_PAUSE
@@ -60,6 +93,95 @@ class RemoteTier:
         url = settings.shown_url  # (the password masked: never in a file name or a count)
         self._pause_note = _PAUSE_NOTE + hashlib.sha256(url.encode()).hexdigest()[:16]
         self._corrupt: set[tuple[str, str]] = set()  # keys whose bad value was counted
+
+    # -- the order of the steps --------------------------------------------------------
+
+    def look(self, soc: str, key: str) -> tuple[Entry, str] | None:
+        """A local miss's turn at the remote: (the entry, its tier) or None.
+
+        A remote hit does not wait for its local copy, made in a background
+        thread (``close`` waits for the copies still to be made); a hit on a
+        copy still on its way counts as local.
+        """
+        copying = self._backfills.get((soc, key))
+        if copying is not None:  # a remote hit of a moment ago, on its way to the folder
+            return copying[0], "local"
+        got = self.fetch(soc, key)
+        if got is None:
+            return None
+        return self._backfill_later(soc, key, *got), "remote"
+
+    def claim_or_wait(self, soc: str, key: str) -> tuple[Entry | None, Claim]:
+        """(the remote's entry, once another client stored it) or (None, this compile's
+        claim).  Called with the key's local lock just taken: the remote was looked
+        at just before it."""
+        deadline = time.monotonic() + self._lock_timeout
+        delay = 0.02
+        looked = True
+        while True:
+            entry, claim = self.step(soc, key, look_first=not looked)
+            looked = False
+            if entry is not None or claim is not None:
+                return entry, claim or UNCLAIMED
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "waited %.3g s for another machine compiling %s/%s; compiling it here too",
+                    self._lock_timeout,
+                    soc,
+                    key,
+                )
+                return None, UNCLAIMED
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def step(self, soc: str, key: str, *, look_first: bool) -> tuple[Entry | None, Claim | None]:
+        """One turn at the remote for a key missing here: (its entry, backfilled),
+        (None, a claim to compile it under), or (None, None) while another client
+        compiles it.  ``look_first`` when time has passed since the last look."""
+        got = self.fetch(soc, key, again=True) if look_first else None
+        if got is None:
+            claim = self.claim(soc, key)
+            if claim is None or not claim.owned:
+                return None, claim
+            # Claimed: but its last holder may have stored it and let go just
+            # before, so one more look, as after taking the local lock.
+            got = self.fetch(soc, key, again=True)
+            if got is None:
+                return None, claim
+            claim.release()
+        return self.backfill(soc, key, *got), None
+
+    def backfill(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
+        """A remote's entry, kept in the cache folder too, as a local hit then sees it
+        (a folder that cannot take it only warns: the entry is served)."""
+        self._keep(soc, key, manifest, entry.files)
+        return Entry(key, entry.files, entry.compile_seconds, self._clock())
+
+    def _backfill_later(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
+        """``backfill`` in a background thread.  (Under a key's lock, where others
+        wait to find the copy, it is done at once instead.)"""
+        import threading  # only on a remote hit: not on wrap's start-up
+
+        hit = Entry(key, entry.files, entry.compile_seconds, self._clock())
+        with self._mutex:
+            self._backfills[(soc, key)] = (hit, manifest)
+            if self._backfiller is None:
+                self._backfiller = threading.Thread(
+                    target=self._backfill_all, name="opcache-backfill", daemon=True
+                )
+                self._backfiller.start()
+        return hit
+
+    def _backfill_all(self) -> None:
+        while True:
+            with self._mutex:
+                if not self._backfills:
+                    self._backfiller = None
+                    return
+                (soc, key), got = next(iter(self._backfills.items()))
+            self.backfill(soc, key, *got)
+            with self._mutex:  # (a hit meanwhile took it from here rather than the remote)
+                del self._backfills[(soc, key)]
 
     # -- what the cache asks ---------------------------------------------------------
 
@@ -156,6 +278,10 @@ class RemoteTier:
             self._stats.add(soc, "remote_bytes_up", sent)
 
     def close(self) -> None:
+        """Make the local copies of remote hits still pending, then let go of the remote."""
+        backfiller = self._backfiller
+        if backfiller is not None:
+            backfiller.join()
         if self._remote is not None:
             try:
                 self._remote.close()

@@ -1,5 +1,6 @@
 """``OpCache.compile_many``: a batch of operators, each compiled once among the
-processes that need it.
+processes that need it.  It orders one key's steps (``flow.KeyFlow``) and the
+remote's (``remote_tier.RemoteTier``) for many keys at once.
 
 The ranks of a job ask for the same operators at the same moment.  With single
 flight alone they all wait on the first operator while one of them compiles
@@ -31,15 +32,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ._log import get_logger
-from .cache import UNUSABLE, OpCache, _deliver
+from .flow import UNUSABLE, deliver
 from .key import compute_key
-from .locks import KeyLock
-from .remote_tier import UNCLAIMED
 from .request import CompileResult, OpRequest
+from .storage import UNCLAIMED
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .compilers.protocol import Compiler
+    from .flow import KeyFlow
+    from .locks import KeyLock
     from .request import Status
     from .storage.entry import Entry
 
@@ -211,7 +213,7 @@ def default_jobs() -> int:
 
 
 def compile_many(
-    cache: OpCache,  # (the one class this module serves)
+    flow: KeyFlow,
     requests: Sequence[OpRequest],
     compiler: Compiler,
     out_dirs: OutDirs,
@@ -228,7 +230,7 @@ def compile_many(
         outs = [Path(out) for out in out_dirs]
     else:
         raise ValueError(f"{len(requests)} requests but {len(out_dirs)} output folders")
-    batch = _Batch(cache, requests, compiler, outs, on_result)
+    batch = _Batch(flow, requests, compiler, outs, on_result)
     fresh = batch.first_look()
     random.Random().shuffle(fresh)  # ranks that start together go for different keys
     schedule = _Schedule(fresh)
@@ -252,13 +254,13 @@ class _Batch:
 
     def __init__(
         self,
-        cache: OpCache,
+        flow: KeyFlow,
         requests: Sequence[OpRequest],
         compiler: Compiler,
         outs: list[Path],
         on_result: Callable[[int, CompileResult], None] | None,
     ) -> None:
-        self.cache = cache
+        self.flow = flow
         self.requests = requests
         self.compiler = compiler
         self.outs = outs
@@ -272,7 +274,7 @@ class _Batch:
 
     def first_look(self) -> list[_Job]:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
-        fingerprint = self.cache._fingerprint(self.compiler) if self.requests else ""
+        fingerprint = self.flow.fingerprint(self.compiler) if self.requests else ""
         jobs: list[_Job] = []
         by_key: dict[tuple[str, str], _Job | Entry] = {}
         for index, request in enumerate(self.requests):
@@ -284,26 +286,26 @@ class _Batch:
                 continue
             if job is not None:
                 jobs.append(job)
-        self.jobs = jobs if self.cache._remote is None else self._from_remote(jobs)
+        self.jobs = jobs if self.flow.remote is None else self._from_remote(jobs)
         return list(self.jobs)
 
     def _from_remote(self, jobs: list[_Job]) -> list[_Job]:
         """Deliver the local misses the remote has (one batch per chip); the jobs left."""
-        cache = self.cache
-        assert cache._remote is not None
+        remote = self.flow.remote
+        assert remote is not None
         by_soc: dict[str, list[_Job]] = {}
         for job in jobs:
             if job.plain is None:
                 by_soc.setdefault(job.request.soc_version, []).append(job)
         for soc, missing in by_soc.items():
             started = time.perf_counter()
-            found = cache._remote.fetch_many(soc, [job.key for job in missing])
+            found = remote.fetch_many(soc, [job.key for job in missing])
             for job in missing:
                 if job.key not in found:
                     continue
                 try:
                     self._hits(
-                        job, cache._backfill(soc, job.key, *found[job.key]), started, "remote"
+                        job, remote.backfill(soc, job.key, *found[job.key]), started, "remote"
                     )
                 except Exception as e:  # one operator's failure does not stop the others
                     self._fail(job, e)
@@ -318,24 +320,24 @@ class _Batch:
         started: float,
     ) -> _Job | None:
         """A new job for ``request``, or None when it is a hit or joins a job of its key."""
-        cache = self.cache
-        plain = cache._uncached(request)
+        flow = self.flow
+        plain = flow.bypass(request)
         if plain is not None:
             return _Job(index, request, plain=plain)
         soc = request.soc_version
         key, inputs = compute_key(request, self.compiler.name, fingerprint)
-        if not cache._prepare_chip(soc):
+        if not flow.chip_ready(soc):
             return _Job(index, request, key, plain=("miss", UNUSABLE))
         known = by_key.get((soc, key))
         if isinstance(known, _Job):
             known.indices.append(index)  # the same kernel under another name
             return None
         if known is None:
-            with cache._one_error_per_compile(soc):
-                known = cache._lookup(soc, key)
+            with flow.one_error(soc):
+                known = flow.look(soc, key)
         if known is not None:
             by_key[(soc, key)] = known
-            self._set(index, cache._hit(known, soc, self.outs[index], started, "local"))
+            self._set(index, flow.hit(known, soc, self.outs[index], started, "local"))
             return None
         job = by_key[(soc, key)] = _Job(index, request, key, inputs)
         return job
@@ -399,8 +401,8 @@ class _Batch:
     def _poll(self, schedule: _Schedule) -> None:
         """One look at the remote for every parked job: deliver what is there; what
         no one compiles any more (its holder died or failed) goes back to be tried."""
-        cache = self.cache
-        assert cache._remote is not None
+        remote = self.flow.remote
+        assert remote is not None
         with self._parked_lock:
             parked = dict(self._parked)
         by_soc: dict[str, list[str]] = {}
@@ -409,10 +411,10 @@ class _Batch:
         settled, again = 0, []
         for soc, keys in by_soc.items():
             started = time.perf_counter()
-            found, claimed = cache._remote.poll(soc, keys)
+            found, claimed = remote.poll(soc, keys)
             for key in keys:
                 job = parked[(soc, key)]
-                waited = time.monotonic() - job.since >= cache._lock_timeout
+                waited = time.monotonic() - job.since >= self.flow.lock_timeout
                 if key not in found and key in claimed and not waited:
                     continue
                 with self._parked_lock:
@@ -424,7 +426,7 @@ class _Batch:
                 try:
                     if job.held is not None:
                         job.held.release()
-                    self._hits(job, cache._backfill(soc, key, *found[key]), started, "remote")
+                    self._hits(job, remote.backfill(soc, key, *found[key]), started, "remote")
                 except Exception as e:  # one operator's failure does not stop the others
                     self._fail(job, e)
                 settled += 1
@@ -448,22 +450,22 @@ class _Batch:
     def _try(self, job: _Job, fresh: bool) -> _State:
         """Settle ``job`` if it can be now (_DONE); _LATER when another process of
         this machine holds its key, _PARKED when another machine compiles it."""
-        cache, request = self.cache, job.request
+        flow, request = self.flow, job.request
         soc = request.soc_version
         started = time.perf_counter()
         out = self.outs[job.indices[0]]
         if job.plain is not None:
-            result = cache._compile_plain(request, self.compiler, out, started, *job.plain, job.key)
+            result = flow.plain(request, self.compiler, out, started, *job.plain, job.key)
             self._settle(job, result)
             return _DONE
-        with cache._one_error_per_compile(soc):
+        with flow.one_error(soc):
             if not job.remote_wait:
                 if not fresh and not self._due(job):
                     return _LATER
                 # Another process may have stored it since the first look: a stat
                 # says so for less than a lock file's creation and deletion.
-                stored = not fresh or cache._store.stamp(soc, job.key) is not None
-                entry = cache._lookup(soc, job.key) if stored else None
+                stored = not fresh or flow.stored(soc, job.key)
+                entry = flow.look(soc, job.key) if stored else None
                 if entry is not None:  # another process compiled it
                     self._hits(job, entry, started, "local")
                     return _DONE
@@ -472,17 +474,17 @@ class _Batch:
                     return _LATER
                 job.held = lock
             claim = None
-            if cache._remote is not None:
+            if flow.remote is not None:
                 if job.timed_out:
                     log.warning(
                         "waited %.3g s for another machine compiling %s/%s; compiling it here too",
-                        cache._lock_timeout,
+                        flow.lock_timeout,
                         soc,
                         job.key,
                     )
                     claim = UNCLAIMED
                 else:
-                    entry, claim = cache._remote_step(soc, job.key, look_first=job.remote_wait)
+                    entry, claim = flow.remote.step(soc, job.key, look_first=job.remote_wait)
                     if entry is not None:
                         if job.held is not None:
                             job.held.release()
@@ -490,24 +492,19 @@ class _Batch:
                         return _DONE
                     if claim is None:
                         return self._park(job)  # another machine compiles it
-            filled = cache._fill(
+            filled = flow.fill(
                 job.held, request, self.compiler, job.key, job.inputs or {}, out, claim
             )
         if filled.entry is not None:
             self._hits(job, filled.entry, started, filled.tier)
             return _DONE
-        cache._stats.add(soc, "misses")
-        seconds = time.perf_counter() - started
-        result = CompileResult("miss", job.key, filled.files, seconds, filled.note)
-        self._settle(job, result, filled.artifacts)
+        self._settle(job, flow.missed(filled, soc, job.key, started), filled.artifacts)
         return _DONE
 
     def _hits(self, job: _Job, entry: Entry, started: float, tier: str) -> None:
         soc = job.request.soc_version
         for index in job.indices:
-            self._each(
-                job, index, lambda i: self.cache._hit(entry, soc, self.outs[i], started, tier)
-            )
+            self._each(job, index, lambda i: self.flow.hit(entry, soc, self.outs[i], started, tier))
 
     def _each(self, job: _Job, index: int, result: Callable[[int], CompileResult]) -> None:
         """Request ``index`` of the job gets ``result(index)``, or its own error: a
@@ -528,18 +525,18 @@ class _Batch:
 
     def _claim(self, job: _Job, fresh: bool) -> KeyLock | bool | None:
         """The key's lock, now held; None to go on without one; False if another holds it."""
-        cache, soc = self.cache, job.request.soc_version
+        flow, soc = self.flow, job.request.soc_version
         now = time.monotonic()
         if job.lock is None:
             try:
-                job.lock = KeyLock(cache._store.lock_path(soc, job.key), cache._store.modes)
+                job.lock = flow.key_lock(soc, job.key)
             except OSError as e:
-                cache._cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
+                flow.cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
                 return None
-        elif now - job.since >= cache._lock_timeout:
+        elif now - job.since >= flow.lock_timeout:
             log.warning(
                 "waited %.3g s for another process compiling %s/%s; compiling it here too",
-                cache._lock_timeout,
+                flow.lock_timeout,
                 soc,
                 job.key,
             )
@@ -549,7 +546,7 @@ class _Batch:
             if job.lock.try_acquire():
                 return job.lock
         except OSError as e:
-            cache._cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
+            flow.cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
             return None
         if fresh:
             job.since = now
@@ -571,8 +568,8 @@ class _Batch:
         self, job: _Job, index: int, artifacts: dict[str, bytes], saved: float
     ) -> CompileResult:
         started = time.perf_counter()
-        files = _deliver(self.outs[index], artifacts)
-        self.cache._stats.add(job.request.soc_version, "hits")
+        files = deliver(self.outs[index], artifacts)
+        self.flow.count(job.request.soc_version, "hits")
         seconds = time.perf_counter() - started
         return CompileResult("hit", job.key, files, seconds, saved_seconds=saved, tier="local")
 

@@ -1,0 +1,209 @@
+"""A chip folder's life on the compile path: its first touch, ``force``'s clear
+once per session, and aging after stores.
+
+The first compile of a chip in an OpCache prepares its folder: the cache's
+root and ``op_cache.ini`` are made, leftovers of dead writers go, ``force``
+clears the chip (once per compile session, whatever processes the session
+runs in), and an aging pass runs if the folder is over its limit.  After each
+store, the folder is aged again when its used bytes reach the limit.  None of
+it ever fails a compile: a failure is reported (``on_error``) and the compile
+goes on.  The aging rule itself is ``aging.py``'s.
+"""
+
+from __future__ import annotations
+
+import _thread  # threading's primitives, without importing threading on wrap's start-up
+import time
+from collections.abc import Callable
+
+from . import fsutil
+from ._log import get_logger
+from .aging import MIN_IDLE_SECONDS, ChipAging, age_chip
+from .ini import ensure_ini_file
+from .settings import INI_NAME
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from .settings import Settings
+    from .stats import StatsRecorder
+    from .storage.local import LocalStore
+
+log = get_logger(__name__)
+
+# The session `opcache wrap` names when none is set: a build, that is a run of
+# force compiles of a chip with no pause longer than BUILD_GAP_SECONDS between
+# them, whatever processes they run in (make, ninja and scripts start compile
+# commands in ways no process tree tells apart).
+BUILD_SESSION = "opcache:build"
+BUILD_GAP_SECONDS = 600.0
+# How long a read of a chip's size counters stands in for them after a store.
+_USED_FRESH_SECONDS = 2.0
+
+Progress = Callable[[int], None]
+# How a failure of the cache folder is reported: (kind, message, chip).
+OnError = Callable[[str, str, str], None]
+
+
+class ChipFolders:
+    """The chip folders of one OpCache: which are ready, which unusable, when
+    each is next worth aging.  Thread-safe.
+
+    ``session`` names the compile session ``force`` clears each chip once in
+    (None: this object is the session); ``clock`` stamps and decides aging.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: LocalStore,
+        recorder: StatsRecorder,
+        *,
+        session: str | None,
+        clock: Callable[[], float],
+        on_error: OnError,
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._stats = recorder
+        self._session = session
+        self._clock = clock
+        self._on_error = on_error
+        self._mutex = _thread.allocate_lock()
+        self._ready: set[str] = set()
+        self._unusable: set[str] = set()
+        self._next_aging: dict[str, float] = {}
+        self._used_seen: dict[str, tuple[int, float]] = {}  # chip -> (bytes, when read)
+
+    def ready(self, soc: str) -> bool:
+        """First touch of a chip folder: op_cache.ini, ``force``'s wipe, an aging pass.
+
+        False when the chip's cache must not be used: ``force`` could not wipe
+        it, so what is there may be exactly what the user wanted gone.
+        Other threads wait until the first touch is done.
+        """
+        with self._mutex:
+            if soc in self._ready:
+                return soc not in self._unusable
+            first = not self._ready
+            try:
+                if first:
+                    # The root gets the cache's folder mode (0750), not mkdir's default.
+                    fsutil.makedirs(self._store.root, self._store.modes)
+                    ensure_ini_file(self._settings.root / INI_NAME, self._store.modes)
+                    self._store.clean_leftovers(time.time())
+                if self._settings.mode == "force" and self._force_clear(soc):
+                    log.info("force: cleared the cache of %s", soc)
+            except OSError as e:
+                self._on_error("write", f"cannot prepare the cache at {self._store.root}: {e}", soc)
+                if self._settings.mode == "force":
+                    self._unusable.add(soc)
+            self._ready.add(soc)
+        self._age_safely(soc)
+        return soc not in self._unusable
+
+    def clear(self, soc: str) -> bool:
+        """Delete a chip's entries and their explanations; True if there was a folder."""
+        from . import explain
+
+        explain.forget(self._store, soc)
+        return self._store.clear_chip(soc)
+
+    def _force_clear(self, soc: str) -> bool:
+        """``force``'s clear of a chip, once per session; True if there was one to clear."""
+        if self._session is None:
+            return self.clear(soc)
+        # As ascii() spells it, any session is one line, told apart from every other.
+        session = ascii(self._session).encode()
+        # Locked: processes of one session that start together clear once, and
+        # none clears after another has begun to store.
+        with self._store.locked(f"{soc}.force"):
+            now = time.time()
+            same = self._noted(self._store.read_note("force", soc), session, now)
+            cleared = False if same else self.clear(soc)
+            if not same or self._session == BUILD_SESSION:  # (a build's clock runs on)
+                self._store.write_note(session + b"\n" + str(now).encode(), "force", soc)
+        return cleared
+
+    def _noted(self, note: bytes | None, session: bytes, now: float) -> bool:
+        """Whether the force note ``note`` says this session cleared the chip already.
+
+        A note that is not the session as ``ascii()`` spells it and a time, one a
+        line, is another session's.
+        """
+        noted, _, when = (note or b"").partition(b"\n")
+        if noted != session:
+            return False
+        if self._session != BUILD_SESSION:
+            return True
+        try:
+            age = now - float(when)
+        except ValueError:
+            return False
+        # A time far ahead (inf, a garbled number) would make one build last forever.
+        return -BUILD_GAP_SECONDS < age < BUILD_GAP_SECONDS
+
+    def after_store(self, soc: str, size: int) -> None:
+        """A store added ``size`` bytes to the chip: age it if that reached the limit."""
+        max_bytes = self._settings.max_bytes
+        if max_bytes is None:
+            return
+        # The counters are sixteen files: read them again only when what was
+        # read lately, plus what this process stored since, nears the limit.
+        now = time.monotonic()
+        seen, when = self._used_seen.get(soc, (0, -_USED_FRESH_SECONDS))
+        if now - when < _USED_FRESH_SECONDS and seen + size < max_bytes:
+            self._used_seen[soc] = (seen + size, when)
+            return
+        try:
+            _, used = self._store.used(soc)
+        except OSError:
+            return
+        self._used_seen[soc] = (used, now)
+        if used < max_bytes:
+            return
+        crossed = used - size < max_bytes
+        # While everything is young, another walk cannot free anything before
+        # the oldest entry ages: wait for that instead of walking again.
+        if crossed or self._clock() >= self._next_aging.get(soc, 0.0):
+            self._age_safely(soc)
+
+    def _age_safely(self, soc: str) -> None:
+        """Aging on the compile path: a failure is a warning, never a failed compile."""
+        try:
+            self.age(soc)
+        except OSError as e:
+            self._on_error("write", f"cannot age the cache of {soc}: {e}", soc)
+
+    def age(
+        self, soc: str, *, dry_run: bool = False, progress: Progress | None = None
+    ) -> ChipAging:
+        """One aging pass over the chip's folder (``aging.age_chip``), counted and noted."""
+        now = self._clock()
+
+        def evicted(size: int) -> None:
+            self._stats.add(soc, "evicted_entries")
+            self._stats.add(soc, "evicted_bytes", size)
+
+        report = age_chip(
+            self._store,
+            soc,
+            max_bytes=self._settings.max_bytes,
+            ratio=self._settings.remain_cache_size_ratio,
+            now=now,
+            dry_run=dry_run,
+            progress=progress,
+            on_evict=evicted,
+        )
+        if report.oldest_kept is not None:
+            self._next_aging[soc] = report.oldest_kept + MIN_IDLE_SECONDS
+        if report.removed_entries and not dry_run:
+            from . import explain
+
+            explain.prune(self._store, soc)
+            log.info(
+                "aged %s: entries removed: %d, bytes freed: %d",
+                soc,
+                report.removed_entries,
+                report.freed_bytes,
+            )
+        return report

@@ -1,0 +1,518 @@
+"""One key's steps: the parts ``OpCache.compile`` and ``compile_many`` are made of.
+
+``OpCache.compile`` reads them top-down (bypass, key, chip, look, hit, the
+remote, lock, fill); ``shared_work`` orders the same steps for a batch.  Each
+step keeps the cache's promise on its own: a cache folder that cannot be
+read or written is reported (``CacheErrors``) and the compile goes on.
+"""
+
+from __future__ import annotations
+
+import _thread  # threading's primitives, without importing threading on wrap's start-up
+import contextlib
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from . import locks, stats
+from ._log import get_logger
+from .aging import STAMP_GRANULARITY
+from .errors import CompileError
+from .request import CompileResult, is_plain_name
+from .storage.entry import MANIFEST, CorruptEntry, Entry, make_manifest
+from .storage.local import Workdir, new_build_folder, remove_abandoned
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from .chips import ChipFolders
+    from .compilers.protocol import Compiler
+    from .remote_tier import RemoteTier
+    from .request import OpRequest, Status
+    from .settings import Settings
+    from .stats import StatsRecorder
+    from .storage import Claim
+    from .storage.local import LocalStore
+
+log = get_logger(__name__)
+
+UNUSABLE = "not stored: the cache is unusable"
+# A hit's file, made with the mode open(path, "wb") gives.  O_NONBLOCK: a FIFO
+# in its place must not hang the open; no O_TRUNC before it is known to be ours.
+_OUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_EUID = os.geteuid()
+# Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>, locked while they run.
+_BUILD_LABEL = ".opcache-build"
+
+
+class CacheErrors:
+    """Failures of the cache folder, for one OpCache: counted in stats, warned once.
+
+    One compile that meets a broken cache at every step (read, lock, store)
+    is one error in stats, not three (``one_per_compile``).
+    """
+
+    def __init__(self, recorder: StatsRecorder, root: Path) -> None:
+        self._stats = recorder
+        self._root = root
+        self._mutex = _thread.allocate_lock()
+        self._warned: set[str] = set()
+        # Threads inside a compile, and whether the cache folder failed them yet.
+        self._compiling: dict[int, bool] = {}
+
+    @contextlib.contextmanager
+    def one_per_compile(self, soc: str) -> Iterator[None]:
+        """Around one compile: however often the cache folder fails it, one error."""
+        me = _thread.get_ident()
+        outer = self._compiling.get(me)  # a compiler that compiles through the cache itself
+        self._compiling[me] = False
+        try:
+            yield
+        finally:
+            if self._compiling.pop(me):
+                self._stats.add(soc, "errors")
+            if outer is not None:
+                self._compiling[me] = outer
+
+    def report(self, kind: str, message: str, soc: str) -> None:
+        """Count a failure of the cache folder (``kind``: lock, read, write...).
+
+        The warning is logged once per OpCache whatever the kind: an unwritable
+        cache fails the lock, the store and the stats at once, and the user
+        needs to hear about it once.  Later ones go to the debug log.
+        """
+        me = _thread.get_ident()
+        if me in self._compiling:
+            self._compiling[me] = True
+        else:
+            self._stats.add(soc, "errors")
+        self.warn_once("cache", f"{message} (the compile goes on without the cache)")
+
+    def warn_once(self, kind: str, message: str) -> None:
+        with self._mutex:
+            if kind in self._warned:
+                log.debug("%s", message)
+                return
+            self._warned.add(kind)
+        # The topic, not the message (which names a key): opcache wrap shows it once an hour.
+        log.warning("%s", message, topic=f"{kind} {self._root}")
+
+
+class Filled:
+    """What ``KeyFlow.fill`` came to: an entry (and its tier), or a compile's files."""
+
+    __slots__ = ("artifacts", "entry", "files", "note", "tier")
+
+    def __init__(
+        self,
+        entry: Entry | None,
+        tier: str,
+        files: dict[str, Path] | None = None,
+        note: str | None = None,
+        artifacts: dict[str, bytes] | None = None,
+    ) -> None:
+        self.entry = entry
+        self.tier = tier
+        self.files = files or {}
+        self.note = note  # why the compile was not stored, if it was not
+        self.artifacts = artifacts or {}
+
+
+class KeyFlow:
+    """The steps of one key, over one cache folder (and its remote, if set).
+
+    Thread-safe.  ``lock_timeout`` bounds how long a step waits for another
+    process (or machine) compiling the same key before compiling it too.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: LocalStore,
+        recorder: StatsRecorder,
+        folders: ChipFolders,
+        errors: CacheErrors,
+        *,
+        lock_timeout: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.lock_timeout = lock_timeout
+        self._store = store
+        self._stats = recorder
+        self._folders = folders
+        self._errors = errors
+        self._clock = clock
+        self._fingerprints: dict[int, tuple[Compiler, str]] = {}
+        self.remote: RemoteTier | None = None
+        if settings.remote is not None and settings.mode != "disable":
+            from .remote_tier import RemoteTier  # only with a remote: not on wrap's start-up
+
+            self.remote = RemoteTier(
+                settings.remote,
+                store,
+                recorder,
+                keep=self._keep_fetched,
+                clock=clock,
+                lock_timeout=lock_timeout,
+            )
+
+    # -- before the cache folder is read -----------------------------------------------
+
+    def bypass(self, request: OpRequest) -> tuple[Status, str | None] | None:
+        """(status, reason) when the mode or a debug option keeps the cache out; else None."""
+        if self.settings.mode == "disable":
+            return "disabled", None
+        reason = self.settings.bypass_reason(request.op_name, request.op_type)
+        if reason is not None:
+            return "bypass", reason
+        return None
+
+    def fingerprint(self, compiler: Compiler) -> str:
+        """``compiler.fingerprint()``, asked once per compiler object."""
+        known = self._fingerprints.get(id(compiler))
+        if known is None or known[0] is not compiler:
+            known = (compiler, compiler.fingerprint())
+            self._fingerprints[id(compiler)] = known
+        return known[1]
+
+    def chip_ready(self, soc: str) -> bool:
+        """The chip folder's first touch (``ChipFolders.ready``); False: do not use it."""
+        return self._folders.ready(soc)
+
+    def one_error(self, soc: str) -> contextlib.AbstractContextManager[None]:
+        """Around one compile: however often the cache folder fails it, one error."""
+        return self._errors.one_per_compile(soc)
+
+    def cache_error(self, kind: str, message: str, soc: str) -> None:
+        """Report a failure of the cache folder (``CacheErrors.report``)."""
+        self._errors.report(kind, message, soc)
+
+    def count(self, soc: str, name: str, value: float = 1) -> None:
+        """Add to one of the chip's stats counters."""
+        self._stats.add(soc, name, value)
+
+    # -- the local tier ----------------------------------------------------------------
+
+    def look(self, soc: str, key: str) -> Entry | None:
+        """The cache folder's entry of ``key``, or None: absent, unreadable, or corrupt
+        (then removed and counted)."""
+        try:
+            return self._store.get(soc, key)
+        except CorruptEntry as e:
+            log.warning("corrupt cache entry %s/%s removed: %s", soc, key, e)
+            self._stats.add(soc, "corrupt")
+            try:
+                self._store.discard(soc, key)
+            except OSError as err:
+                self.cache_error("write", f"cannot remove a corrupt entry: {err}", soc)
+        except OSError as e:
+            self.cache_error("read", f"cannot read the cache at {self._store.root}: {e}", soc)
+        return None
+
+    def stored(self, soc: str, key: str) -> bool:
+        """Whether the cache folder seems to hold ``key`` (a stat, not a read)."""
+        return self._store.stamp(soc, key) is not None
+
+    def hit(self, entry: Entry, soc: str, out: Path, started: float, tier: str) -> CompileResult:
+        """Deliver ``entry`` into ``out``; the hit is counted and its access stamped."""
+        files = deliver(out, entry.files)
+        self._stats.add(soc, "hits")
+        self._stats.add(soc, "time_saved_seconds", entry.compile_seconds)
+        if self.settings.aging_enabled:  # (CANN: with aging off, a hit writes nothing)
+            now = self._clock()
+            if now - entry.stamp >= STAMP_GRANULARITY:
+                try:
+                    self._store.touch(soc, entry.key, now)
+                except OSError as e:
+                    self.cache_error("stamp", f"cannot record an access: {e}", soc)
+        seconds = time.perf_counter() - started
+        saved = entry.compile_seconds
+        return CompileResult("hit", entry.key, files, seconds, saved_seconds=saved, tier=tier)
+
+    def key_lock(self, soc: str, key: str) -> locks.KeyLock:
+        """The key's single-flight lock, not taken (OSError if it cannot be made)."""
+        return locks.KeyLock(self._store.lock_path(soc, key), self._store.modes)
+
+    def acquire(self, soc: str, key: str) -> locks.KeyLock | None:
+        """The key's single-flight lock, held; None to compile without it."""
+        try:
+            lock = self.key_lock(soc, key)
+            if lock.acquire(self.lock_timeout):
+                return lock
+            log.warning(
+                "waited %.3g s for another process compiling %s/%s; compiling it here too",
+                self.lock_timeout,
+                soc,
+                key,
+            )
+        except OSError as e:
+            self.cache_error("lock", f"cannot lock {soc}/{key}: {e}", soc)
+        return None
+
+    def keep(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int | None:
+        """Store an entry in the cache folder: the bytes it added, or None when another
+        writer stored the key first.  A folder that cannot take it is reported (a
+        warning, counted) and the OSError raised: the caller goes on without it."""
+        try:
+            return self._store.put(soc, key, manifest, files, now=self._clock())
+        except OSError as e:
+            self.cache_error("write", f"cannot store in the cache at {self._store.root}: {e}", soc)
+            raise
+
+    def _keep_fetched(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> None:
+        """A remote's entry, kept in the cache folder too (``RemoteTier``'s backfill)."""
+        try:
+            size = self.keep(soc, key, manifest, files)
+        except OSError:
+            return  # (reported: the entry is served all the same)
+        if size is not None:
+            self._folders.after_store(soc, size)
+
+    # -- a miss ------------------------------------------------------------------------
+
+    def fill(
+        self,
+        lock: locks.KeyLock | None,
+        request: OpRequest,
+        compiler: Compiler,
+        key: str,
+        inputs: dict,
+        out: Path,
+        claim: Claim | None = None,
+    ) -> Filled:
+        """With the key's lock held (or none to be had): the entry, if another process
+        stored it meanwhile, else this process's compile.  Releases the lock.
+
+        With a remote, the compile is claimed in the whole cluster first (or
+        ``claim`` was taken already): while another client of the remote
+        compiles the key, this waits for its entry, up to ``lock_timeout``.
+        """
+        soc = request.soc_version
+        stored = None
+        try:
+            # Another process may have stored it since our first look,
+            # whether we waited for its lock or it was done before we came.
+            entry = self.look(soc, key) if lock else None
+            if entry is not None:
+                return Filled(entry, "local")
+            if claim is None and self.remote is not None:
+                entry, claim = self.remote.claim_or_wait(soc, key)
+                if entry is not None:
+                    return Filled(entry, "remote")
+            if lock and lock.waited and not lock.inherited:
+                # Its compile failed (or could not be stored): compile here, but
+                # let the other waiters do the same at once instead of one after
+                # another.  (Its holder died instead: one compile, the lock kept.)
+                lock.release()
+            files, note, stored, artifacts = self._compile_and_keep(
+                request, compiler, key, inputs, out
+            )
+        finally:
+            if claim is not None:
+                claim.release()
+            if lock:
+                lock.release()
+        if stored is not None:
+            self._folders.after_store(soc, stored)  # not under the key's lock
+        return Filled(None, "", files, note, artifacts)
+
+    def missed(self, filled: Filled, soc: str, key: str, started: float) -> CompileResult:
+        """The result of a fill that compiled (``filled.entry`` None), counted as a miss."""
+        self._stats.add(soc, "misses")
+        seconds = time.perf_counter() - started
+        return CompileResult("miss", key, filled.files, seconds, filled.note)
+
+    def plain(
+        self,
+        request: OpRequest,
+        compiler: Compiler,
+        out: Path,
+        started: float,
+        status: Status,
+        reason: str | None,
+        key: str = "",
+    ) -> CompileResult:
+        """A compile that keeps the cache out: a mode, a debug option, an unusable cache."""
+        files = _compile_into(request, compiler, out)[0]
+        if status == "bypass":
+            self._stats.add(request.soc_version, stats.BYPASS_PREFIX + str(reason))
+            op = request.op_type  # (a wrapped C compile has no op_name)
+            name = f"{request.op_name} ({op})" if request.op_name else op
+            log.debug("bypassing the cache for %s: %s", name, reason)
+        elif status == "miss":
+            self._stats.add(request.soc_version, "misses")
+        return CompileResult(status, key, files, time.perf_counter() - started, reason)
+
+    def _compile_and_keep(
+        self, request: OpRequest, compiler: Compiler, key: str, inputs: dict, out: Path
+    ) -> tuple[dict[str, Path], str | None, int | None, dict[str, bytes]]:
+        """(files in ``out``, why not stored, bytes stored, the files' bytes).
+
+        The compiler works beside ``out_dir``, never in the cache: a full or
+        broken cache disk can fail the store, not the compile.
+        """
+        soc = request.soc_version
+        try:
+            compile_started = time.perf_counter()
+            files, artifacts = _compile_into(request, compiler, out)
+        except CompileError:
+            self._stats.add(soc, "compile_errors")
+            raise
+        seconds = time.perf_counter() - compile_started
+        # A compiler whose compile ran before its key was known (wrap's traced opc) says how long.
+        seconds = getattr(compiler, "compile_seconds", None) or seconds
+        if MANIFEST in artifacts:
+            self._errors.warn_once(
+                "manifest-name", f"an artifact named {MANIFEST} cannot be cached"
+            )
+            return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts
+        self._explain_miss(request, key, inputs, getattr(compiler, "explain_names", None))
+        manifest = make_manifest(key, artifacts, seconds, inputs, self._clock())
+        if self.remote is not None:
+            self.remote.store(soc, key, manifest, artifacts)
+        try:
+            size = self.keep(soc, key, manifest, artifacts)
+        except OSError:
+            return files, "not stored: the cache is not writable", None, artifacts
+        if size is not None:
+            self._stats.add(soc, "stores")
+        return files, None, size, artifacts
+
+    def _explain_miss(self, request: OpRequest, key: str, inputs: dict, names: dict | None) -> None:
+        """Note the key's parts (and the compiler's ``explain_names``) for ``opcache
+        explain``, and count the miss as a new key of an operator seen before or as
+        one never seen."""
+        from . import explain  # on a miss only: not on a hit's start-up
+
+        seen = explain.record(self._store, request, key, inputs, now=self._clock(), names=names)
+        if seen is not None:
+            self._stats.add(
+                request.soc_version, stats.MISSES_NEW_KEY if seen else stats.MISSES_NEVER_SEEN
+            )
+
+
+def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """Write a hit's ``files`` into ``out``.
+
+    A name that is free, or holds a file of this user's with no other name, is
+    written in place.  Anything else there (a link or a file with other links
+    someone put in a folder others write to, another user's file, a FIFO) is
+    replaced as a miss replaces it, never written through (``_replace_into``).
+    """
+    paths = {}
+    others = {}
+    for name, data in files.items():
+        fd = _open_own(out, name)
+        if fd is None:
+            others[name] = data
+            continue
+        try:
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        paths[name] = out / name
+    if others:
+        paths.update(_replace_into(out, others))
+    return paths
+
+
+def _open_own(out: Path, name: str) -> int | None:
+    """``out/name`` open for writing if it was free or is this user's own file with
+    no other name, else None."""
+    path = out / name
+    # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
+    try:
+        try:
+            fd = os.open(path, _OUT_FLAGS, 0o666)
+        except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, _OUT_FLAGS, 0o666)
+    except OSError as e:
+        # A link; a FIFO nobody reads; a file we may not write (a rename still replaces it).
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EACCES):
+            return None
+        raise
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == _EUID:
+        return fd
+    os.close(fd)
+    return None
+
+
+def _replace_into(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """Put ``files`` into ``out`` as a miss puts its compile's: written in a build
+    folder of its own, then moved in (``_move_out``)."""
+    build = new_build_folder(out, _BUILD_LABEL, 0o700)
+    try:
+        for name, data in files.items():
+            with open(os.open(name, _NEW_FLAGS, 0o666, dir_fd=build.fd), "wb") as f:
+                f.write(data)
+        return {name: _move_out(build, name, out) for name in files}
+    finally:
+        build.close()
+
+
+def _move_out(build: Workdir, name: str, out: Path) -> Path:
+    """Move the file ``name`` of ``build`` into ``out``, the folder it was made in.
+
+    A rename: whatever had that name in ``out`` (a link someone put there in a
+    folder others write to, a file with other names) is replaced, never
+    written through.
+    """
+    os.replace(name, name, src_dir_fd=build.fd, dst_dir_fd=build.parent_fd)
+    return out / name
+
+
+def _compile_into(
+    request: OpRequest, compiler: Compiler, out: Path
+) -> tuple[dict[str, Path], dict[str, bytes]]:
+    """Compile in a private folder beside ``out`` and move the artifacts into ``out``.
+
+    Returns (artifact paths in ``out``, their bytes).  The artifacts are the
+    plain files the compiler wrote; folders and links it left are dropped.
+    Build folders that killed compiles left in ``out`` go first; a failed
+    compile leaves no ``out`` it created.
+    """
+    made = _missing_folders(out)
+    if made:
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        remove_abandoned(out, time.time(), _BUILD_LABEL)
+    build = new_build_folder(out, _BUILD_LABEL, 0o700)
+    try:
+        compiler.compile(request, build.path)
+        files, artifacts = {}, {}
+        for entry in os.scandir(build.path):
+            if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
+                with open(entry.path, "rb") as f:
+                    artifacts[entry.name] = f.read()
+                files[entry.name] = _move_out(build, entry.name, out)
+            else:
+                log.debug("ignoring %s: not a plain file", entry.path)
+    except BaseException:
+        build.close()
+        for folder in made:  # deepest first; one not empty holds something else now
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    build.close()
+    return files, artifacts
+
+
+def _missing_folders(out: Path) -> list[Path]:
+    """``out`` and its parents that do not exist yet, deepest first."""
+    missing = []
+    folder = Path(os.path.abspath(out))
+    while not folder.is_dir() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
