@@ -63,6 +63,8 @@ REMOTE_KINDS = {
     "redis": "redis",
     "rediss": "redis",
     "unix": "redis",
+    "redis+cluster": "redis_cluster",
+    "rediss+cluster": "redis_cluster",
     "file": "folder",
     "http": "http",
     "https": "http",

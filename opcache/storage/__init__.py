@@ -13,6 +13,7 @@ checked, is ``entry.py``'s.
   warning and a back-off, never a failed compile.
 
 The kinds: ``redis.py`` (``redis://``, ``rediss://``, ``unix://``),
+``redis_cluster.py`` (``redis+cluster://``, ``rediss+cluster://``),
 ``folder.py`` (``file://``, a shared folder), ``http.py`` (``http://``,
 ``https://``); ``tiers.py`` puts several in order.
 

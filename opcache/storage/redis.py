@@ -330,13 +330,13 @@ class RedisRemote(Remote):
                 row = chips.setdefault(chip, {"entries": 0, "bytes": 0})
                 row["entries"] += 1
                 row["bytes"] += int(size)
+        return {"chips": dict(sorted(chips.items())), **self._memory()}
+
+    def _memory(self) -> dict[str, object]:
+        """The server's memory: used, its limit, its eviction policy."""
         memory = self._call("INFO", self._redis.info, "memory")
-        return {
-            "chips": dict(sorted(chips.items())),
-            "used_memory": memory.get("used_memory"),
-            "maxmemory": memory.get("maxmemory"),
-            "maxmemory_policy": memory.get("maxmemory_policy"),
-        }
+        names = ("used_memory", "maxmemory", "maxmemory_policy")
+        return {name: memory.get(name) for name in names}
 
     def clear(self, soc: str | None = None) -> int:
         """Delete this cache's entries and claims (of one chip): never another's keys."""

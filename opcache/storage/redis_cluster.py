@@ -1,0 +1,111 @@
+"""Redis Cluster as the remote tier: ``redis+cluster://host:port[,host:port...]``.
+
+``rediss+cluster://`` is the same with TLS (the ``ssl_*`` query options of
+``rediss://``).  The nodes listed are where the client starts: it asks them
+for the slot map and then talks to every primary itself (redis-py's
+``RedisCluster``).
+
+Keys and values are the single server's (``redis.py``): the same names, the
+same checked value, the same claims (``SET NX PX`` on the claim's own key,
+renewed and released by a script on that one key).  Names carry no hash tag:
+entries spread over every primary by their own slot, and a batched look-up
+is grouped by slot, one pipeline per primary (``mget_nonatomic``), never one
+``MGET`` across slots (which a cluster refuses with ``CROSSSLOT``).
+``opcache remote stats|clear`` scan every primary.
+
+A primary that dies is, for its slots, a failure like a dead server's: a
+``RemoteError``, so misses and a pause, never a failed compile; once its
+replica took over (or it came back) the client finds the new slot map on
+its next use.  The client waits as briefly as the single server's and
+never retries on its own.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from . import RemoteError
+from .redis import _CLAIM_SUFFIX, RedisRemote, _fetched
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..settings import RemoteSettings
+    from . import Fetched, RemoteCorrupt
+
+
+def connect(settings: RemoteSettings) -> RedisClusterRemote:
+    """A client of the cluster whose nodes ``settings.url`` lists."""
+    try:
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+    except ImportError:
+        raise RemoteError(
+            "a Redis Cluster remote needs redis-py: pip install 'opcache[redis]' (or redis)"
+        ) from None
+    parts = urlsplit(settings.url)
+    _, _, hosts = parts.netloc.rpartition("@")
+    options: dict[str, object] = dict(parse_qsl(parts.query))
+    if parts.scheme == "rediss+cluster":
+        options["ssl"] = True
+    if parts.username:
+        options["username"] = unquote(parts.username)
+    password = settings.password if settings.password is not None else parts.password
+    if password is not None:
+        options["password"] = unquote(password)
+    try:
+        nodes = [_node(ClusterNode, hostport) for hostport in hosts.split(",")]
+        client = RedisCluster(
+            startup_nodes=nodes,
+            retry=Retry(NoBackoff(), 0),
+            socket_connect_timeout=min(0.5, settings.timeout / 4),
+            socket_timeout=settings.timeout,
+            health_check_interval=0,
+            **options,
+        )
+    except Exception as e:  # no node answered, a slot not served, a bad option
+        raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
+    return RedisClusterRemote(client, settings)
+
+
+def _node(kind: type, hostport: str) -> object:
+    if hostport.startswith("["):
+        host, _, port = hostport[1:].partition("]")
+        port = port[1:]
+    else:
+        host, _, port = hostport.partition(":")
+    return kind(host, int(port) if port else 6379)
+
+
+class RedisClusterRemote(RedisRemote):
+    """The remote tier on a Redis Cluster (see the module's docstring)."""
+
+    def watch(
+        self, soc: str, keys: list[str], *, claims: bool = True
+    ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
+        """The entries of ``keys`` (and the keys claimed), grouped by slot: one
+        pipeline per primary."""
+        names = [self._name(soc, key) for key in keys]
+        if claims:
+            names += [name + _CLAIM_SUFFIX for name in names[: len(keys)]]
+        values = self._call("MGET", self._redis.mget_nonatomic, names)
+        found: dict[str, Fetched | RemoteCorrupt] = {}
+        for key, value in zip(keys, values, strict=False):
+            if value is not None:
+                found[key] = _fetched(key, value)
+        claimed = set()
+        if claims:
+            claimed = {key for key, token in zip(keys, values[len(keys) :], strict=True) if token}
+        return found, claimed
+
+    def _memory(self) -> dict[str, object]:
+        """Every primary's memory, summed; the eviction policy if they all share one."""
+        answers = self._call("INFO", self._redis.info, "memory", target_nodes=self._redis.PRIMARIES)
+        each = list(answers.values()) if answers and "used_memory" not in answers else [answers]
+        policies = {node.get("maxmemory_policy") for node in each}
+        limits = [node.get("maxmemory") or 0 for node in each]
+        return {
+            "used_memory": sum(node.get("used_memory") or 0 for node in each),
+            "maxmemory": 0 if 0 in limits else sum(limits),  # one without a limit: none
+            "maxmemory_policy": policies.pop() if len(policies) == 1 else "mixed",
+        }

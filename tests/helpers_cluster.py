@@ -1,0 +1,101 @@
+"""A real Redis Cluster for the tests: three primaries on loopback ports.
+
+Three ``redis-server`` processes (``helpers_redis``'s binary) with
+``cluster-enabled yes``, each in a folder of its own (its ``nodes.conf``),
+made one cluster by ``redis-cli --cluster create``.  ``kill`` stops one
+primary as a crash would; ``restart`` starts it again on its port from its
+``nodes.conf``, and waits until every node says the cluster is whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from helpers_redis import RedisServer, free_port
+
+NODES = 3
+_CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+_CLUSTER_ARGS += ("--cluster-node-timeout", "3000")
+
+
+def find_cli(server_binary: str) -> str | None:
+    """The ``redis-cli`` beside the server binary, else on PATH."""
+    beside = Path(server_binary).parent / "redis-cli"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("redis-cli") or shutil.which("valkey-cli")
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it) is free and exists too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            return port
+
+
+class Cluster:
+    """Three primaries, no replicas: every slot served, each node by its own folder."""
+
+    def __init__(self, server_binary: str, cli: str, folder: Path) -> None:
+        self.cli = cli
+        self.nodes = [RedisServer(server_binary, folder / f"node{i}") for i in range(NODES)]
+        for node in self.nodes:
+            node.port = _cluster_port()
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> None:
+        try:
+            for node in self.nodes:
+                node.start(*_CLUSTER_ARGS)
+            argv = [self.cli, "--cluster", "create"]
+            argv += [f"127.0.0.1:{n.port}" for n in self.nodes]
+            argv += ["--cluster-replicas", "0", "--cluster-yes"]
+            subprocess.run(argv, check=True, capture_output=True, timeout=60)
+            self.wait_whole()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_whole(self, timeout: float = 60) -> None:
+        """Until every node says cluster_state:ok and knows all slots served."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all(
+                    n.client().execute_command("CLUSTER INFO").get("cluster_state") == "ok"
+                    for n in self.nodes
+                ):
+                    return
+            except Exception:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the cluster was not whole within {timeout} s")
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            node.client().flushall()
+
+    def kill(self, index: int) -> None:
+        self.nodes[index].kill()
+
+    def restart(self, index: int) -> None:
+        self.nodes[index].start(*_CLUSTER_ARGS)
+        self.wait_whole()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

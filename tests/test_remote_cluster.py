@@ -1,0 +1,148 @@
+"""The Redis Cluster remote (redis+cluster://, opcache/storage/redis_cluster.py).
+
+Against a real cluster of three primaries (tests/helpers_cluster.py): two
+machines share entries, a batch spanning slots is one look-up, claims hold
+across the cluster, stats and clear reach every primary, and a primary
+killed mid-run costs misses, never a compile, until it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
+from helpers_cluster import Cluster, find_cli
+from helpers_redis import HOW_TO_GET_ONE, find_server
+
+import opcache
+from opcache import remote_tier
+from opcache.storage import open_remote
+from opcache.storage.entry import make_manifest
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    binary = find_server()
+    cli = binary and find_cli(binary)
+    if not binary or not cli:
+        pytest.skip(HOW_TO_GET_ONE + " (and its redis-cli)")
+    made = Cluster(binary, cli, tmp_path_factory.mktemp("cluster"))
+    made.start()
+    yield made
+    made.stop()
+
+
+@pytest.fixture
+def url(cluster: Cluster) -> str:
+    """The cluster's URL, every node up and emptied."""
+    for index, node in enumerate(cluster.nodes):
+        if node.proc is None:
+            cluster.restart(index)
+    cluster.flush()
+    return cluster.url
+
+
+def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
+    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
+
+
+def entry(key: str) -> tuple[bytes, dict[str, bytes]]:
+    files = {"k.o": key.encode() * 40}
+    return make_manifest(key, files, 1.0, {"op_type": "Add"}, 1000.0), files
+
+
+def test_two_machines_share_a_batch_spread_over_every_primary(
+    tmp_path: Path, url: str, cluster: Cluster
+) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(24)]
+    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
+        a.compile_many(requests[:16], compiler, lambda r: tmp_path / "a" / r.op_name)
+    assert all(node.client().dbsize() > 0 for node in cluster.nodes)  # over every slot range
+    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+        results = b.compile_many(requests, compiler, lambda r: tmp_path / "b" / r.op_name)
+        single = b.compile(requests[0], compiler, tmp_path / "b-again")
+    assert [r.tier for r in results] == ["remote"] * 16 + [""] * 8
+    assert single.tier == "local"  # backfilled
+    assert compiler.calls() == 24
+    for request in requests:
+        assert read_dir(tmp_path / "b" / request.op_name) == expected_files(request)
+
+
+def test_claims_hold_across_the_cluster(url: str) -> None:
+    settings = machine(Path("/nowhere"), "x", url).remote
+    one, other = open_remote(settings), open_remote(settings)
+    keys = [f"{i:032x}" for i in range(12)]
+    held = [one.claim(SOC, key, 5) for key in keys]
+    assert all(claim is not None and claim.owned for claim in held)
+    assert all(other.claim(SOC, key, 5) is None for key in keys)
+    found, claimed = other.watch(SOC, keys)
+    assert found == {} and claimed == set(keys)
+    for claim in held:
+        claim.release()
+    assert other.watch(SOC, keys)[1] == set()
+    one.close()
+    other.close()
+
+
+def test_stats_and_clear_reach_every_primary(url: str, cluster: Cluster) -> None:
+    settings = machine(Path("/nowhere"), "x", url).remote
+    r = open_remote(settings)
+    keys = [f"{i:032x}" for i in range(30)]
+    for key in keys:
+        r.put(SOC, key, *entry(key))
+    cluster.nodes[0].client().set("someone-else:key", b"x")
+    usage = r.usage()
+    assert usage["chips"][SOC]["entries"] == 30
+    assert usage["used_memory"] > 0 and usage["maxmemory_policy"] == "noeviction"
+    assert r.clear() == 30
+    assert sum(node.client().dbsize() for node in cluster.nodes) == 1  # not another's key
+    r.close()
+
+
+def test_a_primary_killed_mid_run_costs_misses_then_recovers(
+    tmp_path: Path,
+    url: str,
+    cluster: Cluster,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(remote_tier, "FIRST_PAUSE", 0.0)  # asked again at each compile
+    compiler = ToyCompiler(tmp_path / "calls")
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as a,
+    ):
+        assert a.compile(make_request(0), compiler, tmp_path / "o0").status == "miss"
+        cluster.kill(1)
+        for i in range(1, 9):  # keys on every node: the dead one's fail, the others' work
+            result = a.compile(make_request(i), compiler, tmp_path / f"o{i}")
+            assert result.status == "miss"
+            assert read_dir(tmp_path / f"o{i}") == expected_files(make_request(i))
+        down = a.stats()
+        cluster.restart(1)
+        for i in range(9, 12):
+            assert a.compile(make_request(i), compiler, tmp_path / f"o{i}").status == "miss"
+        up = a.stats()
+    assert down["remote_errors"] >= 1
+    assert up["remote_stores"] == down["remote_stores"] + 3  # used again, every slot
+    assert up["remote_errors"] == down["remote_errors"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not used for" in warnings[0]
+    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+        assert b.compile(make_request(10), compiler, tmp_path / "b").tier == "remote"
+
+
+def test_the_url_is_checked_and_its_password_masked(tmp_path: Path) -> None:
+    for bad, problem in (
+        ("redis+cluster://h1:7000,h2:99999", "port"),
+        ("redis+cluster://h1:7000/1", "one database"),
+        ("redis+cluster://h1:7000,", "name the server's host"),
+        ("redis+cluster://h1:7000?db=2", "query may hold"),
+    ):
+        with pytest.raises(opcache.ConfigError, match=problem):
+            machine(tmp_path, "a", bad)
+    good = machine(tmp_path, "a", "rediss+cluster://u:pw@h1:7000,[::1]:7001?ssl_cert_reqs=none")
+    assert good.remote.shown_url == "rediss+cluster://u:***@h1:7000,[::1]:7001?ssl_cert_reqs=none"
