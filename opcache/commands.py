@@ -534,6 +534,8 @@ def _cmd_remote(args: argparse.Namespace) -> int:
     for name, row in [("total", total), *chips.items()]:
         print(f"{name:<16} {row['entries']:>8} {_size(row['bytes']):>10}")
     used, limit, policy = usage["used_memory"], usage["maxmemory"], usage["maxmemory_policy"]
+    if policy is None:  # not a Redis: a folder or an HTTP server, aged on its own
+        return 0
     limit_text = _size(limit) if limit else "no limit"
     print(f"server memory: {_size(used or 0)} used of {limit_text}, eviction {policy}")
     if policy == "noeviction" or not limit:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,24 @@ def test_two_machines_share_compiles_through_the_folder(share: Path, tmp_path: P
         assert b.compile(request, compiler, tmp_path / "out-b2").tier == "local"
     assert compiler.calls() == 1
     assert read_dir(tmp_path / "out-b") == expected_files(request)
+
+
+def test_remote_stats_and_clear_commands_on_a_folder(share: Path, tmp_path: Path) -> None:
+    r = connect(settings(share))
+    r.put(SOC, KEY, *entry())
+    r.put(SOC, OTHER, *entry(OTHER))
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"], "OPCACHE_REMOTE": f"file://{share}"}
+
+    def opcache_command(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "opcache", *args],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        return done
+
+    stats = opcache_command("remote", "stats")
+    assert f"{SOC}" in stats.stdout and "2" in stats.stdout
+    assert "memory" not in stats.stdout and stats.stderr == ""  # no Redis eviction advice
+    assert "removed 2 entries" in opcache_command("remote", "clear").stdout
+    assert r.get(SOC, KEY) is None
