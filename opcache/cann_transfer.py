@@ -52,7 +52,9 @@ import fcntl
 import os
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from . import _json, fsutil, trust
@@ -89,6 +91,7 @@ INDEX = "#index"
 INDEX_FILE = "index.json"
 SECTION = "op_compiler_cache"
 _BATCH = 32  # entries per round trip: a batch of big kernels stays a bounded answer
+_IN_FLIGHT = 4  # entries read ahead of the one being sent
 _MAX_INI_BYTES = 1 << 20
 
 
@@ -639,21 +642,34 @@ def _push_chip(
             report["would_send"] = len(missing)
             return report
         stored = set(there)
-        for done, kernel in enumerate(missing, 1):
-            bundle = reader.read(kernel)
-            if isinstance(bundle, str):
-                report["skipped"].append({"entry": kernel, "why": bundle})
-                continue
-            sent = client.put(ns.remote_chip, kernel, _manifest(ns, bundle), bundle.files)
-            if sent:
+
+        def settle(kernel: str, sending: Future[int]) -> None:
+            if sending.result():
                 report["sent"] += 1
-                report["bytes"] += sent
+                report["bytes"] += sending.result()
                 stored.add(kernel)
             else:
                 why = "the remote is read-only" if client.read_only else "over its size cap"
                 report["not_sent"].append({"entry": kernel, "why": why})
-            if progress is not None:
-                progress(done * 100 // len(missing))
+
+        # One thread sends (packing, the network) while this one reads and checks the
+        # next entries; a few entries in flight at most, so memory stays bounded.
+        pending: deque[tuple[str, Future[int]]] = deque()
+        with ThreadPoolExecutor(1, thread_name_prefix="opcache-push") as sender:
+            for done, kernel in enumerate(missing, 1):
+                bundle = reader.read(kernel)
+                if isinstance(bundle, str):
+                    report["skipped"].append({"entry": kernel, "why": bundle})
+                    continue
+                manifest = _manifest(ns, bundle)
+                put = sender.submit(client.put, ns.remote_chip, kernel, manifest, bundle.files)
+                pending.append((kernel, put))
+                if len(pending) > _IN_FLIGHT:
+                    settle(*pending.popleft())
+                if progress is not None:
+                    progress(done * 100 // len(missing))
+            while pending:
+                settle(*pending.popleft())
         _write_index(client, ns, {k: (reader.entries[k][0], reader.size(k)) for k in stored})
     finally:
         chip.close()
@@ -746,16 +762,22 @@ def _pull_chip(
         writer = _Writer(chip.fd, read_limits(root, environ, settings.shared_group), report)
         wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
         report["present"] = len(rows) - len(wanted)
-        for at in range(0, len(wanted), _BATCH):
-            batch = wanted[at : at + _BATCH]
-            if not writer.fits(rows[batch[0]][1]):
-                report["stopped_at_limit"] = True
-                break
-            got = client.get_many(ns.remote_chip, batch)
-            if not _write_batch(writer, batch, got, report):
-                break
-            if progress is not None:
-                progress(min(at + _BATCH, len(wanted)) * 100 // len(wanted))
+        batches = [wanted[at : at + _BATCH] for at in range(0, len(wanted), _BATCH)]
+        # One thread fetches the next batch while this one writes the last.
+        with ThreadPoolExecutor(1, thread_name_prefix="opcache-pull") as fetcher:
+            ahead = fetcher.submit(client.get_many, ns.remote_chip, batches[0]) if batches else None
+            for at, batch in enumerate(batches):
+                assert ahead is not None
+                got = ahead.result()
+                if at + 1 < len(batches):
+                    ahead = fetcher.submit(client.get_many, ns.remote_chip, batches[at + 1])
+                if not writer.fits(rows[batch[0]][1]) or not _write_batch(
+                    writer, batch, got, report
+                ):
+                    report["stopped_at_limit"] = True
+                    break
+                if progress is not None:
+                    progress((at + 1) * 100 // len(batches))
     finally:
         chip.close()
     return report

