@@ -780,6 +780,8 @@ def _cmd_masquerade(args: argparse.Namespace) -> int:
     if target is None:
         raise FileNotFoundError("no opcache program to link to beside this Python or on PATH")
     folder = Path(os.path.abspath(args.folder))
+    if args.client:
+        target = _client_for(folder, target)
     done = make_links(folder, os.environ, target)
     for name, what in done:
         print(f"{name:<28} {what}")
@@ -788,6 +790,31 @@ def _cmd_masquerade(args: argparse.Namespace) -> int:
         return 1
     print(f"links point at {target}; use them with: PATH={shlex.quote(str(folder))}:$PATH")
     return 0
+
+
+def _client_for(folder: Path, program: str) -> str:
+    """opcache's client built in ``folder`` (what the links then run), else ``program``."""
+    from .server import build_client
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)  # (make_links says why it cannot be)
+        return build_client(folder, program, os.environ)
+    except OSError as e:
+        print(f"opcache: warning: {e}; the links run opcache itself", file=sys.stderr)
+        return program
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from .masquerade import opcache_executable
+    from .server import client_tag, idle_seconds, serve, socket_folder
+
+    path = args.socket
+    if path is None:
+        program = opcache_executable()
+        if program is None:
+            raise FileNotFoundError("no opcache program beside this Python or on PATH")
+        path = os.path.join(socket_folder(os.environ), client_tag(program) + ".sock")
+    return serve(path, idle_seconds(os.environ))
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
@@ -908,8 +935,22 @@ def _build_parser() -> argparse.ArgumentParser:
         "Existing files are never replaced; running it again adds what is new.",
     )
     masq.add_argument("folder", metavar="DIR", help="the folder to put first on PATH")
+    masq.add_argument(
+        "--client",
+        action="store_true",
+        help="build opcache's C client in DIR with this machine's C compiler and link to it: "
+        "hits served by a warm opcache server (docs/wrap.md)",
+    )
     masq.add_argument("-v", "--verbose", action="store_true", help="say more")
     masq.set_defaults(func=_cmd_masquerade, soc_version=None)  # (main reads it)
+    server = command(
+        "server",
+        _cmd_server,
+        "serve wrap hits to opcache's client until idle (the client starts it)",
+    )
+    server.add_argument(
+        "--socket", metavar="PATH", help="where to listen (default: this install's client's)"
+    )
     explain = command(
         "explain",
         _cmd_explain,

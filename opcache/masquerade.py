@@ -33,7 +33,8 @@ OP_COMPILER_NAMES = ("op_compiler",)
 # cc, gcc, clang, c++, g++, clang++, with a target prefix and a version suffix.
 _CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")
 # Executables (by the name of what they resolve to) that are a compiler cache, never a compiler.
-_WRAPPERS = frozenset(("opcache", "ccache", "sccache"))
+# (opcache-client: opcache's own, server.py; its links are opcache's)
+_WRAPPERS = frozenset(("opcache", "opcache-client", "ccache", "sccache"))
 _real_paths: dict[str, str] = {}  # each resolved once per process: a wrap hit asks twice
 
 
@@ -138,11 +139,16 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
                 continue
             if os.path.isfile(path) and find_compiler(path, environ) == path:
                 found[name] = path  # not a compiler cache's link, nor opcache's
+    # (a link to opcache itself, or to its client there: either is opcache's)
+    ours = {
+        os.path.realpath(p)
+        for p in (target, opcache_executable() or target, folder / "opcache-client")
+    }
     report = []
     for name, real in sorted(found.items()):
         link = folder / name
         if os.path.lexists(link):
-            mine = os.path.realpath(link) == os.path.realpath(target)
+            mine = os.path.realpath(link) in ours
             report.append(
                 (
                     name,

@@ -131,6 +131,29 @@ class Uncacheable(Exception):
     """The command cannot be cached; the message is the reason stats count."""
 
 
+class NotServed(BaseException):
+    """In an ``opcache server`` worker (``serve_hits_only``): this call is more than a hit.
+
+    Raised before anything is done that the client's own ``opcache``, which then
+    runs the call, would do again (run a program, count, note a warning as shown).
+    Not an Exception: no handler on the way may take it for a failure and go on.
+    """
+
+
+_hits_only = False
+
+
+def serve_hits_only() -> None:
+    """From now on this process serves hits only (an ``opcache server`` worker)."""
+    global _hits_only
+    _hits_only = True
+
+
+def _more_than_a_hit(what: str) -> None:
+    if _hits_only:
+        raise NotServed(what)
+
+
 class _WrappedCommand:
     """The compiler protocol over one planned command line."""
 
@@ -254,6 +277,7 @@ def _run_uncacheable(
     argv: Sequence[str], env: Mapping[str, str], settings: Settings, reason: str
 ) -> int:
     """Run a command the cache cannot take as it is, counted with its reason in stats."""
+    _more_than_a_hit(reason)
     with _cache_warnings(settings), OpCache(settings, stats_seconds=None) as cache:
         cache.record_uncacheable(HOST_CHIP, reason)
     log.info("uncacheable (%s): running the command as it is", reason)
@@ -308,6 +332,8 @@ def _settings(
                 raise
             settings = None
             off = f"{e}; compiling without the cache"
+    if held or off is not None:
+        _more_than_a_hit("a configuration warning")  # (noted as shown once shown)
     if held:
         _warn_rarely(held, settings)
     if off is not None:

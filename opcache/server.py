@@ -1,0 +1,344 @@
+"""``opcache server``: wrap hits served by a warm process, for a small C client.
+
+A wrap hit in a new Python is mostly the interpreter's and opcache's start-up.
+The client (``_client/opcache_client.c``, built by ``opcache masquerade
+--client``) sends its command line, current folder, umask, environment and
+standard descriptors over a Unix socket to this server, which has opcache
+imported already.  The server forks a worker per request; the worker becomes
+the client's stand-in (its folder, umask, environment, descriptors) and runs
+the very command line ``opcache`` would run (``cli.main``), with one
+difference: where that would do more than a hit (run a program: a miss, an
+uncacheable or disabled compile, the preprocessor; count an uncacheable
+compile; note a configuration warning as shown), it stops with
+``wrap.NotServed`` before anything is done, and the client runs ``opcache``
+itself, which then does it all as always.  So a served hit is the Python
+path's hit, checks and all, and everything else is the Python path.
+
+The socket lives in ``$XDG_RUNTIME_DIR/opcache-<uid>`` (``/tmp`` without it): a
+folder of this user's, mode 0700, never reached through a link; the client
+and the server refuse one that is not, and talk only to a peer of their own
+uid (``SO_PEERCRED``).  One server per user and install (the socket's name is
+the client's tag); it exits when idle for ``OPCACHE_SERVER_IDLE`` seconds
+(default 600), and when opcache's own files change under it (an upgrade).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import select
+import signal
+import socket
+import stat
+import struct
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import __version__, _log, fsutil, trust
+from ._log import get_logger
+from .key import digest
+from .masquerade import find_compiler
+
+log = get_logger(__name__)
+
+PROTOCOL = b"opcache-serve 1"
+CLIENT_NAME = "opcache-client"
+CLIENT_SOURCE = Path(__file__).parent / "_client" / "opcache_client.c"
+ENV_IDLE = "OPCACHE_SERVER_IDLE"
+IDLE_SECONDS = 600.0
+REQUEST_TIMEOUT = 30.0  # a client that connects and never says anything
+
+
+def socket_folder(environ: Mapping[str, str]) -> str:
+    """The folder of this user's server sockets (the client's rule, in its C)."""
+    base = environ.get("XDG_RUNTIME_DIR", "")
+    return os.path.join(base if base.startswith("/") else "/tmp", f"opcache-{os.getuid()}")
+
+
+def client_tag(program: str) -> str:
+    """The socket name of a client that falls back on ``program``: this install and protocol."""
+    return "s" + digest(b"\0".join((os.fsencode(program), __version__.encode(), PROTOCOL)))[:16]
+
+
+def idle_seconds(environ: Mapping[str, str]) -> float:
+    """``OPCACHE_SERVER_IDLE`` in seconds (a positive number), else the default."""
+    value = environ.get(ENV_IDLE, "")
+    if re.fullmatch(r"[0-9]{1,7}(\.[0-9]{1,3})?", value) and float(value) > 0:
+        return float(value)
+    return IDLE_SECONDS
+
+
+# -- the client ------------------------------------------------------------------
+
+
+def build_client(folder: Path, program: str, environ: Mapping[str, str]) -> str:
+    """Build the client into ``folder`` with the machine's C compiler; its path.
+
+    OSError, its message a sentence, when there is no C compiler or the build
+    fails: the caller links to ``opcache`` itself instead.
+    """
+    import subprocess
+
+    if any(c in program for c in '"\\\n'):
+        raise OSError(f"the path of opcache cannot go in a C string: {program!r}")
+    compiler = next(
+        (found for cc in ("cc", "gcc", "clang") if (found := find_compiler(cc, environ))), None
+    )
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc, clang) on PATH to build opcache's client")
+    target = folder / CLIENT_NAME
+    building = folder / fsutil.unique_name(f".{CLIENT_NAME}")
+    command = [
+        compiler,
+        "-O2",
+        f'-DOPCACHE_PROGRAM="{program}"',
+        f'-DOPCACHE_TAG="{client_tag(program)}"',
+        "-o",
+        str(building),
+        str(CLIENT_SOURCE),
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise OSError(f"{compiler} could not build opcache's client: {said}")
+        os.replace(building, target)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"{compiler} took over 120 s to build opcache's client") from None
+    finally:
+        if os.path.lexists(building):
+            os.unlink(building)
+    return str(target)
+
+
+# -- the server ------------------------------------------------------------------
+
+
+def serve(socket_path: str, idle: float) -> int:
+    """Serve on ``socket_path`` until idle for ``idle`` seconds; the exit status.
+
+    Another server already on this socket: 0 at once.  A folder that is not
+    this user's own: an error (1), nothing made or removed in it.
+    """
+    folder, name = os.path.split(os.path.abspath(socket_path))
+    if not name.endswith(".sock") or "/" in name:
+        raise OSError(f"{socket_path}: a server's socket is named <tag>.sock")
+    dir_fd = _own_folder(folder)
+    lock = os.open(
+        name[:-5] + ".lock",
+        os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
+    import fcntl
+
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another server serves it
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)  # a server gone before it could clean up
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"/proc/self/fd/{dir_fd}/{name}")  # (a folder's path may be long)
+    bound = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    listener.listen(128)
+    os.ftruncate(lock, 0)
+    os.write(lock, f"{os.getpid()}\n".encode())
+    files = _warm_up()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while select.select([listener], [], [], idle)[0]:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            if os.fork() == 0:
+                _work(listener, conn, files)  # (does not return)
+            conn.close()
+    finally:
+        # Only the socket this server made: a name it no longer holds is another's.
+        with contextlib.suppress(FileNotFoundError):
+            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if (now.st_ino, now.st_dev) == (bound.st_ino, bound.st_dev):
+                os.unlink(name, dir_fd=dir_fd)
+        listener.close()
+    return 0
+
+
+def _own_folder(folder: str) -> int:
+    """The socket folder, made 0700 if missing, opened without following a link.
+
+    Refused (trust.UntrustedFolder) unless it is this user's and no one else
+    can enter it: a folder another user made first must not get our socket.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    fd = os.open(folder, fsutil.DIR_FLAGS)
+    st = os.fstat(fd)
+    reason = trust.problem(st, fsutil.PRIVATE)
+    if reason is None and (st.st_uid != os.getuid() or st.st_mode & 0o077):
+        reason = f"not yours alone (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+    if reason is not None:
+        os.close(fd)
+        raise trust.UntrustedFolder(f"{folder} is {reason}")
+    return fd
+
+
+def _warm_up() -> dict[str, tuple[int, int, int]]:
+    """Import what a wrap hit uses (each worker starts with it); opcache's files as loaded."""
+    import atexit  # noqa: F401  (the worker's exit)
+    import logging  # noqa: F401  (-v, and any warning)
+
+    import platformdirs  # noqa: F401  (configuration warnings' notes)
+
+    from . import cli, readset, stats, wrap  # noqa: F401
+    from .compilers import cc  # noqa: F401
+
+    return _opcache_files()
+
+
+def _opcache_files() -> dict[str, tuple[int, int, int]]:
+    files = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None) or ""
+        if getattr(module, "__name__", "").split(".")[0] == "opcache" and path:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            files[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return files
+
+
+# -- a worker: one request --------------------------------------------------------
+
+
+def _work(listener: socket.socket, conn: socket.socket, files: dict) -> None:
+    """Serve one request in a forked worker, then leave without returning."""
+    status = 1
+    try:
+        listener.close()
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        conn.settimeout(REQUEST_TIMEOUT)
+        reply = _answer(conn, files)
+        conn.settimeout(None)
+        conn.sendall(reply)
+        status = 0
+    except BaseException as e:  # the client runs opcache itself: it will say what is wrong
+        log.debug("opcache server: request dropped: %r", e)
+    finally:
+        os._exit(status)
+
+
+def _answer(conn: socket.socket, files: dict) -> bytes:
+    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    if uid != os.getuid():
+        return b"N"
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    try:
+        if len(head) != 4 or len(fds) != 3:
+            return b"N"
+        data = _receive(conn, struct.unpack("=I", head)[0])
+        fields = data.split(b"\0")
+        if fields[0] != PROTOCOL or fields[-1] != b"":
+            return b"N"
+        if _opcache_files() != files:  # an upgrade: this server's modules are old
+            os.kill(os.getppid(), signal.SIGTERM)
+            return b"N"
+        umask, cwd, argc = int(fields[1], 8), fields[2], int(fields[3])
+        argv, env = fields[4 : 4 + argc], fields[4 + argc : -1]
+        return _serve(argv, env, cwd, umask, fds)
+    finally:
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+
+
+def _receive(conn: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the client left mid-request")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _serve(argv: list[bytes], env: list[bytes], cwd: bytes, umask: int, fds: list[int]) -> bytes:
+    """Become the client and run its command line: the reply (served, or b"N")."""
+    import atexit
+    import logging
+
+    from . import cli, wrap
+
+    if argv[1:2] != [b"wrap"]:
+        return b"N"
+    os.chdir(cwd)
+    os.umask(umask)
+    fsutil.UMASK = umask  # read once at import: the server's, not the client's
+    os.environb.clear()
+    os.environb.update(entry.partition(b"=")[::2] for entry in env if b"=" in entry[1:])
+    for number, fd in enumerate(fds):
+        os.dup2(fd, number)  # (the client's terminal decides colour, as for opcache)
+    sys.argv = [os.fsdecode(word) for word in argv]
+    said: list[tuple[int, bytes]] = []
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_Said(1, said)), "utf-8", "strict")
+    sys.stderr = io.TextIOWrapper(
+        io.BufferedWriter(_Said(2, said)), "utf-8", "backslashreplace", line_buffering=True
+    )
+    # The server's own logging (its stderr, its level, the hook that sets them on
+    # first use) is not the client's: cli.main sets the client's.
+    _log._hooks.clear()
+    logging.getLogger("opcache").handlers.clear()
+    logging.getLogger("opcache").setLevel(logging.NOTSET)
+    wrap.serve_hits_only()
+    sys.addaudithook(_no_programs)
+    try:
+        status = cli.main(sys.argv[1:])
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except wrap.NotServed:
+        return b"N"
+    out = [b"S", struct.pack("=i", status)]
+    for stream, data in said:
+        out += [bytes((stream,)), struct.pack("=I", len(data)), data]
+    return b"".join([*out, b"\0", struct.pack("=I", 0)])
+
+
+class _Said(io.RawIOBase):
+    """A stream whose writes are kept, in order with the other stream's, for the reply."""
+
+    def __init__(self, stream: int, said: list[tuple[int, bytes]]) -> None:
+        super().__init__()
+        self._stream = stream
+        self._said = said
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self._said.append((self._stream, bytes(data)))
+        return len(data)
+
+
+def _no_programs(event: str, args: tuple) -> None:
+    """Audit hook: running a program is more than a hit; the client runs opcache itself."""
+    from .wrap import NotServed
+
+    if event in (
+        "subprocess.Popen",
+        "os.posix_spawn",
+        "os.exec",
+        "os.spawn",
+        "os.system",
+        "os.fork",
+        "os.forkpty",
+    ):
+        raise NotServed(event)

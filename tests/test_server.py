@@ -1,0 +1,419 @@
+"""opcache's C client and ``opcache server``: a served hit is the Python path's hit.
+
+The client is built here with the machine's gcc, falling back on a stand-in
+``opcache`` program that notes each start (``wrap`` or ``server``) and then
+runs opcache: a call the server served leaves no ``wrap`` line.  Every other
+outcome (a miss, a failure, an uncacheable call, no server, a dead or stale
+socket, a socket or folder that is not the user's own, a server gone
+mid-request, a reply that makes no sense) must be what ``opcache wrap`` alone
+gives: same exit status, stdout, stderr, object and stats.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fake_opc import base_env
+from helpers_faults import IS_ROOT, NEEDS_ROOT, NOBODY
+from helpers_wrap import GCC, K_C, lines, link_compilers, stats, wrap, write_project
+
+from opcache import server
+
+pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed to build the client")
+
+COMPILE = ["-O2", "-DOFFSET=4", "-c", "k.c", "-o", "k.o"]
+WAIT = 60.0  # bound on waiting for a server to come or go (never a figure asserted)
+
+
+class Served:
+    """A client built against a counting ``opcache``, its links, and an environment."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.starts = tmp_path / "starts.log"
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        self.program = bin_dir / "opcache"
+        self.program.write_text(
+            f"#!{sys.executable}\n"
+            "import sys\n"
+            f"with open({str(self.starts)!r}, 'a') as f:\n"
+            "    f.write((sys.argv[1:2] or [''])[0] + '\\n')\n"
+            "from opcache.cli import main\n"
+            "sys.exit(main())\n"
+        )
+        self.program.chmod(0o755)
+        self.links = tmp_path / "links"
+        self.links.mkdir()
+        self.env = {
+            **base_env(tmp_path),
+            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+            server.ENV_IDLE: "120",
+        }
+        (tmp_path / "run").mkdir(mode=0o700)
+        self.client = server.build_client(self.links, str(self.program), self.env)
+        link_compilers(self.links, self.client, "gcc")
+        self.env["PATH"] = f"{self.links}{os.pathsep}{self.env['PATH']}"
+        self.folder = Path(server.socket_folder(self.env))
+        self.socket = self.folder / f"{server.client_tag(str(self.program))}.sock"
+        self.src = write_project(tmp_path / "src")
+
+    def gcc(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["gcc", *args], env=env or self.env, cwd=self.src, capture_output=True, timeout=120
+        )
+
+    def fallbacks(self) -> int:
+        return lines(self.starts).count("wrap")
+
+    def server_pid(self) -> int | None:
+        try:
+            return int((self.socket.with_suffix(".lock")).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def wait_for_server(self) -> int:
+        """The server's pid once it listens (the first compile started it)."""
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            pid = self.server_pid()
+            if pid and self.socket.exists() and answers(self.socket):
+                return pid
+            time.sleep(0.05)
+        pytest.fail(f"no server on {self.socket} after {WAIT} s")
+
+    def stop(self) -> None:
+        pid = self.server_pid()
+        if pid and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def served(tmp_path):
+    setup = Served(tmp_path)
+    yield setup
+    setup.stop()
+
+
+def warmed(served: Served, *args: str) -> subprocess.CompletedProcess:
+    """Compile once (a miss, which starts the server) and wait for the server."""
+    first = served.gcc(*args)
+    served.wait_for_server()
+    return first
+
+
+def python_path(served: Served, *args: str) -> subprocess.CompletedProcess:
+    """The same compile through ``opcache wrap`` alone, on the same cache."""
+    return wrap("gcc", *args, env=served.env, cwd=served.src, status=None)
+
+
+def test_a_hit_is_served_with_the_python_hit_s_bytes_and_counts(served):
+    (served.src / "k.c").write_text(K_C + "int unused(void) { int x; return 0; }\n")
+    args = ["-Wall", *COMPILE]
+    first = warmed(served, *args)
+    assert first.returncode == 0 and b"unused variable" in first.stderr
+    assert served.fallbacks() == 1 and lines(served.starts).count("server") >= 1
+    made = (served.src / "k.o").read_bytes()
+    before = served.fallbacks()
+    hit = served.gcc(*args)
+    assert served.fallbacks() == before, "the hit was not served"
+    (served.src / "k.o").unlink()
+    alone = python_path(served, *args)
+    assert (hit.returncode, hit.stdout, hit.stderr) == (0, alone.stdout, alone.stderr)
+    assert b"unused variable" in hit.stderr  # the compiler's warning, replayed
+    assert (served.src / "k.o").read_bytes() == made
+    host = stats(served.env, "host")
+    assert (host["misses"], host["hits"]) == (1, 2)
+
+
+def test_a_served_hit_says_what_opcache_v_says(served):
+    warmed(served, *COMPILE)
+    verbose = {**served.env, "OPCACHE_VERBOSE": "1"}
+    before = served.fallbacks()
+    hit = served.gcc(*COMPILE, env=verbose)
+    assert served.fallbacks() == before
+    alone = wrap("gcc", *COMPILE, env=verbose, cwd=served.src)
+    assert hit.stderr.decode().splitlines()[-1] == alone.stderr.decode().splitlines()[-1]
+    assert "hit" in hit.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["miss", "compile error", "uncacheable", "disabled", "usage"],
+)
+def test_what_is_not_a_hit_is_the_python_path_s_own(served, case):
+    warmed(served, "-c", "k.c", "-o", "warm.o")
+    env = dict(served.env)
+    args = list(COMPILE)
+    if case == "compile error":
+        (served.src / "k.c").write_text("int f(void) { return nope; }\n")
+    elif case == "uncacheable":
+        args = ["-E", "k.c"]
+    elif case == "disabled":
+        env["OPCACHE_DISABLE"] = "1"
+    elif case == "usage":
+        env["OPCACHE_MODE"] = "sometimes"  # a bad variable: warned, compiled without the cache
+    before = served.fallbacks()
+    got = served.gcc(*args, env=env)
+    assert served.fallbacks() == before + 1
+    made = (served.src / "k.o").read_bytes() if (served.src / "k.o").exists() else None
+    counts = stats(served.env)
+    # The same call again through the Python path alone gives the same, counted once more.
+    (served.src / "k.o").unlink(missing_ok=True)
+    alone = wrap("gcc", *args, env=env, cwd=served.src, status=None)
+    if case == "miss":  # (now a hit: compare with plain gcc's object)
+        subprocess.run([GCC, *args], cwd=served.src, check=True)
+    assert (got.returncode, got.stdout) == (alone.returncode, alone.stdout)
+    if case != "usage":  # (the warning shows once an hour: the second run is silent)
+        assert got.stderr == alone.stderr
+    else:
+        assert b"sometimes" in got.stderr
+    if made is not None:
+        assert (served.src / "k.o").read_bytes() == made
+    again = stats(served.env)
+    once_more = {"miss": "hits", "uncacheable": "uncacheable"}
+    for name in ("misses", "hits", "stores", "uncacheable", "errors"):
+        grew = again.get(name, 0) - counts.get(name, 0)
+        assert grew == (name == once_more.get(case)), name
+    if case == "uncacheable":  # (counted once by the client's call, not twice)
+        assert counts["uncacheable"] == 1
+
+
+def test_a_dead_server_s_socket_costs_one_python_compile_then_a_new_server(served):
+    warmed(served, *COMPILE)
+    old = served.wait_for_server()
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + WAIT
+    while alive(old) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.socket.exists()  # left behind: stale
+    before = served.fallbacks()
+    done = served.gcc(*COMPILE)
+    assert done.returncode == 0 and served.fallbacks() == before + 1
+    assert served.wait_for_server() != old
+    served.gcc(*COMPILE)
+    assert served.fallbacks() == before + 1  # served again
+
+
+class FakeServer:
+    """Listens on the client's socket (as a server of the user's would) and misbehaves."""
+
+    def __init__(self, path: Path, reply: bytes | None) -> None:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(path))
+        self.listener.listen(4)
+        self.listener.settimeout(WAIT)
+        self.reply = reply
+
+    def answer_one(self) -> None:
+        import threading
+
+        def run() -> None:
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.settimeout(WAIT)
+                conn.recv(4)  # the request's length, then leave (killed mid-request)
+                if self.reply is not None:
+                    conn.sendall(self.reply)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [None, b"S\0\0\0\0\1\5\0\0\0hel", b"garbage", b"N"],
+    ids=["gone mid-request", "cut short", "not the protocol", "not served"],
+)
+def test_a_server_that_does_not_serve_leaves_the_compile_to_opcache(served, reply):
+    fake = FakeServer(served.socket, reply)
+    fake.answer_one()
+    done = served.gcc("-Wall", *COMPILE)
+    fake.thread.join(WAIT)
+    assert not fake.thread.is_alive()
+    assert done.returncode == 0 and served.fallbacks() == 1
+    assert done.stdout == b""  # nothing of the fake's reply written
+    subprocess.run([GCC, *COMPILE, "-o", "plain.o"], cwd=served.src, check=True)
+    assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
+    fake.listener.close()
+
+
+def hostile_cases(served: Served, case: str, victim: Path) -> None:
+    """Plant ``case`` where the client looks for its server (folder or socket)."""
+    if case == "socket is a link":
+        real = victim / "real.sock"
+        FakeServer(real, b"S\0\0\0\0\0\0\0\0\0")  # would answer "served, status 0"
+        served.folder.mkdir(mode=0o700)
+        served.socket.symlink_to(real)
+    elif case == "socket is a FIFO":
+        served.folder.mkdir(mode=0o700)
+        os.mkfifo(served.socket)
+    elif case == "folder is a link":
+        served.folder.symlink_to(victim)
+    elif case == "folder others can enter":
+        served.folder.mkdir(mode=0o755)
+        served.folder.chmod(0o755)
+    elif case == "folder of another user":
+        served.folder.mkdir(mode=0o700)
+        os.chown(served.folder, NOBODY, NOBODY)
+    elif case == "socket of another user":
+        served.folder.mkdir(mode=0o700)
+        FakeServer(served.socket, b"S\0\0\0\0\0\0\0\0\0")
+        os.chown(served.socket, NOBODY, NOBODY, follow_symlinks=False)
+
+
+HOSTILE = [
+    "socket is a link",
+    "socket is a FIFO",
+    "folder is a link",
+    "folder others can enter",
+    pytest.param(
+        "folder of another user", marks=pytest.mark.skipif(not IS_ROOT, reason=NEEDS_ROOT)
+    ),
+    pytest.param(
+        "socket of another user", marks=pytest.mark.skipif(not IS_ROOT, reason=NEEDS_ROOT)
+    ),
+]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
+    found = {}
+    for path in [folder, *folder.rglob("*")]:
+        st = path.lstat()
+        found[str(path)] = (st.st_mode, st.st_uid, st.st_size)
+    return found
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_planted_socket_or_folder_is_never_used_nor_touched(served, case, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    (victim / "keep").write_text("mine")
+    hostile_cases(served, case, victim)
+    before = snapshot(served.folder if not served.folder.is_symlink() else victim)
+    for _ in range(2):
+        done = served.gcc(*COMPILE)
+        assert done.returncode == 0, done.stderr
+    assert served.fallbacks() == 2  # neither compile served
+    assert lines(served.starts).count("server") == 0  # nor a server started there
+    assert snapshot(served.folder if not served.folder.is_symlink() else victim) == before
+    subprocess.run([GCC, *COMPILE, "-o", "plain.o"], cwd=served.src, check=True)
+    assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
+
+
+# (not a socket of another user in its own folder: the server replaces it, as any left there)
+@pytest.mark.parametrize("case", HOSTILE[2:5])
+def test_opcache_server_refuses_a_folder_that_is_not_the_user_s_own(served, case, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    hostile_cases(served, case, victim)
+    done = subprocess.run(
+        [served.program, "server", "--socket", str(served.socket)],
+        env=served.env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("opcache: error: ") and len(done.stderr.splitlines()) == 1
+    assert list(victim.iterdir()) == []
+
+
+def test_the_server_exits_when_idle(served):
+    served.env[server.ENV_IDLE] = "1"
+    warmed(served, *COMPILE)
+    pid = served.wait_for_server()
+    served.gcc(*COMPILE)
+    deadline = time.monotonic() + WAIT
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+    assert not served.socket.exists()  # its socket gone with it
+
+
+def test_a_changed_opcache_ends_the_server_and_the_compile_falls_back(served, tmp_path):
+    warmed(served, *COMPILE)
+    pid = served.wait_for_server()
+    # As an upgrade does: one of the server's loaded files is replaced.
+    import opcache.server as module
+
+    path = Path(module.__file__)
+    saved = tmp_path / "saved.py"
+    shutil.copy2(path, saved)
+    try:
+        replacement = path.with_name(".server-replacement.py")
+        shutil.copy2(path, replacement)
+        os.replace(replacement, path)  # (same bytes, a new file)
+        before = served.fallbacks()
+        assert served.gcc(*COMPILE).returncode == 0
+        assert served.fallbacks() == before + 1
+        deadline = time.monotonic() + WAIT
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid)
+    finally:
+        shutil.copy2(saved, path)
+
+
+def test_masquerade_client_builds_it_and_links_to_it(tmp_path):
+    env = {**base_env(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    links = tmp_path / "links"
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", "masquerade", "--client", str(links)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT * 2,
+    )
+    assert done.returncode == 0, done.stderr
+    client = links / "opcache-client"
+    assert os.access(client, os.X_OK)
+    assert os.path.realpath(links / "gcc") == str(client)
+    assert f"links point at {client}" in done.stdout
+
+
+def test_masquerade_client_without_a_c_compiler_says_so_once_and_links_opcache(tmp_path):
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "opc").write_text("#!/bin/sh\nexit 0\n")  # a compiler name, but no C compiler
+    (tools / "opc").chmod(0o755)
+    env = {**base_env(tmp_path), "PATH": f"{tools}{os.pathsep}{os.path.dirname(sys.executable)}"}
+    links = tmp_path / "links"
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", "masquerade", "--client", str(links)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("opcache: warning: no C compiler") == 1, done.stderr
+    assert "the links run opcache itself" in done.stderr
+    assert not (links / "opcache-client").exists()
+    assert os.path.basename(os.path.realpath(links / "opc")) == "opcache"
