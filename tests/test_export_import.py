@@ -232,3 +232,20 @@ def test_the_command_line_exports_imports_and_refuses_a_bad_archive(tmp_path):
     assert done.stderr.startswith("opcache: error:") and done.stderr.count("\n") == 1
     done = _cli("cann", "import", *b, env=env)
     assert done.returncode == 2 and "FILE is missing" in done.stderr
+
+
+def test_the_command_line_exports_and_imports_opcache_own_cache(tmp_path):
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(make_settings(tmp_path / "one", tmp_path)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "out")
+    path = tmp_path / "seed.tar"
+    env = {"HOME": str(tmp_path)}
+    done = _cli("export", str(path), "--op_compiler_cache_dir", str(tmp_path / "one"), env=env)
+    assert done.returncode == 0, done.stderr
+    two = ["--op_compiler_cache_dir", str(tmp_path / "two")]
+    done = _cli("import", str(path), "--dry-run", "--json", *two, env=env)
+    assert (done.returncode, json.loads(done.stdout)["would_import"]) == (0, 1), done.stderr
+    done = _cli("import", str(path), "--json", *two, env=env)
+    assert (done.returncode, json.loads(done.stdout)["imported"]) == (0, 1), done.stderr
+    done = _cli("import", str(tmp_path / "missing.tar"), *two, env=env)
+    assert done.returncode == 4 and done.stderr.startswith("opcache: error:")
