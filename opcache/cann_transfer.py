@@ -551,13 +551,10 @@ def _index_entries(index: dict, ns: Namespace) -> dict[str, tuple[int, int]]:
 
 
 def _have(remote: Remote, chip: str, keys: list[str]) -> set[str]:
-    """The keys the remote holds, in batches (``have_many`` where the remote has it:
-    without, each value is fetched)."""
-    have_many = getattr(remote, "have_many", None)
+    """The keys the remote holds, asked in batches."""
     found: set[str] = set()
     for at in range(0, len(keys), _BATCH):
-        batch = keys[at : at + _BATCH]
-        found |= set(have_many(chip, batch) if have_many else remote.get_many(chip, batch))
+        found |= remote.have_many(chip, keys[at : at + _BATCH])
     return found
 
 

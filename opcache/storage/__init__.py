@@ -78,9 +78,10 @@ class Remote:
     - ``put``: store one entry (the manifest's bytes and the files);
     - a module function ``connect(settings)`` that returns the instance.
 
-    Everything else has a default a kind may override: ``get`` asks
-    ``get_many``; with no ``claim`` every client compiles the keys it misses
-    (no single flight across machines); ``watch`` is ``get_many`` with no
+    Everything else has a default a kind may override: ``get`` and
+    ``have_many`` (which keys are there) ask ``get_many``; with no ``claim``
+    every client compiles the keys it misses (no single flight across
+    machines); ``watch`` is ``get_many`` with no
     claims; ``discard``, ``usage`` and ``clear`` (``opcache remote``) raise
     ``RemoteError`` ("not supported"); ``close`` does nothing.  Every method
     raises ``RemoteError`` for a failure of the server or the network.
@@ -108,6 +109,11 @@ class Remote:
         raise NotImplementedError
 
     # -- what a kind may add -------------------------------------------------------------
+
+    def have_many(self, soc: str, keys: list[str]) -> set[str]:
+        """Which of ``keys`` the remote holds, in few round trips.  By default the
+        entries are fetched; a kind that can ask for existence alone says so."""
+        return set(self.get_many(soc, keys))
 
     def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
         """(the checked entry, its manifest's bytes), or None when absent."""
