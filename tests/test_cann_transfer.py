@@ -339,3 +339,17 @@ def test_without_a_remote_the_command_line_says_so(machines):
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.startswith("opcache: error:") and "OPCACHE_REMOTE" in done.stderr
+
+
+def test_push_asks_which_entries_the_remote_has_without_fetching_them(machines, redis_server):
+    a, _ = machines
+    _fill(a, 40, size=10_000)
+    a.push()
+    client = redis_server.client()
+    client.config_resetstat()
+    again = a.push()
+    assert (again["present"], again["sent"]) == (40, 0)
+    calls = {k: v["calls"] for k, v in client.info("commandstats").items()}
+    assert calls.get("cmdstat_exists", 0) == 40  # a batched EXISTS per entry, no value
+    assert "cmdstat_mget" not in calls
+    assert calls.get("cmdstat_get", 0) <= 2  # the chip's index, read before it is merged
