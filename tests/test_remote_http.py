@@ -222,3 +222,11 @@ def test_the_url_is_checked(tmp_path: Path) -> None:
     assert machine(tmp_path, "a", "https://u:pw@cache.example:8443/ops").remote.shown_url == (
         "https://u:***@cache.example:8443/ops"
     )
+
+
+def test_a_percent_encoded_path_is_sent_as_written(server: Nginx) -> None:
+    r = connect(settings(server.url("cache/team%2Da")))  # the server's folder team-a
+    r.put(SOC, KEY, *entry())
+    name = hashlib.sha256(f"opcache:1:{SOC}:{KEY}".encode()).hexdigest()
+    assert (server.data / "team-a" / "ac" / name).is_file()
+    assert r.get(SOC, KEY) is not None

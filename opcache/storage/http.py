@@ -38,11 +38,11 @@ import hashlib
 import http.client
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from .._log import get_logger
 from . import Remote, RemoteCorrupt, RemoteError
-from .redis import _fetched, pack
+from .redis import checked, pack
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class HttpRemote(Remote):
 
     def _path(self, soc: str, key: str) -> str:
         name = hashlib.sha256(f"{self._prefix}{soc}:{key}".encode()).hexdigest()
-        return quote(self._base) + name
+        return self._base + name  # (the URL's path as written: percent-encoded already)
 
     # -- requests --------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class HttpRemote(Remote):
             return None
         if status != 200 or data is None:
             raise self._failure("GET", status)
-        got = _fetched(key, data)
+        got = checked(key, data)
         if isinstance(got, RemoteCorrupt):
             self._corrupt.add((soc, key))
         return got

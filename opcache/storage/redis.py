@@ -57,7 +57,7 @@ _LENGTH = struct.Struct(">I")
 _CHECK = 16  # bytes of XXH3-128
 _COMPRESS_FROM = 1024
 _MGET_KEYS = 64  # keys per MGET: a batch of big kernels stays a bounded answer
-_CLAIM_SUFFIX = ":claim"
+CLAIM_SUFFIX = ":claim"
 
 # Renew a claim, or delete it, only while it holds our token.
 _RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -120,7 +120,7 @@ def unpack(key: str, value: bytes) -> tuple[Entry, bytes]:
     return Entry(key, files, described["compile_seconds"], 0.0), manifest
 
 
-def _fetched(key: str, value: bytes) -> Fetched | RemoteCorrupt:
+def checked(key: str, value: bytes) -> Fetched | RemoteCorrupt:
     """``unpack``'s answer with the value's size on the wire, or its RemoteCorrupt."""
     try:
         return (*unpack(key, value), len(value))
@@ -222,19 +222,19 @@ class RedisRemote(Remote):
         """(the entries of ``keys`` that are there, the keys claimed), in one round trip."""
         if len(keys) == 1 and not claims:  # a plain GET: a pipeline costs a hit 0.1 ms more
             value = self._call("GET", self._redis.get, self._name(soc, keys[0]))
-            return ({} if value is None else {keys[0]: _fetched(keys[0], value)}), set()
+            return ({} if value is None else {keys[0]: checked(keys[0], value)}), set()
         pipe = self._redis.pipeline(transaction=False)
         batches = [keys[start : start + _MGET_KEYS] for start in range(0, len(keys), _MGET_KEYS)]
         for batch in batches:
             pipe.mget([self._name(soc, k) for k in batch])
         if claims:
-            pipe.mget([self._name(soc, k) + _CLAIM_SUFFIX for k in keys])
+            pipe.mget([self._name(soc, k) + CLAIM_SUFFIX for k in keys])
         answers = self._call("MGET", pipe.execute)
         found: dict[str, Fetched | RemoteCorrupt] = {}
         for batch, values in zip(batches, answers, strict=False):
             for key, value in zip(batch, values, strict=True):
                 if value is not None:
-                    found[key] = _fetched(key, value)
+                    found[key] = checked(key, value)
         claimed = set()
         if claims:
             claimed = {key for key, token in zip(keys, answers[-1], strict=True) if token}
@@ -272,7 +272,7 @@ class RedisRemote(Remote):
 
     def claim(self, soc: str, key: str, seconds: float) -> _Claim | None:
         """The key for one compile in the cluster, or None when another client holds it."""
-        name = self._name(soc, key) + _CLAIM_SUFFIX
+        name = self._name(soc, key) + CLAIM_SUFFIX
         token = f"{os.uname().nodename}:{os.getpid()}:{os.urandom(8).hex()}"
         millis = max(int(seconds * 1000), 1)
         if not self.read_only:
@@ -297,7 +297,7 @@ class RedisRemote(Remote):
         return claim
 
     def claimed(self, soc: str, key: str) -> bool:
-        return bool(self._call("EXISTS", self._redis.exists, self._name(soc, key) + _CLAIM_SUFFIX))
+        return bool(self._call("EXISTS", self._redis.exists, self._name(soc, key) + CLAIM_SUFFIX))
 
     def _renew_claims(self, every: float) -> None:
         while not self._closed.wait(every):
@@ -326,7 +326,7 @@ class RedisRemote(Remote):
     def usage(self, soc: str | None = None) -> dict[str, object]:
         """Entries and bytes per chip under the prefix, and the server's memory settings."""
         chips: dict[str, dict[str, int]] = {}
-        names = [n for n in self._scan(soc) if not n.endswith(_CLAIM_SUFFIX.encode())]
+        names = [n for n in self._scan(soc) if not n.endswith(CLAIM_SUFFIX.encode())]
         for start in range(0, len(names), 1000):
             batch = names[start : start + 1000]
             pipe = self._redis.pipeline(transaction=False)
@@ -353,7 +353,7 @@ class RedisRemote(Remote):
         names = list(self._scan(soc))
         for start in range(0, len(names), 1000):
             self._call("UNLINK", self._redis.unlink, *names[start : start + 1000])
-        return len([n for n in names if not n.endswith(_CLAIM_SUFFIX.encode())])
+        return len([n for n in names if not n.endswith(CLAIM_SUFFIX.encode())])
 
     def close(self) -> None:
         self._closed.set()

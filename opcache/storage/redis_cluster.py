@@ -25,7 +25,7 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from . import RemoteError
-from .redis import _CLAIM_SUFFIX, RedisRemote, _fetched
+from .redis import CLAIM_SUFFIX, RedisRemote, checked
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -87,12 +87,12 @@ class RedisClusterRemote(RedisRemote):
         pipeline per primary."""
         names = [self._name(soc, key) for key in keys]
         if claims:
-            names += [name + _CLAIM_SUFFIX for name in names[: len(keys)]]
+            names += [name + CLAIM_SUFFIX for name in names[: len(keys)]]
         values = self._call("MGET", self._redis.mget_nonatomic, names)
         found: dict[str, Fetched | RemoteCorrupt] = {}
         for key, value in zip(keys, values, strict=False):
             if value is not None:
-                found[key] = _fetched(key, value)
+                found[key] = checked(key, value)
         claimed = set()
         if claims:
             claimed = {key for key, token in zip(keys, values[len(keys) :], strict=True) if token}
