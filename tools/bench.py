@@ -40,6 +40,13 @@ machines are noisy).  Scenarios:
    stored and the write to out_dir); scenario 8's 4 x 4 x 200 cold run on a
    Redis Cluster of three primaries vs one Redis
 
+13. served wrap hit: a gcc hit through opcache's C client and a warm
+   `opcache server` (`opcache masquerade --client`), through the Python path
+   from a regular install (and with PYTHONDONTWRITEBYTECODE=1), against a
+   ccache hit and that install's `python -c pass`; `make -j2` of a 100-file C
+   project into a clean tree, warm, through the masquerade (client, Python
+   links) against CC="ccache gcc"
+
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
                           [--before DIR]
 """
@@ -450,6 +457,157 @@ def bench_wrap(report: Report, tmp: Path, repeat: int) -> None:
             )
         report.add("wrap", name, times, **ratios)
     report.add("wrap", f"restore floor ({size} B object)", floor)
+
+
+# -- 13. a wrap hit served by opcache server, from a regular install --------------
+
+
+def _regular_install(folder: Path) -> Path:
+    """A venv with opcache installed from this tree as a user installs it (not editable):
+    its bin folder.  An editable install's import hook inflates every start-up."""
+    venv = folder / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    source = Path(__file__).resolve().parent.parent
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(source)],
+        check=True,
+        capture_output=True,
+    )
+    return venv / "bin"
+
+
+C_UNIT = """#include "common.h"
+#include <stdio.h>
+#include <string.h>
+int unit_{i}(const char *s, int n) {{
+    int acc = {i};
+    for (int k = 0; k < n && s[k]; k++) acc = mix(acc, s[k]);
+    return acc + (int)strlen(s);
+}}
+"""
+
+
+def _c_project(folder: Path, units: int) -> None:
+    """A make project of ``units`` C files sharing headers (a real C project's shape)."""
+    folder.mkdir()
+    (folder / "common.h").write_text(
+        '#include "inner.h"\nstatic inline int mix(int a, int c) { return a * 31 + c + INNER; }\n'
+    )
+    (folder / "inner.h").write_text("#define INNER 7\n")
+    for i in range(units):
+        (folder / f"u{i}.c").write_text(C_UNIT.format(i=i))
+    objects = " ".join(f"u{i}.o" for i in range(units))
+    (folder / "Makefile").write_text(
+        f"all: {objects}\n%.o: %.c common.h inner.h\n\t$(CC) -O2 -Wall -c $< -o $@\n"
+        "clean:\n\trm -f *.o\n"
+    )
+
+
+def bench_served_wrap(report: Report, tmp: Path, repeat: int) -> None:
+    """Issue 22 item 3: a gcc wrap hit through the client and a warm server, through
+    the Python path (regular install, and with PYTHONDONTWRITEBYTECODE=1), against
+    a ccache hit and the install's ``python -c pass``; a C project's warm build
+    through the masquerade (client, and Python links) against ccache's."""
+    print("13. served wrap hit: client + opcache server vs Python path vs ccache")
+    folder = tmp / "served"
+    folder.mkdir()
+    ccache = _ccache()
+    if ccache is None:
+        print("  ccache is missing and cannot be installed here: scenario skipped")
+        return
+    bin_dir = _regular_install(folder)
+    program = str(bin_dir / "opcache")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("OPCACHE_", "PYTHON"))},
+        "HOME": str(folder),
+        "OPCACHE_DIR": str(folder / "oc"),
+        "CCACHE_DIR": str(folder / "ccache"),
+        "XDG_RUNTIME_DIR": str(folder / "run"),
+        "OPCACHE_SERVER_IDLE": "60",  # (it outlives the bench by that much at most)
+    }
+    (folder / "run").mkdir(mode=0o700)
+    for kind, extra in (("client", ["--client"]), ("python", [])):
+        done = subprocess.run(
+            [program, "masquerade", *extra, str(folder / f"links-{kind}")],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        if kind == "client" and "opcache: warning" in done.stderr:
+            print(f"  {done.stderr.strip()}")
+    src = folder / "src"
+    _c_project(src, 1)
+    gcc = ["-O2", "-Wall", "-c", "u0.c", "-o", "u0.o"]
+    commands = {
+        "python -c pass (regular install)": [str(bin_dir / "python"), "-c", "pass"],
+        "ccache hit": [ccache, "gcc", *gcc],
+        "client + server hit": [str(folder / "links-client" / "gcc"), *gcc],
+        "python wrap hit (regular install)": [program, "wrap", "--", "gcc", *gcc],
+        "python wrap hit, PYTHONDONTWRITEBYTECODE=1": [program, "wrap", "--", "gcc", *gcc],
+    }
+    no_bytecode = {**env, "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def runner(name: str, argv: list[str]) -> Callable[[], None]:
+        run_env = no_bytecode if "PYTHONDONTWRITEBYTECODE" in name else env
+        return lambda: subprocess.run(argv, cwd=src, env=run_env, check=True, capture_output=True)
+
+    # The first runs store, start the server and write bytecode; wait for the server.
+    for name, argv in commands.items():
+        runner(name, argv)()
+    _wait_for_server(folder / "run", src, env, commands["client + server hit"])
+    results = timeit_side_by_side(
+        {name: runner(name, argv) for name, argv in commands.items()}, repeat, warmup=2
+    )
+    ccache_median = statistics.median(results["ccache hit"])
+    python_median = statistics.median(results["python -c pass (regular install)"])
+    for name, times in results.items():
+        ratios = {"vs_ccache": statistics.median(times) / ccache_median}
+        if "wrap" in name or "client" in name:
+            ratios["vs_python"] = statistics.median(times) / python_median
+        report.add("served", name, times, **ratios)
+    _bench_warm_build(report, folder, env, ccache, max(repeat // 10, 3))
+
+
+def _wait_for_server(run: Path, src: Path, env: dict[str, str], argv: list[str]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sockets = list(run.glob("opcache-*/*.sock"))
+        if sockets:
+            return
+        subprocess.run(argv, cwd=src, env=env, check=True, capture_output=True)
+        time.sleep(0.2)
+    print("  (no server came up: the client's hits fall back on the Python path)")
+
+
+def _bench_warm_build(
+    report: Report, folder: Path, env: dict[str, str], ccache: str, rounds: int
+) -> None:
+    """`make -j2` of a 100-file C project into a clean tree, every compile a hit."""
+    project = folder / "project"
+    _c_project(project, 100)
+    ways = {
+        "warm build: ccache": {"CC": f"{ccache} gcc"},
+        "warm build: masquerade, client + server": {"PATH": f"{folder / 'links-client'}:"},
+        "warm build: masquerade, Python links": {"PATH": f"{folder / 'links-python'}:"},
+    }
+
+    def build(change: dict[str, str]) -> Callable[[], None]:
+        run_env = {**env, **change}
+        if "PATH" in change:
+            run_env["PATH"] = change["PATH"] + env.get("PATH", os.defpath)
+        make = ["make", "-s", "-j2"] + ([f"CC={change['CC']}"] if "CC" in change else [])
+
+        def once() -> None:
+            subprocess.run(["make", "-s", "clean"], cwd=project, env=run_env, check=True)
+            subprocess.run(make, cwd=project, env=run_env, check=True, capture_output=True)
+
+        return once
+
+    results = timeit_side_by_side({name: build(c) for name, c in ways.items()}, rounds, warmup=1)
+    base = statistics.median(results["warm build: ccache"])
+    for name, times in results.items():
+        report.add("served", name, times, vs_ccache=statistics.median(times) / base)
 
 
 # -- 10. a CMake project's warm rebuild ------------------------------------------
@@ -1189,7 +1347,7 @@ def main(argv: list[str] | None = None) -> int:
         "--before", type=Path, help="a folder holding older code's opcache/ (scenario 9's baseline)"
     )
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 13))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 14))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -1214,6 +1372,7 @@ def main(argv: list[str] | None = None) -> int:
             10: lambda: bench_cmake(report, tmp, 3 if args.quick else 10),
             11: lambda: bench_cann_transfer(report, tmp, 2_000, 2 if args.quick else 5),
             12: lambda: bench_remote_kinds(report, tmp, repeat, 100 if args.quick else 200),
+            13: lambda: bench_served_wrap(report, tmp, max(repeat // 10, 10)),
         }
         for number, run in scenarios.items():
             if number in only:
