@@ -23,10 +23,10 @@ renamed over it when complete.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import json
 import os
+import stat
 import tarfile
 import time
 import zlib
@@ -128,12 +128,11 @@ def members(path: Path, kind: str) -> Iterator[tuple[str, str, bytes]]:
     """
     count = 0
     trailer = None
-    try:
-        fd, _ = fsutil.open_regular(path)
-    except OSError as e:
-        if e.errno == errno.EINVAL:  # open_regular's "not a regular file"
-            raise BadArchive(f"{path} is not a regular file") from None
-        raise
+    # The file the user named, a link to it too; never waiting on a FIFO.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadArchive(f"{path} is not a regular file")
     with os.fdopen(fd, "rb") as f:
         try:
             with tarfile.open(fileobj=f, mode="r|*") as tar:

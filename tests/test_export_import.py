@@ -249,3 +249,10 @@ def test_the_command_line_exports_and_imports_opcache_own_cache(tmp_path):
     assert (done.returncode, json.loads(done.stdout)["imported"]) == (0, 1), done.stderr
     done = _cli("import", str(tmp_path / "missing.tar"), *two, env=env)
     assert done.returncode == 4 and done.stderr.startswith("opcache: error:")
+
+
+def test_an_archive_named_through_a_link_is_read(tmp_path):
+    path = _export(tmp_path)
+    link = tmp_path / "link.tar"
+    link.symlink_to(path)
+    assert _import(tmp_path, link)["chips"][SOC]["written"] == 4
