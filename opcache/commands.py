@@ -660,9 +660,13 @@ def _transfer_line(soc: str, chip: dict) -> str:
             parts.append(f"{len(chip['locked'])} skipped (a CANN writer holds its lock)")
         if chip["stopped_at_limit"]:
             parts.append("stopped before the size limit")
+    elif "imported" in chip:
+        parts = [
+            f"{_count(chip['imported'], 'entry', 'entries')} stored ({_size(chip['bytes'])})",
+            f"{chip['present']} already there",
+        ]
     else:
-        key = "entries" if "entries" in chip else "imported"
-        parts = [f"{_count(chip[key], 'entry', 'entries')} ({_size(chip['bytes'])})"]
+        parts = [f"{_count(chip['entries'], 'entry', 'entries')} exported ({_size(chip['bytes'])})"]
     for key in ("corrupt", "rejected", "not_sent", "skipped", "errors"):
         for item in chip.get(key) or []:
             what = item if isinstance(item, str) else f"{item['entry']} ({item['why']})"
