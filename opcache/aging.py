@@ -9,7 +9,8 @@ time (the others skip, they do not wait), and compiling never waits for it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Iterator
 
 from ._log import get_logger
 from .settings import AGE_SECONDS
@@ -22,6 +23,12 @@ log = get_logger(__name__)
 # entry used within AGE_SECONDS.
 STAMP_GRANULARITY = 60
 MIN_IDLE_SECONDS = AGE_SECONDS + STAMP_GRANULARITY
+# The oldest entries a trim holds at once (about 260 bytes each, 26 MB): a
+# trim of more walks the chip folder again for the next oldest.  Sorting the
+# whole walk held every entry (230 MB at a million); a bounded heap keeps the
+# memory flat in the entry count, and a trim of the usual size (the 20 % over
+# CANN's default ratio of a hundred thousand entries) still walks once.
+CANDIDATES = 100_000
 
 
 class ChipAging:
@@ -84,32 +91,58 @@ def _trim(
     progress: Callable[[int], None] | None,
     on_evict: Callable[[int], None] | None,
 ) -> None:
-    oldest_first = sorted(store.scan(soc, progress, sizes=dry_run), key=lambda i: i.stamp)
     removing = contextlib.nullcontext(None) if dry_run else store.discarding(soc, later=True)
     with removing as remove:
-        for info in oldest_first:
-            if report.freed_bytes >= to_free:
+        after: tuple[float, str] | None = None
+        while True:
+            walk = _Walk(store, soc, now, after, dry_run)
+            batch = heapq.nsmallest(CANDIDATES, walk.old_enough(progress))
+            for stamp, key, size in batch:
+                if report.freed_bytes >= to_free:
+                    return
+                # A hit since the walk moves the stamp: that entry is in use again.
+                # (An entry with no manifest has stamp 0.0 and goes first.)
+                if (store.stamp(soc, key) or 0.0) != stamp:
+                    continue
+                if remove is not None:
+                    try:
+                        size = remove(key)
+                    except OSError as e:
+                        log.warning("cannot remove %s/%s while aging: %s", soc, key, e)
+                        report.errors += 1
+                        continue
+                    if size is None:
+                        continue
+                    if on_evict:
+                        on_evict(size)
+                log.debug("aged out %s/%s (%d bytes)", soc, key, size)
+                report.removed_entries += 1
+                report.freed_bytes += size
+            if len(batch) < CANDIDATES:
+                if report.freed_bytes < to_free:
+                    report.oldest_kept = walk.oldest_young  # the rest are too young
                 return
-            if now - info.stamp < MIN_IDLE_SECONDS:
-                report.oldest_kept = info.stamp
-                return  # the rest are younger still
-            # A hit since the scan moves the stamp: that entry is in use again.
-            # (An entry with no manifest has stamp 0.0 and goes first.)
-            if (store.stamp(soc, info.key) or 0.0) != info.stamp:
-                continue
-            if remove is None:
-                size = info.size
-            else:
-                try:
-                    size = remove(info.key)
-                except OSError as e:
-                    log.warning("cannot remove %s/%s while aging: %s", soc, info.key, e)
-                    report.errors += 1
-                    continue
-                if size is None:
-                    continue
-                if on_evict:
-                    on_evict(size)
-            log.debug("aged out %s/%s (%d bytes)", soc, info.key, size)
-            report.removed_entries += 1
-            report.freed_bytes += size
+            after = batch[-1][:2]
+
+
+class _Walk:
+    """One walk of a chip folder for the entries old enough to age."""
+
+    def __init__(
+        self, store: LocalStore, soc: str, now: float, after: tuple[float, str] | None, sizes: bool
+    ) -> None:
+        self.store, self.soc, self.now, self.after, self.sizes = store, soc, now, after, sizes
+        # The stamp of the oldest entry too young to age, once walked.
+        self.oldest_young: float | None = None
+
+    def old_enough(
+        self, progress: Callable[[int], None] | None
+    ) -> Iterator[tuple[float, str, int]]:
+        """(stamp, key, bytes if asked) of each entry old enough to age and, if an
+        earlier walk's batch ended at ``after``, past it in (stamp, key) order."""
+        for info in self.store.scan(self.soc, progress, sizes=self.sizes):
+            if self.now - info.stamp < MIN_IDLE_SECONDS:
+                if self.oldest_young is None or info.stamp < self.oldest_young:
+                    self.oldest_young = info.stamp
+            elif self.after is None or (info.stamp, info.key) > self.after:
+                yield info.stamp, info.key, info.size

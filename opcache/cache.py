@@ -298,25 +298,23 @@ class OpCache:
         return report
 
     def _verify_chip(self, soc: str, chip: ChipVerify, progress: Progress | None) -> None:
-        for info in self._store.scan(soc, progress, sizes=True):
+        for key, size, problem in self._store.check_each(soc, progress):
             chip.checked += 1
-            try:
-                self._store.get(soc, info.key)
-            except CorruptEntry as e:
-                log.warning("corrupt cache entry %s/%s removed: %s", soc, info.key, e)
+            if isinstance(problem, CorruptEntry):
+                log.warning("corrupt cache entry %s/%s removed: %s", soc, key, problem)
                 chip.corrupt += 1
                 self._stats.add(soc, "corrupt")
                 try:
-                    self._store.discard(soc, info.key)
+                    self._store.discard(soc, key)
                 except OSError as err:
-                    log.warning("cannot remove %s/%s: %s", soc, info.key, err)
+                    log.warning("cannot remove %s/%s: %s", soc, key, err)
                     chip.errors += 1
                 continue
-            except OSError as e:
-                log.warning("cannot check %s/%s: %s", soc, info.key, e)
+            if problem is not None:
+                log.warning("cannot check %s/%s: %s", soc, key, problem)
                 chip.errors += 1
             chip.entries += 1
-            chip.bytes += info.size
+            chip.bytes += size
         self._store.set_used(soc, chip.entries, chip.bytes)
 
     def clear(self, soc_version: str | None = None) -> list[str]:

@@ -129,12 +129,15 @@ class CounterFiles:
                 log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
             return {}
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 log.warning(
                     "ignoring the counter file %s/%s: not a regular file", self.folder, name
                 )
                 return {}
-            raw = os.read(fd, _MAX_SHARD)
+            # A shard is written whole, then renamed into place: its size is all
+            # there is, and a read allocates what it asks for.
+            raw = os.read(fd, min(st.st_size + 1, _MAX_SHARD))
         except OSError as e:
             log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
             return {}

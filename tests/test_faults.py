@@ -475,11 +475,11 @@ def test_a_store_racing_verify_is_not_lost_from_the_counters(
     # verify walks, then resets the counters to the walk: another process's store
     # must not be counted in between (it waits for the walk and counts after).
     settings, _keys = _stored(tmp_path, 3)
-    real_scan = LocalStore.scan
+    real_walk = LocalStore.check_each
     racers = []
 
-    def scan_then_store(self, *args, **kwargs):
-        yield from real_scan(self, *args, **kwargs)
+    def walk_then_store(self, *args, **kwargs):
+        yield from real_walk(self, *args, **kwargs)
         spec = base_spec(tmp_path)
         spec.update(requests=[100], result=str(tmp_path / "racer.json"))
         racer = MP.Process(target=compile_child, args=(spec,))
@@ -487,7 +487,7 @@ def test_a_store_racing_verify_is_not_lost_from_the_counters(
         racers.append(racer)
         time.sleep(0.5)  # long enough for its store to reach the counters, were it allowed
 
-    monkeypatch.setattr(LocalStore, "scan", scan_then_store)
+    monkeypatch.setattr(LocalStore, "check_each", walk_then_store)
     with opcache.OpCache(settings) as cache:
         cache.verify()
     monkeypatch.undo()

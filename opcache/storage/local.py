@@ -221,7 +221,8 @@ class LocalStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or trust.problem(st, self.modes):
                 return None
-            return os.read(fd, MAX_MANIFEST)
+            # The file's size, not the limit: a read allocates what it asks for.
+            return os.read(fd, min(st.st_size + 1, MAX_MANIFEST))
         finally:
             os.close(fd)
 
@@ -291,27 +292,34 @@ class LocalStore:
                     return None
                 raise
             try:
-                entry_fd = os.open(key, fsutil.DIR_FLAGS, dir_fd=bucket_fd)
-            except OSError as e:
-                # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
-                # link or a file in the entry's place from an entry that is not there.
-                misplaced = e.errno in (errno.ENOTDIR, errno.ELOOP)
-                misplaced = misplaced and fsutil.lexists(key, bucket_fd)
-                os.close(bucket_fd)
-                if misplaced:
-                    raise CorruptEntry("the entry is not a folder (a link or a file)") from None
-                if e.errno in fsutil.GONE:
-                    return None
-                raise
-            try:
-                trust.check(os.fstat(entry_fd), self.modes, f"{self.root}/{soc}/{key[:2]}/{key}")
-            except trust.UntrustedFolder:
-                os.close(entry_fd)
+                entry_fd = self._open_entry_in(bucket_fd, soc, key)
+            except BaseException:
                 os.close(bucket_fd)
                 raise
+            if entry_fd is None:
+                os.close(bucket_fd)
+                return None
             return bucket_fd, entry_fd
         finally:
             os.close(chip_fd)
+
+    def _open_entry_in(self, bucket_fd: int, soc: str, key: str) -> int | None:
+        """The entry folder of ``key`` in its bucket (open as ``bucket_fd``), opened
+        without a link and trusted (UntrustedFolder); None if it is not there.
+
+        CorruptEntry when a link or a file stands in the entry's place.
+        """
+        try:
+            entry_fd = os.open(key, fsutil.DIR_FLAGS, dir_fd=bucket_fd)
+        except OSError as e:
+            # O_DIRECTORY | O_NOFOLLOW on a link gives ENOTDIR (or ELOOP): tell a
+            # link or a file in the entry's place from an entry that is not there.
+            if e.errno in (errno.ENOTDIR, errno.ELOOP) and fsutil.lexists(key, bucket_fd):
+                raise CorruptEntry("the entry is not a folder (a link or a file)") from None
+            if e.errno in fsutil.GONE:
+                return None
+            raise
+        return self._trusted(entry_fd, f"{self.root}/{soc}/{key[:2]}", key)
 
     def _read_entry(self, key: str, entry_fd: int) -> tuple[Entry, bytes]:
         raw, mtime = self._read_file(entry_fd, MANIFEST, MAX_MANIFEST)
@@ -339,8 +347,11 @@ class LocalStore:
             trust.check(st, self.modes, f"the cache file {name}")
             chunks = []
             remaining = limit
+            # What the file holds, and a byte more to see a longer one: a read
+            # allocates what it asks for (4 MB a manifest, asking up to the limit).
+            step = min(st.st_size + 1, 1 << 22)
             while remaining > 0:
-                chunk = os.read(fd, min(remaining, 1 << 22))
+                chunk = os.read(fd, min(remaining, step))
                 if not chunk:
                     break
                 chunks.append(chunk)
@@ -391,6 +402,61 @@ class LocalStore:
         Walks through folder handles and never through a link; a bucket that
         fails the trust rule is skipped with a warning.
         """
+        for bucket_fd, key in self._entry_names(soc, progress):
+            yield EntryInfo(key, *_entry_facts(bucket_fd, key, sizes))
+
+    def check_each(
+        self, soc: str, progress: Callable[[int], None] | None = None
+    ) -> Iterator[tuple[str, int, OSError | CorruptEntry | None]]:
+        """Every entry of a chip folder read and checked as ``get`` checks it, in one
+        walk: (key, its bytes, None) for a sound entry, (key, 0, CorruptEntry) for
+        one to remove, (key, the bytes of its files, OSError) for one that could
+        not be checked.  An entry gone meanwhile (force, clear) is left out.
+
+        Each folder and file is opened, and its metadata read, once: a walk for
+        sizes followed by a ``get`` of each read everything twice.
+        """
+        for bucket_fd, key in self._entry_names(soc, progress):
+            checked = self._check_in(bucket_fd, soc, key)
+            if checked is not None:
+                yield checked
+
+    def _check_in(
+        self, bucket_fd: int, soc: str, key: str
+    ) -> tuple[str, int, OSError | CorruptEntry | None] | None:
+        try:
+            entry_fd = self._open_entry_in(bucket_fd, soc, key)
+        except CorruptEntry as e:
+            return key, 0, e
+        except OSError as e:
+            return key, _folder_bytes(key, bucket_fd), e
+        if entry_fd is None:
+            return None
+        try:
+            entry, manifest = self._read_entry(key, entry_fd)
+        except CorruptEntry as e:
+            if not _still_linked(self.entry_dir(soc, key), entry_fd):
+                return None
+            return key, 0, e
+        except OSError as e:
+            if e.errno in fsutil.GONE:
+                return None
+            with contextlib.suppress(OSError):
+                return key, _files_bytes(entry_fd), e
+            return key, 0, e
+        finally:
+            os.close(entry_fd)
+        # What ``put`` counted: the manifest and the artifacts it names.
+        return key, len(manifest) + sum(map(len, entry.files.values())), None
+
+    def _entry_names(
+        self, soc: str, progress: Callable[[int], None] | None
+    ) -> Iterator[tuple[int, str]]:
+        """(its bucket's handle, key) of every entry name in a chip folder, a bucket at a time.
+
+        Only one bucket's names are held at once: memory stays flat however many
+        entries the chip folder has.
+        """
         chip_fd = self._open_chip_if_there(soc)
         if chip_fd is None:
             return
@@ -407,7 +473,7 @@ class LocalStore:
                 try:
                     for name in os.listdir(bucket_fd):
                         if is_key(name) and name.startswith(bucket):
-                            yield EntryInfo(name, *_entry_facts(bucket_fd, name, sizes))
+                            yield bucket_fd, name
                 finally:
                     os.close(bucket_fd)
                 if progress:

@@ -1,0 +1,170 @@
+"""Maintenance at scale (issue 22, item 4): memory flat in the entry count, one pass.
+
+The memory of a maintenance command is measured structurally, with tracemalloc
+at N and at 4N entries in tmp_path: what grows with the entries is a bug, what
+a million entries would cost follows from it.  The passes are counted as the
+calls that open or stat a file, per entry.  No timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers_cache import SOC, T0, FakeClock, make_settings, trash_emptied, write_size_ini
+
+import opcache
+from opcache import aging
+from opcache.settings import MB
+from opcache.storage.entry import make_manifest
+from opcache.storage.local import LocalStore
+
+KERNEL = 4096  # bytes of each entry's .o
+NOW = T0 + 7200  # every stamp below is older than the 30 minutes aging spares
+# Memory a walk may grow by from N to 4N entries: a few names per bucket.  A
+# walk that held every entry grew by about 175 bytes for each of the 3N more.
+FLAT_BYTES = 32 * 1024
+# The peak at 4N: an entry, a bucket's names, the candidates.  Reads that asked
+# for their limit (16 MB a manifest, 1 MB a counter shard) peaked at 1 to 4 MB.
+PEAK_BYTES = 512 * 1024
+
+
+def fill(root: Path, count: int, *, stamp: Callable[[int], float]) -> list[str]:
+    """``count`` entries of a .o and a .json, the ``i``-th last used at ``stamp(i)``;
+    their keys, in the order made."""
+    store = LocalStore(root)
+    keys = []
+    for i in range(count):
+        key = f"{i:032x}"[::-1]  # spread over the 256 buckets
+        files = {"k.o": i.to_bytes(4, "big") * (KERNEL // 4), "k.json": b'{"kernel": "k"}'}
+        store.put(SOC, key, make_manifest(key, files, 0.5, {}, stamp(i)), files, now=stamp(i))
+        keys.append(key)
+    return keys
+
+
+def open_cache(tmp_path: Path, name: str) -> opcache.OpCache:
+    # A 1 MB limit kept at 50 %: a trim frees all but 512 KB.
+    write_size_ini(tmp_path / name / "kernel_cache", 1, 50)
+    settings = make_settings(tmp_path / name, tmp_path)
+    return opcache.OpCache(settings, clock=FakeClock(NOW))
+
+
+@contextlib.contextmanager
+def peak_growth() -> Iterator[list[int]]:
+    """The peak bytes allocated inside the block, above what was allocated before it."""
+    found: list[int] = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        yield found
+        found.append(tracemalloc.get_traced_memory()[1] - before)
+    finally:
+        tracemalloc.stop()
+
+
+def measure(tmp_path: Path, count: int, command: Callable[[opcache.OpCache], object]) -> int:
+    name = f"cache-{count}"
+    cache = open_cache(tmp_path, name)
+    fill(cache.settings.root, count, stamp=lambda i: T0 - 10_000 + i)
+    with cache:
+        command(cache)  # the modules it imports, and its first lock files, are not the walk's
+        fill(cache.settings.root, count, stamp=lambda i: T0 - 10_000 + i)
+        with peak_growth() as peak:
+            command(cache)
+    trash_emptied(cache.settings.root)
+    return peak[0]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(lambda cache: cache.age(), id="trim"),
+        pytest.param(lambda cache: cache.age(dry_run=True), id="trim --dry-run"),
+        pytest.param(lambda cache: cache.verify(), id="verify"),
+    ],
+)
+def test_maintenance_memory_is_flat_in_the_entry_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: Callable[[opcache.OpCache], object]
+) -> None:
+    # A trim holds this many candidates at most: fewer than either cache has.
+    monkeypatch.setattr(aging, "CANDIDATES", 40, raising=False)
+    small = measure(tmp_path, 300, command)
+    large = measure(tmp_path, 1200, command)
+    assert large - small < FLAT_BYTES, (small, large)
+    assert large < PEAK_BYTES, large
+
+
+def test_a_trim_in_several_walks_removes_the_oldest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stamps shared by three entries each, and batches of 40: a batch ends inside
+    # a group of equal stamps, and the next walk must start right after it.
+    monkeypatch.setattr(aging, "CANDIDATES", 40, raising=False)
+    cache = open_cache(tmp_path, "ops")
+    keys = fill(cache.settings.root, 400, stamp=lambda i: T0 - 10_000 + i // 3)
+    with cache:
+        entries, used = cache._store.used(SOC)
+        assert used >= MB
+        report = cache.age().chips[SOC]
+    size = used // entries
+    to_free = used - MB * 50 // 100
+    removed = -(-to_free // size)
+    oldest_first = sorted(keys, key=lambda k: (keys.index(k) // 3, k))
+    assert report.removed_entries == removed > 3 * 40  # several walks
+    assert report.freed_bytes == removed * size
+    kept = {info.key for info in LocalStore(cache.settings.root).scan(SOC)}
+    assert kept == set(oldest_first[removed:])
+    trash_emptied(cache.settings.root)
+
+
+def test_a_trim_stops_at_entries_too_young_whatever_the_walks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aging, "CANDIDATES", 40, raising=False)
+    cache = open_cache(tmp_path, "ops")
+    # 100 old entries, then 300 used a minute ago: only the old can go.
+    young = NOW - 60
+    fill(cache.settings.root, 400, stamp=lambda i: T0 - 10_000 + i if i < 100 else young)
+    with cache:
+        report = cache.age().chips[SOC]
+    assert report.removed_entries == 100
+    assert report.oldest_kept == young
+    trash_emptied(cache.settings.root)
+
+
+class Calls:
+    """Counts the calls made to some ``os`` functions."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> None:
+        self.counts = dict.fromkeys(names, 0)
+        for name in names:
+            monkeypatch.setattr(os, name, self._counting(name, getattr(os, name)))
+
+    def _counting(self, name: str, real: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            self.counts[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+
+def test_verify_opens_each_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    count = 200
+    cache = open_cache(tmp_path, "ops")
+    fill(cache.settings.root, count, stamp=lambda i: NOW)
+    with cache:
+        cache.verify()  # lock files and folders made, modules imported
+        calls = Calls(monkeypatch, ("open", "stat", "lstat", "scandir"))
+        report = cache.verify().chips[SOC]
+        monkeypatch.undo()
+    assert (report.checked, report.entries, report.corrupt) == (count, count, 0)
+    assert (report.counted_entries, report.counted_bytes) == (report.entries, report.bytes)
+    # Per entry: its folder, its manifest and its two artifacts, nothing twice;
+    # a few more per bucket and per chip.
+    per_entry = 1 + 1 + 2
+    assert calls.counts["open"] <= per_entry * count + 3 * 256, calls.counts
+    assert calls.counts["stat"] + calls.counts["lstat"] + calls.counts["scandir"] < 20, calls.counts
