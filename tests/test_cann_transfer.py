@@ -203,18 +203,24 @@ def test_an_invalid_ini_in_b_says_why_and_does_nothing(machines, text):
     assert not b.chip.exists()
 
 
-def test_an_entry_whose_lock_a_cann_writer_holds_is_skipped_and_left_alone(machines):
+@pytest.mark.parametrize("written", [False, True], ids=["nothing-yet", "its-binary-written"])
+def test_an_entry_a_cann_writer_is_storing_is_skipped_and_left_alone(machines, written):
+    """CANN's writer holds <kernel>.lock from before its first file to after its json
+    (te_cache_manager.cc ``CopyCompileRetIntoCacheDir``)."""
     a, b = machines
     kernels = _fill(a, 3)
     a.push()
     write_ini(b.root)
     b.chip.mkdir(parents=True)
     busy = kernels[1]
-    lock = b.chip / f"{busy}.lock"
-    with held_by_other_process(lock):
+    with held_by_other_process(b.chip / f"{busy}.lock"):
+        if written:  # the writer's binary is in place, its json not yet
+            (b.chip / f"{busy}.o").write_bytes(b"the writer's own kernel")
         report = b.pull()
-        assert report["locked"] == [busy]
-        assert sorted(p.name for p in b.chip.glob(f"{busy}*")) == [f"{busy}.lock"]
+        assert report["locked"] == ([] if written else [busy])
+        assert report["present"] == (1 if written else 0)
+        expected = {f"{busy}.lock", f"{busy}.o"} if written else {f"{busy}.lock"}
+        assert {p.name for p in b.chip.glob(f"{busy}*")} == expected
     # The writer then stores its own entry, as CANN does: nothing of ours is in the way.
     mine = store_entry(b.chip, busy, b"the writer's own kernel")
     assert mine[1].read_bytes() == b"the writer's own kernel"
