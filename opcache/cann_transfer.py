@@ -210,9 +210,11 @@ def local_namespace(
     """(the namespace of ``root``'s chip folder ``soc``, whether op_cache.ini is missing).
 
     ``taking`` (pull, import): a missing ini is fine when the toolkit's
-    versions are known (the caller creates it); giving (push, export) needs the
-    ini.  Refused when the ini is invalid, or says other versions than the
-    installed toolkit (CANN would wipe the folder at its next compile).
+    versions are known (the caller creates it); one that names other versions
+    than the installed toolkit is refused (CANN wipes the folder at its next
+    compile).  Giving (push, export) needs the ini, and its versions are the
+    entries' (CANN wiped the folder when they last changed).  Refused when the
+    ini is invalid.
     """
     driver = driver_version(environ) or "none"
     path = root / INI_NAME
@@ -227,7 +229,7 @@ def local_namespace(
                 "ASCEND_HOME_PATH and ASCEND_OPP_PATH, or run one compile first)"
             )
         return Namespace(soc, *installed, driver), True
-    if installed is not None and installed != in_ini:
+    if taking and installed is not None and installed != in_ini:
         raise Refused(
             f"{path} says adk_version {in_ini[0]}, ops_version {in_ini[1]}, the installed toolkit "
             f"{installed[0]}, {installed[1]}: CANN wipes this folder at its next compile"

@@ -172,10 +172,11 @@ def test_another_driver_in_b_pulls_nothing(machines, tmp_path):
     assert not b.chip.exists()
 
 
-def test_a_toolkit_other_than_the_ini_pulls_nothing(machines):
+def test_a_toolkit_other_than_the_ini_pulls_nothing_but_pushes_under_the_ini(machines):
     a, b = machines
     _fill(a, 1)
-    a.push()
+    a.toolkit(adk="8.0.RC1")  # upgraded since: the entries are still 7.0.RC1's
+    assert a.push()["namespace"]["adk_version"] == "7.0.RC1"
     write_ini(b.root)
     b.toolkit(adk="8.0.RC1")
     assert "CANN wipes this folder" in b.pull()["refused"]
