@@ -393,12 +393,12 @@ class _Writer:
         """Write the files (json last), check them on disk, then show the json;
         None, or why not (then nothing of it is left)."""
         order = sorted(bundle.files, key=lambda n: (n == main, n.endswith(".json"), n))
-        done: list[str] = []
+        done: list[str] = []  # what to remove if the entry cannot be shown
         try:
             for name in order[:-1]:
-                tmp = self._temp(name, bundle)
-                os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-                done.append(name)
+                done.append(self._temp(name, bundle))
+                os.rename(done[-1], name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                done[-1] = name
             tmp = self._temp(main, bundle)
             done.append(tmp)
             why = self._check(bundle, main, tmp)

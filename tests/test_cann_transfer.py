@@ -360,3 +360,21 @@ def test_push_asks_which_entries_the_remote_has_without_fetching_them(machines, 
     assert calls.get("cmdstat_exists", 0) == 40  # a batched EXISTS per entry, no value
     assert "cmdstat_mget" not in calls
     assert calls.get("cmdstat_get", 0) <= 2  # the chip's index, read before it is merged
+
+
+def test_a_full_disk_leaves_no_part_of_an_entry(machines):
+    """ENOSPC half way through an entry: neither its binary nor a temp file stays."""
+    from helpers_faults import tmpfs
+
+    a, b = machines
+    _fill(a, 8, size=100_000)
+    a.push()
+    with tmpfs(b.base, f"size={96 * os.sysconf('SC_PAGE_SIZE')}"):  # 384 KiB with 4 KiB pages
+        write_ini(b.root, max_mb=-1, ratio=50)  # no size limit: the disk is the limit
+        report = b.pull()
+        assert report["written"] >= 1
+        assert report["rejected"] and "No space left" in report["rejected"][0]["why"]
+        names = {p.name for p in b.chip.iterdir()}
+        assert not [n for n in names if n.endswith(".temp")]
+        written = {n[: -len(".json")] for n in names if n.endswith(".json")}
+        assert {n for n in names if n.endswith(".o")} == {f"{k}.o" for k in written}
