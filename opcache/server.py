@@ -236,8 +236,8 @@ def _work(listener: socket.socket, conn: socket.socket, files: dict) -> None:
 
 
 def _answer(conn: socket.socket, files: dict) -> bytes:
-    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-    if uid != os.getuid():
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if uid != os.getuid() or not _sees_what_we_see(pid):
         return b"N"
     head, fds, _, _ = socket.recv_fds(conn, 4, 3)
     try:
@@ -252,7 +252,7 @@ def _answer(conn: socket.socket, files: dict) -> bytes:
             return b"N"
         umask, cwd, argc = int(fields[1], 8), fields[2], int(fields[3])
         argv, env = fields[4 : 4 + argc], fields[4 + argc : -1]
-        return _serve(argv, env, cwd, umask, fds)
+        return _serve(pid, argv, env, cwd, umask, fds)
     finally:
         for fd in fds:
             if fd > 2:
@@ -270,7 +270,25 @@ def _receive(conn: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _serve(argv: list[bytes], env: list[bytes], cwd: bytes, umask: int, fds: list[int]) -> bytes:
+def _sees_what_we_see(pid: int) -> bool:
+    """Whether the client sees the files this worker sees: the same mount namespace
+    and root (a container sharing /tmp with the host does not)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt") and (
+            _same_file(f"/proc/{pid}/root", "/")
+        )
+    except OSError:  # (pid 0: a client in another pid namespace)
+        return False
+
+
+def _same_file(a: str, b: str) -> bool:
+    one, two = os.stat(a), os.stat(b)
+    return (one.st_dev, one.st_ino) == (two.st_dev, two.st_ino)
+
+
+def _serve(
+    pid: int, argv: list[bytes], env: list[bytes], cwd: bytes, umask: int, fds: list[int]
+) -> bytes:
     """Become the client and run its command line: the reply (served, or b"N")."""
     import atexit
     import logging
@@ -280,6 +298,8 @@ def _serve(argv: list[bytes], env: list[bytes], cwd: bytes, umask: int, fds: lis
     if argv[1:2] != [b"wrap"]:
         return b"N"
     os.chdir(cwd)
+    if not _same_file(f"/proc/{pid}/cwd", "."):  # (its folder, not one of that name)
+        return b"N"
     os.umask(umask)
     fsutil.UMASK = umask  # read once at import: the server's, not the client's
     os.environb.clear()

@@ -345,6 +345,27 @@ def test_opcache_server_refuses_a_folder_that_is_not_the_user_s_own(served, case
     assert list(victim.iterdir()) == []
 
 
+@pytest.mark.skipif(
+    not IS_ROOT or shutil.which("unshare") is None, reason="needs root and unshare(1)"
+)
+def test_a_client_in_another_mount_namespace_is_not_served(served):
+    """As a container sharing /tmp (or the runtime folder) with the host: the files the
+    server sees by the client's paths may not be the client's."""
+    warmed(served, *COMPILE)
+    before = served.fallbacks()
+    done = subprocess.run(
+        ["unshare", "--mount", "gcc", *COMPILE],
+        env=served.env,
+        cwd=served.src,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert served.fallbacks() == before + 1
+    served.gcc(*COMPILE)
+    assert served.fallbacks() == before + 1  # (the same call outside it is served)
+
+
 def test_the_server_exits_when_idle(served):
     served.env[server.ENV_IDLE] = "1"
     warmed(served, *COMPILE)
