@@ -895,7 +895,7 @@ def _build_parser() -> argparse.ArgumentParser:
     cann = command(
         "cann",
         _cmd_cann,
-        "CANN's own kernel_cache: stats, age or verify it (cron)",
+        "CANN's own kernel_cache: stats, age, verify (cron); push, pull, export, import it",
         ("--op_compiler_cache_dir", "--soc_version"),
     )
     cann.add_argument(
