@@ -7,8 +7,8 @@ checked, is ``entry.py``'s.
 
 - ``local.py``: the cache folder (``LocalStore``), ``get`` / ``put`` /
   ``touch`` / ``discard`` and the folder's own housekeeping.
-- a remote (``redis.py``, Redis or Valkey) is a ``Remote``: see its docstring
-  for what a kind must provide and what it may add.  Every failure of the
+- a remote (``redis.py``, Redis or Valkey) is a ``Remote`` (``remote.py``):
+  see its docstring for what a kind must provide and what it may add.  Every failure of the
   server or the network is a ``RemoteError``; the cache turns it into a
   warning and a back-off, never a failed compile.
 
@@ -18,145 +18,39 @@ The kinds: ``redis.py`` (``redis://``, ``rediss://``, ``unix://``),
 ``https://``); ``tiers.py`` puts several in order.
 
 Adding another kind of remote (S3...) is one new module here with a
-``Remote`` subclass and a ``connect(settings)`` function that returns one,
-plus its URL scheme in ``settings.REMOTE_KINDS``.
+``Remote`` subclass (imported from ``remote.py``) and a ``connect(settings)``
+function that returns one, plus its URL scheme in ``settings.REMOTE_KINDS``.
 """
 
 from __future__ import annotations
 
-import importlib
-
-from ..settings import MB, REMOTE_KINDS
-
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     from ..settings import RemoteSettings
-    from .entry import Entry
+    from .remote import (
+        UNCLAIMED,
+        Claim,
+        Fetched,  # noqa: F401  (for the kinds' annotations)
+        Remote,
+        RemoteCorrupt,
+        RemoteError,
+    )
 
-    # A value fetched and checked: (the entry, its manifest's bytes, the value's
-    # size on the wire, which is what ``remote_bytes_down`` counts).
-    Fetched = tuple[Entry, bytes, int]
+__all__ = ["UNCLAIMED", "Claim", "Remote", "RemoteCorrupt", "RemoteError", "open_remote"]
 
-
-class RemoteError(Exception):
-    """The remote failed: down, too slow, refused the credentials or a command.
-
-    A remote raises nothing else for a failure of its server, network or client
-    library (the cache still treats anything else as one, never failing a compile).
-    """
-
-
-class RemoteCorrupt(Exception):
-    """A value fetched from the remote is not a whole, valid entry of its key."""
-
-    size = 0  # the value's bytes on the wire
+# The remote's classes load with the first remote (``remote.py``): every wrap
+# hit imports this package (for ``entry.py``), and few have a remote.
+_REMOTE_NAMES = frozenset(("UNCLAIMED", "Claim", "Remote", "RemoteCorrupt", "RemoteError"))
 
 
-class Claim:
-    """A key taken for one compile in the cluster, until ``release``.
+def __getattr__(name: str) -> object:
+    if name not in _REMOTE_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import remote
 
-    ``owned`` is False for a claim that could not be taken but need not be
-    waited for (a read-only client, a remote with no claims, one that is
-    down): the compile goes on unclaimed.  This base class is that unowned
-    claim; a kind with claims subclasses it with ``owned`` True.
-    """
-
-    owned = False
-
-    def release(self) -> None:
-        """Let the key go; a second call does nothing."""
-
-
-UNCLAIMED = Claim()
-
-
-class Remote:
-    """One kind of remote tier.  A new kind subclasses this and provides:
-
-    - ``get_many``: the entries of some keys of a chip, each checked as
-      ``entry.py`` checks a local read (``RemoteCorrupt`` for a bad value);
-    - ``put``: store one entry (the manifest's bytes and the files);
-    - a module function ``connect(settings)`` that returns the instance.
-
-    Everything else has a default a kind may override: ``get`` and
-    ``have_many`` (which keys are there) ask ``get_many``; with no ``claim``
-    every client compiles the keys it misses (no single flight across
-    machines); ``watch`` is ``get_many`` with no
-    claims; ``discard``, ``usage`` and ``clear`` (``opcache remote``) raise
-    ``RemoteError`` ("not supported"); ``close`` does nothing.  Every method
-    raises ``RemoteError`` for a failure of the server or the network.
-
-    ``read_only`` (a client that never writes), ``max_entry_bytes`` (the
-    largest entry ``put`` sends) and ``where`` (the URL with its password
-    masked, for messages) come from the settings.
-    """
-
-    def __init__(self, settings: RemoteSettings) -> None:
-        self.read_only = settings.read_only
-        self.max_entry_bytes = settings.max_entry_mb * MB
-        self.where = settings.shown_url
-
-    # -- what every kind provides ------------------------------------------------------
-
-    def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
-        """The entries of ``keys`` that are there, by key, in few round trips
-        (a bad value as its RemoteCorrupt, with its ``size``)."""
-        raise NotImplementedError
-
-    def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
-        """Store an entry; returns the bytes sent (0 when it was not sent: read-only,
-        over ``max_entry_bytes``)."""
-        raise NotImplementedError
-
-    # -- what a kind may add -------------------------------------------------------------
-
-    def have_many(self, soc: str, keys: list[str]) -> set[str]:
-        """Which of ``keys`` the remote holds, in few round trips.  By default the
-        entries are fetched; a kind that can ask for existence alone says so."""
-        return set(self.get_many(soc, keys))
-
-    def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
-        """(the checked entry, its manifest's bytes), or None when absent."""
-        got = self.get_many(soc, [key]).get(key)
-        if got is None:
-            return None
-        if isinstance(got, RemoteCorrupt):
-            raise got
-        return got[0], got[1]
-
-    def claim(self, soc: str, key: str, seconds: float) -> Claim | None:
-        """The key for one compile in the cluster, or None when another client
-        holds it.  A claim lasts ``seconds`` past its holder's death.  By
-        default there are no claims: the compile goes on unclaimed."""
-        return UNCLAIMED
-
-    def claimed(self, soc: str, key: str) -> bool:
-        """Whether a claim on ``key`` is held."""
-        return False
-
-    def watch(
-        self, soc: str, keys: list[str]
-    ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
-        """(``get_many``'s answer, the keys a claim is held on), in one round trip:
-        how a client waits for keys others compile."""
-        return self.get_many(soc, keys), set()
-
-    def discard(self, soc: str, key: str) -> None:
-        """Drop one entry."""
-        raise RemoteError(f"{self.where}: removing an entry is not supported")
-
-    def usage(self, soc: str | None = None) -> dict[str, object]:
-        """``opcache remote stats``: {"chips": {soc: {"entries", "bytes"}}, and what
-        the server says of its memory}."""
-        raise RemoteError(f"{self.where}: stats are not supported for this kind of remote")
-
-    def clear(self, soc: str | None = None) -> int:
-        """``opcache remote clear``: delete this cache's entries (of one chip), never
-        another's; returns how many."""
-        raise RemoteError(f"{self.where}: clearing is not supported for this kind of remote")
-
-    def close(self) -> None:
-        """Let go of connections and claims; the remote is not used after."""
+    value = getattr(remote, name)
+    globals()[name] = value
+    return value
 
 
 def open_remote(settings: RemoteSettings) -> Remote:
@@ -167,6 +61,6 @@ def open_remote(settings: RemoteSettings) -> Remote:
         from .tiers import Tiers
 
         return Tiers(settings, tiers)
-    scheme = settings.url.partition(":")[0]
-    module = importlib.import_module(f".{REMOTE_KINDS[scheme]}", __name__)
-    return module.connect(tiers[0])
+    from .remote import connect
+
+    return connect(tiers[0])

@@ -37,15 +37,15 @@ from urllib.parse import urlsplit
 import xxhash
 
 from .._log import get_logger
-from . import Claim, Remote, RemoteCorrupt, RemoteError
 from .entry import CorruptEntry, Entry, check_artifact, parse_manifest
+from .remote import Claim, Remote, RemoteCorrupt, RemoteError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import redis as redis_py
 
     from ..settings import RemoteSettings
-    from . import Fetched
+    from .remote import Fetched
 
 log = get_logger(__name__)
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import time
 
 from .._log import get_logger
-from . import UNCLAIMED, Claim, Remote, RemoteCorrupt, RemoteError
+from .remote import UNCLAIMED, Claim, Remote, RemoteCorrupt, RemoteError, connect
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..settings import RemoteSettings
-    from . import Fetched
+    from .remote import Fetched
 
 log = get_logger(__name__)
 
@@ -51,10 +51,8 @@ class _Tier:
         if time.time() < self._until:
             return None
         if self.remote is None:
-            from . import open_remote
-
             try:
-                self.remote = open_remote(self.settings)
+                self.remote = connect(self.settings)
             except Exception as e:  # (any: a tier never fails a compile)
                 self.failed(e)
         return self.remote
