@@ -15,8 +15,14 @@ machines are noisy).  Scenarios:
    compiling in order (compile) or sharing the work (compile_many), against
    the ideal (serial time / 8) and the same processes when all are hits
 8. remote: a remote hit (loopback Redis, 100 KB) vs the floor (a raw GET and
-   the write to out_dir); 4 machines (cache folders) x 4 ranks x 200 operators
-   of a 50 ms compiler, cold, sharing one Redis, against the ideal
+   the write to out_dir), the floor timed once the hit's background copy into
+   the cache folder is made; 4 machines (cache folders) x 4 ranks x 200
+   operators of a 50 ms compiler, cold, sharing one Redis, against the floor
+   program (16 processes, the 200 compiles spread over them, every process
+   ending with all 200 artifacts and every machine's folder with all 200
+   entries, through the same Redis with one MGET poll loop), the two in turns,
+   on the disk and on tmpfs (/dev/shm): wall time, CPU seconds (the ranks'
+   and the Redis server's) and Redis commands (INFO commandstats) of each
 9. read set: `opcache wrap` hits of gcc (1 vs 1,000 headers) and of a stand-in
    opc (reading 1 vs 1,000 files off its command line, traced with strace on
    its miss), beside `ccache gcc` and, with --before DIR, the same on older
@@ -54,6 +60,7 @@ machines are noisy).  Scenarios:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -155,11 +162,16 @@ class Report:
     def add(self, scenario: str, name: str, times: list[float], **ratios: float) -> dict:
         row = {"scenario": scenario, "name": name, **summary(times), **ratios}
         self.rows.append(row)
-        extra = "  ".join(
-            f"{k}={v:.2f}{'' if k.startswith('us_') else 'x'}" for k, v in ratios.items()
-        )
+        extra = "  ".join(f"{k}={_figure(k, v)}" for k, v in ratios.items())
         print(f"  {name:<44} median {_ms(row['median']):>10}  p90 {_ms(row['p90']):>10}  {extra}")
         return row
+
+
+def _figure(name: str, value: float) -> str:
+    """A ratio (vs_..., ideal) as 1.23x, a count as 200, anything else (us_..., cpu_s) as 1.23."""
+    if "vs_" in name or name == "ideal":
+        return f"{value:.2f}x"
+    return f"{value:.0f}" if name == "compiles" else f"{value:.2f}"
 
 
 def _ms(seconds: float) -> str:
@@ -980,8 +992,14 @@ def _shared_run(folder: Path, ranks: int, count: int, many: bool) -> tuple[float
 
 def _started_together(target: Callable[..., None], args: list[tuple]) -> tuple[float, int]:
     """Run ``target(*arg, go, queue)`` in a process per arg, all let go at once when
-    every one has started: (seconds until the last put its (time, compiles) on the
-    queue, the compiles they performed)."""
+    every one has started: (seconds until the last put its (time, compiles, ...) on
+    the queue, the compiles they performed)."""
+    wall, done = _run_together(target, args)
+    return wall, sum(d[1] for d in done)
+
+
+def _run_together(target: Callable[..., None], args: list[tuple]) -> tuple[float, list[tuple]]:
+    """``_started_together``'s run: (seconds until the last was done, what each put)."""
     ctx = multiprocessing.get_context("spawn")
     go, queue = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=target, args=(*arg, go, queue)) for arg in args]
@@ -993,7 +1011,7 @@ def _started_together(target: Callable[..., None], args: list[tuple]) -> tuple[f
     done = [queue.get() for _ in procs]
     for p in procs:
         p.join()
-    return max(t for t, _ in done) - started, sum(c for _, c in done)
+    return max(d[0] for d in done) - started, done
 
 
 def bench_shared(report: Report, tmp: Path, count: int, ranks: int = 8) -> None:
@@ -1042,9 +1060,26 @@ def bench_remote(report: Report, tmp: Path, repeat: int, count: int) -> None:
         return
     try:
         _bench_remote_hit(report, tmp / "remote-hit", server, repeat)
-        _bench_cluster(report, tmp / "cluster", server, count)
+        rounds = 1 if repeat < 100 else 3
+        _bench_cluster(report, tmp / "cluster", server, count, rounds)
+        if os.path.isdir("/dev/shm"):  # the same on tmpfs, where a file costs microseconds
+            shm = Path(tempfile.mkdtemp(prefix="opcache-bench-", dir="/dev/shm"))
+            try:
+                _bench_cluster(report, shm / "cluster", server, count, rounds)
+            finally:
+                shutil.rmtree(shm, ignore_errors=True)
     finally:
         server.stop()
+
+
+def _backfilled(cache: opcache.OpCache) -> None:
+    """Wait until the local copies of the cache's remote hits, made by a background
+    thread, are made: a floor timed while one is still being made shares the
+    process with it (the GIL, the disk) and looks slower than it is."""
+    tier = cache._flow.remote
+    thread = tier._backfiller if tier is not None else None
+    if thread is not None:
+        thread.join()
 
 
 def _bench_remote_hit(report: Report, folder: Path, server, repeat: int) -> None:
@@ -1059,13 +1094,12 @@ def _bench_remote_hit(report: Report, folder: Path, server, repeat: int) -> None
     name = f"opcache:1:{SOC}:{key}"
     times: dict[str, list[float]] = {"floor": [], "hit": []}
     for n in range(repeat + 3):
-        if cache._backfiller is not None:  # the last hit's local copy is made (not timed)
-            cache._backfiller.join()
         cache._store.discard(SOC, key)  # a local miss every time (not timed)
         started = time.perf_counter()
         result = cache.compile(req, compiler, out)
         hit = time.perf_counter() - started
         assert result.tier == "remote"
+        _backfilled(cache)  # (not timed: the hit did not wait for it either)
         started = time.perf_counter()
         data = client.get(name)
         with open(out / "floor.bin", "wb") as f:
@@ -1081,28 +1115,198 @@ def _bench_remote_hit(report: Report, folder: Path, server, repeat: int) -> None
 
 
 def _cluster_rank(folder: str, url: str, count: int, go, queue) -> None:
+    """One rank of scenario 8: ``compile_many`` of every operator; puts (the time it
+    was done, its compiles, its CPU seconds) once its cache is closed, since the
+    local copies of its remote hits, made in the background, are part of the work."""
     compiler = SleepingCompiler(4096)
     requests = [request(i) for i in range(count)]
     out = Path(folder) / "out" / str(os.getpid())
-    with opcache.OpCache(_remote_settings(Path(folder), url)) as cache:
+    cache = opcache.OpCache(_remote_settings(Path(folder), url))
+    try:
         go.wait()
+        cpu = time.process_time()
         cache.compile_many(requests, compiler, [out / r.op_name for r in requests])
-        queue.put((time.perf_counter(), compiler.calls))
+    finally:
+        cache.close()
+    queue.put((time.perf_counter(), compiler.calls, time.process_time() - cpu))
+
+
+FLOOR_KEY = "floor:{}"
+
+
+def _floor_rank(folder: str, url: str, count: int, rank: int, ranks: int, go, queue) -> None:
+    """Scenario 8's floor program: a rank's deliveries written as plainly as they can be.
+
+    It compiles its share (every ``ranks``-th operator, 50 ms each), writes the
+    artifacts into its out folder and the entry into its machine's folder, SETs
+    it, then fetches the rest with one MGET of all it still misses a round, until
+    its out folder has every operator's artifacts and its machine's folder every
+    entry.  Redis is imported and reached before the start, as a cache open
+    beforehand would.  Puts (the time it was done, its compiles, its CPU seconds).
+    """
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.ping()
+    entries = Path(folder) / "entries"
+    out = Path(folder) / "out" / str(os.getpid())
+    entries.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True)
+    description = b"{" + b" " * (JSON_SIZE - 2) + b"}"
+    go.wait()
+    cpu = time.process_time()
+
+    def deliver(i: int, value: bytes) -> None:
+        for name, part in ((f"Op{i}.o", value[:-JSON_SIZE]), (f"Op{i}.json", value[-JSON_SIZE:])):
+            with open(out / name, "wb") as f:
+                f.write(part)
+        entry = entries / str(i)
+        if not entry.exists():  # another rank of this machine may have kept it
+            temp = entries / f".{i}.{os.getpid()}"
+            temp.write_bytes(value)
+            os.replace(temp, entry)
+
+    compiles = 0
+    for i in range(rank, count, ranks):
+        time.sleep(SLEEP_SECONDS)
+        value = os.urandom(4096) + description
+        compiles += 1
+        deliver(i, value)
+        client.set(FLOOR_KEY.format(i), value)
+    missing = [i for i in range(count) if i % ranks != rank]
+    while missing:
+        values = client.mget([FLOOR_KEY.format(i) for i in missing])
+        still = [i for i, value in zip(missing, values, strict=True) if value is None]
+        for i, value in zip(missing, values, strict=True):
+            if value is not None:
+                deliver(i, value)
+        if len(still) == len(missing):
+            time.sleep(SLEEP_SECONDS / 5)
+        missing = still
+    client.close()
+    queue.put((time.perf_counter(), compiles, time.process_time() - cpu))
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (tmpfs, ext4, ...), from /proc/mounts."""
+    best, kind = "", "unknown"
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[1]
+            inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+            if inside and len(point) > len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def _redis_usage(client) -> tuple[dict[str, int], float]:  # type: ignore[no-untyped-def]
+    """(calls per command since the last CONFIG RESETSTAT, the server's CPU seconds so far),
+    the bench's own INFO, CONFIG and FLUSHALL left out."""
+    calls = {
+        name.removeprefix("cmdstat_"): int(values["calls"])
+        for name, values in client.info("commandstats").items()
+    }
+    cpu = client.info("cpu")
+    for own in ("info", "config", "config|resetstat", "flushall"):
+        calls.pop(own, None)
+    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def _bench_cluster(
-    report: Report, folder: Path, server, count: int, machines: int = 4, ranks: int = 4
+    report: Report,
+    folder: Path,
+    server,
+    count: int,
+    rounds: int,
+    machines: int = 4,
+    ranks: int = 4,
 ) -> None:
+    """Cold: opcache's ranks and the floor program's, in turns; then opcache's all hits.
+
+    Each side reports its wall time, its CPU seconds (every rank's, from the
+    start signal until it was done) and the Redis commands it sent.
+    """
+    where = _fs_type(folder)
     ideal = count * SLEEP_SECONDS / (machines * ranks)
-    for label in ("cold", "all hits"):
-        if label == "cold":
-            server.client().flushall()
+    client = server.client()
+    folders = [folder / f"m{m}" for m in range(machines)]
+    runs: dict[str, tuple[Callable[..., None], list[tuple]]] = {
+        "floor program": (
+            _floor_rank,
+            [
+                (str(folders[m]), server.url, count, r * machines + m, machines * ranks)
+                for r in range(ranks)
+                for m in range(machines)
+            ],
+        ),
+        "opcache": (_cluster_rank, [(str(f), server.url, count) for f in folders] * ranks),
+    }
+    walls: dict[str, list[float]] = {side: [] for side in runs}
+    cpus: dict[str, list[float]] = {side: [] for side in runs}
+    calls: dict[str, dict[str, int]] = {}
+    compiles: dict[str, int] = {}
+    # Turns, the opcache run last: its cache folders serve the all-hits run below.
+    for n in range(rounds):
+        for side in sorted(runs, reverse=(rounds - n) % 2 == 0):
+            client.flushall()
             shutil.rmtree(folder, ignore_errors=True)
-        args = [(str(folder / f"m{m}"), server.url, count) for m in range(machines)]
-        wall, compiles = _started_together(_cluster_rank, args * ranks)
-        print(f"  ({label}: {compiles} compiles performed in the cluster)")
-        name = f"{machines} machines x {ranks} ranks x {count} operators, {label}"
-        report.add("remote", name, [wall], ideal=wall / ideal, compiles=compiles)
+            client.config_resetstat()
+            _, server_cpu = _redis_usage(client)
+            wall, done = _run_together(*runs[side])
+            calls[side], server_after = _redis_usage(client)
+            walls[side].append(wall)
+            cpus[side].append(sum(d[2] for d in done) + server_after - server_cpu)
+            compiles[side] = sum(d[1] for d in done)
+            _check_deliveries(side, folders, count, server.url)
+    name = f"{machines} machines x {ranks} ranks x {count} operators, cold, {where}"
+    operators = count * machines
+    for side in runs:
+        commands = sum(calls[side].values())
+        top = ", ".join(f"{c} {n}" for n, c in sorted(calls[side].items(), key=lambda x: -x[1]))
+        print(f"  ({side} on {where}: {compiles[side]} compiles; Redis commands: {top})")
+        ratios = {
+            "ideal": statistics.median(walls[side]) / ideal,
+            "cpu_s": statistics.median(cpus[side]),
+            "redis_per_op_machine": commands / operators,
+            "compiles": compiles[side],
+        }
+        if side == "opcache":
+            floor = "floor program"
+            ratios["vs_floor"] = statistics.median(walls[side]) / statistics.median(walls[floor])
+            ratios["cpu_vs_floor"] = statistics.median(cpus[side]) / statistics.median(cpus[floor])
+            ratios["commands_vs_floor"] = commands / max(sum(calls[floor].values()), 1)
+        report.add("remote", f"{name}, {side}", walls[side], **ratios)
+    client.config_resetstat()
+    wall, done = _run_together(*runs["opcache"])
+    hits, _ = _redis_usage(client)
+    report.add(
+        "remote",
+        f"{machines} machines x {ranks} ranks x {count} operators, all hits, {where}, opcache",
+        [wall],
+        ideal=wall / ideal,
+        cpu_s=sum(d[2] for d in done),
+        redis_per_op_machine=sum(hits.values()) / operators,
+        compiles=sum(d[1] for d in done),
+    )
+
+
+def _check_deliveries(side: str, folders: list[Path], count: int, url: str) -> None:
+    """Say so when a run did not deliver every operator to every rank and machine."""
+    short = []
+    for machine in folders:
+        outs = list((machine / "out").iterdir())
+        if side == "opcache":
+            root = _remote_settings(machine, url).root
+            entries = sum(1 for _ in LocalStore(root).scan(SOC))
+            delivered = [sum(1 for p in out.iterdir() if any(p.iterdir())) for out in outs]
+        else:
+            entries = sum(1 for p in (machine / "entries").iterdir() if not p.name.startswith("."))
+            delivered = [len(list(out.iterdir())) // 2 for out in outs]
+        if entries != count or any(d != count for d in delivered):
+            short.append(f"{machine.name}: {entries} entries, {delivered} operators per rank")
+    if short:
+        print(f"  {side.upper()} DID NOT DELIVER EVERYTHING: " + "; ".join(short))
 
 
 # -- 11. CANN transfer ---------------------------------------------------------------------
@@ -1274,6 +1478,7 @@ def _kind_hit(
         hit = time.perf_counter() - started
         if result.tier != "remote":
             continue  # the last hit's copy was still being made: served from it (not counted)
+        _backfilled(cache)  # (not timed: the hit did not wait for it either)
         started = time.perf_counter()
         data = raw_get(key)
         with open(out / "floor.bin", "wb") as f:
