@@ -4,7 +4,9 @@ Three ``redis-server`` processes (``helpers_redis``'s binary) with
 ``cluster-enabled yes``, each in a folder of its own (its ``nodes.conf``),
 made one cluster by ``redis-cli --cluster create``.  ``kill`` stops one
 primary as a crash would; ``restart`` starts it again on its port from its
-``nodes.conf``, and waits until every node says the cluster is whole.
+``nodes.conf``, and waits until every node says the cluster is whole.  With
+``replicas``, each primary has a replica, and ``wait_failed_over`` waits
+until a killed primary's replica serves its slots.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from helpers_redis import RedisServer, free_port
 NODES = 3
 _CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
 _CLUSTER_ARGS += ("--cluster-node-timeout", "3000")
+# A replica takes over however long ago it last heard its primary (the default, 10
+# node timeouts, can leave a test's idle replica unfit to stand in).
+_CLUSTER_ARGS += ("--cluster-replica-validity-factor", "0")
 
 
 def find_cli(server_binary: str) -> str | None:
@@ -45,11 +50,16 @@ def _cluster_port() -> int:
 
 
 class Cluster:
-    """Three primaries, no replicas: every slot served, each node by its own folder."""
+    """Three primaries (and a replica of each, with ``replicas``): every slot served,
+    each node by its own folder.  With replicas, ``nodes[:3]`` are the primaries."""
 
-    def __init__(self, server_binary: str, cli: str, folder: Path) -> None:
+    def __init__(
+        self, server_binary: str, cli: str, folder: Path, *, replicas: bool = False
+    ) -> None:
         self.cli = cli
-        self.nodes = [RedisServer(server_binary, folder / f"node{i}") for i in range(NODES)]
+        self.replicas = replicas
+        count = NODES * 2 if replicas else NODES
+        self.nodes = [RedisServer(server_binary, folder / f"node{i}") for i in range(count)]
         for node in self.nodes:
             node.port = _cluster_port()
 
@@ -63,7 +73,7 @@ class Cluster:
                 node.start(*_CLUSTER_ARGS)
             argv = [self.cli, "--cluster", "create"]
             argv += [f"127.0.0.1:{n.port}" for n in self.nodes]
-            argv += ["--cluster-replicas", "0", "--cluster-yes"]
+            argv += ["--cluster-replicas", "1" if self.replicas else "0", "--cluster-yes"]
             subprocess.run(argv, check=True, capture_output=True, timeout=60)
             self.wait_whole()
         except BaseException:
@@ -71,13 +81,14 @@ class Cluster:
             raise
 
     def wait_whole(self, timeout: float = 60) -> None:
-        """Until every node says cluster_state:ok and knows all slots served."""
+        """Until every running node says cluster_state:ok (all slots served)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 if all(
                     n.client().execute_command("CLUSTER INFO").get("cluster_state") == "ok"
                     for n in self.nodes
+                    if n.proc is not None
                 ):
                     return
             except Exception:
@@ -91,6 +102,23 @@ class Cluster:
 
     def kill(self, index: int) -> None:
         self.nodes[index].kill()
+
+    def wait_failed_over(self, index: int, timeout: float = 60) -> None:
+        """Until the live nodes serve every slot without node ``index`` (its replica
+        promoted) and say the cluster is whole."""
+        dead = self.nodes[index].port
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                live = [n for n in self.nodes if n.proc is not None]
+                slots = live[0].client().execute_command("CLUSTER SLOTS")
+                if all(int(row[2][1]) != dead for row in slots):
+                    self.wait_whole(timeout)
+                    return
+            except Exception:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"no failover within {timeout} s")
 
     def restart(self, index: int) -> None:
         self.nodes[index].start(*_CLUSTER_ARGS)

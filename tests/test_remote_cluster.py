@@ -135,6 +135,42 @@ def test_a_primary_killed_mid_run_costs_misses_then_recovers(
         assert b.compile(make_request(10), compiler, tmp_path / "b").tier == "remote"
 
 
+def test_a_failover_to_a_replica_costs_misses_then_the_new_primary_is_used(
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    cluster: Cluster,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(remote_tier, "FIRST_PAUSE", 0.0)  # asked again at each compile
+    binary = cluster.nodes[0].binary
+    replicated = Cluster(binary, cluster.cli, tmp_path_factory.mktemp("replicated"), replicas=True)
+    replicated.start()
+    try:
+        url = replicated.url
+        compiler = ToyCompiler(tmp_path / "calls")
+        with (
+            caplog.at_level(logging.WARNING, logger="opcache"),
+            opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as a,
+        ):
+            assert a.compile(make_request(0), compiler, tmp_path / "o0").status == "miss"
+            replicated.kill(0)
+            for i in range(1, 7):
+                assert a.compile(make_request(i), compiler, tmp_path / f"o{i}").status == "miss"
+            replicated.wait_failed_over(0)
+            before = a.stats()["remote_stores"]
+            for i in range(7, 10):  # the first may still ask the dead primary: then found
+                assert a.compile(make_request(i), compiler, tmp_path / f"o{i}").status == "miss"
+            after = a.stats()["remote_stores"]
+        assert after >= before + 2
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "not used for" in warnings[0]
+        with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+            assert b.compile(make_request(9), compiler, tmp_path / "b").tier == "remote"
+    finally:
+        replicated.stop()
+
+
 def test_the_url_is_checked_and_its_password_masked(tmp_path: Path) -> None:
     for bad, problem in (
         ("redis+cluster://h1:7000,h2:99999", "port"),
