@@ -25,6 +25,7 @@ the client's tag); it exits when idle for ``OPCACHE_SERVER_IDLE`` seconds
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import re
@@ -34,6 +35,7 @@ import socket
 import stat
 import struct
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -148,18 +150,32 @@ def serve(socket_path: str, idle: float) -> int:
     os.ftruncate(lock, 0)
     os.write(lock, f"{os.getpid()}\n".encode())
     files = _warm_up()
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    # Objects made so far are never collected: a worker's collections skip them,
+    # and so do not copy the pages they sit in (fork shares them until written).
+    gc.collect()
+    gc.freeze()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    me = os.getpid()
+    taken, took = os.pipe()  # a worker writes its pid there once it took a call
+    spares: set[int] = set()  # workers waiting for a call
+    last = time.monotonic()
     try:
-        while select.select([listener], [], [], idle)[0]:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                continue
-            if os.fork() == 0:
-                _work(listener, conn, files)  # (does not return)
-            conn.close()
+        while time.monotonic() - last < idle:
+            if not spares:
+                # Forked before the call comes, so the fork is not part of the call.
+                pid = os.fork()
+                if pid == 0:
+                    os.close(taken)
+                    _work(listener, took, files, me)  # (does not return)
+                spares.add(pid)
+            if select.select([taken], [], [], min(idle, 1.0))[0]:
+                data = os.read(taken, 4096)
+                spares -= {pid for (pid,) in struct.iter_unpack("=i", data)}
+                last = time.monotonic()
+            spares -= _reaped()  # (one that died without a call is replaced)
     finally:
+        for pid in spares:
+            os.kill(pid, signal.SIGKILL)  # (waiting in accept: it has no call)
         # Only the socket this server made: a name it no longer holds is another's.
         with contextlib.suppress(FileNotFoundError):
             now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -167,6 +183,15 @@ def serve(socket_path: str, idle: float) -> int:
                 os.unlink(name, dir_fd=dir_fd)
         listener.close()
     return 0
+
+
+def _reaped() -> set[int]:
+    """The workers that ended since the last call (no zombies left)."""
+    ended = set()
+    with contextlib.suppress(ChildProcessError):
+        while (pid := os.waitpid(-1, os.WNOHANG)[0]) != 0:
+            ended.add(pid)
+    return ended
 
 
 def _own_folder(folder: str) -> int:
@@ -188,8 +213,20 @@ def _own_folder(folder: str) -> int:
     return fd
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl(option: int, value: int) -> None:
+    import ctypes  # (imported by _warm_up: not in each worker)
+
+    ctypes.CDLL(None).prctl(option, value)
+
+
 def _warm_up() -> dict[str, tuple[int, int, int]]:
     """Import what a wrap hit uses (each worker starts with it); opcache's files as loaded."""
+    import ctypes
+
+    ctypes.CDLL(None)  # (loaded once: prctl in each worker)
     import atexit  # noqa: F401  (the worker's exit)
     import logging  # noqa: F401  (-v, and any warning)
 
@@ -217,13 +254,19 @@ def _opcache_files() -> dict[str, tuple[int, int, int]]:
 # -- a worker: one request --------------------------------------------------------
 
 
-def _work(listener: socket.socket, conn: socket.socket, files: dict) -> None:
-    """Serve one request in a forked worker, then leave without returning."""
+def _work(listener: socket.socket, took: int, files: dict, server: int) -> None:
+    """A worker: wait for a call, tell the server it is taken, serve it; never returns."""
     status = 1
     try:
-        listener.close()
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
+        gc.disable()  # a short life: collecting would copy the shared pages it walks
+        _die_with_the_server(True, server)
+        conn, _ = listener.accept()
+        _die_with_the_server(False)  # (a call taken is served to its end)
+        os.write(took, struct.pack("=i", os.getpid()))
+        os.close(took)
+        listener.close()
         conn.settimeout(REQUEST_TIMEOUT)
         reply = _answer(conn, files)
         conn.settimeout(None)
@@ -233,6 +276,13 @@ def _work(listener: socket.socket, conn: socket.socket, files: dict) -> None:
         log.debug("opcache server: request dropped: %r", e)
     finally:
         os._exit(status)
+
+
+def _die_with_the_server(die: bool, server: int = 0) -> None:
+    """Whether this worker ends when the server does (SIGKILLed, it cannot end its spares)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL if die else 0)
+    if die and os.getppid() != server:  # (the server ended before that)
+        os._exit(0)
 
 
 def _answer(conn: socket.socket, files: dict) -> bytes:

@@ -105,6 +105,19 @@ def answers(path: Path) -> bool:
     return True
 
 
+def processes_of(socket_path: Path) -> list[int]:
+    """The server and its workers: every process started for ``socket_path``."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            named = str(socket_path).encode() in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if named:
+            found.append(int(entry.name))
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -207,10 +220,15 @@ def test_what_is_not_a_hit_is_the_python_path_s_own(served, case):
 def test_a_dead_server_s_socket_costs_one_python_compile_then_a_new_server(served):
     warmed(served, *COMPILE)
     old = served.wait_for_server()
+    deadline = time.monotonic() + WAIT
+    while len(processes_of(served.socket)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(processes_of(served.socket)) == 2  # the server and a worker waiting for a call
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + WAIT
-    while alive(old) and time.monotonic() < deadline:
+    while processes_of(served.socket) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert processes_of(served.socket) == []  # its waiting worker went with it
     assert served.socket.exists()  # left behind: stale
     before = served.fallbacks()
     done = served.gcc(*COMPILE)
