@@ -681,10 +681,13 @@ def _write_index(client: Remote, ns: Namespace, rows: dict[str, tuple[int, int]]
         return
     index = _read_index(client, ns.soc)
     spaces = index.get("namespaces") if isinstance(index.get("namespaces"), dict) else {}
-    entries = _index_entries(index, ns)
+    before = _index_entries(index, ns)
+    entries = dict(before)
     for kernel, (atime, size) in rows.items():
         old = entries.get(kernel, (0, 0))
         entries[kernel] = (max(atime, old[0]), size)
+    if ns.ident in spaces and entries == before:
+        return  # nothing new: a cron push of an unchanged folder writes nothing
     spaces[ns.ident] = {
         **ns.versions(),
         "entries": {k: list(v) for k, v in entries.items()},

@@ -360,6 +360,7 @@ def test_push_asks_which_entries_the_remote_has_without_fetching_them(machines, 
     assert calls.get("cmdstat_exists", 0) == 40  # a batched EXISTS per entry, no value
     assert "cmdstat_mget" not in calls
     assert calls.get("cmdstat_get", 0) <= 2  # the chip's index, read before it is merged
+    assert "cmdstat_set" not in calls  # nothing new: not even the index is written again
 
 
 def test_a_full_disk_leaves_no_part_of_an_entry(machines):
