@@ -53,6 +53,10 @@ machines are noisy).  Scenarios:
    project into a clean tree, warm, through the masquerade (client, Python
    links) against CC="ccache gcc"
 
+14. maintenance at scale: `opcache stats`, `verify`, `age --dry-run` and a
+   trim (a third of the entries) at 25,000 and 100,000 entries, run as cron
+   runs them: each one's time and peak resident memory, which must stay flat
+
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
                           [--before DIR]
 """
@@ -77,6 +81,7 @@ from pathlib import Path
 import xxhash
 
 import opcache
+from opcache.storage.entry import make_manifest
 from opcache.storage.local import LocalStore
 
 SOC = "Ascend910B1"
@@ -1512,6 +1517,74 @@ def _cluster_vs_single(
         report.add("remote kinds", name, [walls[label]], compiles=compiles, vs_cluster=ratio)
 
 
+# -- 14. maintenance at scale ---------------------------------------------------
+
+
+def _fill_entries(root: Path, count: int, stamp: float) -> None:
+    """``count`` entries (a 4 KB .o and a 1 KB .json each) last used at ``stamp``,
+    stored as a compile stores them, without the compiles."""
+    store = LocalStore(root)
+    description = b"{" + b" " * (JSON_SIZE - 2) + b"}"
+    for i in range(count):
+        key = xxhash.xxh3_128_hexdigest(i.to_bytes(8, "big"))
+        files = {"k.o": i.to_bytes(8, "big") * 512, "k.json": description}
+        manifest = make_manifest(key, files, 1.0, {"n": i}, stamp)
+        store.put(SOC, key, manifest, files, now=stamp)
+
+
+def _measured(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(seconds, peak resident MB) of a command run to its end."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode not in (0, 1):
+        assert proc.stderr is not None
+        print(f"  {' '.join(argv[3:5])} FAILED: {proc.stderr.read().decode(errors='replace')}")
+    if proc.stderr is not None:
+        proc.stderr.close()
+    return seconds, usage.ru_maxrss / 1024  # (KB on Linux)
+
+
+def bench_maintenance(report: Report, tmp: Path, count: int) -> None:
+    """Issue 22 item 4: each maintenance command, run as cron runs it, at a quarter of
+    ``count`` entries and at ``count``: its time and its peak resident memory (the
+    interpreter's own share included), which must not grow with the entries."""
+    print(f"14. maintenance at scale: stats, verify, age --dry-run, a trim at {count:,} entries")
+    peaks: dict[str, float] = {}
+    for entries in (count // 4, count):
+        folder = tmp / f"maintenance-{entries}"
+        root = settings_for(folder).root
+        started = time.perf_counter()
+        _fill_entries(root, entries, time.time() - 7200)  # every one old enough to age
+        used = LocalStore(root).used(SOC)[1]
+        print(
+            f"  (filled to {entries:,} entries, {used / 2**20:.0f} MiB, in "
+            f"{time.perf_counter() - started:.1f} s)"
+        )
+        # A limit the folder is over by a fifth, kept at 80 %: a trim removes about a third.
+        limit = max(used * 5 // 6 // 2**20, 1)
+        (root / "op_cache.ini").write_text(
+            f"[op_compiler_cache]\nmax_op_cache_size={limit}\nremain_cache_size_ratio=80\n"
+        )
+        env = {**os.environ, "HOME": str(folder)}
+        where = f"--op_compiler_cache_dir={folder}"
+        for name, argv in (
+            ("stats", ["stats", where]),
+            ("verify", ["verify", where]),
+            ("age --dry-run", ["age", "--dry-run", where]),
+            ("age (a trim)", ["age", where]),
+        ):
+            seconds, peak = _measured([sys.executable, "-m", "opcache", *argv], env)
+            ratios = {"peak_rss_mb": peak}
+            if entries == count:
+                ratios["rss_vs_quarter"] = peak / peaks[name]
+            peaks[name] = peak
+            report.add("maintenance", f"opcache {name}, {entries:,} entries", [seconds], **ratios)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -1552,7 +1625,7 @@ def main(argv: list[str] | None = None) -> int:
         "--before", type=Path, help="a folder holding older code's opcache/ (scenario 9's baseline)"
     )
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 14))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 15))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -1578,6 +1651,7 @@ def main(argv: list[str] | None = None) -> int:
             11: lambda: bench_cann_transfer(report, tmp, 2_000, 2 if args.quick else 5),
             12: lambda: bench_remote_kinds(report, tmp, repeat, 100 if args.quick else 200),
             13: lambda: bench_served_wrap(report, tmp, max(repeat // 10, 10)),
+            14: lambda: bench_maintenance(report, tmp, big),
         }
         for number, run in scenarios.items():
             if number in only:
