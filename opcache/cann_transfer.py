@@ -65,6 +65,7 @@ from .cann_cache import (
     _LOCK_MODE,
     Limits,
     _atime,
+    _del_lock,
     _Entry,
     _hash_problem,
     _is_entry_json,
@@ -760,7 +761,10 @@ def _pull_chip(
         present = _present_names(root / soc)
         report["would_pull"] = sum(1 for k in rows if f"{k}.json" not in present)
         return report
-    try:
+    with contextlib.ExitStack() as held:
+        held.callback(chip.close)
+        if not _fill_lock(held, chip, report):
+            return report
         writer = _Writer(chip.fd, read_limits(root, environ, settings.shared_group), report)
         wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
         report["present"] = len(rows) - len(wanted)
@@ -780,9 +784,21 @@ def _pull_chip(
                     break
                 if progress is not None:
                     progress((at + 1) * 100 // len(batches))
-    finally:
-        chip.close()
     return report
+
+
+def _fill_lock(held: contextlib.ExitStack, chip: _Chip, report: dict) -> bool:
+    """Hold the chip folder's ``op_cache_file_del.lock`` in ``held`` while entries go in;
+    False (and why, in the report) when another process holds it.
+
+    It is CANN's aging lock: with it, two pulls (or imports) never fill one folder
+    at once, each counting only its own entries against the limit, and CANN's
+    aging skips its pass meanwhile, as it does while another process ages.
+    """
+    busy = held.enter_context(_del_lock(chip.fd, False))
+    if busy is not None:
+        report["busy"] = busy
+    return busy is None
 
 
 def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> bool:
@@ -888,8 +904,7 @@ def import_archive(
     found = check(Path(path), CANN)
     chips: dict[str, object] = {}
     writers: dict[str, _Writer] = {}
-    opened: list[_Chip] = []
-    try:
+    with contextlib.ExitStack() as held:
         for soc, rows in found.items():
             if soc_version is not None and soc != soc_version:
                 continue
@@ -912,9 +927,10 @@ def import_archive(
             if chip is None:
                 report["would_import"] = len(rows)
                 continue
-            opened.append(chip)
-            limits = read_limits(root, env, settings.shared_group)
-            writers[soc] = _Writer(chip.fd, limits, report)
+            held.callback(chip.close)
+            if _fill_lock(held, chip, report):
+                limits = read_limits(root, env, settings.shared_group)
+                writers[soc] = _Writer(chip.fd, limits, report)
         total = sum(len(found[s]) for s in writers)
         for done, (soc, kernel, value) in enumerate(members(Path(path), CANN), 1):
             writer = writers.get(soc)
@@ -927,9 +943,6 @@ def import_archive(
                 writer.report["stopped_at_limit"] = True
             if progress is not None:
                 progress(min(done, total) * 100 // max(total, 1))
-    finally:
-        for chip in opened:
-            chip.close()
     return {"file": str(path), "root": str(root), "dry_run": dry_run, "chips": chips}
 
 

@@ -379,3 +379,33 @@ def test_a_full_disk_leaves_no_part_of_an_entry(machines):
         assert not [n for n in names if n.endswith(".temp")]
         written = {n[: -len(".json")] for n in names if n.endswith(".json")}
         assert {n for n in names if n.endswith(".o")} == {f"{k}.o" for k in written}
+
+
+def test_a_pull_while_another_fills_or_ages_the_folder_writes_nothing(machines):
+    """op_cache_file_del.lock (CANN's aging lock) is held by every pull: two pulls never
+    count the size limit each for themselves."""
+    a, b = machines
+    _fill(a, 2)
+    a.push()
+    write_ini(b.root)
+    b.chip.mkdir(parents=True)
+    with held_by_other_process(b.chip / "op_cache_file_del.lock"):
+        report = b.pull()
+    assert "op_cache_file_del.lock" in report["busy"] and report["written"] == 0
+    assert sorted(p.name for p in b.chip.iterdir()) == ["op_cache_file_del.lock"]
+    assert b.pull()["written"] == 2
+
+
+def test_two_pulls_at_once_stay_under_the_limit(machines):
+    a, b = machines
+    _fill(a, 20, size=100_000)
+    a.push()
+    write_ini(b.root, max_mb=1, ratio=50)
+    env = {**os.environ, **b.env, "OPCACHE_REMOTE": b.url}
+    argv = [sys.executable, "-m", "opcache", "cann", "pull", "--soc_version", SOC]
+    argv += ["--op_compiler_cache_dir", str(b.base), "--json"]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    reports = [json.loads(p.communicate(timeout=120)[0])["chips"][SOC] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(r["written"] for r in reports) >= 9
+    assert sum(p.stat().st_size for p in b.chip.iterdir()) < 1024 * 1024
