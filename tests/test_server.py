@@ -164,6 +164,20 @@ def test_a_hit_is_served_with_the_python_hit_s_bytes_and_counts(served):
     assert (host["misses"], host["hits"]) == (1, 2)
 
 
+def test_calls_at_once_are_each_served_once(served):
+    warmed(served, *COMPILE)
+    made = (served.src / "k.o").read_bytes()
+    before, hits = served.fallbacks(), stats(served.env, "host")["hits"]
+    calls = [
+        subprocess.Popen(["gcc", *COMPILE[:-1], f"k{i}.o"], env=served.env, cwd=served.src)
+        for i in range(8)
+    ]
+    assert [call.wait(timeout=120) for call in calls] == [0] * 8
+    assert served.fallbacks() == before
+    assert all((served.src / f"k{i}.o").read_bytes() == made for i in range(8))
+    assert stats(served.env, "host")["hits"] == hits + 8
+
+
 def test_a_served_hit_says_what_opcache_v_says(served):
     warmed(served, *COMPILE)
     verbose = {**served.env, "OPCACHE_VERBOSE": "1"}
