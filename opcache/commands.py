@@ -660,6 +660,8 @@ def _transfer_line(soc: str, chip: dict) -> str:
             parts.append(f"{len(chip['locked'])} skipped (a CANN writer holds its lock)")
         if chip["stopped_at_limit"]:
             parts.append("stopped before the size limit")
+        if chip.get("busy"):
+            parts.append(f"nothing written: {chip['busy']}")
     elif "imported" in chip:
         parts = [
             f"{_count(chip['imported'], 'entry', 'entries')} stored ({_size(chip['bytes'])})",
