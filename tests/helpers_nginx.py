@@ -7,7 +7,9 @@ runs as the user who starts it) on a free loopback port, serving
 - ``/cache/``: open to anyone;
 - ``/basic/``: basic auth, user ``ci`` password ``s3cret``;
 - ``/token/``: a bearer token, ``Authorization: Bearer t0ken``;
-- ``/ro/``: GET only (PUT answers 403), serving the same files as ``/cache/``.
+- ``/ro/``: GET only (PUT answers 403), serving the same files as ``/cache/``;
+- with openssl at hand, ``/cache/`` over TLS too (``tls_url``), on a certificate
+  of its own (``certificate``) for 127.0.0.1.
 
 The binary is ``$NGINX_BIN``, else ``nginx`` on PATH or in /usr/sbin; without
 one, the tests that need it are skipped saying how to get it.
@@ -67,8 +69,33 @@ http {{
             limit_except GET HEAD {{ deny all; }}
         }}
     }}
+{tls}
 }}
 """
+# With openssl at hand: the same /cache/ over TLS, its certificate self-signed for 127.0.0.1.
+_TLS = """
+    server {{
+        listen 127.0.0.1:{port} ssl;
+        ssl_certificate {folder}/cert.pem;
+        ssl_certificate_key {folder}/key.pem;
+        root {folder}/data;
+        location /cache/ {{
+            dav_methods PUT DELETE;
+            create_full_put_path on;
+        }}
+    }}
+"""
+
+
+def _self_signed(folder: Path) -> bool:
+    """A certificate and key for 127.0.0.1 in ``folder``; False without openssl."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return False
+    argv = [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+    argv += ["-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem")]
+    argv += ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    return subprocess.run(argv, capture_output=True, timeout=60, check=False).returncode == 0
 
 
 def find_nginx() -> str | None:
@@ -88,8 +115,18 @@ class Nginx:
         self.proc: subprocess.Popen[bytes] | None = None
         (folder / "data" / "cache").mkdir(parents=True, exist_ok=True)
         (folder / "htpasswd").write_text(f"{BASIC[0]}:{{PLAIN}}{BASIC[1]}\n")
-        config = _CONFIG.format(folder=folder, port=self.port, token=TOKEN)
+        self.tls_port = free_port() if _self_signed(folder) else None
+        tls = _TLS.format(folder=folder, port=self.tls_port) if self.tls_port else ""
+        config = _CONFIG.format(folder=folder, port=self.port, token=TOKEN, tls=tls)
         (folder / "nginx.conf").write_text(config)
+
+    @property
+    def certificate(self) -> Path:
+        """The TLS server's certificate (its own CA)."""
+        return self.folder / "cert.pem"
+
+    def tls_url(self) -> str:
+        return f"https://127.0.0.1:{self.tls_port}/cache"
 
     def url(self, path: str = "cache") -> str:
         return f"http://127.0.0.1:{self.port}/{path}"

@@ -230,3 +230,21 @@ def test_a_percent_encoded_path_is_sent_as_written(server: Nginx) -> None:
     name = hashlib.sha256(f"opcache:1:{SOC}:{KEY}".encode()).hexdigest()
     assert (server.data / "team-a" / "ac" / name).is_file()
     assert r.get(SOC, KEY) is not None
+
+
+def test_https_with_the_servers_ca_and_an_untrusted_server_never_fails_a_compile(
+    tmp_path: Path, server: Nginx, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if server.tls_port is None:
+        pytest.skip("no openssl to make the TLS server's certificate (apt-get install openssl)")
+    untrusted = connect(settings(server.tls_url()))
+    with pytest.raises(RemoteError, match="CERTIFICATE_VERIFY_FAILED"):
+        untrusted.get(SOC, KEY)
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(machine(tmp_path, "a", server.tls_url())) as a:
+        assert a.compile(make_request(0), compiler, tmp_path / "o").status == "miss"
+        assert a.stats()["remote_errors"] == 1  # the compile went on
+    monkeypatch.setenv("SSL_CERT_FILE", str(server.certificate))  # OpenSSL's own variable
+    trusted = connect(settings(server.tls_url()))
+    assert trusted.put(SOC, KEY, *entry()) > 0 and trusted.get(SOC, KEY) is not None
+    assert object_path(server, KEY).is_file()
