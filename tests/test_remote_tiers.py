@@ -159,3 +159,24 @@ def test_tier_urls_are_each_checked_and_masked(tmp_path: Path) -> None:
     first, second = tiers.tiers()
     assert (first.url, first.read_only, first.password) == ("redis://h/0", True, "p")
     assert (second.url, second.read_only, second.password) == ("http://h/x", False, None)
+
+
+def test_stats_and_clear_go_to_every_tier_that_can_list(
+    tmp_path: Path, redis_url: str, server: Nginx, share: Path
+) -> None:
+    from opcache.storage import RemoteError, open_remote
+
+    url = f"{redis_url} file://{share} {server.url()}"
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
+        for i in range(3):
+            a.compile(make_request(i), compiler, tmp_path / f"o{i}")
+    tiers = open_remote(machine(tmp_path, "a", url).remote)
+    usage = tiers.usage()
+    assert usage["chips"][SOC]["entries"] == 6  # three in Redis, three in the folder
+    assert usage["maxmemory_policy"] is not None  # Redis's
+    assert "not supported" in usage["tiers"][server.url()]["error"]
+    with pytest.raises(RemoteError, match=r"not supported.*\(6 entries removed\)"):
+        tiers.clear()
+    assert tiers.usage()["chips"] == {}
+    tiers.close()
