@@ -87,6 +87,15 @@ def test_claims_hold_across_the_cluster(url: str) -> None:
     other.close()
 
 
+def test_which_keys_are_there_is_asked_across_slots(url: str) -> None:
+    r = open_remote(machine(Path("/nowhere"), "x", url).remote)
+    keys = [f"{i:032x}" for i in range(40)]
+    for key in keys[::2]:
+        r.put(SOC, key, *entry(key))
+    assert r.have_many(SOC, keys) == set(keys[::2])
+    r.close()
+
+
 def test_stats_and_clear_reach_every_primary(url: str, cluster: Cluster) -> None:
     settings = machine(Path("/nowhere"), "x", url).remote
     r = open_remote(settings)
