@@ -232,9 +232,11 @@ def _warm_up() -> dict[str, tuple[int, int, int]]:
 
     import platformdirs  # noqa: F401  (configuration warnings' notes)
 
-    from . import cli, readset, stats, wrap  # noqa: F401
+    from . import cli, readset, remote_tier, stats, wrap  # noqa: F401
     from .compilers import cc  # noqa: F401
 
+    with contextlib.suppress(ImportError):
+        import redis  # noqa: F401  (a remote hit's client library, where installed)
     return _opcache_files()
 
 
