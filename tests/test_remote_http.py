@@ -91,6 +91,7 @@ def test_a_batch_is_fetched_on_a_bounded_number_of_kept_connections(server: Ngin
         assert sorted(found) == sorted(keys[::2])
         assert all(found[k][0].key == k for k in found)
     assert 1 < len(r._open) <= 8 + 1  # the pool's threads' and this thread's, kept
+    assert r.have_many(SOC, keys) == set(keys[::2])  # HEADs: no value sent
     r.close()
     assert not r._open
 

@@ -195,6 +195,18 @@ class HttpRemote(Remote):
             answers = list(self._threads().map(lambda key: self._get_one(soc, key), keys))
         return {key: got for key, got in zip(keys, answers, strict=True) if got is not None}
 
+    def have_many(self, soc: str, keys: list[str]) -> set[str]:
+        """Which of ``keys`` are there: a ``HEAD`` each, on the same bounded threads."""
+
+        def there(key: str) -> bool:
+            status, _ = self._request("HEAD", self._path(soc, key))
+            if status in (200, 404):
+                return status == 200
+            raise self._failure("HEAD", status)
+
+        answers = list(self._threads().map(there, keys))
+        return {key for key, found in zip(keys, answers, strict=True) if found}
+
     def _threads(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
