@@ -68,13 +68,15 @@ NOTES = (
 )
 
 _LOCK_MODE = 0o640  # CANN chmods its lock files to this
-_MAX_JSON_BYTES = 16 << 20
+# CANN reads any size; real entry jsons are a few KiB.  A bigger one is left alone.
+_MAX_JSON_BYTES = 64 << 20
 _HASH_CHUNK = 1 << 20
 _TEMP = re.compile(r"(?P<dst>.+)_(?P<pid>[0-9]+)_(?P<usec>[0-9]+)_(?P<rand>[0-9]+)\.temp")
 _MIX_SUFFIXES = ("_mix_aic.json", "_mix_aiv.json")
 _PRE_SUFFIX = "_pre.json"
 _KERNEL_FILE_SUFFIXES = (".o", ".so", ".h")
 _NOATIME = getattr(os, "O_NOATIME", 0)
+_MAX_SUB_DEPTH = 256
 
 
 class NoCannCache(Exception):
@@ -139,20 +141,22 @@ def read_limits(
 ) -> Limits:
     """CANN's size settings for ``root``: ``root/op_cache.ini`` > environment > defaults.
 
-    CANN applies the ini's size keys only when the file also names the toolkit
-    versions (it writes them itself); otherwise it ignores the file whole.
-    An ini the trust rule refuses (``shared_group``: the group of a
+    The ini is read as CANN reads it (``ini.read_cann``): its size keys count
+    only in a file that also names the toolkit versions, which CANN writes
+    itself.  An ini the trust rule refuses (``shared_group``: the group of a
     group-shared folder), or that is not a regular file, is ignored with a warning.
     """
     path = root / INI_NAME
-    applies = ini.cann_applies_sizes(path, shared_group)
+    read = ini.read_cann(path, shared_group)
     sources: dict[str, str] = {}
-    env = os.environ if environ is None else environ
-    _, max_mb, ratio = size_limits([path] if applies else [], env, sources, shared_group)
-    ignored = None
-    if not applies and ini.read_size_limits(path, shared_group) is not None:
-        ignored = f"{path} is ignored, as CANN ignores it: no adk_version and ops_version in it"
-    return Limits(max_mb, ratio, path, ignored, sources)
+    if read.limits is not None:
+        sources["max_op_cache_size_mb"] = sources["remain_cache_size_ratio"] = INI_NAME
+        sources["ini_path"] = INI_NAME
+        max_mb, ratio = read.limits.max_op_cache_size_mb, read.limits.remain_cache_size_ratio
+    else:
+        env = os.environ if environ is None else environ
+        _, max_mb, ratio = size_limits([], env, sources, shared_group)
+    return Limits(max_mb, ratio, path, read.ignored, sources)
 
 
 def open_cann_cache(
@@ -271,7 +275,7 @@ class CannCache:
             "limit_bytes": max_bytes,
             "over_limit": max_bytes is not None and scan.used >= max_bytes,
             "entries": len(view.entries),
-            "entry_bytes": _bytes(files, {f for e in view.entries for f in e.aged}),
+            "entry_bytes": _bytes(files, {f for e in view.entries for f in e.aged or [e.json]}),
             "broken_entries": sum(1 for e in view.entries if e.problem),
             "idle_entries": sum(1 for a in atimes if now - a >= AGE_SECONDS),
             "oldest_access": min(atimes, default=None),
@@ -347,8 +351,8 @@ class CannCache:
                 now_st = None
             if now_st is not None and _atime(now_st) == atime:
                 entry = _Entry(fd, name, files)
-                if entry.data is None:
-                    continue  # CANN never ages a json it cannot parse
+                if entry.aged is None:
+                    continue  # CANN never ages a json it cannot parse (see _Entry)
                 with _kernel_lock(fd, entry.kernel) as free:
                     if not free:
                         report["kept_locked"].append(entry.kernel)
@@ -378,11 +382,15 @@ class CannCache:
             faults.append({"kind": kind, "name": name, "why": why, "files": remove, "locks": locks})
 
         checked = 0
+        unchecked = []
         for entry in view.entries:
             problem = entry.problem
+            if problem is None and entry.unchecked is not None:
+                unchecked.append({"name": entry.kernel, "why": entry.unchecked})
+                continue
             if problem is None:
                 checked += 1
-                problem = _hash_problem(fd, entry)
+                problem = _sha256_problem(fd, entry)
             if problem is not None:
                 fault("corrupt", entry.kernel, problem, entry.files_to_remove(), [entry.kernel])
         for name in view.orphans:
@@ -406,6 +414,7 @@ class CannCache:
         return {
             "entries": len(view.entries),
             "checked": checked,
+            "unchecked": unchecked,
             "faults": faults,
             "removed": sum(1 for f in faults if f.get("removed")),
             "errors": errors,
@@ -462,34 +471,49 @@ class _Scan:
         return sum(st.st_size for st in self.files.values()) + self.sub_bytes
 
 
-def _scan(fd: int, scan: _Scan | None = None) -> _Scan:
-    """The folder's regular files by name; below it (``scan`` given) only counted."""
-    top = scan is None
-    scan = _Scan() if scan is None else scan
-    with os.scandir(fd) as it:
-        for entry in it:
+def _scan(fd: int) -> _Scan:
+    """The folder's regular files by name; those in folders below it only counted.
+
+    Walked without recursion, one open folder per level: folders nested more
+    than ``_MAX_SUB_DEPTH`` deep are not counted (CANN's own count, by path,
+    stops near PATH_MAX, about 2,000 levels).
+    """
+    scan = _Scan()
+    # CANN never makes subfolders but counts (and ages) any it finds;
+    # opcache counts them and leaves them alone.
+    walks = [os.scandir(fd)]
+    opened: list[int] = []
+    try:
+        while walks:
+            entry = next(walks[-1], None)
+            if entry is None:
+                walks.pop().close()
+                if opened:
+                    os.close(opened.pop())
+                continue
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if stat.S_ISREG(st.st_mode) and top:
+            if stat.S_ISREG(st.st_mode) and len(walks) == 1:
                 scan.files[entry.name] = st
             elif stat.S_ISREG(st.st_mode):
                 scan.sub_files += 1
                 scan.sub_bytes += st.st_size
-            elif stat.S_ISDIR(st.st_mode):
-                # CANN never makes subfolders but counts (and ages) any it finds;
-                # opcache counts them and leaves them alone.
+            elif not stat.S_ISDIR(st.st_mode):
+                scan.links += 1
+            elif len(walks) <= _MAX_SUB_DEPTH:
                 try:
-                    sub = os.open(entry.name, fsutil.DIR_FLAGS, dir_fd=fd)
+                    sub = os.open(entry.name, fsutil.DIR_FLAGS, dir_fd=opened[-1] if opened else fd)
                 except OSError:
                     continue
-                try:
-                    _scan(sub, scan)
-                finally:
-                    os.close(sub)
-            else:
-                scan.links += 1
+                opened.append(sub)
+                walks.append(os.scandir(sub))
+    finally:
+        for walk in walks:
+            walk.close()
+        for opened_fd in opened:
+            os.close(opened_fd)
     return scan
 
 
@@ -504,108 +528,222 @@ def _is_entry_json(name: str) -> bool:
 
 
 class _Entry:
-    """One ``<kernel>.json`` and the files it names.
+    """One ``<kernel>.json`` and the files it names, judged by CANN's own code.
 
-    ``aged``: the existing files CANN's aging deletes with it (the json, its
-    binary; for a ``jsonList`` entry the sub-jsons and their binaries).
-    ``owned``: those plus its header and a ``jsonList`` entry's own binary.
-    ``problem``: why CANN cannot reuse it (without hashing), or None.
+    ``aged``: the existing files CANN's aging deletes with it
+    (``GetFilesAccessTime``), or None where CANN never ages it (its json does
+    not parse) or where CANN's code throws on it, which ends CANN's whole
+    pass; opcache leaves just that entry alone.
+    ``problem``: why CANN's hit check (``MatchCompileCache``) never reuses it,
+    short of comparing the sha256, or None.
+    ``unchecked``: why opcache cannot tell without following a link, leaving
+    the chip folder or reading past its limit; such an entry is neither
+    called corrupt nor removed.
+    ``binary``: the binary the hit check reads (``binFileName`` +
+    ``binFileSuffix``, maybe with folders) and ``sha256`` what its json says;
+    ``owned``: its files in this folder (the aged ones, its binary, header,
+    sub-jsons and their binaries).
     """
 
     def __init__(self, fd: int, name: str, files: Mapping[str, os.stat_result]) -> None:
         self.json = name
         self.kernel = name[: -len(".json")]
-        self.aged = [name]
         self.owned = {name}
-        self.bins: list[tuple[str, object, bool]] = []  # (binary, its json's sha256, required)
+        self.aged: list[str] | None = None
         self.problem: str | None = None
-        self.data = _read_json(fd, name)
-        if not isinstance(self.data, dict):
-            self.data = None
-            self.problem = f"{name} does not parse"
+        self.unchecked: str | None = None
+        self.binary: str | None = None
+        self.sha256 = ""
+        try:
+            data = _read_json(fd, name)
+        except (_Unread, ValueError) as e:
+            if isinstance(e, _Unread):
+                self.unchecked = f"{name}: {e}"
+            else:
+                self.problem = f"{name} does not parse as CANN reads it ({e})"
             # What its writer would have named it, so a fix removes it too.
             guesses = (self.kernel + suffix for suffix in _KERNEL_FILE_SUFFIXES)
             self.owned |= {name for name in guesses if name in files}
             return
-        if "jsonList" in self.data:
-            self._add_sub_jsons(fd, files)
-            main_bin, _ = _bin_name(self.data)
-            if main_bin is not None and main_bin in files:
-                self.owned.add(main_bin)
-                self.bins.append((main_bin, self.data.get("sha256"), True))
-        else:
-            self._add_binary(files)
-        stem = self.data.get("binFileName")
-        if isinstance(stem, str):
-            suffix = self.data.get("headerFileSuffix")
-            for header in {stem + suffix if isinstance(suffix, str) else "", stem + ".h"}:
-                if header in files and is_plain_name(header):
-                    self.owned.add(header)
+        aged, throws = _aged_files(fd, name, data, files)
+        self.aged = None if throws else aged
+        self.owned.update(aged)
+        self._hit_check(fd, data, files)
 
-    def _add_binary(self, files: Mapping[str, os.stat_result]) -> None:
-        assert self.data is not None
-        binary, why = _bin_name(self.data)
+    def _hit_check(self, fd: int, data: object, files: Mapping[str, os.stat_result]) -> None:
+        """``MatchCompileCache`` through ``ParseCompileResult`` (compile_result_utils.cc)
+        and ``VerifyBinFileSha256`` short of hashing; see the class docstring."""
+        try:
+            binary = _bin_of(data)
+        except _Throws as e:
+            self.problem = str(e)
+            return
         if binary is None:
-            self._fail(why)
+            mix = isinstance(data, dict) and "jsonList" in data
+            self.problem = "no binFileName and binFileSuffix" + (
+                " (a jsonList entry without them is never reused)" if mix else ""
+            )
             return
-        if binary not in files:
-            self._fail(f"its binary {binary} is missing")
+        assert isinstance(data, dict)
+        self.binary = binary
+        if is_plain_name(binary) and binary in files:
+            self.owned.add(binary)
+            self._own_header(data, binary, files)
+        try:
+            with _binary_of(fd, binary) as (parent, last):
+                st = os.stat(last, dir_fd=parent, follow_symlinks=False) if last else None
+        except FileNotFoundError:
+            self.problem = f"its binary {binary} is missing"
             return
-        self.aged.append(binary)
-        self.owned.add(binary)
-        self.bins.append((binary, self.data.get("sha256"), True))
-        suffix = self.data["binFileSuffix"]
-        if suffix not in (".o", ".so"):
-            self._fail(f"binFileSuffix {suffix!r}: CANN reuses only .o and .so")
-        elif suffix == ".o" and not self.data.get("kernelName"):
-            self._fail("no kernelName")
-        elif suffix == ".o" and files[binary].st_size == 0:
-            self._fail(f"{binary} is empty")
+        except _Unread as e:
+            self.unchecked = f"its binary {binary} {e}"
+            return
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            self.unchecked = f"its binary {binary} is a link: not followed"
+            return
+        kind = ".o" if binary.endswith(".o") else ".so" if binary.endswith(".so") else None
+        if kind is None:
+            self.problem = f"its binary {binary} is no .o or .so: CANN has no kernel to reuse"
+            return
+        if st is None or not stat.S_ISREG(st.st_mode):
+            self.unchecked = f"its binary {binary} is not a regular file"
+            return
+        self.problem = _fields_problem(data, kind, binary, st.st_size)
+        sha = data.get("sha256")
+        if self.problem is None and isinstance(sha, str):
+            self.sha256 = sha
+            if kind == ".so" and not _SHA256_HEX.fullmatch(sha):
+                self.problem = f"sha256 {sha[:16]!r}... is no lower-case sha256: it never matches"
 
-    def _add_sub_jsons(self, fd: int, files: Mapping[str, os.stat_result]) -> None:
-        assert self.data is not None
-        subs = self.data["jsonList"]
-        for item in subs if isinstance(subs, list) else []:
-            sub = item.get("jsonFileName") if isinstance(item, dict) else None
-            if not isinstance(sub, str) or not is_plain_name(sub):
-                self._fail(f"jsonList names {sub!r}, not a file of this folder")
-                continue
-            if sub not in files:
-                self._fail(f"its sub-json {sub} is missing")
-                continue
-            self.aged.append(sub)
-            self.owned.add(sub)
-            data = _read_json(fd, sub)
-            if not isinstance(data, dict):
-                self._fail(f"its sub-json {sub} does not parse")
-                continue
-            binary, why = _bin_name(data)
-            if binary is None:
-                self._fail(f"{sub}: {why}")
-            elif binary not in files:
-                self._fail(f"{sub}: its binary {binary} is missing")
-            else:
-                self.aged.append(binary)
-                self.owned.add(binary)
-                self.bins.append((binary, data.get("sha256"), False))
-
-    def _fail(self, why: str | None) -> None:
-        if self.problem is None:
-            self.problem = why
+    def _own_header(self, data: Mapping[str, object], binary: str, files: Mapping) -> None:
+        stem, suffix = binary.rpartition(".")[0], data.get("headerFileSuffix")
+        for header in {stem + suffix if isinstance(suffix, str) else "", stem + ".h"}:
+            if header in files and is_plain_name(header):
+                self.owned.add(header)
 
     def files_to_remove(self) -> list[str]:
         """Every file of the entry, its json first: without it the entry is gone at once."""
         return [self.json, *sorted(self.owned - {self.json})]
 
 
-def _bin_name(data: Mapping[str, object]) -> tuple[str | None, str | None]:
-    """(binary's file name, None) or (None, why there is none)."""
-    name, suffix = data.get("binFileName"), data.get("binFileSuffix")
+class _Unread(Exception):
+    """opcache does not read this file: CANN might, so nothing is concluded from it."""
+
+
+class _Throws(Exception):
+    """CANN's code throws here (nlohmann's ``get<std::string>`` or ``operator[]`` on the
+    wrong type): its aging pass deletes nothing at all and its hit check fails."""
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_INT_MAX = 2**31 - 1
+
+
+def _bin_of(data: object) -> str | None:
+    """``binFileName`` + ``binFileSuffix`` as CANN reads them; None when either is absent
+    or the json is no object (``contains``/``find`` are false there)."""
+    if not isinstance(data, dict) or "binFileName" not in data or "binFileSuffix" not in data:
+        return None
+    name, suffix = data["binFileName"], data["binFileSuffix"]
     if not isinstance(name, str) or not isinstance(suffix, str):
-        return None, "no binFileName and binFileSuffix"
-    if not is_plain_name(name + suffix):
-        return None, f"binFileName {name + suffix!r} is not a file of this folder"
-    return name + suffix, None
+        raise _Throws("binFileName or binFileSuffix is not a string: CANN's reader throws")
+    return name + suffix
+
+
+def _fields_problem(data: Mapping[str, object], kind: str, binary: str, size: int) -> str | None:
+    """``SetKernelBin``/``SetKernelBinBySo``, ``SetHeaderFilePath``, ``VerifyBinFileSha256``
+    on the json's fields: why they fail, or None."""
+    if "kernelName" not in data:
+        return "no kernelName"
+    for key in ("kernelName", "headerFileSuffix", "sha256"):
+        if key in data and not isinstance(data[key], str):
+            return f"{key} is not a string: CANN's reader throws"
+    if kind == ".o" and size == 0:
+        return f"{binary} is empty"
+    if kind == ".o" and size > _INT_MAX:
+        return f"{binary} is larger than 2 GiB"
+    if not data.get("sha256"):
+        return "no sha256"
+    return None
+
+
+def _jsonlist_items(value: object) -> list[object]:
+    """What iterating a nlohmann value yields: a list's items, an object's values,
+    nothing for null, the value itself for a string, number or boolean."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, dict):
+        return list(value.values())
+    return [] if value is None else [value]
+
+
+def _aged_files(
+    fd: int, name: str, data: object, files: Mapping[str, os.stat_result]
+) -> tuple[list[str], bool]:
+    """(files CANN's aging deletes with json ``name`` that opcache deletes too, whether
+    CANN's ``GetFilesAccessTime`` throws on it).
+
+    A plain entry: its binary.  A ``jsonList`` entry (a list, or an object's
+    values): each sub-json and each sub-json's binary, not its own binary.
+    Only regular files of this folder are listed: a name with a folder part,
+    ``..`` or ``\\`` CANN deletes wherever it leads; opcache does not.
+    """
+    found = [name]
+
+    def add(file: str | None) -> None:
+        if file is not None and is_plain_name(file) and file in files and file not in found:
+            found.append(file)
+
+    try:
+        if not isinstance(data, dict) or "jsonList" not in data:
+            add(_bin_of(data))
+            return found, False
+        for item in _jsonlist_items(data["jsonList"]):
+            sub = item.get("jsonFileName") if isinstance(item, dict) else None
+            if not isinstance(sub, str):
+                raise _Throws("a jsonList item has no jsonFileName string")
+            if not (is_plain_name(sub) and sub in files):
+                continue
+            add(sub)
+            try:
+                add(_bin_of(_read_json(fd, sub)))
+            except (_Unread, ValueError):
+                continue  # CANN skips a sub-json it cannot parse
+    except _Throws:
+        return found, True
+    return found, False
+
+
+@contextlib.contextmanager
+def _binary_of(fd: int, name: str) -> Iterator[tuple[int, str]]:
+    """(folder fd, last part) of ``name`` under the chip folder ``fd``, walked without
+    following links: FileNotFoundError where CANN's realpath fails, _Unread where it
+    leads through a link or out of the folder.  An empty last part is the folder."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise _Unread("leads out of its folder: not followed")
+    opened: list[int] = []
+    parent = fd
+    try:
+        for part in parts[:-1]:
+            try:
+                parent = os.open(part, fsutil.DIR_FLAGS, dir_fd=parent)
+            except NotADirectoryError:
+                raise FileNotFoundError(name) from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise _Unread("leads through a link: not followed") from None
+                raise
+            opened.append(parent)
+        last = parts[-1] if parts else ""
+        if last and name.endswith(("/", "/.")):  # "x.o/": realpath fails unless x.o is a folder
+            mode = os.stat(last, dir_fd=parent, follow_symlinks=False).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+                raise FileNotFoundError(name)
+        yield parent, last
+    finally:
+        for opened_fd in opened:
+            os.close(opened_fd)
 
 
 class _View:
@@ -675,35 +813,43 @@ def _open_quietly(fd: int, name: str) -> int:
 
 
 def _read_json(fd: int, name: str) -> object:
-    """The parsed json, or None when it cannot be read or parsed."""
+    """The json as CANN's reader parses it (``_json.loads_nlohmann``); ValueError when
+    CANN cannot parse it, _Unread when opcache cannot read it (or will not: too big)."""
     try:
         file_fd = _open_quietly(fd, name)
-    except OSError:
-        return None
+    except OSError as e:
+        raise _Unread(f"cannot read it ({e.strerror or e})") from None
     with os.fdopen(file_fd, "rb") as f:
         raw = f.read(_MAX_JSON_BYTES + 1)
     if len(raw) > _MAX_JSON_BYTES:
-        return None
-    try:
-        return _json.loads(raw)
-    except ValueError:  # too deep too: a corrupt json, as one too big (age leaves it alone)
-        return None
+        raise _Unread(f"larger than {_MAX_JSON_BYTES >> 20} MiB: not read")
+    return _json.loads_nlohmann(raw)
 
 
 def _hash_problem(fd: int, entry: _Entry) -> str | None:
-    for binary, want, required in entry.bins:
-        if binary.endswith(".so"):
-            continue  # CANN hashes the kernel inside the library, not the file
-        if not isinstance(want, str) or not want:
-            if required:
-                return f"{entry.json} has no sha256"
-            continue
-        try:
-            got = _sha256(fd, binary)
-        except OSError as e:
-            return f"cannot read {binary}: {e.strerror or e}"
-        if got != want.lower():
-            return f"sha256 of {binary} is {got[:16]}..., its json says {want[:16]}..."
+    """Why CANN would not reuse ``entry`` or opcache cannot move it as a whole: what
+    ``_sha256_problem`` finds, ``entry.unchecked``, a binary outside the folder."""
+    if entry.unchecked is not None:
+        return entry.unchecked
+    if entry.binary is not None and not is_plain_name(entry.binary):
+        return f"its binary {entry.binary} is not a file of this folder"
+    return _sha256_problem(fd, entry)
+
+
+def _sha256_problem(fd: int, entry: _Entry) -> str | None:
+    """The last step of CANN's hit check for a ``.o``: its json's sha256 is exactly the
+    lower-case hex digest of its bytes.  A ``.so``'s sha256 is that of the kernel its
+    ``GetKernelBin()`` returns once loaded: opcache never runs a library to find it."""
+    binary = entry.binary
+    if binary is None or not binary.endswith(".o"):
+        return None
+    try:
+        with _binary_of(fd, binary) as (parent, last):
+            got = _sha256(parent, last)
+    except (OSError, _Unread) as e:
+        return f"cannot read {binary}: {getattr(e, 'strerror', None) or e}"
+    if got != entry.sha256:
+        return f"sha256 of {binary} is {got[:16]}..., its json says {entry.sha256[:16]}..."
     return None
 
 

@@ -177,26 +177,128 @@ def _load(raw: bytes) -> tuple[str | None, configparser.ConfigParser | None]:
     return None, parser
 
 
-def cann_applies_sizes(path: Path, shared_group: int | None = None) -> bool:
-    """Whether CANN's graph engine itself would apply the size keys of ``path``.
+class CannIni(Record):
+    """What CANN's graph engine takes from an op_cache.ini (see ``read_cann``)."""
 
-    CANN reads them only from a file whose one section (with keys) is
-    ``[op_compiler_cache]`` and that names both ``adk_version`` and
-    ``ops_version``, which CANN writes there itself; any other file it ignores
-    whole, so a hand-made file with only the two size keys has no effect on it.
-    A file ``read_size_limits`` would not read applies nothing either.
+    __slots__ = _fields = ("limits", "ignored")
+    limits: SizeLimits | None  # the size keys CANN applies, or None
+    ignored: str | None  # why size keys in the file do not apply, when it has some
+
+    def __init__(self, limits: SizeLimits | None, ignored: str | None) -> None:
+        self._init(locals())
+
+
+def read_cann(path: Path, shared_group: int | None = None) -> CannIni:
+    """The size limits CANN itself takes from the op_cache.ini at ``path``.
+
+    Read line by line as hicann/ge ``te_cache_space_manager.cc`` reads it
+    (``LoadIniFile``, ``GetCacheInitFileCfg``, ``UpdateOpCacheSizeCfg``; see
+    ``_cann_sections`` and ``_cann_limits``).  A file that is not a regular
+    file, one the trust rule refuses, or one over 1 MiB is ignored here, with
+    a warning (CANN follows links and reads any size).
     """
     try:
         raw, untrusted = _read(path, shared_group)
-    except OSError:
-        return False
-    if untrusted or len(raw) > _MAX_FILE_BYTES:
-        return False
-    _, parser = _load(raw)
-    if parser is None or [s for s in parser.sections() if parser[s]] != [SECTION]:
-        return False
-    section = parser[SECTION]
-    return all(section.get(key, "").strip() for key in ("adk_version", "ops_version"))
+    except (FileNotFoundError, NotADirectoryError):
+        return CannIni(None, None)
+    except OSError as e:
+        why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
+        log.warning("ignoring %s: cannot read it (%s)", path, why)
+        return CannIni(None, f"{path} is ignored: cannot read it ({why})")
+    if untrusted:
+        return CannIni(None, f"{path} is ignored: it is {untrusted}")
+    if len(raw) > _MAX_FILE_BYTES:
+        return CannIni(None, f"{path} is ignored: larger than {_MAX_FILE_BYTES} bytes")
+    limits, why = _cann_limits(_cann_sections(raw))
+    return CannIni(limits, None if why is None else f"{path} is ignored, as CANN ignores it: {why}")
+
+
+def _cann_sections(raw: bytes) -> dict[bytes, list[tuple[bytes, bytes]]]:
+    """The sections of an op_cache.ini as ``TeCacheSpaceManager::LoadIniFile`` reads them.
+
+    Lines split at "\\n"; empty lines and lines starting with "#" skipped; a
+    line starting with "[" ends the section before it and names the next one
+    (the text up to its last "]", spaces and tabs trimmed; none: the line is
+    skipped); any other line with "=" is a key and value, each trimmed, kept
+    when both are non-empty; a line without "=" is skipped.  A section is kept
+    only if it has a name and keys (keys above the first section join it), and
+    only the first of a name (``std::map::emplace``).  Bytes, as C++ reads them:
+    a BOM is text, a Latin-1 byte is a byte.
+    """
+    sections: dict[bytes, list[tuple[bytes, bytes]]] = {}
+    pairs: list[tuple[bytes, bytes]] = []
+    name = b""
+    for line in raw.split(b"\n"):
+        if not line or line.startswith(b"#"):
+            continue
+        if line.startswith(b"["):
+            if name and pairs:
+                sections.setdefault(name, pairs)
+                pairs = []
+            end = line.rfind(b"]")
+            if end >= 0:
+                name = line[1:end].strip(b" \t")
+            continue
+        key, equals, value = line.partition(b"=")
+        key, value = key.strip(b" \t"), value.strip(b" \t")
+        if equals and key and value:
+            pairs.append((key, value))
+    if name and pairs:
+        sections.setdefault(name, pairs)
+    return sections
+
+
+def _cann_limits(
+    sections: dict[bytes, list[tuple[bytes, bytes]]],
+) -> tuple[SizeLimits | None, str | None]:
+    """(limits CANN applies, or None; why size keys present do not apply, or None).
+
+    ``GetCacheInitFileCfg``: sections in name order; the first that is not
+    ``op_compiler_cache`` makes the file invalid; within the section the last
+    of a repeated key wins; the file counts only once ``adk_version`` and
+    ``ops_version`` are set.  ``UpdateOpCacheSizeCfg``: both size keys, each
+    read by ``std::stoi``; max -1 or 1..INT_MAX, ratio 1..100.
+    """
+    keys = (MAX_KEY.encode(), RATIO_KEY.encode())
+    has_sizes = any(key in keys for pairs in sections.values() for key, _ in pairs)
+    found: dict[bytes, bytes] = {}
+    valid = False
+    for name in sorted(sections):
+        if name != SECTION.encode():
+            shown = name.decode("latin-1")
+            why = f"its section [{shown}] comes before a complete [{SECTION}] in name order"
+            return None, why if has_sizes else None
+        found.update(sorted(sections[name], key=lambda pair: pair[0]))
+        valid = bool(found.get(b"adk_version") and found.get(b"ops_version"))
+        if valid:
+            break
+    if not valid:
+        why = f"no [{SECTION}] section with adk_version and ops_version in it"
+        return None, why if has_sizes else None
+    max_text, ratio_text = found.get(keys[0]), found.get(keys[1])
+    if max_text is None and ratio_text is None:
+        return None, None
+    if max_text is None or ratio_text is None:
+        return None, f"{RATIO_KEY if max_text else MAX_KEY} is missing"
+    max_mb, ratio = stoi(max_text), stoi(ratio_text)
+    if max_mb is None or max_mb == 0 or max_mb < -1:
+        return None, f"{MAX_KEY}={max_text.decode('latin-1')!r} is not -1 or 1..2147483647"
+    if ratio is None or not 1 <= ratio <= 100:
+        return None, f"{RATIO_KEY}={ratio_text.decode('latin-1')!r} is not 1..100"
+    return SizeLimits(max_mb, ratio), None
+
+
+_STOI = re.compile(rb"[ \t\n\v\f\r]*([+-]?)0*([0-9]+)")
+
+
+def stoi(text: bytes) -> int | None:
+    """C++ ``std::stoi``: leading whitespace, a sign and digits, the rest ignored;
+    None where it throws (no digits, or outside int)."""
+    match = _STOI.match(text.split(b"\0", 1)[0])  # (strtol reads a C string)
+    if match is None or len(match[2]) > 10:
+        return None
+    value = int(match[2]) * (-1 if match[1] == b"-" else 1)
+    return value if -(2**31) <= value < 2**31 else None
 
 
 def ensure_ini_file(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> bool:

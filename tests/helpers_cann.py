@@ -114,8 +114,17 @@ def store_entry(
     return paths + ([chip / f"{kernel}.h"] if header is not None else [])
 
 
-def store_mix_entry(chip: Path, kernel: str, aic: bytes, aiv: bytes) -> list[Path]:
-    """A mix-core entry: a main json whose ``jsonList`` names two sub-jsons, each with a binary."""
+def store_mix_entry(
+    chip: Path, kernel: str, aic: bytes, aiv: bytes, main: bytes | None = b"mix kernel"
+) -> list[Path]:
+    """A mix-core entry: a main json whose ``jsonList`` names two sub-jsons, each with a binary.
+
+    With ``main``, the main json also names ``<kernel>.o`` with its sha256, which
+    CANN's hit check needs (``ParseCompileResult`` reads the main json's
+    ``binFileName`` only); without, CANN never reuses the entry.  Returns the
+    files CANN's aging deletes with it: the main json, the sub-jsons and their
+    binaries, not the main binary.
+    """
     chip.mkdir(parents=True, exist_ok=True)
     paths = [chip / f"{kernel}.json"]
     with cann_lock(chip / f"{kernel}.lock"):
@@ -126,8 +135,12 @@ def store_mix_entry(chip: Path, kernel: str, aic: bytes, aiv: bytes) -> list[Pat
             _copy_into(chip, f"{name}.json", json.dumps(kernel_json(name, binary)).encode())
             subs.append({"jsonFileName": f"{name}.json"})
             paths += [chip / f"{name}.json", chip / f"{name}.o"]
-        main = {"kernelName": f"{kernel}__kernel0", "core_type": "MIX", "jsonList": subs}
-        _copy_into(chip, f"{kernel}.json", json.dumps(main).encode())
+        data: dict[str, object] = {"kernelName": f"{kernel}__kernel0", "core_type": "MIX"}
+        if main is not None:
+            _copy_into(chip, f"{kernel}.o", main)
+            data = kernel_json(kernel, main, **data)
+        data["jsonList"] = subs
+        _copy_into(chip, f"{kernel}.json", json.dumps(data).encode())
     return paths
 
 

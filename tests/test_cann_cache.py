@@ -467,7 +467,10 @@ def test_verify_checks_the_sha256_of_every_binary(base, capsys):
     status, report = cann_json(capsys, base, "verify")
     assert (status, report["chips"][SOC]["checked"], report["chips"][SOC]["faults"]) == (0, 2, [])
     aic = f.chip / f"{kernel_name('MatMul', 'm')}_mix_aic.o"
-    aic.write_bytes(b"flipped" + aic.read_bytes()[7:])
+    aic.write_bytes(b"flipped" + aic.read_bytes()[7:])  # CANN's hit reads the main binary only
+    assert cann_json(capsys, base, "verify")[1]["chips"][SOC]["faults"] == []
+    main = f.chip / f"{kernel_name('MatMul', 'm')}.o"
+    main.write_bytes(b"flipped" + main.read_bytes()[7:])
     binary = f.entries["a"][1]
     binary.write_bytes(binary.read_bytes()[:-1] + b"!")
     faults = cann_json(capsys, base, "verify")[1]["chips"][SOC]["faults"]
