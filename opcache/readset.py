@@ -28,10 +28,9 @@ import os
 import re
 import stat
 
-from . import _json
 from ._log import get_logger
 from .compilers._tool import read_input, which
-from .key import canonical_json, digest
+from .key import digest
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -49,15 +48,14 @@ OWN_NAMES = ".opcache-"
 _VARIANTS = 8  # read sets remembered per command (e.g. a kernel edited back and forth)
 
 # strace's output with -ttt (each call's time), -xx (every string as \xNN), -y (fds and
-# AT_FDCWD followed by <path>).
+# AT_FDCWD followed by <path>).  Patterns, compiled (re caches them) only where a trace
+# is read: compiling them costs a hit, which reads none, half a millisecond.
 _HEX = r"(?:\\x[0-9a-f]{2})*"
 _TIME = r"(?:(\d+)\.(\d{6}) )?"
-_CALL = re.compile(
-    r"^" + _TIME + r"(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<" + _HEX + r">)?(?:\s+(E[A-Z0-9]+))?"
-)
-_PATH_ARG = re.compile(r"(?:(?:AT_FDCWD|-?\d+)<(" + _HEX + r")>,\s*)?\"(" + _HEX + r")\"")
-_FD_ARG = re.compile(r"^-?\d+<(" + _HEX + r")>")
-_CWD_NOTE = re.compile(r"AT_FDCWD<(" + _HEX + r")>")
+_CALL = r"^" + _TIME + r"(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<" + _HEX + r">)?(?:\s+(E[A-Z0-9]+))?"
+_PATH_ARG = r"(?:(?:AT_FDCWD|-?\d+)<(" + _HEX + r")>,\s*)?\"(" + _HEX + r")\""
+_FD_ARG = r"^-?\d+<(" + _HEX + r")>"
+_CWD_NOTE = r"AT_FDCWD<(" + _HEX + r")>"
 # Calls that look at a path (the first one), calls that change one or two.
 _LOOKS = frozenset((
     "access", "faccessat", "faccessat2", "stat", "stat64", "lstat", "lstat64", "newfstatat",
@@ -71,11 +69,13 @@ _CHANGES = dict.fromkeys((
 ), 1)  # fmt: skip
 _CHANGES |= dict.fromkeys(("rename", "renameat", "renameat2", "link", "linkat"), 2)
 _SYMLINKS = frozenset(("symlink", "symlinkat"))  # the second path is the one made
-_WRITE_FLAGS = re.compile(r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC")
+_WRITE_FLAGS = r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC"
 _MISSING = ("ENOENT", "ENOTDIR")
 # File times come from the kernel's coarse clock, up to a tick (10 ms at HZ=100)
 # behind time.time_ns(): a file changed that close to the start counts as changed during it.
 _CLOCK_LAG_NS = 10_000_000
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir"}  # (the kinds whose times are kept)
+_ITEM_TYPES = [str, str, int, int, int, int, str]  # a ReadSet item's, as JSON gives them
 
 
 class Unprovable(Exception):
@@ -117,21 +117,37 @@ class ReadSet:
     @property
     def digest(self) -> str:
         """Of the paths and what they hold, not their times: a part of a key."""
-        return digest(canonical_json([[i[0], i[1], i[2], _size(i), i[6]] for i in self.items]))
+        rows = [[i[0], i[1], i[2], _size(i), i[6]] for i in self.items]
+        # canonical_json's bytes for rows of strings and numbers (no mapping to check or
+        # sort), without its walk over every value: a hit computes this for each path.
+        return digest(json.dumps(rows, ensure_ascii=False, separators=(",", ":")).encode())
 
     def unchanged(self) -> bool:
         """True while every path is as recorded (stat first, a digest only when it moved)."""
         for item in self.items:
             path, kind = item[0], item[1]
             follow = path.endswith("\0")
-            now = _facts(path[:-1] if follow else path, follow, listed=False, cheap=True)
+            real = path[:-1] if follow else path
+            if kind in ("file", "dir"):
+                # The common case in one stat, without _facts' record: the cost of a hit.
+                try:
+                    st = os.stat(real) if follow else os.lstat(real)
+                except OSError:
+                    return False
+                if (
+                    _KINDS.get(stat.S_IFMT(st.st_mode)) != kind
+                    or stat.S_IMODE(st.st_mode) != item[2]
+                ):
+                    return False
+                if kind == "dir" and item[6] == "":
+                    # A folder the compile did not list: only that it is one.  Its times move
+                    # with any name made in it (the hit's own staging in its output folder).
+                    continue
+                if [st.st_size, st.st_mtime_ns, st.st_ctime_ns] == item[3:6]:
+                    continue  # (a folder's names change its mtime)
+            now = _facts(real, follow, listed=kind == "dir", cheap=kind not in ("file", "dir"))
             if now[1] != kind or now[2] != item[2]:
                 return False
-            if kind in ("file", "dir") and now[3:6] == item[3:6]:
-                continue  # (a folder's names change its mtime)
-            if kind in ("file", "dir"):
-                listed = kind == "dir" and item[6] != ""
-                now = _facts(path[:-1] if follow else path, follow, listed=listed, cheap=False)
             if _size(now) != _size(item) or now[6] != item[6]:
                 return False
             if now[3:6] != item[3:6]:
@@ -148,14 +164,7 @@ class ReadSet:
         if not isinstance(data, list):
             return None
         for item in data:
-            if not (
-                isinstance(item, list)
-                and len(item) == 7
-                and isinstance(item[0], str)
-                and isinstance(item[1], str)
-                and isinstance(item[6], str)
-                and all(isinstance(x, int) for x in item[2:6])
-            ):
+            if type(item) is not list or list(map(type, item)) != _ITEM_TYPES:
                 return None
         return cls(data)
 
@@ -287,6 +296,8 @@ def _parse(trace_dir: str) -> tuple[set[str], set[str], set[str], set[str], set[
     # interleave only by their times.  (No time: read before anything, as a tie is.)
     first_read: dict[str, int] = {}
     first_change: dict[str, int] = {}
+    patterns = (_CALL, _PATH_ARG, _FD_ARG, _CWD_NOTE, _WRITE_FLAGS)
+    call_re, path_re, fd_re, cwd_re, write_re = map(re.compile, patterns)
     try:
         names = [n for n in os.listdir(trace_dir) if n.startswith(TRACE_PREFIX + ".")]
     except OSError:
@@ -297,19 +308,19 @@ def _parse(trace_dir: str) -> tuple[set[str], set[str], set[str], set[str], set[
                 lines = f.read().decode("ascii", "replace").splitlines()
         except OSError:
             continue
-        calls = [match.groups() for match in map(_CALL.match, lines) if match]
+        calls = [match.groups() for match in map(call_re.match, lines) if match]
         # A process's folder: known from each AT_FDCWD<...>; chdir moves it.  Its calls
         # before the first note ran where it started (its parent's folder at the fork).
-        here = _start_folder(calls)
+        here = _start_folder(calls, cwd_re)
         for seconds, micros, call, args, result, _error in calls:
             when = int(seconds) * 1_000_000 + int(micros) if seconds else 0
-            cwd_note = _CWD_NOTE.search(args)
+            cwd_note = cwd_re.search(args)
             if cwd_note:
                 here = _unhex(cwd_note.group(1))
-            paths = [_place(here, folder, text) for folder, text in _PATH_ARG.findall(args) if text]
+            paths = [_place(here, folder, text) for folder, text in path_re.findall(args) if text]
             ok = result not in ("-1", "?")
             if call in ("chdir", "fchdir") and ok:
-                fd = _FD_ARG.match(args)
+                fd = fd_re.match(args)
                 if call == "fchdir" and fd:
                     here = _unhex(fd.group(1))
                 elif paths:
@@ -326,7 +337,7 @@ def _parse(trace_dir: str) -> tuple[set[str], set[str], set[str], set[str], set[
             elif call in _CHANGES or call in _SYMLINKS:
                 looked.update(paths[:1])  # (failed: what it found there decided that)
             elif call in _LOOKS and paths:
-                if ok and call.startswith("open") and _WRITE_FLAGS.search(args):
+                if ok and call.startswith("open") and write_re.search(args):
                     done = paths[:1]
                 else:
                     looked.add(paths[0])
@@ -342,11 +353,11 @@ def _parse(trace_dir: str) -> tuple[set[str], set[str], set[str], set[str], set[
     return looked, listed, changed, made, rewritten
 
 
-def _start_folder(calls: list[tuple]) -> str | None:
+def _start_folder(calls: list[tuple], cwd_re: re.Pattern[str]) -> str | None:
     """A process's folder when it started: its first AT_FDCWD<...> note; None when it
     moved before any (or none is noted)."""
     for call in calls:
-        cwd_note = _CWD_NOTE.search(call[3])
+        cwd_note = cwd_re.search(call[3])
         if cwd_note:
             return _unhex(cwd_note.group(1))
         if call[2] in ("chdir", "fchdir") and call[4] not in ("-1", "?"):
@@ -383,8 +394,11 @@ class Memo:
     def recall(self, memo_key: str) -> list[ReadSet]:
         raw = self.store.read_note("reads", memo_key[:2], memo_key) if self.store else None
         try:
-            variants = _json.loads(raw) if raw else []
-        except ValueError:
+            # Not _json.loads: its depth walk and number checks cost a hit more than the
+            # stats of the set.  from_json takes only lists of exactly the items' shape,
+            # checked without recursion, and the numbers are only compared with stat's.
+            variants = json.loads(raw) if raw else []
+        except (ValueError, RecursionError):
             return []
         if not isinstance(variants, list):
             return []

@@ -577,8 +577,11 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
                 }
             )
         )
-        folders = _opc_trace_folders(opc, env)
-        trace = _OpcTrace(strace, memo_key, notes, make_request, *folders)
+
+        def folders() -> tuple[list[str], list[str]]:
+            return _opc_trace_folders(opc, env)
+
+        trace = _OpcTrace(strace, memo_key, notes, make_request, folders)
 
     def command(workdir: Path) -> list[str]:
         out = [argv[0], source]
@@ -716,8 +719,7 @@ class _OpcTrace:
         memo_key: str,
         notes: LocalStore | None,
         make_request: Callable[[str | None], OpRequest],
-        exclude: list[str],
-        keep: list[str],
+        folders: Callable[[], tuple[list[str], list[str]]],
     ) -> None:
         from . import readset
 
@@ -725,8 +727,9 @@ class _OpcTrace:
         self.memo_key = memo_key
         self._make_request = make_request
         self.memo = readset.Memo(notes)
-        self.exclude = exclude
-        self.keep = keep
+        # (left out of a read set, kept in it): found when a miss is traced, as a hit
+        # needs neither (finding them lists the toolkit's and Python's folders).
+        self.folders = folders
 
     def request(self, reads: ReadSet | None) -> OpRequest:
         return self._make_request(reads.digest if reads is not None else "unknown")
@@ -794,9 +797,9 @@ class _TracedCommand:
                 log.warning("opc: %s: opc calls are not cached", reason, topic="opc-strace")
                 raise _Unproven(reason, _read_outputs(workdir)) from None
             try:
+                exclude, keep = trace.folders()
                 # (opcache's staging, where the outputs go: no input)
-                left_out = [*trace.exclude, str(out)]
-                reads = readset.record(trace_dir, started, left_out, trace.keep)
+                reads = readset.record(trace_dir, started, [*exclude, str(out)], keep)
             except readset.Unprovable as e:
                 raise _Unproven(str(e), _read_outputs(workdir)) from None
         finally:
@@ -1492,14 +1495,11 @@ def _absent(path: str) -> bool:
 
 
 # #include "name" (and its kin) looks beside the including file first;
-# __has_include asks about a header without reading it.
-_QUOTED_INCLUDE = re.compile(
-    rb'^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^"\n]+)"', re.M
-)
-_COMPUTED_INCLUDE = re.compile(
-    rb"^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]", re.M
-)
-_HAS_INCLUDE = re.compile(rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)')
+# __has_include asks about a header without reading it.  Patterns, compiled (re
+# caches them) only on a miss: compiling them cost every hit a third of a millisecond.
+_QUOTED_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^"\n]+)"'
+_COMPUTED_INCLUDE = rb"(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]"
+_HAS_INCLUDE = rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)'
 
 
 def _negative_lookups(
@@ -1537,15 +1537,15 @@ def _negative_lookups(
     present = []
     for path, data in reads.items():
         beside = os.path.dirname(path)
-        quoted_names = [os.fsdecode(raw) for raw in _QUOTED_INCLUDE.findall(data)]
-        if _COMPUTED_INCLUDE.search(data):
+        quoted_names = [os.fsdecode(raw) for raw in re.findall(_QUOTED_INCLUDE, data)]
+        if re.search(_COMPUTED_INCLUDE, data):
             # A name a macro gives is not in the text: every name found, beside it.
             quoted_names += names
         for name in quoted_names:
             missing = _first_missing(beside, name)
             if missing:
                 absent.add(missing)
-        for next_, quoted, angled in _HAS_INCLUDE.findall(data):
+        for next_, quoted, angled in re.findall(_HAS_INCLUDE, data):
             name = os.fsdecode(quoted or angled)
             for folder in [beside, *chain] if quoted else found.bracket:
                 missing = _first_missing(folder, name)

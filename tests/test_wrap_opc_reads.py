@@ -481,3 +481,66 @@ def test_a_relative_path_the_trace_cannot_place_is_unprovable(tmp_path):
     )
     with pytest.raises(readset.Unprovable, match="a relative path the trace cannot place"):
         readset.record(str(traces), 0, [])
+
+
+# -- what a hit costs: the stats of its read set, nothing more ------------------------
+
+
+@needs_strace
+def test_hits_into_one_output_folder_leave_the_remembered_read_set_alone(tmp_path):
+    """The shell opc's mkdir -p looks up the output folder, whose times move with each
+    hit's own staging in it: a folder the compile did not list is checked for being one,
+    and the note is not written again at every hit."""
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", "")
+    (tmp_path / "bin" / "opc").write_text(SHELL_OPC)
+    first = compile_into(env, root, "out")
+    (note,) = (tmp_path / "cache").rglob(".opcache/reads/*/*")
+    before = note.stat()
+    for _ in range(2):
+        assert compile_into(env, root, "out") == first
+    assert runs(env) == 1  # hits
+    after = note.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    (root / "out").chmod(0o700)  # (its mode is still checked: the output is made afresh)
+    assert compile_into(env, root, "out") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2
+
+
+@needs_strace
+def test_an_opc_hit_imports_nothing_it_does_not_need(tmp_path):
+    """`opcache wrap` starts a Python per opc command: a hit does not load what only
+    tracing a miss needs (the toolkit's and Python's folders are globbed on a miss)."""
+    env, root = project(tmp_path)
+    compile_into(env, root, "out1")
+    command = ["opc", *ARGS, "--output=out2"]
+    code = (
+        "import sys\nfrom opcache.cli import main\n"
+        f"status = main(['wrap', '--', *{command!r}])\n"
+        "print(status, *sorted(sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=60
+    )
+    status, *modules = done.stdout.split()
+    assert status == "0" and runs(env) == 1, done.stderr
+    heavy = {
+        "argparse", "configparser", "dataclasses", "filelock", "glob", "inspect", "logging",
+        "multiprocessing", "shutil", "subprocess", "tempfile", "typing", "opcache.explain",
+    }  # fmt: skip
+    assert heavy.isdisjoint(modules), heavy.intersection(modules)
+
+
+def test_a_read_sets_digest_is_the_canonical_json_of_its_paths_and_contents(tmp_path):
+    """Keys made before stay the same: the digest is canonical_json's, times left out."""
+    from opcache import readset
+    from opcache.key import canonical_json, digest
+
+    (tmp_path / "f").write_text("é\n")
+    (tmp_path / "link").symlink_to("f")
+    paths = ["f", "link", "missing"]
+    items = [i for p in paths for i in readset._facts_with_link(str(tmp_path / p), listed=False)]
+    items.append(readset._facts(str(tmp_path), False, listed=True, cheap=False))
+    reads = readset.ReadSet(items)
+    rows = [[i[0], i[1], i[2], i[3] if i[1] == "file" else 0, i[6]] for i in items]
+    assert reads.digest == digest(canonical_json(rows))
