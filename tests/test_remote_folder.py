@@ -210,3 +210,49 @@ def test_remote_stats_and_clear_commands_on_a_folder(share: Path, tmp_path: Path
     assert "memory" not in stats.stdout and stats.stderr == ""  # no Redis eviction advice
     assert "removed 2 entries" in opcache_command("remote", "clear").stdout
     assert r.get(SOC, KEY) is None
+
+
+_CHILD = """
+import json
+from opcache.settings import RemoteSettings
+from opcache.storage import RemoteError
+from opcache.storage.entry import make_manifest
+from opcache.storage.folder import connect
+key, files = {key!r}, {{"k.o": b"shared kernel"}}
+try:
+    r = connect(RemoteSettings("file://{share}", None, False, "opcache:1:", None, 64, 2.0))
+    if {write!r}:
+        print(json.dumps(r.put("{soc}", key, make_manifest(key, files, 1.0, {{}}, 0.0), files)))
+    else:
+        got = r.get("{soc}", key)
+        print(json.dumps(None if got is None else got[0].files["k.o"].decode()))
+except RemoteError as e:
+    print(json.dumps("error: " + str(e)))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as other users")
+def test_a_group_shared_folder_is_shared_by_its_group_and_no_one_else() -> None:
+    import shutil
+    import tempfile
+
+    from helpers_faults import MEMBER_A, MEMBER_B, NOBODY, TEAM_GID, run_as
+
+    group, writer, reader, outsider = TEAM_GID, MEMBER_A, MEMBER_B, NOBODY
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)
+        share = base / "share"
+        share.mkdir()
+        os.chown(share, 0, group)
+        os.chmod(share, 0o2770)  # setgid, the group's: shared as a group-shared cache
+        code = {"key": KEY, "share": share, "soc": SOC}
+        assert run_as(writer, writer, _CHILD.format(write=True, **code), groups=(group,)) > 0
+        got = run_as(reader, reader, _CHILD.format(write=False, **code), groups=(group,))
+        assert got == "shared kernel"
+        got = run_as(outsider, outsider, _CHILD.format(write=False, **code))
+        assert got.startswith("error: ")  # not in the group: not even readable
+        entry_dir = share / SOC / KEY[:2] / KEY
+        assert entry_dir.stat().st_gid == group and entry_dir.stat().st_uid == writer
+    finally:
+        shutil.rmtree(base)
