@@ -141,6 +141,11 @@ def serve(socket_path: str, idle: float) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return 0  # another server serves it
+    files = _warm_up()  # (before the socket answers: a call sees opcache's files as loaded)
+    # Objects made so far are never collected: a worker's collections skip them,
+    # and so do not copy the pages they sit in (fork shares them until written).
+    gc.collect()
+    gc.freeze()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=dir_fd)  # a server gone before it could clean up
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -149,11 +154,6 @@ def serve(socket_path: str, idle: float) -> int:
     listener.listen(128)
     os.ftruncate(lock, 0)
     os.write(lock, f"{os.getpid()}\n".encode())
-    files = _warm_up()
-    # Objects made so far are never collected: a worker's collections skip them,
-    # and so do not copy the pages they sit in (fork shares them until written).
-    gc.collect()
-    gc.freeze()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     me = os.getpid()
     taken, took = os.pipe()  # a worker writes its pid there once it took a call
