@@ -249,3 +249,13 @@ def test_https_with_the_servers_ca_and_an_untrusted_server_never_fails_a_compile
     trusted = connect(settings(server.tls_url()))
     assert trusted.put(SOC, KEY, *entry()) > 0 and trusted.get(SOC, KEY) is not None
     assert object_path(server, KEY).is_file()
+
+
+def test_a_password_from_the_environment_is_sent_as_written(server: Nginx) -> None:
+    token = connect(settings(server.url("token"), password=TOKEN))
+    assert token.put(SOC, KEY, *entry()) > 0
+    encoded = connect(settings(server.url("token").replace("//", "//:%74%30ken@")))
+    assert encoded.get(SOC, KEY) is not None  # a URL's password is percent-decoded
+    literal = connect(settings(server.url("token"), password="%74%30ken"))
+    with pytest.raises(RemoteError, match="refused the credentials"):
+        literal.get(SOC, KEY)  # the variable's is not: it is another token

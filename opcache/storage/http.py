@@ -53,6 +53,7 @@ log = get_logger(__name__)
 
 _THREADS = 8  # look-ups of one batch in flight at once
 _SLACK = 1 << 20  # bytes a value may hold beyond the entry cap (header, manifest)
+_ANSWER_BYTES = 64 << 10  # of an answer that is not a value (a 404's page)
 
 
 def connect(settings: RemoteSettings) -> HttpRemote:
@@ -68,17 +69,20 @@ class HttpRemote(Remote):
         parts = urlsplit(settings.url)
         self._https = parts.scheme == "https"
         self._host = parts.hostname or ""
-        self._port = parts.port
+        self._port = parts.port or (443 if self._https else 80)  # (an IPv6 host needs it given)
         self._timeout = settings.timeout
         self._base = parts.path.rstrip("/") + "/ac/"
         self._prefix = settings.prefix
         self._headers = {"Connection": "keep-alive"}
-        password = settings.password if settings.password is not None else parts.password
-        if parts.username is not None:
-            pair = f"{unquote(parts.username)}:{unquote(password or '')}".encode()
+        # A password in the URL is percent-encoded; OPCACHE_REMOTE_PASSWORD is as it is.
+        password = settings.password
+        if password is None and parts.password is not None:
+            password = unquote(parts.password)
+        if parts.username:  # (http://:secret@host/... names no user: a bearer token)
+            pair = f"{unquote(parts.username)}:{password or ''}".encode()
             self._headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
         elif password:
-            self._headers["Authorization"] = f"Bearer {unquote(password)}"
+            self._headers["Authorization"] = f"Bearer {password}"
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -127,10 +131,10 @@ class HttpRemote(Remote):
                 if method == "GET" and response.status == 200:
                     data = self._read_body(response)
                 else:
-                    response.read()
+                    response.read(_ANSWER_BYTES)  # an error page: read a little, never all
                 self._local.used = True
-                if response.will_close:
-                    self._drop_connection()
+                if response.will_close or not response.isclosed():
+                    self._drop_connection()  # (a page left unread leaves it unusable)
                 return response.status, data
             except RemoteCorrupt:
                 self._drop_connection()
