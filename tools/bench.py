@@ -57,6 +57,11 @@ machines are noisy).  Scenarios:
    trim (a third of the entries) at 25,000 and 100,000 entries, run as cron
    runs them: each one's time and peak resident memory, which must stay flat
 
+15. brotli's warm build: its C sources (pip download of its sdist) rebuilt
+   with make -j2 after make clean, every compile a hit, through the masquerade
+   of a regular install (Python links, with PYTHONDONTWRITEBYTECODE=1 too, and
+   the C client) against CC="ccache gcc"
+
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
                           [--before DIR]
 """
@@ -1585,6 +1590,99 @@ def bench_maintenance(report: Report, tmp: Path, count: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# -- 15. a real C project's warm build -------------------------------------------------
+
+BROTLI = "brotli==1.2.1"  # its sdist on PyPI carries brotli's C sources
+BROTLI_MAKEFILE = """SRC := $(wildcard c/common/*.c c/dec/*.c c/enc/*.c) c/tools/brotli.c
+OBJ := $(SRC:.c=.o)
+brotli: $(OBJ)
+\t$(CC) -o $@ $(OBJ) -lm
+%.o: %.c
+\t$(CC) -O2 -Ic/include -c $< -o $@
+clean:
+\trm -f $(OBJ) brotli
+"""
+
+
+def _brotli_sources(folder: Path) -> Path | None:
+    """brotli's C sources from its sdist (``pip download``), with a Makefile: the folder."""
+    sdist = ["--no-deps", "--no-binary", ":all:", "-d", str(folder), BROTLI]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", *sdist],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    archives = list(folder.glob("brotli-*.tar.gz"))
+    if done.returncode or not archives:
+        print(f"  cannot download {BROTLI}'s sources: {done.stderr.strip()[-200:]}")
+        return None
+    subprocess.run(["tar", "-xzf", str(archives[0]), "-C", str(folder)], check=True)
+    project = archives[0].with_name(archives[0].name.removesuffix(".tar.gz"))
+    (project / "Makefile").write_text(BROTLI_MAKEFILE)
+    return project
+
+
+def bench_brotli(report: Report, tmp: Path, rounds: int) -> None:
+    """Issue 22: brotli (35 C files and its tool) rebuilt with ``make -j2`` after
+    ``make clean``, every compile a hit: through the masquerade of a regular install
+    (Python links, also with PYTHONDONTWRITEBYTECODE=1, and the C client with its
+    server) against CC="ccache gcc", in turns."""
+    print("15. brotli's warm build: make -j2 through the masquerade vs ccache")
+    folder = tmp / "brotli"
+    folder.mkdir()
+    ccache = _ccache()
+    project = _brotli_sources(folder)
+    if ccache is None or project is None:
+        print("  (ccache or brotli's sources missing: scenario skipped)")
+        return
+    program = str(_regular_install(folder) / "opcache")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("OPCACHE_", "PYTHON"))},
+        "HOME": str(folder),
+        "OPCACHE_DIR": str(folder / "oc"),
+        "CCACHE_DIR": str(folder / "ccache"),
+        "XDG_RUNTIME_DIR": str(folder / "run"),
+        "OPCACHE_SERVER_IDLE": "60",  # (it outlives the bench by that much at most)
+    }
+    (folder / "run").mkdir(mode=0o700)
+    path = env.get("PATH", os.defpath)
+    ways: dict[str, dict[str, str]] = {"ccache": {**env, "CC": f"{ccache} gcc"}}
+    for kind, extra in (("python", []), ("client", ["--client"])):
+        links = folder / f"links-{kind}"
+        done = subprocess.run(
+            [program, "masquerade", *extra, str(links)], env=env, capture_output=True, text=True
+        )
+        if done.returncode or not (links / "gcc").exists():
+            print(f"  (no {kind} masquerade: {done.stderr.strip()[-200:]})")
+            continue
+        ways[f"masquerade, {kind}"] = {**env, "PATH": f"{links}{os.pathsep}{path}", "CC": "gcc"}
+    if "masquerade, python" in ways:
+        no_bytecode = {**ways["masquerade, python"], "PYTHONDONTWRITEBYTECODE": "1"}
+        ways["masquerade, python, PYTHONDONTWRITEBYTECODE=1"] = no_bytecode
+
+    def build(run_env: dict[str, str]) -> Callable[[], None]:
+        def once() -> None:
+            subprocess.run(["make", "-s", "clean"], cwd=project, env=run_env, check=True)
+            subprocess.run(
+                ["make", "-s", "-j2", f"CC={run_env['CC']}"],
+                cwd=project,
+                env=run_env,
+                check=True,
+                capture_output=True,
+            )
+
+        return once
+
+    results = timeit_side_by_side({n: build(e) for n, e in ways.items()}, rounds, warmup=1)
+    counts = _cache_counts(folder / "oc", env)
+    print(f"  (opcache: {counts['hits']} hits, {counts['misses']} misses: the first build's)")
+    base = statistics.median(results["ccache"])
+    for name, times in results.items():
+        ratios = {"vs_ccache": statistics.median(times) / base}
+        report.add("brotli", f"brotli warm build: {name}", times, **ratios)
+
+
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -1625,7 +1723,7 @@ def main(argv: list[str] | None = None) -> int:
         "--before", type=Path, help="a folder holding older code's opcache/ (scenario 9's baseline)"
     )
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 15))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 16))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -1652,6 +1750,7 @@ def main(argv: list[str] | None = None) -> int:
             12: lambda: bench_remote_kinds(report, tmp, repeat, 100 if args.quick else 200),
             13: lambda: bench_served_wrap(report, tmp, max(repeat // 10, 10)),
             14: lambda: bench_maintenance(report, tmp, big),
+            15: lambda: bench_brotli(report, tmp, 3 if args.quick else 10),
         }
         for number, run in scenarios.items():
             if number in only:
