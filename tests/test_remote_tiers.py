@@ -169,9 +169,9 @@ def test_stats_and_clear_go_to_every_tier_that_can_list(
     url = f"{redis_url} file://{share} {server.url()}"
     compiler = ToyCompiler(tmp_path / "calls")
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
-        for i in range(3):
-            a.compile(make_request(i), compiler, tmp_path / f"o{i}")
+        keys = [a.compile(make_request(i), compiler, tmp_path / f"o{i}").key for i in range(3)]
     tiers = open_remote(machine(tmp_path, "a", url).remote)
+    assert tiers.have_many(SOC, [*keys, "f" * 32]) == set(keys)
     usage = tiers.usage()
     assert usage["chips"][SOC]["entries"] == 6  # three in Redis, three in the folder
     assert usage["maxmemory_policy"] is not None  # Redis's

@@ -118,6 +118,25 @@ class Tiers(Remote):
             raise RemoteError(f"{self.where}: no tier answered")
         return {**bad, **sound}
 
+    def have_many(self, soc: str, keys: list[str]) -> set[str]:
+        """The keys some tier holds (each tier asked for the ones still not found)."""
+        found: set[str] = set()
+        asked = failed = 0
+        for tier in self._tiers:
+            missing = [key for key in keys if key not in found]
+            remote = tier.usable() if missing else None
+            if remote is None:
+                continue
+            asked += 1
+            try:
+                found |= remote.have_many(soc, missing)
+            except Exception as e:
+                tier.failed(e)
+                failed += 1
+        if asked and failed == asked:
+            raise RemoteError(f"{self.where}: no tier answered")
+        return found
+
     def _backfill(self, soc: str, key: str, value: Fetched, at: int) -> None:
         """Store a hit of tier ``at`` into the nearer tiers that may be written."""
         entry, manifest, _ = value
