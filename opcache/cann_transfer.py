@@ -92,7 +92,7 @@ INDEX = "#index"
 INDEX_FILE = "index.json"
 SECTION = "op_compiler_cache"
 _BATCH = 32  # entries per round trip: a batch of big kernels stays a bounded answer
-_IN_FLIGHT = 4  # entries read ahead of the one being sent
+_BATCH_BYTES = 16 << 20  # and at most this much sent at once
 _MAX_INI_BYTES = 1 << 20
 
 
@@ -643,29 +643,36 @@ def _push_chip(
             return report
         stored = set(there)
 
-        def settle(kernel: str, sending: Future[int]) -> None:
-            if sending.result():
-                report["sent"] += 1
-                report["bytes"] += sending.result()
-                stored.add(kernel)
-            else:
-                why = "the remote is read-only" if client.read_only else "over its size cap"
-                report["not_sent"].append({"entry": kernel, "why": why})
+        def settle(batch: list[str], sending: Future[list[int]]) -> None:
+            for kernel, sent in zip(batch, sending.result(), strict=True):
+                if sent:
+                    report["sent"] += 1
+                    report["bytes"] += sent
+                    stored.add(kernel)
+                else:
+                    why = "the remote is read-only" if client.read_only else "over its size cap"
+                    report["not_sent"].append({"entry": kernel, "why": why})
 
-        # One thread sends (packing, the network) while this one reads and checks the
-        # next entries; a few entries in flight at most, so memory stays bounded.
-        pending: deque[tuple[str, Future[int]]] = deque()
+        # One thread sends a batch (packing, the network) while this one reads and
+        # checks the next; two batches in flight at most, so memory stays bounded.
+        pending: deque[tuple[list[str], Future[list[int]]]] = deque()
+        batch: list[tuple[str, bytes, dict[str, bytes]]] = []
+        batch_bytes = 0
         with ThreadPoolExecutor(1, thread_name_prefix="opcache-push") as sender:
             for done, kernel in enumerate(missing, 1):
                 bundle = reader.read(kernel)
                 if isinstance(bundle, str):
                     report["skipped"].append({"entry": kernel, "why": bundle})
-                    continue
-                manifest = _manifest(ns, bundle)
-                put = sender.submit(client.put, ns.remote_chip, kernel, manifest, bundle.files)
-                pending.append((kernel, put))
-                if len(pending) > _IN_FLIGHT:
-                    settle(*pending.popleft())
+                else:
+                    batch.append((kernel, _manifest(ns, bundle), bundle.files))
+                    batch_bytes += bundle.size
+                last = done == len(missing)
+                if batch and (len(batch) == _BATCH or batch_bytes >= _BATCH_BYTES or last):
+                    sending = sender.submit(client.put_many, ns.remote_chip, batch)
+                    pending.append(([k for k, _, _ in batch], sending))
+                    batch, batch_bytes = [], 0
+                    if len(pending) > 1:
+                        settle(*pending.popleft())
                 if progress is not None:
                     progress(done * 100 // len(missing))
             while pending:

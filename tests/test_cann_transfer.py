@@ -409,3 +409,20 @@ def test_two_pulls_at_once_stay_under_the_limit(machines):
     assert all(p.returncode == 0 for p in procs)
     assert sum(r["written"] for r in reports) >= 9
     assert sum(p.stat().st_size for p in b.chip.iterdir()) < 1024 * 1024
+
+
+def test_an_entry_over_the_remote_size_cap_is_not_sent_and_the_others_are(machines, monkeypatch):
+    a, b = machines
+    kernels = _fill(a, 5, size=1000)
+    big = kernel_name("Big", "x")
+    store_entry(a.chip, big, os.urandom(1_100_000))
+    set_access([a.chip / f"{big}.json"], NOW - 3600 - 150)  # in the middle of one batch
+    monkeypatch.setenv("OPCACHE_REMOTE_MAX_ENTRY_MB", "1")
+    report = a.push()
+    assert [n["entry"] for n in report["not_sent"]] == [big]
+    assert "size cap" in report["not_sent"][0]["why"]
+    assert report["sent"] == 5
+    write_ini(b.root)
+    pulled = b.pull()
+    assert pulled["written"] == 5
+    assert {p.name[: -len(".json")] for p in b.chip.glob("*.json")} == set(kernels)

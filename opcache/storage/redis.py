@@ -243,12 +243,30 @@ class RedisRemote(Remote):
     def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
         if self.read_only:
             return 0
-        if len(manifest) + sum(map(len, files.values())) > self.max_entry_bytes:
-            log.debug("%s/%s is over the remote's size cap: kept local only", soc, key)
+        value = self._value(soc, key, manifest, files)
+        if value is None:
             return 0
-        value = pack(key, manifest, files)
         stored = self._write("SET", self._redis.set, self._name(soc, key), value, ex=self._ttl)
         return len(value) if stored else 0
+
+    def put_many(self, soc: str, entries: list[tuple[str, bytes, dict[str, bytes]]]) -> list[int]:
+        """Store several entries in one pipeline; the bytes sent for each (0: not sent)."""
+        if self.read_only:
+            return [0] * len(entries)
+        values = [self._value(soc, *entry) for entry in entries]
+        pipe = self._redis.pipeline(transaction=False)
+        for (key, _, _), value in zip(entries, values, strict=True):
+            if value is not None:
+                pipe.set(self._name(soc, key), value, ex=self._ttl)
+        stored = iter(self._write("SET", pipe.execute) or ())
+        return [len(v) if v is not None and next(stored, False) else 0 for v in values]
+
+    def _value(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> bytes | None:
+        """The stored value of an entry, or None when it is over the size cap."""
+        if len(manifest) + sum(map(len, files.values())) > self.max_entry_bytes:
+            log.debug("%s/%s is over the remote's size cap: kept local only", soc, key)
+            return None
+        return pack(key, manifest, files)
 
     def discard(self, soc: str, key: str) -> None:
         if not self.read_only:

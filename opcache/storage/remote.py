@@ -63,10 +63,10 @@ class Remote:
     - a module function ``connect(settings)`` that returns the instance.
 
     Everything else has a default a kind may override: ``get`` and
-    ``have_many`` (which keys are there) ask ``get_many``; with no ``claim``
-    every client compiles the keys it misses (no single flight across
-    machines); ``watch`` is ``get_many`` with no
-    claims; ``discard``, ``usage`` and ``clear`` (``opcache remote``) raise
+    ``have_many`` (which keys are there) ask ``get_many``, ``put_many`` asks
+    ``put`` for each entry; with no ``claim`` every client compiles the keys
+    it misses (no single flight across machines); ``watch`` is ``get_many``
+    with no claims; ``discard``, ``usage`` and ``clear`` (``opcache remote``) raise
     ``RemoteError`` ("not supported"); ``close`` does nothing.  Every method
     raises ``RemoteError`` for a failure of the server or the network.
 
@@ -93,6 +93,12 @@ class Remote:
         raise NotImplementedError
 
     # -- what a kind may add -------------------------------------------------------------
+
+    def put_many(self, soc: str, entries: list[tuple[str, bytes, dict[str, bytes]]]) -> list[int]:
+        """Store several entries (key, manifest's bytes, files); the bytes sent for each
+        (0: not sent).  By default one ``put`` each; a kind that can send them in
+        one round trip says so."""
+        return [self.put(soc, key, manifest, files) for key, manifest, files in entries]
 
     def have_many(self, soc: str, keys: list[str]) -> set[str]:
         """Which of ``keys`` the remote holds, in few round trips.  By default the
