@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from opcache.settings import RemoteSettings
 from opcache.storage import RemoteCorrupt, RemoteError
 from opcache.storage.entry import make_manifest
 from opcache.storage.http import connect
+from opcache.storage.redis import pack
 
 KEY = "0123456789abcdef" * 2
 OTHER = "fedcba9876543210" * 2
@@ -260,3 +262,16 @@ def test_a_password_from_the_environment_is_sent_as_written(server: Nginx) -> No
     literal = connect(settings(server.url("token"), password="%74%30ken"))
     with pytest.raises(RemoteError, match="refused the credentials"):
         literal.get(SOC, key)  # the variable's is not: it is another token
+
+
+def test_an_upload_cut_off_half_way_leaves_nothing_visible(server: Nginx) -> None:
+    r = connect(settings(server.url()))
+    manifest, files = entry()
+    value = pack(KEY, manifest, files)
+    path = "/cache/ac/" + object_path(server, KEY).name
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        head = f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(value)}\r\n\r\n"
+        s.sendall(head.encode() + value[: len(value) // 2])  # then the writer dies
+    assert r.get(SOC, KEY) is None and not object_path(server, KEY).exists()
+    assert r.put(SOC, KEY, manifest, files) == len(value)
+    assert r.get(SOC, KEY) is not None
