@@ -792,7 +792,7 @@ def _cmd_masquerade(args: argparse.Namespace) -> int:
     for name, what in done:
         print(f"{name:<28} {what}")
     if not done:
-        print("no compiler (cc, gcc, clang, g++, ..., opc) found on PATH", file=sys.stderr)
+        print("no compiler (cc, gcc, clang, g++, ..., bisheng, opc) found on PATH", file=sys.stderr)
         return 1
     print(f"links point at {target}; use them with: PATH={shlex.quote(str(folder))}:$PATH")
     return 0
@@ -937,7 +937,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "masquerade",
         help="link the compilers found on PATH to opcache in DIR",
         description="Make a link in DIR, named like each compiler found on PATH (cc, gcc, "
-        "x86_64-linux-gnu-gcc-12, g++, clang, opc...), that runs it through the cache. "
+        "x86_64-linux-gnu-gcc-12, g++, clang, bisheng, ccec, opc...), that runs it through "
+        "the cache. "
         "Existing files are never replaced; running it again adds what is new.",
     )
     masq.add_argument("folder", metavar="DIR", help="the folder to put first on PATH")

@@ -1,6 +1,6 @@
 """The masquerade: links named like a compiler that run opcache, and the real compiler past them.
 
-A link named ``gcc`` (or ``cc``, ``x86_64-linux-gnu-gcc-12``, ``opc``, ``asc_opc``...) that
+A link named ``gcc`` (or ``cc``, ``x86_64-linux-gnu-gcc-12``, ``bisheng``, ``opc``...) that
 points at the ``opcache`` executable, first on PATH, sends every call of that
 compiler through ``opcache wrap``.  opcache then runs the real compiler, found
 on PATH past:
@@ -32,6 +32,10 @@ OPC_NAMES = ("opc", "asc_opc")  # asc_opc: the current CANN's name, called as op
 OP_COMPILER_NAMES = ("op_compiler",)
 # cc, gcc, clang, c++, g++, clang++, with a target prefix and a version suffix.
 _CC_NAME = re.compile(r"(.*-)?(cc|gcc|clang|c\+\+|g\+\+|clang\+\+)(-[0-9.]+)?")
+# CANN's device compilers, C-family drivers (ccec_compiler/bin): bisheng, the
+# older ccec, and bishengcc, the ASC language's compiler in asc-devkit's first
+# CMake support (CMakeDetermineASCCompiler.cmake).
+ASCEND_CC_NAMES = ("bisheng", "ccec", "bishengcc")
 # Executables (by the name of what they resolve to) that are a compiler cache, never a compiler.
 # (opcache-client: opcache's own, server.py; its links are opcache's)
 _WRAPPERS = frozenset(("opcache", "opcache-client", "ccache", "sccache"))
@@ -45,7 +49,7 @@ def compiler_kind(executable: str) -> str | None:
         return "opc"
     if name in OP_COMPILER_NAMES:
         return "op_compiler"
-    if _CC_NAME.fullmatch(name):
+    if _CC_NAME.fullmatch(name) or name in ASCEND_CC_NAMES:
         return "cc"
     return None
 

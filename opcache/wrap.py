@@ -54,7 +54,7 @@ from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers._tool import file_identity, read_input, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, compute_key, digest
-from .masquerade import compiler_environ, compiler_kind, find_compiler, reentered
+from .masquerade import ASCEND_CC_NAMES, compiler_environ, compiler_kind, find_compiler, reentered
 from .request import CompileResult, OpRequest
 from .settings import Settings
 from .storage.local import LocalStore
@@ -941,7 +941,7 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
 
 # Flags that take their value as the next argument when not glued to it.
 _CC_VALUE_FLAGS = {"-o", "-I", "-D", "-U", "-x", "-isystem", "-iquote", "-idirafter", "-MF"}
-_CC_VALUE_FLAGS |= {"-MT", "-MQ", "-include"}
+_CC_VALUE_FLAGS |= {"-MT", "-MQ", "-include", "-mllvm"}
 _CC_INCLUDE_DIRS = ("-I", "-isystem", "-iquote", "-idirafter")
 _CC_KEY_PREFIXES = ("-D", "-U", "-O", "-std=", "-f", "-m", "-W", "-g", "-x", "-pedantic")
 _CC_KEY_EXACT = {"-w", "-pipe", "-ansi", "-pthread"}
@@ -958,6 +958,15 @@ _CC_SIDE_FILES += ("-fdiagnostics-add-output=",)
 _CC_FILE_FLAGS = ("-fplugin=", "-fsanitize-ignorelist=", "-fsanitize-blacklist=")
 _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
+# The flags of CANN's device compilers (bisheng, ccec), keyed and passed as
+# they are: --cce-aicore-arch=, --cce-aicore-only, --cce-auto-sync[=off], ...
+# (kernel lines of CANN's ops builds), --npu-arch=, --enable-simt and
+# --asc-aicore-lang (asc-devkit's cmake/asc/asc_modules/CMakeASCInformation.cmake),
+# --run-mode= (its CPU debug mode).  -x cce / -x asc and -mllvm <opt> are keyed
+# as every C compiler's -x and -m flags are.
+_ASCEND_PREFIXES = ("--cce-", "--npu-arch=", "--run-mode=")
+_ASCEND_SWITCHES = {"--enable-simt", "--asc-aicore-lang"}
+_ASCEND_SOURCES = (".asc", ".cce")  # (CMake's ASC language: .asc)
 
 
 def _plan_cc(
@@ -981,6 +990,8 @@ def _plan_cc(
     want_deps = debug = False
     has_target = False
     flag_files: list[list[str]] = []  # [flag, the digest of the file it names]
+    ascend = os.path.basename(argv[0]) in ASCEND_CC_NAMES
+    known_sources = C_SOURCES + _ASCEND_SOURCES if ascend else C_SOURCES
     i = 0
     while i < len(args):
         arg = args[i]
@@ -1022,9 +1033,14 @@ def _plan_cc(
         elif arg == "-include":
             pass_args += [arg, value or ""]
         elif not arg.startswith("-"):
-            if not arg.endswith(C_SOURCES):
+            if not arg.endswith(known_sources):
                 raise Uncacheable(f"cc: {arg} is not a C source")
             sources.append(arg)
+        elif ascend and (arg in _ASCEND_SWITCHES or arg.startswith(_ASCEND_PREFIXES)):
+            if "dump" in arg:  # (--cce-dump-*: files beside the object)
+                raise Uncacheable(f"cc: {arg} writes a side file a hit could not give back")
+            key_args.append(arg)
+            pass_args.append(arg)
         elif arg.startswith(_CC_FILE_FLAGS):
             flag_files.append([arg, _flag_file_digest(arg)])
             key_args.append(arg)

@@ -1,0 +1,208 @@
+"""``opcache wrap`` over CANN's device compilers, bisheng and ccec, with their Ascend flags.
+
+The compilers are stand-ins built by ``helpers_ascend``: real programs that
+translate the Ascend flags away and run the real clang (bisheng) or g++
+(ccec), keeping the Ascend flags in the object, so a hit that should have
+been a miss shows as other bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from fake_opc import base_env
+from helpers_ascend import make_stand_in, real_compiler
+from helpers_wrap import opcache, stats, wrap
+
+COMPILERS = ("bisheng", "ccec")
+KERNEL = """\
+#include "common.h"
+extern "C" void add_kernel(const float *x, float *y, int n) {
+    for (int i = 0; i < n && i < TILE; i++) y[i] = x[i] + OFFSET;
+}
+"""
+COMMON_H = """\
+#pragma once
+#include <tiling.h>
+__attribute__((used)) static const char ascend_flags[] = ASCEND_FLAGS;
+"""
+# A ccec line of an ascendc kernel build (CANN's _build_aicore_compile_cmd) and
+# the -MD set CMake adds.
+LINE = [
+    "-c",
+    "-O3",
+    "-x",
+    "cce",
+    "k.cpp",
+    "--cce-aicore-arch=dav-c220-vec",
+    "--cce-aicore-only",
+    "-o",
+    "k.o",
+    "-mllvm",
+    "-cce-aicore-stack-size=0x8000",
+    "-mllvm",
+    "-cce-aicore-function-stack-size=0x8000",
+    "--cce-auto-sync",
+    "--npu-arch=dav-2201",
+    "-std=c++17",
+    "-DOFFSET=1",
+    "-Iinc",
+]
+
+
+@pytest.fixture(scope="session")
+def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with a stand-in bisheng (over clang) and ccec (over g++)."""
+    folder = tmp_path_factory.mktemp("ascend-bin")
+    for name in COMPILERS:
+        real = real_compiler(name)
+        if real is None:
+            pytest.skip(f"{name}'s stand-in needs {'clang' if name == 'bisheng' else 'g++'}")
+        make_stand_in(folder, name, real)
+    return folder
+
+
+@pytest.fixture
+def kernel(tmp_path: Path, stand_ins: Path) -> tuple[dict[str, str], Path]:
+    """(environment with the stand-ins first on PATH, a folder with k.cpp and its headers)."""
+    src = tmp_path / "src"
+    (src / "inc").mkdir(parents=True)
+    (src / "k.cpp").write_text(KERNEL)
+    (src / "inc" / "common.h").write_text(COMMON_H)
+    (src / "inc" / "tiling.h").write_text("#define TILE 64\n")
+    return base_env(tmp_path, stand_ins), src
+
+
+def plain(env: dict[str, str], src: Path, compiler: str, line: list[str]) -> bytes:
+    """The object the compiler itself makes of ``line`` (its -o moved aside)."""
+    line = [("plain.o" if a == "k.o" else a) for a in line]
+    subprocess.run([compiler, *line], cwd=src, env=env, check=True, timeout=120)
+    return (src / "plain.o").read_bytes()
+
+
+def host(env: dict[str, str]) -> dict:
+    return stats(env, "host")
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_device_compile_misses_then_hits_with_the_compilers_own_bytes(kernel, compiler):
+    env, src = kernel
+    wrap(compiler, *LINE, env=env, cwd=src)
+    first = (src / "k.o").read_bytes()
+    (src / "k.o").unlink()
+    wrap(compiler, *LINE, env=env, cwd=src)
+    chip = host(env)
+    assert (chip["misses"], chip["hits"]) == (1, 1)
+    assert (src / "k.o").read_bytes() == first == plain(env, src, compiler, LINE)
+    assert b"--cce-aicore-arch=dav-c220-vec" in first  # (the stand-in's mark of the flags)
+
+
+def _changed(line: list[str], old: str, new: str) -> list[str]:
+    assert old in line
+    return [new if a == old else a for a in line]
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    path.write_text(path.read_text().replace(old, new))
+
+
+CHANGES = {
+    "define": lambda src, line: _changed(line, "-DOFFSET=1", "-DOFFSET=2"),
+    "npu arch": lambda src, line: _changed(line, "--npu-arch=dav-2201", "--npu-arch=dav-3510"),
+    "aicore arch": lambda src, line: _changed(
+        line, "--cce-aicore-arch=dav-c220-vec", "--cce-aicore-arch=dav-c220-cube"
+    ),
+    "mllvm value": lambda src, line: _changed(
+        line, "-cce-aicore-stack-size=0x8000", "-cce-aicore-stack-size=0x4000"
+    ),
+    "auto sync": lambda src, line: _changed(line, "--cce-auto-sync", "--cce-auto-sync=off"),
+    "source": lambda src, line: _edit(src / "k.cpp", "+ OFFSET", "- OFFSET") or line,
+    "header": lambda src, line: _edit(src / "inc" / "tiling.h", "64", "32") or line,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_every_change_that_matters_is_a_miss_with_the_new_bytes(kernel, compiler, change):
+    env, src = kernel
+    wrap(compiler, *LINE, env=env, cwd=src)
+    old = (src / "k.o").read_bytes()
+    line = CHANGES[change](src, list(LINE))
+    wrap(compiler, *line, env=env, cwd=src)
+    assert host(env)["misses"] == 2, change
+    new = (src / "k.o").read_bytes()
+    assert new != old
+    assert new == plain(env, src, compiler, line)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_header_created_earlier_on_the_include_path_is_a_miss(kernel, compiler):
+    env, src = kernel
+    line = [*LINE, "-Iover"]
+    line.insert(line.index("-Iinc"), "-Iearly")  # searched before inc/
+    wrap(compiler, *line, env=env, cwd=src)
+    (src / "early").mkdir()
+    (src / "early" / "tiling.h").write_text("#define TILE 16\n")
+    wrap(compiler, *line, env=env, cwd=src)
+    assert host(env)["misses"] == 2
+    assert (src / "k.o").read_bytes() == plain(env, src, compiler, line)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_dependency_file_is_restored_on_a_hit(kernel, compiler):
+    env, src = kernel
+    line = [*LINE, "-MD", "-MT", "obj/k.o", "-MF", "k.o.d"]
+    wrap(compiler, *line, env=env, cwd=src)
+    deps = (src / "k.o.d").read_text()
+    assert "inc/tiling.h" in deps and deps.startswith("obj/k.o:")
+    (src / "k.o.d").unlink()
+    (src / "k.o").unlink()
+    wrap(compiler, *line, env=env, cwd=src)
+    assert host(env)["hits"] == 1
+    assert (src / "k.o.d").read_text() == deps
+
+
+def test_an_asc_source_with_the_asc_language_flag_is_cached(kernel):
+    """CMake's ASC rule (asc-devkit): -std, flags, --npu-arch, -o, -c --asc-aicore-lang <src>."""
+    env, src = kernel
+    (src / "k.asc").write_text(KERNEL)
+    line = ["-Iinc", "-std=c++17", "-DOFFSET=3", "--enable-simt", "--npu-arch=dav-3510"]
+    line += ["-o", "k.o", "-c", "--asc-aicore-lang", "k.asc"]
+    for _ in range(2):
+        wrap("bisheng", *line, env=env, cwd=src)
+    assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
+    assert (src / "k.o").read_bytes() == plain(env, src, "bisheng", line)
+
+
+@pytest.mark.parametrize("flag", ["-xasc", "-xcce"])
+def test_the_glued_language_flags_are_cached(kernel, flag):
+    env, src = kernel
+    line = [flag, *LINE[4:], "-c"]  # (without -x cce)
+    for _ in range(2):
+        wrap("bisheng", *line, env=env, cwd=src)
+    assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
+
+
+def test_a_dump_flag_runs_uncached_with_its_reason(kernel):
+    env, src = kernel
+    line = [*LINE, "--cce-dump-ir=ir.txt"]
+    done = opcache("wrap", "-v", "--", "bisheng", *line, env=env, cwd=src, text=True)
+    assert "--cce-dump-ir=ir.txt" in done.stderr
+    report = stats(env)
+    assert json.dumps(report["uncacheable_reasons"]).count("--cce-dump-ir") == 1
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_masquerade_links_the_device_compilers(kernel, compiler, tmp_path):
+    env, src = kernel
+    links = tmp_path / "links"
+    done = opcache("masquerade", str(links), env=env, cwd=tmp_path, text=True)
+    made = [line.split()[0] for line in done.stdout.splitlines() if "made, wraps" in line]
+    assert compiler in made, done.stdout
+    env = {**env, "PATH": f"{links}:{env['PATH']}"}
+    for _ in range(2):
+        subprocess.run([compiler, *LINE], cwd=src, env=env, check=True, timeout=120)
+    assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
