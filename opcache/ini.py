@@ -1,9 +1,10 @@
 """op_cache.ini: CANN's size-limit file, read and created the way CANN does.
 
 The file has a section ``[op_compiler_cache]`` with ``max_op_cache_size`` (MB,
--1 turns aging off) and ``remain_cache_size_ratio`` (percent).  The two keys
-take effect only together: a file that lacks either, or holds a bad value, is
-ignored as a whole.  A file opcache creates carries the keys commented out, so
+-1 turns aging off) and ``remain_cache_size_ratio`` (percent), read line by
+line as CANN's graph engine reads it.  The two keys take effect only
+together: a file that lacks either, or holds a bad value, is ignored as a
+whole.  A file opcache creates carries the keys commented out, so
 the environment variables keep their effect until a person sets them here.
 """
 
@@ -18,10 +19,6 @@ from pathlib import Path
 from . import fsutil, trust
 from ._log import get_logger
 from ._record import Record
-
-TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
-if TYPE_CHECKING:
-    import configparser
 
 log = get_logger(__name__)
 
@@ -48,7 +45,6 @@ _TEMPLATE = f"""\
 # Percent of the limit kept when the folder is trimmed, 1..100.
 #{RATIO_KEY}={DEFAULT_RATIO}
 """
-_TEMPLATE_BYTES = _TEMPLATE.encode()
 
 
 def parse_max_size(text: str) -> int | None:
@@ -130,51 +126,18 @@ def _read(path: Path, shared_group: int | None) -> tuple[bytes, str | None]:
 
 
 def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
-    """(what is wrong, limits): both None for a file with neither size key."""
+    """(what is wrong, limits): both None for a file with neither size key.
+
+    Read as CANN reads it (``_cann_sections``, ``_cann_limits``): opcache's own
+    cache and CANN share the file under ``op_compiler_cache_dir``, and a line
+    means the same to both.  Without CANN's rule that the file also name
+    ``adk_version`` and ``ops_version``: CANN writes those itself, opcache's
+    own file has none (its key holds the toolkit's identity instead).
+    """
     if len(raw) > _MAX_FILE_BYTES:
         return f"larger than {_MAX_FILE_BYTES} bytes", None
-    if raw == _TEMPLATE_BYTES:
-        return None, None  # the file opcache writes, untouched: its keys are commented out
-    problem, parser = _load(raw)
-    if parser is None:
-        return problem, None
-    if not parser.has_section(SECTION):
-        # An empty or comment-only file is a file with neither key: silent.
-        return (f"no [{SECTION}] section", None) if parser.sections() else (None, None)
-    section = parser[SECTION]
-    max_text, ratio_text = section.get(MAX_KEY), section.get(RATIO_KEY)
-    if max_text is None and ratio_text is None:
-        return None, None
-    if max_text is None or ratio_text is None:
-        missing = MAX_KEY if max_text is None else RATIO_KEY
-        return f"{missing} is missing (the two size keys work only together)", None
-    max_mb, ratio = parse_max_size(max_text), parse_ratio(ratio_text)
-    if max_mb is None:
-        return f"{MAX_KEY}={max_text!r} is not -1 or 1..{MAX_SIZE_LIMIT}", None
-    if ratio is None:
-        return f"{RATIO_KEY}={ratio_text!r} is not 1..100", None
-    return None, SizeLimits(max_mb, ratio)
-
-
-def _load(raw: bytes) -> tuple[str | None, configparser.ConfigParser | None]:
-    """(what is wrong, the parsed file): one of the two is None."""
-    import configparser  # only for a file someone edited: it costs every start-up
-
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        return "not UTF-8 text", None
-    # No default_section: a [DEFAULT] header is just another section here, not inherited.
-    parser = configparser.ConfigParser(
-        interpolation=None, strict=False, default_section="\0opcache-no-default"
-    )
-    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys as CANN reads them: case matters
-    try:
-        parser.read_string(text)
-    except configparser.Error as e:
-        first_line = str(e).splitlines()[0]
-        return f"not an ini file ({first_line})", None
-    return None, parser
+    limits, problem = _cann_limits(_cann_sections(raw), versions=False)
+    return problem, limits
 
 
 class CannIni(Record):
@@ -249,15 +212,16 @@ def _cann_sections(raw: bytes) -> dict[bytes, list[tuple[bytes, bytes]]]:
 
 
 def _cann_limits(
-    sections: dict[bytes, list[tuple[bytes, bytes]]],
+    sections: dict[bytes, list[tuple[bytes, bytes]]], versions: bool = True
 ) -> tuple[SizeLimits | None, str | None]:
     """(limits CANN applies, or None; why size keys present do not apply, or None).
 
     ``GetCacheInitFileCfg``: sections in name order; the first that is not
     ``op_compiler_cache`` makes the file invalid; within the section the last
     of a repeated key wins; the file counts only once ``adk_version`` and
-    ``ops_version`` are set.  ``UpdateOpCacheSizeCfg``: both size keys, each
-    read by ``std::stoi``; max -1 or 1..INT_MAX, ratio 1..100.
+    ``ops_version`` are set (``versions``: else at once).
+    ``UpdateOpCacheSizeCfg``: both size keys, each read by ``std::stoi``; max
+    -1 or 1..INT_MAX, ratio 1..100.
     """
     keys = (MAX_KEY.encode(), RATIO_KEY.encode())
     has_sizes = any(key in keys for pairs in sections.values() for key, _ in pairs)
@@ -269,7 +233,7 @@ def _cann_limits(
             why = f"its section [{shown}] comes before a complete [{SECTION}] in name order"
             return None, why if has_sizes else None
         found.update(sorted(sections[name], key=lambda pair: pair[0]))
-        valid = bool(found.get(b"adk_version") and found.get(b"ops_version"))
+        valid = not versions or bool(found.get(b"adk_version") and found.get(b"ops_version"))
         if valid:
             break
     if not valid:

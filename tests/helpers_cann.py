@@ -30,9 +30,36 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
+from opcache.cli import main
+
 SOC = "Ascend910B1"
 MODE = 0o640
 PREBUILD = {"coreType": "VectorCore", "pattern": "Broadcast", "prebuilt_options": ""}
+
+
+@pytest.fixture
+def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """HOME in the test's folder and no CANN variables; returns the cache base folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("ASCEND_CACHE_PATH", "ASCEND_MAX_OP_CACHE_SIZE", "ASCEND_REMAIN_CACHE_SIZE_RATIO"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "atc"
+
+
+def cann(capsys: pytest.CaptureFixture[str], base: Path, action: str, *flags: str) -> tuple:
+    """``opcache cann <action> --op_compiler_cache_dir <base> <flags>``: (status, out, err)."""
+    status = main(["cann", action, "--op_compiler_cache_dir", str(base), *flags])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def cann_json(capsys: pytest.CaptureFixture[str], base: Path, action: str, *flags: str) -> tuple:
+    """(status, report) of ``cann`` with ``--json``; nothing on stderr."""
+    status, out, err = cann(capsys, base, action, "--json", *flags)
+    assert err == "", err
+    return status, json.loads(out)
 
 
 def kernel_name(op_type: str, seed: str) -> str:

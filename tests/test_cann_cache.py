@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 from helpers_cann import (
     SOC,
+    base,
+    cann,
+    cann_json,
     held_by_other_process,
     kernel_name,
     set_access,
@@ -34,34 +37,17 @@ import opcache
 from opcache import cann_cache
 from opcache.cli import main
 
+__all__ = ["base"]  # the fixture, from helpers_cann
+
 KIB = 1024
 ENTRY = 300 * KIB  # every entry's binaries: the other files are tiny beside them
 HOUR = 3600
-
-
-@pytest.fixture
-def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """HOME in the test's folder and no CANN variables; returns the cache base folder."""
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("ASCEND_CACHE_PATH", "ASCEND_MAX_OP_CACHE_SIZE", "ASCEND_REMAIN_CACHE_SIZE_RATIO"):
-        monkeypatch.delenv(name, raising=False)
-    return tmp_path / "atc"
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     status = main(list(argv))
     out, err = capsys.readouterr()
     return status, out, err
-
-
-def cann(capsys, base: Path, action: str, *flags: str) -> tuple[int, str, str]:
-    return run(capsys, "cann", action, "--op_compiler_cache_dir", str(base), *flags)
-
-
-def cann_json(capsys, base: Path, action: str, *flags: str) -> tuple[int, dict]:
-    status, out, err = cann(capsys, base, action, "--json", *flags)
-    assert err == "", err
-    return status, json.loads(out)
 
 
 def open_cache(base: Path, **kw) -> cann_cache.CannCache:

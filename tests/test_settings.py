@@ -558,27 +558,21 @@ def test_ini_tolerates_comments_spaces_and_other_keys(env, caplog):
 
 
 INVALID_INIS = {
-    "no section header": (
-        "max_op_cache_size=100\nremain_cache_size_ratio=30\n",
-        None,
-    ),
     "other section only": (
         "[cache]\nmax_op_cache_size=100\nremain_cache_size_ratio=30\n",
         "op_compiler_cache",
     ),
-    "garbage line": (
-        size_ini(100, 30) + "this line is garbage\n",
-        None,
+    "binary garbage": (
+        b"\x00\xff\xfe\x80garbage=\x80\n[op_compiler_cache]\nmax_op_cache_size=\xff\n"
+        b"remain_cache_size_ratio=1",
+        "max_op_cache_size",
     ),
-    "binary garbage": (b"\x00\xff\xfe\x80garbage\n", None),
     "max not a number": (size_ini("abc", 30), "abc"),
-    "max with unit": (size_ini("100MB", 30), "100MB"),
-    "max float": (size_ini("1.5", 30), "1.5"),
     "ratio not a number": (size_ini(100, "half"), "half"),
     "max empty": (size_ini("", 30), "max_op_cache_size"),
     "max zero": (size_ini(0, 30), "0"),
     "max below -1": (size_ini(-2, 30), "-2"),
-    "max too large": (size_ini(2147483647, 30), "2147483647"),
+    "max too large": (size_ini(2147483648, 30), "2147483648"),
     "max thousands of digits": (size_ini("9" * 5000, 30), "max_op_cache_size"),
     "ratio zero": (size_ini(100, 0), "0"),
     "ratio too large": (size_ini(100, 101), "101"),
@@ -609,7 +603,8 @@ def test_invalid_ini_warns_once_naming_the_file_and_falls_back_to_env(env, caplo
 
 
 @pytest.mark.parametrize(
-    "text", [size_ini(0, 30), "[op_compiler_cache]\nmax_op_cache_size=100\n", "garbage\n"]
+    "text",
+    [size_ini(0, 30), "[op_compiler_cache]\nmax_op_cache_size=100\n", "[a]\nk=v\n" + size_ini(1, 1)],
 )
 def test_invalid_ini_falls_back_to_defaults_without_env(env, caplog, text):
     write_ini(Path("/data/cache/op_cache.ini"), text)
@@ -618,6 +613,39 @@ def test_invalid_ini_falls_back_to_defaults_without_env(env, caplog, text):
     assert settings.remain_cache_size_ratio == 50
     assert_size_source(settings, "default")
     assert len(warnings_of(caplog)) == 1
+
+
+# Read line by line as CANN reads it (issue 18): what CANN applies, opcache's own cache applies.
+CANN_READ_INIS = {
+    "keys above the section": (
+        "max_op_cache_size=100\nremain_cache_size_ratio=30\n[op_compiler_cache]\n",
+        (100, 30),
+    ),
+    "a line without =": (size_ini(100, 30) + "this line is garbage\n", (100, 30)),
+    "stoi's leading digits": (size_ini("100MB", "30%"), (100, 30)),
+    "a float": (size_ini("1.5", 30), (1, 30)),
+    "INT_MAX": (size_ini(2147483647, 30), (2147483647, 30)),
+    "indented keys": (
+        "[op_compiler_cache]\n  max_op_cache_size=100\n\tremain_cache_size_ratio=30\n",
+        (100, 30),
+    ),
+    "no section at all": ("max_op_cache_size=100\nremain_cache_size_ratio=30\n", None),
+    "colon lines": (
+        "[op_compiler_cache]\nmax_op_cache_size: 100\nremain_cache_size_ratio: 30\n",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize(("text", "read"), list(CANN_READ_INIS.values()), ids=list(CANN_READ_INIS))
+def test_own_ini_is_read_as_cann_reads_it_without_its_versions(env, caplog, text, read):
+    """te_cache_space_manager.cc LoadIniFile / UpdateOpCacheSizeCfg; a file CANN finds no
+    size keys in is silent, as one with neither key is."""
+    write_ini(Path("/data/cache/op_cache.ini"), text)
+    settings = resolve_settings(op_compiler_cache_dir="/data/cache", environ=env)
+    limits = (settings.max_op_cache_size_mb, settings.remain_cache_size_ratio)
+    assert limits == (read or (500, 50))
+    assert warnings_of(caplog) == []
 
 
 def test_only_one_ini_key_does_not_mix_with_env(env):
@@ -700,7 +728,7 @@ def test_read_size_limits_never_raises_on_arbitrary_bytes(raw):
         path.write_bytes(raw)
         limits = read_size_limits(path)
     if limits is not None:
-        assert limits.max_op_cache_size_mb == -1 or 1 <= limits.max_op_cache_size_mb <= 2147483646
+        assert limits.max_op_cache_size_mb == -1 or 1 <= limits.max_op_cache_size_mb <= 2**31 - 1
         assert 1 <= limits.remain_cache_size_ratio <= 100
 
 
