@@ -604,7 +604,11 @@ def test_invalid_ini_warns_once_naming_the_file_and_falls_back_to_env(env, caplo
 
 @pytest.mark.parametrize(
     "text",
-    [size_ini(0, 30), "[op_compiler_cache]\nmax_op_cache_size=100\n", "[a]\nk=v\n" + size_ini(1, 1)],
+    [
+        size_ini(0, 30),
+        "[op_compiler_cache]\nmax_op_cache_size=100\n",
+        "[a]\nk=v\n" + size_ini(1, 1),  # another section first
+    ],
 )
 def test_invalid_ini_falls_back_to_defaults_without_env(env, caplog, text):
     write_ini(Path("/data/cache/op_cache.ini"), text)
