@@ -426,3 +426,39 @@ def test_an_entry_over_the_remote_size_cap_is_not_sent_and_the_others_are(machin
     pulled = b.pull()
     assert pulled["written"] == 5
     assert {p.name[: -len(".json")] for p in b.chip.glob("*.json")} == set(kernels)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".o", ".lock", "op_cache_file_del.lock", "ini"])
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_planted_link_or_fifo_in_b_is_never_written_through_nor_waited_on(
+    machines, tmp_path, suffix, kind
+):
+    a, b = machines
+    (kernel,) = _fill(a, 1)
+    a.push()
+    write_ini(b.root)
+    b.chip.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    if suffix == "ini":
+        (b.root / "op_cache.ini").unlink()
+        place = b.root / "op_cache.ini"
+    elif suffix.startswith("op_cache"):
+        place = b.chip / suffix
+    else:
+        place = b.chip / f"{kernel}{suffix}"
+    if kind == "link":
+        place.symlink_to(victim)
+    else:
+        os.mkfifo(place)
+    report = b.pull()  # a FIFO opened for reading would hang here
+    assert victim.read_bytes() == b"precious"
+    assert place.is_symlink() if kind == "link" else stat.S_ISFIFO(place.lstat().st_mode)
+    if suffix == "ini":
+        assert "op_cache.ini" in report["refused"]
+    elif suffix.startswith("op_cache"):
+        assert "op_cache_file_del.lock" in report["busy"] and report["written"] == 0
+    elif suffix == ".lock":
+        assert report["locked"] == [kernel]
+    else:
+        assert (report["present"], report["written"]) == (1, 0)
