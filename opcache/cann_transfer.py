@@ -51,6 +51,7 @@ import errno
 import fcntl
 import os
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -269,9 +270,15 @@ class Bundle(Record):
         return sum(map(len, self.files.values()))
 
 
+_PART = re.compile(r"(_mix_ai[cv])?(\.json|\.o|\.so|\.h)")
+
+
 def _own_name(kernel: str, name: str) -> bool:
-    """A file an entry may bring: named after its kernel, not a lock or a temp file."""
-    return is_plain_name(name) and name.startswith(kernel) and not name.endswith((".lock", ".temp"))
+    """A file an entry may bring, as CANN names them: ``<kernel>.json``, its binary
+    ``.o``/``.so``, header ``.h``, a mix-core entry's ``<kernel>_mix_aic.json`` /
+    ``_mix_aiv.json`` and their binaries; never another kernel's json, shown for a
+    moment before its own checks, nor a lock or temp file."""
+    return name.startswith(kernel) and bool(_PART.fullmatch(name[len(kernel) :]))
 
 
 class _Reader:
@@ -289,7 +296,7 @@ class _Reader:
             entry = _Entry(fd, name, self.files)
             problem = entry.problem
             if problem is None and not all(_own_name(entry.kernel, f) for f in entry.owned):
-                problem = "it names files not named after its kernel"
+                problem = "it names files not named after its kernel as CANN names them"
             if problem is None and not is_plain_name(entry.kernel):
                 problem = "not a kernel name"
             if problem is not None:
@@ -345,7 +352,7 @@ class _Writer:
         if not is_plain_name(kernel) or main not in files:
             return self._bad(kernel, "no json named after its kernel")
         if not all(_own_name(kernel, name) for name in files):
-            return self._bad(kernel, "it brings files not named after its kernel")
+            return self._bad(kernel, "it brings files not named as CANN names its files")
         if any(fsutil.lexists(name, self.fd) for name in files):
             self.report["present"] += 1
             return None

@@ -6,6 +6,7 @@ as CANN's graph engine does); A pushes, B pulls.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -462,3 +463,34 @@ def test_a_planted_link_or_fifo_in_b_is_never_written_through_nor_waited_on(
         assert report["locked"] == [kernel]
     else:
         assert (report["present"], report["written"]) == (1, 0)
+
+
+def test_a_remote_entry_bringing_another_kernels_json_writes_nothing(machines):
+    """A bad pusher's entry te_x carrying te_x2.json: that json would be another entry,
+    shown before te_x's own checks; nothing of it is written."""
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    bad = kernel_name("Bad", "names")
+    binary = b"kernel bytes"
+    other = json.dumps({"binFileName": f"{bad}2", "binFileSuffix": ".o", "kernelName": "k"})
+    files = {
+        f"{bad}.o": binary,
+        f"{bad}.json": json.dumps(
+            {"binFileName": bad, "binFileSuffix": ".o", "kernelName": "k",
+             "sha256": hashlib.sha256(binary).hexdigest()}
+        ).encode(),
+        f"{bad}2.json": other.encode(),
+    }  # fmt: skip
+    ns = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", _driver_digest(a))
+    from opcache.storage import open_remote
+
+    remote = open_remote(a.settings().remote)
+    bundle = cann_transfer.Bundle(bad, int(NOW), files)
+    remote.put(ns.remote_chip, bad, cann_transfer._manifest(ns, bundle), files)
+    cann_transfer._write_index(remote, ns, {bad: (int(NOW) + 10, 100)})
+    remote.close()
+    write_ini(b.root)
+    report = b.pull()
+    assert [r["entry"] for r in report["rejected"]] == [bad]
+    assert not list(b.chip.glob(f"{bad}*"))
