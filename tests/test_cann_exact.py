@@ -387,3 +387,29 @@ def test_an_entry_cann_s_code_throws_on_is_left_but_the_others_are_aged(base, ca
     assert report["removed"] == [kernel_name("Add", "plain")]
     assert all(p.exists() for p in odd) and not any(p.exists() for p in plain)
     assert names(odd) <= present(cache.chip)
+
+
+def test_subfolders_nested_deeper_than_python_s_recursion_crash_nothing(base, capsys):
+    """te_file_utils.cc ``GetDirectorySize`` and ``CollectCacheJsonFileAccessTime`` recurse
+    into any subfolder; opcache walks them with a stack of its own, so 1,500 levels
+    (past Python's recursion limit) are read, not a RecursionError."""
+    cache = Cache(base)
+    cache.entry("one")
+    depth = 1500
+    fd = os.open(cache.chip, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    try:
+        for action in ("stats", "verify", "age"):
+            status, _, err = cann(capsys, base, action)
+            assert status == 0 and "Traceback" not in err
+        report = cann_json(capsys, base, "stats")[1]["chips"][SOC]
+        assert report["files"] > 1  # deeper than the walk goes: not counted
+    finally:
+        # Removed here: pytest's recursive clean-up of old temp folders would fail on it.
+        for level in range(depth, 0, -1):
+            os.rmdir(cache.chip.joinpath(*["d"] * level))
