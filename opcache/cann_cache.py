@@ -53,6 +53,8 @@ DEL_LOCK = "op_cache_file_del.lock"
 TEMP_GRACE_SECONDS = 60
 # A temp file untouched this long is left over, whoever wrote it.
 TEMP_MAX_AGE_SECONDS = 3600
+# CANN reads any size; real entry jsons are a few KiB.  A bigger one is left alone.
+_MAX_JSON_BYTES = 64 << 20
 NOTES = (
     "access times are read with stat only, and jsons opened with O_NOATIME where permitted: "
     "looking never makes an entry look used (CANN's aging reads each json after taking its "
@@ -63,13 +65,21 @@ NOTES = (
     "folders others can write are refused (the trust rule of opcache's own cache)",
     "files in subfolders of a chip folder count toward its size, as CANN counts them, but "
     "are never deleted (CANN would age jsons found there)",
-    "size settings are read as opcache reads them: a value with trailing text (500MB) is "
-    "ignored, where CANN's stoi takes its leading digits",
+    "a binFileName or jsonFileName that leads out of the chip folder (a folder part, .., \\) "
+    "or through a link names nothing opcache deletes, and verify does not follow it (CANN "
+    "deletes or reads it wherever it leads)",
+    "an entry CANN's aging code throws on (a binFileName or binFileSuffix that is no "
+    "string, a jsonList item without a jsonFileName string) is left alone and the others "
+    "are aged; CANN's pass ends at it, deleting nothing at all",
+    "a .so's sha256 is checked for its form only: CANN compares it with the kernel the "
+    "library returns once loaded, and opcache never loads a library from a cache folder",
+    f"a json over {_MAX_JSON_BYTES >> 20} MiB is neither aged nor checked (CANN reads any size)",
+    "ASCEND_MAX_OP_CACHE_SIZE and ASCEND_REMAIN_CACHE_SIZE_RATIO are read as opcache's own "
+    "cache reads them: a value CANN half-reads (500MB as 500, a ratio of text as 0, "
+    "4294967306 wrapped to 10 by atoi) is ignored with a warning",
 )
 
 _LOCK_MODE = 0o640  # CANN chmods its lock files to this
-# CANN reads any size; real entry jsons are a few KiB.  A bigger one is left alone.
-_MAX_JSON_BYTES = 64 << 20
 _HASH_CHUNK = 1 << 20
 _TEMP = re.compile(r"(?P<dst>.+)_(?P<pid>[0-9]+)_(?P<usec>[0-9]+)_(?P<rand>[0-9]+)\.temp")
 _MIX_SUFFIXES = ("_mix_aic.json", "_mix_aiv.json")

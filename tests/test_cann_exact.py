@@ -396,14 +396,17 @@ def test_subfolders_nested_deeper_than_python_s_recursion_crash_nothing(base, ca
     cache = Cache(base)
     cache.entry("one")
     depth = 1500
+    made = 0
     fd = os.open(cache.chip, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(depth):
-        os.mkdir("d", dir_fd=fd)
-        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = inner
-    os.close(fd)
     try:
+        while made < depth:
+            os.mkdir("d", dir_fd=fd)
+            made += 1
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        os.close(fd)
+        fd = -1
         for action in ("stats", "verify", "age"):
             status, _, err = cann(capsys, base, action)
             assert status == 0 and "Traceback" not in err
@@ -411,5 +414,7 @@ def test_subfolders_nested_deeper_than_python_s_recursion_crash_nothing(base, ca
         assert report["files"] > 1  # deeper than the walk goes: not counted
     finally:
         # Removed here: pytest's recursive clean-up of old temp folders would fail on it.
-        for level in range(depth, 0, -1):
+        if fd >= 0:
+            os.close(fd)
+        for level in range(made, 0, -1):
             os.rmdir(cache.chip.joinpath(*["d"] * level))
