@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from . import _json, fsutil, trust
+from . import _json, fsutil, ini, trust
 from ._log import get_logger
 from ._record import Record
 from .archive import CANN, ArchiveWriter, BadArchive, check, members, unpacked
@@ -91,10 +91,8 @@ log = get_logger(__name__)
 FORMAT = 1
 INDEX = "#index"
 INDEX_FILE = "index.json"
-SECTION = "op_compiler_cache"
 _BATCH = 32  # entries per round trip: a batch of big kernels stays a bounded answer
 _BATCH_BYTES = 16 << 20  # and at most this much sent at once
-_MAX_INI_BYTES = 1 << 20
 
 
 class Refused(Exception):
@@ -137,48 +135,16 @@ class Namespace(Record):
 
 
 def ini_versions(path: Path, shared_group: int | None = None) -> tuple[str, str] | None:
-    """(adk_version, ops_version) of ``op_cache.ini`` read as CANN reads it; None when
-    there is no file.
-
-    Refused when CANN would not use the file (``GetCacheInitFileCfg``: another
-    section with keys before ``[op_compiler_cache]`` in name order, or either
-    version empty or missing), when it is not a regular file, or when the
-    trust rule refuses it.
-    """
+    """(adk_version, ops_version) of ``op_cache.ini`` read as CANN reads it
+    (``ini.read_cann_versions``); None when there is no file.  Refused when CANN
+    would not use it, when it is not a regular file or the trust rule refuses it."""
     try:
-        fd, st = fsutil.open_regular(path)
-    except FileNotFoundError:
-        return None
+        return ini.read_cann_versions(path, shared_group)
+    except ValueError as e:
+        raise Refused(str(e)) from None
     except OSError as e:
         why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
         raise Refused(f"{path} cannot be read ({why})") from None
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(_MAX_INI_BYTES + 1)
-    untrusted = trust.problem(st, fsutil.modes_for(shared_group))
-    if untrusted:
-        raise Refused(f"{path} is {untrusted}")
-    sections: dict[str, dict[str, str]] = {}
-    current: dict[str, str] | None = None
-    for line in raw.decode("latin-1").splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = sections.setdefault(line[1:-1].strip(), {})
-            continue
-        key, eq, value = line.partition("=")
-        if eq and key.strip() and value.strip() and current is not None:
-            current.setdefault(key.strip(), value.strip())
-    for name in sorted(n for n, keys in sections.items() if keys):
-        if name != SECTION:
-            raise Refused(f"{path} is not CANN's: it has a section [{name}]; CANN ignores it")
-        break
-    cfg = sections.get(SECTION, {})
-    if not cfg.get("adk_version") or not cfg.get("ops_version"):
-        raise Refused(
-            f"{path} names no adk_version and ops_version: CANN neither checks nor repairs it"
-        )
-    return cfg["adk_version"], cfg["ops_version"]
 
 
 def toolkit_versions(environ: Mapping[str, str]) -> tuple[str, str] | None:
@@ -242,7 +208,7 @@ def local_namespace(
 def create_ini(path: Path, ns: Namespace) -> None:
     """op_cache.ini as CANN's ``CreatOpCacheIniFile`` writes it: exactly the section and
     the two versions, mode 0640 narrowed by the umask; never over an existing file."""
-    text = f"[{SECTION}]\nadk_version={ns.adk_version}\nops_version={ns.ops_version}\n"
+    text = f"[{ini.SECTION}]\nadk_version={ns.adk_version}\nops_version={ns.ops_version}\n"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
     except FileExistsError:

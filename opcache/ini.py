@@ -225,19 +225,8 @@ def _cann_limits(
     """
     keys = (MAX_KEY.encode(), RATIO_KEY.encode())
     has_sizes = any(key in keys for pairs in sections.values() for key, _ in pairs)
-    found: dict[bytes, bytes] = {}
-    valid = False
-    for name in sorted(sections):
-        if name != SECTION.encode():
-            shown = name.decode("latin-1")
-            why = f"its section [{shown}] comes before a complete [{SECTION}] in name order"
-            return None, why if has_sizes else None
-        found.update(sorted(sections[name], key=lambda pair: pair[0]))
-        valid = not versions or bool(found.get(b"adk_version") and found.get(b"ops_version"))
-        if valid:
-            break
-    if not valid:
-        why = f"no [{SECTION}] section with adk_version and ops_version in it"
+    found, why = _cann_config(sections, versions)
+    if found is None:
         return None, why if has_sizes else None
     max_text, ratio_text = found.get(keys[0]), found.get(keys[1])
     if max_text is None and ratio_text is None:
@@ -250,6 +239,44 @@ def _cann_limits(
     if ratio is None or not 1 <= ratio <= 100:
         return None, f"{RATIO_KEY}={ratio_text.decode('latin-1')!r} is not 1..100"
     return SizeLimits(max_mb, ratio), None
+
+
+def _cann_config(
+    sections: dict[bytes, list[tuple[bytes, bytes]]], versions: bool = True
+) -> tuple[dict[bytes, bytes] | None, str | None]:
+    """(the keys CANN takes, or None; why none): ``GetCacheInitFileCfg``'s walk (see
+    ``_cann_limits``)."""
+    found: dict[bytes, bytes] = {}
+    for name in sorted(sections):
+        if name != SECTION.encode():
+            shown = name.decode("latin-1")
+            return None, f"its section [{shown}] comes before a complete [{SECTION}] in name order"
+        found.update(sorted(sections[name], key=lambda pair: pair[0]))
+        if not versions or (found.get(b"adk_version") and found.get(b"ops_version")):
+            return found, None
+    return None, f"no [{SECTION}] section with adk_version and ops_version in it"
+
+
+def read_cann_versions(path: Path, shared_group: int | None = None) -> tuple[str, str] | None:
+    """(adk_version, ops_version) as CANN takes them from the op_cache.ini at ``path``
+    (``_cann_sections``, ``_cann_config``); None when there is no file.
+
+    ValueError saying why when CANN would not use the file (it then neither
+    checks the versions nor repairs the file), when the trust rule refuses it
+    or it is over 1 MiB; OSError when it cannot be read (a link, a FIFO...).
+    """
+    try:
+        raw, untrusted = _read(path, shared_group)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if untrusted:
+        raise ValueError(f"{path} is {untrusted}")
+    if len(raw) > _MAX_FILE_BYTES:
+        raise ValueError(f"{path} is larger than {_MAX_FILE_BYTES} bytes")
+    found, why = _cann_config(_cann_sections(raw))
+    if found is None:
+        raise ValueError(f"{path} is ignored by CANN: {why}")
+    return found[b"adk_version"].decode("latin-1"), found[b"ops_version"].decode("latin-1")
 
 
 _STOI = re.compile(rb"[ \t\n\v\f\r]*([+-]?)0*([0-9]+)")
