@@ -494,3 +494,23 @@ def test_a_remote_entry_bringing_another_kernels_json_writes_nothing(machines):
     report = b.pull()
     assert [r["entry"] for r in report["rejected"]] == [bad]
     assert not list(b.chip.glob(f"{bad}*"))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "adk_version=7.0.RC1\n[op_compiler_cache]\nops_version=7.0.RC1\n",  # keys above join it
+        "[ op_compiler_cache ]\n  adk_version = 7.0.RC1\nops_version=7.0.RC1\n[zz]\na=b\n",
+        "[op_compiler_cache]\nadk_version=7.0.RC1\nops_version=7.0.RC1\n[op_compiler_cache]\n"
+        "adk_version=9.9\n",  # the first of two sections
+    ],
+)
+def test_b_versions_are_read_as_cann_reads_the_ini(machines, text):
+    """te_cache_space_manager.cc ``LoadIniFile`` / ``GetCacheInitFileCfg`` (ini.py)."""
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    b.root.mkdir(parents=True)
+    (b.root / "op_cache.ini").write_text(text)
+    report = b.pull()
+    assert (report["written"], report["namespace"]["adk_version"]) == (1, "7.0.RC1")
