@@ -31,10 +31,11 @@ machines are noisy).  Scenarios:
    OPCACHE_TRACE=off and OPCACHE_EXTRA_FILES listing the same inputs
 
 10. CMake warm rebuild: a CMake + Ninja project of 20 C++ kernels with shared
-   headers, built through CMAKE_CXX_COMPILER_LAUNCHER (opcache;wrap;-- and
-   ccache) into a fresh build folder once the cache is warm: ninja's time
-   through opcache against ccache, and each one's hit rate (plain C++: ccache
-   cannot take the Ascend flags of the same kernels)
+   headers, built through CMAKE_CXX_COMPILER_LAUNCHER (opcache;wrap;--, the
+   C client opcache-client;wrap;--, and ccache) into a fresh build folder once
+   the cache is warm: ninja's time through opcache against ccache, and each
+   one's hit rate (plain C++: ccache cannot take the Ascend flags of the same
+   kernels)
 
 11. CANN transfer: `opcache cann pull` of 2,000 entries of 100 KB into an
    empty kernel_cache folder vs the floor (the same values fetched with
