@@ -738,7 +738,7 @@ def _pull_chip(
     rows = _index_entries(index, ns)
     report, chip = _taking(root, soc, settings, ns, ini_missing, dry_run)
     if chip is None:
-        present = _present_names(root / soc)
+        present = _present_names(root, soc, settings)
         report["would_pull"] = sum(1 for k in rows if f"{k}.json" not in present)
         return report
     with contextlib.ExitStack() as held:
@@ -811,11 +811,16 @@ def _atime_of(manifest: bytes) -> int:
     return atime if isinstance(atime, int) and atime >= 0 else int(time.time())
 
 
-def _present_names(folder: Path) -> set[str]:
+def _present_names(root: Path, soc: str, settings: Settings) -> set[str]:
+    """The regular files of a chip folder (none when it is not there yet)."""
     try:
-        return set(os.listdir(folder))
-    except OSError:
+        chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
+    except Refused:
         return set()
+    try:
+        return set(_scan(chip.fd).files)
+    finally:
+        chip.close()
 
 
 # -- an archive file ---------------------------------------------------------------------------
