@@ -56,7 +56,9 @@ machines are noisy).  Scenarios:
 
 14. maintenance at scale: `opcache stats`, `verify`, `age --dry-run` and a
    trim (a third of the entries) at 25,000 and 100,000 entries, run as cron
-   runs them: each one's time and peak resident memory, which must stay flat
+   runs them: each one's time and peak resident memory (a trim holds at most
+   100,000 candidates: flat past that), and with --before DIR the same
+   commands of older code on the same entries, in turns
 
 15. brotli's warm build: its C sources (pip download of its sdist) rebuilt
    with make -j2 after make clean, every compile a hit, through the masquerade
@@ -1530,27 +1532,55 @@ def _fill_entries(root: Path, count: int, stamp: float) -> None:
         store.put(SOC, key, manifest, files, now=stamp)
 
 
+# Runs a command, its output thrown away, and prints its peak resident KB and exit
+# status.  A process's peak counts the memory of the one it was forked from (up
+# to its exec): forked from the bench, every figure would be at least the
+# bench's.  This interpreter, without site, is the smaller parent.
+_PEAK_OF = """import os, sys
+pid = os.fork()
+if pid == 0:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+print(usage.ru_maxrss, os.waitstatus_to_exitcode(status))
+"""
+
+
 def _measured(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     """(seconds, peak resident MB) of a command run to its end."""
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", _PEAK_OF, *argv], env=env, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode not in (0, 1):
-        assert proc.stderr is not None
-        print(f"  {' '.join(argv[3:5])} FAILED: {proc.stderr.read().decode(errors='replace')}")
-    if proc.stderr is not None:
-        proc.stderr.close()
-    return seconds, usage.ru_maxrss / 1024  # (KB on Linux)
+    peak_kb, code = done.stdout.split()
+    if int(code) not in (0, 1):
+        print(f"  {' '.join(argv[3:5])} FAILED: {done.stderr.strip()}")
+    return seconds, int(peak_kb) / 1024
 
 
-def bench_maintenance(report: Report, tmp: Path, count: int) -> None:
+def _trash_emptied(root: Path, timeout: float = 600) -> None:
+    """Wait for a trim's detached deleter: its disk work would slow what runs next."""
+    trash = root / ".opcache" / "trash"
+    deadline = time.monotonic() + timeout
+    while trash.is_dir() and any(trash.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def bench_maintenance(
+    report: Report, tmp: Path, count: int, rounds: int, before: Path | None
+) -> None:
     """Issue 22 item 4: each maintenance command, run as cron runs it, at a quarter of
     ``count`` entries and at ``count``: its time and its peak resident memory (the
-    interpreter's own share included), which must not grow with the entries."""
+    interpreter's own share included), which must not grow with the entries.
+
+    With ``before`` (a folder holding older code's opcache/), the same commands of
+    that code on the same entries, in turns; each trim on a copy of the folder
+    (and once: it changes what it runs on)."""
     print(f"14. maintenance at scale: stats, verify, age --dry-run, a trim at {count:,} entries")
     peaks: dict[str, float] = {}
+    codes = {"": {}} if before is None else {"": {}, " (before)": {"PYTHONPATH": str(before)}}
     for entries in (count // 4, count):
         folder = tmp / f"maintenance-{entries}"
         root = settings_for(folder).root
@@ -1566,20 +1596,42 @@ def bench_maintenance(report: Report, tmp: Path, count: int) -> None:
         (root / "op_cache.ini").write_text(
             f"[op_compiler_cache]\nmax_op_cache_size={limit}\nremain_cache_size_ratio=80\n"
         )
-        env = {**os.environ, "HOME": str(folder)}
-        where = f"--op_compiler_cache_dir={folder}"
+
+        def run(argv: list[str], code: str, where: Path) -> tuple[float, float]:
+            env = {**os.environ, "HOME": str(where), **codes[code]}
+            cache = f"--op_compiler_cache_dir={where}"
+            return _measured([sys.executable, "-m", "opcache", *argv, cache], env)
+
         for name, argv in (
-            ("stats", ["stats", where]),
-            ("verify", ["verify", where]),
-            ("age --dry-run", ["age", "--dry-run", where]),
-            ("age (a trim)", ["age", where]),
+            ("stats", ["stats"]),
+            ("verify", ["verify"]),
+            ("age --dry-run", ["age", "--dry-run"]),
+            ("age (a trim)", ["age"]),
         ):
-            seconds, peak = _measured([sys.executable, "-m", "opcache", *argv], env)
-            ratios = {"peak_rss_mb": peak}
-            if entries == count:
-                ratios["rss_vs_quarter"] = peak / peaks[name]
-            peaks[name] = peak
-            report.add("maintenance", f"opcache {name}, {entries:,} entries", [seconds], **ratios)
+            measured: dict[str, list[tuple[float, float]]] = {code: [] for code in codes}
+            for _ in range(1 if name == "age (a trim)" else rounds):
+                for code in codes:
+                    if name != "age (a trim)":
+                        measured[code].append(run(argv, code, folder))
+                        continue
+                    copy = folder.with_name(f"{folder.name}-trimmed")
+                    shutil.copytree(folder, copy, symlinks=True)
+                    os.sync()  # the copy's writes are not the trim's
+                    measured[code].append(run(argv, code, copy))
+                    _trash_emptied(settings_for(copy).root)
+                    shutil.rmtree(copy, ignore_errors=True)
+            for code, figures in measured.items():
+                peak = max(p for _, p in figures)
+                ratios = {"peak_rss_mb": peak}
+                if entries == count:
+                    ratios["rss_vs_quarter"] = peak / peaks[name + code]
+                if code:
+                    ratios["vs_now"] = statistics.median(t for t, _ in figures) / statistics.median(
+                        t for t, _ in measured[""]
+                    )
+                peaks[name + code] = peak
+                row = f"opcache {name}, {entries:,} entries{code}"
+                report.add("maintenance", row, [t for t, _ in figures], **ratios)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -1713,7 +1765,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="write a PNG of hit cost against entry count here")
     parser.add_argument("--only", help="comma-separated scenario numbers, e.g. 1,5")
     parser.add_argument(
-        "--before", type=Path, help="a folder holding older code's opcache/ (scenario 9's baseline)"
+        "--before",
+        type=Path,
+        help="a folder holding older code's opcache/ (scenarios 9 and 14's baseline)",
     )
     args = parser.parse_args(argv)
     only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 16))
@@ -1742,7 +1796,7 @@ def main(argv: list[str] | None = None) -> int:
             11: lambda: bench_cann_transfer(report, tmp, 2_000, 2 if args.quick else 5),
             12: lambda: bench_remote_kinds(report, tmp, repeat, 100 if args.quick else 200),
             13: lambda: bench_served_wrap(report, tmp, max(repeat // 10, 10)),
-            14: lambda: bench_maintenance(report, tmp, big),
+            14: lambda: bench_maintenance(report, tmp, big, 2 if args.quick else 3, args.before),
             15: lambda: bench_brotli(report, tmp, 3 if args.quick else 10),
         }
         for number, run in scenarios.items():
