@@ -145,6 +145,15 @@ class ReadSet:
                     continue
                 if [st.st_size, st.st_mtime_ns, st.st_ctime_ns] == item[3:6]:
                     continue  # (a folder's names change its mtime)
+            elif kind == "missing":
+                # Still nothing there (the other errors, or a path that now exists, differ).
+                try:
+                    os.stat(real) if follow else os.lstat(real)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                except OSError:
+                    pass
+                return False
             now = _facts(real, follow, listed=kind == "dir", cheap=kind not in ("file", "dir"))
             if now[1] != kind or now[2] != item[2]:
                 return False
