@@ -54,7 +54,7 @@ import random
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -466,7 +466,7 @@ def _new_report(ns: Namespace) -> dict:
     return {
         "namespace": {"soc": ns.soc, "id": ns.ident, **ns.versions()},
         "written": 0, "bytes": 0, "present": 0, "locked": [], "rejected": [], "corrupt": [],
-        "gone": 0, "stopped_at_limit": False, "ini_created": False,
+        "gone": [], "stopped_at_limit": False, "ini_created": False,
     }  # fmt: skip
 
 
@@ -656,14 +656,17 @@ def _push_chip(
     return report
 
 
-def _write_index(client: Remote, ns: Namespace, rows: dict[str, tuple[int, int]]) -> None:
-    """Merge ``rows`` into the chip's index on the remote (latest access wins)."""
+def _write_index(
+    client: Remote, ns: Namespace, rows: dict[str, tuple[int, int]], gone: Collection[str] = ()
+) -> None:
+    """Merge ``rows`` into the chip's index on the remote (latest access wins), and drop
+    the entries a pull found ``gone`` (evicted)."""
     if client.read_only:
         return
     index = _read_index(client, ns.soc)
     spaces = index.get("namespaces") if isinstance(index.get("namespaces"), dict) else {}
     before = _index_entries(index, ns)
-    entries = dict(before)
+    entries = {k: v for k, v in before.items() if k not in gone}
     for kernel, (atime, size) in rows.items():
         old = entries.get(kernel, (0, 0))
         entries[kernel] = (max(atime, old[0]), size)
@@ -764,6 +767,8 @@ def _pull_chip(
                     break
                 if progress is not None:
                     progress((at + 1) * 100 // len(batches))
+    if report["gone"]:
+        _write_index(client, ns, {}, report["gone"])
     return report
 
 
@@ -786,7 +791,7 @@ def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> 
     for kernel in batch:
         value = got.get(kernel)
         if value is None:
-            report["gone"] += 1  # evicted since it was indexed
+            report["gone"].append(kernel)  # evicted since it was indexed
             continue
         if isinstance(value, RemoteCorrupt):
             report["corrupt"].append({"entry": kernel, "why": str(value)})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -514,3 +515,17 @@ def test_b_versions_are_read_as_cann_reads_the_ini(machines, text):
     (b.root / "op_cache.ini").write_text(text)
     report = b.pull()
     assert (report["written"], report["namespace"]["adk_version"]) == (1, "7.0.RC1")
+
+
+def test_an_entry_the_remote_evicted_is_dropped_from_its_index(machines, redis_server):
+    a, b = machines
+    kernels = _fill(a, 3)
+    a.push()
+    client = redis_server.client()
+    (name,) = [n for n in client.keys("*") if n.decode().endswith(kernels[2])]
+    client.delete(name)  # as maxmemory-policy allkeys-lru would
+    write_ini(b.root)
+    assert b.pull()["gone"] == [kernels[2]]
+    shutil.rmtree(b.chip)
+    again = b.pull()
+    assert (again["written"], again["gone"]) == (2, [])
