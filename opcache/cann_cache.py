@@ -608,6 +608,9 @@ class _Entry:
         except _Unread as e:
             self.unchecked = f"its binary {binary} {e}"
             return
+        except OSError as e:  # a folder on its way this user cannot search: CANN's user may
+            self.unchecked = f"its binary {binary} cannot be reached ({e.strerror or e})"
+            return
         if st is not None and stat.S_ISLNK(st.st_mode):
             self.unchecked = f"its binary {binary} is a link: not followed"
             return
