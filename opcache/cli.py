@@ -84,6 +84,10 @@ def _run(argv: Sequence[str]) -> int:
     try:
         if argv[:1] == ["wrap"]:
             return _wrap_main(argv[1:])
+        if argv and masquerade.compiler_kind(argv[0]):
+            # ccache's spelling, `opcache gcc -c k.c`: a build's launcher or
+            # ccache program (CMake's, ops-nn's gen_bisheng) takes opcache as it is.
+            return _wrap_main(["--", *argv])
         from . import commands
 
         args = commands.parse(argv)

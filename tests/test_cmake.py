@@ -7,11 +7,11 @@ build folder and builds it again (every compile a hit, the same bytes), then
 edits one header: ninja rebuilds exactly the files that include it, which it
 knows from the dependency files opcache gave back on the hits.
 
-- ``CMAKE_<LANG>_COMPILER_LAUNCHER`` as CMake needs it spelled: the list
-  ``opcache;wrap;--``, for C, CXX and ASC;
+- ``CMAKE_<LANG>_COMPILER_LAUNCHER``, spelled ``opcache;wrap;--`` (C, ASC) or
+  plain ``opcache``, as ccache is (CXX);
 - the masquerade: ``opcache masquerade`` links first on PATH;
 - a wrapper script in the style of ops-nn's ``gen_bisheng``: a ``bisheng``
-  first on PATH that runs ``opcache wrap -- $BISHENG_REAL_PATH "$@"``.
+  first on PATH that runs ``opcache $BISHENG_REAL_PATH "$@"``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def test_compiler_launchers_for_c_cxx_and_asc(project, tmp_path):
     root, includers, cann = project
     env = base_env(tmp_path, cann)
     launcher = f"{opcache_script()};wrap;--"
-    args = [f"-DCMAKE_{lang}_COMPILER_LAUNCHER={launcher}" for lang in ("C", "CXX", "ASC")]
+    args = [f"-DCMAKE_{lang}_COMPILER_LAUNCHER={launcher}" for lang in ("C", "ASC")]
+    args.append(f"-DCMAKE_CXX_COMPILER_LAUNCHER={opcache_script()}")  # (ccache's spelling)
     args += [f"-DCMAKE_CXX_COMPILER={cann / 'bisheng'}", "-DCMAKE_C_COMPILER=gcc"]
     build_twice_then_edit_a_header(Build(root, env, args), includers)
 
@@ -128,7 +129,8 @@ def test_the_masquerade(project, tmp_path):
 
 def test_a_gen_bisheng_style_wrapper(project, tmp_path):
     """ops-nn's build.sh writes build/gen_bisheng_dir/bisheng running
-    ``<cache> "$BISHENG_REAL_PATH" "$@"`` and puts it first on PATH."""
+    ``<ccache program> "$BISHENG_REAL_PATH" "$@"`` and puts it first on PATH:
+    opcache as that program."""
     root, includers, cann = project
     env = base_env(tmp_path, cann)
     wrapper_dir = tmp_path / "gen_bisheng_dir"
@@ -137,7 +139,7 @@ def test_a_gen_bisheng_style_wrapper(project, tmp_path):
     wrapper.write_text(
         "#!/bin/bash\n"
         f'export BISHENG_REAL_PATH="{cann / "bisheng"}"\n'
-        f'exec "{opcache_script()}" wrap -- "${{BISHENG_REAL_PATH}}" "$@"\n'
+        f'exec "{opcache_script()}" "${{BISHENG_REAL_PATH}}" "$@"\n'
     )
     wrapper.chmod(0o755)
     env["PATH"] = f"{wrapper_dir}:{env['PATH']}"

@@ -206,3 +206,14 @@ def test_masquerade_links_the_device_compilers(kernel, compiler, tmp_path):
     for _ in range(2):
         subprocess.run([compiler, *LINE], cwd=src, env=env, check=True, timeout=120)
     assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
+
+
+def test_ccaches_spelling_opcache_then_the_compiler(kernel):
+    """``opcache bisheng ...`` as ``ccache bisheng ...``: what a launcher or
+    gen_bisheng's ccache program runs."""
+    env, src = kernel
+    for _ in range(2):
+        opcache("bisheng", *LINE, env=env, cwd=src)
+    assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
+    done = opcache("bishop", "-c", "k.cpp", env=env, cwd=src, status=2, text=True)
+    assert "invalid choice: 'bishop'" in done.stderr
