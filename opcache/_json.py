@@ -122,10 +122,18 @@ def loads_nlohmann(raw: bytes) -> object:
         value, end = _raw_decode_deep(text, start)
     else:
         _refuse_surrogates(value)
-    if isinstance(value, (int, float)) and text[end : end + 1] in (".", "e", "E"):
-        # nlohmann reads "1." or "1e" as a broken number; Python's grammar stops before it.
+    if isinstance(value, (int, float)) and number_cut_short(text, start, end):
         raise ValueError("JSON number has no digits after its '.' or exponent")
     return value
+
+
+def number_cut_short(text: str, start: int, end: int) -> bool:
+    """Whether the number ``text[start:end]`` goes on as nlohmann reads it ("1." or "1e",
+    an error there) where Python's grammar stops before the "." or "e"."""
+    number, after = text[start:end].lower(), text[end : end + 1].lower()
+    return (after == "." and "." not in number and "e" not in number) or (
+        after == "e" and "e" not in number
+    )
 
 
 def _refuse_surrogates(value: object) -> None:

@@ -12,7 +12,6 @@ against Python's own parser where both apply.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -119,13 +118,14 @@ def _python(text: str) -> object:
         parse_float=_json._finite_float,
         parse_constant=_json._no_constant,
     )
+    start = len(text) - len(text.lstrip(" \t\n\r"))
     try:
-        value, end = decoder.raw_decode(text, len(text) - len(text.lstrip(" \t\n\r")))
+        value, end = decoder.raw_decode(text, start)
         _json._refuse_surrogates(value)
     except ValueError:
         return ValueError
-    if isinstance(value, (int, float)) and text[end : end + 1] in (".", "e", "E"):
-        return ValueError  # nlohmann reads "1." as a broken number
+    if isinstance(value, (int, float)) and _json.number_cut_short(text, start, end):
+        return ValueError
     return value
 
 
@@ -144,7 +144,7 @@ def test_the_deep_reader_agrees_with_python_s_where_both_apply(value, cut, noise
         got = ValueError
     if got is not ValueError and isinstance(got, (int, float)):
         end = _json._raw_decode_deep(text, start)[1]
-        if text[end : end + 1] in (".", "e", "E"):
+        if _json.number_cut_short(text, start, end):
             got = ValueError
     assert got == _python(text)
 
@@ -168,4 +168,19 @@ def test_a_deep_reader_error_is_a_value_error(cut):
     body = b"[" * 5000 + b"1," + b"]" * (5000 - cut)
     with pytest.raises(ValueError):
         _json.loads_nlohmann(body)
-    assert os.environ is not None
+
+
+@pytest.mark.parametrize(
+    ("body", "value"),
+    [(b"1.", None), (b"1e", None), (b"1.5E", None), (b"1e5.", 1e5), (b"1.5.", 1.5),
+     (b"0.1.2", 0.1), (b" 12x", 12), (b"012", 0), (b"-", None)],
+)  # fmt: skip
+def test_a_top_level_number_ends_where_nlohmann_s_lexer_ends_it(body, value):
+    """nlohmann's ``lexer::scan_number``: after the integer part a "." or an "e" must be
+    followed by digits, else the number is an error; after a fraction an "e" must be;
+    after the exponent the number ends and the rest is never read."""
+    if value is None:
+        with pytest.raises(ValueError):
+            _json.loads_nlohmann(body)
+    else:
+        assert _json.loads_nlohmann(body) == value
