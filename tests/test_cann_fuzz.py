@@ -12,6 +12,7 @@ against Python's own parser where both apply.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -101,11 +102,14 @@ def test_no_ini_or_json_makes_a_cann_command_raise(
     capsys: pytest.CaptureFixture[str], ini: bytes, bodies: list[bytes]
 ) -> None:
     base = _folder(ini, bodies)
-    for argv in (["stats"], ["verify"], ["age", "--dry-run"], ["age"], ["verify", "--fix"]):
-        status = main(["cann", *argv, "--op_compiler_cache_dir", str(base), "--json"])
-        out = capsys.readouterr().out
-        assert status in (0, 1), argv
-        assert SOC in json.loads(out)["chips"]
+    try:
+        for argv in (["stats"], ["verify"], ["age", "--dry-run"], ["age"], ["verify", "--fix"]):
+            status = main(["cann", *argv, "--op_compiler_cache_dir", str(base), "--json"])
+            out = capsys.readouterr().out
+            assert status in (0, 1), argv
+            assert SOC in json.loads(out)["chips"]
+    finally:
+        shutil.rmtree(base)
 
 
 # -- the stand-in for nlohmann's reader against Python's parser --------------------------
