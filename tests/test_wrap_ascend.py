@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fake_opc import base_env
 from helpers_ascend import make_stand_in, real_compiler
-from helpers_wrap import opcache, stats, wrap
+from helpers_wrap import opcache, opcache_script, stats, wrap
 
 COMPILERS = ("bisheng", "ccec")
 KERNEL = """\
@@ -217,3 +217,17 @@ def test_ccaches_spelling_opcache_then_the_compiler(kernel):
     assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
     done = opcache("bishop", "-c", "k.cpp", env=env, cwd=src, status=2, text=True)
     assert "invalid choice: 'bishop'" in done.stderr
+
+
+def test_a_link_named_ccache_is_opcache_in_ccaches_place(kernel, tmp_path):
+    """The ascendc kernel build runs ``$ASCENDC_CCACHE_EXECUTABLE <bisheng> -c ...`` when
+    that variable's value ends in ``ccache`` (CANN's op compile Python): a link named
+    ``ccache`` to opcache takes that place."""
+    env, src = kernel
+    (tmp_path / "cachebin").mkdir()
+    link = tmp_path / "cachebin" / "ccache"
+    link.symlink_to(opcache_script())
+    bisheng = str(Path(env["PATH"].split(":")[0]) / "bisheng")
+    for _ in range(2):
+        subprocess.run([str(link), bisheng, *LINE], cwd=src, env=env, check=True, timeout=120)
+    assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
