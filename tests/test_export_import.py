@@ -256,3 +256,21 @@ def test_an_archive_named_through_a_link_is_read(tmp_path):
     link = tmp_path / "link.tar"
     link.symlink_to(path)
     assert _import(tmp_path, link)["chips"][SOC]["written"] == 4
+
+
+def test_an_imported_archive_serves_as_a_read_only_seed_tier(tmp_path):
+    """ccache #1755's read-only fallback cache: an archive imported into a folder (an
+    image's layer), named as a read-only file:// tier, fills a fresh cache on hits."""
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(2)]
+    with opcache.OpCache(make_settings(tmp_path / "ci", tmp_path)) as cache:
+        for request in requests:
+            cache.compile(request, compiler, tmp_path / "out")
+    archive.export_cache(make_settings(tmp_path / "ci", tmp_path), tmp_path / "seed.tar")
+    archive.import_cache(make_settings(tmp_path / "seed", tmp_path), tmp_path / "seed.tar")
+    seed = f"file://{tmp_path / 'seed' / 'kernel_cache'}?read_only=true"
+    job = make_settings(tmp_path / "job", tmp_path, remote=seed)
+    with opcache.OpCache(job) as cache:
+        results = [cache.compile(r, compiler, tmp_path / "out-job") for r in requests]
+    assert [(r.status, r.tier) for r in results] == [("hit", "remote")] * 2
+    assert compiler.calls() == 2  # only the first cache compiled
