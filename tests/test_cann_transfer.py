@@ -6,6 +6,7 @@ as CANN's graph engine does); A pushes, B pulls.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -529,3 +530,26 @@ def test_an_entry_the_remote_evicted_is_dropped_from_its_index(machines, redis_s
     shutil.rmtree(b.chip)
     again = b.pull()
     assert (again["written"], again["gone"]) == (2, [])
+
+
+def test_a_terminal_shows_the_progress_and_a_pipe_does_not(machines):
+    import pty
+
+    a, b = machines
+    _fill(a, 40, size=1000)
+    a.push()
+    write_ini(b.root)
+    main, side = pty.openpty()
+    env = {**os.environ, **b.env, "OPCACHE_REMOTE": b.url}
+    argv = [sys.executable, "-m", "opcache", "cann", "pull", "--soc_version", SOC]
+    argv += ["--op_compiler_cache_dir", str(b.base)]
+    done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=side, timeout=120)
+    os.close(side)
+    shown = b""
+    with contextlib.suppress(OSError):  # EIO once the terminal's other side is closed
+        while chunk := os.read(main, 4096):
+            shown += chunk
+    os.close(main)
+    assert done.returncode == 0
+    assert b"pulling 100%" in shown
+    assert b"%" not in done.stdout  # the report line, no progress
