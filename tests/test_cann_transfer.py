@@ -553,3 +553,19 @@ def test_a_terminal_shows_the_progress_and_a_pipe_does_not(machines):
     assert done.returncode == 0
     assert b"pulling 100%" in shown
     assert b"%" not in done.stdout  # the report line, no progress
+
+
+def test_exit_status_partial_and_unreachable(machines, redis_server):
+    a, b = machines
+    kernels = _fill(a, 2)
+    a.push()
+    client = redis_server.client()
+    (name,) = [n for n in client.keys("*") if n.decode().endswith(kernels[0])]
+    client.set(name, b"not a value")
+    write_ini(b.root)
+    partial = _cli(b, "pull")
+    assert partial.returncode == 1, partial.stderr
+    assert "1 entry written" in partial.stdout and "corrupt: " + kernels[0] in partial.stdout
+    dead = _cli(b, "pull", "--remote", "redis://127.0.0.1:1/0")
+    assert dead.returncode == 4
+    assert dead.stderr.startswith("opcache: error:") and dead.stderr.count("\n") == 1
