@@ -23,12 +23,6 @@ from opcache._record import Record
 
 PACKAGE = TESTS_DIR.parent / "opcache"
 
-# Circles known when this test was written, each as the loop of modules it
-# goes round (relative to opcache; a package stands for its __init__.py).
-# Remove a line when its circle is broken: its test then passes, and strict
-# xfail turns that into a failure until the line is gone.
-KNOWN_CIRCLES: list[tuple[str, ...]] = []
-
 
 def module_files() -> dict[str, Path]:
     """Module name (relative to opcache, '' for the package) -> its source file."""
@@ -102,10 +96,6 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def edges_of(circle: tuple[str, ...]) -> set[tuple[str, str]]:
-    return {(a, circle[(i + 1) % len(circle)]) for i, a in enumerate(circle)}
-
-
 def show(circle: list[str] | tuple[str, ...]) -> str:
     return " -> ".join(f"opcache.{m}".rstrip(".") for m in [*circle, circle[0]])
 
@@ -120,18 +110,9 @@ def test_the_graph_sees_every_kind_of_import():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c"]
 
 
-def test_no_import_circle_but_the_known_ones():
-    known = set().union(*(edges_of(c) for c in KNOWN_CIRCLES))
-    left = {m: {t for t in to if (m, t) not in known} for m, to in GRAPH.items()}
-    circle = find_circle(left)
+def test_no_import_circle():
+    circle = find_circle(GRAPH)
     assert circle is None, f"import circle: {show(circle)}"
-
-
-@pytest.mark.xfail(strict=True, reason="a known circle, to be broken (issue 19)")
-@pytest.mark.parametrize("circle", KNOWN_CIRCLES, ids=show)
-def test_known_circle_is_broken(circle):
-    missing = edges_of(circle) - {(m, t) for m, to in GRAPH.items() for t in to}
-    assert missing, f"still a circle: {show(circle)}"
 
 
 def records() -> list[type[Record]]:
