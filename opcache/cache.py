@@ -133,6 +133,11 @@ class OpCache:
     it, the others use what the first stored.  ``opcache wrap``, which runs
     once per compile command, names ``BUILD_SESSION``: a build is then a run
     of force compiles with no pause longer than ``BUILD_GAP_SECONDS``.
+
+    A remote tier, if set, is opened here (its client library imported, its
+    client made), so that no compile waits for that; ``open_remote=False``
+    leaves it to the first local miss, for a process that most likely ends on
+    a local hit (``opcache wrap``).
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class OpCache:
         lock_timeout: float = LOCK_TIMEOUT_SECONDS,
         stats_seconds: float | None = stats.FLUSH_SECONDS,
         session: str | None = None,
+        open_remote: bool = True,
     ) -> None:
         self.settings = settings
         self._clock = clock
@@ -166,6 +172,8 @@ class OpCache:
             lock_timeout=lock_timeout,
             clock=clock,
         )
+        if open_remote and self._flow.remote is not None:
+            self._flow.remote.open()
 
     # -- compiling -----------------------------------------------------------
 

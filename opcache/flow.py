@@ -309,7 +309,7 @@ class KeyFlow:
                 # another.  (Its holder died instead: one compile, the lock kept.)
                 lock.release()
             files, note, stored, artifacts = self._compile_and_keep(
-                request, compiler, key, inputs, out
+                request, compiler, key, inputs, out, claim
             )
         finally:
             if claim is not None:
@@ -348,9 +348,16 @@ class KeyFlow:
         return CompileResult(status, key, files, time.perf_counter() - started, reason)
 
     def _compile_and_keep(
-        self, request: OpRequest, compiler: Compiler, key: str, inputs: dict, out: Path
+        self,
+        request: OpRequest,
+        compiler: Compiler,
+        key: str,
+        inputs: dict,
+        out: Path,
+        claim: Claim | None,
     ) -> tuple[dict[str, Path], str | None, int | None, dict[str, bytes]]:
-        """(files in ``out``, why not stored, bytes stored, the files' bytes).
+        """(files in ``out``, why not stored, bytes stored, the files' bytes); the
+        remote's ``claim`` let go as stored once the remote has the entry.
 
         The compiler works beside ``out_dir``, never in the cache: a full or
         broken cache disk can fail the store, not the compile.
@@ -373,7 +380,7 @@ class KeyFlow:
         self._explain_miss(request, key, inputs, getattr(compiler, "explain_names", None))
         manifest = make_manifest(key, artifacts, seconds, inputs, self._clock())
         if self.remote is not None:
-            self.remote.store(soc, key, manifest, artifacts)
+            self.remote.store(soc, key, manifest, artifacts, claim)
         try:
             size = self.keep(soc, key, manifest, artifacts)
         except OSError:

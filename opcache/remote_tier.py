@@ -55,10 +55,12 @@ FIRST_PAUSE = 10.0
 LAST_PAUSE = 300.0
 _PAUSE_NOTE = "remote-pause-"  # + a digest of the URL
 _NOTE_FRESH_SECONDS = 1.0
+_LOOKED_KEPT = 10_000  # look times remembered before the stale ones are dropped
 
 
 class RemoteTier:
-    """One remote, for one OpCache: connected on first use, paused after failures.
+    """One remote, for one OpCache: opened by ``open`` or on first use, paused after
+    failures.
 
     ``keep`` stores a remote's entry in the cache folder (a failure there only
     reported); ``clock`` stamps the hits; ``lock_timeout`` bounds a wait for
@@ -93,6 +95,13 @@ class RemoteTier:
         url = settings.shown_url  # (the password masked: never in a file name or a count)
         self._pause_note = _PAUSE_NOTE + hashlib.sha256(url.encode()).hexdigest()[:16]
         self._corrupt: set[tuple[str, str]] = set()  # keys whose bad value was counted
+        # When keys were last found missing, by (chip, key) (time.monotonic()).
+        self._looked: dict[tuple[str, str], float] = {}
+
+    def open(self) -> None:
+        """Import the remote's client library and make its client now, rather than
+        in the first local miss (a failure pauses the remote, as any other)."""
+        self._usable()
 
     # -- the order of the steps --------------------------------------------------------
 
@@ -144,7 +153,13 @@ class RemoteTier:
             if claim is None or not claim.owned:
                 return None, claim
             # Claimed: but its last holder may have stored it and let go just
-            # before, so one more look, as after taking the local lock.
+            # before, so one more look, as after taking the local lock; unless
+            # the last look was so recent that such a holder's claim, marked
+            # stored, would still have refused ours.
+            looked = self._looked.pop((soc, key), None)
+            recent = looked is not None and time.monotonic() - looked < CLAIM_SECONDS / 2
+            if claim.marks_stored and recent:
+                return None, claim
             got = self.fetch(soc, key, again=True)
             if got is None:
                 return None, claim
@@ -199,6 +214,7 @@ class RemoteTier:
         remote = self._usable()
         if remote is None or not keys:
             return {}
+        asked = time.monotonic()
         try:
             got = remote.get_many(soc, keys)
         except Exception as e:  # (any: see the module's docstring)
@@ -206,6 +222,7 @@ class RemoteTier:
             return {}
         self._recovered()
         sound = self._sound(soc, got)
+        self._note_looked(soc, keys, sound, asked)
         if not again:
             self._stats.add(soc, "remote_misses", len(keys) - len(sound))
         return sound
@@ -239,13 +256,28 @@ class RemoteTier:
         remote = self._usable()
         if remote is None:
             return {}, set()
+        asked = time.monotonic()
         try:
             got, claimed = remote.watch(soc, keys)
         except Exception as e:
             self._failed(e, soc)
             return {}, set()
         self._recovered()
-        return self._sound(soc, got), claimed
+        sound = self._sound(soc, got)
+        self._note_looked(soc, keys, sound, asked)
+        return sound, claimed
+
+    def _note_looked(self, soc: str, keys: list[str], found: dict, asked: float) -> None:
+        """Remember when the keys not ``found`` were looked for (``asked``, before the
+        question left), for ``step``."""
+        looked = self._looked
+        if len(looked) > _LOOKED_KEPT:  # (keys settled otherwise, a local compile's)
+            old = asked - CLAIM_SECONDS
+            for name in [name for name, when in looked.items() if when < old]:
+                looked.pop(name, None)
+        for key in keys:
+            if key not in found:
+                looked[(soc, key)] = asked
 
     def claim(self, soc: str, key: str) -> Claim | None:
         """The key for this process's compile (``owned`` False: compile unclaimed),
@@ -261,8 +293,11 @@ class RemoteTier:
         self._recovered()
         return claim
 
-    def store(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> None:
-        """Send a compile's entry to the remote (not when read-only or too big)."""
+    def store(
+        self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], claim: Claim | None
+    ) -> None:
+        """Send a compile's entry to the remote (not when read-only or too big); once
+        sent, let its ``claim`` go as stored (``Claim.stored``)."""
         remote = self._usable()
         if remote is None or remote.read_only:
             return
@@ -272,7 +307,8 @@ class RemoteTier:
             self._failed(e, soc)
             return
         self._recovered()
-        if sent:
+        if sent and claim is not None:
+            claim.stored()
             self._corrupt.discard((soc, key))  # replaced: a bad value there now is a new one
             self._stats.add(soc, "remote_stores")
             self._stats.add(soc, "remote_bytes_up", sent)

@@ -424,9 +424,12 @@ class _Batch:
                     again.append(job)
                     continue
                 try:
+                    # Kept before the local lock goes: this machine's other
+                    # processes waiting on it find the entry, not a claim to try.
+                    entry = remote.backfill(soc, key, *found[key])
                     if job.held is not None:
                         job.held.release()
-                    self._hits(job, remote.backfill(soc, key, *found[key]), started, "remote")
+                    self._hits(job, entry, started, "remote")
                 except Exception as e:  # one operator's failure does not stop the others
                     self._fail(job, e)
                 settled += 1

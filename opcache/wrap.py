@@ -291,7 +291,11 @@ def _run_planned(
     # One wrap per compile command: force clears once per build, not per command.
     session = settings.session or BUILD_SESSION
     failed = None
-    with _cache_warnings(settings), OpCache(settings, stats_seconds=None, session=session) as cache:
+    # The remote is opened at the first local miss: a hit must not import its client.
+    with (
+        _cache_warnings(settings),
+        OpCache(settings, stats_seconds=None, session=session, open_remote=False) as cache,
+    ):
         try:
             if plan.trace is not None:
                 result = plan.trace.compile(cache, compiler, staging)

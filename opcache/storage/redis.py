@@ -23,7 +23,12 @@ refuses turns the client read-only, with one warning.
 
 Claims are ``SET NX PX`` with a random token; a thread renews the claims this
 process holds, and releasing deletes a claim only if it is still ours.  A
-claim whose holder died expires within its ``seconds``.
+claim whose holder died expires within its ``seconds``.  A claim whose entry
+was stored is not deleted but overwritten, after the entry, with ``stored``
+for its ``seconds``: a client that looked before the store and claims the
+key after it is refused, and fetches the entry instead of compiling it again
+(so a client that looked less than that ago need not look again after
+winning a claim: ``Claim.marks_stored``).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ _CHECK = 16  # bytes of XXH3-128
 _COMPRESS_FROM = 1024
 _MGET_KEYS = 64  # keys per MGET: a batch of big kernels stays a bounded answer
 CLAIM_SUFFIX = ":claim"
+_STORED = b"stored"  # a claim's value once its entry is stored
 
 # Renew a claim, or delete it, only while it holds our token.
 _RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -327,11 +333,16 @@ class RedisRemote(Remote):
                 except Exception as e:  # it expires, and another client compiles it too
                     log.debug("cannot renew the claim %s: %s", claim.name, e)
 
-    def _drop(self, claim: _Claim) -> None:
+    def _drop(self, claim: _Claim, *, stored: bool) -> None:
         with self._claims_lock:
             self._claims.pop(claim.token, None)
         try:
-            self._release(keys=[claim.name], args=[claim.token])
+            if stored:
+                # Whoever holds the name now (us, or another client after ours
+                # expired), the entry is there to fetch.
+                self._redis.set(claim.name, _STORED, px=claim.millis)
+            else:
+                self._release(keys=[claim.name], args=[claim.token])
         except Exception as e:  # it expires by itself
             log.debug("cannot release the claim %s: %s", claim.name, e)
 
@@ -388,6 +399,8 @@ class RedisRemote(Remote):
 class _Claim(Claim):
     """A claim on a key; ``owned`` False for one a read-only client goes on without."""
 
+    marks_stored = True
+
     def __init__(self, remote: RedisRemote, name: str, token: str, millis: int, *, owned: bool):
         self._remote = remote
         self.name = name
@@ -399,7 +412,12 @@ class _Claim(Claim):
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._remote._drop(self)
+            self._remote._drop(self, stored=False)
+
+    def stored(self) -> None:
+        if not self._released:
+            self._released = True
+            self._remote._drop(self, stored=True)
 
 
 def _glob_escape(text: str) -> str:

@@ -46,9 +46,18 @@ class Claim:
     """
 
     owned = False
+    # Whether ``stored`` leaves the key refused to other claims for the claim's
+    # seconds: then a client that looked at it less than that ago and wins a
+    # claim need not look again (the entry cannot have come meanwhile).
+    marks_stored = False
 
     def release(self) -> None:
         """Let the key go; a second call does nothing."""
+
+    def stored(self) -> None:
+        """Let the key go, its entry stored in the remote: a kind that can, tells a
+        client claiming it now to fetch it rather than compile it again."""
+        self.release()
 
 
 UNCLAIMED = Claim()

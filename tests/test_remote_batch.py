@@ -1,0 +1,132 @@
+"""The remote tier's cost in a cold cluster and for batches of remote hits (issue 22).
+
+With a real redis-server: the remote is opened with the cache (not inside the
+first compile) but never by a wrap hit; machines that start cold together
+compile each key once with few Redis commands, and never win a claim on a key
+another machine had stored already.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from fake_opc import base_env
+from helpers_cache import (
+    TESTS_DIR,
+    ToyCompiler,
+    entry_dirs,
+    expected_files,
+    make_request,
+    make_settings,
+    read_dir,
+)
+from helpers_wrap import GCC, wrap, write_project
+
+import opcache
+from opcache import remote_tier
+
+# Commands whose count does not depend on the work: polls (as often as time
+# passes while another machine compiles) and connecting.
+_NOT_PER_KEY = {"mget", "hello", "client", "ping"}
+
+
+def machine(tmp_path: Path, name: str, url: str) -> opcache.Settings:
+    return make_settings(tmp_path / name, tmp_path, remote={"url": url})
+
+
+def test_the_remote_is_opened_with_the_cache_so_no_compile_waits_for_it(
+    tmp_path: Path, redis_url: str
+) -> None:
+    code = (
+        "import sys, opcache\n"
+        "from helpers_cache import make_settings\n"
+        "s = make_settings(sys.argv[1], sys.argv[1], remote={'url': sys.argv[2]})\n"
+        "with opcache.OpCache(s):\n"
+        "    print('redis' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), redis_url],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": f"{TESTS_DIR}:{TESTS_DIR.parent}", "HOME": str(tmp_path)},
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
+
+
+@pytest.mark.skipif(GCC is None, reason="no gcc")
+def test_a_wrap_hit_with_a_remote_set_does_not_load_its_client(
+    tmp_path: Path, redis_url: str
+) -> None:
+    env = {**base_env(tmp_path), "OPCACHE_REMOTE": redis_url}
+    src = write_project(tmp_path / "src")
+    cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
+    wrap(*cmd, env=env, cwd=src)  # a miss: stored locally and in the remote
+    code = (
+        "import sys\nfrom opcache.cli import main\n"
+        f"status = main(['wrap', '--', *{cmd!r}])\n"
+        "print(status, 'redis' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=src, capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["0", "False"], done.stderr
+
+
+def test_a_cold_cluster_compiles_each_key_once_with_few_redis_commands(
+    tmp_path: Path, redis_url: str, redis_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two machines of two ranks each: every key is claimed at most once per machine,
+    stored once with its claim marked stored, and no claim is won on a stored key
+    (one would be released: a script call) or followed by a look of its own."""
+    monkeypatch.setattr(remote_tier, "CLAIM_SECONDS", 600.0)  # no renewals meanwhile
+    ops, machines, ranks = 30, 2, 2
+    compiler = ToyCompiler(tmp_path / "calls", sleep=0.02)
+    requests = [make_request(i) for i in range(ops)]
+    client = redis_server.client()
+    client.config_resetstat()
+    caches = [
+        opcache.OpCache(machine(tmp_path, f"m{m}", redis_url))
+        for m in range(machines)
+        for _ in range(ranks)
+    ]
+    errors: list[BaseException] = []
+
+    def rank(n: int) -> None:
+        try:
+            results = caches[n].compile_many(
+                requests, compiler, lambda r: tmp_path / "out" / str(n) / r.op_name
+            )
+            assert all(r.status in ("hit", "miss") for r in results), results
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(n,)) for n in range(len(caches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive()
+    for cache in caches:
+        cache.close()
+    assert not errors, errors
+    assert compiler.calls() == ops  # once in the whole cluster
+    for n in range(len(caches)):
+        for request in requests:
+            assert read_dir(tmp_path / "out" / str(n) / request.op_name) == expected_files(request)
+    for m in range(machines):
+        assert len(entry_dirs(tmp_path / f"m{m}" / "kernel_cache")) == ops
+    calls = {
+        name.removeprefix("cmdstat_"): int(values["calls"])
+        for name, values in client.info("commandstats").items()
+    }
+    for own in ("info", "config"):  # (this test's)
+        calls.pop(own, None)
+    assert "evalsha" not in calls and "get" not in calls, calls
+    per_key = sum(n for name, n in calls.items() if name not in _NOT_PER_KEY)
+    assert per_key <= ops * (machines + 2), calls  # a claim per machine; an entry, its mark
