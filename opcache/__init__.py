@@ -67,7 +67,7 @@ _EXPORTS = {
     "get_compiler": "compilers",
     "CompileError": "errors",
     "ConfigError": "errors",
-    "settings_from_options": "frontends",
+    "settings_from_options": "framework_options",
     "ensure_ini_file": "ini",
     "explain_key": "key",
     "Compiler": "compilers.protocol",
@@ -103,7 +103,7 @@ if TYPE_CHECKING:
     from .compilers import get_compiler
     from .compilers.protocol import Compiler
     from .errors import CompileError, ConfigError
-    from .frontends import settings_from_options
+    from .framework_options import settings_from_options
     from .ini import ensure_ini_file
     from .key import explain_key
     from .request import CompileResult, OpRequest

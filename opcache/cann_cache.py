@@ -38,12 +38,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from . import _json, fsutil, ini, trust
+from . import _json, fsutil, ini, locks, trust
 from ._log import get_logger
 from ._record import Record
 from .request import is_plain_name
 from .settings import AGE_SECONDS, INI_NAME, KERNEL_CACHE, MB, Settings, size_limits
-from .storage.local import pid_alive
 
 log = get_logger(__name__)
 
@@ -878,7 +877,7 @@ def _stale_temp(name: str, st: os.stat_result, now: float) -> str | None:
     """Why a ``.temp`` file is left over, or None while its writer may still finish it."""
     idle = now - st.st_mtime
     match = _TEMP.fullmatch(name)
-    if match and idle >= TEMP_GRACE_SECONDS and not pid_alive(int(match["pid"])):
+    if match and idle >= TEMP_GRACE_SECONDS and not locks.pid_alive(int(match["pid"])):
         return f"its writer (pid {match['pid']}) is not running"
     if idle >= TEMP_MAX_AGE_SECONDS:
         return f"untouched for {int(idle // 60)} minutes"

@@ -433,7 +433,7 @@ def _cmd_compilers(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     import threading
 
-    from .batch import Outcome, compile_specs
+    from .specs import Outcome, compile_specs
 
     if args.compiler == "command" and not args.template:
         raise UsageError(

@@ -232,3 +232,16 @@ def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = 
         with contextlib.suppress(OSError):
             os.fchmod(fd, modes.file_bits)  # the umask narrowed what we made
     return fd
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine with this id runs (someone else's counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True

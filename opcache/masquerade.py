@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from .compilers._tool import which
+from .compilers.toolchain import which
 
 MARKER = "OPCACHE_RAN"
 OPC_NAMES = ("opc", "asc_opc")  # asc_opc: the current CANN's name, called as opc is

@@ -29,7 +29,7 @@ import re
 import stat
 
 from ._log import get_logger
-from .compilers._tool import read_input, which
+from .compilers.toolchain import read_input, which
 from .key import digest
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up

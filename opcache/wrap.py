@@ -51,7 +51,7 @@ from pathlib import Path
 from . import _json, _log, fsutil
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
-from .compilers._tool import file_identity, read_input, which
+from .compilers.toolchain import file_identity, read_input, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, compute_key, digest
 from .masquerade import ASCEND_CC_NAMES, compiler_environ, compiler_kind, find_compiler, reentered

@@ -609,20 +609,20 @@ def test_a_remembered_compiler_digest_never_outlives_a_rewrite(
 ) -> None:
     """The digest is kept in the cache by ctime among others: a same-size rewrite
     with its mtime put back still changes the identity, so no stale kernel."""
-    from opcache.compilers import _tool
+    from opcache.compilers import toolchain
     from opcache.storage.local import LocalStore
 
-    monkeypatch.setattr(_tool, "_TOO_NEW_SECONDS", -1e9)  # remember even a new file
-    monkeypatch.setattr(_tool, "_identities", {})
+    monkeypatch.setattr(toolchain, "_TOO_NEW_SECONDS", -1e9)  # remember even a new file
+    monkeypatch.setattr(toolchain, "_identities", {})
     store = LocalStore(tmp_path / "cache")
     tool = tmp_path / "mycc"
     tool.write_bytes(b"version 1")
-    first = _tool.file_identity(tool, store)
+    first = toolchain.file_identity(tool, store)
     assert len(os.listdir(tmp_path / "cache" / ".opcache" / "tools")) == 1
-    _tool._identities.clear()  # a new process
-    assert _tool.file_identity(tool, store) == first  # from the note
+    toolchain._identities.clear()  # a new process
+    assert toolchain.file_identity(tool, store) == first  # from the note
     before = tool.stat()
     tool.write_bytes(b"version 2")
     os.utime(tool, ns=(before.st_atime_ns, before.st_mtime_ns))
-    _tool._identities.clear()
-    assert _tool.file_identity(tool, store) != first
+    toolchain._identities.clear()
+    assert toolchain.file_identity(tool, store) != first

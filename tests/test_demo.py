@@ -115,7 +115,7 @@ def test_demo_requests_are_distinct_kernels():
     assert len(requests) == 12
     assert len({r.op_type for r in requests}) >= 3
     assert len({r.op_name for r in requests}) == 12
-    from opcache.compilers._tool import kernel_name
+    from opcache.compilers.toolchain import kernel_name
 
     assert len({kernel_name(r) for r in requests}) == 12
 

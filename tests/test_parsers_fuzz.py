@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opcache import ConfigError
-from opcache.batch import load_specs
 from opcache.cann_cache import _read_json as cann_read_json
 from opcache.counters import CounterFiles
 from opcache.debug import read_debug_config
@@ -33,6 +32,7 @@ from opcache.ini import read_size_limits
 from opcache.key import digest
 from opcache.readset import Memo
 from opcache.request import OpRequest
+from opcache.specs import load_specs
 from opcache.storage.entry import CorruptEntry, make_manifest, parse_manifest
 from opcache.storage.local import LocalStore
 from opcache.wrap import HeaderMemo, Plan, Uncacheable, _opc_names, _plan_opc

@@ -51,7 +51,7 @@ class TestCompiler:
         return "torture-1"
 
     def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
-        from opcache.compilers._tool import kernel_name
+        from opcache.compilers.toolchain import kernel_name
 
         kernel = kernel_name(request)
         seed = int(digest(kernel.encode())[:8], 16)

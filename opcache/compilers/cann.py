@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import CompileError, ConfigError
 from ..key import digest
 from ..request import OpRequest
-from ._tool import file_identity, kernel_name, read_input, run_tool, which
+from .toolchain import file_identity, kernel_name, read_input, run_tool, which
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import CompileError, ConfigError
 from ..key import digest
 from ..request import OpRequest
-from ._tool import file_identity, kernel_name, run_tool, which
+from .toolchain import file_identity, kernel_name, run_tool, which
 
 C_SOURCES = (".c", ".cc", ".cpp", ".cxx", ".C", ".s", ".S")
 CANDIDATES = ("cc", "gcc", "clang")

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..key import digest
 from ..request import OpRequest
-from ._tool import file_identity, kernel_name, run_tool, which
+from .toolchain import file_identity, kernel_name, run_tool, which
 
 FIELDS = ("source", "sources", "workdir", "soc_version", "kernel_name", "op_type", "param")
 

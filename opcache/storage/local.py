@@ -1009,21 +1009,8 @@ def _abandoned(folder_fd: int, name: str, now: float, foreign: bool = False) -> 
     parts = name.rsplit(".", 3)
     if len(parts) == 4 and parts[1] == _HOST and _is_pid(parts[2]):
         # This host: the lock is reliable; a minute covers mkdir-to-flock.
-        return not pid_alive(int(parts[2])) or age > STALE_LOCAL_SECONDS
+        return not locks.pid_alive(int(parts[2])) or age > STALE_LOCAL_SECONDS
     return age > TMP_GRACE_SECONDS
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this machine with this id runs (someone else's counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_stale_temps(folder_fd: int, now: float) -> int:

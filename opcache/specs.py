@@ -22,7 +22,7 @@ from typing import Any
 
 from .cache import OpCache
 from .compilers import get_compiler
-from .compilers._tool import kernel_name, read_input
+from .compilers.toolchain import kernel_name, read_input
 from .errors import ConfigError
 from .request import CompileResult, OpRequest
 from .settings import Settings
