@@ -172,6 +172,8 @@ def serve(socket_path: str, idle: float) -> int:
                 data = os.read(taken, 4096)
                 spares -= {pid for (pid,) in struct.iter_unpack("=i", data)}
                 last = time.monotonic()
+                if _opcache_files() != files:
+                    break  # an upgrade: a new server has to load it (that call falls back)
             spares -= _reaped()  # (one that died without a call is replaced)
     finally:
         for pid in spares:
@@ -299,8 +301,7 @@ def _answer(conn: socket.socket, files: dict) -> bytes:
         fields = data.split(b"\0")
         if fields[0] != PROTOCOL or fields[-1] != b"":
             return b"N"
-        if _opcache_files() != files:  # an upgrade: this server's modules are old
-            os.kill(os.getppid(), signal.SIGTERM)
+        if _opcache_files() != files:  # an upgrade: the server's modules are old (it ends too)
             return b"N"
         umask, cwd, argc = int(fields[1], 8), fields[2], int(fields[3])
         argv, env = fields[4 : 4 + argc], fields[4 + argc : -1]

@@ -107,7 +107,10 @@ static int open_folder(char *path, size_t size) {
     const char *base = getenv("XDG_RUNTIME_DIR");
     if (base == NULL || base[0] != '/') base = "/tmp";
     int n = snprintf(path, size, "%s/opcache-%u", base, (unsigned)getuid());
-    if (n < 0 || (size_t)n >= size) return -1;
+    if (n < 0 || (size_t)n + sizeof OPCACHE_TAG + 8 >= size) {
+        path[0] = '\0';  /* (too long to name a socket in: no server) */
+        return -1;
+    }
     int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0 || st.st_uid != getuid() || (st.st_mode & 077) != 0) {
@@ -146,7 +149,8 @@ static int connect_server(int *start, char *folder, size_t size) {
     int dir = open_folder(folder, size);
     if (dir < 0) {
         struct stat st;
-        *start = lstat(folder, &st) != 0 && errno == ENOENT;  /* else: not ours, leave it */
+        /* Missing: a server makes it.  There but not ours: left alone, no server. */
+        *start = folder[0] != '\0' && lstat(folder, &st) != 0 && errno == ENOENT;
         return -1;
     }
     char name[sizeof OPCACHE_TAG + 8];
