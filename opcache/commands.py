@@ -763,7 +763,10 @@ def _cann_verify_lines(report: dict, args: argparse.Namespace) -> list[str]:
             f"{soc}: {_count(c['entries'], 'entry', 'entries')}, {c['checked']} checked by "
             f"sha256, {_count(len(c['faults']), 'fault')}"
             + (f", {c['removed']} removed" if args.fix else "")
+            + (f", {len(c['unchecked'])} not checked (kept)" if c["unchecked"] else "")
         )
+        # Entries opcache cannot judge without following a link: named, never removed.
+        lines += [f"  not checked: {u['name']}: {u['why']}" for u in c["unchecked"]]
         for fault in c["faults"]:
             state = ""
             if args.fix:

@@ -362,6 +362,9 @@ def test_a_bin_name_leading_elsewhere_is_never_deleted(base, capsys):
     set_access(stray + backslash, cache.now - 5 * HOUR)
     report = cann_json(capsys, base, "verify", "--fix")[1]["chips"][SOC]
     assert [u["name"] for u in report["unchecked"]] == [kernel_name("Add", "stray")]
+    text = cann(capsys, base, "verify")[1]  # and a reader of the text is told, too
+    assert "1 not checked (kept)" in text
+    assert f"not checked: {kernel_name('Add', 'stray')}: " in text
     cache.age_all()
     cann(capsys, base, "age")
     assert victim.exists() and (cache.chip / "a\\b.o").exists()
