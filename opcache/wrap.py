@@ -54,6 +54,14 @@ from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers.toolchain import file_identity, read_input, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, compute_key, digest
+from .keyed_env import (
+    CC_KEY_ENVIRONMENT,
+    CC_SIDE_OUTPUT_ENVIRONMENT,
+    ENV_EXTRA_FILES,
+    ENV_KEY_ENV,
+    OPC_KEY_ENVIRONMENT,
+    OPC_READS_ENVIRONMENT,
+)
 from .masquerade import ASCEND_CC_NAMES, compiler_environ, compiler_kind, find_compiler, reentered
 from .request import CompileResult, OpRequest
 from .settings import Settings
@@ -605,28 +613,6 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
         trace=trace,
     )
     return plan
-
-
-# Variables the operator scripts and the tools they run read (CANN's generated
-# op .py, asc-devkit's build scripts): where sources, tiling libraries and the
-# device compiler are found.  PATH and PYTHONPATH decide which programs and
-# modules a lookup finds, so the read set's lookups hold only under the same ones.
-OPC_KEY_ENVIRONMENT = (
-    "BUILD_KERNEL_SRC", "ASCEND_CUSTOM_OPP_PATH", "ASCEND_OPP_PATH", "ASCEND_HOME_PATH",
-    "ASCEND_TOOLKIT_HOME", "ASCEND_AICPU_PATH", "BISHENG_REAL_PATH", "TILINGKEY_PAR_COMPILE",
-    "ASCENDC_SPK_SUB_ID", "BUILD_BUILTIN_OPP", "PATH", "PYTHONPATH", "PYTHONHOME",
-    "LD_LIBRARY_PATH", "LD_PRELOAD",
-)  # fmt: skip
-# Variables that move where Python looks for modules (the user site-packages).
-# Not in the key: the read set holds what was found there.  They pick which
-# remembered read sets are tried, as the working folder does.
-OPC_READS_ENVIRONMENT = (
-    "HOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONSAFEPATH", "PYTHONPLATLIBDIR",
-)  # fmt: skip
-# Paths or globs (os.pathsep between) whose contents join an opc key, and
-# variable names (spaces, commas or colons between) whose values join it.
-ENV_EXTRA_FILES = "OPCACHE_EXTRA_FILES"
-ENV_KEY_ENV = "OPCACHE_KEY_ENV"
 
 
 def _extra_files(env: Mapping[str, str]) -> list[list[object]] | None:
@@ -1442,41 +1428,6 @@ class _Found:
         self.searched = searched
 
 
-# Environment variables that change what a C compile gives: its object, its
-# dependency file or its messages (docs/wrap.md, "The environment of a C compile").
-CC_KEY_ENVIRONMENT = (
-    "CPATH",
-    "C_INCLUDE_PATH",
-    "CPLUS_INCLUDE_PATH",
-    "OBJC_INCLUDE_PATH",
-    "OBJCPLUS_INCLUDE_PATH",
-    "GCC_EXEC_PREFIX",
-    "COMPILER_PATH",
-    "GCC_COMPARE_DEBUG",
-    "CCC_OVERRIDE_OPTIONS",
-    "QA_OVERRIDE_GCC3_OPTIONS",
-    "SDKROOT",
-    "MACOSX_DEPLOYMENT_TARGET",
-    "LANG",
-    "LANGUAGE",
-    "LC_ALL",
-    "LC_CTYPE",
-    "LC_MESSAGES",
-    "GCC_COLORS",
-    "GCC_URLS",
-    "TERM_URLS",
-    "COLUMNS",
-    "GCC_EXTRA_DIAGNOSTIC_OUTPUT",
-)
-# Variables that make the compiler write a file opcache does not capture.
-CC_SIDE_OUTPUT_ENVIRONMENT = (
-    "DEPENDENCIES_OUTPUT",
-    "SUNPRO_DEPENDENCIES",
-    "CC_PRINT_OPTIONS",
-    "CC_PRINT_HEADERS",
-    "CC_LOG_DIAGNOSTICS",
-    "CC_PRINT_PROC_STAT",
-)
 # Macros whose expansion is not in the files' contents: the time, a file's
 # time, a file's path.  Found as text (a name pasted together by ## is not).
 _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", "__FILE__", "__FILE_NAME__")

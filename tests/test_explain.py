@@ -29,7 +29,7 @@ from test_wrap_opc_reads import edit
 from test_wrap_opc_reads import project as opc_project
 
 from opcache import OpCache
-from opcache.wrap import CC_KEY_ENVIRONMENT, OPC_KEY_ENVIRONMENT
+from opcache.keyed_env import CC_KEY_ENVIRONMENT, OPC_KEY_ENVIRONMENT
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
 

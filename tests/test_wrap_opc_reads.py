@@ -22,7 +22,7 @@ import pytest
 from fake_opc import SOC, base_env, write_tool
 from helpers_wrap import GCC, opcache, opcache_script, stats, wrap
 
-from opcache.wrap import OPC_KEY_ENVIRONMENT
+from opcache.keyed_env import OPC_KEY_ENVIRONMENT
 
 needs_strace = pytest.mark.skipif(
     shutil.which("strace") is None, reason="strace is needed to trace opc (CI installs it)"

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import CompileError, ConfigError
 from ..key import digest
+from ..keyed_env import CC_KEY_ENVIRONMENT, CC_SIDE_OUTPUT_ENVIRONMENT
 from ..request import OpRequest
 from .toolchain import file_identity, kernel_name, run_tool, which
 
@@ -92,8 +93,6 @@ class CcCompiler:
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            from ..wrap import CC_KEY_ENVIRONMENT  # (wrap does not import this module)
-
             version = subprocess.run(
                 [*self.argv, "--version"], capture_output=True, check=False, env=self._environ
             ).stdout
@@ -144,8 +143,6 @@ class CcCompiler:
         (workdir / f"{kernel}.json").write_text(json.dumps(description, indent=2, sort_keys=True))
 
     def _compile_environ(self, epoch: str) -> dict[str, str]:
-        from ..wrap import CC_SIDE_OUTPUT_ENVIRONMENT
-
         # A dependency file the environment asks for would be written by a miss only.
         env = {k: v for k, v in self._environ.items() if k not in CC_SIDE_OUTPUT_ENVIRONMENT}
         return {**env, "SOURCE_DATE_EPOCH": epoch}

@@ -1,0 +1,64 @@
+"""The environment variables that join a tool's key, or change how it is run.
+
+Data only, no imports: ``wrap.py`` (the keys of ``opcache wrap``'s plans)
+and ``compilers/cc.py`` (the C compiler's fingerprint and the environment it
+runs in) share these lists.  A wrap hit imports it with ``wrap.py``: it
+must stay data, costing a hit nothing but its tuples.
+"""
+
+# Variables the operator scripts and the tools they run read (CANN's generated
+# op .py, asc-devkit's build scripts): where sources, tiling libraries and the
+# device compiler are found.  PATH and PYTHONPATH decide which programs and
+# modules a lookup finds, so the read set's lookups hold only under the same ones.
+OPC_KEY_ENVIRONMENT = (
+    "BUILD_KERNEL_SRC", "ASCEND_CUSTOM_OPP_PATH", "ASCEND_OPP_PATH", "ASCEND_HOME_PATH",
+    "ASCEND_TOOLKIT_HOME", "ASCEND_AICPU_PATH", "BISHENG_REAL_PATH", "TILINGKEY_PAR_COMPILE",
+    "ASCENDC_SPK_SUB_ID", "BUILD_BUILTIN_OPP", "PATH", "PYTHONPATH", "PYTHONHOME",
+    "LD_LIBRARY_PATH", "LD_PRELOAD",
+)  # fmt: skip
+# Variables that move where Python looks for modules (the user site-packages).
+# Not in the key: the read set holds what was found there.  They pick which
+# remembered read sets are tried, as the working folder does.
+OPC_READS_ENVIRONMENT = (
+    "HOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONSAFEPATH", "PYTHONPLATLIBDIR",
+)  # fmt: skip
+# Paths or globs (os.pathsep between) whose contents join an opc key, and
+# variable names (spaces, commas or colons between) whose values join it.
+ENV_EXTRA_FILES = "OPCACHE_EXTRA_FILES"
+ENV_KEY_ENV = "OPCACHE_KEY_ENV"
+
+# Environment variables that change what a C compile gives: its object, its
+# dependency file or its messages (docs/wrap.md, "The environment of a C compile").
+CC_KEY_ENVIRONMENT = (
+    "CPATH",
+    "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH",
+    "OBJC_INCLUDE_PATH",
+    "OBJCPLUS_INCLUDE_PATH",
+    "GCC_EXEC_PREFIX",
+    "COMPILER_PATH",
+    "GCC_COMPARE_DEBUG",
+    "CCC_OVERRIDE_OPTIONS",
+    "QA_OVERRIDE_GCC3_OPTIONS",
+    "SDKROOT",
+    "MACOSX_DEPLOYMENT_TARGET",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "GCC_COLORS",
+    "GCC_URLS",
+    "TERM_URLS",
+    "COLUMNS",
+    "GCC_EXTRA_DIAGNOSTIC_OUTPUT",
+)
+# Variables that make the compiler write a file opcache does not capture.
+CC_SIDE_OUTPUT_ENVIRONMENT = (
+    "DEPENDENCIES_OUTPUT",
+    "SUNPRO_DEPENDENCIES",
+    "CC_PRINT_OPTIONS",
+    "CC_PRINT_HEADERS",
+    "CC_LOG_DIAGNOSTICS",
+    "CC_PRINT_PROC_STAT",
+)
