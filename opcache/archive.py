@@ -5,7 +5,7 @@ An archive is a tar (gzip-compressed when its name ends in ``.gz`` or
 ``.tgz``) of regular files only, in this order:
 
 - ``<kind>/<soc>/<key>``: one entry each, packed as the remote tier stores
-  it (``storage/redis.py``'s ``pack``: the manifest and every artifact, an
+  it (``storage/value.py``'s ``pack``: the manifest and every artifact, an
   XXH3-128 of the whole and each artifact's digest in the manifest), most
   recently used first;
 - ``opcache-archive.json`` last: the kind (``opcache`` or ``cann``), the
@@ -39,7 +39,7 @@ from .request import is_plain_name
 from .settings import Settings, check_soc_version
 from .storage import RemoteCorrupt
 from .storage.entry import CorruptEntry, Entry
-from .storage.redis import pack, unpack
+from .storage.value import pack, unpack
 
 log = get_logger(__name__)
 

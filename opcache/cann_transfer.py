@@ -84,7 +84,7 @@ from .request import is_plain_name
 from .settings import INI_NAME, Settings, resolve_settings
 from .storage import Remote, RemoteCorrupt, open_remote
 from .storage.entry import make_manifest
-from .storage.redis import pack
+from .storage.value import pack
 
 log = get_logger(__name__)
 

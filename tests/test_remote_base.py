@@ -2,7 +2,7 @@
 ``put``, and a ``connect(settings)``: the base class's defaults give it the rest
 (``get``, no claims, ``watch``, and ``opcache remote`` saying what it cannot do).
 
-The kind here keeps its values in a dict, in redis.py's checked format, and is
+The kind here keeps its values in a dict, in value.py's checked format, and is
 plugged in as a real one is: a module under ``opcache.storage`` and its URL
 scheme in ``settings.REMOTE_KINDS``.
 """
@@ -27,7 +27,7 @@ import opcache
 from opcache import settings as opcache_settings
 from opcache.cli import main
 from opcache.storage import UNCLAIMED, Remote, RemoteCorrupt, RemoteError
-from opcache.storage.redis import pack, unpack
+from opcache.storage.value import pack, unpack
 
 SOC = "Ascend910B1"
 URL = "memtest://localhost:1"

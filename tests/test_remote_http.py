@@ -22,7 +22,7 @@ from opcache.settings import RemoteSettings
 from opcache.storage import RemoteCorrupt, RemoteError
 from opcache.storage.entry import make_manifest
 from opcache.storage.http import connect
-from opcache.storage.redis import pack
+from opcache.storage.value import pack
 
 KEY = "0123456789abcdef" * 2
 OTHER = "fedcba9876543210" * 2

@@ -24,7 +24,7 @@ from helpers_cache import TESTS_DIR
 import opcache
 from opcache.storage import RemoteCorrupt, RemoteError, open_remote
 from opcache.storage.entry import make_manifest
-from opcache.storage.redis import pack, unpack
+from opcache.storage.value import pack, unpack
 
 SOC = "Ascend910B1"
 KEY = "0123456789abcdef" * 2

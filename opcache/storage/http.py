@@ -12,7 +12,7 @@ kept).  The object of a key is::
 
 bazel-remote's layout for its action cache (start it with
 ``--disable_http_ac_validation``: the value is ours, not a protobuf).  The
-value is the Redis remote's (``redis.pack``): our own header, the manifest
+value is Redis's (``value.py``'s ``pack``): our own header, the manifest
 and artifacts, an XXH3-128 of the whole; every value is checked whole before
 it is used (``RemoteCorrupt`` otherwise), so a damaged, truncated or
 foreign object is never served.
@@ -42,7 +42,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._log import get_logger
 from . import Remote, RemoteCorrupt, RemoteError
-from .redis import checked, pack
+from .value import checked, pack
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

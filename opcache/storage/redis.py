@@ -5,12 +5,8 @@ Keys, under the settings' prefix (``opcache:1:`` unless set)::
     <prefix><soc>:<key>          an entry
     <prefix><soc>:<key>:claim    a claim: one client compiles the key
 
-A value is our own format, never pickle: ``OPCR``, a format byte and a flags
-byte, then the payload (the manifest's length and bytes, then every artifact
-in the manifest's order; zlib-compressed when that saves a tenth), then the
-XXH3-128 of everything before it.  A value is checked whole (checksum, the
-manifest's own checksum, every artifact's size and digest) before it is
-returned: ``RemoteCorrupt`` otherwise.
+A value is an entry packed whole and checked whole on every read
+(``value.py``).
 
 The client waits a fraction of a second to connect and ``timeout`` seconds
 for an answer, and never retries: a cache must not hold up a compile for the
@@ -34,33 +30,23 @@ winning a claim: ``Claim.marks_stored``).
 from __future__ import annotations
 
 import os
-import struct
 import threading
-import zlib
 from urllib.parse import urlsplit
 
-import xxhash
-
 from .._log import get_logger
-from .entry import CorruptEntry, Entry, check_artifact, parse_manifest
 from .remote import Claim, Remote, RemoteCorrupt, RemoteError
+from .value import checked, pack, unpack
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import redis as redis_py
 
     from ..settings import RemoteSettings
+    from .entry import Entry
     from .remote import Fetched
 
 log = get_logger(__name__)
 
-MAGIC = b"OPCR"
-FORMAT = 1
-_ZLIB = 1
-_HEAD = struct.Struct(">4sBB")
-_LENGTH = struct.Struct(">I")
-_CHECK = 16  # bytes of XXH3-128
-_COMPRESS_FROM = 1024
 _MGET_KEYS = 64  # keys per MGET: a batch of big kernels stays a bounded answer
 CLAIM_SUFFIX = ":claim"
 _STORED = b"stored"  # a claim's value once its entry is stored
@@ -70,69 +56,6 @@ _RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then
   return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"""
 _RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then
   return redis.call('del', KEYS[1]) end return 0"""
-
-
-def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
-    """The stored value of an entry (ValueError if ``files`` are not the manifest's)."""
-    try:
-        described = parse_manifest(manifest, key)["artifacts"]
-    except CorruptEntry as e:
-        raise ValueError(f"not the manifest of {key}: {e}") from None
-    if sorted(files) != sorted(name for name, _, _ in described):
-        raise ValueError("the files are not the ones the manifest names")
-    payload = b"".join(
-        [_LENGTH.pack(len(manifest)), manifest, *(files[name] for name, _, _ in described)]
-    )
-    flags = 0
-    if len(payload) >= _COMPRESS_FROM:
-        packed = zlib.compress(payload, 1)
-        if len(packed) * 10 <= len(payload) * 9:
-            payload, flags = packed, _ZLIB
-    value = _HEAD.pack(MAGIC, FORMAT, flags) + payload
-    return value + xxhash.xxh3_128_digest(value)
-
-
-def unpack(key: str, value: bytes) -> tuple[Entry, bytes]:
-    """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole."""
-    if len(value) < _HEAD.size + _CHECK or value[:4] != MAGIC:
-        raise RemoteCorrupt("not an opcache value")
-    body, check = value[:-_CHECK], value[-_CHECK:]
-    if xxhash.xxh3_128_digest(body) != check:
-        raise RemoteCorrupt("the value is damaged (checksum)")
-    _, version, flags = _HEAD.unpack_from(body)
-    if version != FORMAT:
-        raise RemoteCorrupt(f"value format {version}, not {FORMAT}")
-    payload = body[_HEAD.size :]
-    if flags & _ZLIB:
-        try:
-            payload = zlib.decompress(payload)
-        except zlib.error as e:
-            raise RemoteCorrupt(f"cannot decompress: {e}") from None
-    if len(payload) < _LENGTH.size:
-        raise RemoteCorrupt("no manifest")
-    (length,) = _LENGTH.unpack_from(payload)
-    at = _LENGTH.size + length
-    manifest = payload[_LENGTH.size : at]
-    try:
-        described = parse_manifest(manifest, key)
-        files = {}
-        for name, size, want in described["artifacts"]:
-            files[name] = check_artifact(name, size, want, payload[at : at + size])
-            at += size
-    except CorruptEntry as e:
-        raise RemoteCorrupt(str(e)) from None
-    if at != len(payload):
-        raise RemoteCorrupt(f"{len(payload) - at} bytes past the last artifact")
-    return Entry(key, files, described["compile_seconds"], 0.0), manifest
-
-
-def checked(key: str, value: bytes) -> Fetched | RemoteCorrupt:
-    """``unpack``'s answer with the value's size on the wire, or its RemoteCorrupt."""
-    try:
-        return (*unpack(key, value), len(value))
-    except RemoteCorrupt as e:
-        e.size = len(value)
-        return e
 
 
 def connect(settings: RemoteSettings) -> RedisRemote:

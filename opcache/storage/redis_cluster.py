@@ -25,7 +25,8 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from . import RemoteError
-from .redis import CLAIM_SUFFIX, RedisRemote, checked
+from .redis import CLAIM_SUFFIX, RedisRemote
+from .value import checked
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -1,0 +1,98 @@
+"""An entry as one value: how a remote kind, or an archive, holds it.
+
+A value is our own format, never pickle: ``OPCR``, a format byte and a flags
+byte, then the payload (the manifest's length and bytes, then every artifact
+in the manifest's order; zlib-compressed when that saves a tenth), then the
+XXH3-128 of everything before it.  A value is checked whole (checksum, the
+manifest's own checksum, every artifact's size and digest) before it is
+returned: ``RemoteCorrupt`` otherwise.
+
+Redis and Redis Cluster (``redis.py``, ``redis_cluster.py``), the HTTP
+cache (``http.py``), ``opcache export``'s archives (``archive.py``) and
+CANN's entries in a remote (``cann_transfer.py``) all hold entries so.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import xxhash
+
+from .entry import CorruptEntry, Entry, check_artifact, parse_manifest
+from .remote import RemoteCorrupt
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .remote import Fetched
+
+MAGIC = b"OPCR"
+FORMAT = 1
+_ZLIB = 1
+_HEAD = struct.Struct(">4sBB")
+_LENGTH = struct.Struct(">I")
+_CHECK = 16  # bytes of XXH3-128
+_COMPRESS_FROM = 1024
+
+
+def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
+    """The stored value of an entry (ValueError if ``files`` are not the manifest's)."""
+    try:
+        described = parse_manifest(manifest, key)["artifacts"]
+    except CorruptEntry as e:
+        raise ValueError(f"not the manifest of {key}: {e}") from None
+    if sorted(files) != sorted(name for name, _, _ in described):
+        raise ValueError("the files are not the ones the manifest names")
+    payload = b"".join(
+        [_LENGTH.pack(len(manifest)), manifest, *(files[name] for name, _, _ in described)]
+    )
+    flags = 0
+    if len(payload) >= _COMPRESS_FROM:
+        packed = zlib.compress(payload, 1)
+        if len(packed) * 10 <= len(payload) * 9:
+            payload, flags = packed, _ZLIB
+    value = _HEAD.pack(MAGIC, FORMAT, flags) + payload
+    return value + xxhash.xxh3_128_digest(value)
+
+
+def unpack(key: str, value: bytes) -> tuple[Entry, bytes]:
+    """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole."""
+    if len(value) < _HEAD.size + _CHECK or value[:4] != MAGIC:
+        raise RemoteCorrupt("not an opcache value")
+    body, check = value[:-_CHECK], value[-_CHECK:]
+    if xxhash.xxh3_128_digest(body) != check:
+        raise RemoteCorrupt("the value is damaged (checksum)")
+    _, version, flags = _HEAD.unpack_from(body)
+    if version != FORMAT:
+        raise RemoteCorrupt(f"value format {version}, not {FORMAT}")
+    payload = body[_HEAD.size :]
+    if flags & _ZLIB:
+        try:
+            payload = zlib.decompress(payload)
+        except zlib.error as e:
+            raise RemoteCorrupt(f"cannot decompress: {e}") from None
+    if len(payload) < _LENGTH.size:
+        raise RemoteCorrupt("no manifest")
+    (length,) = _LENGTH.unpack_from(payload)
+    at = _LENGTH.size + length
+    manifest = payload[_LENGTH.size : at]
+    try:
+        described = parse_manifest(manifest, key)
+        files = {}
+        for name, size, want in described["artifacts"]:
+            files[name] = check_artifact(name, size, want, payload[at : at + size])
+            at += size
+    except CorruptEntry as e:
+        raise RemoteCorrupt(str(e)) from None
+    if at != len(payload):
+        raise RemoteCorrupt(f"{len(payload) - at} bytes past the last artifact")
+    return Entry(key, files, described["compile_seconds"], 0.0), manifest
+
+
+def checked(key: str, value: bytes) -> Fetched | RemoteCorrupt:
+    """``unpack``'s answer with the value's size on the wire, or its RemoteCorrupt."""
+    try:
+        return (*unpack(key, value), len(value))
+    except RemoteCorrupt as e:
+        e.size = len(value)
+        return e
