@@ -52,6 +52,9 @@ CLIENT_SOURCE = Path(__file__).parent / "_client" / "opcache_client.c"
 ENV_IDLE = "OPCACHE_SERVER_IDLE"
 IDLE_SECONDS = 600.0
 REQUEST_TIMEOUT = 30.0  # a client that connects and never says anything
+MAX_WORKERS = 2 * (os.cpu_count() or 1)  # calls beyond wait for one (the CPU is the bound)
+CALLS_PER_WORKER = 500  # then a fresh one: whatever a call leaks is bounded
+_hooked: list[bool] = []  # the audit hook is installed (once a process: it cannot be removed)
 
 
 def socket_folder(environ: Mapping[str, str]) -> str:
@@ -156,28 +159,32 @@ def serve(socket_path: str, idle: float) -> int:
     os.write(lock, f"{os.getpid()}\n".encode())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     me = os.getpid()
-    taken, took = os.pipe()  # a worker writes its pid there once it took a call
-    spares: set[int] = set()  # workers waiting for a call
+    said, tell = os.pipe()  # workers say there (pid, busy) when they take a call or end one
+    workers: dict[int, bool] = {}  # pid -> busy
     last = time.monotonic()
     try:
         while time.monotonic() - last < idle:
-            if not spares:
-                # Forked before the call comes, so the fork is not part of the call.
+            if all(workers.values()) and len(workers) < MAX_WORKERS:
+                # Forked before the call comes: neither the fork nor the worker's
+                # first copies of the server's pages are part of a call.
                 pid = os.fork()
                 if pid == 0:
-                    os.close(taken)
-                    _work(listener, took, files, me)  # (does not return)
-                spares.add(pid)
-            if select.select([taken], [], [], min(idle, 1.0))[0]:
-                data = os.read(taken, 4096)
-                spares -= {pid for (pid,) in struct.iter_unpack("=i", data)}
+                    os.close(said)
+                    _work(listener, tell, files, me)  # (does not return)
+                workers[pid] = False
+            if select.select([said], [], [], min(idle, 1.0))[0]:
+                for pid, busy in struct.iter_unpack("=i?", os.read(said, 4096)):
+                    if pid in workers:
+                        workers[pid] = busy
                 last = time.monotonic()
                 if _opcache_files() != files:
                     break  # an upgrade: a new server has to load it (that call falls back)
-            spares -= _reaped()  # (one that died without a call is replaced)
+            for pid in _reaped():
+                workers.pop(pid, None)
     finally:
-        for pid in spares:
-            os.kill(pid, signal.SIGKILL)  # (waiting in accept: it has no call)
+        for pid, busy in workers.items():
+            if not busy:
+                os.kill(pid, signal.SIGKILL)  # (waiting in accept; a busy one ends its call)
         # Only the socket this server made: a name it no longer holds is another's.
         with contextlib.suppress(FileNotFoundError):
             now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -258,28 +265,44 @@ def _opcache_files() -> dict[str, tuple[int, int, int]]:
 # -- a worker: one request --------------------------------------------------------
 
 
-def _work(listener: socket.socket, took: int, files: dict, server: int) -> None:
-    """A worker: wait for a call, tell the server it is taken, serve it; never returns."""
-    status = 1
-    try:
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        gc.disable()  # a short life: collecting would copy the shared pages it walks
+def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
+    """A worker: serve calls one after another, saying when it is busy; never returns.
+
+    One process serves many calls: a fork per call would copy, at each call,
+    the hundreds of the server's pages a hit writes to (reference counts).
+    Whatever a call changes in the process is set anew for the next
+    (``_serve``); the caches opcache keeps for one process's life are emptied.
+    """
+    import logging
+
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for _ in range(CALLS_PER_WORKER):
         _die_with_the_server(True, server)
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            continue
         _die_with_the_server(False)  # (a call taken is served to its end)
-        os.write(took, struct.pack("=i", os.getpid()))
-        os.close(took)
-        listener.close()
-        conn.settimeout(REQUEST_TIMEOUT)
-        reply = _answer(conn, files)
-        conn.settimeout(None)
-        conn.sendall(reply)
-        status = 0
-    except BaseException as e:  # the client runs opcache itself: it will say what is wrong
-        log.debug("opcache server: request dropped: %r", e)
-    finally:
-        os._exit(status)
+        os.write(tell, struct.pack("=i?", os.getpid(), True))
+        try:
+            conn.settimeout(REQUEST_TIMEOUT)
+            reply = _answer(conn, files)
+            conn.settimeout(None)
+            conn.sendall(reply)
+        except BaseException as e:  # the client runs opcache itself: it will say what is wrong
+            log.debug("opcache server: call dropped: %r", e)
+            os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
+        finally:
+            conn.close()
+            # Nothing of the client kept: its descriptors (a pipe make waits on), its folder.
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.chdir("/")
+            logging.getLogger("opcache").handlers.clear()
+        os.write(tell, struct.pack("=i?", os.getpid(), False))
+    os._exit(0)
 
 
 def _die_with_the_server(die: bool, server: int = 0) -> None:
@@ -346,7 +369,8 @@ def _serve(
     import atexit
     import logging
 
-    from . import cli, wrap
+    from . import cli, masquerade, wrap
+    from .compilers import toolchain
 
     if argv[1:2] != [b"wrap"]:
         return b"N"
@@ -370,8 +394,12 @@ def _serve(
     _log._hooks.clear()
     logging.getLogger("opcache").handlers.clear()
     logging.getLogger("opcache").setLevel(logging.NOTSET)
+    masquerade._real_paths.clear()  # (a compiler's path may lead elsewhere now)
+    toolchain._identities.clear()  # (a tool's digest by size and mtime only)
     wrap.serve_hits_only()
-    sys.addaudithook(_no_programs)
+    if not _hooked:
+        sys.addaudithook(_no_programs)
+        _hooked.append(True)
     try:
         status = cli.main(sys.argv[1:])
         atexit._run_exitfuncs()

@@ -66,9 +66,15 @@ class Served:
         self.socket = self.folder / f"{server.client_tag(str(self.program))}.sock"
         self.src = write_project(tmp_path / "src")
 
-    def gcc(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def gcc(
+        self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["gcc", *args], env=env or self.env, cwd=self.src, capture_output=True, timeout=120
+            ["gcc", *args],
+            env=env or self.env,
+            cwd=cwd or self.src,
+            capture_output=True,
+            timeout=120,
         )
 
     def fallbacks(self) -> int:
@@ -176,6 +182,32 @@ def test_calls_at_once_are_each_served_once(served):
     assert served.fallbacks() == before
     assert all((served.src / f"k{i}.o").read_bytes() == made for i in range(8))
     assert stats(served.env, "host")["hits"] == hits + 8
+
+
+def test_nothing_of_one_call_stays_for_the_next(served):
+    """A worker serves calls one after another: each gets its own folder, umask,
+    environment and descriptors, as each Python path run does."""
+    warmed(served, *COMPILE)
+    other = served.tmp / "other"
+    shutil.copytree(served.src, other)
+    served.gcc(*COMPILE, cwd=other)  # (its first call: a miss there)
+    before = served.fallbacks()
+    modes = {}
+    for umask, folder, verbose in (
+        (0o077, served.src, "1"),
+        (0o022, other, ""),
+        (0o027, served.src, ""),
+    ):
+        (folder / "k.o").unlink()
+        env = {**served.env, "OPCACHE_VERBOSE": verbose}
+        done = subprocess.run(
+            ["gcc", *COMPILE], env=env, cwd=folder, capture_output=True, umask=umask, timeout=120
+        )
+        assert done.returncode == 0
+        assert (b"opcache: info: hit" in done.stderr) == bool(verbose), done.stderr
+        modes[umask] = (folder / "k.o").stat().st_mode & 0o777
+    assert served.fallbacks() == before  # all three served
+    assert modes == {0o077: 0o600, 0o022: 0o644, 0o027: 0o640}
 
 
 def test_a_served_hit_says_what_opcache_v_says(served):
