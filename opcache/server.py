@@ -4,8 +4,9 @@ A wrap hit in a new Python is mostly the interpreter's and opcache's start-up.
 The client (``_client/opcache_client.c``, built by ``opcache masquerade
 --client``) sends its command line, current folder, umask, environment and
 standard descriptors over a Unix socket to this server, which has opcache
-imported already.  The server forks a worker per request; the worker becomes
-the client's stand-in (its folder, umask, environment, descriptors) and runs
+imported already.  Workers forked from it take calls one after another; for
+each, the worker becomes the client's stand-in (its folder, umask,
+environment, descriptors, opcache's per-process caches emptied) and runs
 the very command line ``opcache`` would run (``cli.main``), with one
 difference: where that would do more than a hit (run a program: a miss, an
 uncacheable or disabled compile, the preprocessor; count an uncacheable
