@@ -263,14 +263,23 @@ class KeyFlow:
             self.cache_error("write", f"cannot store in the cache at {self._store.root}: {e}", soc)
             raise
 
-    def _keep_fetched(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> None:
-        """A remote's entry, kept in the cache folder too (``RemoteTier``'s backfill)."""
+    def _keep_fetched(self, soc: str, entries: list[tuple[str, bytes, dict[str, bytes]]]) -> None:
+        """A remote's entries (key, manifest, files), kept in the cache folder too
+        (``RemoteTier``'s backfill): several in one batch."""
         try:
-            size = self.keep(soc, key, manifest, files)
-        except OSError:
-            return  # (reported: the entry is served all the same)
-        if size is not None:
-            self._folders.after_store(soc, size)
+            if len(entries) == 1:
+                sizes = [self.keep(soc, *entries[0])]
+            else:
+                sizes = self._store.put_many(soc, entries, now=self._clock())
+        except OSError as e:
+            if len(entries) > 1:  # (keep reported its own)
+                self.cache_error(
+                    "write", f"cannot store in the cache at {self._store.root}: {e}", soc
+                )
+            return  # (the entries are served all the same)
+        stored = sum(size for size in sizes if size is not None)
+        if stored:
+            self._folders.after_store(soc, stored)
 
     # -- a miss ------------------------------------------------------------------------
 
@@ -413,12 +422,14 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     paths = {}
     others = {}
     for name, data in files.items():
-        fd = _open_own(out, name)
-        if fd is None:
+        opened = _open_own(out, name)
+        if opened is None:
             others[name] = data
             continue
+        fd, made = opened
         try:
-            os.ftruncate(fd, 0)
+            if not made:
+                os.ftruncate(fd, 0)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
@@ -430,25 +441,28 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     return paths
 
 
-def _open_own(out: Path, name: str) -> int | None:
-    """``out/name`` open for writing if it was free or is this user's own file with
-    no other name, else None."""
+def _open_own(out: Path, name: str) -> tuple[int, bool] | None:
+    """(``out/name`` open for writing, whether it was made now) if it was free or is
+    this user's own file with no other name, else None."""
     path = out / name
     # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
     try:
         try:
-            fd = os.open(path, _OUT_FLAGS, 0o666)
+            # A file made now is ours, plain and empty: nothing to check or truncate.
+            return os.open(path, _NEW_FLAGS, 0o666), True
         except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
             out.mkdir(parents=True, exist_ok=True)
+            return os.open(path, _NEW_FLAGS, 0o666), True
+        except FileExistsError:
             fd = os.open(path, _OUT_FLAGS, 0o666)
     except OSError as e:
         # A link; a FIFO nobody reads; a file we may not write (a rename still replaces it).
-        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EACCES):
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EACCES, errno.EEXIST):
             return None
         raise
     st = os.fstat(fd)
     if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == _EUID:
-        return fd
+        return fd, False
     os.close(fd)
     return None
 

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# How the cache folder keeps a remote's entry: (chip, key, manifest, files).
-Keep = Callable[[str, str, bytes, dict[str, bytes]], None]
+# How the cache folder keeps a remote's entries: (chip, [(key, manifest, files)...]).
+Keep = Callable[[str, list[tuple[str, bytes, dict[str, bytes]]]], None]
 
 # How long a claim outlives its holder's death (renewed while it lives).
 CLAIM_SECONDS = 10.0
@@ -169,8 +169,17 @@ class RemoteTier:
     def backfill(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
         """A remote's entry, kept in the cache folder too, as a local hit then sees it
         (a folder that cannot take it only warns: the entry is served)."""
-        self._keep(soc, key, manifest, entry.files)
+        self._keep(soc, [(key, manifest, entry.files)])
         return Entry(key, entry.files, entry.compile_seconds, self._clock())
+
+    def backfill_many(self, soc: str, found: dict[str, tuple[Entry, bytes]]) -> dict[str, Entry]:
+        """``backfill`` of several entries, kept in the cache folder in one batch."""
+        self._keep(soc, [(key, manifest, entry.files) for key, (entry, manifest) in found.items()])
+        now = self._clock()
+        return {
+            key: Entry(key, entry.files, entry.compile_seconds, now)
+            for key, (entry, _) in found.items()
+        }
 
     def _backfill_later(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
         """``backfill`` in a background thread.  (Under a key's lock, where others

@@ -300,15 +300,9 @@ class _Batch:
         for soc, missing in by_soc.items():
             started = time.perf_counter()
             found = remote.fetch_many(soc, [job.key for job in missing])
-            for job in missing:
-                if job.key not in found:
-                    continue
-                try:
-                    self._hits(
-                        job, remote.backfill(soc, job.key, *found[job.key]), started, "remote"
-                    )
-                except Exception as e:  # one operator's failure does not stop the others
-                    self._fail(job, e)
+            jobs_of = {job.key: job for job in missing if job.key in found}
+            for key, entry in self._backfilled(soc, found, jobs_of).items():
+                self._hits(jobs_of[key], entry, started, "remote")
         return [job for job in jobs if self.results[job.indices[0]] is None]
 
     def _first_look(
@@ -422,20 +416,38 @@ class _Batch:
                 if key not in found:
                     job.timed_out = waited
                     again.append(job)
-                    continue
+            # Kept (in one batch) before the local locks go: this machine's other
+            # processes waiting on them find the entries, not a claim to try.
+            jobs_of = {key: parked[(soc, key)] for key in found}
+            entries = self._backfilled(soc, found, jobs_of)
+            settled += len(found)
+            for key, entry in entries.items():
+                job = jobs_of[key]
                 try:
-                    # Kept before the local lock goes: this machine's other
-                    # processes waiting on it find the entry, not a claim to try.
-                    entry = remote.backfill(soc, key, *found[key])
                     if job.held is not None:
                         job.held.release()
                     self._hits(job, entry, started, "remote")
                 except Exception as e:  # one operator's failure does not stop the others
                     self._fail(job, e)
-                settled += 1
         with self._parked_lock:
             still = bool(self._parked)
         schedule.polled(settled, again, still)
+
+    def _backfilled(
+        self, soc: str, found: dict[str, tuple[Entry, bytes]], jobs: dict[str, _Job]
+    ) -> dict[str, Entry]:
+        """The remote's entries ``found``, kept in the cache folder in one batch; if
+        that fails unexpectedly, their ``jobs`` fail with it."""
+        if not found:
+            return {}
+        remote = self.flow.remote
+        assert remote is not None
+        try:
+            return remote.backfill_many(soc, found)
+        except Exception as e:
+            for job in jobs.values():
+                self._fail(job, e)
+            return {}
 
     def _set(self, index: int, result: CompileResult) -> None:
         self.results[index] = result

@@ -28,7 +28,11 @@ from helpers_wrap import GCC, wrap, write_project
 
 import opcache
 from opcache import remote_tier
+from opcache.counters import CounterFiles
+from opcache.storage.entry import make_manifest
+from opcache.storage.local import SIZE_FOLDER, LocalStore
 
+SOC = "Ascend910B1"
 # Commands whose count does not depend on the work: polls (as often as time
 # passes while another machine compiles) and connecting.
 _NOT_PER_KEY = {"mget", "hello", "client", "ping"}
@@ -130,3 +134,55 @@ def test_a_cold_cluster_compiles_each_key_once_with_few_redis_commands(
     assert "evalsha" not in calls and "get" not in calls, calls
     per_key = sum(n for name, n in calls.items() if name not in _NOT_PER_KEY)
     assert per_key <= ops * (machines + 2), calls  # a claim per machine; an entry, its mark
+
+
+def test_a_batch_of_remote_hits_is_kept_in_one_store_counted_once(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ops = 40
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(ops)]
+    with opcache.OpCache(machine(tmp_path, "a", redis_url)) as a:
+        a.compile_many(requests, compiler, lambda r: tmp_path / "a-out" / r.op_name)
+    size_updates = []
+    add = CounterFiles.add
+
+    def counted(self: CounterFiles, deltas: dict[str, float]) -> None:
+        if self.folder.name == SIZE_FOLDER:
+            size_updates.append(dict(deltas))
+        add(self, deltas)
+
+    monkeypatch.setattr(CounterFiles, "add", counted)
+    with opcache.OpCache(machine(tmp_path, "b", redis_url)) as b:
+        results = b.compile_many(requests, compiler, lambda r: tmp_path / "b-out" / r.op_name)
+        assert [r.tier for r in results] == ["remote"] * ops
+        store = LocalStore(machine(tmp_path, "b", redis_url).root)
+        on_disk = sum(entry.size for entry in store.scan(SOC, sizes=True))
+        assert store.used(SOC) == (ops, on_disk)
+    assert compiler.calls() == ops
+    assert len(size_updates) == 1  # the batch, not one update per entry
+    for request in requests:
+        assert read_dir(tmp_path / "b-out" / request.op_name) == expected_files(request)
+    assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == ops
+    assert list((tmp_path / "b" / "kernel_cache" / ".opcache" / "tmp").iterdir()) == []
+    with opcache.OpCache(machine(tmp_path, "b", redis_url)) as b:  # local hits now, all sound
+        results = b.compile_many(requests, compiler, lambda r: tmp_path / "c-out" / r.op_name)
+        assert [r.tier for r in results] == ["local"] * ops
+
+
+def test_a_batch_store_leaves_another_writers_entry_and_counts_only_its_own(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path / "cache")
+    entries = []
+    for i in range(3):
+        key = f"{i:032x}"
+        files = {"k.o": bytes([i]) * 100}
+        entries.append((key, make_manifest(key, files, 0.1, {}, 1.0), files))
+    first = store.put(SOC, *entries[1], now=1.0)
+    assert first is not None
+    sizes = store.put_many(SOC, entries, now=2.0)
+    assert sizes[1] is None and sizes[0] == sizes[2] == first
+    assert store.used(SOC) == (3, 3 * first)
+    assert store.get(SOC, entries[1][0]).stamp == 1.0  # the first writer's stands
+    assert list(store.tmp_dir.iterdir()) == []

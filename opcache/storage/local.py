@@ -506,20 +506,10 @@ class LocalStore:
         folder fails the trust rule, ValueError for an artifact name that is
         not a plain file name (or is the manifest's).
         """
-        for name in files:
-            if not is_plain_name(name) or name == MANIFEST:
-                raise ValueError(f"artifact name {name!r} is not a plain file name")
+        _check_names(files)
         workdir = self._new_workdir(key)
         try:
-            file_mode = self.modes.file_bits
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            for name, data in (*files.items(), (MANIFEST, manifest)):
-                fd = os.open(name, flags, file_mode, dir_fd=workdir.fd)
-                with os.fdopen(fd, "wb") as f:
-                    os.fchmod(f.fileno(), file_mode)  # exact in a group-shared cache
-                    f.write(data)
-            os.utime(MANIFEST, (now, now), dir_fd=workdir.fd, follow_symlinks=False)
-            size = len(manifest) + sum(map(len, files.values()))
+            size = self._write_entry(workdir.fd, manifest, files, now)
             with self._counting(soc):
                 return self._publish_counted(soc, key, workdir, size)
         finally:
@@ -527,6 +517,89 @@ class LocalStore:
                 workdir.close()
             except OSError as e:
                 log.debug("cannot remove %s: %s", workdir.path, e)
+
+    def put_many(
+        self, soc: str, entries: list[tuple[str, bytes, dict[str, bytes]]], *, now: float
+    ) -> list[int | None]:
+        """``put`` of several entries (key, manifest, files): the bytes each stored, or
+        None where another writer's entry stands.
+
+        For a batch of remote hits: the entries are built in one folder, counted
+        in one update, then each renamed into place (one lock, one handle on the
+        chip folder).  Raises as ``put`` does; a failure stores none of those
+        not yet in place.
+        """
+        for _, _, files in entries:
+            _check_names(files)
+        workdir = self._new_workdir("batch")
+        try:
+            sizes = []
+            for key, manifest, files in entries:
+                os.mkdir(key, self.modes.dir_bits, dir_fd=workdir.fd)
+                fsutil.fix_new_dir(key, self.modes, dir_fd=workdir.fd)
+                entry_fd = os.open(key, fsutil.DIR_FLAGS, dir_fd=workdir.fd)
+                try:
+                    sizes.append(self._write_entry(entry_fd, manifest, files, now))
+                finally:
+                    os.close(entry_fd)
+            with self._counting(soc):
+                return self._publish_batch(soc, [key for key, _, _ in entries], workdir, sizes)
+        finally:
+            try:
+                workdir.close()
+            except OSError as e:
+                log.debug("cannot remove %s: %s", workdir.path, e)
+
+    def _write_entry(
+        self, dir_fd: int, manifest: bytes, files: dict[str, bytes], now: float
+    ) -> int:
+        """Write an entry's files into the new folder open as ``dir_fd``; its bytes."""
+        file_mode = self.modes.file_bits
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for name, data in (*files.items(), (MANIFEST, manifest)):
+            fd = os.open(name, flags, file_mode, dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), file_mode)  # exact in a group-shared cache
+                f.write(data)
+        os.utime(MANIFEST, (now, now), dir_fd=dir_fd, follow_symlinks=False)
+        return len(manifest) + sum(map(len, files.values()))
+
+    def _publish_batch(
+        self, soc: str, keys: list[str], workdir: Workdir, sizes: list[int]
+    ) -> list[int | None]:
+        """``_publish_in_chip`` for the entries ``keys`` built in ``workdir``: counted
+        at once before any rename, the ones not renamed counted out after."""
+        chip_fd = self._open_chip(soc, create=True)
+        buckets: dict[str, int] = {}
+        stored: list[int | None] = []
+        try:
+            self._count(chip_fd, soc, {"entries": len(keys), "bytes": sum(sizes)})
+            try:
+                for key, size in zip(keys, sizes, strict=True):
+                    bucket_fd = buckets.get(key[:2])
+                    if bucket_fd is None:
+                        bucket_fd = self._open_dir(
+                            key[:2], chip_fd, self.chip_dir(soc), create=True
+                        )
+                        buckets[key[:2]] = bucket_fd
+                    try:
+                        os.rename(key, key, src_dir_fd=workdir.fd, dst_dir_fd=bucket_fd)
+                    except OSError as e:
+                        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                            raise
+                        stored.append(None)
+                        continue
+                    stored.append(size)
+            finally:
+                unused = sum(sizes) - sum(size for size in stored if size is not None)
+                if unused:
+                    missed = len(keys) - sum(size is not None for size in stored)
+                    self._uncount_many(chip_fd, soc, missed, unused)
+        finally:
+            for fd in buckets.values():
+                os.close(fd)
+            os.close(chip_fd)
+        return stored
 
     def _publish_counted(self, soc: str, key: str, workdir: Workdir, size: int) -> int | None:
         for _attempt in range(_PUBLISH_ATTEMPTS):
@@ -570,8 +643,11 @@ class LocalStore:
         return True
 
     def _uncount(self, chip_fd: int, soc: str, size: int) -> None:
+        self._uncount_many(chip_fd, soc, 1, size)
+
+    def _uncount_many(self, chip_fd: int, soc: str, entries: int, size: int) -> None:
         try:
-            self._count(chip_fd, soc, {"entries": -1, "bytes": -size})
+            self._count(chip_fd, soc, {"entries": -entries, "bytes": -size})
         except OSError as e:
             log.warning(
                 "the counters of %s count an entry that was not stored (%s): "
@@ -872,6 +948,12 @@ class LocalStore:
             removed += clean(partial(self._open_sizes, soc, None, create=False), stale)
         removed += clean(partial(self.open_folder, "stats", create=False), each_chip_stats)
         return removed
+
+
+def _check_names(files: dict[str, bytes]) -> None:
+    for name in files:
+        if not is_plain_name(name) or name == MANIFEST:
+            raise ValueError(f"artifact name {name!r} is not a plain file name")
 
 
 class Workdir:
