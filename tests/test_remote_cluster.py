@@ -191,3 +191,25 @@ def test_the_url_is_checked_and_its_password_masked(tmp_path: Path) -> None:
             machine(tmp_path, "a", bad)
     good = machine(tmp_path, "a", "rediss+cluster://u:pw@h1:7000,[::1]:7001?ssl_cert_reqs=none")
     assert good.remote.shown_url == "rediss+cluster://u:***@h1:7000,[::1]:7001?ssl_cert_reqs=none"
+
+
+def test_the_password_variable_is_sent_as_written(
+    tmp_path: Path, url: str, cluster: Cluster
+) -> None:
+    """OPCACHE_REMOTE_PASSWORD is not percent-decoded (as for Redis and HTTP): ``s3cr%41t``
+    logs in as itself, not as ``s3crAt``; only a password inside the URL is decoded."""
+    password = "s3cr%41t"
+    for node in cluster.nodes:
+        node.client().config_set("requirepass", password)
+    try:
+        remote = open_remote(machine(tmp_path, "a", url, password=password).remote)
+        remote.put(SOC, "k" * 32, *entry("k" * 32))
+        assert remote.have_many(SOC, ["k" * 32]) == {"k" * 32}
+        remote.close()
+        in_url = url.replace("://", "://:s3cr%2541t@", 1)  # %25 is '%': the URL's s3cr%41t
+        remote = open_remote(machine(tmp_path, "b", in_url).remote)
+        assert remote.have_many(SOC, ["k" * 32]) == {"k" * 32}
+        remote.close()
+    finally:
+        for node in cluster.nodes:
+            node.client(password=password).config_set("requirepass", "")

@@ -51,9 +51,12 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
         options["ssl"] = True
     if parts.username:
         options["username"] = unquote(parts.username)
-    password = settings.password if settings.password is not None else parts.password
+    # A password in the URL is percent-encoded; OPCACHE_REMOTE_PASSWORD is as it is.
+    password = settings.password
+    if password is None and parts.password is not None:
+        password = unquote(parts.password)
     if password is not None:
-        options["password"] = unquote(password)
+        options["password"] = password
     try:
         nodes = [_node(ClusterNode, hostport) for hostport in hosts.split(",")]
         client = RedisCluster(
