@@ -55,6 +55,8 @@ IDLE_SECONDS = 600.0
 REQUEST_TIMEOUT = 30.0  # a client that connects and never says anything
 MAX_WORKERS = 2 * (os.cpu_count() or 1)  # calls beyond wait for one (the CPU is the bound)
 CALLS_PER_WORKER = 500  # then a fresh one: whatever a call leaks is bounded
+_IDLE, _BUSY, _UPGRADED = 0, 1, 2  # what a worker tells the server
+_stale: list[bool] = []  # opcache's files changed since this process loaded them
 _hooked: list[bool] = []  # the audit hook is installed (once a process: it cannot be removed)
 
 
@@ -160,7 +162,7 @@ def serve(socket_path: str, idle: float) -> int:
     os.write(lock, f"{os.getpid()}\n".encode())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     me = os.getpid()
-    said, tell = os.pipe()  # workers say there (pid, busy) when they take a call or end one
+    said, tell = os.pipe()  # workers say there (pid, state) as they take a call or end one
     workers: dict[int, bool] = {}  # pid -> busy
     last = time.monotonic()
     try:
@@ -174,12 +176,11 @@ def serve(socket_path: str, idle: float) -> int:
                     _work(listener, tell, files, me)  # (does not return)
                 workers[pid] = False
             if select.select([said], [], [], min(idle, 1.0))[0]:
-                for pid, busy in struct.iter_unpack("=i?", os.read(said, 4096)):
-                    if pid in workers:
-                        workers[pid] = busy
+                states = dict(struct.iter_unpack("=ib", os.read(said, 4096)))
+                workers.update((pid, state == _BUSY) for pid, state in states.items())
                 last = time.monotonic()
-                if _opcache_files() != files:
-                    break  # an upgrade: a new server has to load it (that call falls back)
+                if _UPGRADED in states.values():
+                    break  # a new server has to load it (that call fell back)
             for pid in _reaped():
                 workers.pop(pid, None)
     finally:
@@ -286,7 +287,7 @@ def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
         except OSError:
             continue
         _die_with_the_server(False)  # (a call taken is served to its end)
-        os.write(tell, struct.pack("=i?", os.getpid(), True))
+        os.write(tell, struct.pack("=ib", os.getpid(), _BUSY))
         try:
             conn.settimeout(REQUEST_TIMEOUT)
             reply = _answer(conn, files)
@@ -302,7 +303,10 @@ def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
                 os.dup2(null, fd)
             os.chdir("/")
             logging.getLogger("opcache").handlers.clear()
-        os.write(tell, struct.pack("=i?", os.getpid(), False))
+        if _stale:  # an upgrade: this process's modules are old
+            os.write(tell, struct.pack("=ib", os.getpid(), _UPGRADED))
+            os._exit(0)
+        os.write(tell, struct.pack("=ib", os.getpid(), _IDLE))
     os._exit(0)
 
 
@@ -325,7 +329,8 @@ def _answer(conn: socket.socket, files: dict) -> bytes:
         fields = data.split(b"\0")
         if fields[0] != PROTOCOL or fields[-1] != b"":
             return b"N"
-        if _opcache_files() != files:  # an upgrade: the server's modules are old (it ends too)
+        if _opcache_files() != files:  # an upgrade: the modules here are old (_work ends)
+            _stale.append(True)
             return b"N"
         umask, cwd, argc = int(fields[1], 8), fields[2], int(fields[3])
         argv, env = fields[4 : 4 + argc], fields[4 + argc : -1]
