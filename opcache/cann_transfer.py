@@ -1,7 +1,7 @@
 """CANN's own kernel cache across machines: push, pull, export, import.
 
 CANN's graph engine keeps its compiles in ``<base>/kernel_cache/<soc>/``
-(``cann_cache.py`` says how), one folder per machine.  This module moves
+(``cann_format.py`` says how), one folder per machine.  This module moves
 those entries, whole, between such folders: through a remote tier
 (``push`` / ``pull``, any ``storage.Remote``) or through one archive file
 (``export_archive`` / ``import_archive``, ``archive.py``'s container).
@@ -18,7 +18,7 @@ archive holds the chip only under other versions, the pull is refused
 
 **Reading** (push, export): an entry is its json and the files it names
 (binary, header, a mix-core entry's sub-jsons and their binaries), taken
-only if CANN's hit check passes (``cann_cache``'s: the json parses, the
+only if CANN's hit check passes (``cann_format``'s: the json parses, the
 binaries are there, sha256 equal, ``kernelName`` for ``.o``) and every file
 is named after its kernel.  Files are read without moving their access time.
 
@@ -62,20 +62,18 @@ from . import _json, fsutil, ini, trust
 from ._log import get_logger
 from ._record import Record
 from .archive import CANN, ArchiveWriter, BadArchive, check, members, unpacked
-from .cann_cache import (
-    _LOCK_MODE,
-    Limits,
-    _atime,
-    _del_lock,
-    _Entry,
-    _hash_problem,
-    _is_entry_json,
-    _open_dir,
-    _open_quietly,
-    _scan,
-    _try_lock,
-    cann_root,
-    read_limits,
+from .cann_cache import Limits, cann_root, read_limits
+from .cann_format import (
+    LOCK_MODE,
+    CannEntry,
+    access_time,
+    del_lock,
+    hash_problem,
+    is_entry_json,
+    open_chip_folder,
+    open_quietly,
+    scan_chip,
+    try_lock,
 )
 from .compilers.cann import HOME_VARIABLES, driver_version
 from .errors import ConfigError
@@ -252,14 +250,14 @@ class _Reader:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        scan = _scan(fd)
+        scan = scan_chip(fd)
         self.files = scan.files
-        self.entries: dict[str, tuple[int, _Entry]] = {}
+        self.entries: dict[str, tuple[int, CannEntry]] = {}
         self.skipped: list[dict[str, str]] = []
-        for name in sorted(self.files, key=lambda n: -_atime(self.files[n])):
-            if not _is_entry_json(name):
+        for name in sorted(self.files, key=lambda n: -access_time(self.files[n])):
+            if not is_entry_json(name):
                 continue
-            entry = _Entry(fd, name, self.files)
+            entry = CannEntry(fd, name, self.files)
             problem = entry.problem
             if problem is None and not all(_own_name(entry.kernel, f) for f in entry.owned):
                 problem = "it names files not named after its kernel as CANN names them"
@@ -268,7 +266,7 @@ class _Reader:
             if problem is not None:
                 self.skipped.append({"entry": entry.kernel, "why": problem})
                 continue
-            self.entries[entry.kernel] = (_atime(self.files[name]), entry)
+            self.entries[entry.kernel] = (access_time(self.files[name]), entry)
 
     def size(self, kernel: str) -> int:
         return sum(self.files[f].st_size for f in self.entries[kernel][1].owned)
@@ -277,10 +275,10 @@ class _Reader:
         """The entry's bundle, or why it cannot be sent (CANN's hit check failed)."""
         atime, entry = self.entries[kernel]
         try:
-            problem = _hash_problem(self.fd, entry)
+            problem = hash_problem(self.fd, entry)
             files = {}
             for name in sorted(entry.owned):
-                with os.fdopen(_open_quietly(self.fd, name), "rb") as f:
+                with os.fdopen(open_quietly(self.fd, name), "rb") as f:
                     files[name] = f.read()
         except OSError as e:
             return f"cannot read it: {e.strerror or e}"
@@ -299,7 +297,7 @@ class _Writer:
 
     def __init__(self, fd: int, limits: Limits, report: dict) -> None:
         self.fd = fd
-        scan = _scan(fd)
+        scan = scan_chip(fd)
         self.present = set(scan.files)
         self.used = scan.used
         self.limit = limits.max_bytes
@@ -351,15 +349,15 @@ class _Writer:
         (or something that is not a regular file stands there)."""
         try:
             lock_fd, _ = fsutil.open_regular(
-                f"{kernel}.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, _LOCK_MODE, dir_fd=self.fd
+                f"{kernel}.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, LOCK_MODE, dir_fd=self.fd
             )
         except OSError:
             yield False
             return
         try:
             with contextlib.suppress(OSError):  # another user's lock file: CANN goes on too
-                os.fchmod(lock_fd, _LOCK_MODE)
-            yield _try_lock(lock_fd, fcntl.LOCK_EX)
+                os.fchmod(lock_fd, LOCK_MODE)
+            yield try_lock(lock_fd, fcntl.LOCK_EX)
         finally:
             os.close(lock_fd)
 
@@ -391,11 +389,11 @@ class _Writer:
         with the source's access time."""
         tmp = f"{name}_{os.getpid()}_{time.time_ns() // 1000}_{random.randint(0, 2**31 - 1)}.temp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, _LOCK_MODE, dir_fd=self.fd)
+        fd = os.open(tmp, flags, LOCK_MODE, dir_fd=self.fd)
         try:
             with os.fdopen(fd, "wb", closefd=False) as f:
                 f.write(bundle.files[name])
-            os.fchmod(fd, _LOCK_MODE)
+            os.fchmod(fd, LOCK_MODE)
             os.utime(fd, ns=(bundle.atime * 1_000_000_000, time.time_ns()))
         except BaseException:
             os.close(fd)
@@ -409,8 +407,8 @@ class _Writer:
         """CANN's hit check on the files as written, the json still under its temp name."""
         names = [n for n in bundle.files if n != main] + [tmp]
         files = {n: os.stat(n, dir_fd=self.fd, follow_symlinks=False) for n in names}
-        entry = _Entry(self.fd, tmp, files)
-        why = entry.problem or _hash_problem(self.fd, entry)
+        entry = CannEntry(self.fd, tmp, files)
+        why = entry.problem or hash_problem(self.fd, entry)
         if why is None and entry.owned != set(names):
             why = "its files are not the ones its json names"
         return why.replace(tmp, main) if why else None
@@ -435,7 +433,7 @@ class _Chip:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(soc, modes.dir_bits, dir_fd=root_fd)
             try:
-                self.fd = _open_dir(root_fd, soc, modes, f"{root}/{soc}")
+                self.fd = open_chip_folder(root_fd, soc, modes, f"{root}/{soc}")
             except FileNotFoundError:
                 raise Refused(f"no CANN kernel cache for {soc} in {root}") from None
         finally:
@@ -780,7 +778,7 @@ def _fill_lock(held: contextlib.ExitStack, chip: _Chip, report: dict) -> bool:
     at once, each counting only its own entries against the limit, and CANN's
     aging skips its pass meanwhile, as it does while another process ages.
     """
-    busy = held.enter_context(_del_lock(chip.fd, False))
+    busy = held.enter_context(del_lock(chip.fd, False))
     if busy is not None:
         report["busy"] = busy
     return busy is None
@@ -823,7 +821,7 @@ def _present_names(root: Path, soc: str, settings: Settings) -> set[str]:
     except Refused:
         return set()
     try:
-        return set(_scan(chip.fd).files)
+        return set(scan_chip(chip.fd).files)
     finally:
         chip.close()
 

@@ -34,7 +34,7 @@ from helpers_cann import (
 )
 
 import opcache
-from opcache import cann_cache
+from opcache import cann_cache, cann_format
 from opcache.cli import main
 
 __all__ = ["base"]  # the fixture, from helpers_cann
@@ -126,7 +126,7 @@ def test_age_removes_exactly_what_cann_removes_and_nothing_young_or_locked(base,
     assert status == 0
     chip = report["chips"][SOC]
     gone = files_of(f, "old1", "mix", "old2", "old3", "badsha")
-    assert f.names() == before - gone | {cann_cache.DEL_LOCK}  # made as CANN makes it
+    assert f.names() == before - gone | {cann_format.DEL_LOCK}  # made as CANN makes it
     assert chip["removed"] == [kernel_name(*k) for k in (
         ("Add", "old1"), ("MatMul", "mix"), ("Add", "old2"), ("Add", "old3"), ("Add", "badsha"),
     )]  # fmt: skip
@@ -148,7 +148,7 @@ def test_age_stops_once_enough_is_freed(base, capsys):
     before = f.names()
     status, out, err = cann(capsys, base, "age")
     assert (status, err) == (0, "")
-    assert f.names() == before - files_of(f, "old1", "mix", "old2") | {cann_cache.DEL_LOCK}
+    assert f.names() == before - files_of(f, "old1", "mix", "old2") | {cann_format.DEL_LOCK}
     assert out.startswith(f"{SOC}: removed 3 entries, ")
 
 
@@ -166,7 +166,7 @@ def test_age_under_the_limit_or_with_aging_off_removes_nothing_and_says_nothing(
 def test_age_skips_while_another_process_holds_cann_s_aging_lock(base, capsys):
     f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)
-    with held_by_other_process(f.chip / cann_cache.DEL_LOCK):
+    with held_by_other_process(f.chip / cann_format.DEL_LOCK):
         before = f.names()
         status, report = cann_json(capsys, base, "age")
         assert status == 0
@@ -181,7 +181,7 @@ def test_age_takes_the_aging_lock_as_cann_does(base, capsys):
     f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)
     cann(capsys, base, "age")
-    lock = f.chip / cann_cache.DEL_LOCK
+    lock = f.chip / cann_format.DEL_LOCK
     assert lock.stat().st_mode & 0o777 == 0o640 and lock.stat().st_size == 0
     # A CANN process aging at the same time holds an fcntl lock on the same file:
     code = (

@@ -26,7 +26,7 @@ from helpers_faults import IS_ROOT, MEMBER_A, NEEDS_ROOT, NOBODY, TEAM_GID, sett
 from helpers_wrap import opcache as run_opcache
 
 import opcache
-from opcache import cann_cache, fsutil, wrap
+from opcache import cann_format, fsutil, wrap
 from opcache.cache import BUILD_SESSION
 from opcache.wrap import HOST_CHIP
 
@@ -201,7 +201,7 @@ def test_a_kernel_lock_that_is_not_a_file_keeps_its_entry_and_never_hangs_age(
     assert sorted(chip_report["removed"]) == sorted(others)
     assert (chip / f"{first}.json").exists() and kind_of(lock) == kind
     # CANN's aging lock was let go: another process takes it at once.
-    with held_by_other_process(chip / cann_cache.DEL_LOCK):
+    with held_by_other_process(chip / cann_format.DEL_LOCK):
         pass
     status, report = cann_run(base, "verify", "--fix")
     assert status in (0, 1)
@@ -217,13 +217,13 @@ def test_an_aging_lock_that_is_not_a_file_skips_aging_and_is_left_as_it_is(
     victim = tmp_path / "victim"
     victim.write_bytes(b"")
     os.chmod(victim, 0o600)
-    lock = chip / cann_cache.DEL_LOCK
+    lock = chip / cann_format.DEL_LOCK
     plant(lock, kind, victim)
     before = os.lstat(lock)
     status, report = cann_run(base, "age", *(["--dry-run"] if dry_run else []))
     assert status == 0
     chip_report = report["chips"][SOC]
-    assert cann_cache.DEL_LOCK in chip_report["skipped"]
+    assert cann_format.DEL_LOCK in chip_report["skipped"]
     assert chip_report["removed"] == []
     assert all((chip / f"{kernel}.json").exists() for kernel in kernels)
     after = os.lstat(lock)

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opcache import ConfigError
-from opcache.cann_cache import _read_json as cann_read_json
+from opcache.cann_format import read_json as cann_read_json
 from opcache.counters import CounterFiles
 from opcache.debug import read_debug_config
 from opcache.explain import _read as explain_notes
