@@ -944,8 +944,14 @@ _CC_SIDE_FILES += ("-ftest-coverage", "-fsave-optimization-record")
 _CC_SIDE_FILES += ("-fdiagnostics-format=sarif-file", "-fdiagnostics-format=json-file")
 _CC_SIDE_FILES += ("-fdiagnostics-add-output=",)
 # Flags naming a file whose contents change the output (a plugin, clang's
-# sanitizer lists): the file's digest joins the key.
-_CC_FILE_FLAGS = ("-fplugin=", "-fsanitize-ignorelist=", "-fsanitize-blacklist=")
+# sanitizer, coverage and XRay lists, old spellings too): the file's digest
+# joins the key.  clang lists some of them in its -M output, not all.  Any
+# other flag keyed by its text whose value names a file is uncacheable.
+_CC_FILE_FLAGS = ("-fplugin=", "-fpass-plugin=", "-fsanitize-ignorelist=", "-fsanitize-blacklist=")
+_CC_FILE_FLAGS += ("-fsanitize-system-ignorelist=", "-fsanitize-coverage-allowlist=")
+_CC_FILE_FLAGS += ("-fsanitize-coverage-ignorelist=", "-fsanitize-coverage-whitelist=")
+_CC_FILE_FLAGS += ("-fsanitize-coverage-blacklist=", "-fxray-attr-list=")
+_CC_FILE_FLAGS += ("-fxray-always-instrument=", "-fxray-never-instrument=")
 _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 # The flags of CANN's device compilers (bisheng, ccec), keyed and passed as
@@ -980,6 +986,7 @@ def _plan_cc(
     want_deps = debug = False
     has_target = False
     flag_files: list[list[str]] = []  # [flag, the digest of the file it names]
+    after_source: list[str] = []  # -x after the source: it applies to no input
     ascend = os.path.basename(argv[0]) in ASCEND_CC_NAMES
     known_sources = C_SOURCES + _ASCEND_SOURCES if ascend else C_SOURCES
     i = 0
@@ -1029,13 +1036,21 @@ def _plan_cc(
         elif ascend and (arg in _ASCEND_SWITCHES or arg.startswith(_ASCEND_PREFIXES)):
             if "dump" in arg:  # (--cce-dump-*: files beside the object)
                 raise Uncacheable(f"cc: {arg} writes a side file a hit could not give back")
+            _names_no_file(arg)
             key_args.append(arg)
             pass_args.append(arg)
         elif arg.startswith(_CC_FILE_FLAGS):
             flag_files.append([arg, _flag_file_digest(arg)])
             key_args.append(arg)
             pass_args.append(arg)
+        elif arg.startswith("-x") and sources:
+            # (gcc and clang apply -x to the inputs after it: it stays there)
+            after_source += [arg, value] if value is not None else [arg]
         elif arg in _CC_KEY_EXACT or arg.startswith(_CC_KEY_PREFIXES):
+            if arg.startswith("-f"):
+                _names_no_file(arg)
+            if arg == "-mllvm":
+                _names_no_file(value or "")
             debug = debug or (arg.startswith("-g") and arg != "-g0")
             words = [arg, value] if value is not None else [arg]
             key_args += words
@@ -1064,6 +1079,8 @@ def _plan_cc(
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
     if flag_files:
         attrs["flag_files"] = flag_files
+    if after_source:
+        attrs["after_source"] = after_source
     assembler = _path_assembler(argv[0], compiler_identity, env, memo.store)
     if assembler is not None:
         attrs["assembler"] = assembler
@@ -1097,7 +1114,8 @@ def _plan_cc(
     request = OpRequest(op_type="cc", soc_version=HOST_CHIP, attrs=attrs, sources=key_sources)
 
     def command(workdir: Path) -> list[str]:
-        out = [argv[0], *extra, *pass_args, "-c", source, "-o", str(workdir / "object")]
+        out = [argv[0], *extra, *pass_args, "-c", source, *after_source]
+        out += ["-o", str(workdir / "object")]
         if want_deps:
             out += [a for a in key_args if a in ("-MD", "-MMD")]
             out += ["-MF", str(workdir / "deps")]
@@ -1173,10 +1191,24 @@ def _flag_file_digest(arg: str) -> str:
     if flag == "-fplugin" and "/" not in path:
         # gcc looks for NAME.so in its own plugin folder.
         raise Uncacheable(f"cc: {arg} names a plugin of gcc's own folder (not keyed)")
+    if flag == "-fpass-plugin" and "/" not in path:
+        raise Uncacheable(f"cc: {arg} names a plugin the library path finds (not keyed)")
     try:
         return digest(read_input(path))
     except OSError as e:
         raise Uncacheable(f"cc: cannot read the file of {flag}= ({e.strerror})") from None
+
+
+def _names_no_file(arg: str) -> None:
+    """Uncacheable when a flag keyed by its text names a file by its value
+    (``-fNAME=FILE``): the compiler may read it, and its contents are not keyed.
+    A folder is allowed (``-fdebug-compilation-dir=.``)."""
+    _, sep, value = arg.partition("=")
+    try:
+        if sep and value and not stat.S_ISDIR(os.stat(value).st_mode):
+            raise Uncacheable(f"cc: {arg} names a file opcache does not key")
+    except (OSError, ValueError):
+        pass
 
 
 def _clock_key(

@@ -36,20 +36,24 @@ def src(tmp_path: Path) -> Path:
     return folder
 
 
-def gcc_alone(src: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
-    """gcc's own compile of the same command into ``plain.o``."""
+def gcc_alone(
+    src: Path, env: dict[str, str], *args: str, cc: str = "gcc"
+) -> subprocess.CompletedProcess[bytes]:
+    """gcc's (or ``cc``'s) own compile of the same command into ``plain.o``."""
     done = subprocess.run(
-        [GCC, *args, "-o", "plain.o"], cwd=src, env=env, capture_output=True, timeout=120
+        [cc, *args, "-o", "plain.o"], cwd=src, env=env, capture_output=True, timeout=120
     )
     assert done.returncode == 0, done.stderr.decode()
     return done
 
 
-def same_as_gcc(src: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
+def same_as_gcc(
+    src: Path, env: dict[str, str], *args: str, cc: str = "gcc"
+) -> subprocess.CompletedProcess[bytes]:
     """``gcc ARGS -o k.o`` through opcache, then asserts the object and stderr are gcc's own."""
     (src / "k.o").unlink(missing_ok=True)
-    done = wrap("gcc", *args, "-o", "k.o", env=env, cwd=src)
-    plain = gcc_alone(src, env, *args)
+    done = wrap(cc, *args, "-o", "k.o", env=env, cwd=src)
+    plain = gcc_alone(src, env, *args, cc=cc)
     assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
     assert done.stderr == plain.stderr
     return done
@@ -506,3 +510,76 @@ def test_an_assembler_earlier_on_path_is_used(env, src, tmp_path):
     done = same_as_gcc(src, {**env, "PATH": f"{tools}:{env['PATH']}"}, "-O2", "-c", "k.c")
     assert done.returncode == 0
     assert (src / "k.o").read_bytes().endswith(b"tail")
+
+
+# -- review 2, finding 4: -x after the source ---------------------------------------
+
+
+def test_x_after_the_source_applies_to_nothing_as_gccs_does(env, src):
+    # gcc applies -x to the inputs after it: after the last one it is ignored
+    # (with a warning), so k.c stays C.  opcache moved it before the source.
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    after = ["-O2", "-c", "k.c", "-x", "c++"]
+    same_as_gcc(src, env, "-O2", "-x", "c++", "-c", "k.c")  # C++: _Z1fv
+    done = same_as_gcc(src, env, *after)  # C: f, not the C++ object of the line above
+    assert b"after last input file has no effect" in done.stderr
+    assert b"_Z1fv" not in (src / "k.o").read_bytes()
+    assert same_as_gcc(src, env, *after).stderr == done.stderr  # a hit says it again
+    assert stats(env, "host")["hits"] == 1
+
+
+# -- review 2, finding 5: flags naming a file whose contents change the object ----------
+
+CLANG = shutil.which("clang")
+_COVERAGE = ["-fsanitize-coverage=trace-pc-guard"]
+
+
+@pytest.mark.skipif(CLANG is None, reason="clang is needed (Debian: apt-get install clang)")
+@pytest.mark.parametrize(
+    ("flags", "flag", "lists"),
+    [
+        (_COVERAGE, "-fsanitize-coverage-allowlist", ["src:*\nfun:f\n", "src:*\nfun:g\n"]),
+        (_COVERAGE, "-fsanitize-coverage-ignorelist", ["fun:f\n", "fun:g\n"]),
+        (_COVERAGE, "-fsanitize-coverage-whitelist", ["src:*\nfun:f\n", "src:*\nfun:g\n"]),
+        (_COVERAGE, "-fsanitize-coverage-blacklist", ["fun:f\n", "fun:g\n"]),
+        (["-fxray-instrument"], "-fxray-attr-list", ["[always]\nfun:f\n", "[always]\nfun:g\n"]),
+        (["-fxray-instrument"], "-fxray-always-instrument", ["fun:f\n", "fun:g\n"]),
+        (
+            ["-fxray-instrument", "-fxray-instruction-threshold=1"],
+            "-fxray-never-instrument",
+            ["fun:f\n", "fun:g\n"],
+        ),
+    ],
+)
+def test_a_list_file_edited_gives_clangs_new_object(env, src, flags, flag, lists):
+    (src / "k.c").write_text("int f(int x) { return x + 1; }\nint g(int x) { return x * 3; }\n")
+    args = ["-O1", *flags, f"{flag}=list.txt", "-c", "k.c"]
+    objects = []
+    for text in [*lists, lists[0]]:
+        (src / "list.txt").write_text(text)
+        same_as_gcc(src, env, *args, cc="clang")
+        objects.append((src / "k.o").read_bytes())
+    assert objects[0] != objects[1]  # (the list changes clang's object)
+    assert stats(env, "host")["hits"] == 1  # the first list again
+
+
+@pytest.mark.skipif(CLANG is None, reason="clang is needed (Debian: apt-get install clang)")
+def test_an_unknown_flag_naming_a_file_runs_uncached(env, src):
+    # A flag opcache keys by its text alone, whose value is a file clang may read.
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    (src / "m.modulemap").write_text('module m { header "k.h" }\n')
+    args = ["-O2", "-fmodule-map-file=m.modulemap", "-c", "k.c"]
+    for _ in range(2):
+        same_as_gcc(src, env, *args, cc="clang")
+    assert stats(env)["uncacheable_reasons"] == {
+        "cc: -fmodule-map-file=m.modulemap names a file opcache does not key": 2
+    }
+
+
+def test_a_list_file_that_cannot_be_read_runs_uncached(env, src):
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    os.mkfifo(src / "list.txt")  # (read, it would block)
+    flag = "-fsanitize-coverage-allowlist=list.txt"
+    wrap("gcc", flag, "-c", "k.c", env=env, cwd=src, status=None)
+    (reason,) = stats(env)["uncacheable_reasons"]
+    assert reason.startswith("cc: cannot read the file of -fsanitize-coverage-allowlist=")
