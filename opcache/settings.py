@@ -409,13 +409,29 @@ class RemoteSettings(Record):
         return shown
 
 
+# Query options whose values are shown: none can hold a secret (ssl_password
+# is a key's passphrase; anything unknown may be one too).
+_SHOWN_OPTIONS = ("db", TIER_READ_ONLY, "ssl_cert_reqs", "ssl_check_hostname")
+
+
 def _masked_url(url: str) -> str:
+    """The URL with its password and every query value but ``_SHOWN_OPTIONS``' masked."""
+    from urllib.parse import unquote
+
+    url, mark, query = url.partition("?")
     scheme, sep, rest = url.partition("://")
     credentials, at, host = rest.rpartition("@")
-    if not at:
-        return url
-    user, colon, _ = credentials.partition(":")
-    return f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
+    if at:
+        user, colon, _ = credentials.partition(":")
+        url = f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
+    options = []
+    for option in query.split("&") if query else ():
+        name, equals, _ = option.partition("=")
+        if equals and unquote(name) in _SHOWN_OPTIONS:
+            options.append(option)
+        else:
+            options.append(f"{name if equals else ''}=***")
+    return url + mark + "&".join(options)
 
 
 def _resolve_remote(
@@ -493,6 +509,10 @@ _TLS_OPTIONS = (
 )
 
 
+# Characters no credential holds: a header or a command line would end at them.
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def _url_problem(url: str) -> str | None:
     """What is wrong with a remote's URL (one tier's), or None.
 
@@ -509,9 +529,13 @@ def _url_problem(url: str) -> str | None:
         return "a URL holds no spaces, control or non-ASCII characters (percent-encode them)"
     if "#" in rest:
         return "a URL has no '#' (write %23 in a password)"
+    from urllib.parse import unquote
+
     rest, _, query = rest.partition("?")
     netloc, slash, path = rest.partition("/")
-    _, _, hostport = netloc.rpartition("@")
+    credentials, _, hostport = netloc.rpartition("@")
+    if _CONTROL.search(unquote(credentials)):
+        return "a user name or password holds no control characters (%00-%1F, %7F)"
     if scheme == "unix":
         if hostport or not path:
             return "use unix:///path/to/redis.sock[?db=N]"
@@ -632,6 +656,9 @@ def _remote_option(name: str, value: object, option: str, variable: str | None) 
         if 0 < seconds <= 600:
             return seconds
         valid = "a number of seconds, more than 0 and at most 600"
+    elif name == "password" and _CONTROL.search(str(value)):
+        # http.client would refuse it in a header and quote the header, secret and all.
+        valid = "a password with no control characters (not even a secret file's last new line)"
     elif _encodable(str(value)):  # password, prefix: any text the server can be sent
         return text if name == "prefix" else str(value)
     else:

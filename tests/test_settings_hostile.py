@@ -276,3 +276,49 @@ def test_a_remote_typo_keeps_the_local_cache_and_the_commands(tmp_path, env, var
     # On opcache's own command line, the same mistake is an error.
     flag = ["--remote", "ftp://cache:6379/0"]
     opcache("remote", "stats", *flag, env=env, cwd=tmp_path, status=2)
+
+
+# -- credentials are never shown ------------------------------------------------------------
+
+
+def files_holding(folder: Path, secret: str) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+@needs_gcc
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("OPCACHE_REMOTE_PASSWORD", "TOPSECRET-token\n"),  # a secret file's last line break
+        ("OPCACHE_REMOTE_PASSWORD", "TOPSECRET\r\nX-Evil: 1"),
+        ("OPCACHE_REMOTE", "http://:TOPSECRET%0A@127.0.0.1:1/c"),  # decoded from the URL
+        ("OPCACHE_REMOTE", "http://ci:TOPSECRET%00@127.0.0.1:1/c"),
+    ],
+)
+def test_a_credential_with_a_control_character_is_refused_and_never_shown(
+    tmp_path, env, variable, value
+):
+    """http.client refuses such a header and quotes it whole in its error, which every
+    compile printed: the credential is refused when read, with a line naming the variable."""
+    env = {**env, "OPCACHE_REMOTE": "http://127.0.0.1:1/c", variable: value}
+    said = compile_k(env, tmp_path)
+    assert len(warnings(said)) == 1 and f"{variable}=" in said and "control" in said
+    stats = opcache("stats", "-v", env=env, cwd=tmp_path).stderr.decode()
+    assert "TOPSECRET" not in said + stats and not files_holding(tmp_path / "cache", "TOPSECRET")
+    with pytest.raises(ConfigError, match="control") as caught:
+        resolve_settings(remote={"url": env["OPCACHE_REMOTE"], "password": value}, environ={})
+    assert "TOPSECRET" not in str(caught.value)
+
+
+@needs_gcc
+def test_query_values_of_a_remote_url_are_masked_in_warnings_stats_and_files(tmp_path, env):
+    """``?ssl_password=`` is a TLS key's passphrase: never printed, never in the stats file."""
+    url = "rediss://127.0.0.1:1/0?db=0&ssl_password=KEY-PASSPHRASE&ssl_cert_reqs=none"
+    env = {**env, "OPCACHE_REMOTE": url}
+    said = compile_k(env, tmp_path)
+    shown = "rediss://127.0.0.1:1/0?db=0&ssl_password=***&ssl_cert_reqs=none"
+    assert len(warnings(said)) == 1 and shown in said, said
+    stats = opcache("stats", "-v", env=env, cwd=tmp_path)
+    printed = stats.stdout.decode() + stats.stderr.decode()
+    assert shown in printed and "PASSPHRASE" not in said + printed
+    assert not files_holding(tmp_path / "cache", "PASSPHRASE")
