@@ -264,7 +264,7 @@ def _opcache_files() -> dict[str, tuple[int, int, int]]:
     return files
 
 
-# -- a worker: one request --------------------------------------------------------
+# -- a worker ----------------------------------------------------------------------
 
 
 def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
@@ -291,11 +291,14 @@ def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
         try:
             conn.settimeout(REQUEST_TIMEOUT)
             reply = _answer(conn, files)
-            conn.settimeout(None)
-            conn.sendall(reply)
         except BaseException as e:  # the client runs opcache itself: it will say what is wrong
             log.debug("opcache server: call dropped: %r", e)
             os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
+        try:
+            conn.settimeout(None)
+            conn.sendall(reply)
+        except OSError:
+            pass  # the client left (it was killed): nothing to tell it
         finally:
             conn.close()
             # Nothing of the client kept: its descriptors (a pipe make waits on), its folder.
@@ -311,7 +314,7 @@ def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
 
 
 def _die_with_the_server(die: bool, server: int = 0) -> None:
-    """Whether this worker ends when the server does (SIGKILLed, it cannot end its spares)."""
+    """Whether this worker ends when the server does (SIGKILLed, it cannot end the idle ones)."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL if die else 0)
     if die and os.getppid() != server:  # (the server ended before that)
         os._exit(0)
