@@ -59,19 +59,24 @@ def _no_constant(text: str) -> float:
 
 
 def _depth(value: object) -> int:
-    """How deep lists and objects nest in ``value``, walked without recursion."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = list(item.values())
-        if isinstance(item, list):
-            deepest = max(deepest, depth)
-            if depth > MAX_DEPTH:
-                break
-            stack.extend((child, depth + 1) for child in item)
-    return deepest
+    """How deep lists and objects nest in ``value``, walked without recursion
+    (past ``MAX_DEPTH``, a number past it)."""
+    # A level at a time, and only its lists and objects: one isinstance per item,
+    # no tuple per item (this walk was most of reading a manifest).
+    depth = 0
+    level = [value]
+    while level:
+        level = [item for item in level if isinstance(item, dict | list)]
+        if not level:
+            break
+        depth += 1
+        if depth > MAX_DEPTH:
+            break
+        children: list[object] = []
+        for item in level:
+            children.extend(item.values() if isinstance(item, dict) else item)
+        level = children
+    return depth
 
 
 # -- CANN's reader: nlohmann::json's operator>> ------------------------------------

@@ -118,7 +118,7 @@ class RemoteTier:
         got = self.fetch(soc, key)
         if got is None:
             return None
-        return self._backfill_later(soc, key, *got), "remote"
+        return self.backfill_later(soc, {key: got})[key], "remote"
 
     def claim_or_wait(self, soc: str, key: str) -> tuple[Entry | None, Claim]:
         """(the remote's entry, once another client stored it) or (None, this compile's
@@ -181,31 +181,37 @@ class RemoteTier:
             for key, (entry, _) in found.items()
         }
 
-    def _backfill_later(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
-        """``backfill`` in a background thread.  (Under a key's lock, where others
-        wait to find the copy, it is done at once instead.)"""
+    def backfill_later(self, soc: str, found: dict[str, tuple[Entry, bytes]]) -> dict[str, Entry]:
+        """``backfill_many`` in a background thread, the entries served meanwhile.
+        (Under a key's lock, where others wait to find the copy, it is done at
+        once instead.)"""
         import threading  # only on a remote hit: not on wrap's start-up
 
-        hit = Entry(key, entry.files, entry.compile_seconds, self._clock())
+        now = self._clock()
+        hits = {key: Entry(key, e.files, e.compile_seconds, now) for key, (e, _) in found.items()}
         with self._mutex:
-            self._backfills[(soc, key)] = (hit, manifest)
+            for key, (_, manifest) in found.items():
+                self._backfills[(soc, key)] = (hits[key], manifest)
             if self._backfiller is None:
                 self._backfiller = threading.Thread(
                     target=self._backfill_all, name="opcache-backfill", daemon=True
                 )
                 self._backfiller.start()
-        return hit
+        return hits
 
     def _backfill_all(self) -> None:
+        """The copies still to be made, a chip's at a time, in one batch each."""
         while True:
             with self._mutex:
                 if not self._backfills:
                     self._backfiller = None
                     return
-                (soc, key), got = next(iter(self._backfills.items()))
-            self.backfill(soc, key, *got)
-            with self._mutex:  # (a hit meanwhile took it from here rather than the remote)
-                del self._backfills[(soc, key)]
+                soc = next(iter(self._backfills))[0]
+                batch = [(k, got) for (s, k), got in self._backfills.items() if s == soc]
+            self._keep(soc, [(key, manifest, hit.files) for key, (hit, manifest) in batch])
+            with self._mutex:  # (a hit meanwhile took them from here rather than the remote)
+                for key, _ in batch:
+                    del self._backfills[(soc, key)]
 
     # -- what the cache asks ---------------------------------------------------------
 

@@ -300,8 +300,10 @@ class _Batch:
         for soc, missing in by_soc.items():
             started = time.perf_counter()
             found = remote.fetch_many(soc, [job.key for job in missing])
+            # Served now, kept in the cache folder in the background (no local
+            # lock is held on them: nobody here waits for those copies).
             jobs_of = {job.key: job for job in missing if job.key in found}
-            for key, entry in self._backfilled(soc, found, jobs_of).items():
+            for key, entry in remote.backfill_later(soc, found).items():
                 self._hits(jobs_of[key], entry, started, "remote")
         return [job for job in jobs if self.results[job.indices[0]] is None]
 
@@ -436,8 +438,8 @@ class _Batch:
     def _backfilled(
         self, soc: str, found: dict[str, tuple[Entry, bytes]], jobs: dict[str, _Job]
     ) -> dict[str, Entry]:
-        """The remote's entries ``found``, kept in the cache folder in one batch; if
-        that fails unexpectedly, their ``jobs`` fail with it."""
+        """The remote's entries ``found``, kept in the cache folder in one batch now;
+        if that fails unexpectedly, their ``jobs`` fail with it."""
         if not found:
             return {}
         remote = self.flow.remote

@@ -156,9 +156,10 @@ def test_a_batch_of_remote_hits_is_kept_in_one_store_counted_once(
     with opcache.OpCache(machine(tmp_path, "b", redis_url)) as b:
         results = b.compile_many(requests, compiler, lambda r: tmp_path / "b-out" / r.op_name)
         assert [r.tier for r in results] == ["remote"] * ops
-        store = LocalStore(machine(tmp_path, "b", redis_url).root)
-        on_disk = sum(entry.size for entry in store.scan(SOC, sizes=True))
-        assert store.used(SOC) == (ops, on_disk)
+    # (closed: the local copies, made in the background, are all made)
+    store = LocalStore(machine(tmp_path, "b", redis_url).root)
+    on_disk = sum(entry.size for entry in store.scan(SOC, sizes=True))
+    assert store.used(SOC) == (ops, on_disk)
     assert compiler.calls() == ops
     assert len(size_updates) == 1  # the batch, not one update per entry
     for request in requests:
