@@ -93,6 +93,7 @@ def _run(argv: Sequence[str]) -> int:
         args = commands.parse(argv)
         if args is None:
             return EXIT_USAGE
+        args.program = main  # (opcache server's workers run command lines as this does)
         return run_logged(args.verbose, lambda: args.func(args))
     except (UsageError, ConfigError) as e:
         print(f"opcache: error: {e}", file=sys.stderr)

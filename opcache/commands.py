@@ -823,7 +823,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         if program is None:
             raise FileNotFoundError("no opcache program beside this Python or on PATH")
         path = os.path.join(socket_folder(os.environ), client_tag(program) + ".sock")
-    return serve(path, idle_seconds(os.environ))
+    return serve(path, idle_seconds(os.environ), args.program)
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import __version__, _log, fsutil, trust
@@ -125,8 +125,11 @@ def build_client(folder: Path, program: str, environ: Mapping[str, str]) -> str:
 # -- the server ------------------------------------------------------------------
 
 
-def serve(socket_path: str, idle: float) -> int:
+def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) -> int:
     """Serve on ``socket_path`` until idle for ``idle`` seconds; the exit status.
+
+    ``program`` runs a command line as ``opcache`` does (``cli.main``): the
+    workers run each call's with it.
 
     Another server already on this socket: 0 at once.  A folder that is not
     this user's own: an error (1), nothing made or removed in it.
@@ -173,7 +176,7 @@ def serve(socket_path: str, idle: float) -> int:
                 pid = os.fork()
                 if pid == 0:
                     os.close(said)
-                    _work(listener, tell, files, me)  # (does not return)
+                    _work(listener, tell, files, me, program)  # (does not return)
                 workers[pid] = False
             if select.select([said], [], [], min(idle, 1.0))[0]:
                 states = dict(struct.iter_unpack("=ib", os.read(said, 4096)))
@@ -243,7 +246,7 @@ def _warm_up() -> dict[str, tuple[int, int, int]]:
 
     import platformdirs  # noqa: F401  (configuration warnings' notes)
 
-    from . import cli, readset, remote_tier, stats, wrap  # noqa: F401
+    from . import readset, remote_tier, stats, wrap  # noqa: F401
     from .compilers import cc  # noqa: F401
 
     with contextlib.suppress(ImportError):
@@ -267,7 +270,13 @@ def _opcache_files() -> dict[str, tuple[int, int, int]]:
 # -- a worker ----------------------------------------------------------------------
 
 
-def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
+def _work(
+    listener: socket.socket,
+    tell: int,
+    files: dict,
+    server: int,
+    program: Callable[[list[str]], int],
+) -> None:
     """A worker: serve calls one after another, saying when it is busy; never returns.
 
     One process serves many calls: a fork per call would copy, at each call,
@@ -290,7 +299,7 @@ def _work(listener: socket.socket, tell: int, files: dict, server: int) -> None:
         os.write(tell, struct.pack("=ib", os.getpid(), _BUSY))
         try:
             conn.settimeout(REQUEST_TIMEOUT)
-            reply = _answer(conn, files)
+            reply = _answer(conn, files, program)
         except BaseException as e:  # the client runs opcache itself: it will say what is wrong
             log.debug("opcache server: call dropped: %r", e)
             os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
@@ -320,7 +329,7 @@ def _die_with_the_server(die: bool, server: int = 0) -> None:
         os._exit(0)
 
 
-def _answer(conn: socket.socket, files: dict) -> bytes:
+def _answer(conn: socket.socket, files: dict, program: Callable[[list[str]], int]) -> bytes:
     pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     if uid != os.getuid() or not _sees_what_we_see(pid):
         return b"N"
@@ -337,7 +346,7 @@ def _answer(conn: socket.socket, files: dict) -> bytes:
             return b"N"
         umask, cwd, argc = int(fields[1], 8), fields[2], int(fields[3])
         argv, env = fields[4 : 4 + argc], fields[4 + argc : -1]
-        return _serve(pid, argv, env, cwd, umask, fds)
+        return _serve(pid, argv, env, cwd, umask, fds, program)
     finally:
         for fd in fds:
             if fd > 2:
@@ -372,13 +381,19 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _serve(
-    pid: int, argv: list[bytes], env: list[bytes], cwd: bytes, umask: int, fds: list[int]
+    pid: int,
+    argv: list[bytes],
+    env: list[bytes],
+    cwd: bytes,
+    umask: int,
+    fds: list[int],
+    program: Callable[[list[str]], int],
 ) -> bytes:
     """Become the client and run its command line: the reply (served, or b"N")."""
     import atexit
     import logging
 
-    from . import cli, masquerade, wrap
+    from . import masquerade, wrap
     from .compilers import toolchain
 
     if argv[1:2] != [b"wrap"]:
@@ -410,7 +425,7 @@ def _serve(
         sys.addaudithook(_no_programs)
         _hooked.append(True)
     try:
-        status = cli.main(sys.argv[1:])
+        status = program(sys.argv[1:])
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
