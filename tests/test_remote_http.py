@@ -11,6 +11,8 @@ import hashlib
 import json
 import logging
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -275,3 +277,66 @@ def test_an_upload_cut_off_half_way_leaves_nothing_visible(server: Nginx) -> Non
     assert r.get(SOC, KEY) is None and not object_path(server, KEY).exists()
     assert r.put(SOC, KEY, manifest, files) == len(value)
     assert r.get(SOC, KEY) is not None
+
+
+def test_a_token_with_a_control_character_is_never_in_an_error(server: Nginx) -> None:
+    """Settings built by hand skip the check on reading them: http.client refuses the header
+    and quotes it in its error, which must not reach the message."""
+    token = connect(settings(server.url("token"), password=TOKEN + "-SECRET\n"))
+    with pytest.raises(RemoteError, match="cannot be sent") as refused:
+        token.get(SOC, KEY)
+    assert "SECRET" not in str(refused.value)
+
+
+@pytest.fixture
+def dripping() -> Iterator[str]:
+    """The URL of a server that answers a 200 of 100,000 bytes and sends them a byte every
+    0.1 s, until the client hangs up or the test ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    ended = threading.Event()
+
+    def serve() -> None:
+        while not ended.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(65536)
+                try:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+                    while not ended.wait(0.1):
+                        conn.sendall(b"x")
+                except OSError:
+                    pass  # the client hung up
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/c"
+    ended.set()
+    thread.join(10)
+    listener.close()
+
+
+def test_a_server_that_drips_its_answer_costs_a_miss_within_the_deadline(
+    tmp_path: Path, dripping: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The timeout bounds a whole request, not each read: a byte a second never holds a
+    compile (each read got the whole timeout anew, so the compile waited for every byte)."""
+    compiler = ToyCompiler(tmp_path / "calls")
+    done = []
+
+    def compile_one() -> None:
+        with opcache.OpCache(machine(tmp_path, "a", dripping, timeout=0.5)) as a:
+            done.append((a.compile(make_request(0), compiler, tmp_path / "o"), a.stats()))
+
+    with caplog.at_level(logging.WARNING, logger="opcache"):
+        worker = threading.Thread(target=compile_one, daemon=True)
+        worker.start()
+        worker.join(60)  # the answer's last byte would come in 10,000 s
+        assert done, "the compile still waits on the server's drip"
+    result, stats = done[0]
+    assert result.status == "miss" and stats["remote_errors"] == 1
+    assert read_dir(tmp_path / "o") == expected_files(make_request(0))
+    assert "no whole answer within the timeout" in caplog.text

@@ -25,18 +25,27 @@ write turns the client read-only with one warning (the server allows this
 client reads only).
 
 Connections are kept open and reused, one per thread; a batch of look-ups
-runs on at most ``_THREADS`` threads at once.  No claims: every machine
-compiles the cold keys it misses (HTTP has no atomic create a client could
-hold a lease with).  ``opcache remote stats|clear`` are not supported: the
-protocol cannot list objects; age them on the server.
+runs on at most ``_THREADS`` threads at once.  Each request has a deadline:
+the timeout, plus a second per MiB of value sent or received (``_MIN_RATE``),
+from connecting to the answer's last byte; a request past it is cut off
+(``RemoteError``), so a server that sends a byte a second costs a miss.
+
+No claims: every machine compiles the cold keys it misses (HTTP has no
+atomic create a client could hold a lease with).  ``opcache remote
+stats|clear`` are not supported: the protocol cannot list objects; age them
+on the server.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
+import os
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote, urlsplit
 
@@ -54,6 +63,8 @@ log = get_logger(__name__)
 _THREADS = 8  # look-ups of one batch in flight at once
 _SLACK = 1 << 20  # bytes a value may hold beyond the entry cap (header, manifest)
 _ANSWER_BYTES = 64 << 10  # of an answer that is not a value (a 404's page)
+_CHUNK = 64 << 10  # a value is read this much at a time, each earning its time
+_MIN_RATE = 1 << 20  # bytes a second a value moves at least, beyond the timeout
 
 
 def connect(settings: RemoteSettings) -> HttpRemote:
@@ -87,6 +98,7 @@ class HttpRemote(Remote):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._open: set[http.client.HTTPConnection] = set()  # every thread's, for close
+        self._deadlines = _Deadlines()
         self._corrupt: set[tuple[str, str]] = set()  # keys whose object failed its checks
 
     def _path(self, soc: str, key: str) -> str:
@@ -124,32 +136,69 @@ class HttpRemote(Remote):
         for attempt in (1, 2):
             conn = self._connection()
             reused = self._local.used
+            deadline = time.monotonic() + self._timeout + len(body or b"") / _MIN_RATE
             try:
-                conn.request(method, path, body=body, headers=self._headers)
-                response = conn.getresponse()
-                data = None
-                if method == "GET" and response.status == 200:
-                    data = self._read_body(response)
-                else:
-                    response.read(_ANSWER_BYTES)  # an error page: read a little, never all
+                try:
+                    status, data, whole = self._exchange(conn, method, path, body, deadline)
+                finally:
+                    late = self._deadlines.forget(conn)
+                if late:  # cut off: a short read ended the body, not its last byte
+                    raise TimeoutError
                 self._local.used = True
-                if response.will_close or not response.isclosed():
+                if not whole:
                     self._drop_connection()  # (a page left unread leaves it unusable)
-                return response.status, data
+                return status, data
             except RemoteCorrupt:
                 self._drop_connection()
                 raise
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
                 self._drop_connection()
-                if reused and attempt == 1:
+                if reused and attempt == 1 and not late:
                     continue
-                raise RemoteError(f"{self.where}: {method}: {e or type(e).__name__}") from None
+                raise self._error(method, e, late) from None
             except Exception as e:  # refused, timed out, a bad certificate, a bad answer
                 self._drop_connection()
-                raise RemoteError(f"{self.where}: {method}: {e or type(e).__name__}") from None
+                raise self._error(method, e, late) from None
         raise AssertionError("unreachable")
 
-    def _read_body(self, response: http.client.HTTPResponse) -> bytes:
+    def _exchange(
+        self,
+        conn: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        body: bytes | None,
+        deadline: float,
+    ) -> tuple[int, bytes | None, bool]:
+        """(status, body of a 200 GET, whether the connection can be used again)."""
+        self._deadlines.watch(conn, deadline)
+        if conn.sock is None:  # connected here, then watched again: cut off if late meanwhile
+            conn.connect()
+            self._deadlines.watch(conn, deadline)
+        conn.request(method, path, body=body, headers=self._headers)
+        response = conn.getresponse()
+        data = None
+        if method == "GET" and response.status == 200:
+            data = self._read_body(response, conn, deadline)
+        else:
+            response.read(_ANSWER_BYTES)  # an error page: read a little, never all
+        return response.status, data, not response.will_close and response.isclosed()
+
+    def _error(self, method: str, e: Exception, late: bool) -> RemoteError:
+        if late:
+            why = f"no whole answer within the timeout ({self._timeout:g} s, and 1 s a MiB)"
+        elif isinstance(e, ValueError) and not isinstance(e, OSError):
+            # http.client's text quotes the header it refused (an SSL error is not one)
+            why = f"{type(e).__name__}: a header or the path cannot be sent"
+        else:
+            why = str(e) or type(e).__name__
+        return RemoteError(f"{self.where}: {method}: {why}")
+
+    def _read_body(
+        self,
+        response: http.client.HTTPResponse,
+        conn: http.client.HTTPConnection,
+        deadline: float,
+    ) -> bytes:
         """The body, at most the entry cap's worth: a server sending more is not one of ours."""
         limit = self.max_entry_bytes + _SLACK
         length = response.getheader("Content-Length")
@@ -157,12 +206,16 @@ class HttpRemote(Remote):
             error = RemoteCorrupt(f"an object of {length} bytes, over the entry cap")
             error.size = 0
             raise error
-        data = response.read(limit + 1)
-        if len(data) > limit:
+        chunks, got = [], 0
+        while got <= limit and (chunk := response.read(_CHUNK)):
+            chunks.append(chunk)
+            got += len(chunk)
+            self._deadlines.watch(conn, deadline + got / _MIN_RATE)
+        if got > limit:
             error = RemoteCorrupt("an object over the entry cap")
-            error.size = len(data)
+            error.size = got
             raise error
-        return data
+        return b"".join(chunks)
 
     def _failure(self, method: str, status: int) -> RemoteError:
         if status == 401:
@@ -258,7 +311,74 @@ class HttpRemote(Remote):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._deadlines.stop()
         with self._pool_lock:
             conns, self._open = self._open, set()
         for conn in conns:
             conn.close()
+
+
+class _Deadlines:
+    """Cuts off the requests that outlive their deadline, from one thread.
+
+    A socket's timeout bounds each read and write alone: a server sending a
+    byte a second would hold a request forever.  Shutting the socket down
+    wakes whatever read or write blocks on it, in whichever thread.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._due: dict[http.client.HTTPConnection, float] = {}
+        self._cut: set[http.client.HTTPConnection] = set()
+        self._pid = 0  # the process whose thread watches (a forked child has none)
+        self._watching = False
+        self._number = 0  # the watching thread's: a new number ends it
+
+    def watch(self, conn: http.client.HTTPConnection, deadline: float) -> None:
+        """Cut ``conn`` off at ``deadline``, unless forgotten before."""
+        with self._changed:
+            if self._pid != os.getpid() or not self._watching:
+                if self._pid != os.getpid():  # a forked child: the parent's requests are not ours
+                    self._due.clear()
+                    self._cut.clear()
+                self._pid, self._watching, self._number = os.getpid(), True, self._number + 1
+                thread = threading.Thread(
+                    target=self._run,
+                    args=(self._number,),
+                    name="opcache-http-deadlines",
+                    daemon=True,
+                )
+                thread.start()
+            earliest = min(self._due.values(), default=None)
+            self._due[conn] = deadline
+            if earliest is None or deadline < earliest:  # (else it wakes in time anyway)
+                self._changed.notify()
+
+    def forget(self, conn: http.client.HTTPConnection) -> bool:
+        """Stop watching ``conn``: True if it was cut off."""
+        with self._changed:
+            self._due.pop(conn, None)
+            cut = conn in self._cut
+            self._cut.discard(conn)
+            return cut
+
+    def stop(self) -> None:
+        with self._changed:
+            self._watching, self._number = False, self._number + 1
+            self._changed.notify()
+
+    def _run(self, number: int) -> None:
+        with self._changed:
+            while self._number == number:
+                now = time.monotonic()
+                for conn, deadline in list(self._due.items()):
+                    if deadline <= now:
+                        del self._due[conn]
+                        self._cut.add(conn)
+                        if conn.sock is not None:  # (else connecting: watched again after)
+                            # The plain socket's shutdown: an SSL socket's own drops its
+                            # TLS state under the thread reading it.
+                            with contextlib.suppress(OSError):
+                                socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
+                next_due = min(self._due.values(), default=None)
+                self._changed.wait(None if next_due is None else next_due - now)
