@@ -409,9 +409,20 @@ class RemoteSettings(Record):
         return shown
 
 
-# Query options whose values are shown: none can hold a secret (ssl_password
-# is a key's passphrase; anything unknown may be one too).
-_SHOWN_OPTIONS = ("db", TIER_READ_ONLY, "ssl_cert_reqs", "ssl_check_hostname")
+# Query options whose values are shown: none holds a secret (a file's path is
+# not its content).  ssl_password is a key's passphrase; anything unknown may
+# be a secret too.
+_SHOWN_OPTIONS = (
+    "db",
+    TIER_READ_ONLY,
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+    "ssl_ciphers",
+)
 
 
 def _masked_url(url: str) -> str:
