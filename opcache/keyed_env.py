@@ -53,6 +53,14 @@ CC_KEY_ENVIRONMENT = (
     "COLUMNS",
     "GCC_EXTRA_DIAGNOSTIC_OUTPUT",
 )
+# CANN's toolkit roots (set_env.sh sets them all), keyed for its device
+# compilers (bisheng, ccec, bishengcc) on top of CC_KEY_ENVIRONMENT: no public
+# source says the driver reads them, but a driver that finds the toolkit's
+# headers or device libraries through them would make another object.
+ASCEND_CC_KEY_ENVIRONMENT = (
+    "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH", "ASCEND_AICPU_PATH",
+    "TOOLCHAIN_HOME",
+)  # fmt: skip
 # Variables that make the compiler write a file opcache does not capture.
 CC_SIDE_OUTPUT_ENVIRONMENT = (
     "DEPENDENCIES_OUTPUT",

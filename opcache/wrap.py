@@ -55,6 +55,7 @@ from .compilers.toolchain import file_identity, read_input, which
 from .errors import CompileError, ConfigError
 from .key import canonical_json, compute_key, digest
 from .keyed_env import (
+    ASCEND_CC_KEY_ENVIRONMENT,
     CC_KEY_ENVIRONMENT,
     CC_SIDE_OUTPUT_ENVIRONMENT,
     ENV_EXTRA_FILES,
@@ -1034,7 +1035,8 @@ def _plan_cc(
                 raise Uncacheable(f"cc: {arg} is not a C source")
             sources.append(arg)
         elif ascend and (arg in _ASCEND_SWITCHES or arg.startswith(_ASCEND_PREFIXES)):
-            if "dump" in arg:  # (--cce-dump-*: files beside the object)
+            if "dump" in arg or arg.startswith("--cce-auto-sync-log"):
+                # (--cce-dump-*, and where auto-sync inserted syncs: files beside the object)
                 raise Uncacheable(f"cc: {arg} writes a side file a hit could not give back")
             _names_no_file(arg)
             key_args.append(arg)
@@ -1069,7 +1071,10 @@ def _plan_cc(
         raise Uncacheable("cc: the output folder does not exist")
     source_data = _read(source)
     compiler_identity = file_identity(_which(argv[0], env), memo.store)
-    inputs = memo.header_digests(argv[0], compiler_identity, pass_args, source, source_data, env)
+    keyed_names = CC_KEY_ENVIRONMENT + ASCEND_CC_KEY_ENVIRONMENT if ascend else CC_KEY_ENVIRONMENT
+    inputs = memo.header_digests(
+        argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names
+    )
     for place in [*inputs.paths, *inputs.absent]:
         # gcc takes <place>.gch, where it exists, for the header it looks for
         # there; cc -M names the header alone, so the key would not hold it.
@@ -1084,7 +1089,7 @@ def _plan_cc(
     assembler = _path_assembler(argv[0], compiler_identity, env, memo.store)
     if assembler is not None:
         attrs["assembler"] = assembler
-    keyed_env = [(name, env[name]) for name in CC_KEY_ENVIRONMENT if name in env]
+    keyed_env = [(name, env[name]) for name in keyed_names if name in env]
     if keyed_env:
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
     macros = {*inputs.macros, *_macros_in(source_data), *_macros_in(os.fsencode(" ".join(args)))}
@@ -1333,7 +1338,7 @@ class HeaderMemo:
 
     Keyed by everything that decides which headers the preprocessor opens (the
     compiler, the flags and include folders, the source's path and contents,
-    the working folder, the environment variables in ``CC_KEY_ENVIRONMENT``).
+    the working folder, the environment variables that join the compile's key).
     A remembered header list is used only while every header still has the
     contents it had then (same contents, same ``#include``s, same list) and
     every place the preprocessor looked for a header before the folder where
@@ -1354,8 +1359,10 @@ class HeaderMemo:
         source: str,
         source_data: bytes,
         env: Mapping[str, str],
+        keyed: Sequence[str],
     ) -> CcInputs:
-        """The headers ``source`` includes (in the order first read), with their digests."""
+        """The headers ``source`` includes (in the order first read), with their digests;
+        ``keyed``: the names of the environment variables that join the key."""
         memo_key = digest(
             canonical_json(
                 {
@@ -1365,7 +1372,7 @@ class HeaderMemo:
                     "source": [source, digest(source_data)],
                     "cwd": os.getcwd(),
                     # repr: text even for bytes of no encoding (os.environ's surrogates)
-                    "env": repr([env.get(name) for name in CC_KEY_ENVIRONMENT]),
+                    "env": repr([env.get(name) for name in keyed]),
                 }
             )
         )

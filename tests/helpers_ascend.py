@@ -11,7 +11,10 @@ g++, so preprocessing, include search and dependency files are real:
   each kernel holds ``ASCEND_FLAGS``, the text of them all, so another arch or
   another ``-mllvm`` value makes another object, as with the real compiler;
   ``--cce-aicore-arch=dav-c220-cube`` also defines ``__DAV_C220_CUBE__`` and
-  ``--npu-arch=dav-2201`` defines ``__NPU_ARCH__=2201``, which CANN's headers test.
+  ``--npu-arch=dav-2201`` defines ``__NPU_ARCH__=2201``, which CANN's headers test;
+- with ``ASCEND_HOME_PATH`` set, its ``include`` folder is searched after the
+  command line's (``-isystem``): a driver that finds the toolkit's headers
+  itself, which opcache keys defensively (no public source says bisheng does).
 
 The flags are those of CANN's public build files: asc-devkit's
 ``cmake/asc/asc_modules/CMakeASCInformation.cmake`` and the bisheng and ccec
@@ -80,6 +83,12 @@ int main(int argc, char **argv) {
         } else {
             out[n++] = a;
         }
+    }
+    if (getenv("ASCEND_HOME_PATH")) {
+        char *inc = malloc(strlen(getenv("ASCEND_HOME_PATH")) + 9);
+        sprintf(inc, "%s/include", getenv("ASCEND_HOME_PATH"));
+        out[n++] = "-isystem";
+        out[n++] = inc;
     }
     {
         static char define[16500];

@@ -231,3 +231,38 @@ def test_a_link_named_ccache_is_opcache_in_ccaches_place(kernel, tmp_path):
     for _ in range(2):
         subprocess.run([str(link), bisheng, *LINE], cwd=src, env=env, check=True, timeout=120)
     assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
+
+
+@pytest.mark.parametrize("variable", ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"])
+def test_another_toolkit_root_is_a_miss(kernel, variable):
+    """The toolkit root variables join a device compile's key (and its header memo)."""
+    env, src = kernel
+    for _ in range(2):
+        wrap("bisheng", *LINE, env={**env, variable: "/toolkit/a"}, cwd=src)
+    wrap("bisheng", *LINE, env={**env, variable: "/toolkit/b"}, cwd=src)
+    assert (host(env)["misses"], host(env)["hits"]) == (2, 1)
+
+
+def test_headers_the_driver_finds_through_the_toolkit_root_are_keyed(kernel, tmp_path):
+    # The stand-in searches $ASCEND_HOME_PATH/include, as a driver that found
+    # the toolkit's headers itself would: after a switch of toolkit, and after
+    # an edit of the new toolkit's header, the object is the compiler's own.
+    env, src = kernel
+    (src / "inc" / "tiling.h").unlink()  # (found in the toolkit only)
+    for name, tile in (("a", 8), ("b", 16), ("b", 4)):
+        header = tmp_path / name / "include" / "tiling.h"
+        header.parent.mkdir(parents=True, exist_ok=True)
+        header.write_text(f"#define TILE {tile}\n")
+        toolkit = {**env, "ASCEND_HOME_PATH": str(tmp_path / name)}
+        wrap("bisheng", *LINE, env=toolkit, cwd=src)
+        assert (src / "k.o").read_bytes() == plain(toolkit, src, "bisheng", LINE), (name, tile)
+
+
+def test_a_sync_log_flag_runs_uncached_with_its_reason(kernel):
+    # --cce-auto-sync-log=FILE writes where bisheng inserted syncs beside the object.
+    env, src = kernel
+    line = [*LINE, "--cce-auto-sync-log=sync.txt"]
+    wrap("bisheng", *line, env=env, cwd=src)
+    assert stats(env)["uncacheable_reasons"] == {
+        "cc: --cce-auto-sync-log=sync.txt writes a side file a hit could not give back": 1
+    }

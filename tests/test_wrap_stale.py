@@ -583,3 +583,29 @@ def test_a_list_file_that_cannot_be_read_runs_uncached(env, src):
     wrap("gcc", flag, "-c", "k.c", env=env, cwd=src, status=None)
     (reason,) = stats(env)["uncacheable_reasons"]
     assert reason.startswith("cc: cannot read the file of -fsanitize-coverage-allowlist=")
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["-fprofile-use=k.prof"], "cc: -fprofile-use=k.prof makes the output unpredictable"),
+        (["-fprofile-sample-use=k.prof"], "cc: -fprofile-sample-use=k.prof makes the output"),
+        (["-fprofile-instr-use=k.prof"], "cc: -fprofile-instr-use=k.prof makes the output"),
+        (["-fprofile-list=k.prof"], "cc: -fprofile-list=k.prof makes the output unpredictable"),
+        (["-imacros", "k.h"], "cc: unsupported flag -imacros"),
+        (["--sysroot=/"], "cc: unsupported flag --sysroot=/"),
+        (["-isysroot", "/"], "cc: unsupported flag -isysroot"),
+        (["-B/usr/bin/"], "cc: unsupported flag -B/usr/bin/"),
+        (["-specs=k.specs"], "cc: unsupported flag -specs=k.specs"),
+    ],
+)
+def test_a_flag_naming_a_file_the_key_cannot_hold_runs_uncached(env, src, flags, reason):
+    # Profiles, macro files, system roots, program folders and spec files
+    # change the object; opcache does not key them, so it does not cache.
+    for name in ("k.prof", "k.h", "k.specs"):
+        (src / name).write_text("\n")
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    wrap("gcc", *flags, "-c", "k.c", env=env, cwd=src, status=None)
+    ((said, count),) = stats(env)["uncacheable_reasons"].items()
+    assert said.startswith(reason)
+    assert count == 1
