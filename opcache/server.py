@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import __version__, _log, fsutil, trust
+from . import __version__, _log, fsutil, stats, trust
 from ._log import get_logger
 from .key import digest
 from .masquerade import find_compiler
@@ -289,6 +289,7 @@ def _work(
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDWR)
+    stats.defer_writes()
     for _ in range(CALLS_PER_WORKER):
         _die_with_the_server(True, server)
         try:
@@ -309,10 +310,11 @@ def _work(
         except OSError:
             pass  # the client left (it was killed): nothing to tell it
         finally:
-            conn.close()
+            conn.close()  # (the client reads up to the end: it is done now)
             # Nothing of the client kept: its descriptors (a pipe make waits on), its folder.
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
+            stats.write_deferred()  # (in the client's folder still: a cache named relatively)
             os.chdir("/")
             logging.getLogger("opcache").handlers.clear()
         if _stale:  # an upgrade: this process's modules are old

@@ -125,6 +125,12 @@ class StatsRecorder:
             self._wake.set()
             if thread.ident != _thread.get_ident():
                 thread.join(timeout=10)
+        if _deferred is not None:
+            _deferred.append(self)  # (written by write_deferred)
+            return
+        self._write_and_forget()
+
+    def _write_and_forget(self) -> None:
         self.flush()
         with self._lock:
             self._pending.clear()  # counts that could not be written are given up
@@ -137,6 +143,27 @@ class StatsRecorder:
         self._pending = {}
         self._thread = None
         self._lock = _thread.allocate_lock()
+
+
+# Recorders closed while writes are deferred, to write (opcache server's workers).
+_deferred: list[StatsRecorder] | None = None
+
+
+def defer_writes() -> None:
+    """From now on, what a recorder has at ``close()`` is written by ``write_deferred()``.
+
+    For ``opcache server``'s workers: the client has its reply before the
+    counts of its hit are written, a moment later.
+    """
+    global _deferred
+    if _deferred is None:
+        _deferred = []
+
+
+def write_deferred() -> None:
+    """Write the counts of the recorders closed since the last call."""
+    while _deferred:
+        _deferred.pop()._write_and_forget()
 
 
 # Every recorder of this process that counted and is not closed, flushed at exit

@@ -124,6 +124,15 @@ def processes_of(socket_path: Path) -> list[int]:
     return found
 
 
+def counted(env: dict[str, str], name: str, expected: int) -> dict:
+    """The host chip's stats once ``name`` reaches ``expected`` (or after WAIT): a worker
+    writes a served hit's counts just after its client has the reply."""
+    deadline = time.monotonic() + WAIT
+    while (host := stats(env, "host")).get(name) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return host
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -166,7 +175,7 @@ def test_a_hit_is_served_with_the_python_hit_s_bytes_and_counts(served):
     assert (hit.returncode, hit.stdout, hit.stderr) == (0, alone.stdout, alone.stderr)
     assert b"unused variable" in hit.stderr  # the compiler's warning, replayed
     assert (served.src / "k.o").read_bytes() == made
-    host = stats(served.env, "host")
+    host = counted(served.env, "hits", 2)
     assert (host["misses"], host["hits"]) == (1, 2)
 
 
@@ -181,7 +190,7 @@ def test_calls_at_once_are_each_served_once(served):
     assert [call.wait(timeout=120) for call in calls] == [0] * 8
     assert served.fallbacks() == before
     assert all((served.src / f"k{i}.o").read_bytes() == made for i in range(8))
-    assert stats(served.env, "host")["hits"] == hits + 8
+    assert counted(served.env, "hits", hits + 8)["hits"] == hits + 8
 
 
 def test_nothing_of_one_call_stays_for_the_next(served):
