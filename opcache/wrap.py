@@ -944,6 +944,8 @@ _CC_SIDE_FILES = ("-gsplit-dwarf", "-fstack-usage", "-fdump-", "-fcallgraph-info
 _CC_SIDE_FILES += ("-ftest-coverage", "-fsave-optimization-record")
 _CC_SIDE_FILES += ("-fdiagnostics-format=sarif-file", "-fdiagnostics-format=json-file")
 _CC_SIDE_FILES += ("-fdiagnostics-add-output=",)
+# (clang's: <object>.json, an optimization record, the driver's process stats)
+_CC_SIDE_FILES += ("-ftime-trace", "-foptimization-record-file=", "-fproc-stat-report")
 # Flags naming a file whose contents change the output (a plugin, clang's
 # sanitizer, coverage and XRay lists, old spellings too): the file's digest
 # joins the key.  clang lists some of them in its -M output, not all.  Any

@@ -609,3 +609,23 @@ def test_a_flag_naming_a_file_the_key_cannot_hold_runs_uncached(env, src, flags,
     ((said, count),) = stats(env)["uncacheable_reasons"].items()
     assert said.startswith(reason)
     assert count == 1
+
+
+@pytest.mark.skipif(CLANG is None, reason="clang is needed (Debian: apt-get install clang)")
+@pytest.mark.parametrize(
+    ("flag", "side"),
+    [
+        ("-ftime-trace", "k.json"),
+        ("-foptimization-record-file=r.yaml", "r.yaml"),
+        ("-fproc-stat-report=st.txt", "st.txt"),
+    ],
+)
+def test_a_clang_flag_writing_a_side_file_runs_uncached(env, src, flag, side):
+    (src / "k.c").write_text("int f(int x) { return x + 1; }\n")
+    for _ in range(2):
+        (src / side).unlink(missing_ok=True)
+        wrap("clang", flag, "-O1", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+        assert (src / side).is_file()
+    assert stats(env)["uncacheable_reasons"] == {
+        f"cc: {flag} writes a side file a hit could not give back": 2
+    }
