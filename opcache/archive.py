@@ -12,12 +12,16 @@ An archive is a tar (gzip-compressed when its name ends in ``.gz`` or
   format and how many entries came before it.  An archive without it, or
   whose count differs, was cut short.
 
-Reading checks the whole archive before anything is written (``check``):
-a member that is not a regular file (a link, a folder, a device), a name
-that is not ``<kind>/<soc>/<plain name>`` (``..``, an absolute path, more
-parts), a value that does not unpack, a truncated file: the archive is
-refused, with the reason.  Writing goes to a temp file beside ``FILE``,
-renamed over it when complete.
+Reading checks the whole archive before anything is written
+(``ArchiveReader.check``): a member that is not a regular file (a link, a
+folder, a device), a name that is not ``<kind>/<soc>/<plain name>`` (``..``,
+an absolute path, more parts), a member over ``MAX_MEMBER_BYTES`` (refused
+on its header, before it is read) or not starting as a value does, a value
+that does not unpack, a truncated file: the archive is refused, with the
+reason.  The entries are then read again from the same open file, each one
+required to be the member checked (``ArchiveReader.entries``).  Writing goes
+to a temp file beside ``FILE``, renamed over it when complete; an entry over
+``MAX_MEMBER_BYTES`` is left out, and reported.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import xxhash
+
 from . import fsutil
 from ._log import get_logger
 from .request import is_plain_name
-from .settings import Settings, check_soc_version
+from .settings import MB, REMOTE_OPTIONS, Settings, check_soc_version
 from .storage import RemoteCorrupt
 from .storage.entry import CorruptEntry, Entry
-from .storage.value import pack, unpack
+from .storage.value import MAGIC, pack, unpack
 
 log = get_logger(__name__)
 
@@ -47,8 +53,13 @@ FORMAT = 1
 TRAILER = "opcache-archive.json"
 OPCACHE = "opcache"
 CANN = "cann"
-# A bigger member is not an entry any cache writes (the remote's cap is 64 MB).
-MAX_MEMBER_BYTES = 1 << 30
+# The largest member an archive holds, each held whole in memory while it is checked:
+# the remote's default cap on an entry (OPCACHE_REMOTE_MAX_ENTRY_MB) and room for the
+# value's header and manifest.  CANN's kernels are KBs to a few MB each (its default
+# folder limit is 500 MB for a whole chip); an entry over it stays out of archives.
+MAX_MEMBER_BYTES = REMOTE_OPTIONS["max_entry_mb"][1] * MB + MB
+_MAX_TRAILER_BYTES = 1 << 16
+TOO_BIG = f"its packed value is over {MAX_MEMBER_BYTES} bytes, the most an archive holds"
 
 
 class BadArchive(Exception):
@@ -80,11 +91,15 @@ class ArchiveWriter:
             format=tarfile.PAX_FORMAT,
         )
 
-    def add(self, soc: str, key: str, value: bytes, when: float) -> None:
-        """One entry's packed value (``pack``) under ``<kind>/<soc>/<key>``."""
+    def add(self, soc: str, key: str, value: bytes, when: float) -> bool:
+        """One entry's packed value (``pack``) under ``<kind>/<soc>/<key>``; False, and
+        nothing added, when it is over ``MAX_MEMBER_BYTES`` (an import refuses it)."""
+        if len(value) > MAX_MEMBER_BYTES:
+            return False
         self._member(f"{self.kind}/{soc}/{key}", value, when)
         self.count += 1
         self.bytes += len(value)
+        return True
 
     def _member(self, name: str, data: bytes, when: float) -> None:
         info = tarfile.TarInfo(name)
@@ -118,50 +133,121 @@ class ArchiveWriter:
             self.abort()
 
 
-def members(path: Path, kind: str) -> Iterator[tuple[str, str, bytes]]:
-    """(soc, key, packed value) of each entry of an archive, in its order.
+class ArchiveReader:
+    """An archive file opened once, read twice from that one descriptor.
 
-    Raises BadArchive at the first member that is not what an archive of
-    ``kind`` holds, and at the end when the trailer is missing or its count
-    differs; OSError when the file cannot be read.  The values are not
-    unpacked here (``check`` does it).
+    ``check`` reads it whole: every member, each value unpacked, the trailer.
+    ``entries`` reads it again and gives each entry only if it is the member
+    ``check`` saw at that place (name, size, XXH3-128 of its bytes), so an
+    importer writes only what was checked, with the trailer checked first:
+    a file renamed over the name in between is not this descriptor's, and
+    one changed in place is refused before the first entry (its size or
+    modification time differ) or at the first member that differs.
     """
-    count = 0
-    trailer = None
-    # The file the user named, a link to it too; never waiting on a FIFO.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise BadArchive(f"{path} is not a regular file")
-    with os.fdopen(fd, "rb") as f:
+
+    def __init__(self, path: Path, kind: str) -> None:
+        self.path = path
+        self.kind = kind
+        # The file the user named, a link to it too; never waiting on a FIFO.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadArchive(f"{path} is not a regular file")
+        self._file = os.fdopen(fd, "rb")
+        self._seen: list[tuple[str, str, int, bytes]] | None = None
+        self._stat = self._identity()
+
+    def check(self) -> dict[str, list[tuple[str, int, bytes]]]:
+        """Read the whole archive: {soc: [(key, packed size, manifest bytes)]} in its order.
+
+        BadArchive for any member that is not what an archive of its kind holds,
+        a value that does not unpack (damaged, or another key's), a missing or
+        wrong trailer: nothing of such a file is used.
+        """
+        found: dict[str, list[tuple[str, int, bytes]]] = {}
+        seen = []
+        for soc, key, value in self._members():
+            _, manifest = unpacked(soc, key, value)
+            found.setdefault(soc, []).append((key, len(value), manifest))
+            seen.append((soc, key, len(value), xxhash.xxh3_128_digest(value)))
+        self._seen = seen
+        self._stat = self._identity()
+        return found
+
+    def entries(self) -> Iterator[tuple[str, str, Entry, bytes]]:
+        """(soc, key, entry, manifest) of each member ``check`` passed, read again.
+
+        BadArchive when the file changed since: before the first entry when its
+        size or time did, else at the first member that is not the one checked.
+        """
+        if self._seen is None:
+            raise RuntimeError("entries() before check()")
+        if self._identity() != self._stat:
+            raise BadArchive(f"{self.path} changed since it was checked: nothing imported")
+        for at, (soc, key, value) in enumerate(self._members()):
+            got = (soc, key, len(value), xxhash.xxh3_128_digest(value))
+            if at >= len(self._seen) or self._seen[at] != got:
+                raise BadArchive(f"{self.path} changed while it was imported: {soc}/{key} differs")
+            yield (soc, key, *unpacked(soc, key, value))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> ArchiveReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _identity(self) -> tuple[int, int, int, int]:
+        st = os.fstat(self._file.fileno())
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _members(self) -> Iterator[tuple[str, str, bytes]]:
+        """(soc, key, packed value) of each entry, from the file's start.
+
+        Raises BadArchive at the first member that is not what an archive of
+        the kind holds, and at the end when the trailer is missing or its count
+        differs.  The values are not unpacked here.
+        """
+        count = 0
+        trailer = None
+        self._file.seek(0)
         try:
-            with tarfile.open(fileobj=f, mode="r|*") as tar:
+            with tarfile.open(fileobj=self._file, mode="r|*") as tar:
                 for info in tar:
                     if trailer is not None:
                         raise BadArchive(f"{info.name!r} comes after {TRAILER}")
                     if not info.isreg():
                         what = "a link" if info.issym() or info.islnk() else "not a regular file"
                         raise BadArchive(f"{info.name!r} is {what}: an archive holds files only")
-                    if info.size > MAX_MEMBER_BYTES:
-                        raise BadArchive(
-                            f"{info.name!r} is {info.size} bytes: too big for an entry"
-                        )
-                    data = _read_member(tar, info)
                     if info.name == TRAILER:
-                        trailer = data
+                        trailer = _read_member(tar, info, _MAX_TRAILER_BYTES, b"")
                         continue
-                    soc, key = _entry_name(info.name, kind)
+                    soc, key = _entry_name(info.name, self.kind)
                     count += 1
-                    yield soc, key, data
+                    yield soc, key, _read_member(tar, info, MAX_MEMBER_BYTES, MAGIC)
         except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
             # (gzip's BadGzipFile is an OSError: a damaged file reads as one too)
-            raise BadArchive(f"{path}: not a whole tar file ({e or 'unexpected end'})") from None
-    _check_trailer(path, trailer, kind, count)
+            why = e or "unexpected end"
+            raise BadArchive(f"{self.path}: not a whole tar file ({why})") from None
+        _check_trailer(self.path, trailer, self.kind, count)
 
 
-def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int, magic: bytes) -> bytes:
+    """The member's bytes, refused on its declared size before any is read, and on its
+    first bytes (not ``magic``) before the rest is."""
+    if info.size > limit:
+        raise BadArchive(
+            f"{info.name!r} is {info.size} bytes: too big for an entry (at most {limit})"
+        )
     reader = tar.extractfile(info)
-    data = reader.read() if reader is not None else b""
+    if reader is None:
+        raise BadArchive(f"{info.name!r} cannot be read")
+    head = reader.read(len(magic))
+    if head != magic and len(head) == len(magic):
+        raise BadArchive(f"{info.name!r} is not an opcache value: refusing the archive")
+    data = head + reader.read()
     if len(data) != info.size:
         raise BadArchive(f"{info.name!r} is cut short: the archive is truncated")
     return data
@@ -193,19 +279,6 @@ def _check_trailer(path: Path, raw: bytes | None, kind: str, count: int) -> None
         raise BadArchive(
             f"{path} holds {count} entries, its {TRAILER} says {trailer.get('entries')}: truncated"
         )
-
-
-def check(path: Path, kind: str) -> dict[str, list[tuple[str, int, bytes]]]:
-    """Read the whole archive once: {soc: [(key, packed size, manifest bytes)]} in its order.
-
-    BadArchive for anything ``members`` refuses, and for a value that does not
-    unpack (damaged, or another key's): nothing of such a file is used.
-    """
-    found: dict[str, list[tuple[str, int, bytes]]] = {}
-    for soc, key, value in members(path, kind):
-        _, manifest = unpacked(soc, key, value)
-        found.setdefault(soc, []).append((key, len(value), manifest))
-    return found
 
 
 def unpacked(soc: str, key: str, value: bytes) -> tuple[Entry, bytes]:
@@ -246,7 +319,9 @@ def export_cache(
                     continue
                 if got is not None:
                     entry, manifest = got
-                    out.add(chip, info.key, pack(info.key, manifest, entry.files), info.stamp)
+                    value = pack(info.key, manifest, entry.files)
+                    if not out.add(chip, info.key, value, info.stamp):
+                        skipped.append({"entry": f"{chip}/{info.key}", "why": TOO_BIG})
             if progress is not None:
                 progress(done * 100 // len(chips))
     return {"file": str(path), "entries": out.count, "bytes": out.bytes, "skipped": skipped}
@@ -268,31 +343,31 @@ def import_cache(
     """
     from .storage.local import LocalStore
 
-    found = check(path, OPCACHE)
-    total = sum(len(v) for s, v in found.items() if soc is None or s == soc)
-    report: dict[str, object] = {"file": str(path), "imported": 0, "bytes": 0, "present": 0}
-    errors: list[str] = []
-    report["errors"] = errors
-    if dry_run:
-        report["would_import"] = total
-        return report
-    store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
-    done = 0
-    for chip, key, value in members(path, OPCACHE):
-        if soc is not None and chip != soc:
-            continue
-        entry, manifest = unpacked(chip, key, value)
-        try:
-            stored = store.put(chip, key, manifest, entry.files, now=time.time())
-        except (OSError, ValueError) as e:
-            errors.append(f"{chip}/{key}: {e}")
-        else:
-            if stored is None:
-                report["present"] += 1  # type: ignore[operator]
+    with ArchiveReader(path, OPCACHE) as reader:
+        found = reader.check()
+        total = sum(len(v) for s, v in found.items() if soc is None or s == soc)
+        report: dict[str, object] = {"file": str(path), "imported": 0, "bytes": 0, "present": 0}
+        errors: list[str] = []
+        report["errors"] = errors
+        if dry_run:
+            report["would_import"] = total
+            return report
+        store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
+        done = 0
+        for chip, key, entry, manifest in reader.entries():
+            if soc is not None and chip != soc:
+                continue
+            try:
+                stored = store.put(chip, key, manifest, entry.files, now=time.time())
+            except (OSError, ValueError) as e:
+                errors.append(f"{chip}/{key}: {e}")
             else:
-                report["imported"] += 1  # type: ignore[operator]
-                report["bytes"] += stored  # type: ignore[operator]
-        done += 1
-        if progress is not None:
-            progress(done * 100 // max(total, 1))
+                if stored is None:
+                    report["present"] += 1  # type: ignore[operator]
+                else:
+                    report["imported"] += 1  # type: ignore[operator]
+                    report["bytes"] += stored  # type: ignore[operator]
+            done += 1
+            if progress is not None:
+                progress(done * 100 // max(total, 1))
     return report

@@ -61,9 +61,10 @@ from pathlib import Path
 from . import _json, fsutil, ini, trust
 from ._log import get_logger
 from ._record import Record
-from .archive import CANN, ArchiveWriter, BadArchive, check, members, unpacked
+from .archive import CANN, TOO_BIG, ArchiveReader, ArchiveWriter, BadArchive
 from .cann_cache import Limits, cann_root, read_limits
 from .cann_format import (
+    DEL_LOCK,
     LOCK_MODE,
     CannEntry,
     access_time,
@@ -237,6 +238,14 @@ class Bundle(Record):
 _PART = re.compile(r"(_mix_ai[cv])?(\.json|\.o|\.so|\.h)")
 
 
+def _reserved(kernel: str) -> str | None:
+    """Why a chip folder cannot hold an entry of this kernel name as CANN's (None if it can)."""
+    if f"{kernel}.lock" == DEL_LOCK:
+        # Its lock would be the aging lock a pull holds, and closing it releases that.
+        return f"a name CANN reserves: its lock would be the aging lock {DEL_LOCK}"
+    return None
+
+
 def _own_name(kernel: str, name: str) -> bool:
     """A file an entry may bring, as CANN names them: ``<kernel>.json``, its binary
     ``.o``/``.so``, header ``.h``, a mix-core entry's ``<kernel>_mix_aic.json`` /
@@ -263,6 +272,8 @@ class _Reader:
                 problem = "it names files not named after its kernel as CANN names them"
             if problem is None and not is_plain_name(entry.kernel):
                 problem = "not a kernel name"
+            if problem is None:
+                problem = _reserved(entry.kernel)
             if problem is not None:
                 self.skipped.append({"entry": entry.kernel, "why": problem})
                 continue
@@ -302,6 +313,13 @@ class _Writer:
         self.used = scan.used
         self.limit = limits.max_bytes
         self.report = report
+        self._parked: list[int] = []
+
+    def close(self) -> None:
+        """Close the lock files kept open (``_locked``); call it once the writes are done."""
+        for fd in self._parked:
+            os.close(fd)
+        self._parked.clear()
 
     def has(self, kernel: str) -> bool:
         return f"{kernel}.json" in self.present
@@ -315,6 +333,9 @@ class _Writer:
         main = f"{kernel}.json"
         if not is_plain_name(kernel) or main not in files:
             return self._bad(kernel, "no json named after its kernel")
+        reserved = _reserved(kernel)
+        if reserved is not None:
+            return self._bad(kernel, reserved)
         if not all(_own_name(kernel, name) for name in files):
             return self._bad(kernel, "it brings files not named as CANN names its files")
         if any(fsutil.lexists(name, self.fd) for name in files):
@@ -346,12 +367,19 @@ class _Writer:
     def _locked(self, kernel: str) -> Iterator[bool]:
         """CANN's ``LockAndOpenCacheFile``: ``<kernel>.lock`` opened a+, chmod 0640,
         a non-blocking whole-file write lock; False when another process holds it
-        (or something that is not a regular file stands there)."""
+        (or something that is not a regular file stands there, or a file of more
+        than one name: a hard link to the aging lock this process holds, which
+        closing it would release)."""
         try:
-            lock_fd, _ = fsutil.open_regular(
+            lock_fd, st = fsutil.open_regular(
                 f"{kernel}.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, LOCK_MODE, dir_fd=self.fd
             )
         except OSError:
+            yield False
+            return
+        if st.st_nlink != 1:
+            # Any close of the aging lock's file releases it: kept open until close().
+            self._parked.append(lock_fd)
             yield False
             return
         try:
@@ -377,8 +405,8 @@ class _Writer:
             if why is None:
                 os.rename(tmp, main, src_dir_fd=self.fd, dst_dir_fd=self.fd)
                 return None
-        except OSError as e:
-            why = f"cannot write it: {e.strerror or e}"
+        except (OSError, OverflowError, ValueError) as e:  # one entry's bad data ends no run
+            why = f"cannot write it: {getattr(e, 'strerror', None) or e}"
         for name in done:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=self.fd)
@@ -747,6 +775,7 @@ def _pull_chip(
         if not _fill_lock(held, chip, report):
             return report
         writer = _Writer(chip.fd, read_limits(root, environ, settings.shared_group), report)
+        held.callback(writer.close)
         wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
         report["present"] = len(rows) - len(wanted)
         batches = [wanted[at : at + _BATCH] for at in range(0, len(wanted), _BATCH)]
@@ -805,13 +834,17 @@ def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> 
 
 
 def _atime_of(manifest: bytes) -> int:
-    """The source's last access recorded in an entry's manifest (now when absent)."""
+    """The source's last access recorded in an entry's manifest, at most now (now when
+    absent or not a time)."""
     try:
         inputs = _json.loads(manifest.partition(b"\n")[2]).get("inputs", {})  # type: ignore[union-attr]
         atime = inputs.get("atime")
     except (ValueError, AttributeError):
         atime = None
-    return atime if isinstance(atime, int) and atime >= 0 else int(time.time())
+    now = int(time.time())
+    # A time to come is no access: kept, it would pin the entry against CANN's aging
+    # (or overflow utime).
+    return min(atime, now) if isinstance(atime, int) and atime >= 0 else now
 
 
 def _present_names(root: Path, soc: str, settings: Settings) -> set[str]:
@@ -862,7 +895,9 @@ def export_archive(
                         report["skipped"].append({"entry": kernel, "why": bundle})
                         continue
                     value = pack(kernel, _manifest(ns, bundle), bundle.files)
-                    out.add(soc, kernel, value, bundle.atime)
+                    if not out.add(soc, kernel, value, bundle.atime):
+                        report["skipped"].append({"entry": kernel, "why": TOO_BIG})
+                        continue
                     report["entries"] += 1
                     report["bytes"] += bundle.size
                     if progress is not None:
@@ -889,10 +924,11 @@ def import_archive(
     settings = _settings(settings, op_compiler_cache_dir, None)
     env = os.environ if environ is None else environ
     root = cann_root(settings)
-    found = check(Path(path), CANN)
     chips: dict[str, object] = {}
-    writers: dict[str, _Writer] = {}
+    writers: dict[str, tuple[_Writer, bytes]] = {}
     with contextlib.ExitStack() as held:
+        reader = held.enter_context(ArchiveReader(Path(path), CANN))
+        found = reader.check()
         for soc, rows in found.items():
             if soc_version is not None and soc != soc_version:
                 continue
@@ -918,13 +954,17 @@ def import_archive(
             held.callback(chip.close)
             if _fill_lock(held, chip, report):
                 limits = read_limits(root, env, settings.shared_group)
-                writers[soc] = _Writer(chip.fd, limits, report)
+                writers[soc] = (_Writer(chip.fd, limits, report), canonical_json(ns.versions()))
+                held.callback(writers[soc][0].close)
         total = sum(len(found[s]) for s in writers)
-        for done, (soc, kernel, value) in enumerate(members(Path(path), CANN), 1):
-            writer = writers.get(soc)
+        # The same open file again, each entry the one checked above.
+        for done, (soc, kernel, entry, manifest) in enumerate(reader.entries(), 1):
+            writer, versions = writers.get(soc, (None, b""))
             if writer is None or writer.report["stopped_at_limit"]:
                 continue
-            entry, manifest = unpacked(soc, kernel, value)
+            if _versions_of(manifest) != versions:
+                writer._bad(kernel, "its versions are not this folder's")
+                continue
             try:
                 writer.write(Bundle(kernel, _atime_of(manifest), entry.files))
             except _Full:

@@ -22,6 +22,7 @@ from helpers_cann import SOC, kernel_name, set_access, store_entry, store_mix_en
 import opcache
 from opcache import archive, cann_transfer
 from opcache.cann_cache import CannCache, read_limits
+from opcache.storage.value import pack
 
 NOW = time.time()
 
@@ -274,3 +275,228 @@ def test_an_imported_archive_serves_as_a_read_only_seed_tier(tmp_path):
         results = [cache.compile(r, compiler, tmp_path / "out-job") for r in requests]
     assert [(r.status, r.tier) for r in results] == [("hit", "remote")] * 2
     assert compiler.calls() == 2  # only the first cache compiled
+
+
+# -- review 2: the archive read once, members capped, reserved names, recorded times --------
+
+
+def _other_versions_export(tmp_path: Path, path: Path) -> str:
+    """An export of a folder of adk/ops 8.0.0 (one entry) at ``path``; its kernel."""
+    c = tmp_path / "c"
+    root = c / "kernel_cache"
+    root.mkdir(parents=True)
+    (root / "op_cache.ini").write_text(
+        "[op_compiler_cache]\nadk_version=8.0.0\nops_version=8.0.0\n"
+    )
+    kernel = kernel_name("Add", "other toolkit")
+    store_entry(root / SOC, kernel, os.urandom(500))
+    cann_transfer.export_archive(path, SOC, settings=_settings(c), environ=_env(tmp_path))
+    return kernel
+
+
+def test_an_archive_renamed_over_after_its_check_is_imported_as_checked(tmp_path, monkeypatch):
+    """Another process renames a new export (of another toolkit) over the file while the
+    import runs: only the file that was checked is written, never the other's entries."""
+    path = _export(tmp_path)
+    other = tmp_path / "other.tar"
+    foreign = _other_versions_export(tmp_path, other)
+    real = cann_transfer.local_namespace
+
+    def swapping(*args, **kw):  # type: ignore[no-untyped-def]
+        if other.exists():
+            os.replace(other, path)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cann_transfer, "local_namespace", swapping)
+    report = _import(tmp_path, path)["chips"][SOC]
+    assert not other.exists()  # the swap happened
+    b_chip = tmp_path / "b/kernel_cache" / SOC
+    assert f"{foreign}.json" not in os.listdir(b_chip)
+    assert (report["written"], report["rejected"]) == (4, [])
+    assert _files(b_chip) == _files(tmp_path / "a/kernel_cache" / SOC)
+
+
+@pytest.mark.parametrize("change", ["rewritten", "cut"])
+def test_an_archive_changed_in_place_after_its_check_writes_nothing(tmp_path, monkeypatch, change):
+    """The same file rewritten (a shared or NFS path) or cut short after the check: the
+    import refuses it before writing a single entry."""
+    path = _export(tmp_path)
+    other = tmp_path / "other.tar"
+    _other_versions_export(tmp_path, other)
+    new = other.read_bytes() if change == "rewritten" else path.read_bytes()[: -(10 << 10)]
+    real = cann_transfer.local_namespace
+
+    def changing(*args, **kw):  # type: ignore[no-untyped-def]
+        with open(path, "r+b") as f:
+            f.write(new)
+            f.truncate()
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cann_transfer, "local_namespace", changing)
+    with pytest.raises(archive.BadArchive, match="changed"):
+        _import(tmp_path, path)
+    chip = tmp_path / "b/kernel_cache" / SOC
+    assert not chip.exists() or not [n for n in os.listdir(chip) if n.endswith(".json")]
+
+
+def test_opcache_import_of_an_archive_renamed_over_stores_what_was_checked(tmp_path, monkeypatch):
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(make_settings(tmp_path / "one", tmp_path)) as cache:
+        cache.compile(make_request(0), compiler, tmp_path / "out")
+    with opcache.OpCache(make_settings(tmp_path / "three", tmp_path)) as cache:
+        cache.compile(make_request(1), compiler, tmp_path / "out")
+    path, other = tmp_path / "seed.tar", tmp_path / "other.tar"
+    archive.export_cache(make_settings(tmp_path / "one", tmp_path), path)
+    archive.export_cache(make_settings(tmp_path / "three", tmp_path), other)
+    from opcache.storage import local
+
+    real = local.LocalStore
+
+    def swapping(*args, **kw):  # type: ignore[no-untyped-def]
+        if other.exists():
+            os.replace(other, path)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(local, "LocalStore", swapping)
+    two = make_settings(tmp_path / "two", tmp_path)
+    assert archive.import_cache(two, path)["imported"] == 1
+    monkeypatch.undo()
+    with opcache.OpCache(two) as cache:
+        assert cache.compile(make_request(0), compiler, tmp_path / "o2").status == "hit"
+        assert cache.compile(make_request(1), compiler, tmp_path / "o2").status == "miss"
+
+
+def _zeros_member_archive(path: Path, size: int) -> None:
+    """A .tar.gz of one member of ``size`` zero bytes (a few hundred KiB on disk)."""
+
+    class Zeros(io.RawIOBase):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+            k = min(len(b), self.n)
+            b[:k] = bytes(k)
+            self.n -= k
+            return k
+
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo(f"cann/{SOC}/" + kernel_name("Add", "bomb"))
+        info.size = size
+        tar.addfile(info, io.BufferedReader(Zeros(size)))
+
+
+def test_a_member_bigger_than_any_entry_is_refused_from_its_header(tmp_path):
+    """A small .tar.gz whose member inflates past the largest entry an archive carries is
+    refused on its declared size, before any of it is read into memory."""
+    path = tmp_path / "bomb.tar.gz"
+    _zeros_member_archive(path, 100 << 20)  # (the review's bomb: 300 MiB cost 633 MiB)
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(archive.BadArchive, match="too big"):
+        _import(tmp_path, path)
+
+
+def test_a_member_that_is_not_an_entry_is_refused_from_its_first_bytes(tmp_path):
+    path = tmp_path / "zeros.tar.gz"
+    _zeros_member_archive(path, 10 << 20)
+    with pytest.raises(archive.BadArchive, match="not an opcache value"):
+        _import(tmp_path, path)
+
+
+def _archive_of(tmp_path: Path, bundles: list[cann_transfer.Bundle]) -> Path:
+    """An archive of ``bundles`` as ``export_archive`` writes them (in this order)."""
+    a = tmp_path / "a" / "kernel_cache"
+    write_ini(a)
+    ns, _ = cann_transfer.local_namespace(a, SOC, _env(tmp_path), None, taking=False)
+    path = tmp_path / "made.tar"
+    with archive.ArchiveWriter(path, archive.CANN) as out:
+        for b in bundles:
+            out.add(SOC, b.kernel, pack(b.kernel, cann_transfer._manifest(ns, b), b.files), NOW)
+    return path
+
+
+def _bundle(tmp_path: Path, kernel: str, atime: int) -> cann_transfer.Bundle:
+    chip = tmp_path / "src" / SOC
+    paths = store_entry(chip, kernel, os.urandom(300))
+    return cann_transfer.Bundle(kernel, atime, {p.name: p.read_bytes() for p in paths})
+
+
+@pytest.mark.parametrize("atime", [10**19, 10**13, -5])
+def test_an_entry_recorded_as_used_in_the_future_is_written_as_used_now(tmp_path, atime):
+    """A bad recorded access time neither aborts the import (10**19 overflowed utime)
+    nor pins the entry against CANN's aging (10**13: the year 2446)."""
+    kernels = [kernel_name("Add", f"t{i}") for i in range(3)]
+    bundles = [_bundle(tmp_path, k, int(NOW) - 60) for k in kernels]
+    bundles[1] = cann_transfer.Bundle(kernels[1], atime, bundles[1].files)
+    path = _archive_of(tmp_path, bundles)
+    before = time.time()
+    report = _import(tmp_path, path)["chips"][SOC]
+    assert (report["written"], report["rejected"]) == (3, [])
+    chip = tmp_path / "b/kernel_cache" / SOC
+    assert all(os.stat(chip / f"{k}.json").st_atime <= time.time() + 1 for k in kernels)
+    if atime > 0:
+        assert os.stat(chip / f"{kernels[1]}.o").st_atime >= before - 1
+
+
+def test_a_kernel_named_as_cann_aging_lock_is_refused_and_the_lock_stays_held(
+    tmp_path, monkeypatch
+):
+    """An entry named op_cache_file_del: its lock would be CANN's aging lock the import
+    holds, and closing it would free that lock for the rest of the import."""
+    kernels = ["op_cache_file_del", *(kernel_name("Add", f"d{i}") for i in range(2))]
+    path = _archive_of(tmp_path, [_bundle(tmp_path, k, int(NOW)) for k in kernels])
+    lock = tmp_path / "b/kernel_cache" / SOC / "op_cache_file_del.lock"
+    seen = []
+    real = cann_transfer._Writer.write
+
+    def write(self, bundle):  # type: ignore[no-untyped-def]
+        real(self, bundle)
+        seen.append(_held_by_someone(lock))
+
+    monkeypatch.setattr(cann_transfer._Writer, "write", write)
+    report = _import(tmp_path, path)["chips"][SOC]
+    assert seen == [True] * 3
+    assert report["written"] == 2
+    [(rejected)] = report["rejected"]
+    assert rejected["entry"] == "op_cache_file_del" and "aging lock" in rejected["why"]
+    assert not (lock.parent / "op_cache_file_del.json").exists()
+
+
+def test_an_entry_lock_linked_to_the_aging_lock_is_never_taken(tmp_path, monkeypatch):
+    """A planted hard link <kernel>.lock -> op_cache_file_del.lock: that entry is skipped,
+    and the aging lock stays held for the rest of the import."""
+    kernels = [kernel_name("Add", f"h{i}") for i in range(3)]
+    path = _archive_of(
+        tmp_path, [_bundle(tmp_path, k, int(NOW) - i) for i, k in enumerate(kernels)]
+    )
+    chip = tmp_path / "b/kernel_cache" / SOC
+    chip.mkdir(parents=True)
+    lock = chip / "op_cache_file_del.lock"
+    lock.touch()
+    os.link(lock, chip / f"{kernels[0]}.lock")
+    seen = []
+    real = cann_transfer._Writer.write
+
+    def write(self, bundle):  # type: ignore[no-untyped-def]
+        real(self, bundle)
+        seen.append(_held_by_someone(lock))
+
+    monkeypatch.setattr(cann_transfer._Writer, "write", write)
+    report = _import(tmp_path, path)["chips"][SOC]
+    assert seen == [True] * 3
+    assert report["written"] == 2
+    assert not (chip / f"{kernels[0]}.json").exists()
+
+
+def _held_by_someone(lock: Path) -> bool:
+    """Whether another process finds CANN's fcntl lock on ``lock`` held."""
+    probe = (
+        "import fcntl, os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "try:\n    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n"
+        "    sys.exit(1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=60)
+    return done.returncode == 1
