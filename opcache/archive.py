@@ -59,7 +59,7 @@ CANN = "cann"
 # folder limit is 500 MB for a whole chip); an entry over it stays out of archives.
 MAX_MEMBER_BYTES = REMOTE_OPTIONS["max_entry_mb"][1] * MB + MB
 _MAX_TRAILER_BYTES = 1 << 16
-TOO_BIG = f"its packed value is over {MAX_MEMBER_BYTES} bytes, the most an archive holds"
+TOO_BIG = f"it is over {MAX_MEMBER_BYTES} bytes, the most an archive holds"
 
 
 class BadArchive(Exception):
@@ -91,9 +91,14 @@ class ArchiveWriter:
             format=tarfile.PAX_FORMAT,
         )
 
-    def add(self, soc: str, key: str, value: bytes, when: float) -> bool:
-        """One entry's packed value (``pack``) under ``<kind>/<soc>/<key>``; False, and
-        nothing added, when it is over ``MAX_MEMBER_BYTES`` (an import refuses it)."""
+    def add(
+        self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], when: float
+    ) -> bool:
+        """One entry, packed (``pack``), under ``<kind>/<soc>/<key>``; False, and nothing
+        added, when it or its value is over ``MAX_MEMBER_BYTES`` (an import refuses it)."""
+        if len(manifest) + sum(map(len, files.values())) > MAX_MEMBER_BYTES:
+            return False
+        value = pack(key, manifest, files)
         if len(value) > MAX_MEMBER_BYTES:
             return False
         self._member(f"{self.kind}/{soc}/{key}", value, when)
@@ -284,7 +289,7 @@ def _check_trailer(path: Path, raw: bytes | None, kind: str, count: int) -> None
 def unpacked(soc: str, key: str, value: bytes) -> tuple[Entry, bytes]:
     """``unpack``'s (entry, manifest), or BadArchive naming the member."""
     try:
-        return unpack(key, value)
+        return unpack(key, value, MAX_MEMBER_BYTES)
     except RemoteCorrupt as e:
         raise BadArchive(f"{soc}/{key}: {e}: refusing the archive") from None
 
@@ -319,8 +324,7 @@ def export_cache(
                     continue
                 if got is not None:
                     entry, manifest = got
-                    value = pack(info.key, manifest, entry.files)
-                    if not out.add(chip, info.key, value, info.stamp):
+                    if not out.add(chip, info.key, manifest, entry.files, info.stamp):
                         skipped.append({"entry": f"{chip}/{info.key}", "why": TOO_BIG})
             if progress is not None:
                 progress(done * 100 // len(chips))

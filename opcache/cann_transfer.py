@@ -83,7 +83,6 @@ from .request import is_plain_name
 from .settings import INI_NAME, Settings, resolve_settings
 from .storage import Remote, RemoteCorrupt, open_remote
 from .storage.entry import make_manifest
-from .storage.value import pack
 
 log = get_logger(__name__)
 
@@ -894,8 +893,7 @@ def export_archive(
                     if isinstance(bundle, str):
                         report["skipped"].append({"entry": kernel, "why": bundle})
                         continue
-                    value = pack(kernel, _manifest(ns, bundle), bundle.files)
-                    if not out.add(soc, kernel, value, bundle.atime):
+                    if not out.add(soc, kernel, _manifest(ns, bundle), bundle.files, bundle.atime):
                         report["skipped"].append({"entry": kernel, "why": TOO_BIG})
                         continue
                     report["entries"] += 1

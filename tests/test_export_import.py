@@ -22,7 +22,6 @@ from helpers_cann import SOC, kernel_name, set_access, store_entry, store_mix_en
 import opcache
 from opcache import archive, cann_transfer
 from opcache.cann_cache import CannCache, read_limits
-from opcache.storage.value import pack
 
 NOW = time.time()
 
@@ -413,7 +412,7 @@ def _archive_of(tmp_path: Path, bundles: list[cann_transfer.Bundle]) -> Path:
     path = tmp_path / "made.tar"
     with archive.ArchiveWriter(path, archive.CANN) as out:
         for b in bundles:
-            out.add(SOC, b.kernel, pack(b.kernel, cann_transfer._manifest(ns, b), b.files), NOW)
+            out.add(SOC, b.kernel, cann_transfer._manifest(ns, b), b.files, NOW)
     return path
 
 
@@ -500,3 +499,34 @@ def _held_by_someone(lock: Path) -> bool:
     )
     done = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=60)
     return done.returncode == 1
+
+
+def test_an_entry_over_the_member_cap_is_left_out_of_the_export_and_the_rest_imports(
+    tmp_path, monkeypatch
+):
+    # The three entries of a 2000-byte binary are over it (3031 bytes), the mix entry is not.
+    monkeypatch.setattr(archive, "MAX_MEMBER_BYTES", 2900)
+    a = tmp_path / "a"
+    big = _cann_folder(a)
+    path = tmp_path / "cache.tar"
+    report = cann_transfer.export_archive(path, SOC, settings=_settings(a), environ=_env(tmp_path))
+    chip = report["chips"][SOC]
+    assert (chip["entries"], sorted(s["entry"] for s in chip["skipped"])) == (1, sorted(big))
+    assert all("the most an archive holds" in s["why"] for s in chip["skipped"])
+    assert _import(tmp_path, path)["chips"][SOC]["written"] == 1
+
+
+def test_a_value_inflating_past_the_member_cap_is_refused(tmp_path, monkeypatch):
+    """A small member whose compressed value inflates to more than an archive holds (a
+    zlib bomb inside the value) is refused as it inflates, not after."""
+    a = tmp_path / "a" / "kernel_cache"
+    write_ini(a)
+    kernel = kernel_name("Add", "inflating")
+    paths = store_entry(tmp_path / "src" / SOC, kernel, bytes(4 << 20))
+    bundle = cann_transfer.Bundle(kernel, int(NOW), {p.name: p.read_bytes() for p in paths})
+    path = _archive_of(tmp_path, [bundle])
+    assert path.stat().st_size < 1 << 20
+    monkeypatch.setattr(archive, "MAX_MEMBER_BYTES", 1 << 20)
+    with pytest.raises(archive.BadArchive, match="inflates past"):
+        _import(tmp_path, path)
+    assert not (tmp_path / "b/kernel_cache" / SOC).exists()

@@ -55,8 +55,9 @@ def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
     return value + xxhash.xxh3_128_digest(value)
 
 
-def unpack(key: str, value: bytes) -> tuple[Entry, bytes]:
-    """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole."""
+def unpack(key: str, value: bytes, limit: int | None = None) -> tuple[Entry, bytes]:
+    """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole,
+    or if its manifest and files are over ``limit`` bytes (checked as it inflates)."""
     if len(value) < _HEAD.size + _CHECK or value[:4] != MAGIC:
         raise RemoteCorrupt("not an opcache value")
     body, check = value[:-_CHECK], value[-_CHECK:]
@@ -67,10 +68,15 @@ def unpack(key: str, value: bytes) -> tuple[Entry, bytes]:
         raise RemoteCorrupt(f"value format {version}, not {FORMAT}")
     payload = body[_HEAD.size :]
     if flags & _ZLIB:
-        try:
-            payload = zlib.decompress(payload)
+        inflate = zlib.decompressobj()
+        try:  # (a few MB of zlib may inflate to GBs: never past the limit)
+            payload = inflate.decompress(payload, 0 if limit is None else limit + _LENGTH.size)
         except zlib.error as e:
             raise RemoteCorrupt(f"cannot decompress: {e}") from None
+        if inflate.unconsumed_tail:
+            raise RemoteCorrupt(f"it inflates past {limit} bytes")
+        if not inflate.eof:
+            raise RemoteCorrupt("cannot decompress: the stream is cut short")
     if len(payload) < _LENGTH.size:
         raise RemoteCorrupt("no manifest")
     (length,) = _LENGTH.unpack_from(payload)
