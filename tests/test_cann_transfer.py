@@ -569,3 +569,57 @@ def test_exit_status_partial_and_unreachable(machines, redis_server):
     dead = _cli(b, "pull", "--remote", "redis://127.0.0.1:1/0")
     assert dead.returncode == 4
     assert dead.stderr.startswith("opcache: error:") and dead.stderr.count("\n") == 1
+
+
+def _pushed_by_hand(a: Machine, bundles: list[cann_transfer.Bundle]) -> None:
+    """Entries put in the remote (and its index) as a pusher of other code might."""
+    from opcache.storage import open_remote
+
+    ns = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", _driver_digest(a))
+    remote = open_remote(a.settings().remote)
+    try:
+        for bundle in bundles:
+            manifest = cann_transfer._manifest(ns, bundle)
+            remote.put(ns.remote_chip, bundle.kernel, manifest, bundle.files)
+        rows = {b.kernel: (int(NOW) - i, b.size) for i, b in enumerate(bundles)}
+        cann_transfer._write_index(remote, ns, rows)
+    finally:
+        remote.close()
+
+
+def _bundle_of(chip: Path, kernel: str, atime: int) -> cann_transfer.Bundle:
+    paths = store_entry(chip, kernel, os.urandom(200))
+    return cann_transfer.Bundle(kernel, atime, {p.name: p.read_bytes() for p in paths})
+
+
+def test_a_pulled_entry_recorded_as_used_in_the_future_neither_aborts_nor_pins(machines, tmp_path):
+    a, b = machines
+    kernels = [kernel_name("Add", f"f{i}") for i in range(3)]
+    atimes = [int(NOW) - 60, 10**19, 10**13]
+    _pushed_by_hand(
+        a, [_bundle_of(tmp_path / "src", k, t) for k, t in zip(kernels, atimes, strict=True)]
+    )
+    write_ini(b.root)
+    report = b.pull()
+    assert (report["written"], report["rejected"]) == (3, [])
+    assert max(os.stat(b.chip / f"{k}.o").st_atime for k in kernels) <= time.time() + 1
+
+
+def test_a_pulled_entry_named_as_cann_aging_lock_is_refused(machines, tmp_path):
+    a, b = machines
+    kernels = ["op_cache_file_del", kernel_name("Add", "after it")]
+    _pushed_by_hand(a, [_bundle_of(tmp_path / "src", k, int(NOW)) for k in kernels])
+    write_ini(b.root)
+    report = b.pull()
+    assert report["written"] == 1
+    assert [r["entry"] for r in report["rejected"]] == ["op_cache_file_del"]
+    assert not (b.chip / "op_cache_file_del.json").exists()
+
+
+def test_an_entry_named_as_cann_aging_lock_is_not_pushed(machines):
+    a, _ = machines
+    _fill(a, 1)
+    store_entry(a.chip, "op_cache_file_del", os.urandom(100))
+    report = a.push()
+    assert report["sent"] == 1
+    assert [s["entry"] for s in report["skipped"]] == ["op_cache_file_del"]
