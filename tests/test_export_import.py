@@ -293,20 +293,28 @@ def _other_versions_export(tmp_path: Path, path: Path) -> str:
     return kernel
 
 
-def test_an_archive_renamed_over_after_its_check_is_imported_as_checked(tmp_path, monkeypatch):
-    """Another process renames a new export (of another toolkit) over the file while the
-    import runs: only the file that was checked is written, never the other's entries."""
-    path = _export(tmp_path)
-    other = tmp_path / "other.tar"
-    foreign = _other_versions_export(tmp_path, other)
-    real = cann_transfer.local_namespace
+def _rename_over_on_call(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, other: Path, path: Path
+) -> None:
+    """The first call of ``owner.name`` (the import calls it between its check and its
+    writes) first renames ``other`` over ``path``, as another process might."""
+    real = getattr(owner, name)
 
     def swapping(*args, **kw):  # type: ignore[no-untyped-def]
         if other.exists():
             os.replace(other, path)
         return real(*args, **kw)
 
-    monkeypatch.setattr(cann_transfer, "local_namespace", swapping)
+    monkeypatch.setattr(owner, name, swapping)
+
+
+def test_an_archive_renamed_over_after_its_check_is_imported_as_checked(tmp_path, monkeypatch):
+    """Another process renames a new export (of another toolkit) over the file while the
+    import runs: only the file that was checked is written, never the other's entries."""
+    path = _export(tmp_path)
+    other = tmp_path / "other.tar"
+    foreign = _other_versions_export(tmp_path, other)
+    _rename_over_on_call(monkeypatch, cann_transfer, "local_namespace", other, path)
     report = _import(tmp_path, path)["chips"][SOC]
     assert not other.exists()  # the swap happened
     b_chip = tmp_path / "b/kernel_cache" / SOC
@@ -349,14 +357,7 @@ def test_opcache_import_of_an_archive_renamed_over_stores_what_was_checked(tmp_p
     archive.export_cache(make_settings(tmp_path / "three", tmp_path), other)
     from opcache.storage import local
 
-    real = local.LocalStore
-
-    def swapping(*args, **kw):  # type: ignore[no-untyped-def]
-        if other.exists():
-            os.replace(other, path)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(local, "LocalStore", swapping)
+    _rename_over_on_call(monkeypatch, local, "LocalStore", other, path)
     two = make_settings(tmp_path / "two", tmp_path)
     assert archive.import_cache(two, path)["imported"] == 1
     monkeypatch.undo()
@@ -447,14 +448,7 @@ def test_a_kernel_named_as_cann_aging_lock_is_refused_and_the_lock_stays_held(
     kernels = ["op_cache_file_del", *(kernel_name("Add", f"d{i}") for i in range(2))]
     path = _archive_of(tmp_path, [_bundle(tmp_path, k, int(NOW)) for k in kernels])
     lock = tmp_path / "b/kernel_cache" / SOC / "op_cache_file_del.lock"
-    seen = []
-    real = cann_transfer._Writer.write
-
-    def write(self, bundle):  # type: ignore[no-untyped-def]
-        real(self, bundle)
-        seen.append(_held_by_someone(lock))
-
-    monkeypatch.setattr(cann_transfer._Writer, "write", write)
+    seen = _aging_lock_after_each_write(monkeypatch, lock)
     report = _import(tmp_path, path)["chips"][SOC]
     assert seen == [True] * 3
     assert report["written"] == 2
@@ -475,7 +469,16 @@ def test_an_entry_lock_linked_to_the_aging_lock_is_never_taken(tmp_path, monkeyp
     lock = chip / "op_cache_file_del.lock"
     lock.touch()
     os.link(lock, chip / f"{kernels[0]}.lock")
-    seen = []
+    seen = _aging_lock_after_each_write(monkeypatch, lock)
+    report = _import(tmp_path, path)["chips"][SOC]
+    assert seen == [True] * 3
+    assert report["written"] == 2
+    assert not (chip / f"{kernels[0]}.json").exists()
+
+
+def _aging_lock_after_each_write(monkeypatch: pytest.MonkeyPatch, lock: Path) -> list[bool]:
+    """Fills, as the import writes each entry, whether another process finds ``lock`` held."""
+    seen: list[bool] = []
     real = cann_transfer._Writer.write
 
     def write(self, bundle):  # type: ignore[no-untyped-def]
@@ -483,10 +486,7 @@ def test_an_entry_lock_linked_to_the_aging_lock_is_never_taken(tmp_path, monkeyp
         seen.append(_held_by_someone(lock))
 
     monkeypatch.setattr(cann_transfer._Writer, "write", write)
-    report = _import(tmp_path, path)["chips"][SOC]
-    assert seen == [True] * 3
-    assert report["written"] == 2
-    assert not (chip / f"{kernels[0]}.json").exists()
+    return seen
 
 
 def _held_by_someone(lock: Path) -> bool:
