@@ -18,8 +18,9 @@ import pytest
 from helpers_cache import SOC, T0, FakeClock, make_settings, trash_emptied, write_size_ini
 
 import opcache
-from opcache import aging
+from opcache import aging, trash
 from opcache.settings import MB
+from opcache.storage import local
 from opcache.storage.entry import make_manifest
 from opcache.storage.local import LocalStore
 
@@ -134,6 +135,32 @@ def test_a_trim_stops_at_entries_too_young_whatever_the_walks(
     assert report.removed_entries == 100
     assert report.oldest_kept == young
     trash_emptied(cache.settings.root)
+
+
+def test_a_large_trim_hands_its_trash_to_several_deleters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A deleter lists its whole trash folder at once: a trim fills a folder per
+    # 30 entries here, each handed to a deleter when full, not one for them all.
+    monkeypatch.setattr(local, "TRASH_FOLDER_ENTRIES", 30, raising=False)
+    handed: list[int] = []
+    real = trash.delete_later
+
+    def delete_later(trash_fd: int, name: str, fd: int) -> None:
+        handed.append(len(os.listdir(fd)))
+        real(trash_fd, name, fd)
+
+    monkeypatch.setattr(trash, "delete_later", delete_later)
+    cache = open_cache(tmp_path, "ops")
+    fill(cache.settings.root, 400, stamp=lambda i: T0 - 10_000 + i)
+    with cache:
+        report = cache.age().chips[SOC]
+        assert report.removed_entries > 3 * 30
+        assert sum(handed) == report.removed_entries
+        assert max(handed) <= 30
+        kept = sum(1 for _ in LocalStore(cache.settings.root).scan(SOC))
+        assert cache._store.used(SOC)[0] == kept == 400 - report.removed_entries
+    assert trash_emptied(cache.settings.root) == []
 
 
 class Calls:

@@ -69,6 +69,8 @@ TMP_GRACE_SECONDS = 6 * 3600
 STALE_LOCAL_SECONDS = 60
 # Removals counted in one counter update while trimming.
 _COUNT_EVERY = 64
+# Entries in one trash folder, deleted by one deleter process.
+TRASH_FOLDER_ENTRIES = 50_000
 # Times a store starts over when force or clear deletes the chip folder under it.
 _PUBLISH_ATTEMPTS = 8
 
@@ -667,25 +669,24 @@ class LocalStore:
 
         One lock, one handle per folder, and one counter update at the end:
         trimming 100,000 entries should cost their deletion, not 100,000 of
-        everything else.  With ``later``, an entry is only renamed into one
-        trash folder, deleted after the batch by a detached process
-        (``trash.py``): the caller pays a rename per entry, not a deletion.
+        everything else.  With ``later``, an entry is only renamed into a
+        trash folder, deleted by a detached process (``trash.py``) once the
+        batch is done or the folder full: the caller pays a rename per entry,
+        not a deletion.
         """
         trash_fd = self.open_folder("trash")
         try:
-            # Locked, so that no sweep deletes under us (None: folders cannot be locked here).
-            folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
+            folders = _TrashFolders(trash_fd, f"{soc}.{_HOST}", self.modes)
             try:
                 with self._counting(soc):
                     chip_fd = self._open_chip_if_there(soc)
                     if chip_fd is None:
                         yield lambda key: None
                         return
-                    with self._remover(soc, chip_fd, trash_fd, folder, later) as remove:
+                    with self._remover(soc, chip_fd, folders, later) as remove:
                         yield remove
             finally:
-                if folder is not None:
-                    trash.delete_later(trash_fd, *folder)  # (at once if it is empty)
+                folders.close()
         finally:
             os.close(trash_fd)
 
@@ -694,8 +695,7 @@ class LocalStore:
         self,
         soc: str,
         chip_fd: int,
-        trash_fd: int,
-        folder: tuple[str, int] | None,
+        folders: _TrashFolders,
         later: bool,
     ) -> Iterator[Callable[[str], int | None]]:
         buckets: dict[str, int | None] = {}
@@ -715,7 +715,7 @@ class LocalStore:
             bucket_fd = buckets[bucket]
             if bucket_fd is None:
                 return None
-            size = _into_trash(key, bucket_fd, trash_fd, folder, later=later)
+            size = _into_trash(key, bucket_fd, folders.fd, folders.next(), later=later)
             if size is None:
                 return None
             removed["entries"] -= 1
@@ -1156,6 +1156,36 @@ def _folder_bytes(name: str, parent_fd: int) -> int:
         return _files_bytes(fd)
     finally:
         os.close(fd)
+
+
+class _TrashFolders:
+    """The locked trash folders a batch of removals goes into: a fresh one every
+    ``TRASH_FOLDER_ENTRIES`` entries, the full one handed to its deleter then.
+
+    A deleter lists its whole folder at once (a few hundred bytes a name): with
+    folders of bounded size its memory is flat however many entries a trim
+    removes, and the deleting starts before the trim ends.
+    """
+
+    def __init__(self, trash_fd: int, label: str, modes: fsutil.Modes) -> None:
+        self.fd, self._label, self._modes = trash_fd, label, modes
+        # Locked, so that no sweep deletes under us (None: folders cannot be locked here).
+        self.folder = trash.new_folder(trash_fd, label, modes)
+        self._filled = 0
+
+    def next(self) -> tuple[str, int] | None:
+        """The folder the next entry goes into."""
+        if self.folder is not None and self._filled >= TRASH_FOLDER_ENTRIES:
+            full, self.folder = self.folder, None
+            trash.delete_later(self.fd, *full)
+            self.folder = trash.new_folder(self.fd, self._label, self._modes)
+            self._filled = 0
+        self._filled += 1
+        return self.folder
+
+    def close(self) -> None:
+        if self.folder is not None:
+            trash.delete_later(self.fd, *self.folder)  # (at once if it is empty)
 
 
 def _into_trash(
