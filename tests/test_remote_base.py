@@ -46,7 +46,7 @@ class DictRemote(Remote):
             if value is None:
                 continue
             try:
-                found[key] = (*unpack(key, value), len(value))
+                found[key] = (*unpack(key, value, 1 << 20), len(value))
             except RemoteCorrupt as e:
                 e.size = len(value)
                 found[key] = e

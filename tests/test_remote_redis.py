@@ -154,13 +154,27 @@ def test_bad_values_are_corrupt_never_served(redis_url: str, redis_server) -> No
         r.get(SOC, KEY)
 
 
+def test_a_value_that_inflates_past_the_entry_cap_is_corrupt(redis_url: str, redis_server) -> None:
+    """A few KB of zlib under the size cap may inflate to gigabytes: the client stops
+    inflating at its own cap (OPCACHE_REMOTE_MAX_ENTRY_MB) and serves nothing."""
+    import zlib
+
+    payload = zlib.compress(b"\0" * (8 << 20), 9)  # 8 MB of zeros in ~8 KB
+    body = b"OPCR" + bytes([1, 1]) + payload  # magic, format 1, zlib
+    redis_server.client().set(f"opcache:1:{SOC}:{KEY}", body + xxhash.xxh3_128_digest(body))
+    r = remote(redis_url, max_entry_mb=1)
+    with pytest.raises(RemoteCorrupt, match="inflates past"):
+        r.get(SOC, KEY)
+    assert "inflates past" in str(r.get_many(SOC, [KEY])[KEY])
+
+
 def test_pack_refuses_files_that_are_not_the_manifests() -> None:
     manifest, files = entry()
     with pytest.raises(ValueError):
         pack(KEY, manifest, {**files, "extra.o": b"x"})
     with pytest.raises(ValueError):
         pack(OTHER, manifest, files)
-    got, _ = unpack(KEY, pack(KEY, manifest, files))
+    got, _ = unpack(KEY, pack(KEY, manifest, files), 1 << 20)
     assert got.files == files
 
 

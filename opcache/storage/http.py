@@ -239,7 +239,7 @@ class HttpRemote(Remote):
             return None
         if status != 200 or data is None:
             raise self._failure("GET", status)
-        got = checked(key, data)
+        got = checked(key, data, self.max_entry_bytes)
         if isinstance(got, RemoteCorrupt):
             self._corrupt.add((soc, key))
         return got

@@ -131,7 +131,7 @@ class RedisRemote(Remote):
 
     def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
         value = self._call("GET", self._redis.get, self._name(soc, key))
-        return None if value is None else unpack(key, value)
+        return None if value is None else unpack(key, value, self.max_entry_bytes)
 
     def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
         """The entries of ``keys`` that are there, by key (a bad value as its RemoteCorrupt)."""
@@ -151,7 +151,9 @@ class RedisRemote(Remote):
         """(the entries of ``keys`` that are there, the keys claimed), in one round trip."""
         if len(keys) == 1 and not claims:  # a plain GET: a pipeline costs a hit 0.1 ms more
             value = self._call("GET", self._redis.get, self._name(soc, keys[0]))
-            return ({} if value is None else {keys[0]: checked(keys[0], value)}), set()
+            return (
+                {} if value is None else {keys[0]: checked(keys[0], value, self.max_entry_bytes)}
+            ), set()
         pipe = self._redis.pipeline(transaction=False)
         batches = [keys[start : start + _MGET_KEYS] for start in range(0, len(keys), _MGET_KEYS)]
         for batch in batches:
@@ -163,7 +165,7 @@ class RedisRemote(Remote):
         for batch, values in zip(batches, answers, strict=False):
             for key, value in zip(batch, values, strict=True):
                 if value is not None:
-                    found[key] = checked(key, value)
+                    found[key] = checked(key, value, self.max_entry_bytes)
         claimed = set()
         if claims:
             claimed = {key for key, token in zip(keys, answers[-1], strict=True) if token}

@@ -96,7 +96,7 @@ class RedisClusterRemote(RedisRemote):
         found: dict[str, Fetched | RemoteCorrupt] = {}
         for key, value in zip(keys, values, strict=False):
             if value is not None:
-                found[key] = checked(key, value)
+                found[key] = checked(key, value, self.max_entry_bytes)
         claimed = set()
         if claims:
             claimed = {key for key, token in zip(keys, values[len(keys) :], strict=True) if token}

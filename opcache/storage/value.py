@@ -55,9 +55,10 @@ def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
     return value + xxhash.xxh3_128_digest(value)
 
 
-def unpack(key: str, value: bytes, limit: int | None = None) -> tuple[Entry, bytes]:
+def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
     """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole,
-    or if its manifest and files are over ``limit`` bytes (checked as it inflates)."""
+    or if its manifest and files are over ``limit`` bytes (checked as it inflates: a
+    value under a remote's size cap may still be zlib that inflates to gigabytes)."""
     if len(value) < _HEAD.size + _CHECK or value[:4] != MAGIC:
         raise RemoteCorrupt("not an opcache value")
     body, check = value[:-_CHECK], value[-_CHECK:]
@@ -70,7 +71,7 @@ def unpack(key: str, value: bytes, limit: int | None = None) -> tuple[Entry, byt
     if flags & _ZLIB:
         inflate = zlib.decompressobj()
         try:  # (a few MB of zlib may inflate to GBs: never past the limit)
-            payload = inflate.decompress(payload, 0 if limit is None else limit + _LENGTH.size)
+            payload = inflate.decompress(payload, limit + _LENGTH.size)
         except zlib.error as e:
             raise RemoteCorrupt(f"cannot decompress: {e}") from None
         if inflate.unconsumed_tail:
@@ -95,10 +96,10 @@ def unpack(key: str, value: bytes, limit: int | None = None) -> tuple[Entry, byt
     return Entry(key, files, described["compile_seconds"], 0.0), manifest
 
 
-def checked(key: str, value: bytes) -> Fetched | RemoteCorrupt:
+def checked(key: str, value: bytes, limit: int) -> Fetched | RemoteCorrupt:
     """``unpack``'s answer with the value's size on the wire, or its RemoteCorrupt."""
     try:
-        return (*unpack(key, value), len(value))
+        return (*unpack(key, value, limit), len(value))
     except RemoteCorrupt as e:
         e.size = len(value)
         return e
