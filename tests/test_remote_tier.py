@@ -88,15 +88,16 @@ def test_two_machines_share_entries_through_the_remote(tmp_path: Path, redis_url
 
 
 def test_compile_many_fetches_hits_in_one_batch_and_backfills(
-    tmp_path: Path, redis_url: str, redis_server
+    tmp_path: Path, redis_url: str, redis_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(remote_tier, "CLAIM_SECONDS", 600.0)  # no renewals on a slow machine
     compiler = ToyCompiler(tmp_path / "calls")
     requests = [make_request(i) for i in range(10)]
     with opcache.OpCache(machine(tmp_path, "a", redis_url)) as a:
         a.compile_many(requests[:6], compiler, lambda r: tmp_path / "a-out" / r.op_name)
     client = redis_server.client()
     client.config_resetstat()
-    with opcache.OpCache(machine(tmp_path, "b", redis_url)) as b:
+    with opcache.OpCache(machine(tmp_path, "b", redis_url, timeout=60)) as b:
         results = b.compile_many(requests, compiler, lambda r: tmp_path / "b-out" / r.op_name)
     assert [r.tier for r in results] == ["remote"] * 6 + [""] * 4
     assert [r.status for r in results] == ["hit"] * 6 + ["miss"] * 4
