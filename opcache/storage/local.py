@@ -456,8 +456,8 @@ class LocalStore:
     ) -> Iterator[tuple[int, str]]:
         """(its bucket's handle, key) of every entry name in a chip folder, a bucket at a time.
 
-        Only one bucket's names are held at once: memory stays flat however many
-        entries the chip folder has.
+        Only one bucket's names are held at once, a 256th of the entries (4,000
+        names at a million), never the whole list.
         """
         chip_fd = self._open_chip_if_there(soc)
         if chip_fd is None:
