@@ -9,7 +9,9 @@ machines are noisy).  Scenarios:
 2. hit and store cost at 1,000 and at 100,000 entries in one chip folder
 3. store: the cost of a miss beyond the compile itself
 4. aging: a pass under the limit, and trimming 100,000 entries
-5. wrap: `opcache wrap -- gcc` hit vs `ccache gcc` hit, plain gcc, `python -c pass`
+5. wrap: `opcache wrap -- gcc` hit vs `ccache gcc` hit, plain gcc, `python -c pass`,
+   all from the bench's own install (an editable one's import hook slows every
+   start-up: scenario 13 measures a regular install)
 6. session: 2,000 hits in one process; 8 processes sharing 2,000 operators cold
 7. shared work: 8 processes x 200 operators of a 50 ms compiler, cold, each
    compiling in order (compile) or sharing the work (compile_many), against
