@@ -137,7 +137,9 @@ class OpCache:
     A remote tier, if set, is opened here (its client library imported, its
     client made), so that no compile waits for that; ``open_remote=False``
     leaves it to the first local miss, for a process that most likely ends on
-    a local hit (``opcache wrap``).
+    a local hit (``opcache wrap``).  So does ``upkeep_at_miss=True`` with a chip
+    folder's upkeep (leftovers of dead writers removed, an aging pass), which
+    otherwise runs at the chip's first touch.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class OpCache:
         stats_seconds: float | None = stats.FLUSH_SECONDS,
         session: str | None = None,
         open_remote: bool = True,
+        upkeep_at_miss: bool = False,
     ) -> None:
         self.settings = settings
         self._clock = clock
@@ -162,6 +165,7 @@ class OpCache:
             session=session if session is not None else settings.session,
             clock=clock,
             on_error=errors.report,
+            upkeep_at_miss=upkeep_at_miss,
         )
         self._flow = KeyFlow(
             settings,
@@ -200,6 +204,7 @@ class OpCache:
             entry = flow.look(soc, key)
             if entry is not None:
                 return flow.hit(entry, soc, out, started, "local")
+            self._folders.upkeep(soc)
             if flow.remote is not None:
                 found = flow.remote.look(soc, key)
                 if found is not None:

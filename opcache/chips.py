@@ -2,10 +2,13 @@
 once per session, and aging after stores.
 
 The first compile of a chip in an OpCache prepares its folder: the cache's
-root and ``op_cache.ini`` are made, leftovers of dead writers go, ``force``
-clears the chip (once per compile session, whatever processes the session
-runs in), and an aging pass runs if the folder is over its limit.  After each
-store, the folder is aged again when its used bytes reach the limit.  None of
+root and ``op_cache.ini`` are made, ``force`` clears the chip (once per compile
+session, whatever processes the session runs in), and the upkeep runs:
+leftovers of dead writers go (once per OpCache) and an aging pass runs if the
+folder is over its limit.  An OpCache made for one compile that most likely
+hits (``opcache wrap``) leaves the upkeep to the chip's first local miss: a hit
+adds nothing to clean or age.  After each store, the folder is aged again when
+its used bytes reach the limit.  None of
 it ever fails a compile: a failure is reported (``on_error``) and the compile
 goes on.  The aging rule itself is ``aging.py``'s.
 """
@@ -61,8 +64,10 @@ class ChipFolders:
         session: str | None,
         clock: Callable[[], float],
         on_error: OnError,
+        upkeep_at_miss: bool = False,
     ) -> None:
         self._settings = settings
+        self._upkeep_at_miss = upkeep_at_miss
         self._store = store
         self._stats = recorder
         self._session = session
@@ -70,12 +75,14 @@ class ChipFolders:
         self._on_error = on_error
         self._mutex = _thread.allocate_lock()
         self._ready: set[str] = set()
+        self._kept: set[str] = set()  # chips whose upkeep ran
         self._unusable: set[str] = set()
         self._next_aging: dict[str, float] = {}
         self._used_seen: dict[str, tuple[int, float]] = {}  # chip -> (bytes, when read)
 
     def ready(self, soc: str) -> bool:
-        """First touch of a chip folder: op_cache.ini, ``force``'s wipe, an aging pass.
+        """First touch of a chip folder: op_cache.ini, ``force``'s wipe, the upkeep
+        (unless ``upkeep_at_miss``).
 
         False when the chip's cache must not be used: ``force`` could not wipe
         it, so what is there may be exactly what the user wanted gone.
@@ -84,13 +91,11 @@ class ChipFolders:
         with self._mutex:
             if soc in self._ready:
                 return soc not in self._unusable
-            first = not self._ready
             try:
-                if first:
+                if not self._ready:
                     # The root gets the cache's folder mode (0750), not mkdir's default.
                     fsutil.makedirs(self._store.root, self._store.modes)
                     ensure_ini_file(self._settings.root / INI_NAME, self._store.modes)
-                    self._store.clean_leftovers(time.time())
                 if self._settings.mode == "force" and self._force_clear(soc):
                     log.info("force: cleared the cache of %s", soc)
             except OSError as e:
@@ -98,8 +103,26 @@ class ChipFolders:
                 if self._settings.mode == "force":
                     self._unusable.add(soc)
             self._ready.add(soc)
-        self._age_safely(soc)
+        if not self._upkeep_at_miss:
+            self.upkeep(soc)
         return soc not in self._unusable
+
+    def upkeep(self, soc: str) -> None:
+        """Once per chip: leftovers of dead writers go (the first time of all chips),
+        then an aging pass.  Never fails a compile."""
+        with self._mutex:
+            if soc in self._kept:
+                return
+            first = not self._kept
+            self._kept.add(soc)
+            if first:
+                try:
+                    self._store.clean_leftovers(time.time())
+                except OSError as e:
+                    self._on_error(
+                        "write", f"cannot prepare the cache at {self._store.root}: {e}", soc
+                    )
+        self._age_safely(soc)
 
     def clear(self, soc: str) -> bool:
         """Delete a chip's entries and their explanations; True if there was a folder."""

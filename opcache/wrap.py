@@ -300,10 +300,13 @@ def _run_planned(
     # One wrap per compile command: force clears once per build, not per command.
     session = settings.session or BUILD_SESSION
     failed = None
-    # The remote is opened at the first local miss: a hit must not import its client.
+    # The remote is opened, and the chip folder's upkeep done, at the first local
+    # miss: a hit must not import the remote's client nor read the size counters.
     with (
         _cache_warnings(settings),
-        OpCache(settings, stats_seconds=None, session=session, open_remote=False) as cache,
+        OpCache(
+            settings, stats_seconds=None, session=session, open_remote=False, upkeep_at_miss=True
+        ) as cache,
     ):
         try:
             if plan.trace is not None:
