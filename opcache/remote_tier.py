@@ -288,7 +288,8 @@ class RemoteTier:
         looked = self._looked
         if len(looked) > _LOOKED_KEPT:  # (keys settled otherwise, a local compile's)
             old = asked - CLAIM_SECONDS
-            for name in [name for name, when in looked.items() if when < old]:
+            # (list(): one step under the GIL, while other threads add and pop)
+            for name in [name for name, when in list(looked.items()) if when < old]:
                 looked.pop(name, None)
         for key in keys:
             if key not in found:
