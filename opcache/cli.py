@@ -70,8 +70,10 @@ def _leave(command: Callable[[], int]) -> NoReturn:
         interrupted, status = True, 130  # (the status should SIGINT not end us)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        # (None: the descriptor was closed when Python started, `>&-`)
         with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
-            stream.flush()
+            if stream is not None:
+                stream.flush()
     if interrupted:
         import signal
 

@@ -47,7 +47,8 @@ from .masquerade import find_compiler
 
 log = get_logger(__name__)
 
-PROTOCOL = b"opcache-serve 1"
+PROTOCOL = b"opcache-serve 2"
+TAKEN = b"T"  # a worker's first word on a call: the client sends it only then
 CLIENT_NAME = "opcache-client"
 CLIENT_SOURCE = Path(__file__).parent / "_client" / "opcache_client.c"
 ENV_IDLE = "OPCACHE_SERVER_IDLE"
@@ -151,6 +152,7 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
     except BlockingIOError:
         return 0  # another server serves it
     files = _warm_up()  # (before the socket answers: a call sees opcache's files as loaded)
+    os.chdir("/")  # (for minutes: a folder of a build would stay busy, even once deleted)
     # Objects made so far are never collected: a worker's collections skip them,
     # and so do not copy the pages they sit in (fork shares them until written).
     gc.collect()
@@ -300,10 +302,15 @@ def _work(
         os.write(tell, struct.pack("=ib", os.getpid(), _BUSY))
         try:
             conn.settimeout(REQUEST_TIMEOUT)
-            reply = _answer(conn, files, program)
-        except BaseException as e:  # the client runs opcache itself: it will say what is wrong
-            log.debug("opcache server: call dropped: %r", e)
-            os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
+            conn.sendall(TAKEN)
+        except OSError:  # the client waited too long and runs opcache itself: no call
+            reply = b""
+        else:
+            try:
+                reply = _answer(conn, files, program)
+            except BaseException as e:  # the client runs opcache itself: it says what is wrong
+                log.debug("opcache server: call dropped: %r", e)
+                os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
         try:
             conn.settimeout(None)
             conn.sendall(reply)
@@ -406,7 +413,7 @@ def _serve(
     os.umask(umask)
     fsutil.UMASK = umask  # read once at import: the server's, not the client's
     os.environb.clear()
-    os.environb.update(entry.partition(b"=")[::2] for entry in env if b"=" in entry[1:])
+    os.environb.update(_environment(env))
     for number, fd in enumerate(fds):
         os.dup2(fd, number)  # (the client's terminal decides colour, as for opcache)
     sys.argv = [os.fsdecode(word) for word in argv]
@@ -437,6 +444,22 @@ def _serve(
     for stream, data in said:
         out += [bytes((stream,)), struct.pack("=I", len(data)), data]
     return b"".join([*out, b"\0", struct.pack("=I", 0)])
+
+
+def _environment(env: list[bytes]) -> dict[bytes, bytes]:
+    """The client's environment as its own ``getenv`` and ``os.environ`` see it.
+
+    A name given twice (``execve`` allows it) has its first value there, as
+    glibc's ``getenv`` (the compiler's) and CPython take it: the last one
+    would key another environment than the compiler's.  An entry without a
+    name (``=x``) cannot be set and is read by no one opcache keys: left out.
+    """
+    found: dict[bytes, bytes] = {}
+    for entry in env:
+        name, eq, value = entry.partition(b"=")
+        if name and eq:
+            found.setdefault(name, value)
+    return found
 
 
 class _Said(io.RawIOBase):

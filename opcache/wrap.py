@@ -453,7 +453,7 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
 
 def _replay(data: bytes, stream: TextIO) -> None:
     """Write a command's saved output; diagnostics in colour only where colour shows."""
-    if not data:
+    if not data or stream is None:  # (None: opcache started with that descriptor closed)
         return
     if stream is sys.stderr and b"\x1b[" in data and not _colour_terminal(os.environ):
         data = re.sub(rb"\x1b\[[0-9;]*[mK]", b"", data)

@@ -310,6 +310,7 @@ class FakeServer:
             conn, _ = self.listener.accept()
             with conn:
                 conn.settimeout(WAIT)
+                conn.sendall(server.TAKEN)
                 conn.recv(4)  # the request's length, then leave (killed mid-request)
                 if self.reply is not None:
                     conn.sendall(self.reply)
@@ -510,3 +511,144 @@ def test_masquerade_client_without_a_c_compiler_says_so_once_and_links_opcache(t
     assert "the links run opcache itself" in done.stderr
     assert not (links / "opcache-client").exists()
     assert os.path.basename(os.path.realpath(links / "opc")) == "opcache"
+
+
+# A launcher that gives its program an environment naming variables twice: execve
+# takes any list of entries, while subprocess (a mapping) cannot.
+EXECVE_LIST = """
+import ctypes, os, sys
+split = sys.argv.index("--")
+given = [os.fsencode(entry) for entry in sys.argv[1:split]]
+env = given + [name + b"=" + value for name, value in os.environb.items()]
+argv = [os.fsencode(word) for word in sys.argv[split + 1 :]]
+def array(words):
+    return (ctypes.c_char_p * (len(words) + 1))(*words, None)
+ctypes.CDLL(None, use_errno=True).execve(argv[0], array(argv), array(env))
+sys.exit(127)
+"""
+
+
+def test_a_variable_given_twice_is_taken_as_the_compiler_takes_it(served):
+    """CPATH=<a> then CPATH=<b>: gcc's getenv and the Python path take the first; a
+    served hit must not be the object of the second."""
+    for name, value in (("a", 1), ("b", 2)):
+        (served.tmp / name).mkdir()
+        (served.tmp / name / "v.h").write_text(f"#define V {value}\n")
+    (served.src / "v.c").write_text("#include <v.h>\nint v(void) { return V; }\n")
+    args = ["-c", "v.c", "-o", "v.o"]
+    env_b = {**served.env, "CPATH": str(served.tmp / "b")}
+    assert served.gcc(*args, env=env_b).returncode == 0  # stored (the miss starts the server)
+    served.wait_for_server()
+    before = served.fallbacks()
+    assert served.gcc(*args, env=env_b).returncode == 0
+    assert served.fallbacks() == before  # CPATH=<b> alone is served
+    launcher = served.tmp / "execve_list.py"
+    launcher.write_text(EXECVE_LIST)
+    twice = [f"CPATH={served.tmp / 'a'}", f"CPATH={served.tmp / 'b'}"]
+    done = subprocess.run(
+        [sys.executable, launcher, *twice, "--", served.links / "gcc", *args],
+        env=served.env,
+        cwd=served.src,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    subprocess.run(
+        [sys.executable, launcher, *twice, "--", GCC, *args[:-1], "plain.o"],
+        env=served.env,
+        cwd=served.src,
+        check=True,
+        timeout=120,
+    )
+    assert (served.src / "v.o").read_bytes() == (served.src / "plain.o").read_bytes()
+
+
+def environ_of(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def test_the_server_keeps_neither_the_first_compile_s_folder_nor_its_environment(served):
+    """A server lives for minutes: in the first compile's folder it would keep a mount
+    busy (or a deleted folder's inode), and that compile's variables would stay in it."""
+    build = served.src / "build"
+    build.mkdir()
+    env = {**served.env, "A_SECRET_OF_THE_BUILD": "s3cret", "LANG": "C.UTF-8"}
+    done = served.gcc("-DOFFSET=4", "-c", "../k.c", "-o", "k.o", env=env, cwd=build)
+    assert done.returncode == 0, done.stderr
+    pid = served.wait_for_server()
+    assert os.readlink(f"/proc/{pid}/cwd") == "/"
+    environ = environ_of(pid)
+    assert not [entry for entry in environ if b"s3cret" in entry or entry.startswith(b"PWD=")]
+    assert b"LANG=C.UTF-8" in environ  # (what its Python's start-up needs stays)
+    before = served.fallbacks()
+    assert served.gcc(*COMPILE, env=env).returncode == 0
+    assert served.gcc(*COMPILE, env=env).returncode == 0
+    assert served.fallbacks() == before + 1  # a miss, then served: it serves as before
+
+
+def test_opcache_server_run_by_hand_leaves_its_folder(served):
+    served.folder.mkdir(mode=0o700)
+    with subprocess.Popen(
+        [served.program, "server", "--socket", str(served.socket)],
+        env=served.env,
+        cwd=served.src,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as started:
+        try:
+            assert served.wait_for_server() == started.pid
+            assert os.readlink(f"/proc/{started.pid}/cwd") == "/"
+        finally:
+            started.kill()
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"])
+def test_a_compile_with_stdout_or_stderr_closed_gives_the_compiler_s_status(served, closed):
+    """``gcc ... >&-``: the client leaves it to opcache, which must neither fail it nor
+    print a traceback (Python's sys.stdout is None then), on a miss and on a hit."""
+    (served.src / "k.c").write_text(K_C + "int unused(void) { int x; return 0; }\n")
+    args = ["-Wall", *COMPILE]
+    for command in (["gcc"], [str(served.program), "wrap", "--", "gcc"]) * 2:
+        done = subprocess.run(
+            ["sh", "-c", f'exec "$@" {closed}', "sh", *command, *args],
+            env=served.env,
+            cwd=served.src,
+            capture_output=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert b"Traceback" not in done.stderr
+        assert (b"unused variable" in done.stderr) == ("2>&-" not in closed)
+    subprocess.run([GCC, *args[:-1], "plain.o"], cwd=served.src, check=True)
+    assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
+    assert stats(served.env, "host")["hits"] == 3
+
+
+def test_a_stopped_server_costs_a_python_compile_not_a_hung_build(served):
+    """SIGSTOP (a frozen cgroup, a debugger): the call sits in the socket's backlog.
+    The client gives the server a moment to take it, then runs opcache itself; the
+    worker that takes it once it runs again finds no request and writes nothing."""
+    warmed(served, *COMPILE)
+    pid = served.wait_for_server()
+    deadline = time.monotonic() + WAIT
+    while len(processes_of(served.socket)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the server, and a worker waiting for a call)
+    made = (served.src / "k.o").read_bytes()
+    before, hits = served.fallbacks(), stats(served.env, "host")["hits"]
+    os.kill(pid, signal.SIGSTOP)  # (first: then it forks no other worker)
+    stopped = processes_of(served.socket)
+    for worker in stopped:
+        os.kill(worker, signal.SIGSTOP)
+    try:
+        (served.src / "k.o").unlink()
+        done = served.gcc(*COMPILE)  # (hung until killed by the timeout, before)
+        assert done.returncode == 0, done.stderr
+        assert served.fallbacks() == before + 1
+        assert (served.src / "k.o").read_bytes() == made
+    finally:
+        for process in stopped:
+            os.kill(process, signal.SIGCONT)
+    # The worker now takes the call the client gave up: nothing is served or counted.
+    assert served.gcc(*COMPILE).returncode == 0
+    assert served.fallbacks() == before + 1  # (served again)
+    assert counted(served.env, "hits", hits + 2)["hits"] == hits + 2

@@ -20,22 +20,30 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #if !defined(OPCACHE_PROGRAM) || !defined(OPCACHE_TAG)
 #error "build with -DOPCACHE_PROGRAM=... -DOPCACHE_TAG=... (opcache masquerade --client)"
 #endif
 
-#define PROTOCOL "opcache-serve 1"
+#define PROTOCOL "opcache-serve 2"
 #define MAX_REPLY (64u << 20)
+/* How long a server may take to connect and to take a call (a worker's "taken"
+ * byte) before opcache runs itself: a stopped or wedged server (SIGSTOP, a
+ * frozen cgroup, a debugger) must not hang the build. */
+#define TAKE_MS 2000
+#define TAKEN 'T'
 
 extern char **environ;
 
@@ -120,8 +128,18 @@ static int open_folder(char *path, size_t size) {
     return fd;
 }
 
+/* The variables the server is started with: what its Python's start-up and
+ * the server itself read.  Each call brings its own environment; a server
+ * keeping the first compile's for minutes would hold its secrets. */
+static const char *const SERVER_ENV[] = {
+    "PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "LD_LIBRARY_PATH", "XDG_RUNTIME_DIR",
+    "OPCACHE_SERVER_IDLE", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE",
+    "PYTHONPLATLIBDIR", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX",
+    "PYTHONUTF8", NULL};
+
 /* Start `opcache server` for this socket, detached from this process and its
- * descriptors (a build waiting for a pipe to close must not wait for it). */
+ * descriptors (a build waiting for a pipe to close must not wait for it), in
+ * "/" (not a build folder it would keep busy) with SERVER_ENV only. */
 static void start_server(const char *folder) {
     char socket_path[PATH_MAX];
     snprintf(socket_path, sizeof socket_path, "%s/%s.sock", folder, OPCACHE_TAG);
@@ -137,7 +155,20 @@ static void start_server(const char *folder) {
         }
         long last = sysconf(_SC_OPEN_MAX);
         for (int fd = 3; fd < (last > 0 && last < 65536 ? last : 65536); fd++) close(fd);
-        execl(OPCACHE_PROGRAM, OPCACHE_PROGRAM, "server", "--socket", socket_path, (char *)NULL);
+        char *env[sizeof SERVER_ENV / sizeof *SERVER_ENV];
+        int n = 0;
+        for (const char *const *name = SERVER_ENV; *name != NULL; name++) {
+            size_t len = strlen(*name);
+            for (char **e = environ; *e != NULL; e++) {
+                if (strncmp(*e, *name, len) == 0 && (*e)[len] == '=') {
+                    env[n++] = *e;  /* (the first of that name, as getenv takes it) */
+                    break;
+                }
+            }
+        }
+        env[n] = NULL;
+        char *argv[] = {OPCACHE_PROGRAM, "server", "--socket", socket_path, NULL};
+        if (chdir("/") == 0) execve(OPCACHE_PROGRAM, argv, env);
         _exit(127);
     }
     if (child > 0) waitpid(child, NULL, 0);
@@ -168,7 +199,10 @@ static int connect_server(int *start, char *folder, size_t size) {
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     snprintf(addr.sun_path, sizeof addr.sun_path, "/proc/self/fd/%d/%s", dir, name);
     int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (sock >= 0 && connect(sock, (struct sockaddr *)&addr, sizeof addr) != 0) {
+    /* Bounds connect (a full backlog: the server takes no calls) and each send. */
+    struct timeval limit = {.tv_sec = TAKE_MS / 1000, .tv_usec = TAKE_MS % 1000 * 1000};
+    if (sock >= 0 && (setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit) != 0 ||
+                      connect(sock, (struct sockaddr *)&addr, sizeof addr) != 0)) {
         *start = errno == ECONNREFUSED;  /* a server that is gone left its socket */
         close(sock);
         sock = -1;
@@ -182,6 +216,28 @@ static int connect_server(int *start, char *folder, size_t size) {
         sock = -1;
     }
     return sock;
+}
+
+/* Whether a worker took the call: its "taken" byte within TAKE_MS.  Until it
+ * has it, a worker has done nothing: the request is sent only after, so a
+ * worker that takes the call once this client gave up finds no request, and
+ * never writes outputs opcache is writing too. */
+static int taken(int sock) {
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long left = TAKE_MS - (now.tv_sec - start.tv_sec) * 1000 -
+                    (now.tv_nsec - start.tv_nsec) / 1000000;
+        struct pollfd p = {.fd = sock, .events = POLLIN};
+        int ready = poll(&p, 1, left > 0 ? (int)left : 0);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready <= 0) return 0;
+        char byte;
+        ssize_t n = read(sock, &byte, 1);
+        if (n < 0 && errno == EINTR) continue;
+        return n == 1 && byte == TAKEN;
+    }
 }
 
 static int send_request(int sock, char **line, const char *cwd) {
@@ -284,7 +340,7 @@ int main(int argc, char **argv) {
         run_opcache(line);
     }
     struct buf reply = {0};
-    if (send_request(sock, line, cwd) == 0 && read_reply(sock, &reply) == 0) {
+    if (taken(sock) && send_request(sock, line, cwd) == 0 && read_reply(sock, &reply) == 0) {
         int status = replay(&reply);
         if (status >= 0) return status;
     }
