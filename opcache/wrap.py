@@ -276,7 +276,11 @@ def _remove_staging(staging: Path) -> None:
     """
     held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
     try:
-        if os.path.lexists(staging):
+        try:
+            os.rmdir(staging)  # a hit's restore left it empty: no listing, one call
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty, or not a folder (then the link goes, not its target)
             fsutil.remove_tree(staging)
     finally:
         _signal.pthread_sigmask(_signal.SIG_SETMASK, held)
@@ -448,7 +452,9 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
             os.replace(path, target)
     for saved, stream in ((stdout, sys.stdout), (stderr, sys.stderr)):
         if saved is not None:
-            _replay(saved.read_bytes(), stream)
+            data = saved.read_bytes()
+            saved.unlink()  # (the staging folder, emptied, then goes with one rmdir)
+            _replay(data, stream)
 
 
 def _replay(data: bytes, stream: TextIO) -> None:

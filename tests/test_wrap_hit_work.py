@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,3 +37,28 @@ def test_a_wrap_hit_leaves_the_upkeep_to_the_next_miss(tmp_path: Path) -> None:
     wrap(*cmd, "-DOFFSET=2", env=env, cwd=src)  # a miss
     assert stats(env, "host")["misses"] == 2
     assert not leftover.exists()
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_a_wrap_hit_lists_no_folder_and_reads_no_size_counter(tmp_path: Path) -> None:
+    """A hit's own work: no listing of the cache's folders (trash, tmp, stats,
+    size counters) nor of its staging folder, and none of the 16 size shards read."""
+    env, src = base_env(tmp_path), write_project(tmp_path / "src")
+    cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
+    wrap(*cmd, env=env, cwd=src)
+    log = tmp_path / "strace.log"
+    trace = [shutil.which("strace"), "-f", "-y", "-e", "trace=getdents64,openat", "-o", str(log)]
+    done = subprocess.run(
+        [*trace, sys.executable, "-m", "opcache", "wrap", "--", *cmd],
+        env=env,
+        cwd=src,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert stats(env, "host")["hits"] == 1
+    calls = log.read_text().splitlines()
+    cache = str(tmp_path / "cache")
+    listed = [c for c in calls if "getdents64(" in c and (cache in c or ".opcache-wrap" in c)]
+    assert listed == []
+    assert not [c for c in calls if "openat(" in c and "/_size>" in c]
