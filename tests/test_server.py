@@ -652,3 +652,19 @@ def test_a_stopped_server_costs_a_python_compile_not_a_hung_build(served):
     assert served.gcc(*COMPILE).returncode == 0
     assert served.fallbacks() == before + 1  # (served again)
     assert counted(served.env, "hits", hits + 2)["hits"] == hits + 2
+
+
+def test_a_server_that_takes_no_call_and_a_full_backlog_cost_a_python_compile(served):
+    """A server listening but taking no calls: the first call waits in its backlog
+    (then for the "taken" byte), the next cannot even connect; neither may hang."""
+    served.folder.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(served.socket))
+        listener.listen(0)  # (room for one call waiting)
+        for number in (1, 2, 3):
+            (served.src / "k.o").unlink(missing_ok=True)
+            done = served.gcc(*COMPILE)
+            assert done.returncode == 0, done.stderr
+            assert served.fallbacks() == number
+    subprocess.run([GCC, *COMPILE[:-1], "plain.o"], cwd=served.src, check=True)
+    assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
