@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-from .. import fsutil, locks, trash, trust
+from .. import fsutil, locks, trust
 from .._log import get_logger
 from .._record import Record
 from ..counters import CounterFiles
@@ -820,6 +820,8 @@ class LocalStore:
         """
         if not os.path.lexists(self.chip_dir(soc)):
             return False  # nothing to clear: create nothing either
+        from .. import trash  # (not on a hit's start-up)
+
         trash_fd = self.open_folder("trash")
         try:
             folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
@@ -910,6 +912,8 @@ class LocalStore:
         that a user's link names).  A folder that may not be used is skipped:
         what uses it for its own work (a store, a trim) says why, once.
         """
+        from .. import trash  # (not on a hit's start-up)
+
         now = time.time() if now is None else now
 
         def clean(open_folder: Callable[[], int], action: Callable[[int], int]) -> int:
@@ -1168,6 +1172,9 @@ class _TrashFolders:
     """
 
     def __init__(self, trash_fd: int, label: str, modes: fsutil.Modes) -> None:
+        from .. import trash  # (not on a hit's start-up)
+
+        self._trash = trash
         self.fd, self._label, self._modes = trash_fd, label, modes
         # Locked, so that no sweep deletes under us (None: folders cannot be locked here).
         self.folder = trash.new_folder(trash_fd, label, modes)
@@ -1177,15 +1184,15 @@ class _TrashFolders:
         """The folder the next entry goes into."""
         if self.folder is not None and self._filled >= TRASH_FOLDER_ENTRIES:
             full, self.folder = self.folder, None
-            trash.delete_later(self.fd, *full)
-            self.folder = trash.new_folder(self.fd, self._label, self._modes)
+            self._trash.delete_later(self.fd, *full)
+            self.folder = self._trash.new_folder(self.fd, self._label, self._modes)
             self._filled = 0
         self._filled += 1
         return self.folder
 
     def close(self) -> None:
         if self.folder is not None:
-            trash.delete_later(self.fd, *self.folder)  # (at once if it is empty)
+            self._trash.delete_later(self.fd, *self.folder)  # (at once if it is empty)
 
 
 def _into_trash(
