@@ -581,6 +581,31 @@ def _settings(
     return resolve_settings(op_compiler_cache_dir=op_compiler_cache_dir, remote=remote)
 
 
+def _each_chip(
+    transfer: Callable[..., dict],
+    soc_version: str | None,
+    settings: Settings,
+    environ: Mapping[str, str] | None,
+    dry_run: bool,
+    progress: Callable[[int], None] | None,
+) -> dict[str, object]:
+    """``transfer`` (a push or a pull) of each chip folder through one connection; a chip
+    that cannot take part is reported ``refused``, the others still go."""
+    env = os.environ if environ is None else environ
+    root = cann_root(settings)
+    chips: dict[str, object] = {}
+    client = _connect(settings)
+    try:
+        for soc in _chips(root, soc_version):
+            try:
+                chips[soc] = transfer(client, root, soc, settings, env, dry_run, progress)
+            except (Refused, trust.UntrustedFolder) as e:
+                chips[soc] = {"refused": str(e)}
+    finally:
+        client.close()
+    return {"remote": client.where, "root": str(root), "dry_run": dry_run, "chips": chips}
+
+
 def push(
     soc_version: str | None = None,
     *,
@@ -599,20 +624,14 @@ def push(
     report}}; a chip that cannot give is reported with ``refused``.  Raises
     RemoteError when the remote fails, ConfigError when none is set.
     """
-    settings = _settings(settings, op_compiler_cache_dir, remote)
-    env = os.environ if environ is None else environ
-    root = cann_root(settings)
-    chips: dict[str, object] = {}
-    client = _connect(settings)
-    try:
-        for soc in _chips(root, soc_version):
-            try:
-                chips[soc] = _push_chip(client, root, soc, settings, env, dry_run, progress)
-            except (Refused, trust.UntrustedFolder) as e:
-                chips[soc] = {"refused": str(e)}
-    finally:
-        client.close()
-    return {"remote": client.where, "root": str(root), "dry_run": dry_run, "chips": chips}
+    return _each_chip(
+        _push_chip,
+        soc_version,
+        _settings(settings, op_compiler_cache_dir, remote),
+        environ,
+        dry_run,
+        progress,
+    )
 
 
 def _push_chip(
@@ -724,20 +743,14 @@ def pull(
     refused (versions differ, invalid ini) has ``refused`` and nothing written.
     Raises RemoteError when the remote fails, ConfigError when none is set.
     """
-    settings = _settings(settings, op_compiler_cache_dir, remote)
-    env = os.environ if environ is None else environ
-    root = cann_root(settings)
-    chips: dict[str, object] = {}
-    client = _connect(settings)
-    try:
-        for soc in _chips(root, soc_version):
-            try:
-                chips[soc] = _pull_chip(client, root, soc, settings, env, dry_run, progress)
-            except (Refused, trust.UntrustedFolder) as e:
-                chips[soc] = {"refused": str(e)}
-    finally:
-        client.close()
-    return {"remote": client.where, "root": str(root), "dry_run": dry_run, "chips": chips}
+    return _each_chip(
+        _pull_chip,
+        soc_version,
+        _settings(settings, op_compiler_cache_dir, remote),
+        environ,
+        dry_run,
+        progress,
+    )
 
 
 def _pull_chip(
