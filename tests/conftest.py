@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,27 @@ def redis_url(redis_server) -> str:
             client.acl_deluser(user)
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def nginx_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real nginx with WebDAV for the whole run (skipped, saying how to get one, without)."""
+    from helpers_nginx import HOW_TO_GET_ONE, Nginx, find_nginx
+
+    binary = find_nginx()
+    if binary is None:
+        pytest.skip(HOW_TO_GET_ONE)
+    server = Nginx(binary, tmp_path_factory.mktemp("nginx"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nginx(nginx_server):  # type: ignore[no-untyped-def]
+    """The nginx, running (started again if a test stopped it), its stored objects deleted."""
+    if nginx_server.proc is None:
+        nginx_server.start()
+    shutil.rmtree(nginx_server.data)
+    nginx_server.data.mkdir()
+    return nginx_server

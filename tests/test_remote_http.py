@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
-from helpers_nginx import BASIC, HOW_TO_GET_ONE, TOKEN, Nginx, find_nginx
+from helpers_nginx import BASIC, TOKEN, Nginx
 
 import opcache
 from opcache.settings import RemoteSettings
@@ -28,27 +28,6 @@ from opcache.storage.value import pack
 
 KEY = "0123456789abcdef" * 2
 OTHER = "fedcba9876543210" * 2
-
-
-@pytest.fixture(scope="module")
-def nginx(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    binary = find_nginx()
-    if binary is None:
-        pytest.skip(HOW_TO_GET_ONE)
-    server = Nginx(binary, tmp_path_factory.mktemp("nginx"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def server(nginx: Nginx) -> Nginx:
-    """The module's nginx, running, its stored objects deleted."""
-    if nginx.proc is None:
-        nginx.start()
-    for path in sorted(nginx.data.rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
-    return nginx
 
 
 def settings(url: str, **options: object) -> RemoteSettings:
@@ -62,19 +41,19 @@ def entry(key: str = KEY, **files: bytes) -> tuple[bytes, dict[str, bytes]]:
     return make_manifest(key, files, 1.5, {"op_type": "Add"}, 1000.0), files
 
 
-def object_path(server: Nginx, key: str, soc: str = SOC) -> Path:
-    return server.data / "ac" / hashlib.sha256(f"opcache:1:{soc}:{key}".encode()).hexdigest()
+def object_path(nginx: Nginx, key: str, soc: str = SOC) -> Path:
+    return nginx.data / "ac" / hashlib.sha256(f"opcache:1:{soc}:{key}".encode()).hexdigest()
 
 
 def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
     return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
 
 
-def test_entries_round_trip_as_one_object_each(server: Nginx) -> None:
-    writer, reader = connect(settings(server.url())), connect(settings(server.url()))
+def test_entries_round_trip_as_one_object_each(nginx: Nginx) -> None:
+    writer, reader = connect(settings(nginx.url())), connect(settings(nginx.url()))
     manifest, files = entry()
     sent = writer.put(SOC, KEY, manifest, files)
-    assert sent == object_path(server, KEY).stat().st_size  # bazel-remote's ac/ layout
+    assert sent == object_path(nginx, KEY).stat().st_size  # bazel-remote's ac/ layout
     got, got_manifest = reader.get(SOC, KEY)
     assert got.files == files and got_manifest == manifest
     assert reader.get(SOC, OTHER) is None
@@ -85,8 +64,8 @@ def test_entries_round_trip_as_one_object_each(server: Nginx) -> None:
     reader.close()
 
 
-def test_a_batch_is_fetched_on_a_bounded_number_of_kept_connections(server: Nginx) -> None:
-    r = connect(settings(server.url()))
+def test_a_batch_is_fetched_on_a_bounded_number_of_kept_connections(nginx: Nginx) -> None:
+    r = connect(settings(nginx.url()))
     keys = [f"{i:032x}" for i in range(60)]
     for key in keys[::2]:
         r.put(SOC, key, *entry(key))
@@ -100,15 +79,15 @@ def test_a_batch_is_fetched_on_a_bounded_number_of_kept_connections(server: Ngin
     assert not r._open
 
 
-def test_damaged_and_truncated_objects_are_never_served(server: Nginx) -> None:
-    r = connect(settings(server.url()))
+def test_damaged_and_truncated_objects_are_never_served(nginx: Nginx) -> None:
+    r = connect(settings(nginx.url()))
     r.put(SOC, KEY, *entry())
     r.put(SOC, OTHER, *entry(OTHER))
-    damaged = object_path(server, KEY)
+    damaged = object_path(nginx, KEY)
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    truncated = object_path(server, OTHER)
+    truncated = object_path(nginx, OTHER)
     truncated.write_bytes(truncated.read_bytes()[:-7])
     found = r.get_many(SOC, [KEY, OTHER])
     assert all(isinstance(v, RemoteCorrupt) for v in found.values()) and len(found) == 2
@@ -116,58 +95,58 @@ def test_damaged_and_truncated_objects_are_never_served(server: Nginx) -> None:
     assert r.get(SOC, KEY) is not None
 
 
-def test_an_object_over_the_entry_cap_is_never_read_whole(server: Nginx) -> None:
-    r = connect(settings(server.url(), max_entry_mb=1))
-    object_path(server, KEY).parent.mkdir(parents=True, exist_ok=True)
-    object_path(server, KEY).write_bytes(b"x" * (3 << 20))
+def test_an_object_over_the_entry_cap_is_never_read_whole(nginx: Nginx) -> None:
+    r = connect(settings(nginx.url(), max_entry_mb=1))
+    object_path(nginx, KEY).parent.mkdir(parents=True, exist_ok=True)
+    object_path(nginx, KEY).write_bytes(b"x" * (3 << 20))
     assert isinstance(r.get_many(SOC, [KEY])[KEY], RemoteCorrupt)
 
 
 def test_two_machines_share_entries_and_a_bad_object_is_replaced(
-    tmp_path: Path, server: Nginx
+    tmp_path: Path, nginx: Nginx
 ) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
     request = make_request(0)
-    with opcache.OpCache(machine(tmp_path, "a", server.url())) as a:
+    with opcache.OpCache(machine(tmp_path, "a", nginx.url())) as a:
         key = a.compile(request, compiler, tmp_path / "out-a").key
-    with opcache.OpCache(machine(tmp_path, "b", server.url())) as b:
+    with opcache.OpCache(machine(tmp_path, "b", nginx.url())) as b:
         result = b.compile(request, compiler, tmp_path / "out-b")
         assert (result.status, result.tier) == ("hit", "remote")
     assert compiler.calls() == 1
     assert read_dir(tmp_path / "out-b") == expected_files(request)
-    path = object_path(server, key)
+    path = object_path(nginx, key)
     path.write_bytes(path.read_bytes()[:-1])
-    with opcache.OpCache(machine(tmp_path, "c", server.url())) as c:
+    with opcache.OpCache(machine(tmp_path, "c", nginx.url())) as c:
         result = c.compile(request, compiler, tmp_path / "out-c")
         assert result.status == "miss" and c.stats()["remote_corrupt"] == 1
     assert read_dir(tmp_path / "out-c") == expected_files(request)
-    with opcache.OpCache(machine(tmp_path, "d", server.url())) as d:
+    with opcache.OpCache(machine(tmp_path, "d", nginx.url())) as d:
         assert d.compile(request, compiler, tmp_path / "out-d").tier == "remote"
 
 
-def test_basic_auth_and_a_bearer_token_work_and_are_never_shown(server: Nginx) -> None:
+def test_basic_auth_and_a_bearer_token_work_and_are_never_shown(nginx: Nginx) -> None:
     user, password = BASIC
-    basic = connect(settings(server.url("basic").replace("//", f"//{user}@"), password=password))
+    basic = connect(settings(nginx.url("basic").replace("//", f"//{user}@"), password=password))
     assert basic.put(SOC, KEY, *entry()) > 0 and basic.get(SOC, KEY) is not None
-    in_url = connect(settings(server.url("basic").replace("//", f"//{user}:{password}@")))
+    in_url = connect(settings(nginx.url("basic").replace("//", f"//{user}:{password}@")))
     assert in_url.get(SOC, KEY) is not None
-    token = connect(settings(server.url("token"), password=TOKEN))
+    token = connect(settings(nginx.url("token"), password=TOKEN))
     assert token.put(SOC, KEY, *entry()) > 0 and token.get(SOC, KEY) is not None
-    wrong = connect(settings(server.url("token"), password="guess"))
+    wrong = connect(settings(nginx.url("token"), password="guess"))
     with pytest.raises(RemoteError, match="refused the credentials") as refused:
         wrong.get(SOC, KEY)
     shown = f"{in_url.where} {refused.value} {token.where}"
     assert password not in shown and TOKEN not in shown and "guess" not in str(refused.value)
-    anonymous = connect(settings(server.url("basic")))
+    anonymous = connect(settings(nginx.url("basic")))
     with pytest.raises(RemoteError, match=r"wants credentials.*OPCACHE_REMOTE_PASSWORD"):
         anonymous.get(SOC, KEY)
 
 
 def test_a_401_never_fails_a_compile_and_the_password_is_never_shown(
-    tmp_path: Path, server: Nginx, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, nginx: Nginx, caplog: pytest.LogCaptureFixture
 ) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
-    url = server.url("basic").replace("//", "//ci:wrong-pass@")
+    url = nginx.url("basic").replace("//", "//ci:wrong-pass@")
     with (
         caplog.at_level(logging.WARNING, logger="opcache"),
         opcache.OpCache(machine(tmp_path, "a", url)) as a,
@@ -182,14 +161,14 @@ def test_a_401_never_fails_a_compile_and_the_password_is_never_shown(
 
 
 def test_a_server_that_refuses_writes_is_read_from_with_one_warning(
-    tmp_path: Path, server: Nginx, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, nginx: Nginx, caplog: pytest.LogCaptureFixture
 ) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
-    with opcache.OpCache(machine(tmp_path, "a", server.url())) as a:
+    with opcache.OpCache(machine(tmp_path, "a", nginx.url())) as a:
         a.compile(make_request(0), compiler, tmp_path / "o0")
     with (
         caplog.at_level(logging.WARNING, logger="opcache"),
-        opcache.OpCache(machine(tmp_path, "b", server.url("ro"))) as b,
+        opcache.OpCache(machine(tmp_path, "b", nginx.url("ro"))) as b,
     ):
         assert b.compile(make_request(0), compiler, tmp_path / "o1").tier == "remote"
         for i in (1, 2):
@@ -199,13 +178,13 @@ def test_a_server_that_refuses_writes_is_read_from_with_one_warning(
 
 
 def test_a_dead_server_never_fails_a_compile(
-    tmp_path: Path, server: Nginx, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, nginx: Nginx, caplog: pytest.LogCaptureFixture
 ) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
-    server.stop()
+    nginx.stop()
     with (
         caplog.at_level(logging.WARNING, logger="opcache"),
-        opcache.OpCache(machine(tmp_path, "a", server.url(), timeout=1)) as a,
+        opcache.OpCache(machine(tmp_path, "a", nginx.url(), timeout=1)) as a,
     ):
         for i in range(3):
             result = a.compile(make_request(i), compiler, tmp_path / f"o{i}")
@@ -229,60 +208,60 @@ def test_the_url_is_checked(tmp_path: Path) -> None:
     )
 
 
-def test_a_percent_encoded_path_is_sent_as_written(server: Nginx) -> None:
-    r = connect(settings(server.url("cache/team%2Da")))  # the server's folder team-a
+def test_a_percent_encoded_path_is_sent_as_written(nginx: Nginx) -> None:
+    r = connect(settings(nginx.url("cache/team%2Da")))  # the server's folder team-a
     r.put(SOC, KEY, *entry())
     name = hashlib.sha256(f"opcache:1:{SOC}:{KEY}".encode()).hexdigest()
-    assert (server.data / "team-a" / "ac" / name).is_file()
+    assert (nginx.data / "team-a" / "ac" / name).is_file()
     assert r.get(SOC, KEY) is not None
 
 
 def test_https_with_the_servers_ca_and_an_untrusted_server_never_fails_a_compile(
-    tmp_path: Path, server: Nginx, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, nginx: Nginx, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if server.tls_port is None:
+    if nginx.tls_port is None:
         pytest.skip("no openssl to make the TLS server's certificate (apt-get install openssl)")
-    untrusted = connect(settings(server.tls_url()))
+    untrusted = connect(settings(nginx.tls_url()))
     with pytest.raises(RemoteError, match="CERTIFICATE_VERIFY_FAILED"):
         untrusted.get(SOC, KEY)
     compiler = ToyCompiler(tmp_path / "calls")
-    with opcache.OpCache(machine(tmp_path, "a", server.tls_url())) as a:
+    with opcache.OpCache(machine(tmp_path, "a", nginx.tls_url())) as a:
         assert a.compile(make_request(0), compiler, tmp_path / "o").status == "miss"
         assert a.stats()["remote_errors"] == 1  # the compile went on
-    monkeypatch.setenv("SSL_CERT_FILE", str(server.certificate))  # OpenSSL's own variable
-    trusted = connect(settings(server.tls_url()))
+    monkeypatch.setenv("SSL_CERT_FILE", str(nginx.certificate))  # OpenSSL's own variable
+    trusted = connect(settings(nginx.tls_url()))
     assert trusted.put(SOC, KEY, *entry()) > 0 and trusted.get(SOC, KEY) is not None
-    assert object_path(server, KEY).is_file()
+    assert object_path(nginx, KEY).is_file()
 
 
-def test_a_password_from_the_environment_is_sent_as_written(server: Nginx) -> None:
+def test_a_password_from_the_environment_is_sent_as_written(nginx: Nginx) -> None:
     key = "5" * 32
-    token = connect(settings(server.url("token"), password=TOKEN))
+    token = connect(settings(nginx.url("token"), password=TOKEN))
     token.put(SOC, key, *entry(key))
-    encoded = connect(settings(server.url("token").replace("//", "//:%74%30ken@")))
+    encoded = connect(settings(nginx.url("token").replace("//", "//:%74%30ken@")))
     assert encoded.get(SOC, key) is not None  # a URL's password is percent-decoded
-    literal = connect(settings(server.url("token"), password="%74%30ken"))
+    literal = connect(settings(nginx.url("token"), password="%74%30ken"))
     with pytest.raises(RemoteError, match="refused the credentials"):
         literal.get(SOC, key)  # the variable's is not: it is another token
 
 
-def test_an_upload_cut_off_half_way_leaves_nothing_visible(server: Nginx) -> None:
-    r = connect(settings(server.url()))
+def test_an_upload_cut_off_half_way_leaves_nothing_visible(nginx: Nginx) -> None:
+    r = connect(settings(nginx.url()))
     manifest, files = entry()
     value = pack(KEY, manifest, files)
-    path = "/cache/ac/" + object_path(server, KEY).name
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+    path = "/cache/ac/" + object_path(nginx, KEY).name
+    with socket.create_connection(("127.0.0.1", nginx.port), timeout=10) as s:
         head = f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(value)}\r\n\r\n"
         s.sendall(head.encode() + value[: len(value) // 2])  # then the writer dies
-    assert r.get(SOC, KEY) is None and not object_path(server, KEY).exists()
+    assert r.get(SOC, KEY) is None and not object_path(nginx, KEY).exists()
     assert r.put(SOC, KEY, manifest, files) == len(value)
     assert r.get(SOC, KEY) is not None
 
 
-def test_a_token_with_a_control_character_is_never_in_an_error(server: Nginx) -> None:
+def test_a_token_with_a_control_character_is_never_in_an_error(nginx: Nginx) -> None:
     """Settings built by hand skip the check on reading them: http.client refuses the header
     and quotes it in its error, which must not reach the message."""
-    token = connect(settings(server.url("token"), password=TOKEN + "-SECRET\n"))
+    token = connect(settings(nginx.url("token"), password=TOKEN + "-SECRET\n"))
     with pytest.raises(RemoteError, match="cannot be sent") as refused:
         token.get(SOC, KEY)
     assert "SECRET" not in str(refused.value)

@@ -14,29 +14,9 @@ from pathlib import Path
 
 import pytest
 from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
-from helpers_nginx import HOW_TO_GET_ONE, Nginx, find_nginx
+from helpers_nginx import Nginx
 
 import opcache
-
-
-@pytest.fixture(scope="module")
-def nginx(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    binary = find_nginx()
-    if binary is None:
-        pytest.skip(HOW_TO_GET_ONE)
-    server = Nginx(binary, tmp_path_factory.mktemp("nginx"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def server(nginx: Nginx) -> Nginx:
-    if nginx.proc is None:
-        nginx.start()
-    shutil.rmtree(nginx.data)
-    nginx.data.mkdir()
-    return nginx
 
 
 @pytest.fixture
@@ -50,8 +30,8 @@ def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Se
     return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
 
 
-def in_http(server: Nginx, key: str) -> Path:
-    return server.data / "ac" / hashlib.sha256(f"opcache:1:{SOC}:{key}".encode()).hexdigest()
+def in_http(nginx: Nginx, key: str) -> Path:
+    return nginx.data / "ac" / hashlib.sha256(f"opcache:1:{SOC}:{key}".encode()).hexdigest()
 
 
 def in_folder(share: Path, key: str) -> Path:
@@ -59,14 +39,14 @@ def in_folder(share: Path, key: str) -> Path:
 
 
 def test_stores_go_to_every_tier_and_a_far_hit_is_backfilled_near(
-    tmp_path: Path, server: Nginx, share: Path
+    tmp_path: Path, nginx: Nginx, share: Path
 ) -> None:
-    url = f"file://{share} {server.url()}"
+    url = f"file://{share} {nginx.url()}"
     compiler = ToyCompiler(tmp_path / "calls")
     request = make_request(0)
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
         key = a.compile(request, compiler, tmp_path / "out-a").key
-    assert in_folder(share, key).is_dir() and in_http(server, key).is_file()
+    assert in_folder(share, key).is_dir() and in_http(nginx, key).is_file()
     shutil.rmtree(share / SOC)  # the near tier lost it (aged, another site's folder)
     with opcache.OpCache(machine(tmp_path, "b", url)) as b:
         result = b.compile(request, compiler, tmp_path / "out-b")
@@ -76,14 +56,14 @@ def test_stores_go_to_every_tier_and_a_far_hit_is_backfilled_near(
     assert compiler.calls() == 1
 
 
-def test_each_tier_is_read_only_on_its_own(tmp_path: Path, server: Nginx, share: Path) -> None:
-    url = f"file://{share} {server.url()}?read_only=true"
+def test_each_tier_is_read_only_on_its_own(tmp_path: Path, nginx: Nginx, share: Path) -> None:
+    url = f"file://{share} {nginx.url()}?read_only=true"
     compiler = ToyCompiler(tmp_path / "calls")
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
         key = a.compile(make_request(0), compiler, tmp_path / "o").key
-    assert in_folder(share, key).is_dir() and not in_http(server, key).exists()
+    assert in_folder(share, key).is_dir() and not in_http(nginx, key).exists()
     # The far tier, read-only, is still read; nothing is backfilled into it.
-    with opcache.OpCache(machine(tmp_path, "w", server.url())) as w:
+    with opcache.OpCache(machine(tmp_path, "w", nginx.url())) as w:
         key1 = w.compile(make_request(1), compiler, tmp_path / "o1").key
     with opcache.OpCache(machine(tmp_path, "b", url)) as b:
         assert b.compile(make_request(1), compiler, tmp_path / "o1b").tier == "remote"
@@ -91,13 +71,13 @@ def test_each_tier_is_read_only_on_its_own(tmp_path: Path, server: Nginx, share:
     # Read-only for all: nothing written anywhere.
     with opcache.OpCache(machine(tmp_path, "c", url, read_only=True)) as c:
         key2 = c.compile(make_request(2), compiler, tmp_path / "o2").key
-    assert not in_folder(share, key2).exists() and not in_http(server, key2).exists()
+    assert not in_folder(share, key2).exists() and not in_http(nginx, key2).exists()
 
 
 def test_a_bad_value_in_one_tier_is_taken_sound_from_the_next(
-    tmp_path: Path, server: Nginx, share: Path
+    tmp_path: Path, nginx: Nginx, share: Path
 ) -> None:
-    url = f"file://{share} {server.url()}"
+    url = f"file://{share} {nginx.url()}"
     compiler = ToyCompiler(tmp_path / "calls")
     request = make_request(0)
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
@@ -113,10 +93,10 @@ def test_a_bad_value_in_one_tier_is_taken_sound_from_the_next(
 
 
 def test_a_dead_tier_costs_only_itself(
-    tmp_path: Path, server: Nginx, share: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, nginx: Nginx, share: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server.stop()
-    url = f"{server.url()} file://{share}"
+    nginx.stop()
+    url = f"{nginx.url()} file://{share}"
     compiler = ToyCompiler(tmp_path / "calls")
     with caplog.at_level(logging.WARNING, logger="opcache"):
         with opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as a:
@@ -126,7 +106,7 @@ def test_a_dead_tier_costs_only_itself(
         with opcache.OpCache(machine(tmp_path, "b", url, timeout=1)) as b:
             assert b.compile(make_request(0), compiler, tmp_path / "o-b").tier == "remote"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert all(server.url() in w for w in warnings) and 1 <= len(warnings) <= 2
+    assert all(nginx.url() in w for w in warnings) and 1 <= len(warnings) <= 2
     assert compiler.calls() == 3
 
 
@@ -162,11 +142,11 @@ def test_tier_urls_are_each_checked_and_masked(tmp_path: Path) -> None:
 
 
 def test_stats_and_clear_go_to_every_tier_that_can_list(
-    tmp_path: Path, redis_url: str, server: Nginx, share: Path
+    tmp_path: Path, redis_url: str, nginx: Nginx, share: Path
 ) -> None:
     from opcache.storage import RemoteError, open_remote
 
-    url = f"{redis_url} file://{share} {server.url()}"
+    url = f"{redis_url} file://{share} {nginx.url()}"
     compiler = ToyCompiler(tmp_path / "calls")
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
         keys = [a.compile(make_request(i), compiler, tmp_path / f"o{i}").key for i in range(3)]
@@ -175,7 +155,7 @@ def test_stats_and_clear_go_to_every_tier_that_can_list(
     usage = tiers.usage()
     assert usage["chips"][SOC]["entries"] == 6  # three in Redis, three in the folder
     assert usage["maxmemory_policy"] is not None  # Redis's
-    assert "not supported" in usage["tiers"][server.url()]["error"]
+    assert "not supported" in usage["tiers"][nginx.url()]["error"]
     with pytest.raises(RemoteError, match=r"not supported.*\(6 entries removed\)"):
         tiers.clear()
     assert tiers.usage()["chips"] == {}
