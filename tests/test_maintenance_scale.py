@@ -68,14 +68,16 @@ def peak_growth() -> Iterator[list[int]]:
 
 
 def measure(tmp_path: Path, count: int, command: Callable[[opcache.OpCache], object]) -> int:
-    name = f"cache-{count}"
-    cache = open_cache(tmp_path, name)
+    # What the command imports and starts once (its deleter) is not the walk's:
+    # a small cache first, over its limit too.
+    with open_cache(tmp_path, f"warm-{count}") as warm:
+        fill(warm.settings.root, 220, stamp=lambda i: T0 - 10_000 + i)
+        command(warm)
+    cache = open_cache(tmp_path, f"cache-{count}")
     fill(cache.settings.root, count, stamp=lambda i: T0 - 10_000 + i)
-    with cache:
-        command(cache)  # the modules it imports, and its first lock files, are not the walk's
-        fill(cache.settings.root, count, stamp=lambda i: T0 - 10_000 + i)
-        with peak_growth() as peak:
-            command(cache)
+    with cache, peak_growth() as peak:
+        command(cache)
+    trash_emptied(warm.settings.root)
     trash_emptied(cache.settings.root)
     return peak[0]
 
