@@ -161,6 +161,12 @@ def make_settings(
     )
 
 
+def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
+    """The settings of one machine: its own cache folder (``tmp_path/name``), the shared
+    remote at ``url`` (with ``remote``'s options)."""
+    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
+
+
 def write_size_ini(root: Path, max_mb: int, ratio: int) -> Path:
     """An op_cache.ini in the cache root with both size keys."""
     root.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ one, the tests that need it are skipped saying how to get it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from helpers_cache import SOC
 from helpers_redis import free_port
 
 HOW_TO_GET_ONE = "no nginx: apt-get install nginx (the tests start their own), or set NGINX_BIN"
@@ -135,6 +137,11 @@ class Nginx:
     def data(self) -> Path:
         """Where ``/cache/`` keeps its files."""
         return self.folder / "data" / "cache"
+
+    def object_path(self, key: str, soc: str = SOC) -> Path:
+        """Where ``/cache/`` keeps the entry ``key`` (bazel-remote's ac/ layout, the
+        default prefix)."""
+        return self.data / "ac" / hashlib.sha256(f"opcache:1:{soc}:{key}".encode()).hexdigest()
 
     def start(self) -> None:
         argv = [self.binary, "-p", str(self.folder), "-c", str(self.folder / "nginx.conf")]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers_cache import (
+    SOC,
     ToyCompiler,
     entry_dirs,
     expected_files,
@@ -29,7 +30,6 @@ from opcache.cli import main
 from opcache.storage import UNCLAIMED, Remote, RemoteCorrupt, RemoteError
 from opcache.storage.value import pack, unpack
 
-SOC = "Ascend910B1"
 URL = "memtest://localhost:1"
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from fake_opc import base_env
 from helpers_cache import (
+    SOC,
     TESTS_DIR,
     ToyCompiler,
     entry_dirs,
@@ -32,7 +33,6 @@ from opcache.counters import CounterFiles
 from opcache.storage.entry import make_manifest
 from opcache.storage.local import SIZE_FOLDER, LocalStore
 
-SOC = "Ascend910B1"
 # Commands whose count does not depend on the work: polls (as often as time
 # passes while another machine compiles) and connecting.
 _NOT_PER_KEY = {"mget", "hello", "client", "ping"}

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
+from helpers_cache import SOC, ToyCompiler, expected_files, machine, make_request, read_dir
 from helpers_cluster import Cluster, find_cli
 from helpers_redis import HOW_TO_GET_ONE, find_server
 
@@ -42,10 +42,6 @@ def url(cluster: Cluster) -> str:
             cluster.restart(index)
     cluster.flush()
     return cluster.url
-
-
-def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
-    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
 
 
 def entry(key: str) -> tuple[bytes, dict[str, bytes]]:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
+from helpers_cache import SOC, ToyCompiler, expected_files, machine, make_request, read_dir
 from helpers_nginx import BASIC, TOKEN, Nginx
 
 import opcache
@@ -41,19 +41,11 @@ def entry(key: str = KEY, **files: bytes) -> tuple[bytes, dict[str, bytes]]:
     return make_manifest(key, files, 1.5, {"op_type": "Add"}, 1000.0), files
 
 
-def object_path(nginx: Nginx, key: str, soc: str = SOC) -> Path:
-    return nginx.data / "ac" / hashlib.sha256(f"opcache:1:{soc}:{key}".encode()).hexdigest()
-
-
-def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
-    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
-
-
 def test_entries_round_trip_as_one_object_each(nginx: Nginx) -> None:
     writer, reader = connect(settings(nginx.url())), connect(settings(nginx.url()))
     manifest, files = entry()
     sent = writer.put(SOC, KEY, manifest, files)
-    assert sent == object_path(nginx, KEY).stat().st_size  # bazel-remote's ac/ layout
+    assert sent == nginx.object_path(KEY).stat().st_size  # bazel-remote's ac/ layout
     got, got_manifest = reader.get(SOC, KEY)
     assert got.files == files and got_manifest == manifest
     assert reader.get(SOC, OTHER) is None
@@ -83,11 +75,11 @@ def test_damaged_and_truncated_objects_are_never_served(nginx: Nginx) -> None:
     r = connect(settings(nginx.url()))
     r.put(SOC, KEY, *entry())
     r.put(SOC, OTHER, *entry(OTHER))
-    damaged = object_path(nginx, KEY)
+    damaged = nginx.object_path(KEY)
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    truncated = object_path(nginx, OTHER)
+    truncated = nginx.object_path(OTHER)
     truncated.write_bytes(truncated.read_bytes()[:-7])
     found = r.get_many(SOC, [KEY, OTHER])
     assert all(isinstance(v, RemoteCorrupt) for v in found.values()) and len(found) == 2
@@ -97,8 +89,8 @@ def test_damaged_and_truncated_objects_are_never_served(nginx: Nginx) -> None:
 
 def test_an_object_over_the_entry_cap_is_never_read_whole(nginx: Nginx) -> None:
     r = connect(settings(nginx.url(), max_entry_mb=1))
-    object_path(nginx, KEY).parent.mkdir(parents=True, exist_ok=True)
-    object_path(nginx, KEY).write_bytes(b"x" * (3 << 20))
+    nginx.object_path(KEY).parent.mkdir(parents=True, exist_ok=True)
+    nginx.object_path(KEY).write_bytes(b"x" * (3 << 20))
     assert isinstance(r.get_many(SOC, [KEY])[KEY], RemoteCorrupt)
 
 
@@ -114,7 +106,7 @@ def test_two_machines_share_entries_and_a_bad_object_is_replaced(
         assert (result.status, result.tier) == ("hit", "remote")
     assert compiler.calls() == 1
     assert read_dir(tmp_path / "out-b") == expected_files(request)
-    path = object_path(nginx, key)
+    path = nginx.object_path(key)
     path.write_bytes(path.read_bytes()[:-1])
     with opcache.OpCache(machine(tmp_path, "c", nginx.url())) as c:
         result = c.compile(request, compiler, tmp_path / "out-c")
@@ -231,7 +223,7 @@ def test_https_with_the_servers_ca_and_an_untrusted_server_never_fails_a_compile
     monkeypatch.setenv("SSL_CERT_FILE", str(nginx.certificate))  # OpenSSL's own variable
     trusted = connect(settings(nginx.tls_url()))
     assert trusted.put(SOC, KEY, *entry()) > 0 and trusted.get(SOC, KEY) is not None
-    assert object_path(nginx, KEY).is_file()
+    assert nginx.object_path(KEY).is_file()
 
 
 def test_a_password_from_the_environment_is_sent_as_written(nginx: Nginx) -> None:
@@ -249,11 +241,11 @@ def test_an_upload_cut_off_half_way_leaves_nothing_visible(nginx: Nginx) -> None
     r = connect(settings(nginx.url()))
     manifest, files = entry()
     value = pack(KEY, manifest, files)
-    path = "/cache/ac/" + object_path(nginx, KEY).name
+    path = "/cache/ac/" + nginx.object_path(KEY).name
     with socket.create_connection(("127.0.0.1", nginx.port), timeout=10) as s:
         head = f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(value)}\r\n\r\n"
         s.sendall(head.encode() + value[: len(value) // 2])  # then the writer dies
-    assert r.get(SOC, KEY) is None and not object_path(nginx, KEY).exists()
+    assert r.get(SOC, KEY) is None and not nginx.object_path(KEY).exists()
     assert r.put(SOC, KEY, manifest, files) == len(value)
     assert r.get(SOC, KEY) is not None
 

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 from helpers_cache import (
     MP,
+    SOC,
     ToyCompiler,
     entry_dirs,
     expected_files,
+    machine,
     make_request,
-    make_settings,
     read_dir,
     read_json,
     wait_for,
@@ -31,13 +32,6 @@ from helpers_cache import (
 
 import opcache
 from opcache import remote_tier
-
-SOC = "Ascend910B1"
-
-
-def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
-    """The settings of one machine: its own cache folder, the shared remote."""
-    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
 
 
 def entry_names(redis_server) -> list[bytes]:

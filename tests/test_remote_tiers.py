@@ -7,13 +7,12 @@ tier read-only on its own, a dead tier costs only itself.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, ToyCompiler, expected_files, make_request, make_settings, read_dir
+from helpers_cache import SOC, ToyCompiler, expected_files, machine, make_request, read_dir
 from helpers_nginx import Nginx
 
 import opcache
@@ -24,14 +23,6 @@ def share(tmp_path: Path) -> Path:
     folder = tmp_path / "share"
     folder.mkdir()
     return folder
-
-
-def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
-    return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
-
-
-def in_http(nginx: Nginx, key: str) -> Path:
-    return nginx.data / "ac" / hashlib.sha256(f"opcache:1:{SOC}:{key}".encode()).hexdigest()
 
 
 def in_folder(share: Path, key: str) -> Path:
@@ -46,7 +37,7 @@ def test_stores_go_to_every_tier_and_a_far_hit_is_backfilled_near(
     request = make_request(0)
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
         key = a.compile(request, compiler, tmp_path / "out-a").key
-    assert in_folder(share, key).is_dir() and in_http(nginx, key).is_file()
+    assert in_folder(share, key).is_dir() and nginx.object_path(key).is_file()
     shutil.rmtree(share / SOC)  # the near tier lost it (aged, another site's folder)
     with opcache.OpCache(machine(tmp_path, "b", url)) as b:
         result = b.compile(request, compiler, tmp_path / "out-b")
@@ -61,7 +52,7 @@ def test_each_tier_is_read_only_on_its_own(tmp_path: Path, nginx: Nginx, share: 
     compiler = ToyCompiler(tmp_path / "calls")
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
         key = a.compile(make_request(0), compiler, tmp_path / "o").key
-    assert in_folder(share, key).is_dir() and not in_http(nginx, key).exists()
+    assert in_folder(share, key).is_dir() and not nginx.object_path(key).exists()
     # The far tier, read-only, is still read; nothing is backfilled into it.
     with opcache.OpCache(machine(tmp_path, "w", nginx.url())) as w:
         key1 = w.compile(make_request(1), compiler, tmp_path / "o1").key
@@ -71,7 +62,7 @@ def test_each_tier_is_read_only_on_its_own(tmp_path: Path, nginx: Nginx, share: 
     # Read-only for all: nothing written anywhere.
     with opcache.OpCache(machine(tmp_path, "c", url, read_only=True)) as c:
         key2 = c.compile(make_request(2), compiler, tmp_path / "o2").key
-    assert not in_folder(share, key2).exists() and not in_http(nginx, key2).exists()
+    assert not in_folder(share, key2).exists() and not nginx.object_path(key2).exists()
 
 
 def test_a_bad_value_in_one_tier_is_taken_sound_from_the_next(
