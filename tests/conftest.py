@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,18 +24,23 @@ def env(fake_home: Path) -> dict[str, str]:
     return {"HOME": str(fake_home)}
 
 
+def _serve(binary: str | None, how_to_get_one: str, kind: Callable, folder: Path) -> Iterator:
+    """A server of ``kind`` for a session fixture, stopped at its end; the test skipped,
+    saying how to get one, without its ``binary``."""
+    if binary is None:
+        pytest.skip(how_to_get_one)
+    server = kind(binary, folder)
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
     """A real redis-server for the whole run (skipped, saying how to get one, without any)."""
     from helpers_redis import HOW_TO_GET_ONE, RedisServer, find_server
 
-    binary = find_server()
-    if binary is None:
-        pytest.skip(HOW_TO_GET_ONE)
-    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
+    yield from _serve(find_server(), HOW_TO_GET_ONE, RedisServer, tmp_path_factory.mktemp("redis"))
 
 
 @pytest.fixture
@@ -56,13 +62,7 @@ def nginx_server(tmp_path_factory: pytest.TempPathFactory):
     """A real nginx with WebDAV for the whole run (skipped, saying how to get one, without)."""
     from helpers_nginx import HOW_TO_GET_ONE, Nginx, find_nginx
 
-    binary = find_nginx()
-    if binary is None:
-        pytest.skip(HOW_TO_GET_ONE)
-    server = Nginx(binary, tmp_path_factory.mktemp("nginx"))
-    server.start()
-    yield server
-    server.stop()
+    yield from _serve(find_nginx(), HOW_TO_GET_ONE, Nginx, tmp_path_factory.mktemp("nginx"))
 
 
 @pytest.fixture
