@@ -1019,14 +1019,36 @@ def _started_together(target: Callable[..., None], args: list[tuple]) -> tuple[f
     return wall, sum(d[1] for d in done)
 
 
+class _Start:
+    """The start signal: ``wait`` says this process is ready (opcache imported, its
+    cache open), then waits until every process is and the clock starts."""
+
+    def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]
+        self._ready = ctx.Semaphore(0)
+        self._go = ctx.Event()
+
+    def wait(self) -> None:
+        self._ready.release()
+        self._go.wait()
+
+    def ready(self, processes: int) -> None:
+        """Wait until ``processes`` are ready."""
+        for _ in range(processes):
+            if not self._ready.acquire(timeout=600):
+                raise RuntimeError("a process of the bench did not get ready")
+
+    def set(self) -> None:
+        self._go.set()
+
+
 def _run_together(target: Callable[..., None], args: list[tuple]) -> tuple[float, list[tuple]]:
     """``_started_together``'s run: (seconds until the last was done, what each put)."""
     ctx = multiprocessing.get_context("spawn")
-    go, queue = ctx.Event(), ctx.Queue()
+    go, queue = _Start(ctx), ctx.Queue()
     procs = [ctx.Process(target=target, args=(*arg, go, queue)) for arg in args]
     for p in procs:
         p.start()
-    time.sleep(1.0 + 0.15 * len(procs))  # every one has imported opcache and opened its cache
+    go.ready(len(procs))  # (a fixed sleep counted slow start-ups on a loaded machine)
     started = time.perf_counter()
     go.set()
     done = [queue.get() for _ in procs]
