@@ -93,6 +93,13 @@ def _fill(a: Machine, count: int, size: int = 1000) -> list[str]:
     return kernels
 
 
+def _in_redis(redis_server, kernel: str):  # type: ignore[no-untyped-def]
+    """A client of the test's Redis and the key that holds ``kernel``'s entry."""
+    client = redis_server.client()
+    (name,) = [n for n in client.keys("*") if n.decode().endswith(kernel)]
+    return client, name
+
+
 def _entry_files(chip: Path) -> dict[str, bytes]:
     """Every entry file of a chip folder (no locks, temps or prebuild results)."""
     return {
@@ -235,8 +242,7 @@ def test_a_corrupt_value_in_redis_is_never_written(machines, redis_server):
     a, b = machines
     kernels = _fill(a, 3)
     a.push()
-    client = redis_server.client()
-    (name,) = [n for n in client.keys("*") if n.decode().endswith(kernels[0])]
+    client, name = _in_redis(redis_server, kernels[0])
     value = client.get(name)
     client.set(name, value[:-20] + bytes(20))
     write_ini(b.root)
@@ -252,20 +258,13 @@ def test_an_entry_failing_cann_checks_is_never_written(machines):
     _fill(a, 1)
     a.push()
     bad = kernel_name("Bad", "sha")
-    ns = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", _driver_digest(a))
     files = {
         f"{bad}.o": b"real bytes",
         f"{bad}.json": json.dumps(
             {"binFileName": bad, "binFileSuffix": ".o", "kernelName": "k", "sha256": "00" * 32}
         ).encode(),
     }
-    bundle = cann_transfer.Bundle(bad, int(NOW), files)
-    from opcache.storage import open_remote
-
-    remote = open_remote(a.settings().remote)
-    remote.put(ns.remote_chip, bad, cann_transfer._manifest(ns, bundle), files)
-    cann_transfer._write_index(remote, ns, {bad: (int(NOW) + 10, 100)})
-    remote.close()
+    _pushed_by_hand(a, [cann_transfer.Bundle(bad, int(NOW), files)])
     write_ini(b.root)
     report = b.pull()
     assert [r["entry"] for r in report["rejected"]] == [bad]
@@ -484,14 +483,7 @@ def test_a_remote_entry_bringing_another_kernels_json_writes_nothing(machines):
         ).encode(),
         f"{bad}2.json": other.encode(),
     }  # fmt: skip
-    ns = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", _driver_digest(a))
-    from opcache.storage import open_remote
-
-    remote = open_remote(a.settings().remote)
-    bundle = cann_transfer.Bundle(bad, int(NOW), files)
-    remote.put(ns.remote_chip, bad, cann_transfer._manifest(ns, bundle), files)
-    cann_transfer._write_index(remote, ns, {bad: (int(NOW) + 10, 100)})
-    remote.close()
+    _pushed_by_hand(a, [cann_transfer.Bundle(bad, int(NOW), files)])
     write_ini(b.root)
     report = b.pull()
     assert [r["entry"] for r in report["rejected"]] == [bad]
@@ -522,8 +514,7 @@ def test_an_entry_the_remote_evicted_is_dropped_from_its_index(machines, redis_s
     a, b = machines
     kernels = _fill(a, 3)
     a.push()
-    client = redis_server.client()
-    (name,) = [n for n in client.keys("*") if n.decode().endswith(kernels[2])]
+    client, name = _in_redis(redis_server, kernels[2])
     client.delete(name)  # as maxmemory-policy allkeys-lru would
     write_ini(b.root)
     assert b.pull()["gone"] == [kernels[2]]
@@ -559,8 +550,7 @@ def test_exit_status_partial_and_unreachable(machines, redis_server):
     a, b = machines
     kernels = _fill(a, 2)
     a.push()
-    client = redis_server.client()
-    (name,) = [n for n in client.keys("*") if n.decode().endswith(kernels[0])]
+    client, name = _in_redis(redis_server, kernels[0])
     client.set(name, b"not a value")
     write_ini(b.root)
     partial = _cli(b, "pull")
