@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 from helpers_cache import SOC, ToyCompiler, entry_dirs, make_request
+from helpers_cann import base
 
 import opcache
 from opcache.cli import main
 from opcache.storage.local import LocalStore
+
+__all__ = ["base"]  # the fixture, from helpers_cann
 
 REQUIRED_STATS_KEYS = {
     "hits",
@@ -31,11 +34,9 @@ REQUIRED_STATS_KEYS = {
 
 
 @pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("ASCEND_CACHE_PATH", "ASCEND_MAX_OP_CACHE_SIZE", "ASCEND_REMAIN_CACHE_SIZE_RATIO"):
-        monkeypatch.delenv(name, raising=False)
-    return tmp_path / "ops"
+def cache_dir(base: Path) -> Path:
+    """The cache folder, HOME in the test's folder and no CANN variables (``base``)."""
+    return base.parent / "ops"
 
 
 def fill(cache_dir: Path, tmp_path: Path, count: int, *, clock: float | None = None) -> list[str]:
