@@ -59,6 +59,22 @@ def wrap(*command: str, env: dict[str, str], cwd: Path, status: int | None = 0, 
     return opcache("wrap", *flags, "--", *command, env=env, cwd=cwd, status=status)
 
 
+def wrap_imports(command: list[str], env: dict[str, str], cwd: Path) -> tuple[str, set[str], str]:
+    """``opcache wrap -- command`` in a Python of its own: its exit status and the modules
+    it loaded by its end (stdout's last line, after whatever a hit replays), its stderr."""
+    code = (
+        "import sys\nfrom opcache.cli import main\n"
+        f"status = main(['wrap', '--', *{command!r}])\n"
+        "print(status, *sorted(sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    last = done.stdout.splitlines()[-1:] or [""]
+    status, *modules = last[0].split() or [""]
+    return status, set(modules), done.stderr
+
+
 def stats(env: dict[str, str], soc: str | None = None, *flags: str) -> dict:
     """``opcache stats --json``: the whole report, or one chip's (empty if it has none)."""
     done = opcache("stats", "--json", *flags, env=env, cwd=Path(env["HOME"]))

@@ -25,7 +25,7 @@ from helpers_cache import (
     make_settings,
     read_dir,
 )
-from helpers_wrap import GCC, wrap, write_project
+from helpers_wrap import GCC, wrap, wrap_imports, write_project
 
 import opcache
 from opcache import remote_tier
@@ -73,15 +73,8 @@ def test_a_wrap_hit_with_a_remote_set_does_not_load_its_client(
     src = write_project(tmp_path / "src")
     cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
     wrap(*cmd, env=env, cwd=src)  # a miss: stored locally and in the remote
-    code = (
-        "import sys\nfrom opcache.cli import main\n"
-        f"status = main(['wrap', '--', *{cmd!r}])\n"
-        "print(status, 'redis' in sys.modules)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=src, capture_output=True, text=True, timeout=60
-    )
-    assert done.stdout.split() == ["0", "False"], done.stderr
+    status, modules, stderr = wrap_imports(cmd, env, src)
+    assert (status, "redis" in modules) == ("0", False), stderr
 
 
 def test_a_cold_cluster_compiles_each_key_once_with_few_redis_commands(

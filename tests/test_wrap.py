@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 from fake_opc import SOC, base_env, invocations, write_opc, write_operator
 from helpers_faults import read_only
-from helpers_wrap import GCC, opcache, opcache_script, plain_gcc, stats, wrap, write_project
+from helpers_wrap import (
+    GCC,
+    opcache,
+    opcache_script,
+    plain_gcc,
+    stats,
+    wrap,
+    wrap_imports,
+    write_project,
+)
 
 from opcache import OpCache, resolve_settings
 from opcache.cli import main
@@ -664,16 +673,8 @@ def test_a_wrap_hit_imports_nothing_it_does_not_need(csrc):
     env, src = csrc
     cmd = ["gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
     wrap(*cmd, env=env, cwd=src)
-    code = (
-        "import sys\nfrom opcache.cli import main\n"
-        f"status = main(['wrap', '--', *{cmd!r}])\n"
-        "print(status, *sorted(sys.modules))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=src, capture_output=True, text=True, check=True
-    )
-    status, *modules = done.stdout.split()
-    assert status == "0" and host(env)["hits"] == 1
+    status, modules, stderr = wrap_imports(cmd, env, src)
+    assert status == "0" and host(env)["hits"] == 1, stderr
     heavy = {
         "argparse", "configparser", "dataclasses", "filelock", "inspect", "logging",
         "multiprocessing", "shutil", "subprocess", "tempfile", "typing",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import SOC, base_env, write_tool
-from helpers_wrap import GCC, opcache, opcache_script, stats, wrap
+from helpers_wrap import GCC, opcache, opcache_script, stats, wrap, wrap_imports
 
 from opcache.keyed_env import OPC_KEY_ENVIRONMENT
 
@@ -514,16 +514,8 @@ def test_an_opc_hit_imports_nothing_it_does_not_need(tmp_path):
     env, root = project(tmp_path)
     compile_into(env, root, "out1")
     command = ["opc", *ARGS, "--output=out2"]
-    code = (
-        "import sys\nfrom opcache.cli import main\n"
-        f"status = main(['wrap', '--', *{command!r}])\n"
-        "print(status, *sorted(sys.modules))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=60
-    )
-    status, *modules = done.stdout.split()
-    assert status == "0" and runs(env) == 1, done.stderr
+    status, modules, stderr = wrap_imports(command, env, root)
+    assert status == "0" and runs(env) == 1, stderr
     heavy = {
         "argparse", "configparser", "dataclasses", "filelock", "glob", "inspect", "logging",
         "multiprocessing", "shutil", "subprocess", "tempfile", "typing", "opcache.explain",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fake_op_compiler import write_op_compiler
 from fake_opc import base_env
-from helpers_wrap import opcache
+from helpers_wrap import opcache, wrap_imports
 
 SOC = "Ascend910B1"
 MATMUL = {
@@ -197,16 +197,8 @@ def test_a_failed_build_keeps_its_status_and_output_and_is_not_cached(toolkit, t
 def test_a_static_kernel_hit_imports_nothing_it_does_not_need(toolkit, tmp_path):
     wrap(toolkit, job(tmp_path, 1).argv(), tmp_path)
     argv = job(tmp_path, 2).argv()
-    code = (
-        "import sys\nfrom opcache.cli import main\n"
-        f"status = main(['wrap', '--', *{argv!r}])\n"
-        "print(status, *sorted(sys.modules))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=toolkit, cwd=tmp_path, capture_output=True, text=True
-    )
-    status, *modules = done.stdout.splitlines()[-1].split()  # after the replayed stdout
-    assert status == "0" and compiles(toolkit) == 1, done.stderr
+    status, modules, stderr = wrap_imports(argv, toolkit, tmp_path)
+    assert status == "0" and compiles(toolkit) == 1, stderr
     heavy = {
         "argparse", "configparser", "dataclasses", "filelock", "inspect", "logging",
         "multiprocessing", "shutil", "subprocess", "tempfile", "typing",
