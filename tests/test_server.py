@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from fake_opc import base_env
 from helpers_faults import IS_ROOT, NEEDS_ROOT, NOBODY
-from helpers_wrap import GCC, K_C, lines, link_compilers, stats, wrap, write_project
+from helpers_wrap import GCC, K_C, lines, link_compilers, opcache, stats, wrap, write_project
 
 from opcache import server
 
@@ -478,14 +478,9 @@ def test_a_changed_opcache_ends_the_server_and_the_compile_falls_back(served, tm
 def test_masquerade_client_builds_it_and_links_to_it(tmp_path):
     env = {**base_env(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     links = tmp_path / "links"
-    done = subprocess.run(
-        [sys.executable, "-m", "opcache", "masquerade", "--client", str(links)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WAIT * 2,
+    done = opcache(
+        "masquerade", "--client", str(links), env=env, cwd=tmp_path, text=True, timeout=WAIT * 2
     )
-    assert done.returncode == 0, done.stderr
     client = links / "opcache-client"
     assert os.access(client, os.X_OK)
     assert os.path.realpath(links / "gcc") == str(client)
@@ -499,14 +494,9 @@ def test_masquerade_client_without_a_c_compiler_says_so_once_and_links_opcache(t
     (tools / "opc").chmod(0o755)
     env = {**base_env(tmp_path), "PATH": f"{tools}{os.pathsep}{os.path.dirname(sys.executable)}"}
     links = tmp_path / "links"
-    done = subprocess.run(
-        [sys.executable, "-m", "opcache", "masquerade", "--client", str(links)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
+    done = opcache(
+        "masquerade", "--client", str(links), env=env, cwd=tmp_path, text=True, timeout=WAIT
     )
-    assert done.returncode == 0, done.stderr
     assert done.stderr.count("opcache: warning: no C compiler") == 1, done.stderr
     assert "the links run opcache itself" in done.stderr
     assert not (links / "opcache-client").exists()
