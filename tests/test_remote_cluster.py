@@ -107,6 +107,14 @@ def test_stats_and_clear_reach_every_primary(url: str, cluster: Cluster) -> None
     r.close()
 
 
+def misses(cache: opcache.OpCache, compiler: ToyCompiler, folder: Path, indices: range) -> None:
+    """Requests ``indices`` compiled (misses, never failures: a dead node costs only
+    its keys' look-ups), each output whole in ``folder/o<i>``."""
+    for i in indices:
+        assert cache.compile(make_request(i), compiler, folder / f"o{i}").status == "miss"
+        assert read_dir(folder / f"o{i}") == expected_files(make_request(i))
+
+
 def test_a_primary_killed_mid_run_costs_misses_then_recovers(
     tmp_path: Path,
     url: str,
@@ -120,16 +128,12 @@ def test_a_primary_killed_mid_run_costs_misses_then_recovers(
         caplog.at_level(logging.WARNING, logger="opcache"),
         opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as a,
     ):
-        assert a.compile(make_request(0), compiler, tmp_path / "o0").status == "miss"
+        misses(a, compiler, tmp_path, range(1))
         cluster.kill(1)
-        for i in range(1, 9):  # keys on every node: the dead one's fail, the others' work
-            result = a.compile(make_request(i), compiler, tmp_path / f"o{i}")
-            assert result.status == "miss"
-            assert read_dir(tmp_path / f"o{i}") == expected_files(make_request(i))
+        misses(a, compiler, tmp_path, range(1, 9))  # keys on every node: the dead one's fail
         down = a.stats()
         cluster.restart(1)
-        for i in range(9, 12):
-            assert a.compile(make_request(i), compiler, tmp_path / f"o{i}").status == "miss"
+        misses(a, compiler, tmp_path, range(9, 12))
         up = a.stats()
     assert down["remote_errors"] >= 1
     assert up["remote_stores"] == down["remote_stores"] + 3  # used again, every slot
@@ -158,14 +162,13 @@ def test_a_failover_to_a_replica_costs_misses_then_the_new_primary_is_used(
             caplog.at_level(logging.WARNING, logger="opcache"),
             opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as a,
         ):
-            assert a.compile(make_request(0), compiler, tmp_path / "o0").status == "miss"
+            misses(a, compiler, tmp_path, range(1))
             replicated.kill(0)
-            for i in range(1, 7):
-                assert a.compile(make_request(i), compiler, tmp_path / f"o{i}").status == "miss"
+            misses(a, compiler, tmp_path, range(1, 7))
             replicated.wait_failed_over(0)
             before = a.stats()["remote_stores"]
-            for i in range(7, 10):  # the first may still ask the dead primary: then found
-                assert a.compile(make_request(i), compiler, tmp_path / f"o{i}").status == "miss"
+            # The first may still ask the dead primary: then found.
+            misses(a, compiler, tmp_path, range(7, 10))
             after = a.stats()["remote_stores"]
         assert after >= before + 2
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
