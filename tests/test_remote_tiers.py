@@ -29,29 +29,37 @@ def in_folder(share: Path, key: str) -> Path:
     return share / SOC / key[:2] / key
 
 
+def stored_by_a(tmp_path: Path, url: str, compiler: ToyCompiler) -> str:
+    """Machine a compiles request 0 (a miss, stored in the writable tiers): its key."""
+    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
+        return a.compile(make_request(0), compiler, tmp_path / "out-a").key
+
+
+def a_remote_hit_on_b(tmp_path: Path, url: str, compiler: ToyCompiler) -> None:
+    """Machine b gets request 0 whole from a remote tier: nothing compiled but a's."""
+    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
+        result = b.compile(make_request(0), compiler, tmp_path / "out-b")
+    assert (result.status, result.tier) == ("hit", "remote")
+    assert read_dir(tmp_path / "out-b") == expected_files(make_request(0))
+    assert compiler.calls() == 1
+
+
 def test_stores_go_to_every_tier_and_a_far_hit_is_backfilled_near(
     tmp_path: Path, nginx: Nginx, share: Path
 ) -> None:
     url = f"file://{share} {nginx.url()}"
     compiler = ToyCompiler(tmp_path / "calls")
-    request = make_request(0)
-    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
-        key = a.compile(request, compiler, tmp_path / "out-a").key
+    key = stored_by_a(tmp_path, url, compiler)
     assert in_folder(share, key).is_dir() and nginx.object_path(key).is_file()
     shutil.rmtree(share / SOC)  # the near tier lost it (aged, another site's folder)
-    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
-        result = b.compile(request, compiler, tmp_path / "out-b")
-    assert (result.status, result.tier) == ("hit", "remote")
-    assert read_dir(tmp_path / "out-b") == expected_files(request)
+    a_remote_hit_on_b(tmp_path, url, compiler)
     assert in_folder(share, key).is_dir()  # backfilled
-    assert compiler.calls() == 1
 
 
 def test_each_tier_is_read_only_on_its_own(tmp_path: Path, nginx: Nginx, share: Path) -> None:
     url = f"file://{share} {nginx.url()}?read_only=true"
     compiler = ToyCompiler(tmp_path / "calls")
-    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
-        key = a.compile(make_request(0), compiler, tmp_path / "o").key
+    key = stored_by_a(tmp_path, url, compiler)
     assert in_folder(share, key).is_dir() and not nginx.object_path(key).exists()
     # The far tier, read-only, is still read; nothing is backfilled into it.
     with opcache.OpCache(machine(tmp_path, "w", nginx.url())) as w:
@@ -70,17 +78,11 @@ def test_a_bad_value_in_one_tier_is_taken_sound_from_the_next(
 ) -> None:
     url = f"file://{share} {nginx.url()}"
     compiler = ToyCompiler(tmp_path / "calls")
-    request = make_request(0)
-    with opcache.OpCache(machine(tmp_path, "a", url)) as a:
-        key = a.compile(request, compiler, tmp_path / "o").key
+    key = stored_by_a(tmp_path, url, compiler)
     for artifact in in_folder(share, key).iterdir():
         if artifact.name != "MANIFEST":
             artifact.write_bytes(b"planted")
-    with opcache.OpCache(machine(tmp_path, "b", url)) as b:
-        result = b.compile(request, compiler, tmp_path / "o-b")
-    assert (result.status, result.tier) == ("hit", "remote")
-    assert read_dir(tmp_path / "o-b") == expected_files(request)
-    assert compiler.calls() == 1
+    a_remote_hit_on_b(tmp_path, url, compiler)
 
 
 def test_a_dead_tier_costs_only_itself(
