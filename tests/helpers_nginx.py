@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from helpers_cache import SOC
-from helpers_redis import free_port
+from helpers_redis import ServerProcess, free_port
 
 HOW_TO_GET_ONE = "no nginx: apt-get install nginx (the tests start their own), or set NGINX_BIN"
 BASIC = ("ci", "s3cret")
@@ -107,14 +107,11 @@ def find_nginx() -> str | None:
     return None
 
 
-class Nginx:
+class Nginx(ServerProcess):
     """One nginx process; ``stop`` and ``start`` keep its port and files."""
 
     def __init__(self, binary: str, folder: Path) -> None:
-        self.binary = binary
-        self.folder = folder
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(binary, folder)
         (folder / "data" / "cache").mkdir(parents=True, exist_ok=True)
         (folder / "htpasswd").write_text(f"{BASIC[0]}:{{PLAIN}}{BASIC[1]}\n")
         self.tls_port = free_port() if _self_signed(folder) else None
@@ -160,7 +157,4 @@ class Nginx:
         raise RuntimeError("nginx did not listen within 10 s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
+        self.kill()  # nothing of nginx's needs a clean stop: its files are the test's

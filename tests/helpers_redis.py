@@ -45,14 +45,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
-    """One redis-server process, persistence off; ``stop`` and ``start`` keep its port."""
+class ServerProcess:
+    """A server process of ``binary`` on a free loopback port, its files in ``folder``;
+    ``start`` again after a stop keeps its port."""
 
     def __init__(self, binary: str, folder: Path) -> None:
         self.binary = binary
         self.folder = folder
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def kill(self) -> None:
+        """Stop the server at once, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+
+class RedisServer(ServerProcess):
+    """One redis-server process, persistence off; ``stop`` and ``start`` keep its port."""
 
     @property
     def url(self) -> str:
@@ -88,13 +100,6 @@ class RedisServer:
             retry=Retry(NoBackoff(), 0),
             **options,
         )
-
-    def kill(self) -> None:
-        """Stop the server at once, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
