@@ -38,6 +38,21 @@ from opcache.storage.local import SIZE_FOLDER, LocalStore
 _NOT_PER_KEY = {"mget", "hello", "client", "ping"}
 
 
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory):
+    """A redis-server of this module's own: its command counts are this module's
+    (on the shared one, another test's process may still renew its claims)."""
+    from helpers_redis import HOW_TO_GET_ONE, RedisServer, find_server
+
+    binary = find_server()
+    if binary is None:
+        pytest.skip(HOW_TO_GET_ONE)
+    server = RedisServer(binary, tmp_path_factory.mktemp("own-redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
 def machine(tmp_path: Path, name: str, url: str) -> opcache.Settings:
     # A generous timeout: on a loaded machine a command timed out is a failure
     # the cache works around (compiling unclaimed), which is not what is counted here.
@@ -78,7 +93,7 @@ def test_a_wrap_hit_with_a_remote_set_does_not_load_its_client(
 
 
 def test_a_cold_cluster_compiles_each_key_once_with_few_redis_commands(
-    tmp_path: Path, redis_url: str, redis_server, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two machines of two ranks each: every key is claimed at most once per machine,
     stored once with its claim marked stored, and no claim is won on a stored key
@@ -87,7 +102,8 @@ def test_a_cold_cluster_compiles_each_key_once_with_few_redis_commands(
     ops, machines, ranks = 30, 2, 2
     compiler = ToyCompiler(tmp_path / "calls", sleep=0.02)
     requests = [make_request(i) for i in range(ops)]
-    client = redis_server.client()
+    redis_url, client = own_server.url, own_server.client()
+    client.flushall()
     client.config_resetstat()
     caches = [
         opcache.OpCache(machine(tmp_path, f"m{m}", redis_url))
@@ -128,7 +144,10 @@ def test_a_cold_cluster_compiles_each_key_once_with_few_redis_commands(
         calls.pop(own, None)
     assert "evalsha" not in calls and "get" not in calls, calls
     per_key = sum(n for name, n in calls.items() if name not in _NOT_PER_KEY)
-    assert per_key <= ops * (machines + 2), calls  # a claim per machine; an entry, its mark
+    # About a claim per machine, the entry and its mark: 4 a key here (the code before
+    # issue 22 sent 7-10).  A tenth more for the rare rank that claims a key again
+    # when its poll and the store cross.
+    assert per_key <= ops * (machines + 2) * 11 // 10, calls
 
 
 def test_a_batch_of_remote_hits_is_kept_in_one_store_counted_once(
