@@ -37,6 +37,7 @@ from .cann_format import (
     PRE_SUFFIX,
     CannEntry,
     ChipScan,
+    PresentFiles,
     access_time,
     del_lock,
     is_entry_json,
@@ -44,6 +45,7 @@ from .cann_format import (
     open_chip_folder,
     scan_chip,
     sha256_problem,
+    walk_chip,
 )
 from .settings import AGE_SECONDS, INI_NAME, KERNEL_CACHE, MB, Settings, size_limits
 
@@ -265,37 +267,44 @@ class CannCache:
     # -- stats ---------------------------------------------------------------
 
     def _chip_stats(self, fd: int) -> dict[str, object]:
-        scan = scan_chip(fd)
-        view = _View(fd, scan)
-        now = int(self._clock())
-        files = scan.files
-        atimes = [access_time(files[e.json]) for e in view.entries]
+        # Two passes, holding counters and the few files whose owner is not the
+        # entry of their name: the entries, then every file (see _Owners).
+        owners = _Owners(fd, int(self._clock()))
+        counts = dict.fromkeys(_COUNTED, 0)
+        for name, st, top in walk_chip(fd):
+            if not stat.S_ISREG(st.st_mode):
+                counts["links"] += 1
+                continue
+            counts["files"] += 1
+            counts["used_bytes"] += st.st_size
+            if not top:
+                counts["subfolder_files"] += 1
+                counts["subfolder_bytes"] += st.st_size
+                continue
+            owned, aged = owners.of(name)
+            if aged:
+                counts["entry_bytes"] += st.st_size
+            if owned and name.endswith(".h"):
+                counts["headers"] += 1
+                counts["header_bytes"] += st.st_size
+            kind = None if owned else _loose_kind(name)
+            if kind is not None:
+                counts[kind] += 1
+                if kind != "locks":
+                    counts[_KIND_BYTES[kind]] += st.st_size
         max_bytes = self.limits.max_bytes
         return {
-            "used_bytes": scan.used,
-            "files": len(files) + scan.sub_files,
+            "used_bytes": counts["used_bytes"],
+            "files": counts["files"],
             "limit_bytes": max_bytes,
-            "over_limit": max_bytes is not None and scan.used >= max_bytes,
-            "entries": len(view.entries),
-            "entry_bytes": _bytes(files, {f for e in view.entries for f in e.aged or [e.json]}),
-            "broken_entries": sum(1 for e in view.entries if e.problem),
-            "idle_entries": sum(1 for a in atimes if now - a >= AGE_SECONDS),
-            "oldest_access": min(atimes, default=None),
-            "newest_access": max(atimes, default=None),
-            "headers": len(view.headers),
-            "header_bytes": _bytes(files, view.headers),
-            "prebuild": len(view.prebuild),
-            "prebuild_bytes": _bytes(files, view.prebuild),
-            "locks": len(view.locks),
-            "temps": len(view.temps),
-            "temp_bytes": _bytes(files, view.temps),
-            "orphans": len(view.orphans),
-            "orphan_bytes": _bytes(files, view.orphans),
-            "other": len(view.other),
-            "other_bytes": _bytes(files, view.other),
-            "subfolder_files": scan.sub_files,
-            "subfolder_bytes": scan.sub_bytes,
-            "links": scan.links,
+            "over_limit": max_bytes is not None and counts["used_bytes"] >= max_bytes,
+            "entries": owners.entries,
+            "entry_bytes": counts["entry_bytes"],
+            "broken_entries": owners.broken,
+            "idle_entries": owners.idle,
+            "oldest_access": owners.oldest,
+            "newest_access": owners.newest,
+            **{k: counts[k] for k in _COUNTED if k not in ("used_bytes", "files", "entry_bytes")},
         }
 
     # -- aging -----------------------------------------------------------------
@@ -462,25 +471,110 @@ class _View:
         files = scan.files
         self.entries = [CannEntry(fd, name, files) for name in files if is_entry_json(name)]
         owned = {f for e in self.entries for f in e.owned}
-        self.headers = {f for e in self.entries for f in e.owned if f.endswith(".h")}
         self.prebuild: list[str] = []
-        self.locks: list[str] = []
         self.temps: list[str] = []
         self.orphans: list[str] = []
-        self.other: list[str] = []
         for name in files:
-            if name in owned:
-                continue
-            if name.endswith(".lock"):
-                self.locks.append(name)
-            elif name.endswith(".temp"):
-                self.temps.append(name)
-            elif name.endswith(PRE_SUFFIX):
-                self.prebuild.append(name)
-            elif name.endswith((*KERNEL_FILE_SUFFIXES, *MIX_SUFFIXES)):
-                self.orphans.append(name)
-            else:
-                self.other.append(name)
+            kind = None if name in owned else _loose_kind(name)
+            if kind in ("prebuild", "temps", "orphans"):
+                getattr(self, kind).append(name)
+
+
+def _loose_kind(name: str) -> str:
+    """What a file no entry owns is (a _View list, a stats figure)."""
+    if name.endswith(".lock"):
+        return "locks"
+    if name.endswith(".temp"):
+        return "temps"
+    if name.endswith(PRE_SUFFIX):
+        return "prebuild"
+    if name.endswith((*KERNEL_FILE_SUFFIXES, *MIX_SUFFIXES)):
+        return "orphans"
+    return "other"
+
+
+_KIND_BYTES = {
+    "temps": "temp_bytes",
+    "prebuild": "prebuild_bytes",
+    "orphans": "orphan_bytes",
+    "other": "other_bytes",
+}
+_COUNTED = (
+    "used_bytes", "files", "entry_bytes", "headers", "header_bytes", "prebuild",
+    "prebuild_bytes", "locks", "temps", "temp_bytes", "orphans", "orphan_bytes", "other",
+    "other_bytes", "subfolder_files", "subfolder_bytes", "links",
+)  # fmt: skip
+# The files named after an entry's kernel that it owns unless its json says
+# otherwise, and whether CANN's aging deletes them with it.
+_OWN_SUFFIXES = {".o": True, ".so": True, ".h": False}
+
+
+class _Owners:
+    """Which entry owns each file of a chip folder, from one pass over its entries,
+    holding only the exceptions: an entry ``k.json`` owns ``k.o``, ``k.so`` and
+    ``k.h`` where they exist, CANN's aging deleting the first two with it.  Files
+    an entry owns under other names (sub-jsons, a binary named otherwise) and the
+    files of its name it does not own are kept by name; the entries themselves
+    are dropped once counted."""
+
+    def __init__(self, fd: int, now: int) -> None:
+        self._fd = fd
+        self.entries = self.broken = self.idle = 0
+        self.oldest: int | None = None
+        self.newest: int | None = None
+        self._owned: set[str] = set()  # owned by an entry not of their name
+        self._aged: set[str] = set()
+        self._not_owned: set[str] = set()  # of an entry's name, not its
+        self._aged_flipped: set[str] = set()  # of an entry's name, aged otherwise than said
+        present = PresentFiles(fd)
+        with os.scandir(fd) as it:
+            for item in it:
+                if not is_entry_json(item.name):
+                    continue
+                try:
+                    st = item.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    self._count(CannEntry(fd, item.name, present), access_time(st), now, present)
+
+    def _count(self, entry: CannEntry, atime: int, now: int, present: PresentFiles) -> None:
+        self.entries += 1
+        self.broken += entry.problem is not None
+        self.idle += now - atime >= AGE_SECONDS
+        self.oldest = atime if self.oldest is None else min(self.oldest, atime)
+        self.newest = atime if self.newest is None else max(self.newest, atime)
+        aged = set(entry.aged or [entry.json])
+        own = {entry.json, *(entry.kernel + suffix for suffix in _OWN_SUFFIXES)}
+        self._owned |= entry.owned - own
+        self._aged |= aged - own
+        for suffix, ages in _OWN_SUFFIXES.items():
+            name = entry.kernel + suffix
+            if name not in entry.owned:
+                if name in present:
+                    self._not_owned.add(name)
+            elif (name in aged) != ages:
+                self._aged_flipped.add(name)
+
+    def of(self, name: str) -> tuple[bool, bool]:
+        """(whether an entry owns file ``name``, whether CANN's aging deletes it with one)."""
+        if is_entry_json(name):
+            return True, True
+        by_name = self._by_name(name)
+        owned = name in self._owned or by_name is not None
+        return owned, name in self._aged or bool(by_name)
+
+    def _by_name(self, name: str) -> bool | None:
+        """Whether the entry of this file's name ages it; None where it has none."""
+        suffix = next((s for s in _OWN_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            return None
+        kernel_json = name[: -len(suffix)] + ".json"
+        if name in self._not_owned or not is_entry_json(kernel_json):
+            return None
+        if kernel_json not in PresentFiles(self._fd):
+            return None
+        return _OWN_SUFFIXES[suffix] != (name in self._aged_flipped)
 
 
 def _kernel_of(name: str) -> str:

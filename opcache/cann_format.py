@@ -31,7 +31,7 @@ import hashlib
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 
 from . import _json, fsutil, trust
 from .request import is_plain_name
@@ -69,13 +69,27 @@ class ChipScan:
 
 
 def scan_chip(fd: int) -> ChipScan:
-    """The folder's regular files by name; those in folders below it only counted.
+    """The folder's regular files by name; those in folders below it only counted."""
+    scan = ChipScan()
+    for name, st, top in walk_chip(fd):
+        if not stat.S_ISREG(st.st_mode):
+            scan.links += 1
+        elif top:
+            scan.files[name] = st
+        else:
+            scan.sub_files += 1
+            scan.sub_bytes += st.st_size
+    return scan
+
+
+def walk_chip(fd: int) -> Iterator[tuple[str, os.stat_result, bool]]:
+    """(name, lstat, in the folder itself) of every file that is no folder, the
+    folder's own and those below it, one at a time.
 
     Walked without recursion, one open folder per level: folders nested more
     than ``_MAX_SUB_DEPTH`` deep are not counted (CANN's own count, by path,
     stops near PATH_MAX, about 2,000 levels).
     """
-    scan = ChipScan()
     # CANN never makes subfolders but counts (and ages) any it finds;
     # opcache counts them and leaves them alone.
     walks = [os.scandir(fd)]
@@ -92,13 +106,8 @@ def scan_chip(fd: int) -> ChipScan:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if stat.S_ISREG(st.st_mode) and len(walks) == 1:
-                scan.files[entry.name] = st
-            elif stat.S_ISREG(st.st_mode):
-                scan.sub_files += 1
-                scan.sub_bytes += st.st_size
-            elif not stat.S_ISDIR(st.st_mode):
-                scan.links += 1
+            if not stat.S_ISDIR(st.st_mode):
+                yield entry.name, st, len(walks) == 1
             elif len(walks) <= _MAX_SUB_DEPTH:
                 try:
                     sub = os.open(entry.name, fsutil.DIR_FLAGS, dir_fd=opened[-1] if opened else fd)
@@ -111,7 +120,23 @@ def scan_chip(fd: int) -> ChipScan:
             walk.close()
         for opened_fd in opened:
             os.close(opened_fd)
-    return scan
+
+
+class PresentFiles(Container[str]):
+    """The regular files of a chip folder, looked up one name at a time: what
+    ``CannEntry`` asks of a scan, without holding one."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str) or not is_plain_name(name):
+            return False
+        try:
+            st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
 
 
 def is_entry_json(name: str) -> bool:
@@ -161,7 +186,7 @@ class CannEntry:
     sub-jsons and their binaries).
     """
 
-    def __init__(self, fd: int, name: str, files: Mapping[str, os.stat_result]) -> None:
+    def __init__(self, fd: int, name: str, files: Container[str]) -> None:
         self.json = name
         self.kernel = name[: -len(".json")]
         self.owned = {name}
@@ -186,7 +211,7 @@ class CannEntry:
         self.owned.update(aged)
         self._hit_check(fd, data, files)
 
-    def _hit_check(self, fd: int, data: object, files: Mapping[str, os.stat_result]) -> None:
+    def _hit_check(self, fd: int, data: object, files: Container[str]) -> None:
         """``MatchCompileCache`` through ``ParseCompileResult`` (compile_result_utils.cc)
         and ``VerifyBinFileSha256`` short of hashing; see the class docstring."""
         try:
@@ -234,7 +259,7 @@ class CannEntry:
             if kind == ".so" and not _SHA256_HEX.fullmatch(sha):
                 self.problem = f"sha256 {sha[:16]!r}... is no lower-case sha256: it never matches"
 
-    def _own_header(self, data: Mapping[str, object], binary: str, files: Mapping) -> None:
+    def _own_header(self, data: Mapping[str, object], binary: str, files: Container[str]) -> None:
         stem, suffix = binary.rpartition(".")[0], data.get("headerFileSuffix")
         for header in {stem + suffix if isinstance(suffix, str) else "", stem + ".h"}:
             if header in files and is_plain_name(header):
@@ -292,9 +317,7 @@ def _jsonlist_items(value: object) -> list[object]:
     return [] if value is None else [value]
 
 
-def _aged_files(
-    fd: int, name: str, data: object, files: Mapping[str, os.stat_result]
-) -> tuple[list[str], bool]:
+def _aged_files(fd: int, name: str, data: object, files: Container[str]) -> tuple[list[str], bool]:
     """(files CANN's aging deletes with json ``name`` that opcache deletes too, whether
     CANN's ``GetFilesAccessTime`` throws on it).
 
@@ -392,7 +415,12 @@ def read_json(fd: int, name: str) -> object:
     except OSError as e:
         raise _Unread(f"cannot read it ({e.strerror or e})") from None
     with os.fdopen(file_fd, "rb") as f:
-        raw = f.read(MAX_JSON_BYTES + 1)
+        # Asked for its size and a byte, not for the limit: a read allocates all
+        # it asks for, 64 MiB a json.
+        size = os.fstat(file_fd).st_size
+        raw = f.read(min(size, MAX_JSON_BYTES) + 1)
+        if size < len(raw) <= MAX_JSON_BYTES:  # it grew since: read on to the limit
+            raw += f.read(MAX_JSON_BYTES + 1 - len(raw))
     if len(raw) > MAX_JSON_BYTES:
         raise _Unread(f"larger than {MAX_JSON_BYTES >> 20} MiB: not read")
     return _json.loads_nlohmann(raw)

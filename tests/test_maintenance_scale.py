@@ -9,6 +9,7 @@ calls that open or stat a file, per entry.  No timing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import pytest
 from helpers_cache import SOC, T0, FakeClock, make_settings, trash_emptied, write_size_ini
+from helpers_cann import SOC as CANN_SOC
+from helpers_cann import kernel_json, set_access
 
 import opcache
-from opcache import aging, trash
+from opcache import aging, cann_cache, trash
 from opcache.settings import MB
 from opcache.storage import local
 from opcache.storage.entry import make_manifest
@@ -97,6 +100,50 @@ def test_maintenance_memory_is_flat_in_the_entry_count(
     monkeypatch.setattr(aging, "CANDIDATES", 40, raising=False)
     small = measure(tmp_path, 300, command)
     large = measure(tmp_path, 1200, command)
+    assert large - small < FLAT_BYTES, (small, large)
+    assert large < PEAK_BYTES, large
+
+
+def fill_cann(base: Path, count: int) -> Path:
+    """A CANN chip folder of ``count`` entries (json, .o, every other one a header,
+    every fourth an orphan .o), last used at T0 + i; its kernel_cache folder."""
+    chip = base / "kernel_cache" / CANN_SOC
+    chip.mkdir(parents=True)
+    for i in range(count):
+        kernel = f"te_add_{i:08d}"
+        binary = i.to_bytes(4, "big") * 16
+        (chip / f"{kernel}.o").write_bytes(binary)
+        body = json.dumps(kernel_json(kernel, binary, header=i % 2 == 0)).encode()
+        (chip / f"{kernel}.json").write_bytes(body)
+        if i % 2 == 0:
+            (chip / f"{kernel}.h").write_bytes(b"// header\n")
+        if i % 4 == 0:
+            (chip / f"te_gone_{i:08d}.o").write_bytes(b"orphan")
+        set_access([chip / f"{kernel}.json"], T0 + i)
+    return chip.parent
+
+
+def cann_stats_peak(base: Path, count: int) -> int:
+    root = fill_cann(base, count)
+    cache = cann_cache.CannCache(root, cann_cache.read_limits(root), clock=FakeClock(NOW))
+    with peak_growth() as peak:
+        chip = cache.stats()["chips"][CANN_SOC]
+    assert chip["entries"] == count
+    assert chip["headers"] == count // 2
+    assert chip["orphans"] == count // 4
+    assert chip["oldest_access"] == T0
+    assert chip["newest_access"] == T0 + count - 1
+    aged = [p for p in (root / CANN_SOC).glob("te_add_*") if p.suffix in (".json", ".o")]
+    assert chip["entry_bytes"] == sum(p.stat().st_size for p in aged)
+    return peak[0]
+
+
+def test_cann_stats_memory_is_flat_in_the_entry_count(tmp_path: Path) -> None:
+    # Counting needs each json parsed (its binary, its header), not held: an
+    # entry's json, CannEntry and lstat results once held about 2.7 KB each.
+    cann_stats_peak(tmp_path / "warm", 40)
+    small = cann_stats_peak(tmp_path / "small", 1000)
+    large = cann_stats_peak(tmp_path / "large", 4000)
     assert large - small < FLAT_BYTES, (small, large)
     assert large < PEAK_BYTES, large
 
