@@ -287,10 +287,10 @@ class CannCache:
             if owned and name.endswith(".h"):
                 counts["headers"] += 1
                 counts["header_bytes"] += st.st_size
-            kind = None if owned else _loose_kind(name)
-            if kind is not None:
+            if not owned:
+                kind = _loose_kind(name)
                 counts[kind] += 1
-                if kind != "locks":
+                if kind in _KIND_BYTES:  # (a lock's bytes are not reported)
                     counts[_KIND_BYTES[kind]] += st.st_size
         max_bytes = self.limits.max_bytes
         return {
