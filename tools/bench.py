@@ -503,6 +503,20 @@ def bench_wrap(report: Report, tmp: Path, repeat: int) -> None:
 # -- 13. a wrap hit served by opcache server, from a regular install --------------
 
 
+def _build_env(folder: Path) -> dict[str, str]:
+    """A build's environment for opcache and ccache side by side: their caches, HOME and
+    the server's socket folder under ``folder``, no OPCACHE_* or PYTHON* of the caller."""
+    (folder / "run").mkdir(mode=0o700)
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("OPCACHE_", "PYTHON"))},
+        "HOME": str(folder),
+        "OPCACHE_DIR": str(folder / "oc"),
+        "CCACHE_DIR": str(folder / "ccache"),
+        "XDG_RUNTIME_DIR": str(folder / "run"),
+        "OPCACHE_SERVER_IDLE": "60",  # (it outlives the bench by that much at most)
+    }
+
+
 def _regular_install(folder: Path) -> Path:
     """A venv with opcache installed from this tree as a user installs it (not editable):
     its bin folder.  An editable install's import hook inflates every start-up."""
@@ -558,15 +572,7 @@ def bench_served_wrap(report: Report, tmp: Path, repeat: int) -> None:
         return
     bin_dir = _regular_install(folder)
     program = str(bin_dir / "opcache")
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("OPCACHE_", "PYTHON"))},
-        "HOME": str(folder),
-        "OPCACHE_DIR": str(folder / "oc"),
-        "CCACHE_DIR": str(folder / "ccache"),
-        "XDG_RUNTIME_DIR": str(folder / "run"),
-        "OPCACHE_SERVER_IDLE": "60",  # (it outlives the bench by that much at most)
-    }
-    (folder / "run").mkdir(mode=0o700)
+    env = _build_env(folder)
     for kind, extra in (("client", ["--client"]), ("python", [])):
         done = subprocess.run(
             [program, "masquerade", *extra, str(folder / f"links-{kind}")],
@@ -1816,15 +1822,7 @@ def bench_brotli(report: Report, tmp: Path, rounds: int) -> None:
         print("  (ccache or brotli's sources missing: scenario skipped)")
         return
     program = str(_regular_install(folder) / "opcache")
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("OPCACHE_", "PYTHON"))},
-        "HOME": str(folder),
-        "OPCACHE_DIR": str(folder / "oc"),
-        "CCACHE_DIR": str(folder / "ccache"),
-        "XDG_RUNTIME_DIR": str(folder / "run"),
-        "OPCACHE_SERVER_IDLE": "60",  # (it outlives the bench by that much at most)
-    }
-    (folder / "run").mkdir(mode=0o700)
+    env = _build_env(folder)
     path = env.get("PATH", os.defpath)
     ways: dict[str, dict[str, str]] = {"ccache": {**env, "CC": f"{ccache} gcc"}}
     for kind, extra in (("python", []), ("client", ["--client"])):
