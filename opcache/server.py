@@ -36,6 +36,7 @@ import socket
 import stat
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,8 +48,10 @@ from .masquerade import find_compiler
 
 log = get_logger(__name__)
 
-PROTOCOL = b"opcache-serve 2"
-TAKEN = b"T"  # a worker's first word on a call: the client sends it only then
+PROTOCOL = b"opcache-serve 3"
+TAKEN = b"T"  # a worker's first word on a call, with its pid: the client sends it only then
+ALIVE = b"."  # then, until the reply: a client that hears none for 10 s kills the worker
+ALIVE_SECONDS = 1.0
 CLIENT_NAME = "opcache-client"
 CLIENT_SOURCE = Path(__file__).parent / "_client" / "opcache_client.c"
 ENV_IDLE = "OPCACHE_SERVER_IDLE"
@@ -302,15 +305,21 @@ def _work(
         os.write(tell, struct.pack("=ib", os.getpid(), _BUSY))
         try:
             conn.settimeout(REQUEST_TIMEOUT)
-            conn.sendall(TAKEN)
+            conn.sendall(TAKEN + struct.pack("=i", os.getpid()))
         except OSError:  # the client waited too long and runs opcache itself: no call
             reply = b""
         else:
+            done = threading.Event()
+            alive = threading.Thread(target=_say_alive, args=(conn, done), daemon=True)
+            alive.start()
             try:
                 reply = _answer(conn, files, program)
             except BaseException as e:  # the client runs opcache itself: it says what is wrong
                 log.debug("opcache server: call dropped: %r", e)
                 os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
+            finally:
+                done.set()
+            alive.join()  # (its bytes come before the reply, never inside it)
         try:
             conn.settimeout(None)
             conn.sendall(reply)
@@ -329,6 +338,15 @@ def _work(
             os._exit(0)
         os.write(tell, struct.pack("=ib", os.getpid(), _IDLE))
     os._exit(0)
+
+
+def _say_alive(conn: socket.socket, done: threading.Event) -> None:
+    """Until ``done``: tell the client this worker still runs its call (it kills a silent one)."""
+    while not done.wait(ALIVE_SECONDS):
+        try:
+            conn.sendall(ALIVE)
+        except OSError:
+            return
 
 
 def _die_with_the_server(die: bool, server: int = 0) -> None:

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -310,7 +311,7 @@ class FakeServer:
             conn, _ = self.listener.accept()
             with conn:
                 conn.settimeout(WAIT)
-                conn.sendall(server.TAKEN)
+                conn.sendall(server.TAKEN + struct.pack("=i", os.getpid()))
                 conn.recv(4)  # the request's length, then leave (killed mid-request)
                 if self.reply is not None:
                     conn.sendall(self.reply)
@@ -335,6 +336,39 @@ def test_a_server_that_does_not_serve_leaves_the_compile_to_opcache(served, repl
     subprocess.run([GCC, *COMPILE, "-o", "plain.o"], cwd=served.src, check=True)
     assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
     fake.listener.close()
+
+
+def test_a_worker_stopped_after_taking_the_call_is_killed_and_opcache_runs_itself(served):
+    """A worker that took the call and then stops (SIGSTOP, a frozen cgroup, a
+    debugger) says no more "alive": the client kills it, waits until it is gone,
+    and runs opcache itself, instead of hanging the build."""
+    served.folder.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(served.socket))
+        listener.listen(4)
+        worker = subprocess.Popen(  # the listener's child, as the server's workers are
+            [
+                sys.executable,
+                "-c",
+                "import os, signal, socket, struct, sys\n"
+                "conn, _ = socket.socket(fileno=int(sys.argv[1])).accept()\n"
+                "conn.sendall(b'T' + struct.pack('=i', os.getpid()))\n"
+                "conn.recv(1 << 16)\n"
+                "os.kill(os.getpid(), signal.SIGSTOP)\n",
+                str(listener.fileno()),
+            ],
+            pass_fds=[listener.fileno()],
+        )
+        try:
+            done = served.gcc(*COMPILE)  # (hung until killed by the timeout, before)
+            assert worker.wait(WAIT) == -signal.SIGKILL
+        finally:
+            worker.kill()
+            worker.wait(WAIT)
+    assert done.returncode == 0, done.stderr
+    assert served.fallbacks() == 1
+    subprocess.run([GCC, *COMPILE[:-1], "plain.o"], cwd=served.src, check=True)
+    assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
 
 
 def hostile_cases(served: Served, case: str, victim: Path) -> None:

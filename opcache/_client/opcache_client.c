@@ -21,12 +21,14 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -37,13 +39,18 @@
 #error "build with -DOPCACHE_PROGRAM=... -DOPCACHE_TAG=... (opcache masquerade --client)"
 #endif
 
-#define PROTOCOL "opcache-serve 2"
+#define PROTOCOL "opcache-serve 3"
 #define MAX_REPLY (64u << 20)
 /* How long a server may take to connect and to take a call (a worker's "taken"
  * byte) before opcache runs itself: a stopped or wedged server (SIGSTOP, a
  * frozen cgroup, a debugger) must not hang the build. */
 #define TAKE_MS 2000
 #define TAKEN 'T'
+/* A worker that has taken a call says it is alive about once a second until its
+ * reply; one silent this long (stopped, frozen, wedged) is killed, then opcache
+ * runs itself. */
+#define ALIVE_MS 10000
+#define ALIVE '.'
 
 extern char **environ;
 
@@ -174,8 +181,9 @@ static void start_server(const char *folder) {
     if (child > 0) waitpid(child, NULL, 0);
 }
 
-/* Connect to this user's server: 0 and the socket, or -1 (*start: no server to talk to). */
-static int connect_server(int *start, char *folder, size_t size) {
+/* Connect to this user's server: the socket, or -1 (*start: no server to talk to).
+ * *server: the server's pid as this process sees it (0: not in its pid namespace). */
+static int connect_server(int *start, char *folder, size_t size, pid_t *server) {
     *start = 0;
     int dir = open_folder(folder, size);
     if (dir < 0) {
@@ -215,14 +223,17 @@ static int connect_server(int *start, char *folder, size_t size) {
         close(sock);
         sock = -1;
     }
+    *server = sock >= 0 ? peer.pid : 0;
     return sock;
 }
 
-/* Whether a worker took the call: its "taken" byte within TAKE_MS.  Until it
- * has it, a worker has done nothing: the request is sent only after, so a
- * worker that takes the call once this client gave up finds no request, and
- * never writes outputs opcache is writing too. */
-static int taken(int sock) {
+/* Whether a worker took the call: its "taken" byte and its pid within TAKE_MS
+ * (its pid, else 0).  Until then a worker has done nothing: the request is sent
+ * only after, so a worker that takes the call once this client gave up finds no
+ * request, and never writes outputs opcache is writing too. */
+static pid_t taken(int sock) {
+    unsigned char word[1 + sizeof(int32_t)];
+    size_t got = 0;
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
     for (;;) {
@@ -233,10 +244,46 @@ static int taken(int sock) {
         int ready = poll(&p, 1, left > 0 ? (int)left : 0);
         if (ready < 0 && errno == EINTR) continue;
         if (ready <= 0) return 0;
-        char byte;
-        ssize_t n = read(sock, &byte, 1);
+        ssize_t n = read(sock, word + got, sizeof word - got);
         if (n < 0 && errno == EINTR) continue;
-        return n == 1 && byte == TAKEN;
+        if (n <= 0) return 0;
+        got += (size_t)n;
+        if (got == sizeof word) {
+            int32_t pid;
+            memcpy(&pid, word + 1, sizeof pid);
+            return word[0] == TAKEN && pid > 0 ? pid : 0;
+        }
+    }
+}
+
+/* The worker that took the call, held by a pidfd (a pid reused cannot be hit):
+ * the descriptor, or -1 when it cannot be told for sure (no pidfd, another pid
+ * namespace, a pid that is not the server's child). */
+static int hold_worker(pid_t worker, pid_t server) {
+    if (worker <= 0 || server <= 0) return -1;
+    int fd = (int)syscall(SYS_pidfd_open, worker, 0);
+    if (fd < 0) return -1;
+    char path[64], stat[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)worker);
+    int f = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n = f >= 0 ? read(f, stat, sizeof stat - 1) : -1;
+    if (f >= 0) close(f);
+    stat[n > 0 ? n : 0] = '\0';
+    const char *end = strrchr(stat, ')');  /* (the name may hold anything) */
+    int parent = 0;
+    if (end == NULL || sscanf(end + 1, " %*c %d", &parent) != 1 || parent != server) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Kill the worker and wait until it is gone: no late write of its can land on
+ * the outputs opcache writes next. */
+static void end_worker(int pidfd) {
+    syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
+    struct pollfd p = {.fd = pidfd, .events = POLLIN};
+    while (poll(&p, 1, -1) < 0 && errno == EINTR) {
     }
 }
 
@@ -278,15 +325,27 @@ static int send_request(int sock, char **line, const char *cwd) {
     return 0;
 }
 
-/* The whole reply, up to the server closing the connection. */
-static int read_reply(int sock, struct buf *reply) {
+/* The whole reply, up to the server closing the connection, without the
+ * worker's "alive" bytes before it.  A worker silent for ALIVE_MS is ended
+ * first (-1); one not held (pidfd -1) is waited for without a limit. */
+static int read_reply(int sock, struct buf *reply, int pidfd) {
     char chunk[65536];
     for (;;) {
-        ssize_t n = read(sock, chunk, sizeof chunk);
+        struct pollfd p = {.fd = sock, .events = POLLIN};
+        int ready = poll(&p, 1, pidfd >= 0 ? ALIVE_MS : -1);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready == 0) {
+            end_worker(pidfd);
+            return -1;
+        }
+        ssize_t n = ready < 0 ? -1 : read(sock, chunk, sizeof chunk);
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) return -1;
         if (n == 0) return 0;
-        if (reply->len + (size_t)n > MAX_REPLY || put(reply, chunk, (size_t)n) != 0) return -1;
+        size_t skip = 0;
+        while (reply->len == 0 && skip < (size_t)n && chunk[skip] == ALIVE) skip++;
+        if (reply->len + (size_t)n - skip > MAX_REPLY || put(reply, chunk + skip, (size_t)n - skip) != 0)
+            return -1;
     }
 }
 
@@ -334,13 +393,16 @@ int main(int argc, char **argv) {
     for (int fd = 0; fd < 3; fd++) served = served && fcntl(fd, F_GETFD) >= 0;
     if (!served || getcwd(cwd, sizeof cwd) == NULL) run_opcache(line);
     int start;
-    int sock = connect_server(&start, folder, sizeof folder);
+    pid_t server;
+    int sock = connect_server(&start, folder, sizeof folder, &server);
     if (sock < 0) {
         if (start) start_server(folder);
         run_opcache(line);
     }
     struct buf reply = {0};
-    if (taken(sock) && send_request(sock, line, cwd) == 0 && read_reply(sock, &reply) == 0) {
+    pid_t worker = taken(sock);
+    int pidfd = hold_worker(worker, server);
+    if (worker > 0 && send_request(sock, line, cwd) == 0 && read_reply(sock, &reply, pidfd) == 0) {
         int status = replay(&reply);
         if (status >= 0) return status;
     }
