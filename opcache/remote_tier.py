@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import _thread  # threading's primitives, without importing threading on wrap's start-up
 import hashlib
+import signal
 import time
 from collections.abc import Callable
 
@@ -193,8 +194,10 @@ class RemoteTier:
             for key, (_, manifest) in found.items():
                 self._backfills[(soc, key)] = (hits[key], manifest)
             if self._backfiller is None:
+                # Not a daemon: the interpreter's exit waits for the copies, so an
+                # OpCache never closed still makes them (and leaves no temp folder).
                 self._backfiller = threading.Thread(
-                    target=self._backfill_all, name="opcache-backfill", daemon=True
+                    target=self._backfill_all, name="opcache-backfill"
                 )
                 self._backfiller.start()
         return hits
@@ -333,7 +336,13 @@ class RemoteTier:
         """Make the local copies of remote hits still pending, then let go of the remote."""
         backfiller = self._backfiller
         if backfiller is not None:
-            backfiller.join()
+            # A Ctrl-C is held off meanwhile, raised once the copies are made
+            # (as wrap holds it while removing its staging folder).
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                backfiller.join()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if self._remote is not None:
             try:
                 self._remote.close()

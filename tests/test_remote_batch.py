@@ -8,6 +8,7 @@ another machine had stored already.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,11 +26,13 @@ from helpers_cache import (
     make_settings,
     read_dir,
 )
+from helpers_cache import machine as file_machine
 from helpers_wrap import GCC, wrap, wrap_imports, write_project
 
 import opcache
 from opcache import remote_tier
 from opcache.counters import CounterFiles
+from opcache.storage import local
 from opcache.storage.entry import make_manifest
 from opcache.storage.local import SIZE_FOLDER, LocalStore
 
@@ -200,4 +203,109 @@ def test_a_batch_store_leaves_another_writers_entry_and_counts_only_its_own(
     assert sizes[1] is None and sizes[0] == sizes[2] == first
     assert store.used(SOC) == (3, 3 * first)
     assert store.get(SOC, entries[1][0]).stamp == 1.0  # the first writer's stands
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_a_batch_store_starts_over_when_the_chip_folder_is_deleted_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's clear (or force) deleting the chip folder between the count
+    and the renames: the batch is stored in a new folder, as ``put`` does."""
+    store = LocalStore(tmp_path / "cache")
+    entries = []
+    for i in range(5):
+        key = f"{0xBB00 + i:032x}"
+        files = {"k.o": bytes([i]) * 100}
+        entries.append((key, make_manifest(key, files, 0.1, {}, 1.0), files))
+    first = store.put(SOC, *entries[0], now=1.0)  # the chip folder exists
+    real, fired = LocalStore._count, []
+
+    def count(self: LocalStore, chip_fd: int, soc: str, deltas: dict[str, float] | None) -> None:
+        if not fired:
+            fired.append(1)
+            shutil.rmtree(self.chip_dir(soc))
+        real(self, chip_fd, soc, deltas)
+
+    monkeypatch.setattr(LocalStore, "_count", count)
+    sizes = store.put_many(SOC, entries, now=2.0)
+    assert sizes == [first] * 5
+    assert len(entry_dirs(tmp_path / "cache")) == 5
+    assert store.used(SOC) == (5, 5 * first)
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+_BACKFILL_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+sys.path[:0] = [{tests!r}]
+import opcache
+from helpers_cache import ToyCompiler, make_request, machine
+tmp, url, n, how = Path({tmp!r}), {url!r}, {n}, {how!r}
+real_rename, renames = os.rename, []
+
+def rename(src, dst, **kw):
+    # The batch's renames of entry folders (key to key): kill the process at one.
+    if how == "kill" and src == dst and len(str(src)) == 32:
+        renames.append(src)
+        if len(renames) == 100:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real_rename(src, dst, **kw)
+
+os.rename = rename
+if how == "exit":  # the copy starts late: the main thread has returned by then
+    from opcache.storage.local import LocalStore
+    real_put_many = LocalStore.put_many
+    def put_many(self, *args, **kw):
+        time.sleep(0.5)
+        return real_put_many(self, *args, **kw)
+    LocalStore.put_many = put_many
+cache = opcache.OpCache(machine(tmp, "b", url))  # closed only to wait for the kill
+res = cache.compile_many([make_request(i) for i in range(n)], ToyCompiler(tmp / "calls_b"),
+                         lambda r: tmp / "outb" / r.op_name, jobs=2)
+print(sorted({{r.tier for r in res}}), flush=True)
+if how == "kill":  # the build waits for the copies; the kill lands in them
+    cache.close()
+"""
+
+
+def _backfill_in_child(tmp_path: Path, n: int, how: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "share").mkdir()
+    url = f"file://{tmp_path}/share"
+    requests = [make_request(i) for i in range(n)]
+    with opcache.OpCache(file_machine(tmp_path, "a", url)) as a:
+        a.compile_many(
+            requests, ToyCompiler(tmp_path / "calls_a"), lambda r: tmp_path / "outa" / r.op_name
+        )
+    code = _BACKFILL_CHILD.format(tests=str(TESTS_DIR), tmp=str(tmp_path), url=url, n=n, how=how)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_remote_hits_are_copied_at_exit_when_the_cache_is_never_closed(tmp_path: Path) -> None:
+    done = _backfill_in_child(tmp_path, 40, "exit")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['remote']"
+    root = tmp_path / "b" / "kernel_cache"
+    on_disk = entry_dirs(root)
+    assert len(on_disk) == 40
+    store = LocalStore(root)
+    assert store.used(SOC) == (40, sum(e.size for e in store.scan(SOC, sizes=True)))
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_a_kill_during_the_copy_of_remote_hits_leaves_at_most_a_chunk_over_counted(
+    tmp_path: Path,
+) -> None:
+    done = _backfill_in_child(tmp_path, 300, "kill")
+    assert done.returncode == -9, done.stderr
+    root = tmp_path / "b" / "kernel_cache"
+    on_disk = len(entry_dirs(root))
+    store = LocalStore(root)
+    counted, _ = store.used(SOC)
+    assert on_disk == 99  # killed at the 100th rename
+    assert on_disk <= counted < on_disk + local._COUNT_EVERY
+    # The killed process's batch folder goes with the usual cleaning (its pid is dead).
+    assert len(list(store.tmp_dir.iterdir())) == 1
+    assert store.clean_leftovers() >= 1
     assert list(store.tmp_dir.iterdir()) == []

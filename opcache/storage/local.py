@@ -527,7 +527,7 @@ class LocalStore:
         None where another writer's entry stands.
 
         For a batch of remote hits: the entries are built in one folder, counted
-        in one update, then each renamed into place (one lock, one handle on the
+        a chunk at a time, and renamed into place (one lock, one handle on the
         chip folder).  Raises as ``put`` does; a failure stores none of those
         not yet in place.
         """
@@ -569,39 +569,65 @@ class LocalStore:
     def _publish_batch(
         self, soc: str, keys: list[str], workdir: Workdir, sizes: list[int]
     ) -> list[int | None]:
-        """``_publish_in_chip`` for the entries ``keys`` built in ``workdir``: counted
-        at once before any rename, the ones not renamed counted out after."""
+        """``_publish_counted`` for the entries ``keys`` built in ``workdir``: when
+        force or clear deletes the chip folder under it, the entries not yet
+        renamed start over in a new one (nothing is written again)."""
+        stored: dict[str, int | None] = {}
+        for _attempt in range(_PUBLISH_ATTEMPTS):
+            rest = [(key, size) for key, size in zip(keys, sizes, strict=True) if key not in stored]
+            try:
+                self._publish_chunks(soc, rest, workdir, stored)
+            except OSError as e:
+                if e.errno not in fsutil.GONE:
+                    raise
+                continue  # the chip folder was deleted under us: a new one then
+            return [stored[key] for key in keys]
+        raise OSError(errno.ENOENT, "the chip folder keeps disappearing", str(self.chip_dir(soc)))
+
+    def _publish_chunks(
+        self,
+        soc: str,
+        entries: list[tuple[str, int]],
+        workdir: Workdir,
+        stored: dict[str, int | None],
+    ) -> None:
+        """Rename ``entries`` into place, each chunk counted before its renames (as
+        ``_publish_in_chip`` does, for the same reason) and its misses counted
+        out after: a process killed half way leaves at most a chunk over-counted,
+        not the batch.  ``stored`` gets each key's bytes, None if another's stands.
+        """
         chip_fd = self._open_chip(soc, create=True)
         buckets: dict[str, int] = {}
-        stored: list[int | None] = []
         try:
-            self._count(chip_fd, soc, {"entries": len(keys), "bytes": sum(sizes)})
-            try:
-                for key, size in zip(keys, sizes, strict=True):
-                    bucket_fd = buckets.get(key[:2])
-                    if bucket_fd is None:
-                        bucket_fd = self._open_dir(
-                            key[:2], chip_fd, self.chip_dir(soc), create=True
-                        )
-                        buckets[key[:2]] = bucket_fd
-                    try:
-                        os.rename(key, key, src_dir_fd=workdir.fd, dst_dir_fd=bucket_fd)
-                    except OSError as e:
-                        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                            raise
-                        stored.append(None)
-                        continue
-                    stored.append(size)
-            finally:
-                unused = sum(sizes) - sum(size for size in stored if size is not None)
-                if unused:
-                    missed = len(keys) - sum(size is not None for size in stored)
-                    self._uncount_many(chip_fd, soc, missed, unused)
+            for start in range(0, len(entries), _COUNT_EVERY):
+                chunk = entries[start : start + _COUNT_EVERY]
+                self._count(
+                    chip_fd, soc, {"entries": len(chunk), "bytes": sum(s for _, s in chunk)}
+                )
+                try:
+                    for key, size in chunk:
+                        bucket_fd = buckets.get(key[:2])
+                        if bucket_fd is None:
+                            bucket_fd = self._open_dir(
+                                key[:2], chip_fd, self.chip_dir(soc), create=True
+                            )
+                            buckets[key[:2]] = bucket_fd
+                        try:
+                            os.rename(key, key, src_dir_fd=workdir.fd, dst_dir_fd=bucket_fd)
+                        except OSError as e:
+                            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                                raise
+                            stored[key] = None
+                            continue
+                        stored[key] = size
+                finally:
+                    missed = [size for key, size in chunk if stored.get(key) is None]
+                    if missed:
+                        self._uncount_many(chip_fd, soc, len(missed), sum(missed))
         finally:
             for fd in buckets.values():
                 os.close(fd)
             os.close(chip_fd)
-        return stored
 
     def _publish_counted(self, soc: str, key: str, workdir: Workdir, size: int) -> int | None:
         for _attempt in range(_PUBLISH_ATTEMPTS):
