@@ -335,20 +335,22 @@ class RemoteTier:
     def close(self) -> None:
         """Make the local copies of remote hits still pending, then let go of the remote."""
         backfiller = self._backfiller
-        if backfiller is not None:
-            # A Ctrl-C is held off meanwhile, raised once the copies are made
-            # (as wrap holds it while removing its staging folder).
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                backfiller.join()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        if self._remote is not None:
-            try:
-                self._remote.close()
-            except Exception as e:
-                log.debug("cannot close the remote: %s", e)
-            self._remote = None
+        try:
+            if backfiller is not None:
+                # A Ctrl-C is held off meanwhile, raised once the copies are made
+                # (as wrap holds it while removing its staging folder).
+                held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    backfiller.join()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        finally:
+            if self._remote is not None:
+                try:
+                    self._remote.close()
+                except Exception as e:
+                    log.debug("cannot close the remote: %s", e)
+                self._remote = None
 
     # -- failures ---------------------------------------------------------------------
 

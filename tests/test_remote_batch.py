@@ -8,7 +8,9 @@ another machine had stored already.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +27,7 @@ from helpers_cache import (
     make_request,
     make_settings,
     read_dir,
+    wait_for,
 )
 from helpers_cache import machine as file_machine
 from helpers_wrap import GCC, wrap, wrap_imports, write_project
@@ -308,4 +311,69 @@ def test_a_kill_during_the_copy_of_remote_hits_leaves_at_most_a_chunk_over_count
     # The killed process's batch folder goes with the usual cleaning (its pid is dead).
     assert len(list(store.tmp_dir.iterdir())) == 1
     assert store.clean_leftovers() >= 1
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+_INTERRUPTED_CHILD = """
+import sys, time
+from pathlib import Path
+sys.path[:0] = [{tests!r}]
+import opcache
+from helpers_cache import ToyCompiler, make_request, machine
+from opcache.storage.local import LocalStore
+tmp, url = Path({tmp!r}), {url!r}
+real_put_many = LocalStore.put_many
+
+def put_many(self, *args, **kw):  # the copy waits for the test's go, after its Ctrl-C
+    (tmp / "copying").touch()
+    deadline = time.monotonic() + 60
+    while not (tmp / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return real_put_many(self, *args, **kw)
+
+LocalStore.put_many = put_many
+cache = opcache.OpCache(machine(tmp, "b", url))
+try:
+    cache.compile_many([make_request(i) for i in range(40)], ToyCompiler(tmp / "calls_b"),
+                       lambda r: tmp / "outb" / r.op_name)
+    (tmp / "closing").touch()
+    cache.close()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_ctrl_c_while_the_copies_of_remote_hits_are_made_does_not_lose_them(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "share").mkdir()
+    url = f"file://{tmp_path}/share"
+    with opcache.OpCache(file_machine(tmp_path, "a", url)) as a:
+        a.compile_many(
+            [make_request(i) for i in range(40)],
+            ToyCompiler(tmp_path / "calls_a"),
+            lambda r: tmp_path / "outa" / r.op_name,
+        )
+    code = _INTERRUPTED_CHILD.format(tests=str(TESTS_DIR), tmp=str(tmp_path), url=url)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(tmp_path / "copying")
+        wait_for(tmp_path / "closing")
+        child.send_signal(signal.SIGINT)
+        # Let an unguarded process act on the Ctrl-C before the copy may go on (the
+        # outcome asserted below holds however long this takes).
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=2)
+        (tmp_path / "go").touch()
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    assert out.strip() == "interrupted", err
+    root = tmp_path / "b" / "kernel_cache"
+    store = LocalStore(root)
+    assert len(entry_dirs(root)) == 40
+    assert store.used(SOC) == (40, sum(e.size for e in store.scan(SOC, sizes=True)))
     assert list(store.tmp_dir.iterdir()) == []
