@@ -485,16 +485,24 @@ class LocalStore:
 
     # -- writing -------------------------------------------------------------
 
-    def _new_workdir(self, key: str) -> Workdir:
-        """A fresh private folder on the cache's filesystem for building an entry.
+    @contextlib.contextmanager
+    def _new_workdir(self, key: str) -> Iterator[Workdir]:
+        """A fresh private folder on the cache's filesystem for building an entry,
+        removed on leaving (a failure to remove is only logged: cleaning takes it).
 
-        It stays locked while the returned Workdir is open, so that cleaning
-        knows its writer is alive however long the compile takes.
+        It stays locked while open, so that cleaning knows its writer is alive
+        however long the compile takes.
         """
         tmp_fd = self.open_folder("tmp")
         workdir = new_build_folder(self.tmp_dir, key, self.modes.dir_bits, tmp_fd)
-        fsutil.fix_new_dir(workdir.path.name, self.modes, dir_fd=tmp_fd)
-        return workdir
+        try:
+            fsutil.fix_new_dir(workdir.path.name, self.modes, dir_fd=tmp_fd)
+            yield workdir
+        finally:
+            try:
+                workdir.close()
+            except OSError as e:
+                log.debug("cannot remove %s: %s", workdir.path, e)
 
     def put(
         self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], *, now: float
@@ -509,16 +517,10 @@ class LocalStore:
         not a plain file name (or is the manifest's).
         """
         _check_names(files)
-        workdir = self._new_workdir(key)
-        try:
+        with self._new_workdir(key) as workdir:
             size = self._write_entry(workdir.fd, manifest, files, now)
             with self._counting(soc):
                 return self._publish_counted(soc, key, workdir, size)
-        finally:
-            try:
-                workdir.close()
-            except OSError as e:
-                log.debug("cannot remove %s: %s", workdir.path, e)
 
     def put_many(
         self, soc: str, entries: list[tuple[str, bytes, dict[str, bytes]]], *, now: float
@@ -533,8 +535,7 @@ class LocalStore:
         """
         for _, _, files in entries:
             _check_names(files)
-        workdir = self._new_workdir("batch")
-        try:
+        with self._new_workdir("batch") as workdir:
             sizes = []
             for key, manifest, files in entries:
                 os.mkdir(key, self.modes.dir_bits, dir_fd=workdir.fd)
@@ -546,11 +547,6 @@ class LocalStore:
                     os.close(entry_fd)
             with self._counting(soc):
                 return self._publish_batch(soc, [key for key, _, _ in entries], workdir, sizes)
-        finally:
-            try:
-                workdir.close()
-            except OSError as e:
-                log.debug("cannot remove %s: %s", workdir.path, e)
 
     def _write_entry(
         self, dir_fd: int, manifest: bytes, files: dict[str, bytes], now: float
