@@ -1121,6 +1121,18 @@ def bench_remote(report: Report, tmp: Path, repeat: int, count: int) -> None:
         server.stop()
 
 
+def _floor_after(cache: opcache.OpCache, get: Callable[[], bytes], out: Path) -> float:
+    """Seconds of a remote hit's floor (``get`` plus writing the value into ``out``),
+    timed once the hit's background copy is made (not timed: the hit did not wait
+    for it either)."""
+    _backfilled(cache)
+    started = time.perf_counter()
+    data = get()
+    with open(out / "floor.bin", "wb") as f:
+        f.write(data)
+    return time.perf_counter() - started
+
+
 def _backfilled(cache: opcache.OpCache) -> None:
     """Wait until the local copies of the cache's remote hits, made by a background
     thread, are made: a floor timed while one is still being made shares the
@@ -1148,12 +1160,7 @@ def _bench_remote_hit(report: Report, folder: Path, server, repeat: int) -> None
         result = cache.compile(req, compiler, out)
         hit = time.perf_counter() - started
         assert result.tier == "remote"
-        _backfilled(cache)  # (not timed: the hit did not wait for it either)
-        started = time.perf_counter()
-        data = client.get(name)
-        with open(out / "floor.bin", "wb") as f:
-            f.write(data)
-        floor = time.perf_counter() - started
+        floor = _floor_after(cache, lambda: client.get(name), out)
         if n >= 3:  # warm-up
             times["hit"].append(hit)
             times["floor"].append(floor)
@@ -1618,12 +1625,7 @@ def _kind_hit(
         hit = time.perf_counter() - started
         if result.tier != "remote":
             continue  # the last hit's copy was still being made: served from it (not counted)
-        _backfilled(cache)  # (not timed: the hit did not wait for it either)
-        started = time.perf_counter()
-        data = raw_get(key)
-        with open(out / "floor.bin", "wb") as f:
-            f.write(data)
-        floor = time.perf_counter() - started
+        floor = _floor_after(cache, lambda: raw_get(key), out)
         if n >= 3:  # warm-up
             times["hit"].append(hit)
             times["floor"].append(floor)
