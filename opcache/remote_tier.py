@@ -35,6 +35,7 @@ from ._log import get_logger
 from .stats import REMOTE_ERROR_PREFIX
 from .storage import UNCLAIMED, RemoteCorrupt, open_remote
 from .storage.entry import Entry
+from .storage.remote import Backoff
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ Keep = Callable[[str, list[tuple[str, bytes, dict[str, bytes]]]], None]
 
 # How long a claim outlives its holder's death (renewed while it lives).
 CLAIM_SECONDS = 10.0
-FIRST_PAUSE = 10.0
-LAST_PAUSE = 300.0
 _PAUSE_NOTE = "remote-pause-"  # + a digest of the URL
 _NOTE_FRESH_SECONDS = 1.0
 _LOOKED_KEPT = 10_000  # look times remembered before the stale ones are dropped
@@ -89,9 +88,7 @@ class RemoteTier:
         self._backfills: dict[tuple[str, str], tuple[Entry, bytes]] = {}
         self._backfiller: threading.Thread | None = None
         self._remote: Remote | None = None
-        self._paused_until = 0.0
-        self._pause = FIRST_PAUSE
-        self._warned = False
+        self._backoff = Backoff("the remote cache")
         self._noted, self._noted_at = 0.0, -_NOTE_FRESH_SECONDS  # another process's pause
         url = settings.shown_url  # (the password masked: never in a file name or a count)
         self._pause_note = _PAUSE_NOTE + hashlib.sha256(url.encode()).hexdigest()[:16]
@@ -356,7 +353,7 @@ class RemoteTier:
 
     def _usable(self) -> Remote | None:
         now = time.time()
-        if now < self._paused_until or now < self._pause_noted():
+        if now < self._backoff.until or now < self._pause_noted():
             return None
         if self._remote is None:
             try:
@@ -370,26 +367,18 @@ class RemoteTier:
         if soc is not None:
             self._stats.add(soc, "remote_errors")
             self._stats.add(soc, REMOTE_ERROR_PREFIX + self.settings.shown_url)
-        until = time.time() + self._pause
-        self._paused_until = until
-        message = f"the remote cache is not used for {self._pause:.0f} s: {error}"
-        self._pause = min(self._pause * 2, LAST_PAUSE)
-        if self._warned:
-            log.debug("%s", message)
-        else:
-            self._warned = True
-            log.warning("%s", message)
+        until = self._backoff.failed(error)
         try:
             self._notes.write_note(f"{until:.3f}".encode(), self._pause_note)
         except OSError as e:
             log.debug("cannot record the remote's pause: %s", e)
 
     def _recovered(self) -> None:
-        self._pause = FIRST_PAUSE
+        self._backoff.recovered()
 
     def _pause_noted(self) -> float:
         """Until when another process found the remote failing (0.0: it did not)."""
-        if self._paused_until:
+        if self._backoff.until:
             return 0.0  # this process has its own record, and tried again since
         now = time.monotonic()
         if now - self._noted_at >= _NOTE_FRESH_SECONDS:  # a file read, not one per call

@@ -17,8 +17,8 @@ from helpers_cluster import Cluster, find_cli
 from helpers_redis import HOW_TO_GET_ONE, find_server
 
 import opcache
-from opcache import remote_tier
 from opcache.storage import open_remote
+from opcache.storage import remote as storage_remote
 from opcache.storage.entry import make_manifest
 
 
@@ -122,7 +122,7 @@ def test_a_primary_killed_mid_run_costs_misses_then_recovers(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(remote_tier, "FIRST_PAUSE", 0.0)  # asked again at each compile
+    monkeypatch.setattr(storage_remote, "FIRST_PAUSE", 0.0)  # asked again at each compile
     compiler = ToyCompiler(tmp_path / "calls")
     with (
         caplog.at_level(logging.WARNING, logger="opcache"),
@@ -151,7 +151,7 @@ def test_a_failover_to_a_replica_costs_misses_then_the_new_primary_is_used(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(remote_tier, "FIRST_PAUSE", 0.0)  # asked again at each compile
+    monkeypatch.setattr(storage_remote, "FIRST_PAUSE", 0.0)  # asked again at each compile
     binary = cluster.nodes[0].binary
     replicated = Cluster(binary, cluster.cli, tmp_path_factory.mktemp("replicated"), replicas=True)
     replicated.start()

@@ -31,7 +31,7 @@ from helpers_cache import (
 )
 
 import opcache
-from opcache import remote_tier
+from opcache.storage import remote as storage_remote
 
 
 def entry_names(redis_server) -> list[bytes]:
@@ -165,7 +165,7 @@ def test_a_server_killed_mid_run_never_fails_a_compile_and_is_used_again(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(remote_tier, "FIRST_PAUSE", 0.3)
+    monkeypatch.setattr(storage_remote, "FIRST_PAUSE", 0.3)
     compiler = ToyCompiler(tmp_path / "calls")
     with (
         caplog.at_level(logging.WARNING, logger="opcache"),

@@ -9,7 +9,9 @@ with the first remote.
 from __future__ import annotations
 
 import importlib
+import time
 
+from .._log import get_logger
 from ..settings import MB, REMOTE_KINDS
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -20,6 +22,38 @@ if TYPE_CHECKING:
     # A value fetched and checked: (the entry, its manifest's bytes, the value's
     # size on the wire, which is what ``remote_bytes_down`` counts).
     Fetched = tuple[Entry, bytes, int]
+
+
+log = get_logger(__name__)
+
+# A failing remote is left alone this long, doubled at each failure in a row.
+FIRST_PAUSE = 10.0
+LAST_PAUSE = 300.0
+
+
+class Backoff:
+    """How long a failing remote is left alone: ``FIRST_PAUSE`` after a failure,
+    doubled up to ``LAST_PAUSE`` while failures go on, the first again after a
+    success.  The first failure is a warning, the later ones debug lines (a
+    build of thousands of compiles says it once)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # "the remote cache", "the remote tier <url>"
+        self.until = 0.0  # time.time() until which the remote is not asked
+        self._pause = FIRST_PAUSE
+        self._warned = False
+
+    def failed(self, error: object) -> float:
+        """Pause after ``error``; returns until when."""
+        self.until = time.time() + self._pause
+        message = f"{self.what} is not used for {self._pause:.0f} s: {error}"
+        self._pause = min(self._pause * 2, LAST_PAUSE)
+        (log.debug if self._warned else log.warning)("%s", message)
+        self._warned = True
+        return self.until
+
+    def recovered(self) -> None:
+        self._pause = FIRST_PAUSE
 
 
 class RemoteError(Exception):

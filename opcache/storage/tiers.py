@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from .._log import get_logger
-from .remote import UNCLAIMED, Claim, Remote, RemoteCorrupt, RemoteError, connect
+from .remote import UNCLAIMED, Backoff, Claim, Remote, RemoteCorrupt, RemoteError, connect
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -33,9 +33,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-FIRST_PAUSE = 10.0
-LAST_PAUSE = 300.0
-
 
 class _Tier:
     """One tier: connected on first use, paused after a failure."""
@@ -43,33 +40,17 @@ class _Tier:
     def __init__(self, settings: RemoteSettings) -> None:
         self.settings = settings
         self.remote: Remote | None = None
-        self._until = 0.0
-        self._pause = FIRST_PAUSE
-        self._warned = False
+        self.backoff = Backoff(f"the remote tier {settings.shown_url}")
 
     def usable(self) -> Remote | None:
-        if time.time() < self._until:
+        if time.time() < self.backoff.until:
             return None
         if self.remote is None:
             try:
                 self.remote = connect(self.settings)
             except Exception as e:  # (any: a tier never fails a compile)
-                self.failed(e)
+                self.backoff.failed(e)
         return self.remote
-
-    def failed(self, error: Exception) -> None:
-        self._until = time.time() + self._pause
-        message = f"the remote tier {self.settings.shown_url} is not used for "
-        message += f"{self._pause:.0f} s: {error}"
-        self._pause = min(self._pause * 2, LAST_PAUSE)
-        if self._warned:
-            log.debug("%s", message)
-        else:
-            self._warned = True
-            log.warning("%s", message)
-
-    def recovered(self) -> None:
-        self._pause = FIRST_PAUSE
 
 
 class Tiers(Remote):
@@ -103,10 +84,10 @@ class Tiers(Remote):
             try:
                 got = remote.get_many(soc, missing)
             except Exception as e:
-                tier.failed(e)
+                tier.backoff.failed(e)
                 failed += 1
                 continue
-            tier.recovered()
+            tier.backoff.recovered()
             for key, value in got.items():
                 if isinstance(value, RemoteCorrupt):
                     bad.setdefault(key, value)
@@ -131,7 +112,7 @@ class Tiers(Remote):
             try:
                 found |= remote.have_many(soc, missing)
             except Exception as e:
-                tier.failed(e)
+                tier.backoff.failed(e)
                 failed += 1
         if asked and failed == asked:
             raise RemoteError(f"{self.where}: no tier answered")
@@ -147,7 +128,7 @@ class Tiers(Remote):
             try:
                 remote.put(soc, key, manifest, entry.files)
             except Exception as e:
-                tier.failed(e)
+                tier.backoff.failed(e)
 
     def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
         """Store into every tier that may be written; the bytes sent, all tiers summed."""
@@ -160,10 +141,10 @@ class Tiers(Remote):
             try:
                 sent += remote.put(soc, key, manifest, files)
             except Exception as e:
-                tier.failed(e)
+                tier.backoff.failed(e)
                 failed += 1
                 continue
-            tier.recovered()
+            tier.backoff.recovered()
         if tried and failed == tried:
             raise RemoteError(f"{self.where}: no tier took the entry")
         return sent
@@ -175,7 +156,7 @@ class Tiers(Remote):
                 try:
                     remote.discard(soc, key)
                 except Exception as e:
-                    tier.failed(e)
+                    tier.backoff.failed(e)
 
     # -- claims: the nearest tier's ------------------------------------------------------
 
@@ -187,7 +168,7 @@ class Tiers(Remote):
         try:
             return remote.claim(soc, key, seconds)
         except Exception as e:
-            nearest.failed(e)
+            nearest.backoff.failed(e)
             return UNCLAIMED
 
     def claimed(self, soc: str, key: str) -> bool:
@@ -198,7 +179,7 @@ class Tiers(Remote):
         try:
             return remote.claimed(soc, key)
         except Exception as e:
-            nearest.failed(e)
+            nearest.backoff.failed(e)
             return False
 
     def watch(
@@ -213,9 +194,9 @@ class Tiers(Remote):
         try:
             found, claimed = remote.watch(soc, keys)
         except Exception as e:
-            nearest.failed(e)
+            nearest.backoff.failed(e)
             return self._look(soc, keys, {}, 1), set()
-        nearest.recovered()
+        nearest.backoff.recovered()
         return self._look(soc, keys, found, 1), claimed
 
     # -- maintenance: every tier ---------------------------------------------------------
