@@ -1674,6 +1674,30 @@ def _fill_entries(root: Path, count: int, stamp: float) -> None:
     LocalStore(root).recount(SOC)
 
 
+def _fill_cann(chip: Path, count: int, stamp: float) -> None:
+    """``count`` entries of CANN's own kernel_cache (a 4 KB .o and its json, as
+    CANN's graph engine writes them) last accessed at ``stamp``."""
+    import hashlib
+
+    chip.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        kernel = f"te_add_{xxhash.xxh3_64_hexdigest(i.to_bytes(8, 'big'))}"
+        binary = i.to_bytes(8, "big") * 512
+        described = {
+            "binFileName": kernel,
+            "binFileSuffix": ".o",
+            "blockDim": 40,
+            "core_type": "AIV",
+            "kernelName": f"{kernel}_1__kernel0",
+            "magic": "RT_DEV_BINARY_MAGIC_ELF_AIVEC",
+            "parameters": [0, 0, 0],
+            "sha256": hashlib.sha256(binary).hexdigest(),
+        }
+        (chip / f"{kernel}.o").write_bytes(binary)
+        (chip / f"{kernel}.json").write_text(json.dumps(described))
+        os.utime(chip / f"{kernel}.json", (stamp, stamp))
+
+
 # Runs a command, its output thrown away, and prints its peak resident KB and exit
 # status.  A process's peak counts the memory of the one it was forked from (up
 # to its exec): forked from the bench, every figure would be at least the
@@ -1715,15 +1739,60 @@ def bench_maintenance(
 ) -> None:
     """Issue 22 item 4: each maintenance command, run as cron runs it, at a quarter of
     ``count`` entries and at ``count``: its time and its peak resident memory (the
-    interpreter's own share included), which must not grow with the entries.
+    interpreter's own share included), which must not grow with the entries; then
+    ``opcache cann stats``, ``verify`` and ``age --dry-run`` on a CANN kernel_cache
+    of as many entries.
 
     With ``before`` (a folder holding older code's opcache/), the same commands of
     that code on the same entries, in turns; each trim on a copy of the folder
-    (and once: it changes what it runs on)."""
-    print(f"14. maintenance at scale: stats, verify, age --dry-run, a trim at {count:,} entries")
+    (and once: it changes what it runs on).  Without it, the trim runs last, on
+    the folder itself (no copy: a million entries take 12 GB on tmpfs).
+
+    OPCACHE_BENCH_ENTRIES (e.g. ``100000,1000000``) sets the entry counts and
+    OPCACHE_BENCH_DIR the folder filled (e.g. /dev/shm, a tmpfs: filling a
+    million entries there takes about 3 minutes, on this VM's disk about 12)."""
+    counts = [count // 4, count]
+    if os.environ.get("OPCACHE_BENCH_ENTRIES"):
+        counts = [int(n) for n in os.environ["OPCACHE_BENCH_ENTRIES"].split(",")]
+    if os.environ.get("OPCACHE_BENCH_DIR"):
+        tmp = Path(tempfile.mkdtemp(prefix="opcache-bench-", dir=os.environ["OPCACHE_BENCH_DIR"]))
+    print(
+        "14. maintenance at scale: stats, verify, age --dry-run, a trim at "
+        + ", ".join(f"{n:,}" for n in counts)
+        + f" entries in {tmp}"
+    )
+    try:
+        _maintenance_at(report, tmp, counts, rounds, before)
+    finally:
+        if os.environ.get("OPCACHE_BENCH_DIR"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _maintenance_at(
+    report: Report, tmp: Path, counts: list[int], rounds: int, before: Path | None
+) -> None:
     peaks: dict[str, float] = {}
     codes = {"": {}} if before is None else {"": {}, " (before)": {"PYTHONPATH": str(before)}}
-    for entries in (count // 4, count):
+
+    def add(name: str, entries: int, code: str, figures: list[tuple[float, float]]) -> None:
+        peak = max(p for _, p in figures)
+        ratios = {"peak_rss_mb": peak}
+        if name + code in peaks:
+            ratios["rss_vs_fewer"] = peak / peaks[name + code]
+        if code:
+            ratios["vs_now"] = statistics.median(t for t, _ in figures) / statistics.median(
+                t for t, _ in measured_now[name]
+            )
+        peaks[name + code] = peak
+        report.add(
+            "maintenance",
+            f"opcache {name}, {entries:,} entries{code}",
+            [t for t, _ in figures],
+            **ratios,
+        )
+
+    measured_now: dict[str, list[tuple[float, float]]] = {}
+    for entries in counts:
         folder = tmp / f"maintenance-{entries}"
         root = settings_for(folder).root
         started = time.perf_counter()
@@ -1753,7 +1822,7 @@ def bench_maintenance(
             measured: dict[str, list[tuple[float, float]]] = {code: [] for code in codes}
             for _ in range(1 if name == "age (a trim)" else rounds):
                 for code in codes:
-                    if name != "age (a trim)":
+                    if name != "age (a trim)" or before is None:
                         measured[code].append(run(argv, code, folder))
                         continue
                     copy = folder.with_name(f"{folder.name}-trimmed")
@@ -1762,18 +1831,39 @@ def bench_maintenance(
                     measured[code].append(run(argv, code, copy))
                     _trash_emptied(settings_for(copy).root)
                     shutil.rmtree(copy, ignore_errors=True)
+            measured_now[name] = measured[""]
             for code, figures in measured.items():
-                peak = max(p for _, p in figures)
-                ratios = {"peak_rss_mb": peak}
-                if entries == count:
-                    ratios["rss_vs_quarter"] = peak / peaks[name + code]
-                if code:
-                    ratios["vs_now"] = statistics.median(t for t, _ in figures) / statistics.median(
-                        t for t, _ in measured[""]
-                    )
-                peaks[name + code] = peak
-                row = f"opcache {name}, {entries:,} entries{code}"
-                report.add("maintenance", row, [t for t, _ in figures], **ratios)
+                add(name, entries, code, figures)
+        _trash_emptied(root)
+        shutil.rmtree(folder, ignore_errors=True)
+
+        # CANN's own kernel_cache of as many entries (opcache's removed first: both
+        # at a million would not fit in memory on a tmpfs).
+        folder = tmp / f"cann-{entries}"
+        started = time.perf_counter()
+        _fill_cann(folder / "kernel_cache" / SOC, entries, time.time() - 7200)
+        print(
+            f"  (filled CANN's kernel_cache to {entries:,} entries in "
+            f"{time.perf_counter() - started:.1f} s)"
+        )
+        # Over its limit by a fifth, as above: the dry run walks for what it would age.
+        limit = max(entries * (4096 + 400) * 5 // 6 // 2**20, 1)
+        (folder / "kernel_cache" / "op_cache.ini").write_text(
+            "[op_compiler_cache]\nadk_version=7.0.RC1\nops_version=7.0.RC1\n"
+            f"max_op_cache_size={limit}\nremain_cache_size_ratio=80\n"
+        )
+        for name, argv in (
+            ("cann stats", ["cann", "stats"]),
+            ("cann verify", ["cann", "verify"]),
+            ("cann age --dry-run", ["cann", "age", "--dry-run"]),
+        ):
+            measured = {code: [] for code in codes}
+            for _ in range(rounds):
+                for code in codes:
+                    measured[code].append(run(argv, code, folder))
+            measured_now[name] = measured[""]
+            for code, figures in measured.items():
+                add(name, entries, code, figures)
         shutil.rmtree(folder, ignore_errors=True)
 
 
