@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import _thread  # threading's primitives, without importing threading on wrap's start-up
 import hashlib
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -56,6 +57,9 @@ CLAIM_SECONDS = 10.0
 _PAUSE_NOTE = "remote-pause-"  # + a digest of the URL
 _NOTE_FRESH_SECONDS = 1.0
 _LOOKED_KEPT = 10_000  # look times remembered before the stale ones are dropped
+# How long the copier lets a remote hit it was woken for be delivered before it
+# starts its copy (and competes with the delivery for the interpreter).
+_COPY_AFTER = 0.001
 
 
 class RemoteTier:
@@ -86,7 +90,13 @@ class RemoteTier:
         self._mutex = _thread.allocate_lock()
         # Remote hits whose local copy is still to be made, by (chip, key).
         self._backfills: dict[tuple[str, str], tuple[Entry, bytes]] = {}
-        self._backfiller: threading.Thread | None = None
+        # The thread that makes them, started at the first remote hit and woken at
+        # each, until close() (started again in a forked child, which has none).
+        self._copier: threading.Thread | None = None
+        self._copier_pid = 0
+        self._wake: threading.Event | None = None
+        self._stop: threading.Event | None = None
+        self._copied: threading.Condition | None = None  # (on _mutex) no copy pending
         self._remote: Remote | None = None
         self._backoff = Backoff("the remote cache")
         self._noted, self._noted_at = 0.0, -_NOTE_FRESH_SECONDS  # another process's pause
@@ -106,7 +116,7 @@ class RemoteTier:
     def look(self, soc: str, key: str) -> tuple[Entry, str] | None:
         """A local miss's turn at the remote: (the entry, its tier) or None.
 
-        A remote hit does not wait for its local copy, made in a background
+        A remote hit does not wait for its local copy, made by the copier
         thread (``close`` waits for the copies still to be made); a hit on a
         copy still on its way counts as local.
         """
@@ -180,38 +190,88 @@ class RemoteTier:
         }
 
     def backfill_later(self, soc: str, found: dict[str, tuple[Entry, bytes]]) -> dict[str, Entry]:
-        """``backfill_many`` in a background thread, the entries served meanwhile.
+        """``backfill_many`` by the copier thread, the entries served meanwhile.
         (Under a key's lock, where others wait to find the copy, it is done at
         once instead.)"""
-        import threading  # only on a remote hit: not on wrap's start-up
-
         now = self._clock()
         hits = {key: Entry(key, e.files, e.compile_seconds, now) for key, (e, _) in found.items()}
+        pid = os.getpid()
+        if self._copier_pid not in (0, pid):
+            # A child forked from a process whose copier it lacks, which may have
+            # held the lock at the fork.
+            self._mutex, self._copier_pid = _thread.allocate_lock(), 0
         with self._mutex:
             for key, (_, manifest) in found.items():
                 self._backfills[(soc, key)] = (hits[key], manifest)
-            if self._backfiller is None:
-                # Not a daemon: the interpreter's exit waits for the copies, so an
-                # OpCache never closed still makes them (and leaves no temp folder).
-                self._backfiller = threading.Thread(
-                    target=self._backfill_all, name="opcache-backfill"
-                )
-                self._backfiller.start()
+            if self._copier_pid != pid:
+                self._start_copier()
+        self._wake.set()  # type: ignore[union-attr]
         return hits
 
-    def _backfill_all(self) -> None:
-        """The copies still to be made, a chip's at a time, in one batch each."""
+    def _start_copier(self) -> None:
+        """Start the copier (``_mutex`` held): one thread for the OpCache's life, as
+        a thread started per hit cost a single hit more than its own work."""
+        import atexit
+        import threading  # only on a remote hit: not on wrap's start-up
+
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._copied = threading.Condition(self._mutex)
+        # A daemon, whose idle wait does not hold up the interpreter's exit; the
+        # exit waits for its copies instead, so an OpCache never closed still
+        # makes them (and leaves no temp folder).
+        self._copier = threading.Thread(target=self._copy_all, name="opcache-backfill", daemon=True)
+        self._copier_pid = os.getpid()
+        self._copier.start()
+        atexit.register(self._stop_copier)
+
+    def _copy_all(self) -> None:
+        """The copier: whenever woken, the copies still to be made, a chip's at a time
+        in one batch each; it ends once told to stop and none is left."""
+        wake, stop = self._wake, self._stop
+        assert wake is not None and stop is not None and self._copied is not None
         while True:
-            with self._mutex:
-                if not self._backfills:
-                    self._backfiller = None
-                    return
-                soc = next(iter(self._backfills))[0]
-                batch = [(k, got) for (s, k), got in self._backfills.items() if s == soc]
-            self._keep(soc, [(key, manifest, hit.files) for key, (hit, manifest) in batch])
-            with self._mutex:  # (a hit meanwhile took them from here rather than the remote)
-                for key, _ in batch:
-                    del self._backfills[(soc, key)]
+            wake.wait()
+            wake.clear()
+            stop.wait(_COPY_AFTER)
+            while True:
+                with self._mutex:
+                    if not self._backfills:
+                        self._copied.notify_all()
+                        break
+                    soc = next(iter(self._backfills))[0]
+                    batch = [(k, got) for (s, k), got in self._backfills.items() if s == soc]
+                try:
+                    self._keep(soc, [(key, manifest, hit.files) for key, (hit, manifest) in batch])
+                except Exception as e:  # (keep reports a folder's failures: this is a bug's)
+                    log.warning("cannot copy remote hits into the cache folder: %s", e)
+                with self._mutex:  # (a hit meanwhile took them from here rather than the remote)
+                    for key, _ in batch:
+                        del self._backfills[(soc, key)]
+            if stop.is_set():
+                return
+
+    def wait_for_copies(self) -> None:
+        """Return once the local copies of the remote hits served so far are made."""
+        if self._copied is not None and self._copier_pid == os.getpid():
+            with self._copied:
+                self._copied.wait_for(lambda: not self._backfills)
+
+    def _stop_copier(self) -> None:
+        """Let the copier make the copies still to be made, and end.  A Ctrl-C is held
+        off meanwhile, raised once the copies are made (as wrap holds it while
+        removing its staging folder)."""
+        copier = self._copier
+        if copier is None or self._copier_pid != os.getpid():
+            return
+        self._stop.set()  # type: ignore[union-attr]
+        self._wake.set()  # type: ignore[union-attr]
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            copier.join()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        with self._mutex:
+            self._copier, self._copier_pid = None, 0
 
     # -- what the cache asks ---------------------------------------------------------
 
@@ -331,16 +391,12 @@ class RemoteTier:
 
     def close(self) -> None:
         """Make the local copies of remote hits still pending, then let go of the remote."""
-        backfiller = self._backfiller
         try:
-            if backfiller is not None:
-                # A Ctrl-C is held off meanwhile, raised once the copies are made
-                # (as wrap holds it while removing its staging folder).
-                held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                try:
-                    backfiller.join()
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            if self._copier is not None:
+                import atexit
+
+                atexit.unregister(self._stop_copier)
+                self._stop_copier()
         finally:
             if self._remote is not None:
                 try:

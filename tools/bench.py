@@ -1138,9 +1138,8 @@ def _backfilled(cache: opcache.OpCache) -> None:
     thread, are made: a floor timed while one is still being made shares the
     process with it (the GIL, the disk) and looks slower than it is."""
     tier = cache._flow.remote
-    thread = tier._backfiller if tier is not None else None
-    if thread is not None:
-        thread.join()
+    if tier is not None:
+        tier.wait_for_copies()
 
 
 def _bench_remote_hit(report: Report, folder: Path, server, repeat: int) -> None:

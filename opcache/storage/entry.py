@@ -9,7 +9,9 @@ manifest's checksum and every artifact against it before anything is used.
 
 from __future__ import annotations
 
-from .. import _json
+import json
+import math
+
 from .._record import Record
 from ..key import canonical_json, digest
 from ..request import is_plain_name
@@ -84,28 +86,42 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     check, newline, body = raw.partition(b"\n")
     if not newline or check.decode("ascii", "replace") != digest(body):
         raise CorruptEntry("the manifest is damaged (checksum)")
+    # json.loads, not _json.loads, whose depth walk and number hooks over the whole
+    # value were most of a hit's check: only the fields below are used, each of
+    # its exact type, and nothing walks the rest.  RecursionError is what text
+    # nested too deeply raises.
     try:
-        data = _json.loads(body)
-    except ValueError:
+        data = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         raise CorruptEntry("the manifest is not JSON") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
+    if type(data) is not dict or data.get("format") != FORMAT or data.get("key") != key:
         raise CorruptEntry("the manifest is of another entry or format")
     artifacts = data.get("artifacts")
     seconds = data.get("compile_seconds")
-    if not isinstance(artifacts, list) or not isinstance(seconds, int | float):
+    try:  # (a 400-digit integer overflows a float)
+        seconds = float(seconds) if type(seconds) in (int, float) else math.nan
+    except OverflowError:
+        seconds = math.nan
+    if type(artifacts) is not list or not math.isfinite(seconds):
         raise CorruptEntry("the manifest lacks its artifacts")
     out = []
     for item in artifacts:
-        name = item.get("name") if isinstance(item, dict) else None
-        size = item.get("size") if isinstance(item, dict) else None
-        want = item.get("xxh3") if isinstance(item, dict) else None
+        # Exactly what make_manifest writes: {"name", "size", "xxh3"}.
+        if type(item) is not dict or len(item) != 3:
+            raise CorruptEntry("the manifest names a bad artifact")
+        name, size, want = item.get("name"), item.get("size"), item.get("xxh3")
         if (
             not is_plain_name(name)
             or name == MANIFEST
-            or not isinstance(size, int)
+            or type(size) is not int
             or size < 0
-            or not isinstance(want, str)
+            or type(want) is not str
         ):
-            raise CorruptEntry(f"the manifest names a bad artifact: {str(item)[:80]}")
+            shown = repr(name)[:80] if type(name) is str else "one without a name"
+            raise CorruptEntry(f"the manifest names a bad artifact: {shown}")
         out.append((name, size, want))
-    return {"artifacts": out, "compile_seconds": float(seconds)}
+    return {"artifacts": out, "compile_seconds": seconds}
+
+
+def _no_constant(text: str) -> float:
+    raise ValueError(f"{text} is not JSON")

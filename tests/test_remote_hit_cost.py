@@ -1,0 +1,162 @@
+"""What a remote hit costs beside its own work, and the checks it keeps.
+
+A remote hit is served at once; its copy into the cache folder is made by one
+copier thread for the OpCache's life (a thread started per hit cost a single
+hit more than its own work), which ``close`` and the interpreter's exit wait
+for.  The value is still checked as untrusted input: a manifest is read with
+plain ``json.loads`` and an exact check of the fields a hit uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import xxhash
+from helpers_cache import SOC, ToyCompiler, entry_dirs, expected_files, make_request, read_dir
+from helpers_cache import machine as file_machine
+
+import opcache
+from opcache import _json
+from opcache.key import digest
+from opcache.storage import RemoteCorrupt
+from opcache.storage.entry import CorruptEntry, make_manifest, parse_manifest
+from opcache.storage.value import pack, unpack
+
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def _shared(tmp_path: Path, count: int) -> tuple[str, list[opcache.OpRequest]]:
+    """A file remote holding ``count`` entries, stored by machine a."""
+    (tmp_path / "share").mkdir()
+    url = f"file://{tmp_path}/share"
+    requests = [make_request(i) for i in range(count)]
+    with opcache.OpCache(file_machine(tmp_path, "a", url)) as a:
+        for request in requests:
+            a.compile(request, ToyCompiler(tmp_path / "calls_a"), tmp_path / "outa")
+    return url, requests
+
+
+def _copied(cache: opcache.OpCache, key: str, timeout: float = 20.0) -> None:
+    """Wait until the cache folder holds ``key`` (the copier made its copy)."""
+    deadline = time.monotonic() + timeout
+    while cache._flow._store.stamp(SOC, key) is None:
+        assert time.monotonic() < deadline, "the remote hit was never copied"
+        time.sleep(0.005)
+
+
+def test_single_remote_hits_share_one_copier_thread(tmp_path: Path, monkeypatch) -> None:
+    url, requests = _shared(tmp_path, 4)
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    cache = opcache.OpCache(file_machine(tmp_path, "b", url))
+    try:
+        for i, request in enumerate(requests):
+            out = tmp_path / f"out{i}"
+            result = cache.compile(request, ToyCompiler(tmp_path / "calls_b"), out)
+            assert result.tier == "remote"
+            assert read_dir(out) == expected_files(request)
+            _copied(cache, result.key)  # each hit's copy made before the next hit
+    finally:
+        cache.close()
+    assert started.count("opcache-backfill") == 1
+    assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == 4
+    assert not (tmp_path / "calls_b").exists()  # nothing compiled
+
+
+def test_a_child_forked_after_a_remote_hit_makes_its_own_copies(tmp_path: Path) -> None:
+    url, requests = _shared(tmp_path, 2)
+    cache = opcache.OpCache(file_machine(tmp_path, "b", url))
+    try:
+        first = cache.compile(requests[0], ToyCompiler(tmp_path / "calls_b"), tmp_path / "o0")
+        assert first.tier == "remote"  # its copier runs in this process, maybe copying now
+        pid = os.fork()
+        if pid == 0:  # the child has no copier: its hit starts one, its close waits for it
+            code = 1
+            try:
+                child = cache.compile(
+                    requests[1], ToyCompiler(tmp_path / "calls_b"), tmp_path / "o1"
+                )
+                cache.close()
+                code = 0 if child.tier == "remote" else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == 2  # the child's copy too
+    finally:
+        cache.close()
+    assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == 2
+
+
+# -- the value's checks ----------------------------------------------------------------
+
+
+def _manifest(change) -> bytes:  # type: ignore[no-untyped-def]
+    """A manifest of KEY for one artifact, its JSON changed by ``change``, re-checksummed."""
+    raw = make_manifest(KEY, {"a.o": b"x" * 10}, 1.5, {"op_type": "Add"}, 1000.0)
+    data = json.loads(raw.partition(b"\n")[2])
+    change(data)
+    body = json.dumps(data).encode()
+    return digest(body).encode() + b"\n" + body
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["artifacts"][0].update(extra=1),  # not the three fields make_manifest writes
+        lambda d: d["artifacts"][0].update(size=True),  # a bool is no size
+        lambda d: d["artifacts"][0].update(size=-1),
+        lambda d: d["artifacts"][0].update(name="../a.o"),
+        lambda d: d["artifacts"][0].update(name="MANIFEST"),
+        lambda d: d["artifacts"][0].update(xxh3=[1]),
+        lambda d: d.update(artifacts=[[["a.o"]] * 3]),
+        lambda d: d.update(artifacts=[{"name": [[[]]], "size": 1, "xxh3": "x"}]),
+        lambda d: d.update(compile_seconds=True),
+        lambda d: d.update(compile_seconds=10**400),  # overflows a float
+        lambda d: d.update(compile_seconds=float("inf")),  # json.dumps writes Infinity
+        lambda d: d.update(artifacts={"a.o": 10}),
+    ],
+)
+def test_a_manifest_of_any_other_shape_is_corrupt(change) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CorruptEntry):
+        parse_manifest(_manifest(change), KEY)
+
+
+def test_a_remote_value_is_checked_without_walking_what_a_hit_does_not_use(monkeypatch) -> None:
+    """The manifest's inputs are never read by a hit: parsing is all they cost (the
+    generic reader's depth walk and number hooks were most of a hit's check)."""
+
+    def refused(raw: object) -> object:
+        raise AssertionError("the generic JSON reader walked a manifest")
+
+    monkeypatch.setattr(_json, "loads", refused)
+    files = {"a.o": b"\x7fELF" + bytes(range(256)) * 8, "a.json": b"{}"}
+    manifest = make_manifest(KEY, files, 2.0, {"attrs": {"axes": [[[[1]]]]}}, 1000.0)
+    entry, got = unpack(KEY, pack(KEY, manifest, files), 1 << 20)
+    assert (entry.files, entry.compile_seconds, got) == (files, 2.0, manifest)
+
+
+def test_a_remote_value_nested_past_python_s_recursion_is_corrupt_not_a_crash() -> None:
+    body = b'{"format":1,"key":"%s","inputs":%s,"artifacts":[],"compile_seconds":1}' % (
+        KEY.encode(),
+        b"[" * 100_000 + b"]" * 100_000,
+    )
+    manifest = digest(body).encode() + b"\n" + body
+    # A value (format 1, zlib) holding it, checksummed as a writer would.
+    forged = b"OPCR\x01\x01" + zlib.compress(struct.pack(">I", len(manifest)) + manifest, 1)
+    forged += xxhash.xxh3_128_digest(forged)
+    with pytest.raises(RemoteCorrupt):
+        unpack(KEY, forged, 1 << 30)
