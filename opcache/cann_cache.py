@@ -20,11 +20,12 @@ better, and every report says so (``NOTES``).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from . import fsutil, ini, locks, trust
@@ -36,21 +37,26 @@ from .cann_format import (
     MIX_SUFFIXES,
     PRE_SUFFIX,
     CannEntry,
-    ChipScan,
     PresentFiles,
     access_time,
+    chip_used,
     del_lock,
     is_entry_json,
     kernel_lock,
     open_chip_folder,
-    scan_chip,
     sha256_problem,
     walk_chip,
 )
+from .request import is_plain_name
 from .settings import AGE_SECONDS, INI_NAME, KERNEL_CACHE, MB, Settings, size_limits
 
 log = get_logger(__name__)
 
+# The oldest entry jsons an aging pass holds at once (access time and name, about
+# 150 bytes each: 15 MB); a pass that ages more walks the chip folder again for
+# the next oldest.  Sorting every json of the folder held about 1.8 KB an entry
+# (180 MB at 100,000 entries) with its stat results.
+CANDIDATES = 100_000
 # A temp file untouched this long whose writer is not running here is left over
 # (the writer may run on another host of a shared folder: give it a moment).
 TEMP_GRACE_SECONDS = 60
@@ -78,6 +84,8 @@ NOTES = (
     "ASCEND_MAX_OP_CACHE_SIZE and ASCEND_REMAIN_CACHE_SIZE_RATIO are read as opcache's own "
     "cache reads them: a value CANN half-reads (500MB as 500, a ratio of text as 0, "
     "4294967306 wrapped to 10 by atoi) is ignored with a warning",
+    "entries accessed in the same second are aged in name order (CANN: directory order), "
+    f"the {CANDIDATES:,} oldest at a time, the folder walked again for the next ones",
 )
 
 _TEMP = re.compile(r"(?P<dst>.+)_(?P<pid>[0-9]+)_(?P<usec>[0-9]+)_(?P<rand>[0-9]+)\.temp")
@@ -310,12 +318,12 @@ class CannCache:
     # -- aging -----------------------------------------------------------------
 
     def _age_chip(self, fd: int, dry_run: bool) -> dict[str, object]:
-        scan = scan_chip(fd)
+        used = chip_used(fd)
         max_bytes = self.limits.max_bytes
         ratio = self.limits.remain_cache_size_ratio
         report: dict[str, object] = {
             "dry_run": dry_run,
-            "used_bytes": scan.used,
+            "used_bytes": used,
             "limit_bytes": max_bytes,
             "to_free": 0,
             "removed": [],
@@ -323,36 +331,31 @@ class CannCache:
             "kept_locked": [],
             "kept_accessed": [],
             "stopped_at_recent": False,
-            "used_after": scan.used,
+            "used_after": used,
             "skipped": None,
             "errors": [],
         }
         if max_bytes is None:
             report["skipped"] = "aging is off (max_op_cache_size -1)"
             return report
-        if scan.used < max_bytes:
+        if used < max_bytes:
             return report
         with del_lock(fd, dry_run) as held_by:
             if held_by is not None:
                 report["skipped"] = held_by
                 return report
-            to_free = scan.used - max_bytes * ratio // 100
+            to_free = used - max_bytes * ratio // 100
             report["to_free"] = to_free
-            self._delete_oldest(fd, scan, to_free, dry_run, report)
+            self._delete_oldest(fd, to_free, dry_run, report)
+        report["used_after"] = used - report["removed_bytes"]
         return report
 
-    def _delete_oldest(
-        self, fd: int, scan: ChipScan, to_free: int, dry_run: bool, report: dict
-    ) -> None:
-        """CANN's ``AgingCacheFileByAccessTime``, step for step (see the module's docstring)."""
-        files = scan.files
-        # Oldest access first; ties in directory order, as CANN's multimap keeps them.
-        candidates = sorted(
-            ((access_time(st), name) for name, st in files.items() if is_entry_json(name)),
-            key=lambda c: c[0],
-        )
+    def _delete_oldest(self, fd: int, to_free: int, dry_run: bool, report: dict) -> None:
+        """CANN's ``AgingCacheFileByAccessTime``, step for step (see the module's docstring),
+        but for the order of entries accessed in the same second (``_oldest_first``)."""
+        present = PresentFiles(fd)
         counted = 0
-        for atime, name in candidates:
+        for atime, name in _oldest_first(fd):
             if int(self._clock()) - atime < AGE_SECONDS:
                 report["stopped_at_recent"] = True
                 break
@@ -361,73 +364,91 @@ class CannCache:
             except OSError:
                 now_st = None
             if now_st is not None and access_time(now_st) == atime:
-                entry = CannEntry(fd, name, files)
+                entry = CannEntry(fd, name, present)
                 if entry.aged is None:
                     continue  # CANN never ages a json it cannot parse (see CannEntry)
                 with kernel_lock(fd, entry.kernel) as free:
                     if not free:
                         report["kept_locked"].append(entry.kernel)
                     else:
-                        counted += _bytes(files, entry.aged)
+                        size = _bytes(fd, entry.aged)
+                        counted += size
                         report["removed"].append(entry.kernel)
                         if dry_run:
-                            report["removed_bytes"] += _bytes(files, entry.aged)
+                            report["removed_bytes"] += size
                         else:
                             report["removed_bytes"] += _remove(fd, entry.aged, report["errors"])
             elif now_st is not None:
                 report["kept_accessed"].append(name[: -len(".json")])
             if counted >= to_free:
                 break
-        report["used_after"] = scan.used - report["removed_bytes"]
 
     # -- verify ----------------------------------------------------------------
 
     def _verify_chip(self, fd: int, fix: bool) -> dict[str, object]:
-        scan = scan_chip(fd)
-        view = _View(fd, scan)
-        files = scan.files
+        # Two passes, as stats: the entries (each checked as it is read), then the
+        # files no entry owns; only the faults and their files' lstat are held.
         now = self._clock()
-        faults: list[dict[str, object]] = []
+        faults: dict[str, list[dict[str, object]]] = {
+            kind: [] for kind in ("corrupt", "orphan", "stale temp", "old prebuild")
+        }
+        seen: dict[str, os.stat_result] = {}  # a fault's files as they were checked
 
         def fault(kind: str, name: str, why: str, remove: list[str], locks: list[str]) -> None:
-            faults.append({"kind": kind, "name": name, "why": why, "files": remove, "locks": locks})
+            found = {"kind": kind, "name": name, "why": why, "files": remove, "locks": locks}
+            faults[kind].append(found)
 
         checked = 0
         unchecked = []
-        for entry in view.entries:
+
+        def check(entry: CannEntry, json_st: os.stat_result) -> None:
+            nonlocal checked
             problem = entry.problem
             if problem is None and entry.unchecked is not None:
                 unchecked.append({"name": entry.kernel, "why": entry.unchecked})
-                continue
+                return
             if problem is None:
                 checked += 1
                 problem = sha256_problem(fd, entry)
             if problem is not None:
-                fault("corrupt", entry.kernel, problem, entry.files_to_remove(), [entry.kernel])
-        for name in view.orphans:
-            if now - files[name].st_mtime >= TEMP_GRACE_SECONDS:
+                remove = entry.files_to_remove()
+                # Its json as walked (a writer replaces it last); the rest as now.
+                seen[entry.json] = json_st
+                for name in remove[1:]:
+                    with contextlib.suppress(FileNotFoundError):
+                        seen[name] = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                fault("corrupt", entry.kernel, problem, remove, [entry.kernel])
+
+        owners = _Owners(fd, int(now), check)
+        present = PresentFiles(fd)
+        for name, st, top in walk_chip(fd):
+            if not top or not stat.S_ISREG(st.st_mode) or owners.of(name)[0]:
+                continue
+            kind = _loose_kind(name)
+            if kind == "orphans" and now - st.st_mtime >= TEMP_GRACE_SECONDS:
+                seen[name] = st
                 fault("orphan", name, "no entry names it", [name], _orphan_locks(name))
-        for name in view.temps:
-            why = _stale_temp(name, files[name], now)
-            if why is not None:
+            elif kind == "temps" and (why := _stale_temp(name, st, now)) is not None:
+                seen[name] = st
                 fault("stale temp", name, why, [name], [])
-        for name in view.prebuild:
-            st = files[name]
-            idle = now - max(st.st_atime, st.st_mtime)
-            entry_json = name[: -len(PRE_SUFFIX)] + ".json"
-            if entry_json not in files and idle >= AGE_SECONDS:
-                why = f"no {entry_json}, unused for {int(idle // 60)} minutes"
-                fault("old prebuild", name, why, [name], [name[: -len(".json")]])
+            elif kind == "prebuild":
+                idle = now - max(st.st_atime, st.st_mtime)
+                entry_json = name[: -len(PRE_SUFFIX)] + ".json"
+                if entry_json not in present and idle >= AGE_SECONDS:
+                    why = f"no {entry_json}, unused for {int(idle // 60)} minutes"
+                    seen[name] = st
+                    fault("old prebuild", name, why, [name], [name[: -len(".json")]])
+        found_all = [found for of_kind in faults.values() for found in of_kind]
         errors: list[str] = []
         if fix:
-            for found in faults:
-                found["removed"] = self._remove_fault(fd, found, files, errors)
+            for found in found_all:
+                found["removed"] = self._remove_fault(fd, found, seen, errors)
         return {
-            "entries": len(view.entries),
+            "entries": owners.entries,
             "checked": checked,
             "unchecked": unchecked,
-            "faults": faults,
-            "removed": sum(1 for f in faults if f.get("removed")),
+            "faults": found_all,
+            "removed": sum(1 for f in found_all if f.get("removed")),
             "errors": errors,
         }
 
@@ -453,7 +474,7 @@ def _why_kept(
         if not held.enter_context(kernel_lock(fd, kernel)):
             return f"{kernel}.lock is held by a writer"
     for name in found["files"]:
-        if not _unchanged(fd, name, files[name]):
+        if name in files and not _unchanged(fd, name, files[name]):
             return f"{name} changed since it was checked"
     if found["kind"] == "orphan":
         try:
@@ -464,24 +485,8 @@ def _why_kept(
     return None
 
 
-class _View:
-    """A chip folder's files sorted into what they are."""
-
-    def __init__(self, fd: int, scan: ChipScan) -> None:
-        files = scan.files
-        self.entries = [CannEntry(fd, name, files) for name in files if is_entry_json(name)]
-        owned = {f for e in self.entries for f in e.owned}
-        self.prebuild: list[str] = []
-        self.temps: list[str] = []
-        self.orphans: list[str] = []
-        for name in files:
-            kind = None if name in owned else _loose_kind(name)
-            if kind in ("prebuild", "temps", "orphans"):
-                getattr(self, kind).append(name)
-
-
 def _loose_kind(name: str) -> str:
-    """What a file no entry owns is (a _View list, a stats figure)."""
+    """What a file no entry owns is (a verify list, a stats figure)."""
     if name.endswith(".lock"):
         return "locks"
     if name.endswith(".temp"):
@@ -517,7 +522,12 @@ class _Owners:
     files of its name it does not own are kept by name; the entries themselves
     are dropped once counted."""
 
-    def __init__(self, fd: int, now: int) -> None:
+    def __init__(
+        self,
+        fd: int,
+        now: int,
+        each: Callable[[CannEntry, os.stat_result], None] | None = None,
+    ) -> None:
         self._fd = fd
         self.entries = self.broken = self.idle = 0
         self.oldest: int | None = None
@@ -536,7 +546,10 @@ class _Owners:
                 except FileNotFoundError:
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    self._count(CannEntry(fd, item.name, present), access_time(st), now, present)
+                    entry = CannEntry(fd, item.name, present)
+                    self._count(entry, access_time(st), now, present)
+                    if each is not None:
+                        each(entry, st)
 
     def _count(self, entry: CannEntry, atime: int, now: int, present: PresentFiles) -> None:
         self.entries += 1
@@ -611,8 +624,48 @@ def _unchanged(fd: int, name: str, seen: os.stat_result) -> bool:
     return (st.st_ino, st.st_size, st.st_mtime_ns) == (seen.st_ino, seen.st_size, seen.st_mtime_ns)
 
 
-def _bytes(files: Mapping[str, os.stat_result], names: Iterable[str]) -> int:
-    return sum(files[n].st_size for n in names if n in files)
+def _oldest_first(fd: int) -> Iterator[tuple[int, str]]:
+    """(access time, name) of each entry json of a chip folder, oldest first (ties by
+    name), CANDIDATES at a time: a walk for each, so a million entries are never
+    held at once."""
+    after: tuple[int, str] | None = None
+    while True:
+        batch = heapq.nsmallest(CANDIDATES, _entry_jsons(fd, after))
+        yield from batch
+        if len(batch) < CANDIDATES:
+            return
+        after = batch[-1]
+
+
+def _entry_jsons(fd: int, after: tuple[int, str] | None) -> Iterator[tuple[int, str]]:
+    """(access time, name) of each entry json (a regular file) past ``after``."""
+    with os.scandir(fd) as it:
+        for item in it:
+            if not is_entry_json(item.name):
+                continue
+            try:
+                st = item.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found = (access_time(st), item.name)
+                if after is None or found > after:
+                    yield found
+
+
+def _bytes(fd: int, names: Iterable[str]) -> int:
+    """The bytes of the regular files ``names`` of the chip folder, as they are now."""
+    total = 0
+    for name in names:
+        if not is_plain_name(name):
+            continue
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
 
 
 def _remove(fd: int, names: list[str], errors: list[str]) -> int:

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from helpers_cache import SOC, T0, FakeClock, make_settings, trash_emptied, write_size_ini
 from helpers_cann import SOC as CANN_SOC
-from helpers_cann import kernel_json, set_access
+from helpers_cann import kernel_json, set_access, write_ini
 
 import opcache
 from opcache import aging, cann_cache, trash
-from opcache.settings import MB
+from opcache.settings import AGE_SECONDS, MB
 from opcache.storage import local
 from opcache.storage.entry import make_manifest
 from opcache.storage.local import LocalStore
@@ -144,6 +144,47 @@ def test_cann_stats_memory_is_flat_in_the_entry_count(tmp_path: Path) -> None:
     cann_stats_peak(tmp_path / "warm", 40)
     small = cann_stats_peak(tmp_path / "small", 1000)
     large = cann_stats_peak(tmp_path / "large", 4000)
+    assert large - small < FLAT_BYTES, (small, large)
+    assert large < PEAK_BYTES, large
+
+
+def cann_verify_peak(base: Path, count: int) -> int:
+    root = fill_cann(base, count)
+    cache = cann_cache.CannCache(root, cann_cache.read_limits(root), clock=FakeClock(NOW))
+    with peak_growth() as peak:
+        chip = cache.verify()["chips"][CANN_SOC]
+    assert (chip["entries"], chip["checked"], chip["unchecked"]) == (count, count, [])
+    # The orphans, written just now, are younger than the grace a writer gets.
+    assert chip["faults"] == []
+    return peak[0]
+
+
+def cann_age_peak(base: Path, count: int) -> int:
+    root = fill_cann(base, count)
+    # Over its limit whatever the count; only the 251 oldest entries (last used
+    # at T0 + i) are idle for 30 minutes, so as many go from every folder.
+    (root / CANN_SOC / "other.bin").write_bytes(b"\0" * 2 * MB)
+    write_ini(root, 1, 50)
+    now = T0 + AGE_SECONDS + 250
+    cache = cann_cache.CannCache(root, cann_cache.read_limits(root), clock=FakeClock(now))
+    with peak_growth() as peak:
+        chip = cache.age(dry_run=True)["chips"][CANN_SOC]
+    assert chip["removed"] == [f"te_add_{i:08d}" for i in range(min(count, 251))]
+    assert chip["stopped_at_recent"] == (count > 251)
+    assert chip["to_free"] > chip["removed_bytes"] > 0
+    return peak[0]
+
+
+@pytest.mark.parametrize("peak_of", [cann_verify_peak, cann_age_peak], ids=["verify", "age"])
+def test_cann_verify_and_age_memory_is_flat_in_the_entry_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peak_of: Callable[[Path, int], int]
+) -> None:
+    # Each held a stat result for every file of the folder; verify held every
+    # entry's CannEntry too, a sort held every json's access time and name.
+    monkeypatch.setattr(cann_cache, "CANDIDATES", 100, raising=False)
+    peak_of(tmp_path / "warm", 40)
+    small = peak_of(tmp_path / "small", 1000)
+    large = peak_of(tmp_path / "large", 4000)
     assert large - small < FLAT_BYTES, (small, large)
     assert large < PEAK_BYTES, large
 
