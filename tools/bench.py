@@ -1697,8 +1697,9 @@ def _fill_cann(chip: Path, count: int, stamp: float) -> None:
         os.utime(chip / f"{kernel}.json", (stamp, stamp))
 
 
-# Runs a command, its output thrown away, and prints its peak resident KB and exit
-# status.  A process's peak counts the memory of the one it was forked from (up
+# Runs a command, its output thrown away, and prints its peak resident KB, exit
+# status and CPU seconds (user and system: the load of other work moves them
+# little).  A process's peak counts the memory of the one it was forked from (up
 # to its exec): forked from the bench, every figure would be at least the
 # bench's.  This interpreter, without site, is the smaller parent.
 _PEAK_OF = """import os, sys
@@ -1708,21 +1709,21 @@ if pid == 0:
     os.dup2(null, 1)
     os.execv(sys.argv[1], sys.argv[1:])
 _, status, usage = os.wait4(pid, 0)
-print(usage.ru_maxrss, os.waitstatus_to_exitcode(status))
+print(usage.ru_maxrss, os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime)
 """
 
 
-def _measured(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(seconds, peak resident MB) of a command run to its end."""
+def _measured(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """(seconds, peak resident MB, CPU seconds) of a command run to its end."""
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-S", "-c", _PEAK_OF, *argv], env=env, capture_output=True, text=True
     )
     seconds = time.perf_counter() - started
-    peak_kb, code = done.stdout.split()
+    peak_kb, code, cpu = done.stdout.split()
     if int(code) not in (0, 1):
         print(f"  {' '.join(argv[3:5])} FAILED: {done.stderr.strip()}")
-    return seconds, int(peak_kb) / 1024
+    return seconds, int(peak_kb) / 1024, float(cpu)
 
 
 def _trash_emptied(root: Path, timeout: float = 600) -> None:
@@ -1748,8 +1749,10 @@ def bench_maintenance(
     the folder itself (no copy: a million entries take 12 GB on tmpfs).
 
     OPCACHE_BENCH_ENTRIES (e.g. ``100000,1000000``) sets the entry counts and
-    OPCACHE_BENCH_DIR the folder filled (e.g. /dev/shm, a tmpfs: filling a
-    million entries there takes about 3 minutes, on this VM's disk about 12)."""
+    OPCACHE_BENCH_DIR the folder filled, e.g. a tmpfs: a million of opcache's
+    entries are 4 million inodes and 12 GB there (``mount -t tmpfs -o
+    size=18G,nr_inodes=5M tmpfs DIR``: /dev/shm here allows 3 million inodes),
+    filled in about 3 minutes (on this VM's disk about 12)."""
     counts = [count // 4, count]
     if os.environ.get("OPCACHE_BENCH_ENTRIES"):
         counts = [int(n) for n in os.environ["OPCACHE_BENCH_ENTRIES"].split(",")]
@@ -1773,24 +1776,24 @@ def _maintenance_at(
     peaks: dict[str, float] = {}
     codes = {"": {}} if before is None else {"": {}, " (before)": {"PYTHONPATH": str(before)}}
 
-    def add(name: str, entries: int, code: str, figures: list[tuple[float, float]]) -> None:
-        peak = max(p for _, p in figures)
-        ratios = {"peak_rss_mb": peak}
+    def add(name: str, entries: int, code: str, figures: list[tuple[float, float, float]]) -> None:
+        peak = max(p for _, p, _ in figures)
+        ratios = {"peak_rss_mb": peak, "cpu_s": statistics.median(c for _, _, c in figures)}
         if name + code in peaks:
             ratios["rss_vs_fewer"] = peak / peaks[name + code]
         if code:
-            ratios["vs_now"] = statistics.median(t for t, _ in figures) / statistics.median(
-                t for t, _ in measured_now[name]
+            ratios["vs_now"] = statistics.median(t for t, _, _ in figures) / statistics.median(
+                t for t, _, _ in measured_now[name]
             )
         peaks[name + code] = peak
         report.add(
             "maintenance",
             f"opcache {name}, {entries:,} entries{code}",
-            [t for t, _ in figures],
+            [t for t, _, _ in figures],
             **ratios,
         )
 
-    measured_now: dict[str, list[tuple[float, float]]] = {}
+    measured_now: dict[str, list[tuple[float, float, float]]] = {}
     for entries in counts:
         folder = tmp / f"maintenance-{entries}"
         root = settings_for(folder).root
@@ -1818,7 +1821,7 @@ def _maintenance_at(
             ("age --dry-run", ["age", "--dry-run"]),
             ("age (a trim)", ["age"]),
         ):
-            measured: dict[str, list[tuple[float, float]]] = {code: [] for code in codes}
+            measured: dict[str, list[tuple[float, float, float]]] = {code: [] for code in codes}
             for _ in range(1 if name == "age (a trim)" else rounds):
                 for code in codes:
                     if name != "age (a trim)" or before is None:
