@@ -94,8 +94,10 @@ class RemoteTier:
         # each, until close() (started again in a forked child, which has none).
         self._copier: threading.Thread | None = None
         self._copier_pid = 0
-        self._wake: threading.Event | None = None
-        self._stop: threading.Event | None = None
+        # Released to wake the copier (a plain lock: a hit runs nothing but its
+        # release, where an Event's set runs a Condition's Python).
+        self._wake = _thread.allocate_lock()
+        self._stopping = False
         self._copied: threading.Condition | None = None  # (on _mutex) no copy pending
         self._remote: Remote | None = None
         self._backoff = Backoff("the remote cache")
@@ -205,8 +207,14 @@ class RemoteTier:
                 self._backfills[(soc, key)] = (hits[key], manifest)
             if self._copier_pid != pid:
                 self._start_copier()
-        self._wake.set()  # type: ignore[union-attr]
+            self._signal()
         return hits
+
+    def _signal(self) -> None:
+        """Wake the copier (``_mutex`` held: only its holder releases ``_wake``, so
+        it is still held when released)."""
+        if self._wake.locked():  # (else a wake is pending already)
+            self._wake.release()
 
     def _start_copier(self) -> None:
         """Start the copier (``_mutex`` held): one thread for the OpCache's life, as
@@ -214,7 +222,8 @@ class RemoteTier:
         import atexit
         import threading  # only on a remote hit: not on wrap's start-up
 
-        self._wake, self._stop = threading.Event(), threading.Event()
+        self._wake, self._stopping = _thread.allocate_lock(), False
+        self._wake.acquire()
         self._copied = threading.Condition(self._mutex)
         # A daemon, whose idle wait does not hold up the interpreter's exit; the
         # exit waits for its copies instead, so an OpCache never closed still
@@ -227,12 +236,12 @@ class RemoteTier:
     def _copy_all(self) -> None:
         """The copier: whenever woken, the copies still to be made, a chip's at a time
         in one batch each; it ends once told to stop and none is left."""
-        wake, stop = self._wake, self._stop
-        assert wake is not None and stop is not None and self._copied is not None
+        wake = self._wake
+        assert self._copied is not None
         while True:
-            wake.wait()
-            wake.clear()
-            stop.wait(_COPY_AFTER)
+            wake.acquire()
+            if not self._stopping:
+                time.sleep(_COPY_AFTER)
             while True:
                 with self._mutex:
                     if not self._backfills:
@@ -247,7 +256,7 @@ class RemoteTier:
                 with self._mutex:  # (a hit meanwhile took them from here rather than the remote)
                     for key, _ in batch:
                         del self._backfills[(soc, key)]
-            if stop.is_set():
+            if self._stopping:
                 return
 
     def wait_for_copies(self) -> None:
@@ -263,8 +272,9 @@ class RemoteTier:
         copier = self._copier
         if copier is None or self._copier_pid != os.getpid():
             return
-        self._stop.set()  # type: ignore[union-attr]
-        self._wake.set()  # type: ignore[union-attr]
+        with self._mutex:
+            self._stopping = True
+            self._signal()
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             copier.join()
