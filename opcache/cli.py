@@ -7,26 +7,19 @@ other commands (``commands.py``) load only when something needs them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import time
 
-from . import _log, _sigint_raises, masquerade, wrap
-from .errors import ConfigError, UsageError
-from .settings import (
-    CACHE_FLAGS,
-    COMPILING_DEFAULT_MODE,
-    ENV_VERBOSE,
-    Settings,
-    cache_settings,
-    env_true,
-)
+from . import _sigint_raises
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     import logging
+    from collections.abc import Callable, Mapping, Sequence
     from typing import NoReturn
+
+    from .settings import Settings
 
 EXIT_USAGE = 2
 WRAP_USAGE = "wrap needs the command after '--': opcache wrap -- gcc -c k.c -o k.o"
@@ -39,11 +32,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     at once when done, and quietly on a Ctrl-C (see ``_leave``).
     """
     if argv is None:
+        # The quick hit first, before the imports of the full path (quickhit.py).
+        _started.append(time.time())
+        from . import quickhit
+
+        status = quickhit.serve(sys.argv)
+        if status is not None:
+            _leave(lambda: status)
+        from . import masquerade
+
+        _recording.append(True)
         if masquerade.compiler_kind(sys.argv[0]):
             _leave(lambda: _masquerade(sys.argv))
         args = sys.argv[1:]
         _leave(lambda: _run(args))
     return _run(argv)
+
+
+_started: list[float] = []  # when the program started (a memo's racy rule)
+_recording: list[bool] = []  # a full wrap hit may leave a memo (the program, not the library)
 
 
 def _leave(command: Callable[[], int]) -> NoReturn:
@@ -58,6 +65,7 @@ def _leave(command: Callable[[], int]) -> NoReturn:
     silently: the handler ``opcache/__init__.py`` sets first thing.
     """
     import atexit
+    import contextlib
 
     interrupted = False
     try:
@@ -83,6 +91,9 @@ def _leave(command: Callable[[], int]) -> NoReturn:
 
 
 def _run(argv: Sequence[str]) -> int:
+    from . import masquerade
+    from .errors import ConfigError, UsageError
+
     try:
         if argv[:1] == ["wrap"]:
             return _wrap_main(argv[1:])
@@ -104,6 +115,9 @@ def _run(argv: Sequence[str]) -> int:
 
 def _wrap_main(argv: Sequence[str]) -> int:
     """``opcache wrap [-v] [cache flags] -- command...``"""
+    from .errors import UsageError
+    from .settings import ENV_VERBOSE, env_true
+
     argv = list(argv)
     own = argv[: argv.index("--")] if "--" in argv else argv
     if "-h" in own or "--help" in own:
@@ -117,11 +131,14 @@ def _wrap_main(argv: Sequence[str]) -> int:
         raise UsageError("wrap: no command after '--'")
     verbose, flags = _parse_wrap_flags(argv[:split])
     verbose = verbose or env_true(os.environ, ENV_VERBOSE)
-    return run_logged(verbose, lambda: _wrap_command(flags, command))
+    return run_logged(verbose, lambda: _wrap_command(flags, command, verbose))
 
 
 def _parse_wrap_flags(argv: list[str]) -> tuple[bool, dict[str, str]]:
     """(verbose, cache flags by name): ``--flag value`` or ``--flag=value``."""
+    from .errors import UsageError
+    from .settings import CACHE_FLAGS
+
     verbose, flags = False, {}
     args = iter(argv)
     for arg in args:
@@ -142,6 +159,8 @@ def _parse_wrap_flags(argv: list[str]) -> tuple[bool, dict[str, str]]:
 
 
 def _wrap_help() -> str:
+    from .settings import CACHE_FLAGS
+
     lines = [
         "usage: opcache wrap [-v] [cache options] -- COMMAND...",
         "",
@@ -159,23 +178,39 @@ def _wrap_help() -> str:
     return "\n".join(lines)
 
 
-def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str]) -> int:
+def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str], verbose: bool) -> int:
+    from . import quickhit, wrap
+    from .settings import COMPILING_DEFAULT_MODE, cache_settings
+
     def settings_for(level: str | None, config: str | None) -> Settings:
         return cache_settings(flags, COMPILING_DEFAULT_MODE, level, config)
 
     # wrap.run resolves the cache flags alone first: a bad one is opcache's
     # error (ConfigError, exit 2) before anything runs.
-    return wrap.run(command, settings_for)
+    # -v says more than a quick hit would; Python 3.10's pathlib calls os.stat past
+    # the Recorder (bound at its import), so a memo could miss what it read.
+    if not _recording or verbose or sys.version_info < (3, 11):
+        return wrap.run(command, settings_for)
+    with quickhit.Recorder() as recorder:
+        status = wrap.run(command, settings_for)
+    if status == 0 and wrap.last_hit and not recorder.warned:
+        quickhit.write_memo(sys.argv, recorder, wrap.last_hit.pop(), _started[0])
+    return status
 
 
 def _masquerade(argv: Sequence[str]) -> int:
     """Started as a link named like a compiler: wrap the real one, later on PATH."""
+    from .settings import ENV_VERBOSE, env_true
+
     verbose = env_true(os.environ, ENV_VERBOSE)
-    return run_logged(verbose, lambda: _wrap_command({}, argv))
+    return run_logged(verbose, lambda: _wrap_command({}, argv, verbose))
 
 
 def run_logged(verbose: bool, func: Callable[[], int]) -> int:
     """Run a command with opcache's records on stderr; errors of the cache folder exit 1."""
+    from . import _log
+    from .errors import ConfigError
+
     stderr = _StderrLog(verbose)
     if verbose:
         stderr.install()

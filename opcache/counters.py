@@ -5,6 +5,10 @@ the shard of its pid under that shard's lock, so writers rarely meet, and a
 reader sums the shards.  Each shard is replaced by rename, so a writer killed
 mid-update leaves the old values, never a torn file.
 
+A quick hit (``quickhit.py``), which imports none of this, appends its counts
+as a line to the folder's ``appended`` file instead; a reader adds them, and
+the next ``add`` past FOLD_BYTES folds them into its shard.
+
 Every file is reached through one handle on the folder, opened by the owner of
 the counters without following links: a folder or a shard swapped for a link
 never leads a read or a write elsewhere, and a FIFO or a device in a shard's
@@ -34,6 +38,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_SHARD = 1 << 20
 # A count past it is planted, not made: sums and float() of it must not overflow.
 _MAX_COUNT = 1 << 63
+FOLD_BYTES = 64 << 10  # appended counts past this go into a shard at the next add
+QUICK_COUNTS = "appended"  # lines of counts a quick hit appends (quickhit.py)
 
 
 class CounterFiles:
@@ -71,6 +77,9 @@ class CounterFiles:
         try:
             with flocked(_lock_name(index), self._modes, dir_fd=fd):
                 counts = self._read(_shard_name(index), fd)
+                if _size(QUICK_COUNTS, fd) >= FOLD_BYTES:
+                    for name, value in self._take_appended(fd).items():
+                        counts[name] = counts.get(name, 0) + value
                 for name, value in deltas.items():
                     counts[name] = counts.get(name, 0) + value
                 self._write(index, counts, fd)
@@ -88,8 +97,9 @@ class CounterFiles:
             return {}
         total: Counts = {}
         try:
-            for index in range(SHARDS):
-                for name, value in self._read(_shard_name(index), fd).items():
+            shards = [self._read(_shard_name(index), fd) for index in range(SHARDS)]
+            for counts in [*shards, self._read_appended(QUICK_COUNTS, fd)]:
+                for name, value in counts.items():
                     total[name] = total.get(name, 0) + value
         finally:
             os.close(fd)
@@ -105,12 +115,17 @@ class CounterFiles:
         """
         fd = self._open_folder(True)
         try:
+            appended = self._take_appended(fd)  # (then reset with the shards, or kept)
             for index in range(SHARDS):
                 name = _shard_name(index)
                 if index and not fsutil.lexists(name, fd):
                     continue  # an add that creates it now lands after the reset: right
                 with flocked(_lock_name(index), self._modes, dir_fd=fd):
                     kept = {n: v for n, v in self._read(name, fd).items() if n in keep}
+                    if index == 0:
+                        for n, v in appended.items():
+                            if n in keep:
+                                kept[n] = kept.get(n, 0) + v
                     if index == 0 and values:
                         kept.update((n, v) for n, v in values.items() if n not in keep)
                     self._write(index, kept, fd)
@@ -159,6 +174,72 @@ class CounterFiles:
             and abs(value) < _MAX_COUNT
         }
 
+    def _take_appended(self, dir_fd: int) -> Counts:
+        """The quick hits' appended counts, taken out of the folder (the caller keeps them).
+
+        Renamed first, so new appends start a new file; then locked exclusively:
+        an append that opened the old name before the rename holds a shared
+        lock while it writes (and gives up if it finds the file locked or gone).
+        """
+        import fcntl
+        import time
+
+        taken = fsutil.unique_name(f".{QUICK_COUNTS}")
+        try:
+            os.rename(QUICK_COUNTS, taken, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except FileNotFoundError:
+            return {}
+        try:
+            fd = os.open(taken, _READ_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            fd = None
+        try:
+            for _ in range(1000):  # an append holds it for a write: never a second
+                try:
+                    if fd is not None:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.001)
+            return self._read_appended(taken, dir_fd)
+        finally:
+            if fd is not None:
+                os.unlink(taken, dir_fd=dir_fd)
+                os.close(fd)
+
+    def _read_appended(self, name: str, dir_fd: int) -> Counts:
+        """The sum of the lines ``name=value ...`` a quick hit appends."""
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return {}
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                log.warning(
+                    "ignoring the counter file %s/%s: not a regular file", self.folder, name
+                )
+                return {}
+            raw = os.read(fd, min(st.st_size, _MAX_SHARD))
+        except OSError as e:
+            log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
+            return {}
+        finally:
+            os.close(fd)
+        total: Counts = {}
+        for line in raw.split(b"\n")[:-1]:  # (a last line without its end: not written yet)
+            for word in line.split():
+                key, _, value = word.partition(b"=")
+                try:
+                    number = float(value)
+                except ValueError:
+                    continue
+                if math.isfinite(number) and 0 <= number < _MAX_COUNT:
+                    total[key.decode(errors="replace")] = (
+                        total.get(key.decode(errors="replace"), 0) + number
+                    )
+        return total
+
     def _write(self, index: int, counts: Counts, dir_fd: int) -> None:
         data = json.dumps(counts, sort_keys=True, separators=(",", ":")).encode()
         name = _shard_name(index)
@@ -171,6 +252,13 @@ class CounterFiles:
             # a reader meeting it, could see a torn file (read as zero, warned).
             if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not _overwrite(name, data, dir_fd):
                 raise
+
+
+def _size(name: str, dir_fd: int) -> int:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+    except OSError:
+        return 0
 
 
 def _shard_name(index: int) -> str:

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import __version__, _log, fsutil, stats, trust
+from . import __version__, _log, fsutil, quickhit, stats, trust
 from ._log import get_logger
 from .key import digest
 from .masquerade import find_compiler
@@ -66,8 +66,7 @@ _hooked: list[bool] = []  # the audit hook is installed (once a process: it cann
 
 def socket_folder(environ: Mapping[str, str]) -> str:
     """The folder of this user's server sockets (the client's rule, in its C)."""
-    base = environ.get("XDG_RUNTIME_DIR", "")
-    return os.path.join(base if base.startswith("/") else "/tmp", f"opcache-{os.getuid()}")
+    return quickhit.runtime_folder(environ)
 
 
 def client_tag(program: str) -> str:
@@ -452,7 +451,10 @@ def _serve(
         sys.addaudithook(_no_programs)
         _hooked.append(True)
     try:
-        status = program(sys.argv[1:])
+        # A memo's quick hit first (quickhit.py), as the program tries it; then the full hit.
+        status = quickhit.serve(sys.argv)
+        if status is None:
+            status = program(sys.argv[1:])
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -48,7 +48,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from . import _json, _log, fsutil
+from . import _json, _log, fsutil, quickhit
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers.toolchain import file_identity, read_input, which
@@ -328,8 +328,34 @@ def _run_planned(
         return failed.returncode
     said = f" ({result.reason})" if result.reason else ""
     log.info("%s%s, key %s", result.status, said, result.key or "-")
+    if kind == "cc" and result.status == "hit" and result.tier == "local":
+        _note_hit(plan, settings, result)
     _restore(plan, result.files)
     return 0
+
+
+last_hit: list[quickhit.Hit] = []  # a full hit that may leave a memo (cli writes it)
+
+
+def _note_hit(plan: Plan, settings: Settings, result: CompileResult) -> None:
+    """Note a local hit of a C compile for its memo (``quickhit``), unless the memo could
+    not stand in for it: force mode (a build clears first), the clock in the key."""
+    from .aging import STAMP_GRANULARITY
+
+    if settings.mode != "enable" or {"date", "mtimes"} & plan.request.attrs.keys():
+        return
+    last_hit[:] = [
+        quickhit.Hit(
+            root=os.path.abspath(settings.root),
+            soc=plan.request.soc_version,
+            key=result.key,
+            outputs={name: str(path) for name, path in plan.outputs.items()},
+            stamp_every=STAMP_GRANULARITY if settings.aging_enabled else -1.0,
+            saved=result.saved_seconds,
+            file_mode=fsutil.modes_for(settings.shared_group).file,
+            streams=(STDOUT, STDERR),
+        )
+    ]
 
 
 def _settings(

@@ -1,0 +1,374 @@
+"""The quick hit (opcache/quickhit.py): a C compile's memo, checked by stat identity.
+
+Each test runs opcache as a program (``python -m opcache``), as a build does: a
+miss, a pause past the racy window, a full hit (which writes the memo), then
+the runs under test.  A quick hit is seen by its counts, appended to the
+chip's ``appended`` counter file (the full path counts in the shards).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fake_opc import base_env
+from helpers_wrap import GCC, opcache, stats, wrap, write_project
+
+from opcache import quickhit
+from opcache.counters import FOLD_BYTES, QUICK_COUNTS, CounterFiles
+
+pytestmark = pytest.mark.skipif(GCC is None, reason="needs gcc")
+CMD = ["gcc", "-c", "k.c", "-o", "k.o", "-DOFFSET=1"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = base_env(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    env["XDG_RUNTIME_DIR"] = str(run)  # (this test's memos, no one else's)
+    return env
+
+
+def _age() -> None:
+    """Past the racy window: files written so far may now be recorded."""
+    time.sleep(quickhit.RACY_SECONDS + 0.3)
+
+
+def _memos(tmp_path: Path) -> list[Path]:
+    folder = tmp_path / "run" / f"opcache-{os.getuid()}" / quickhit.FOLDER
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def _quick_hits(tmp_path: Path) -> int:
+    (root,) = (tmp_path / "cache").glob("kernel_cache*")
+    counts = root / ".opcache" / "stats" / "host" / QUICK_COUNTS
+    return len(counts.read_bytes().splitlines()) if counts.exists() else 0
+
+
+def _memoized(tmp_path: Path, env: dict[str, str], src: Path, cmd=CMD) -> None:
+    """A miss, then a full hit that writes the command's memo."""
+    wrap(*cmd, env=env, cwd=src)
+    _age()
+    wrap(*cmd, env=env, cwd=src)
+    assert len(_memos(tmp_path)) == 1
+    assert _quick_hits(tmp_path) == 0
+
+
+def _plain(src: Path, *args: str) -> bytes:
+    subprocess.run([GCC, *args, "-o", "plain.o"], cwd=src, check=True)
+    return (src / "plain.o").read_bytes()
+
+
+def test_a_quick_hit_gives_what_the_full_hit_gives(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    (src / "k.c").write_text(
+        '#include "h.h"\nint scale(int x) { int unused; return x * FACTOR; }\n'
+    )
+    cmd = [*CMD, "-Wall"]
+    wrap(*cmd, env=env, cwd=src)
+    _age()
+    full = wrap(*cmd, env=env, cwd=src)
+    full_object = (src / "k.o").read_bytes()
+    assert b"unused" in full.stderr
+    (src / "k.o").unlink()
+
+    quick = wrap(*cmd, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 1
+    assert (quick.returncode, quick.stdout, quick.stderr) == (0, full.stdout, full.stderr)
+    assert (src / "k.o").read_bytes() == full_object
+    assert (src / "k.o").stat().st_mode & 0o777 == 0o666 & ~_umask()
+    report = stats(env, "host")
+    assert (report["hits"], report["misses"]) == (2, 1)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_header_edited_with_its_size_and_mtime_kept_is_no_quick_hit(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    header = src / "h.h"
+    before = header.stat()
+    header.write_text("#define FACTOR 5\n")  # (same size)
+    os.utime(header, ns=(before.st_atime_ns, before.st_mtime_ns))  # (ctime still moves)
+
+    wrap(*CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
+
+
+def test_a_header_made_earlier_on_the_include_path_is_no_quick_hit(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    (src / "A").mkdir()
+    (src / "B").mkdir()
+    (src / "h.h").rename(src / "B" / "h.h")
+    (src / "k.c").write_text("#include <h.h>\nint scale(int x) { return x * FACTOR + OFFSET; }\n")
+    cmd = [*CMD, "-IA", "-IB"]
+    _memoized(tmp_path, env, src, cmd)
+    (src / "A" / "h.h").write_text("#define FACTOR 7\n")
+
+    wrap(*cmd, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1", "-IA", "-IB")
+
+
+def test_a_compiler_put_earlier_on_path_is_no_quick_hit(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    _memoized(tmp_path, env, src)
+    other = bin_dir / "gcc"
+    other.write_text(f'#!/bin/sh\nexec {GCC} -DFACTOR_TWICE "$@"\n')
+    other.chmod(0o755)
+
+    wrap(*CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert stats(env, "host")["misses"] == 2
+
+
+def test_a_keyed_variable_changed_is_no_quick_hit(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    wrap(*CMD, env={**env, "CPATH": str(tmp_path)}, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    wrap(*CMD, env={**env, "MAKEFLAGS": " -j4 --jobserver-auth=fifo:/tmp/GMfifo1"}, cwd=src)
+    assert _quick_hits(tmp_path) == 1  # (make's jobserver changes each build: not in the name)
+
+
+def test_op_cache_ini_edited_is_no_quick_hit(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    (root,) = (tmp_path / "cache").glob("kernel_cache*")
+    ini = root / "op_cache.ini"
+    ini.write_text(ini.read_text() + "\n")
+
+    wrap(*CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert stats(env, "host")["hits"] == 2  # (a full hit)
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo", "other_user"])
+def test_a_planted_memo_is_not_followed(tmp_path: Path, planted: str) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    (memo,) = _memos(tmp_path)
+    if planted == "link":
+        copy = tmp_path / "memo-copy"
+        shutil.copy(memo, copy)
+        memo.unlink()
+        memo.symlink_to(copy)
+    elif planted == "fifo":
+        memo.unlink()
+        os.mkfifo(memo)
+    else:
+        if os.getuid() != 0:
+            pytest.skip("needs root to give a file to another user")
+        os.chown(memo, 65534, 65534)
+    (src / "k.o").unlink()
+
+    wrap(*CMD, env=env, cwd=src, flags=())
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
+
+
+def test_an_artifact_replaced_by_a_link_is_not_followed(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    (root,) = (tmp_path / "cache").glob("kernel_cache*")
+    (artifact,) = root.glob("host/*/*/object")
+    bait = tmp_path / "bait.o"
+    bait.write_bytes(b"not an object")
+    artifact.unlink()
+    artifact.symlink_to(bait)
+
+    wrap(*CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
+
+
+def test_clear_makes_every_memo_miss(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    opcache("clear", env=env, cwd=src)
+
+    wrap(*CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert stats(env, "host")["misses"] == 2
+
+
+def test_a_date_source_gets_no_memo(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    (src / "k.c").write_text("const char *d = __DATE__;\nint f(void) { return OFFSET; }\n")
+    wrap(*CMD, env=env, cwd=src)
+    _age()
+    wrap(*CMD, env=env, cwd=src)
+    assert stats(env, "host")["hits"] == 1
+    assert _memos(tmp_path) == []
+
+
+def test_a_racy_header_gets_no_memo(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    wrap(*CMD, env=env, cwd=src)
+    _age()
+    (src / "h.h").write_text("#define FACTOR 3\n")  # (the same text, written now)
+    wrap(*CMD, env=env, cwd=src)
+    assert stats(env, "host")["hits"] == 1
+    assert _memos(tmp_path) == []
+
+
+def test_a_quick_hit_imports_none_of_the_full_path(tmp_path: Path) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "opcache", "wrap", "--", *CMD],
+        env=env,
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert _quick_hits(tmp_path) == 1
+    names = [line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line]
+    # (an editable install's .pth loads some of them before opcache: only what opcache pulls in)
+    after = names[names.index("opcache") :]
+    heavy = {"pathlib", "re", "json", "enum", "contextlib", "opcache.wrap", "opcache.settings"}
+    assert heavy.isdisjoint(after), after
+
+
+def test_no_part_of_opcache_reads_what_a_memo_name_leaves_out() -> None:
+    """A variable a compile or opcache reads must be in the memo's name."""
+    files = [
+        REPO / "opcache" / "settings.py",
+        REPO / "opcache" / "keyed_env.py",
+        REPO / "opcache" / "wrap.py",
+        REPO / "opcache" / "masquerade.py",
+        *(REPO / "opcache" / "compilers").glob("*.py"),
+    ]
+    text = "\n".join(path.read_text() for path in files)
+    for name in quickhit.UNKEYED_ENVIRONMENT:
+        word = re.escape(name.decode())
+        read = rf"""(getenv\(|get\(|\[)["']{word}["']"""  # (environ.get("_"), env["_"]...)
+        assert not re.search(read if name == b"_" else rf"""["']{word}["']""", text), name
+
+
+def test_appended_counts_are_summed_and_folded(tmp_path: Path) -> None:
+    folder = tmp_path / "stats"
+    counters = CounterFiles(folder)
+    counters.add({"hits": 2})
+    line = b"hits=1 time_saved_seconds=0.5\n"
+    lines = FOLD_BYTES // len(line) + 1
+    (folder / QUICK_COUNTS).write_bytes(line * lines)
+    assert counters.totals() == {"hits": 2 + lines, "time_saved_seconds": 0.5 * lines}
+    counters.add({"misses": 1})  # folds them into its shard
+    assert not (folder / QUICK_COUNTS).exists()
+    assert counters.totals() == {"hits": 2 + lines, "time_saved_seconds": 0.5 * lines, "misses": 1}
+    (folder / QUICK_COUNTS).write_bytes(line)
+    counters.reset()
+    assert counters.totals() == {}
+
+
+_STRACE = ("strace", "-f", "-qq", "-y", "-e", "trace=file", "-o")
+
+
+def _imports(path: str) -> bool:
+    """A path Python's import machinery looks at (opcache's modules themselves are
+    recorded: an edit or an upgrade makes every memo miss)."""
+    package = str(REPO / "opcache")
+    name = os.path.basename(path)
+    return (
+        "/__pycache__" in path
+        or (path.startswith(package) and (name.endswith(".so") or os.path.isdir(path)))
+        or (name.startswith("python3") and name.endswith(".zip"))
+    )
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (.ci/run installs it)")
+def test_a_memo_records_every_path_a_full_hit_consults(tmp_path: Path) -> None:
+    """Every path a full hit looked up or read (strace), outside Python's installation,
+    opcache's own writes and the entry, is checked by the memo."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    wrap(*CMD, env=env, cwd=src)
+    _age()
+    trace = tmp_path / "trace"
+    done = subprocess.run(
+        [*_STRACE, str(trace), sys.executable, "-m", "opcache", "wrap", "--", *CMD],
+        env=env,
+        cwd=src,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    (memo,) = _memos(tmp_path)
+    fields = memo.read_bytes().split(b"\0")
+    recorded = {
+        os.path.normpath(os.path.join(src, os.fsdecode(fields[i + 1])))
+        for i, field in enumerate(fields)
+        if field == b"c"
+    }
+    (root,) = (tmp_path / "cache").glob("kernel_cache*")
+    (entry,) = root.glob("host/*/*/MANIFEST")
+    irrelevant = (
+        sys.prefix,  # Python and what it imports: not inputs of a hit
+        sys.base_prefix,
+        os.path.dirname(os.__file__),
+        str(REPO / "opcache") + "/__pycache__",
+        str(entry.parent),  # the entry: its folder's identity and its artifacts' digests
+        str(root / ".opcache" / "stats"),  # the counts a hit adds to
+        str(tmp_path / "run"),  # the memos themselves
+        "/proc/",
+        "/dev/",
+        "/etc/ld.so",  # the dynamic loader's, for Python itself
+        "/lib/",
+        "/usr/lib/locale",
+        "/usr/share/locale",
+        "/usr/lib/x86_64-linux-gnu/gconv",
+        "/etc/localtime",
+    )
+    missed = []
+    pattern = re.compile(
+        r'^\d+ +(\w+)\((?:AT_FDCWD(?:<[^>]*>)?, |\d+<([^>]*)>, )?"([^"]*)"(.*)\) += (.*)$'
+    )
+    for line in trace.read_text().splitlines():
+        match = pattern.match(line)
+        if match is None:
+            continue
+        call, folder, path, rest, result = match.groups()
+        if call in ("mkdir", "rename", "renameat", "unlink", "unlinkat", "rmdir", "getcwd"):
+            continue  # (changes it makes, not what it consults)
+        if "O_CREAT" in rest or "O_WRONLY" in rest or "O_RDWR" in rest or not path:
+            continue
+        full = os.path.normpath(os.path.join(folder or str(src), path))
+        if full.startswith(irrelevant) or "/.opcache-wrap." in full:
+            continue
+        if _imports(full):
+            continue
+        if full in (str(src / "k.o"), str(src)):  # the output (replaced); the folder (in the name)
+            continue
+        if full not in recorded:
+            missed.append(f"{call} {full} = {result}")
+    assert missed == [], "\n".join(missed)
+
+
+def test_a_hit_that_asks_the_user_database_gets_no_memo(tmp_path: Path) -> None:
+    """A group given by name is looked up through NSS (files, LDAP...): nothing a
+    memo can check, so no memo."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    env["OPCACHE_SHARED_GROUP"] = grp.getgrgid(os.getgid()).gr_name
+    wrap(*CMD, env=env, cwd=src)
+    _age()
+    wrap(*CMD, env=env, cwd=src)
+    assert stats(env, "host")["hits"] == 1
+    assert _memos(tmp_path) == []
