@@ -26,7 +26,8 @@ from fake_opc import base_env
 from helpers_faults import IS_ROOT, NEEDS_ROOT, NOBODY
 from helpers_wrap import GCC, K_C, lines, link_compilers, opcache, stats, wrap, write_project
 
-from opcache import server
+from opcache import quickhit, server
+from opcache.counters import QUICK_COUNTS
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed to build the client")
 
@@ -692,3 +693,24 @@ def test_a_server_that_takes_no_call_and_a_full_backlog_cost_a_python_compile(se
             assert served.fallbacks() == number
     subprocess.run([GCC, *COMPILE[:-1], "plain.o"], cwd=served.src, check=True)
     assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
+
+
+def test_a_served_call_takes_the_quick_hit_first(served):
+    """A memo the program wrote (quickhit.py) serves the client's call too, before the
+    worker's full hit: the same object, counted as a quick hit."""
+    warmed(served, *COMPILE)
+    made = (served.src / "k.o").read_bytes()
+    time.sleep(quickhit.RACY_SECONDS + 0.3)  # (past the racy window: a memo may be written)
+    # (the line the client runs opcache with when it is not served: the link's path)
+    line = [str(served.program), "wrap", "--", str(served.links / "gcc"), *COMPILE]
+    subprocess.run(line, env=served.env, cwd=served.src, check=True, timeout=120)
+    (served.src / "k.o").unlink()
+    before = served.fallbacks()
+
+    hit = served.gcc(*COMPILE)
+    assert (hit.returncode, served.fallbacks()) == (0, before), "the hit was not served"
+    assert (served.src / "k.o").read_bytes() == made
+    (root,) = (served.tmp / "cache").glob("kernel_cache*")
+    appended = root / ".opcache" / "stats" / "host" / QUICK_COUNTS
+    assert len(appended.read_bytes().splitlines()) == 1
+    assert counted(served.env, "hits", 2)["hits"] == 2
