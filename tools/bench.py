@@ -1626,7 +1626,7 @@ def _kind_hit(
         result = cache.compile(req, compiler, out)
         hit = time.perf_counter() - started
         if result.tier != "remote":
-            missed += 1  # the remote failed (a timeout under load): not a hit to count
+            missed += 1  # no remote hit (a remote failing under load, say): not counted
         elif n >= 3:  # warm-up
             times["hit"].append(hit)
             times["floor"].append(floor)
