@@ -179,7 +179,7 @@ def _wrap_help() -> str:
 
 
 def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str], verbose: bool) -> int:
-    from . import quickhit, wrap
+    from . import quickmemo, wrap
     from .settings import COMPILING_DEFAULT_MODE, cache_settings
 
     def settings_for(level: str | None, config: str | None) -> Settings:
@@ -191,10 +191,10 @@ def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str], verbo
     # the Recorder (bound at its import), so a memo could miss what it read.
     if not _recording or verbose or sys.version_info < (3, 11):
         return wrap.run(command, settings_for)
-    with quickhit.Recorder() as recorder:
+    with quickmemo.Recorder() as recorder:
         status = wrap.run(command, settings_for)
     if status == 0 and wrap.last_hit and not recorder.warned:
-        quickhit.write_memo(sys.argv, recorder, wrap.last_hit.pop(), _started[0])
+        quickmemo.write_memo(sys.argv, recorder, wrap.last_hit.pop(), _started[0])
     return status
 
 

@@ -48,7 +48,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from . import _json, _log, fsutil, quickhit
+from . import _json, _log, fsutil, quickmemo
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers.toolchain import file_identity, read_input, which
@@ -334,18 +334,18 @@ def _run_planned(
     return 0
 
 
-last_hit: list[quickhit.Hit] = []  # a full hit that may leave a memo (cli writes it)
+last_hit: list[quickmemo.Hit] = []  # a full hit that may leave a memo (cli writes it)
 
 
 def _note_hit(plan: Plan, settings: Settings, result: CompileResult) -> None:
-    """Note a local hit of a C compile for its memo (``quickhit``), unless the memo could
+    """Note a local hit of a C compile for its memo (``quickmemo``), unless the memo could
     not stand in for it: force mode (a build clears first), the clock in the key."""
     from .aging import STAMP_GRANULARITY
 
     if settings.mode != "enable" or {"date", "mtimes"} & plan.request.attrs.keys():
         return
     last_hit[:] = [
-        quickhit.Hit(
+        quickmemo.Hit(
             root=os.path.abspath(settings.root),
             soc=plan.request.soc_version,
             key=result.key,

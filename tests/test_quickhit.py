@@ -21,7 +21,7 @@ import pytest
 from fake_opc import base_env
 from helpers_wrap import GCC, opcache, stats, wrap, write_project
 
-from opcache import quickhit
+from opcache import quickhit, quickmemo
 from opcache.counters import FOLD_BYTES, QUICK_COUNTS, CounterFiles
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="needs gcc")
@@ -39,7 +39,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def _age() -> None:
     """Past the racy window: files written so far may now be recorded."""
-    time.sleep(quickhit.RACY_SECONDS + 0.3)
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)
 
 
 def _memos(tmp_path: Path) -> list[Path]:

@@ -26,7 +26,7 @@ from fake_opc import base_env
 from helpers_faults import IS_ROOT, NEEDS_ROOT, NOBODY
 from helpers_wrap import GCC, K_C, lines, link_compilers, opcache, stats, wrap, write_project
 
-from opcache import quickhit, server
+from opcache import quickmemo, server
 from opcache.counters import QUICK_COUNTS
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed to build the client")
@@ -700,7 +700,7 @@ def test_a_served_call_takes_the_quick_hit_first(served):
     worker's full hit: the same object, counted as a quick hit."""
     warmed(served, *COMPILE)
     made = (served.src / "k.o").read_bytes()
-    time.sleep(quickhit.RACY_SECONDS + 0.3)  # (past the racy window: a memo may be written)
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)  # (past the racy window: a memo may be written)
     # (the line the client runs opcache with when it is not served: the link's path)
     line = [str(served.program), "wrap", "--", str(served.links / "gcc"), *COMPILE]
     subprocess.run(line, env=served.env, cwd=served.src, check=True, timeout=120)

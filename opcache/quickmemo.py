@@ -1,0 +1,308 @@
+"""Writing a quick hit's memo (``quickhit.py``): what a full hit of a C compile consulted.
+
+``Recorder`` notes, while ``wrap.run`` serves a full hit, every path the process
+looks up, opens to read or lists (through ``os`` and ``open``); ``write_memo``
+then records each one's stat identity (``quickhit``'s format), the entry and
+its artifacts' digests, unless one recorded file is racy: its mtime or ctime
+within RACY_SECONDS of the run's start (git's rule: a file changed in the
+same clock tick as it was read could change again unseen).  Kept apart from
+``quickhit``, which every ``opcache`` run imports first: only a full hit needs
+this.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .quickhit import (
+    FOLDER,
+    FOLDER_FLAGS,
+    FORMAT,
+    NO_SIZE,
+    READ,
+    identity,
+    memo_name,
+    open_own_folder,
+    runtime_folder,
+)
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+RACY_SECONDS = 2.0  # a file changed this close to the run that read it gets no memo
+MAX_MEMOS = 10_000  # then the folder is emptied (each memo is only a shortcut)
+MEMO_DAYS = 7  # a memo not rewritten for this long goes at a cleaning
+CLEAN_ONE_IN = 64  # a memo write cleans the folder about once in this many
+# Not inputs of a hit: the kernel's views of this process.
+_NOT_INPUTS = ("/proc/", "/dev/fd/")
+_WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+
+class Recorder:
+    """While active, notes every path the process looks up, opens to read, or lists.
+
+    Through ``os`` and ``open``: what opcache's code calls (Python's own imports
+    go past them, and are not inputs of a hit).  ``warned``: a warning was
+    logged meanwhile, or the user database was asked (a home, a group's id: NSS may
+    read more than files): then no memo.
+    """
+
+    def __init__(self) -> None:
+        self.looked: dict[tuple[str, bool], None] = {}  # (path, follow), in order
+        self.listed: set[str] = set()
+        self.warned = False
+        self._undo: list[tuple[object, str, object]] = []
+
+    def _note(self, path: object, dir_fd: int | None, follow: bool) -> str | None:
+        if isinstance(path, int):
+            path, dir_fd = "", path  # (a descriptor: the file it names, if a folder)
+        try:
+            text = os.fsdecode(os.fspath(path))  # type: ignore[arg-type]
+            if dir_fd is not None:
+                text = os.path.join(_original_readlink(f"/proc/self/fd/{dir_fd}"), text)
+        except (TypeError, ValueError, OSError):
+            return None
+        text = text.rstrip("/") or "/"
+        self.looked.setdefault((text, follow), None)
+        return text
+
+    def __enter__(self) -> Recorder:
+        import builtins
+        import io
+
+        from . import _log
+
+        note = self._note
+        real = {name: getattr(os, name) for name in _PATCHED}
+
+        def stat_(path, *, dir_fd=None, follow_symlinks=True):  # type: ignore[no-untyped-def]
+            note(path, dir_fd, follow_symlinks)
+            return real["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+
+        def lstat_(path, *, dir_fd=None):  # type: ignore[no-untyped-def]
+            note(path, dir_fd, False)
+            return real["lstat"](path, dir_fd=dir_fd)
+
+        def open_(path, flags, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
+            if not flags & _WRITES:
+                note(path, dir_fd, not flags & os.O_NOFOLLOW)
+            return real["open"](path, flags, mode, dir_fd=dir_fd)
+
+        def access_(path, mode, *, dir_fd=None, effective_ids=False, follow_symlinks=True):  # type: ignore[no-untyped-def]
+            follow = follow_symlinks
+            note(path, dir_fd, follow)
+            return real["access"](
+                path,
+                mode,
+                dir_fd=dir_fd,
+                effective_ids=effective_ids,
+                follow_symlinks=follow_symlinks,
+            )
+
+        def readlink_(path, *, dir_fd=None):  # type: ignore[no-untyped-def]
+            note(path, dir_fd, False)
+            return real["readlink"](path, dir_fd=dir_fd)
+
+        def lister(name: str) -> Callable[..., object]:
+            def list_(path="."):  # type: ignore[no-untyped-def]
+                listed = note(path, None, True)
+                if listed is not None:
+                    self.listed.add(os.path.abspath(listed))
+                return real[name](path)
+
+            return list_
+
+        def file_open(file, mode="r", *args, **kwargs):  # type: ignore[no-untyped-def]
+            if not isinstance(file, int) and not set("wax+") & set(mode):
+                note(file, None, True)
+            return io_open(file, mode, *args, **kwargs)
+
+        warning = _log.Logger.warning
+
+        def warning_(logger, msg, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.warned = True
+            return warning(logger, msg, *args, **kwargs)
+
+        def unseen(function: Callable[..., object]) -> Callable[..., object]:
+            def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+                self.warned = True  # (the user database, through NSS: not files it can check)
+                return function(*args, **kwargs)
+
+            return call
+
+        import grp
+        import pwd
+
+        io_open = io.open
+        patches: list[tuple[object, str, object]] = [
+            (os, "stat", stat_),
+            (os, "lstat", lstat_),
+            (os, "open", open_),
+            (os, "access", access_),
+            (os, "readlink", readlink_),
+            (os, "listdir", lister("listdir")),
+            (os, "scandir", lister("scandir")),
+            (builtins, "open", file_open),
+            (io, "open", file_open),
+            (_log.Logger, "warning", warning_),
+            *((pwd, name, unseen(getattr(pwd, name))) for name in ("getpwuid", "getpwnam")),
+            *((grp, name, unseen(getattr(grp, name))) for name in ("getgrgid", "getgrnam")),
+        ]
+        for owner, name, value in patches:
+            self._undo.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._undo:
+            owner, name, value = self._undo.pop()
+            setattr(owner, name, value)
+
+
+_PATCHED = ("stat", "lstat", "open", "access", "readlink", "listdir", "scandir")
+_original_readlink = os.readlink
+
+
+class Hit:
+    """What a full hit of a C compile gives a memo (``wrap`` fills it in)."""
+
+    def __init__(
+        self,
+        root: str,
+        soc: str,
+        key: str,
+        outputs: dict[str, str],
+        stamp_every: float,
+        saved: float,
+        file_mode: int,
+        streams: tuple[str, str],
+    ) -> None:
+        self.root = root
+        self.soc = soc
+        self.key = key
+        self.outputs = outputs  # artifact name -> absolute target path
+        self.stamp_every = stamp_every  # <0: aging off
+        self.saved = saved
+        self.file_mode = file_mode
+        self.streams = streams  # the artifacts of the saved stdout and stderr
+
+
+def write_memo(words: list[str], recorder: Recorder, hit: Hit, started: float) -> bool:
+    """Write the memo of a full hit that ``recorder`` watched; False when it may not have
+    one (a racy file, a path it cannot place, an entry that moved).  Never raises OSError."""
+    try:
+        fields = _memo_fields(recorder, hit, started)
+        if fields is None:
+            return False
+        cwd = os.getcwdb()
+        umask = os.umask(0o077)
+        os.umask(umask)
+        name = memo_name(words, os.environb, cwd, umask)
+        _put(name, b"\0".join([FORMAT, *fields, b"end"]))
+        return True
+    except OSError:
+        return False
+
+
+def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | None:
+    from .counters import QUICK_COUNTS
+    from .storage.entry import MANIFEST, parse_manifest
+
+    entry = f"{hit.root}/{hit.soc}/{hit.key[:2]}/{hit.key}"
+    counters = f"{hit.root}/.opcache/stats/{hit.soc}"
+    skip = {os.path.abspath(target) for target in hit.outputs.values()}
+    racy = int((started - RACY_SECONDS) * 1e9)
+    fields: list[bytes] = []
+    for path, follow in _opcache_files() + list(recorder.looked):
+        full = os.path.abspath(path)
+        if (
+            full in skip
+            or full == entry
+            or _under(full, (entry, counters))
+            or full.startswith(_NOT_INPUTS)
+            or "/.opcache-wrap." in full
+        ):
+            continue
+        want = identity(os.fsencode(path), follow, full not in recorder.listed)
+        if want[0] >= 0 and want[4] != NO_SIZE and max(want[5], want[6]) >= racy:
+            return None  # racy: it may change again within the times it was read with
+        fields += [b"c", os.fsencode(path), b"1" if follow else b"0", *(b"%d" % n for n in want)]
+    fd = os.open(entry, FOLDER_FLAGS)
+    try:
+        st = os.fstat(fd)
+        fields += [b"e", os.fsencode(entry), b"%d" % st.st_dev, b"%d" % st.st_ino]
+        fields += [MANIFEST.encode(), repr(hit.stamp_every).encode()]
+        manifest = os.open(MANIFEST, READ, dir_fd=fd)
+        try:
+            raw = os.read(manifest, 16 << 20)
+        finally:
+            os.close(manifest)
+    finally:
+        os.close(fd)
+    artifacts = {
+        name: (size, want) for name, size, want in parse_manifest(raw, hit.key)["artifacts"]
+    }
+    for name, target in hit.outputs.items():
+        if name not in artifacts:
+            return None
+        size, want = artifacts[name]
+        fields += [b"o", os.fsencode(os.path.abspath(target)), name.encode(), b"%d" % size]
+        fields.append(want.encode())
+    for number, name in enumerate(hit.streams, 1):
+        if name in artifacts:
+            size, want = artifacts[name]
+            fields += [b"s", b"%d" % number, name.encode(), b"%d" % size, want.encode()]
+    st = os.stat(counters, follow_symlinks=False)
+    fields += [b"n", os.fsencode(counters), b"%d" % st.st_dev, b"%d" % st.st_ino]
+    fields += [b"%d" % hit.file_mode, repr(float(hit.saved)).encode(), QUICK_COUNTS.encode()]
+    return fields
+
+
+def _under(path: str, folders: Iterable[str]) -> bool:
+    return any(path.startswith(folder + "/") for folder in folders)
+
+
+def _opcache_files() -> list[tuple[str, bool]]:
+    """opcache's own modules: an upgrade (or an edit) makes every memo miss."""
+    return sorted(
+        (module.__file__, True)
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] == "opcache" and getattr(module, "__file__", None)
+    )
+
+
+def _put(name: str, data: bytes) -> None:
+    folder = runtime_folder(os.environ)
+    os.close(open_own_folder(folder, True))  # (the server's folder: made or checked)
+    fd = open_own_folder(os.path.join(folder, FOLDER), True)
+    try:
+        temp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}"
+        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+        try:
+            os.write(out, data)
+        finally:
+            os.close(out)
+        os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        if os.urandom(1)[0] < 256 // CLEAN_ONE_IN:
+            _clean(fd)
+    finally:
+        os.close(fd)
+
+
+def _clean(fd: int) -> None:
+    """Bound the memos: those not rewritten for MEMO_DAYS go; past MAX_MEMOS, all go."""
+    import time
+
+    old = time.time() - MEMO_DAYS * 86400
+    names = os.listdir(fd)
+    for name in names:
+        try:
+            if (
+                len(names) > MAX_MEMOS
+                or os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime < old
+            ):
+                os.unlink(name, dir_fd=fd)
+        except OSError:
+            pass
