@@ -318,9 +318,10 @@ class RemoteTier:
         """The values that passed their checks, counted; the others counted as corrupt
         (a value looked at again, after a claim, is not counted again)."""
         sound = {}
+        down = 0  # (counted once: a batch of hits added it a key at a time)
         for key, value in got.items():
             if isinstance(value, RemoteCorrupt):
-                self._stats.add(soc, "remote_bytes_down", value.size)
+                down += value.size
                 if (soc, key) in self._corrupt:
                     log.debug("corrupt remote entry %s/%s, still: %s", soc, key, value)
                     continue
@@ -330,7 +331,9 @@ class RemoteTier:
                 continue
             entry, manifest, size = value
             sound[key] = entry, manifest
-            self._stats.add(soc, "remote_bytes_down", size)
+            down += size
+        if down:
+            self._stats.add(soc, "remote_bytes_down", down)
         self._stats.add(soc, "remote_hits", len(sound))
         return sound
 
