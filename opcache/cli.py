@@ -41,7 +41,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             _leave(lambda: status)
         from . import masquerade
 
-        _recording.append(True)
         if masquerade.compiler_kind(sys.argv[0]):
             _leave(lambda: _masquerade(sys.argv))
         args = sys.argv[1:]
@@ -49,8 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(argv)
 
 
-_started: list[float] = []  # when the program started (a memo's racy rule)
-_recording: list[bool] = []  # a full wrap hit may leave a memo (the program, not the library)
+# When the program started (a memo's racy rule): a full wrap hit may leave a memo
+# (the program's, not the library's: quickmemo.serving for a server's call).
+_started: list[float] = []
 
 
 def _leave(command: Callable[[], int]) -> NoReturn:
@@ -189,12 +189,14 @@ def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str], verbo
     # error (ConfigError, exit 2) before anything runs.
     # -v says more than a quick hit would; Python 3.10's pathlib calls os.stat past
     # the Recorder (bound at its import), so a memo could miss what it read.
-    if not _recording or verbose or sys.version_info < (3, 11):
+    started = quickmemo.serving or _started  # (a server started as the program too)
+    wrap.last_hit.clear()  # (a server's worker serves one call after another)
+    if not started or verbose or sys.version_info < (3, 11):
         return wrap.run(command, settings_for)
     with quickmemo.Recorder() as recorder:
         status = wrap.run(command, settings_for)
     if status == 0 and wrap.last_hit and not recorder.warned:
-        quickmemo.write_memo(sys.argv, recorder, wrap.last_hit.pop(), _started[0])
+        quickmemo.write_memo(sys.argv, recorder, wrap.last_hit.pop(), started[0])
     return status
 
 

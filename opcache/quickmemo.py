@@ -38,6 +38,9 @@ CLEAN_ONE_IN = 64  # a memo write cleans the folder about once in this many
 # Not inputs of a hit: the kernel's views of this process.
 _NOT_INPUTS = ("/proc/", "/dev/fd/")
 _WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+# In an ``opcache server`` worker: when the call it serves started (cli's rule for
+# the program; a served full hit leaves a memo as the program's does).
+serving: list[float] = []
 
 
 class Recorder:

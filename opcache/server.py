@@ -13,7 +13,9 @@ uncacheable or disabled compile, the preprocessor; count an uncacheable
 compile; note a configuration warning as shown), it stops with
 ``wrap.NotServed`` before anything is done, and the client runs ``opcache``
 itself, which then does it all as always.  So a served hit is the Python
-path's hit, checks and all, and everything else is the Python path.
+path's hit, checks and all, and everything else is the Python path.  As the
+program does, a worker tries the command's memo first (``quickhit``), and its
+full hits of C compiles leave one (``quickmemo``).
 
 The socket lives in ``$XDG_RUNTIME_DIR/opcache-<uid>`` (``/tmp`` without it): a
 folder of this user's, mode 0700, never reached through a link; the client
@@ -41,7 +43,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import __version__, _log, fsutil, quickhit, stats, trust
+from . import __version__, _log, fsutil, quickhit, quickmemo, stats, trust
 from ._log import get_logger
 from .key import digest
 from .masquerade import find_compiler
@@ -450,6 +452,7 @@ def _serve(
     if not _hooked:
         sys.addaudithook(_no_programs)
         _hooked.append(True)
+    quickmemo.serving[:] = [time.time()]
     try:
         # A memo's quick hit first (quickhit.py), as the program tries it; then the full hit.
         status = quickhit.serve(sys.argv)

@@ -714,3 +714,20 @@ def test_a_served_call_takes_the_quick_hit_first(served):
     appended = root / ".opcache" / "stats" / "host" / QUICK_COUNTS
     assert len(appended.read_bytes().splitlines()) == 1
     assert counted(served.env, "hits", 2)["hits"] == 2
+
+
+def test_a_served_full_hit_leaves_a_memo_for_the_next_call(served):
+    warmed(served, *COMPILE)
+    made = (served.src / "k.o").read_bytes()
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)
+    before = served.fallbacks()
+    served.gcc(*COMPILE)  # a full hit in the worker: it writes the memo
+    (root,) = (served.tmp / "cache").glob("kernel_cache*")
+    appended = root / ".opcache" / "stats" / "host" / QUICK_COUNTS
+    assert not appended.exists()
+    (served.src / "k.o").unlink()
+
+    hit = served.gcc(*COMPILE)
+    assert (hit.returncode, served.fallbacks()) == (0, before), "the hits were not served"
+    assert (served.src / "k.o").read_bytes() == made
+    assert len(appended.read_bytes().splitlines()) == 1
