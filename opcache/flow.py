@@ -23,7 +23,7 @@ from .aging import STAMP_GRANULARITY
 from .errors import CompileError
 from .request import CompileResult, is_plain_name
 from .storage.entry import MANIFEST, CorruptEntry, Entry, make_manifest
-from .storage.local import Workdir, new_build_folder, remove_abandoned
+from .storage.local import Workdir, new_build_folder, remove_abandoned, write_all
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -197,11 +197,14 @@ class KeyFlow:
 
     # -- the local tier ----------------------------------------------------------------
 
-    def look(self, soc: str, key: str) -> Entry | None:
+    def look(
+        self, soc: str, key: str, reader: Callable[[str], Entry | None] | None = None
+    ) -> Entry | None:
         """The cache folder's entry of ``key``, or None: absent, unreadable, or corrupt
-        (then removed and counted)."""
+        (then removed and counted).  ``reader``: a ``reading`` of the chip, for a
+        batch that looks at many keys in a row."""
         try:
-            return self._store.get(soc, key)
+            return self._store.get(soc, key) if reader is None else reader(key)
         except CorruptEntry as e:
             log.warning("corrupt cache entry %s/%s removed: %s", soc, key, e)
             self._stats.add(soc, "corrupt")
@@ -212,6 +215,11 @@ class KeyFlow:
         except OSError as e:
             self.cache_error("read", f"cannot read the cache at {self._store.root}: {e}", soc)
         return None
+
+    def reading(self, soc: str) -> contextlib.AbstractContextManager[Callable[[str], Entry | None]]:
+        """A reader of many keys of the chip folder in a row, for ``look``
+        (``LocalStore.reading``: each folder opened and trusted once)."""
+        return self._store.reading(soc)
 
     def stored(self, soc: str, key: str) -> bool:
         """Whether the cache folder seems to hold ``key`` (a stat, not a read)."""
@@ -421,8 +429,9 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     """
     paths = {}
     others = {}
+    folder = str(out)  # (text: a Path made per file was a tenth of a hit)
     for name, data in files.items():
-        opened = _open_own(out, name)
+        opened = _open_own(out, f"{folder}/{name}")
         if opened is None:
             others[name] = data
             continue
@@ -430,9 +439,7 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
         try:
             if not made:
                 os.ftruncate(fd, 0)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
         finally:
             os.close(fd)
         paths[name] = out / name
@@ -441,10 +448,9 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     return paths
 
 
-def _open_own(out: Path, name: str) -> tuple[int, bool] | None:
-    """(``out/name`` open for writing, whether it was made now) if it was free or is
-    this user's own file with no other name, else None."""
-    path = out / name
+def _open_own(out: Path, path: str) -> tuple[int, bool] | None:
+    """(``path``, a file of ``out``, open for writing, whether it was made now) if it
+    was free or is this user's own file with no other name, else None."""
     # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
     try:
         try:

@@ -22,7 +22,7 @@ stats, and a cache that cannot be read or written never fails a compile.
 
 from __future__ import annotations
 
-import heapq
+import contextlib
 import os
 import random
 import threading
@@ -52,8 +52,9 @@ log = get_logger(__name__)
 _State = str
 _DONE, _LATER, _PARKED = "done", "later", "parked"  # what became of a job taken
 
-# Checks of a key another process holds: the first soon (a compile may be
-# short), then less and less often.
+# Checks of the keys other processes of this machine hold (one listing of
+# their lock files for all of them): the first soon (a compile may be short),
+# then less and less often while none comes free.
 _FIRST_CHECK = 0.01
 _LAST_CHECK = 0.1
 # A lock file that is still there is held, unless its holder died: try the
@@ -65,12 +66,12 @@ class _Job:
     """One compile of a batch: the requests (by index) that share its key."""
 
     __slots__ = (
-        "delay",
         "held",
         "indices",
         "inputs",
         "key",
         "lock",
+        "lock_dir",
         "plain",
         "remote_wait",
         "request",
@@ -93,37 +94,47 @@ class _Job:
         self.inputs = inputs
         self.plain = plain  # (status, reason) of a compile that keeps the cache out
         self.lock: KeyLock | None = None
+        self.lock_dir = ""  # the folder of its lock file, as text
         self.held: KeyLock | None = None  # the lock, while this process holds it
         self.remote_wait = False  # held here, while another machine compiles it
         self.timed_out = False  # waited lock_timeout for that machine: compile here
-        self.delay = _FIRST_CHECK
         self.tried = 0.0  # when the lock was last tried
         self.since = 0.0  # when another process was first found holding it
 
 
 class _Poll:
-    """Taken from the schedule: look at the remote for every parked job at once."""
+    """Taken from the schedule: look for every waiting job at once, at the remote
+    (parked jobs) or at the lock files of this machine (``remote`` False)."""
+
+    __slots__ = ("remote",)
+
+    def __init__(self, remote: bool) -> None:
+        self.remote = remote
 
 
-POLL = _Poll()
+POLL, WATCH = _Poll(remote=True), _Poll(remote=False)
 # Looks at the remote for parked jobs: often at first, then less and less.
 _FIRST_POLL = 0.01
 _LAST_POLL = 0.1
 
 
 class _Schedule:
-    """Fresh jobs first, then jobs others hold, each checked when it is due.
+    """Fresh jobs first, then jobs others hold, as they come free.
 
-    A job whose key another machine compiles is parked: it stays in hand
-    (busy) while one ``POLL`` now and then looks at the remote for all of them
-    in one round trip.
+    A job whose key another process of this machine holds stays in hand
+    (busy) while one ``WATCH`` now and then lists the lock files for all of
+    them; a job whose key another machine compiles is parked, and one
+    ``POLL`` now and then looks at the remote for all of them in one round
+    trip.  Either gives back the jobs worth another try, first of all.
     """
 
     def __init__(self, fresh: list[_Job]) -> None:
         self._fresh = deque(fresh)
-        self._waiting: list[tuple[float, int, _Job]] = []
-        self._busy = 0  # jobs taken (or parked) and not yet finished or put back
-        self._count = 0  # tie-breaker for the heap
+        self._held: list[_Job] = []  # jobs others of this machine hold (busy)
+        self._watch_at: float | None = None  # when their lock files are next listed
+        self._watch_delay = _FIRST_CHECK
+        self._watching = False  # a thread is listing them
+        self._busy = 0  # jobs taken (held or parked) and not yet finished or put back
         self._poll_at: float | None = None  # when the parked jobs are next looked at
         self._poll_delay = _FIRST_POLL
         self._polling = False  # a thread is looking at the parked jobs
@@ -143,17 +154,18 @@ class _Schedule:
                     self._poll_at = None
                     self._polling = True
                     return POLL, False
+                watch_at = None if self._watching else self._watch_at
+                if watch_at is not None and watch_at <= now:
+                    self._watch_at = None
+                    self._watching = True
+                    return WATCH, False
                 if self._fresh:
                     self._busy += 1
                     return self._fresh.popleft(), True
-                job_at = self._waiting[0][0] if self._waiting else None
-                if job_at is not None and job_at <= now:
-                    self._busy += 1
-                    return heapq.heappop(self._waiting)[2], False
-                nexts = [t for t in (job_at, poll_at) if t is not None]
+                nexts = [t for t in (watch_at, poll_at) if t is not None]
                 if nexts:
                     self._cond.wait(min(nexts) - now)
-                elif self._busy or self._polling:
+                elif self._busy or self._polling or self._watching:
                     self._cond.wait()  # a job in hand may come back
                 else:
                     return None
@@ -170,12 +182,34 @@ class _Schedule:
             self._cond.notify_all()
 
     def later(self, job: _Job) -> None:
-        """Put back a job another process holds, to be checked again after a while."""
+        """Keep a job another process of this machine holds, until a ``WATCH`` finds
+        it worth another try; one is due soon, if none is."""
         with self._cond:
-            self._count += 1
-            heapq.heappush(self._waiting, (time.monotonic() + job.delay, self._count, job))
-            job.delay = min(job.delay * 2, _LAST_CHECK)
-            self._busy -= 1
+            self._held.append(job)
+            if self._watch_at is None and not self._watching:
+                self._watch_delay = _FIRST_CHECK
+                self._watch_at = time.monotonic() + self._watch_delay
+                self._cond.notify_all()
+
+    def take_held(self) -> list[_Job]:
+        """For a ``WATCH``: the jobs others hold (given back through ``watched``)."""
+        with self._cond:
+            held, self._held = self._held, []
+            return held
+
+    def watched(self, again: list[_Job], still: list[_Job]) -> None:
+        """After a watch: ``again`` go back to be tried (first of all), ``still``
+        stay held, and while any do the next watch is due."""
+        with self._cond:
+            self._watching = False
+            self._busy -= len(again)
+            self._fresh.extendleft(again)
+            self._held.extend(still)
+            if self._held:
+                delay = _FIRST_CHECK if again else min(self._watch_delay * 2, _LAST_CHECK)
+                self._watch_delay = delay
+                due = time.monotonic() + delay
+                self._watch_at = due if self._watch_at is None else min(self._watch_at, due)
             self._cond.notify_all()
 
     def parked(self) -> None:
@@ -277,15 +311,24 @@ class _Batch:
         fingerprint = self.flow.fingerprint(self.compiler) if self.requests else ""
         jobs: list[_Job] = []
         by_key: dict[tuple[str, str], _Job | Entry] = {}
-        for index, request in enumerate(self.requests):
-            started = time.perf_counter()
-            try:
-                job = self._first_look(index, request, fingerprint, by_key, started)
-            except Exception as e:  # one operator's failure does not stop the others
-                self._set(index, _failed("", e, started))
-                continue
-            if job is not None:
-                jobs.append(job)
+        with contextlib.ExitStack() as held:
+            # Each chip's folders opened and trusted once for the whole look, not per key.
+            readers: dict[str, Callable[[str], Entry | None]] = {}
+
+            def reader(soc: str) -> Callable[[str], Entry | None]:
+                if soc not in readers:
+                    readers[soc] = held.enter_context(self.flow.reading(soc))
+                return readers[soc]
+
+            for index, request in enumerate(self.requests):
+                started = time.perf_counter()
+                try:
+                    job = self._first_look(index, request, fingerprint, by_key, started, reader)
+                except Exception as e:  # one operator's failure does not stop the others
+                    self._set(index, _failed("", e, started))
+                    continue
+                if job is not None:
+                    jobs.append(job)
         self.jobs = jobs if self.flow.remote is None else self._from_remote(jobs)
         return list(self.jobs)
 
@@ -314,6 +357,7 @@ class _Batch:
         fingerprint: str,
         by_key: dict[tuple[str, str], _Job | Entry],
         started: float,
+        reader: Callable[[str], Callable[[str], Entry | None]],
     ) -> _Job | None:
         """A new job for ``request``, or None when it is a hit or joins a job of its key."""
         flow = self.flow
@@ -330,7 +374,7 @@ class _Batch:
             return None
         if known is None:
             with flow.one_error(soc):
-                known = flow.look(soc, key)
+                known = flow.look(soc, key, reader(soc))
         if known is not None:
             by_key[(soc, key)] = known
             self._set(index, flow.hit(known, soc, self.outs[index], started, "local"))
@@ -347,7 +391,10 @@ class _Batch:
             while (taken := schedule.take()) is not None:
                 job, fresh = taken
                 if isinstance(job, _Poll):
-                    self._poll(schedule)
+                    if job.remote:
+                        self._poll(schedule)
+                    else:
+                        self._watch(schedule)
                     continue
                 state = _DONE
                 try:
@@ -477,8 +524,6 @@ class _Batch:
             return _DONE
         with flow.one_error(soc):
             if not job.remote_wait:
-                if not fresh and not self._due(job):
-                    return _LATER
                 # Another process may have stored it since the first look: a stat
                 # says so for less than a lock file's creation and deletion.
                 stored = not fresh or flow.stored(soc, job.key)
@@ -532,13 +577,31 @@ class _Batch:
         except Exception as e:
             self._set(index, _failed(job.key, e, started))
 
-    def _due(self, job: _Job) -> bool:
-        """Whether a key another process held may be done: worth a look at the store."""
-        assert job.lock is not None
-        # A holder deletes its lock file when done (stored or failed): while the
-        # file is there, the key is most likely still being compiled.  Its
-        # holder may have died, though: the lock itself is tried now and then.
-        return time.monotonic() - job.tried >= _TRY_EVERY or not os.path.lexists(job.lock.path)
+    def _watch(self, schedule: _Schedule) -> None:
+        """One listing of the lock files for every job another process of this
+        machine holds: those whose file is gone go back to be tried.
+
+        A holder deletes its lock file when done (stored or failed): while the
+        file is there, the key is most likely still being compiled.  Its holder
+        may have died, though: the lock itself is tried now and then.  (A name
+        only decides when to look: a folder swapped for a link meanwhile leads
+        to a look or a try, which are safe, and to nothing else.)
+        """
+        held = schedule.take_held()
+        now = time.monotonic()
+        listed: dict[str, set[str]] = {}
+        again, still = [], []
+        try:
+            for job in held:
+                names = listed.get(job.lock_dir)
+                if names is None:
+                    names = listed[job.lock_dir] = _names_in(job.lock_dir)
+                if job.key not in names or now - job.tried >= _TRY_EVERY:
+                    again.append(job)
+                else:
+                    still.append(job)
+        finally:
+            schedule.watched(again, still + held[len(again) + len(still) :])
 
     def _claim(self, job: _Job, fresh: bool) -> KeyLock | bool | None:
         """The key's lock, now held; None to go on without one; False if another holds it."""
@@ -547,6 +610,7 @@ class _Batch:
         if job.lock is None:
             try:
                 job.lock = flow.key_lock(soc, job.key)
+                job.lock_dir = str(job.lock.path.parent)
             except OSError as e:
                 flow.cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
                 return None
@@ -589,6 +653,14 @@ class _Batch:
         self.flow.count(job.request.soc_version, "hits")
         seconds = time.perf_counter() - started
         return CompileResult("hit", job.key, files, seconds, saved_seconds=saved, tier="local")
+
+
+def _names_in(folder: str) -> set[str]:
+    """The names in ``folder`` (none, if it cannot be listed)."""
+    try:
+        return set(os.listdir(folder))
+    except OSError:
+        return set()
 
 
 def _failed(key: str, error: BaseException, started: float) -> CompileResult:

@@ -258,10 +258,68 @@ class LocalStore:
     def get_with_manifest(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
         """``get``'s entry and its manifest's bytes (a shared folder's remote sends
         both on, as every remote does)."""
-        fds = self._open_entry(soc, key)
-        if fds is None:
+        bucket_fd = self._open_bucket(soc, key)
+        if bucket_fd is None:
             return None
-        bucket_fd, entry_fd = fds
+        try:
+            return self._get_in(bucket_fd, soc, key)
+        finally:
+            os.close(bucket_fd)
+
+    @contextlib.contextmanager
+    def reading(self, soc: str) -> Iterator[Callable[[str], Entry | None]]:
+        """``get`` of many keys of one chip in a row (a batch's first look): the chip
+        folder and each bucket opened and trusted once while it lasts, not once
+        per key.  Each entry is still opened without links, trusted and checked
+        whole, as ``get`` does.  For a moment's use: a chip folder that force or
+        clear renames away meanwhile is only noticed at the next ``reading``.
+        """
+        folders: dict[str, int | None] = {}  # "" the chip folder, else a bucket
+
+        def get(key: str) -> Entry | None:
+            if "" not in folders:
+                folders[""] = self._open_chip_if_there(soc)
+            chip_fd = folders[""]
+            if chip_fd is None:
+                return None
+            bucket = key[:2]
+            if bucket not in folders:
+                folders[bucket] = self._open_bucket_if_there(chip_fd, soc, bucket)
+            bucket_fd = folders[bucket]
+            got = None if bucket_fd is None else self._get_in(bucket_fd, soc, key)
+            return None if got is None else got[0]
+
+        try:
+            yield get
+        finally:
+            for fd in folders.values():
+                if fd is not None:
+                    os.close(fd)
+
+    def _open_bucket(self, soc: str, key: str) -> int | None:
+        """The bucket folder of ``key`` (its chip folder's and its own trusted), or None."""
+        chip_fd = self._open_chip_if_there(soc)
+        if chip_fd is None:
+            return None
+        try:
+            return self._open_bucket_if_there(chip_fd, soc, key[:2])
+        finally:
+            os.close(chip_fd)
+
+    def _open_bucket_if_there(self, chip_fd: int, soc: str, bucket: str) -> int | None:
+        """A bucket folder of the chip folder open as ``chip_fd`` (trusted), or None."""
+        try:
+            return self._open_dir(bucket, chip_fd, f"{self.root}/{soc}", create=False)
+        except OSError as e:
+            if e.errno in fsutil.GONE:
+                return None
+            raise
+
+    def _get_in(self, bucket_fd: int, soc: str, key: str) -> tuple[Entry, bytes] | None:
+        """``get_with_manifest`` of ``key`` in its bucket, open as ``bucket_fd``."""
+        entry_fd = self._open_entry_in(bucket_fd, soc, key)
+        if entry_fd is None:
+            return None
         try:
             return self._read_entry(key, entry_fd)
         except CorruptEntry:
@@ -276,34 +334,24 @@ class LocalStore:
             raise
         finally:
             os.close(entry_fd)
-            os.close(bucket_fd)
 
     def _open_entry(self, soc: str, key: str) -> tuple[int, int] | None:
         """File descriptors of the bucket and entry folders, opened without links.
 
         Every folder below the root must pass the trust rule (UntrustedFolder).
         """
-        chip_fd = self._open_chip_if_there(soc)
-        if chip_fd is None:
+        bucket_fd = self._open_bucket(soc, key)
+        if bucket_fd is None:
             return None
         try:
-            try:
-                bucket_fd = self._open_dir(key[:2], chip_fd, f"{self.root}/{soc}", create=False)
-            except OSError as e:
-                if e.errno in fsutil.GONE:
-                    return None
-                raise
-            try:
-                entry_fd = self._open_entry_in(bucket_fd, soc, key)
-            except BaseException:
-                os.close(bucket_fd)
-                raise
-            if entry_fd is None:
-                os.close(bucket_fd)
-                return None
-            return bucket_fd, entry_fd
-        finally:
-            os.close(chip_fd)
+            entry_fd = self._open_entry_in(bucket_fd, soc, key)
+        except BaseException:
+            os.close(bucket_fd)
+            raise
+        if entry_fd is None:
+            os.close(bucket_fd)
+            return None
+        return bucket_fd, entry_fd
 
     def _open_entry_in(self, bucket_fd: int, soc: str, key: str) -> int | None:
         """The entry folder of ``key`` in its bucket (open as ``bucket_fd``), opened
@@ -556,9 +604,11 @@ class LocalStore:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         for name, data in (*files.items(), (MANIFEST, manifest)):
             fd = os.open(name, flags, file_mode, dir_fd=dir_fd)
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), file_mode)  # exact in a group-shared cache
-                f.write(data)
+            try:
+                os.fchmod(fd, file_mode)  # exact in a group-shared cache
+                write_all(fd, data)  # (not a file object: its fstat, ioctl and lseek)
+            finally:
+                os.close(fd)
         os.utime(MANIFEST, (now, now), dir_fd=dir_fd, follow_symlinks=False)
         return len(manifest) + sum(map(len, files.values()))
 
@@ -974,6 +1024,15 @@ class LocalStore:
             removed += clean(partial(self._open_sizes, soc, None, create=False), stale)
         removed += clean(partial(self.open_folder, "stats", create=False), each_chip_stats)
         return removed
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the file open as ``fd``."""
+    written = os.write(fd, data)
+    if written < len(data):  # (a short write: the rest, in as many as it takes)
+        view = memoryview(data)[written:]
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def _check_names(files: dict[str, bytes]) -> None:
