@@ -26,6 +26,7 @@ folder (``backfill``).  Everything here keeps a remote from hurting a compile:
 from __future__ import annotations
 
 import _thread  # threading's primitives, without importing threading on wrap's start-up
+import contextlib
 import hashlib
 import os
 import signal
@@ -219,19 +220,33 @@ class RemoteTier:
     def _start_copier(self) -> None:
         """Start the copier (``_mutex`` held): one thread for the OpCache's life, as
         a thread started per hit cost a single hit more than its own work."""
-        import atexit
         import threading  # only on a remote hit: not on wrap's start-up
+        import weakref
 
         self._wake, self._stopping = _thread.allocate_lock(), False
         self._wake.acquire()
         self._copied = threading.Condition(self._mutex)
         # A daemon, whose idle wait does not hold up the interpreter's exit; the
         # exit waits for its copies instead, so an OpCache never closed still
-        # makes them (and leaves no temp folder).
+        # makes them (and leaves no temp folder).  Waited for where threads are
+        # joined: at the interpreter's exit, and at a multiprocessing child's,
+        # which then leaves through os._exit, past atexit.
         self._copier = threading.Thread(target=self._copy_all, name="opcache-backfill", daemon=True)
         self._copier_pid = os.getpid()
         self._copier.start()
-        atexit.register(self._stop_copier)
+        tier = weakref.ref(self)  # (a closed tier is not kept for the exit)
+
+        def at_exit() -> None:
+            alive = tier()
+            if alive is not None:
+                alive._stop_copier()
+
+        import atexit
+
+        # (and atexit's: the one that runs where the CLI leaves through os._exit)
+        atexit.register(at_exit)
+        with contextlib.suppress(AttributeError, RuntimeError):  # (none; its exit under way)
+            threading._register_atexit(at_exit)  # type: ignore[attr-defined]  # (as futures')
 
     def _copy_all(self) -> None:
         """The copier: whenever woken, the copies still to be made, a chip's at a time
@@ -405,11 +420,7 @@ class RemoteTier:
     def close(self) -> None:
         """Make the local copies of remote hits still pending, then let go of the remote."""
         try:
-            if self._copier is not None:
-                import atexit
-
-                atexit.unregister(self._stop_copier)
-                self._stop_copier()
+            self._stop_copier()
         finally:
             if self._remote is not None:
                 try:

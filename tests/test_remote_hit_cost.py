@@ -10,6 +10,7 @@ plain ``json.loads`` and an exact check of the fields a hit uses.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import struct
 import threading
@@ -27,6 +28,7 @@ from opcache import _json
 from opcache.key import digest
 from opcache.storage import RemoteCorrupt
 from opcache.storage.entry import CorruptEntry, make_manifest, parse_manifest
+from opcache.storage.local import LocalStore
 from opcache.storage.value import pack, unpack
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -99,6 +101,40 @@ def test_a_child_forked_after_a_remote_hit_makes_its_own_copies(tmp_path: Path) 
     finally:
         cache.close()
     assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == 2
+
+
+def _hits_never_closed(tmp_path: Path, url: str, count: int) -> None:
+    """A multiprocessing child's remote hits, its OpCache never closed, the copy late."""
+    real_put_many = LocalStore.put_many
+
+    def put_many(self, *args, **kw):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)  # the child's run is over by then
+        return real_put_many(self, *args, **kw)
+
+    LocalStore.put_many = put_many  # type: ignore[method-assign]
+    cache = opcache.OpCache(file_machine(tmp_path, "b", url))
+    results = cache.compile_many(
+        [make_request(i) for i in range(count)],
+        ToyCompiler(tmp_path / "calls_b"),
+        lambda r: tmp_path / "outb" / r.op_name,
+    )
+    assert {r.tier for r in results} == {"remote"}
+
+
+def test_a_multiprocessing_child_never_closing_its_cache_still_makes_its_copies(
+    tmp_path: Path,
+) -> None:
+    """Such a child leaves through os._exit, past atexit: its copies are made before."""
+    url, requests = _shared(tmp_path, 6)
+    child = multiprocessing.get_context("fork").Process(
+        target=_hits_never_closed, args=(tmp_path, url, len(requests))
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    root = tmp_path / "b" / "kernel_cache"
+    assert len(entry_dirs(root)) == 6
+    assert list(LocalStore(root).tmp_dir.iterdir()) == []
 
 
 # -- the value's checks ----------------------------------------------------------------
