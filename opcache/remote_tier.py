@@ -212,14 +212,15 @@ class RemoteTier:
         return hits
 
     def _signal(self) -> None:
-        """Wake the copier (``_mutex`` held: only its holder releases ``_wake``, so
-        it is still held when released)."""
+        """Wake the copier (``_mutex`` held: ``_wake`` is released only under it, so
+        it cannot be released by another between the check and the release)."""
         if self._wake.locked():  # (else a wake is pending already)
             self._wake.release()
 
     def _start_copier(self) -> None:
         """Start the copier (``_mutex`` held): one thread for the OpCache's life, as
         a thread started per hit cost a single hit more than its own work."""
+        import atexit
         import threading  # only on a remote hit: not on wrap's start-up
         import weakref
 
@@ -241,10 +242,7 @@ class RemoteTier:
             if alive is not None:
                 alive._stop_copier()
 
-        import atexit
-
-        # (and atexit's: the one that runs where the CLI leaves through os._exit)
-        atexit.register(at_exit)
+        atexit.register(at_exit)  # (the only one run where the CLI leaves by os._exit)
         with contextlib.suppress(AttributeError, RuntimeError):  # (none; its exit under way)
             threading._register_atexit(at_exit)  # type: ignore[attr-defined]  # (as futures')
 
