@@ -209,12 +209,17 @@ class _Memo:
         finally:
             os.close(entry)
         _write_outputs(outputs)
-        for number, data in sorted(streams):
-            stream = sys.stdout if number == 1 else sys.stderr
-            if data and stream is not None:
-                stream.flush()
-                stream.buffer.write(data)
-                stream.buffer.flush()
+        try:
+            for number, data in sorted(streams):
+                stream = sys.stdout if number == 1 else sys.stderr
+                if data and stream is not None:
+                    stream.flush()
+                    stream.buffer.write(data)
+                    stream.buffer.flush()
+        except BrokenPipeError:
+            # The reader left, as the full path's (cli.run_logged) says: nothing more, 1.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
         return 0
 
     @staticmethod

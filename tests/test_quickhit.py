@@ -372,3 +372,38 @@ def test_a_hit_that_asks_the_user_database_gets_no_memo(tmp_path: Path) -> None:
     wrap(*CMD, env=env, cwd=src)
     assert stats(env, "host")["hits"] == 1
     assert _memos(tmp_path) == []
+
+
+def test_a_quick_hit_whose_reader_left_ends_as_the_full_hit_does(tmp_path: Path) -> None:
+    """stderr a pipe nobody reads any more: the object is in place, the status 1, as
+    the full path's (cli.run_logged) when its replay meets a closed pipe."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    source = '#include "h.h"\nint scale(int x) { int unused; return x * FACTOR; }\n'
+    (src / "k.c").write_text(source)
+    cmd = [*CMD, "-Wall"]
+
+    def closed_stderr() -> int:
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            return subprocess.run(
+                [sys.executable, "-m", "opcache", "wrap", "--", *cmd],
+                env=env,
+                cwd=src,
+                stderr=write,
+                stdout=subprocess.DEVNULL,
+                timeout=120,
+            ).returncode
+        finally:
+            os.close(write)
+
+    wrap(*cmd, env=env, cwd=src)
+    _age()
+    assert closed_stderr() == 1  # a full hit (which leaves no memo: it did not end well)
+    wrap(*cmd, env=env, cwd=src)
+    assert len(_memos(tmp_path)) == 1
+    (src / "k.o").unlink()
+    assert closed_stderr() == 1  # a quick hit
+    assert _quick_hits(tmp_path) == 1
+    assert stats(env, "host")["hits"] == 3  # (counted once: the full path did not run again)
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
