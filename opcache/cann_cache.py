@@ -52,10 +52,10 @@ from .settings import AGE_SECONDS, INI_NAME, KERNEL_CACHE, MB, Settings, size_li
 
 log = get_logger(__name__)
 
-# The oldest entry jsons an aging pass holds at once (access time and name, about
-# 150 bytes each: 15 MB); a pass that ages more walks the chip folder again for
-# the next oldest.  Sorting every json of the folder held about 1.8 KB an entry
-# (180 MB at 100,000 entries) with its stat results.
+# The oldest entry jsons an aging pass holds at once (access time and name in the
+# heap's tuples, about 280 bytes each: 28 MB); a pass that ages more walks the
+# chip folder again for the next oldest.  Holding every file's stat result and
+# sorting every json peaked at 1.6 GB for a million entries.
 CANDIDATES = 100_000
 # A temp file untouched this long whose writer is not running here is left over
 # (the writer may run on another host of a shared folder: give it a moment).

@@ -463,13 +463,11 @@ def sha256_problem(fd: int, entry: CannEntry) -> str | None:
 
 def _sha256(fd: int, name: str) -> str:
     h = hashlib.sha256()
-    # Into one buffer: a read of a chunk allocated the chunk whatever the file held
-    # (1 MiB for each 4 KB binary verify checks).
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
+    # Unbuffered: each read allocates its chunk (then trims it to what was read),
+    # so the chunk stays small (1 MiB was mapped and unmapped for each 4 KB binary).
     with os.fdopen(open_quietly(fd, name), "rb", buffering=0) as f:
-        while read := f.readinto(buffer):
-            h.update(view[:read])
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
     return h.hexdigest()
 
 
