@@ -241,9 +241,12 @@ class KeyFlow:
         saved = entry.compile_seconds
         return CompileResult("hit", entry.key, files, seconds, saved_seconds=saved, tier=tier)
 
-    def key_lock(self, soc: str, key: str) -> locks.KeyLock:
-        """The key's single-flight lock, not taken (OSError if it cannot be made)."""
-        return locks.KeyLock(self._store.lock_path(soc, key), self._store.modes)
+    def key_lock(self, soc: str, key: str, *, checked: bool = False) -> locks.KeyLock:
+        """The key's single-flight lock, not taken (OSError if it cannot be made);
+        ``checked``: its folder was made and checked by this caller a moment ago."""
+        store = self._store
+        path = store.locks_dir / soc / key if checked else store.lock_path(soc, key)
+        return locks.KeyLock(path, store.modes)
 
     def acquire(self, soc: str, key: str) -> locks.KeyLock | None:
         """The key's single-flight lock, held; None to compile without it."""

@@ -60,6 +60,8 @@ _LAST_CHECK = 0.1
 # A lock file that is still there is held, unless its holder died: try the
 # lock itself this often to find those.
 _TRY_EVERY = 1.0
+# A fresh key whose lock file a listing this recent names is watched, not tried.
+_LISTED_FOR = 0.005
 
 
 class _Job:
@@ -197,16 +199,17 @@ class _Schedule:
             held, self._held = self._held, []
             return held
 
-    def watched(self, again: list[_Job], still: list[_Job]) -> None:
-        """After a watch: ``again`` go back to be tried (first of all), ``still``
-        stay held, and while any do the next watch is due."""
+    def watched(self, settled: int, again: list[_Job], still: list[_Job]) -> None:
+        """After a watch: ``settled`` jobs are done, ``again`` go back to be tried
+        (first of all), ``still`` stay held, and while any do the next watch is due."""
         with self._cond:
             self._watching = False
-            self._busy -= len(again)
+            self._busy -= settled + len(again)
             self._fresh.extendleft(again)
             self._held.extend(still)
             if self._held:
-                delay = _FIRST_CHECK if again else min(self._watch_delay * 2, _LAST_CHECK)
+                progress = settled or again
+                delay = _FIRST_CHECK if progress else min(self._watch_delay * 2, _LAST_CHECK)
                 self._watch_delay = delay
                 due = time.monotonic() + delay
                 self._watch_at = due if self._watch_at is None else min(self._watch_at, due)
@@ -305,6 +308,8 @@ class _Batch:
         # Jobs whose key another machine compiles, by (chip, key); their local lock held.
         self._parked: dict[tuple[str, str], _Job] = {}
         self._parked_lock = threading.Lock()
+        self._locks_checked: set[str] = set()  # chips whose locks folder this batch checked
+        self._listed: dict[str, tuple[float, set[str]]] = {}  # lock folder: (when, names)
 
     def first_look(self) -> list[_Job]:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
@@ -579,7 +584,8 @@ class _Batch:
 
     def _watch(self, schedule: _Schedule) -> None:
         """One listing of the lock files for every job another process of this
-        machine holds: those whose file is gone go back to be tried.
+        machine holds: those whose file is gone are delivered if their entry is
+        there (``_local_hits``), else go back to be tried.
 
         A holder deletes its lock file when done (stored or failed): while the
         file is there, the key is most likely still being compiled.  Its holder
@@ -590,18 +596,45 @@ class _Batch:
         held = schedule.take_held()
         now = time.monotonic()
         listed: dict[str, set[str]] = {}
-        again, still = [], []
-        try:
-            for job in held:
-                names = listed.get(job.lock_dir)
-                if names is None:
-                    names = listed[job.lock_dir] = _names_in(job.lock_dir)
-                if job.key not in names or now - job.tried >= _TRY_EVERY:
-                    again.append(job)
-                else:
-                    still.append(job)
-        finally:
-            schedule.watched(again, still + held[len(again) + len(still) :])
+        due, still = [], []
+        for job in held:
+            names = listed.get(job.lock_dir)
+            if names is None:
+                names = listed[job.lock_dir] = _names_in(job.lock_dir)
+            if job.key not in names or now - job.tried >= _TRY_EVERY:
+                due.append(job)
+            else:
+                still.append(job)
+        settled, again = self._local_hits(due)
+        schedule.watched(settled, again, still)
+
+    def _local_hits(self, jobs: list[_Job]) -> tuple[int, list[_Job]]:
+        """Deliver the jobs whose entry another process stored meanwhile, each chip's
+        folders opened once for all of them: (how many were, the jobs still missing).
+
+        No lock is taken for a hit: the store's entry appears whole or not at
+        all, and is checked as any other.  The jobs still missing go back to
+        be claimed (and looked at again under their lock).
+        """
+        flow = self.flow
+        settled, again = 0, []
+        with contextlib.ExitStack() as held:
+            readers: dict[str, Callable[[str], Entry | None]] = {}
+            for job in jobs:
+                soc, started = job.request.soc_version, time.perf_counter()
+                try:
+                    if soc not in readers:
+                        readers[soc] = held.enter_context(flow.reading(soc))
+                    with flow.one_error(soc):
+                        entry = flow.look(soc, job.key, readers[soc])
+                    if entry is None:
+                        again.append(job)
+                        continue
+                    self._hits(job, entry, started, "local")
+                except Exception as e:  # one operator's failure does not stop the others
+                    self._fail(job, e)
+                settled += 1
+        return settled, again
 
     def _claim(self, job: _Job, fresh: bool) -> KeyLock | bool | None:
         """The key's lock, now held; None to go on without one; False if another holds it."""
@@ -609,11 +642,20 @@ class _Batch:
         now = time.monotonic()
         if job.lock is None:
             try:
-                job.lock = flow.key_lock(soc, job.key)
+                # The locks folder checked once per batch and chip, not at each key
+                # (each try still opens its own folder without a link, and trusts it).
+                job.lock = flow.key_lock(soc, job.key, checked=soc in self._locks_checked)
+                self._locks_checked.add(soc)
                 job.lock_dir = str(job.lock.path.parent)
             except OSError as e:
                 flow.cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
                 return None
+            if job.key in self._held_now(job.lock_dir, now):
+                # Its lock file is there: another process holds it (or died holding
+                # it, which the watch's tries find).  Tried as if, for less.
+                job.tried = job.since = now
+                job.lock.waited = True
+                return False
         elif now - job.since >= flow.lock_timeout:
             log.warning(
                 "waited %.3g s for another process compiling %s/%s; compiling it here too",
@@ -632,6 +674,14 @@ class _Batch:
         if fresh:
             job.since = now
         return False
+
+    def _held_now(self, lock_dir: str, now: float) -> set[str]:
+        """The lock files of ``lock_dir``, listed at most every ``_LISTED_FOR`` s
+        (a name only decides whether a fresh key is tried now or watched)."""
+        listed = self._listed.get(lock_dir)
+        if listed is None or now - listed[0] >= _LISTED_FOR:
+            listed = self._listed[lock_dir] = (now, _names_in(lock_dir))
+        return listed[1]
 
     def _settle(
         self, job: _Job, result: CompileResult, artifacts: dict[str, bytes] | None = None

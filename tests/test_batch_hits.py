@@ -160,3 +160,46 @@ def test_keys_another_process_holds_are_watched_without_a_look_at_each_lock_file
         assert read_dir(out) == expected_files(request)
     # Each key's lock file is looked at by its tries only (two a try), not at each check.
     assert max(looked[key] for key in keys) <= 4
+
+
+def test_keys_another_process_compiles_come_as_hits_without_a_lock_file_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = settings_for(tmp_path)
+    requests = [make_request(i) for i in range(10)]
+    keys = {compute_key(r, "toycc", "toycc 1.0")[0] for r in requests}
+    locks_dir = settings.root / ".opcache" / "locks" / SOC
+    holder_cache = opcache.OpCache(settings, clock=FakeClock())
+    holder_compiler = ToyCompiler(tmp_path / "calls", sleep=0.5)
+    # Another OpCache holds every key's lock while it compiles them (as another
+    # process of this machine would); the batch starts once all are held.
+    holder = threading.Thread(
+        target=holder_cache.compile_many,
+        args=(requests, holder_compiler, [tmp_path / "holder"] * 10),
+        kwargs={"jobs": 10},
+    )
+    holder.start()
+    deadline = time.monotonic() + 30
+    while not (locks_dir.is_dir() and keys <= set(os.listdir(locks_dir))):
+        assert time.monotonic() < deadline, "the holder never took its locks"
+        time.sleep(0.01)
+    opened: Counter[str] = Counter()
+    real_open = os.open
+
+    def counting_open(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if flags & os.O_CREAT:  # (a lock file, not the entry folder of the same name)
+            opened[os.path.basename(os.fspath(path))] += 1
+        return real_open(path, flags, *args, **kwargs)
+
+    outs = [tmp_path / "out" / r.op_name for r in requests]
+    with opcache.OpCache(settings, clock=FakeClock()) as cache:
+        monkeypatch.setattr(os, "open", counting_open)
+        results = cache.compile_many(requests, ToyCompiler(tmp_path / "calls"), outs, jobs=2)
+        monkeypatch.undo()
+    holder.join(60)
+    holder_cache.close()
+    assert [r.status for r in results] == ["hit"] * 10
+    for request, out in zip(requests, outs, strict=True):
+        assert read_dir(out) == expected_files(request)
+    assert holder_compiler.calls() == 10  # each compiled once, by the holder
+    assert not any(opened[key] for key in keys)  # no lock file made, tried or deleted
