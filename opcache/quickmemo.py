@@ -217,6 +217,7 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     counters = f"{hit.root}/.opcache/stats/{hit.soc}"
     skip = {os.path.abspath(target) for target in hit.outputs.values()}
     racy = int((started - RACY_SECONDS) * 1e9)
+    remote = _network_devices(_mount_table())
     fields: list[bytes] = []
     for path, follow in _opcache_files() + list(recorder.looked):
         full = os.path.abspath(path)
@@ -231,6 +232,8 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
         want = identity(os.fsencode(path), follow, full not in recorder.listed)
         if want[0] >= 0 and want[4] != NO_SIZE and max(want[5], want[6]) >= racy:
             return None  # racy: it may change again within the times it was read with
+        if want[0] in remote:
+            return None  # its client caches attributes: a stat may not see a change yet
         fields += [b"c", os.fsencode(path), b"1" if follow else b"0", *(b"%d" % n for n in want)]
     fd = os.open(entry, FOLDER_FLAGS)
     try:
@@ -261,6 +264,39 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     fields += [b"n", os.fsencode(counters), b"%d" % st.st_dev, b"%d" % st.st_ino]
     fields += [b"%d" % hit.file_mode, repr(float(hit.saved)).encode(), QUICK_COUNTS.encode()]
     return fields
+
+
+# File systems whose clients cache attributes (NFS's actimeo...): a stat there may
+# show a file as it was while an open (close-to-open) reads what it is now.
+NETWORK_FILE_SYSTEMS = frozenset(
+    (
+        *("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs"),
+        *("gpfs", "fuse.sshfs", "fuse.s3fs", "fuse.rclone", "fuse.glusterfs", "fuse.cephfs"),
+    )
+)
+
+
+def _mount_table() -> str:
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _network_devices(mountinfo: str) -> set[int]:
+    """The devices (``st_dev``) of network file systems in a ``/proc/self/mountinfo`` text."""
+    found = set()
+    for line in mountinfo.splitlines():
+        words, _, after = line.partition(" - ")
+        fields = words.split()
+        kind = after.split()[:1]
+        if len(fields) < 3 or not kind or kind[0] not in NETWORK_FILE_SYSTEMS:
+            continue
+        major, _, minor = fields[2].partition(":")
+        if major.isdigit() and minor.isdigit():
+            found.add(os.makedev(int(major), int(minor)))
+    return found
 
 
 def _under(path: str, folders: Iterable[str]) -> bool:

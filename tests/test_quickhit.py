@@ -407,3 +407,15 @@ def test_a_quick_hit_whose_reader_left_ends_as_the_full_hit_does(tmp_path: Path)
     assert _quick_hits(tmp_path) == 1
     assert stats(env, "host")["hits"] == 3  # (counted once: the full path did not run again)
     assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
+
+
+def test_files_on_a_network_file_system_get_no_memo() -> None:
+    """NFS clients cache attributes: a stat there may not show another machine's edit."""
+    mountinfo = (
+        "22 27 0:21 / /proc rw,relatime - proc proc rw\n"
+        "30 27 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        "41 30 0:52 / /home rw,relatime shared:7 - nfs4 server:/home rw,vers=4.2\n"
+        "42 30 0:53 / /mnt/s rw - fuse.sshfs host:/ rw\n"
+        "bad line\n"
+    )
+    assert quickmemo._network_devices(mountinfo) == {os.makedev(0, 52), os.makedev(0, 53)}
