@@ -179,7 +179,7 @@ def _wrap_help() -> str:
 
 
 def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str], verbose: bool) -> int:
-    from . import quickmemo, wrap
+    from . import masquerade, quickmemo, wrap
     from .settings import COMPILING_DEFAULT_MODE, cache_settings
 
     def settings_for(level: str | None, config: str | None) -> Settings:
@@ -191,7 +191,10 @@ def _wrap_command(flags: Mapping[str, str | None], command: Sequence[str], verbo
     # the Recorder (bound at its import), so a memo could miss what it read.
     started = quickmemo.serving or _started  # (a server started as the program too)
     wrap.last_hit.clear()  # (a server's worker serves one call after another)
-    if not started or verbose or sys.version_info < (3, 11):
+    # Only a C compile's hit leaves a memo: opc's traced misses and checks stat
+    # thousands of paths, which recording would only slow down.
+    cc = masquerade.compiler_kind(command[0]) == "cc"
+    if not started or not cc or verbose or sys.version_info < (3, 11):
         return wrap.run(command, settings_for)
     with quickmemo.Recorder() as recorder:
         status = wrap.run(command, settings_for)
