@@ -159,7 +159,7 @@ def test_op_cache_ini_edited_is_no_quick_hit(tmp_path: Path) -> None:
     assert stats(env, "host")["hits"] == 2  # (a full hit)
 
 
-@pytest.mark.parametrize("planted", ["link", "fifo", "other_user"])
+@pytest.mark.parametrize("planted", ["link", "fifo", "other_user", "folder_link", "open_folder"])
 def test_a_planted_memo_is_not_followed(tmp_path: Path, planted: str) -> None:
     env, src = _env(tmp_path), write_project(tmp_path / "src")
     _memoized(tmp_path, env, src)
@@ -172,6 +172,12 @@ def test_a_planted_memo_is_not_followed(tmp_path: Path, planted: str) -> None:
     elif planted == "fifo":
         memo.unlink()
         os.mkfifo(memo)
+    elif planted == "folder_link":  # the memos' folder, a link to one holding the same memo
+        elsewhere = tmp_path / "elsewhere"
+        memo.parent.rename(elsewhere)
+        memo.parent.symlink_to(elsewhere)
+    elif planted == "open_folder":  # the memos' folder, one others may write in
+        memo.parent.chmod(0o777)
     else:
         if os.getuid() != 0:
             pytest.skip("needs root to give a file to another user")
