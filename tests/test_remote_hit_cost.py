@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import struct
 import threading
 import time
@@ -95,8 +96,15 @@ def test_a_child_forked_after_a_remote_hit_makes_its_own_copies(tmp_path: Path) 
                 code = 0 if child.tier == "remote" else 1
             finally:
                 os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        deadline = time.monotonic() + 120
+        done, status = os.waitpid(pid, os.WNOHANG)
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.01)
+            done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:  # (a hung child fails the test, never hangs it)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done and os.waitstatus_to_exitcode(status) == 0
         assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == 2  # the child's copy too
     finally:
         cache.close()
@@ -130,8 +138,12 @@ def test_a_multiprocessing_child_never_closing_its_cache_still_makes_its_copies(
         target=_hits_never_closed, args=(tmp_path, url, len(requests))
     )
     child.start()
-    child.join(120)
-    assert child.exitcode == 0
+    try:
+        child.join(120)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
+        child.join()
     root = tmp_path / "b" / "kernel_cache"
     assert len(entry_dirs(root)) == 6
     assert list(LocalStore(root).tmp_dir.iterdir()) == []
