@@ -221,10 +221,6 @@ class KeyFlow:
         (``LocalStore.reading``: each folder opened and trusted once)."""
         return self._store.reading(soc)
 
-    def stored(self, soc: str, key: str) -> bool:
-        """Whether the cache folder seems to hold ``key`` (a stat, not a read)."""
-        return self._store.stamp(soc, key) is not None
-
     def hit(self, entry: Entry, soc: str, out: Path, started: float, tier: str) -> CompileResult:
         """Deliver ``entry`` into ``out``; the hit is counted and its access stamped."""
         files = deliver(out, entry.files)

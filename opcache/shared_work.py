@@ -62,6 +62,8 @@ _LAST_CHECK = 0.1
 _TRY_EVERY = 1.0
 # A fresh key whose lock file a listing this recent names is watched, not tried.
 _LISTED_FOR = 0.005
+# How long a thread looks through the chip folder and buckets it opened.
+_READ_FOR = 0.01
 
 
 class _Job:
@@ -308,6 +310,7 @@ class _Batch:
         # Jobs whose key another machine compiles, by (chip, key); their local lock held.
         self._parked: dict[tuple[str, str], _Job] = {}
         self._parked_lock = threading.Lock()
+        self._readers = threading.local()  # each thread's (when, ExitStack, reader) by chip
         self._locks_checked: set[str] = set()  # chips whose locks folder this batch checked
         self._listed: dict[str, tuple[float, set[str]]] = {}  # lock folder: (when, names)
 
@@ -317,7 +320,7 @@ class _Batch:
         jobs: list[_Job] = []
         by_key: dict[tuple[str, str], _Job | Entry] = {}
         with contextlib.ExitStack() as held:
-            # Each chip's folders opened and trusted once for the whole look, not per key.
+            # Each chip's folders opened and trusted once for the whole pass, not per key.
             readers: dict[str, Callable[[str], Entry | None]] = {}
 
             def reader(soc: str) -> Callable[[str], Entry | None]:
@@ -392,6 +395,12 @@ class _Batch:
         catch (a poll, the schedule, ``on_result``, Ctrl-C) stops every thread
         after its current compile, and ``compile_many`` ends: never a batch that
         waits forever for a thread that is gone."""
+        try:
+            self._work(schedule)
+        finally:
+            self.close_readers()
+
+    def _work(self, schedule: _Schedule) -> None:
         try:
             while (taken := schedule.take()) is not None:
                 job, fresh = taken
@@ -529,10 +538,9 @@ class _Batch:
             return _DONE
         with flow.one_error(soc):
             if not job.remote_wait:
-                # Another process may have stored it since the first look: a stat
-                # says so for less than a lock file's creation and deletion.
-                stored = not fresh or flow.stored(soc, job.key)
-                entry = flow.look(soc, job.key) if stored else None
+                # Another process may have stored it since the first look (a look
+                # through this thread's open folders costs an open).
+                entry = flow.look(soc, job.key, self._reader(soc))
                 if entry is not None:  # another process compiled it
                     self._hits(job, entry, started, "local")
                     return _DONE
@@ -618,23 +626,40 @@ class _Batch:
         """
         flow = self.flow
         settled, again = 0, []
-        with contextlib.ExitStack() as held:
-            readers: dict[str, Callable[[str], Entry | None]] = {}
-            for job in jobs:
-                soc, started = job.request.soc_version, time.perf_counter()
-                try:
-                    if soc not in readers:
-                        readers[soc] = held.enter_context(flow.reading(soc))
-                    with flow.one_error(soc):
-                        entry = flow.look(soc, job.key, readers[soc])
-                    if entry is None:
-                        again.append(job)
-                        continue
-                    self._hits(job, entry, started, "local")
-                except Exception as e:  # one operator's failure does not stop the others
-                    self._fail(job, e)
-                settled += 1
+        for job in jobs:
+            soc, started = job.request.soc_version, time.perf_counter()
+            try:
+                with flow.one_error(soc):
+                    entry = flow.look(soc, job.key, self._reader(soc))
+                if entry is None:
+                    again.append(job)
+                    continue
+                self._hits(job, entry, started, "local")
+            except Exception as e:  # one operator's failure does not stop the others
+                self._fail(job, e)
+            settled += 1
         return settled, again
+
+    def _reader(self, soc: str) -> Callable[[str], Entry | None]:
+        """This thread's reader of the chip folder (``KeyFlow.reading``): its folders
+        opened and trusted once for the looks of the next ``_READ_FOR`` seconds,
+        not once per key; then opened anew, as a folder force or clear renamed
+        away meanwhile is left for the one in its place."""
+        mine = self._readers.__dict__  # (this thread's)
+        now = time.monotonic()
+        got = mine.get(soc)
+        if got is None or now - got[0] >= _READ_FOR:
+            if got is not None:
+                got[1].close()
+            held = contextlib.ExitStack()
+            got = mine[soc] = (now, held, held.enter_context(self.flow.reading(soc)))
+        return got[2]
+
+    def close_readers(self) -> None:
+        """Close this thread's readers (at the end of its work)."""
+        mine = self._readers.__dict__
+        while mine:
+            mine.popitem()[1][1].close()
 
     def _claim(self, job: _Job, fresh: bool) -> KeyLock | bool | None:
         """The key's lock, now held; None to go on without one; False if another holds it."""
