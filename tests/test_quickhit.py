@@ -302,15 +302,28 @@ def _imports(path: str) -> bool:
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (.ci/run installs it)")
-def test_a_memo_records_every_path_a_full_hit_consults(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["plain", "include_path_and_deps"])
+def test_a_memo_records_every_path_a_full_hit_consults(tmp_path: Path, case: str) -> None:
     """Every path a full hit looked up or read (strace), outside Python's installation,
     opcache's own writes and the entry, is checked by the memo."""
     env, src = _env(tmp_path), write_project(tmp_path / "src")
-    wrap(*CMD, env=env, cwd=src)
+    cmd = CMD
+    if case == "include_path_and_deps":
+        (src / "A").mkdir()
+        (src / "B").mkdir()
+        (src / "h.h").rename(src / "B" / "h.h")
+        (src / "B" / "more.h").write_text('#include "h.h"\n#include <string.h>\n')
+        (src / "k.c").write_text(
+            "#include <more.h>\n#include <stdio.h>\nint scale(int x) { return x * FACTOR; }\n"
+        )
+        cmd = [*CMD, "-IA", "-IB", "-MD", "-g"]
+        (tmp_path / "bin").mkdir()  # (an earlier PATH folder without gcc)
+        env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    wrap(*cmd, env=env, cwd=src)
     _age()
     trace = tmp_path / "trace"
     done = subprocess.run(
-        [*_STRACE, str(trace), sys.executable, "-m", "opcache", "wrap", "--", *CMD],
+        [*_STRACE, str(trace), sys.executable, "-m", "opcache", "wrap", "--", *cmd],
         env=env,
         cwd=src,
         capture_output=True,
@@ -361,7 +374,7 @@ def test_a_memo_records_every_path_a_full_hit_consults(tmp_path: Path) -> None:
             continue
         if _imports(full):
             continue
-        if full in (str(src / "k.o"), str(src)):  # the output (replaced); the folder (in the name)
+        if full in (str(src / "k.o"), str(src / "k.d"), str(src)):  # outputs; the folder (named)
             continue
         if full not in recorded:
             missed.append(f"{call} {full} = {result}")
