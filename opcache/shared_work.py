@@ -13,8 +13,9 @@ than one process alone.  Here each process
    order of its own (shuffled), so that ranks starting together go for
    different keys;
 3. then collects the keys others were compiling as their locks come free
-   (one look at the lock file's name per check; a real try now and then, for
-   holders that died), and compiles any whose holder died or failed.
+   (one listing of the lock files for all of them a round, the entries stored
+   meanwhile delivered as hits with no lock taken; a real try now and then,
+   for holders that died), and compiles any whose holder died or failed.
 
 The rules of ``OpCache.compile`` hold for every operator: modes, bypasses,
 stats, and a cache that cannot be read or written never fails a compile.
