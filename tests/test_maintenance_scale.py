@@ -284,4 +284,7 @@ def test_verify_opens_each_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # a few more per bucket and per chip.
     per_entry = 1 + 1 + 2
     assert calls.counts["open"] <= per_entry * count + 3 * 256, calls.counts
-    assert calls.counts["stat"] + calls.counts["lstat"] + calls.counts["scandir"] < 20, calls.counts
+    # None per entry: the chip folders, the counter shards (16), the quick hits'
+    # counts file.
+    looks = calls.counts["stat"] + calls.counts["lstat"] + calls.counts["scandir"]
+    assert looks < 32, calls.counts
