@@ -57,10 +57,13 @@ machines are noisy).  Scenarios:
    links) against CC="ccache gcc"
 
 14. maintenance at scale: `opcache stats`, `verify`, `age --dry-run` and a
-   trim (a third of the entries) at 25,000 and 100,000 entries, run as cron
-   runs them: each one's time and peak resident memory (a trim holds at most
-   500,000 candidates: flat past that), and with --before DIR the same
-   commands of older code on the same entries, in turns
+   trim (a third of the entries) at 25,000 and 100,000 entries, then `opcache
+   cann stats`, `cann verify` and `cann age --dry-run` on a CANN kernel_cache
+   of as many, run as cron runs them: each one's time, CPU seconds and peak
+   resident memory (a trim holds at most 500,000 candidates: flat past that),
+   and with --before DIR the same commands of older code on the same entries,
+   in turns; OPCACHE_BENCH_ENTRIES=100000,1000000 and OPCACHE_BENCH_DIR (a
+   tmpfs with inodes enough) for other counts and another folder
 
 15. brotli's warm build: its C sources (pip download of its sdist) rebuilt
    with make -j2 after make clean, every compile a hit, through the masquerade
