@@ -401,12 +401,15 @@ class LocalStore:
             # allocates what it asks for (4 MB a manifest, asking up to the limit).
             step = min(st.st_size + 1, 1 << 22)
             while remaining > 0:
-                chunk = os.read(fd, min(remaining, step))
+                asked = min(remaining, step)
+                chunk = os.read(fd, asked)
                 if not chunk:
                     break
                 chunks.append(chunk)
                 remaining -= len(chunk)
-            return b"".join(chunks), st.st_mtime
+                if len(chunk) < asked and limit - remaining >= st.st_size:
+                    break  # short, with all fstat counted: the end (no read of b"" to say so)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks), st.st_mtime
         finally:
             os.close(fd)
 
