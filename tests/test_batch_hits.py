@@ -203,3 +203,40 @@ def test_keys_another_process_compiles_come_as_hits_without_a_lock_file_opened(
         assert read_dir(out) == expected_files(request)
     assert holder_compiler.calls() == 10  # each compiled once, by the holder
     assert not any(opened[key] for key in keys)  # no lock file made, tried or deleted
+
+
+def test_a_hit_reads_each_file_of_its_entry_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = filled_by_another_process(tmp_path, 1)
+    files = len(list(next(iter(entry_dirs(root).values())).iterdir()))  # MANIFEST too
+    reads = 0
+    real_read = os.read
+
+    def counting_read(fd: int, size: int) -> bytes:
+        nonlocal reads
+        reads += 1
+        return real_read(fd, size)
+
+    with opcache.OpCache(settings_for(tmp_path), clock=FakeClock()) as cache:
+        compiler = ToyCompiler(tmp_path / "calls")
+        cache.compile(make_request(99), compiler, tmp_path / "warm")  # the chip's first touch
+        monkeypatch.setattr(os, "read", counting_read)
+        result = cache.compile(make_request(0), compiler, tmp_path / "out")
+        monkeypatch.undo()
+    assert result.status == "hit"
+    assert read_dir(tmp_path / "out") == expected_files(make_request(0))
+    assert reads == files  # one read each, none more to find its end
+
+
+def test_an_artifact_longer_than_its_manifest_says_is_refused(tmp_path: Path) -> None:
+    root = filled_by_another_process(tmp_path, 1)
+    artifact = next(p for p in next(iter(entry_dirs(root).values())).iterdir() if p.suffix == ".o")
+    with open(artifact, "ab") as f:
+        f.write(b"more")
+    with opcache.OpCache(settings_for(tmp_path), clock=FakeClock()) as cache:
+        result = cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), tmp_path / "out")
+        stats = cache.stats(SOC)["chips"][SOC]
+    assert result.status == "miss"
+    assert read_dir(tmp_path / "out") == expected_files(make_request(0))
+    assert stats["corrupt"] == 1
