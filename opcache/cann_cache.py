@@ -355,10 +355,11 @@ class CannCache:
         but for the order of entries accessed in the same second (``_oldest_first``)."""
         present = PresentFiles(fd)
         counted = 0
-        for atime, name in _oldest_first(fd):
+        for atime, kernel in _oldest_first(fd):
             if int(self._clock()) - atime < AGE_SECONDS:
                 report["stopped_at_recent"] = True
                 break
+            name = kernel + ".json"
             try:
                 now_st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
@@ -367,19 +368,21 @@ class CannCache:
                 entry = CannEntry(fd, name, present)
                 if entry.aged is None:
                     continue  # CANN never ages a json it cannot parse (see CannEntry)
-                with kernel_lock(fd, entry.kernel) as free:
+                # The report lists the batch's own names: a copy of each would
+                # be new memory among the batch's, which its end could not free.
+                with kernel_lock(fd, kernel) as free:
                     if not free:
-                        report["kept_locked"].append(entry.kernel)
+                        report["kept_locked"].append(kernel)
                     else:
                         size = _bytes(fd, entry.aged)
                         counted += size
-                        report["removed"].append(entry.kernel)
+                        report["removed"].append(kernel)
                         if dry_run:
                             report["removed_bytes"] += size
                         else:
                             report["removed_bytes"] += _remove(fd, entry.aged, report["errors"])
             elif now_st is not None:
-                report["kept_accessed"].append(name[: -len(".json")])
+                report["kept_accessed"].append(kernel)
             if counted >= to_free:
                 break
 
@@ -625,9 +628,9 @@ def _unchanged(fd: int, name: str, seen: os.stat_result) -> bool:
 
 
 def _oldest_first(fd: int) -> Iterator[tuple[int, str]]:
-    """(access time, name) of each entry json of a chip folder, oldest first (ties by
-    name), CANDIDATES at a time: a walk for each, so a million entries are never
-    held at once."""
+    """(access time, kernel) of each entry json of a chip folder, oldest first (ties
+    by kernel name), CANDIDATES at a time: a walk for each, so a million entries
+    are never held at once."""
     after: tuple[int, str] | None = None
     while True:
         batch = heapq.nsmallest(CANDIDATES, _entry_jsons(fd, after))
@@ -638,7 +641,7 @@ def _oldest_first(fd: int) -> Iterator[tuple[int, str]]:
 
 
 def _entry_jsons(fd: int, after: tuple[int, str] | None) -> Iterator[tuple[int, str]]:
-    """(access time, name) of each entry json (a regular file) past ``after``."""
+    """(access time, kernel) of each entry json (a regular file) past ``after``."""
     with os.scandir(fd) as it:
         for item in it:
             if not is_entry_json(item.name):
@@ -648,7 +651,7 @@ def _entry_jsons(fd: int, after: tuple[int, str] | None) -> Iterator[tuple[int, 
             except FileNotFoundError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                found = (access_time(st), item.name)
+                found = (access_time(st), item.name[: -len(".json")])
                 if after is None or found > after:
                     yield found
 
