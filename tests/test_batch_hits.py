@@ -25,6 +25,7 @@ from helpers_cache import (
 )
 
 import opcache
+from opcache import shared_work
 from opcache.key import compute_key
 from opcache.locks import KeyLock
 
@@ -120,6 +121,7 @@ def test_a_bucket_swapped_for_a_link_is_not_followed_in_a_batch(tmp_path: Path) 
 def test_keys_another_process_holds_are_watched_without_a_look_at_each_lock_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(shared_work, "_TRY_EVERY", 600.0)  # no real try while they wait
     settings = settings_for(tmp_path)
     requests = [make_request(i) for i in range(10)]
     compiler = ToyCompiler(tmp_path / "calls")
@@ -149,7 +151,7 @@ def test_keys_another_process_holds_are_watched_without_a_look_at_each_lock_file
             target=lambda: results.extend(cache.compile_many(requests, compiler, outs, jobs=2))
         )
         batch.start()
-        time.sleep(0.6)  # the batch waits for the held keys meanwhile (< its real tries' 1 s)
+        time.sleep(0.6)  # the batch waits for the held keys meanwhile
         for lock in held:
             lock.release()
         batch.join(60)
@@ -165,12 +167,13 @@ def test_keys_another_process_holds_are_watched_without_a_look_at_each_lock_file
 def test_keys_another_process_compiles_come_as_hits_without_a_lock_file_opened(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(shared_work, "_TRY_EVERY", 600.0)  # no real try while they wait
     settings = settings_for(tmp_path)
     requests = [make_request(i) for i in range(10)]
     keys = {compute_key(r, "toycc", "toycc 1.0")[0] for r in requests}
     locks_dir = settings.root / ".opcache" / "locks" / SOC
     holder_cache = opcache.OpCache(settings, clock=FakeClock())
-    holder_compiler = ToyCompiler(tmp_path / "calls", sleep=0.5)
+    holder_compiler = ToyCompiler(tmp_path / "calls", sleep=1.5)  # the batch starts well within
     # Another OpCache holds every key's lock while it compiles them (as another
     # process of this machine would); the batch starts once all are held.
     holder = threading.Thread(
