@@ -38,7 +38,7 @@ import sys
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
 FORMAT = b"opcache-quick 1"
 FOLDER = "quick"
@@ -100,6 +100,8 @@ def memo_name(words: list[str], environb: Mapping[bytes, bytes], cwd: bytes, uma
         sys.version.encode(),
         cwd,
         b"%o %d %d" % (umask, os.getuid(), os.getgid()),
+        # (what may run or be read goes by them too: which() and a shared cache's trust)
+        b" ".join(b"%d" % group for group in sorted(os.getgroups())),
         os.uname().nodename.encode(),  # (the cache folder's name may hold it)
         b"%d" % len(words),
         *(os.fsencode(word) for word in words),
@@ -120,7 +122,7 @@ def serve(words: list[str]) -> int | None:
     status, or None (nothing done) when there is no memo or it does not hold."""
     try:
         return _serve(words)
-    except (_Miss, OSError, ValueError, IndexError):
+    except Exception:  # (nothing visible done yet: _Memo.serve sees to it)
         return None
 
 
@@ -188,6 +190,9 @@ class _Memo:
             raise _Miss
 
     def serve(self) -> int:
+        """Everything that can be checked first; then the hit is counted (as the full
+        path counts it before its outputs), and from then on an error ends the run as
+        the full path's would: ``opcache: error: ...``, 1, never a second try."""
         for path, follow, want in self.checks:
             if identity(path, follow, want[4] == NO_SIZE) != want:
                 raise _Miss
@@ -205,22 +210,9 @@ class _Memo:
                 if not stat.S_ISREG(st.st_mode):
                     raise _Miss  # (the full path says why it is uncacheable)
             self._count()
-            self._stamp(entry)
+            return _finish(self._stamp, entry, outputs, streams)
         finally:
             os.close(entry)
-        _write_outputs(outputs)
-        try:
-            for number, data in sorted(streams):
-                stream = sys.stdout if number == 1 else sys.stderr
-                if data and stream is not None:
-                    stream.flush()
-                    stream.buffer.write(data)
-                    stream.buffer.flush()
-        except BrokenPipeError:
-            # The reader left, as the full path's (cli.run_logged) says: nothing more, 1.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 1
-        return 0
 
     @staticmethod
     def _artifact(entry: int, name: bytes, size: int, want: str) -> bytes:
@@ -287,6 +279,41 @@ class _Memo:
             os.utime(manifest, dir_fd=entry, follow_symlinks=False)
 
 
+def _finish(
+    stamp: Callable[[int], None],
+    entry: int,
+    outputs: list[tuple[bytes, bytes]],
+    streams: list[tuple[int, bytes]],
+) -> int:
+    """A counted hit's visible rest: it ends here, whatever fails (the full path's status)."""
+    try:  # noqa: SIM105 (contextlib, which a quick hit does not load)
+        stamp(entry)
+    except OSError:
+        pass  # (aging's stamp is a hint: the full path's does not fail a hit either)
+    try:
+        _write_outputs(outputs)
+        for number, data in sorted(streams):
+            stream = sys.stdout if number == 1 else sys.stderr
+            if data and stream is not None:
+                stream.flush()
+                stream.buffer.write(data)
+                stream.buffer.flush()
+    except BrokenPipeError:
+        # The reader left, as the full path's (cli.run_logged) says: nothing more, 1.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:
+        from .cli import _sentence
+
+        try:
+            why = _sentence(e) if isinstance(e, OSError) else str(e)
+            print(f"opcache: error: {why}", file=sys.stderr)
+        except (OSError, ValueError):
+            pass  # (stderr itself failed)
+        return 1
+    return 0
+
+
 def identity(path: bytes, follow: bool, folder_only: bool) -> tuple[int, ...]:
     """What a memo records of a path: its stat identity, or the error looking it up gave."""
     try:
@@ -329,14 +356,18 @@ def _write_outputs(outputs: list[tuple[bytes, bytes]]) -> None:
             temp = b"%s/.opcache-wrap.%d.%s" % (folder, os.getpid(), os.urandom(4).hex().encode())
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                finally:
+                    os.close(fd)
+                os.replace(temp, target)
             except BaseException:
-                os.close(fd)
-                os.unlink(temp)
+                try:  # noqa: SIM105 (contextlib, which a quick hit does not load)
+                    os.unlink(temp)  # (none left in the user's folder)
+                except OSError:
+                    pass
                 raise
-            os.close(fd)
-            os.replace(temp, target)
     finally:
         _signal.pthread_sigmask(_signal.SIG_SETMASK, held)

@@ -438,3 +438,93 @@ def test_files_on_a_network_file_system_get_no_memo() -> None:
         "bad line\n"
     )
     assert quickmemo._network_devices(mountinfo) == {os.makedev(0, 52), os.makedev(0, 53)}
+
+
+# ``opcache wrap -- CMD`` as the program runs it (the same sys.argv: the same memo), with
+# a shell command run just before the memo is written (a concurrent writer's change that
+# lands between the full hit's look at a path and the memo) or an output's rename refused.
+_DRIVER = """
+import errno, os, subprocess, sys
+import opcache
+from opcache import cli, quickmemo
+sys.argv = [os.path.join(os.path.dirname(opcache.__file__), "__main__.py"), *sys.argv[1:]]
+action = os.environ.pop("TEST_BEFORE_MEMO", "")
+refused = os.environ.pop("TEST_REFUSED_OUTPUT", "")
+if action:
+    write_memo = quickmemo.write_memo
+    def hooked(*args):
+        subprocess.run(["sh", "-c", action], check=True, timeout=60)
+        return write_memo(*args)
+    quickmemo.write_memo = hooked
+if refused:
+    replace = os.replace
+    def refuse(src, dst, **kwargs):
+        if os.path.basename(os.fsdecode(dst)) == refused:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), src, None, dst)
+        return replace(src, dst, **kwargs)
+    os.replace = refuse
+cli.main()
+"""
+
+
+def _driven(
+    cmd: list[str], env: dict[str, str], cwd: Path, status: int = 0, **extra: str
+) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-c", _DRIVER, "wrap", "--", *cmd],
+        env={**env, **extra},
+        cwd=cwd,
+        capture_output=True,
+        timeout=120,
+    )
+    assert b"Traceback" not in done.stderr, done.stderr
+    assert done.returncode == status, done.stderr
+    return done
+
+
+def test_a_quick_hit_whose_output_folder_went_counts_once_and_fails_as_the_full_path(
+    tmp_path: Path,
+) -> None:
+    """-MF into a folder removed since: the hit is counted once (not once by the quick
+    path and again by the full path it fell back to), the status is the full path's."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    (src / "deps").mkdir()
+    cmd = [*CMD, "-MD", "-MF", "deps/k.d"]
+    _memoized(tmp_path, env, src, cmd)
+    shutil.rmtree(src / "deps")
+    (src / "k.o").unlink()
+
+    done = wrap(*cmd, env=env, cwd=src, status=1)
+    assert _quick_hits(tmp_path) == 1
+    assert done.stderr.count(b"opcache: error:") == 1
+    assert stats(env, "host")["hits"] == 2
+    assert sorted(p.name for p in src.iterdir()) == ["h.h", "k.c", "k.o"]
+
+
+def test_a_quick_hit_whose_output_cannot_be_renamed_leaves_nothing_and_counts_once(
+    tmp_path: Path,
+) -> None:
+    """The rename refused (another user's file in a sticky folder): no temporary file
+    left in the user's folder, one count, one error line, the full path's status."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    (src / "k.o").unlink()
+
+    done = _driven(CMD, env, src, status=1, TEST_REFUSED_OUTPUT="k.o")
+    assert _quick_hits(tmp_path) == 1
+    assert done.stderr.count(b"opcache: error:") == 1
+    assert b"Operation not permitted" in done.stderr
+    assert stats(env, "host")["hits"] == 2
+    assert sorted(p.name for p in src.iterdir()) == ["h.h", "k.c"]
+
+
+def test_a_memo_name_holds_the_supplementary_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which compiler runs (which() asks os.access) and whose cache is trusted go by the
+    groups too: a user added to or dropped from one gets another memo."""
+    words, env = ["opcache", "wrap", "--", *CMD], {b"PATH": b"/usr/bin"}
+    monkeypatch.setattr(os, "getgroups", lambda: [7, 5])
+    name = quickhit.memo_name(words, env, b"/src", 0o22)
+    monkeypatch.setattr(os, "getgroups", lambda: [5, 7])
+    assert quickhit.memo_name(words, env, b"/src", 0o22) == name
+    monkeypatch.setattr(os, "getgroups", lambda: [5])
+    assert quickhit.memo_name(words, env, b"/src", 0o22) != name
