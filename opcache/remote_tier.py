@@ -58,6 +58,9 @@ CLAIM_SECONDS = 10.0
 _PAUSE_NOTE = "remote-pause-"  # + a digest of the URL
 _NOTE_FRESH_SECONDS = 1.0
 _LOOKED_KEPT = 10_000  # look times remembered before the stale ones are dropped
+# How long a key seen claimed by another client is waited for without a claim
+# of its own being tried (a poll looks at it meanwhile).
+_PEEK_FRESH = 0.5
 # How long the copier lets a remote hit it was woken for be delivered before it
 # starts its copy (and competes with the delivery for the interpreter).
 _COPY_AFTER = 0.001
@@ -108,11 +111,22 @@ class RemoteTier:
         self._corrupt: set[tuple[str, str]] = set()  # keys whose bad value was counted
         # When keys were last found missing, by (chip, key) (time.monotonic()).
         self._looked: dict[tuple[str, str], float] = {}
+        # When keys were last found claimed by another client (``peek_claims``).
+        self._held_elsewhere: dict[tuple[str, str], float] = {}
+        self._uncounted = False  # open() failed, with no chip to count it under yet
 
     def open(self) -> None:
-        """Import the remote's client library and make its client now, rather than
-        in the first local miss (a failure pauses the remote, as any other)."""
-        self._usable()
+        """Import the remote's client library, make its client and connect now,
+        rather than in the first local miss (a failure pauses the remote, as any
+        other)."""
+        remote = self._usable()
+        if remote is None:
+            return
+        try:
+            remote.warm_up()
+        except Exception as e:
+            self._failed(e, None)
+            self._uncounted = True
 
     # -- the order of the steps --------------------------------------------------------
 
@@ -160,6 +174,9 @@ class RemoteTier:
         compiles it.  ``look_first`` when time has passed since the last look."""
         got = self.fetch(soc, key, again=True) if look_first else None
         if got is None:
+            seen = self._held_elsewhere.pop((soc, key), None)
+            if not look_first and seen is not None and time.monotonic() - seen < _PEEK_FRESH:
+                return None, None  # claimed by another a moment ago: not worth a claim
             claim = self.claim(soc, key)
             if claim is None or not claim.owned:
                 return None, claim
@@ -309,7 +326,7 @@ class RemoteTier:
         self, soc: str, keys: list[str], *, again: bool = False
     ) -> dict[str, tuple[Entry, bytes]]:
         """The remote's entries of ``keys`` that are there and sound, in few round trips."""
-        remote = self._usable()
+        remote = self._usable(soc)
         if remote is None or not keys:
             return {}
         asked = time.monotonic()
@@ -354,7 +371,7 @@ class RemoteTier:
         """For keys other clients compile: (the entries now there, the keys still
         claimed), in one round trip.  An unreachable remote claims nothing: the
         keys are compiled here."""
-        remote = self._usable()
+        remote = self._usable(soc)
         if remote is None:
             return {}, set()
         asked = time.monotonic()
@@ -381,10 +398,31 @@ class RemoteTier:
             if key not in found:
                 looked[(soc, key)] = asked
 
+    def peek_claims(self, soc: str, keys: list[str]) -> None:
+        """Look, in one round trip, which of ``keys`` other clients hold: ``step``
+        then waits for those without a claim refused of its own (a round trip
+        each).  A key seen claimed whose holder gives up unstored is only waited
+        for until the next poll, which finds it unclaimed."""
+        remote = self._usable(soc)
+        if remote is None or not keys:
+            return
+        asked = time.monotonic()
+        try:
+            held = remote.peek_claims(soc, keys)
+        except Exception as e:
+            self._failed(e, soc)
+            return
+        self._recovered()
+        seen = self._held_elsewhere
+        if len(seen) > _LOOKED_KEPT:
+            seen.clear()  # (the keys of batches gone: a peek is only worth a moment)
+        for key in held:
+            seen[(soc, key)] = asked
+
     def claim(self, soc: str, key: str) -> Claim | None:
         """The key for this process's compile (``owned`` False: compile unclaimed),
         or None when another client of the remote is compiling it."""
-        remote = self._usable()
+        remote = self._usable(soc)
         if remote is None:
             return UNCLAIMED
         try:
@@ -400,7 +438,7 @@ class RemoteTier:
     ) -> None:
         """Send a compile's entry to the remote (not when read-only or too big); once
         sent, let its ``claim`` go as stored (``Claim.stored``)."""
-        remote = self._usable()
+        remote = self._usable(soc)
         if remote is None or remote.read_only:
             return
         try:
@@ -429,7 +467,12 @@ class RemoteTier:
 
     # -- failures ---------------------------------------------------------------------
 
-    def _usable(self) -> Remote | None:
+    def _usable(self, soc: str | None = None) -> Remote | None:
+        """The remote, or None while it is paused; the first use for a chip counts
+        a failure of ``open``'s, which had none to count it under."""
+        if self._uncounted and soc is not None:
+            self._uncounted = False
+            self._count_failure(soc)
         now = time.time()
         if now < self._backoff.until or now < self._pause_noted():
             return None
@@ -443,13 +486,16 @@ class RemoteTier:
 
     def _failed(self, error: Exception, soc: str | None) -> None:
         if soc is not None:
-            self._stats.add(soc, "remote_errors")
-            self._stats.add(soc, REMOTE_ERROR_PREFIX + self.settings.shown_url)
+            self._count_failure(soc)
         until = self._backoff.failed(error)
         try:
             self._notes.write_note(f"{until:.3f}".encode(), self._pause_note)
         except OSError as e:
             log.debug("cannot record the remote's pause: %s", e)
+
+    def _count_failure(self, soc: str) -> None:
+        self._stats.add(soc, "remote_errors")
+        self._stats.add(soc, REMOTE_ERROR_PREFIX + self.settings.shown_url)
 
     def _recovered(self) -> None:
         self._backoff.recovered()

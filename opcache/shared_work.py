@@ -121,6 +121,8 @@ POLL, WATCH = _Poll(remote=True), _Poll(remote=False)
 # Looks at the remote for parked jobs: often at first, then less and less.
 _FIRST_POLL = 0.01
 _LAST_POLL = 0.1
+# How often, at most, the claims of fresh keys are looked at after a job is parked.
+_PEEK_EVERY = 0.05
 
 
 class _Schedule:
@@ -185,6 +187,15 @@ class _Schedule:
         with self._cond:
             self._busy -= jobs
             self._cond.notify_all()
+
+    def fresh_keys(self, soc: str) -> list[str]:
+        """The keys of the fresh jobs of chip ``soc`` not tried yet."""
+        with self._cond:
+            return [
+                job.key
+                for job in self._fresh
+                if job.plain is None and not job.remote_wait and job.request.soc_version == soc
+            ]
 
     def later(self, job: _Job) -> None:
         """Keep a job another process of this machine holds, until a ``WATCH`` finds
@@ -314,6 +325,7 @@ class _Batch:
         self._readers = threading.local()  # each thread's (when, ExitStack, reader) by chip
         self._locks_checked: set[str] = set()  # chips whose locks folder this batch checked
         self._listed: dict[str, tuple[float, set[str]]] = {}  # lock folder: (when, names)
+        self._peeked: dict[str, float] = {}  # when each chip's fresh claims were looked at
 
     def first_look(self) -> list[_Job]:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
@@ -423,6 +435,7 @@ class _Batch:
                         schedule.later(job)
                     else:
                         schedule.parked()
+                        self._peek(schedule, job.request.soc_version)
         except BaseException as e:
             schedule.stop()
             if self.stopped_by is None:  # (the first of threads stopping at once)
@@ -455,6 +468,18 @@ class _Batch:
         with self._parked_lock:
             self._parked[(job.request.soc_version, job.key)] = job
         return _PARKED
+
+    def _peek(self, schedule: _Schedule, soc: str) -> None:
+        """After a job was parked (another machine compiles its key): unless done a
+        moment ago, look in one round trip which of the chip's fresh keys others
+        claimed too, so that those are parked without a claim refused each."""
+        now = time.monotonic()
+        if now - self._peeked.get(soc, -_PEEK_EVERY) < _PEEK_EVERY:
+            return
+        self._peeked[soc] = now
+        remote = self.flow.remote
+        assert remote is not None
+        remote.peek_claims(soc, schedule.fresh_keys(soc))
 
     def _poll(self, schedule: _Schedule) -> None:
         """One look at the remote for every parked job: deliver what is there; what

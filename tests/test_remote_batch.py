@@ -377,3 +377,52 @@ def test_a_ctrl_c_while_the_copies_of_remote_hits_are_made_does_not_lose_them(
     assert len(entry_dirs(root)) == 40
     assert store.used(SOC) == (40, sum(e.size for e in store.scan(SOC, sizes=True)))
     assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_opening_the_cache_connects_to_the_remote(tmp_path: Path, own_server) -> None:
+    client = own_server.client()
+    before = int(client.info("stats")["total_connections_received"])
+    with opcache.OpCache(machine(tmp_path, "a", own_server.url)):
+        # Connected before any compile: the first one does not wait for it.
+        after = int(client.info("stats")["total_connections_received"])
+    assert after == before + 1
+
+
+def test_keys_other_machines_claimed_cost_one_look_not_a_claim_each(
+    tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machine b finds every key claimed by machine a: one claim refused, then one
+    look at the claims of all the others parks them (no claim of its own each),
+    and each is delivered once its entry comes."""
+    monkeypatch.setattr(remote_tier, "CLAIM_SECONDS", 600.0)  # (a's marks outlive the test)
+    ops = 20
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(ops)]
+    client = own_server.client()
+    client.flushall()
+    with opcache.OpCache(machine(tmp_path, "a", own_server.url)) as a:
+        a.compile_many(requests, compiler, lambda r: tmp_path / "a-out" / r.op_name)
+    # a's entries taken away for now, its claims (marked stored) left: to b they are
+    # keys a compiles.
+    names = [n for n in client.keys("*") if not n.endswith(b":claim")]
+    values = dict(zip(names, client.mget(names), strict=True))
+    client.delete(*names)
+    client.config_resetstat()
+    poll = remote_tier.RemoteTier.poll
+
+    def entries_come_once_all_are_parked(self, soc, keys):  # type: ignore[no-untyped-def]
+        if len(keys) == ops and not client.exists(names[0]):
+            client.mset(values)
+        return poll(self, soc, keys)
+
+    monkeypatch.setattr(remote_tier.RemoteTier, "poll", entries_come_once_all_are_parked)
+    with opcache.OpCache(machine(tmp_path, "b", own_server.url)) as b:
+        results = b.compile_many(
+            requests, compiler, lambda r: tmp_path / "b-out" / r.op_name, jobs=1
+        )
+    assert [r.tier for r in results] == ["remote"] * ops
+    assert compiler.calls() == ops  # a's, none of b's
+    for request in requests:
+        assert read_dir(tmp_path / "b-out" / request.op_name) == expected_files(request)
+    calls = client.info("commandstats")
+    assert calls["cmdstat_set"]["calls"] == 1  # the first claim, refused (before: one a key)

@@ -76,9 +76,11 @@ def test_claims_hold_across_the_cluster(url: str) -> None:
     assert all(other.claim(SOC, key, 5) is None for key in keys)
     found, claimed = other.watch(SOC, keys)
     assert found == {} and claimed == set(keys)
+    assert other.peek_claims(SOC, keys) == set(keys)  # (the claims of every slot at once)
     for claim in held:
         claim.release()
     assert other.watch(SOC, keys)[1] == set()
+    assert other.peek_claims(SOC, keys) == set()
     one.close()
     other.close()
 

@@ -245,6 +245,19 @@ class RedisRemote(Remote):
                 self._renewer.start()
         return claim
 
+    def peek_claims(self, soc: str, keys: list[str]) -> set[str]:
+        """The keys a claim is held on: one MGET of their claims (in batches, one pipeline)."""
+        names = [self._name(soc, key) + CLAIM_SUFFIX for key in keys]
+        tokens = self._mget("MGET", names)
+        return {key for key, token in zip(keys, tokens, strict=True) if token}
+
+    def _mget(self, what: str, names: list[str]) -> list[bytes | None]:
+        """The values of ``names``, ``_MGET_KEYS`` a command in one pipeline."""
+        pipe = self._redis.pipeline(transaction=False)
+        for start in range(0, len(names), _MGET_KEYS):
+            pipe.mget(names[start : start + _MGET_KEYS])
+        return [value for values in self._call(what, pipe.execute) for value in values]
+
     def claimed(self, soc: str, key: str) -> bool:
         return bool(self._call("EXISTS", self._redis.exists, self._name(soc, key) + CLAIM_SUFFIX))
 
@@ -308,6 +321,10 @@ class RedisRemote(Remote):
         for start in range(0, len(names), 1000):
             self._call("UNLINK", self._redis.unlink, *names[start : start + 1000])
         return len([n for n in names if not n.endswith(CLAIM_SUFFIX.encode())])
+
+    def warm_up(self) -> None:
+        """Connect now (a PING), as the first command would."""
+        self._call("PING", self._redis.ping)
 
     def close(self) -> None:
         self._closed.set()

@@ -102,6 +102,12 @@ class RedisClusterRemote(RedisRemote):
             claimed = {key for key, token in zip(keys, values[len(keys) :], strict=True) if token}
         return found, claimed
 
+    def peek_claims(self, soc: str, keys: list[str]) -> set[str]:
+        """The keys a claim is held on, their claims grouped by slot."""
+        names = [self._name(soc, key) + CLAIM_SUFFIX for key in keys]
+        tokens = self._call("MGET", self._redis.mget_nonatomic, names)
+        return {key for key, token in zip(keys, tokens, strict=True) if token}
+
     def _memory(self) -> dict[str, object]:
         """Every primary's memory, summed; the eviction policy if they all share one."""
         answers = self._call("INFO", self._redis.info, "memory", target_nodes=self._redis.PRIMARIES)

@@ -188,6 +188,15 @@ class Remote:
         another's; returns how many."""
         raise RemoteError(f"{self.where}: clearing is not supported for this kind of remote")
 
+    def warm_up(self) -> None:
+        """Make the first connection now, before any compile needs it (a kind with
+        connections says so)."""
+
+    def peek_claims(self, soc: str, keys: list[str]) -> set[str]:
+        """Which of ``keys`` a claim is held on (or their entry was just stored), in
+        one round trip: keys not worth a claim of their own.  By default none."""
+        return set()
+
     def close(self) -> None:
         """Let go of connections and claims; the remote is not used after."""
 

@@ -182,6 +182,17 @@ class Tiers(Remote):
             nearest.backoff.failed(e)
             return False
 
+    def peek_claims(self, soc: str, keys: list[str]) -> set[str]:
+        nearest = self._tiers[0]
+        remote = nearest.usable()
+        if remote is None:
+            return set()
+        try:
+            return remote.peek_claims(soc, keys)
+        except Exception as e:
+            nearest.backoff.failed(e)
+            return set()
+
     def watch(
         self, soc: str, keys: list[str]
     ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
@@ -244,6 +255,16 @@ class Tiers(Remote):
         if errors:
             raise RemoteError("; ".join(map(str, errors)) + f" ({removed} entries removed)")
         return removed
+
+    def warm_up(self) -> None:
+        """Connect every tier now (one that fails is paused, as at any other use)."""
+        for tier in self._tiers:
+            remote = tier.usable()
+            if remote is not None:
+                try:
+                    remote.warm_up()
+                except Exception as e:
+                    tier.backoff.failed(e)
 
     def close(self) -> None:
         for tier in self._tiers:
