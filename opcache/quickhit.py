@@ -11,11 +11,12 @@ file (or a folder that was listed) its size, mtime and ctime; for a path that
 was missing, the error.  The next run of the same command (``serve``: its
 argv, working folder, umask, user and environment give the memo's name)
 checks each with one ``stat`` or ``lstat``, reads the entry's artifacts
-(checked against the entry's manifest digests), writes the outputs as the
-full hit writes them, replays stdout and stderr, counts the hit and stamps
-the entry's access: all before importing more than ``os``, ``stat``, ``sys``
-and ``xxhash``.  Anything else (no memo, one identity moved, an error) gives
-None and the full path runs as always.
+(checked against the entry's manifest digests), counts the hit and stamps
+the entry's access, writes the outputs as the full hit writes them and
+replays stdout and stderr: all before importing more than ``os``, ``stat``,
+``sys`` and ``xxhash``.  Anything else before the count (no memo, one
+identity moved, an error) gives None and the full path runs as always; after
+it, an error ends the run as the full path's would (never a second count).
 
 Safe as git's index is (its "racy" rule): a file changed after it was
 recorded has another ctime (the kernel sets it on every write; ``utime``
@@ -242,23 +243,29 @@ class _Memo:
         folder = _open_same(self.counters, self.counters_id)
         try:
             line = b"hits=1 time_saved_seconds=%r\n" % self.saved
-            fd = os.open(
-                self.appended, os.O_WRONLY | os.O_APPEND | os.O_CREAT | READ, 0o600, dir_fd=folder
-            )
+            flags = os.O_WRONLY | os.O_APPEND | READ
+            try:
+                fd, made = os.open(self.appended, flags, dir_fd=folder), False
+            except FileNotFoundError:
+                # Made here, so its mode is set here: never another file's (a hard link).
+                fd = os.open(self.appended, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=folder)
+                made = True
         finally:
             os.close(folder)
         try:
             import fcntl
 
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size >= MAX_MEMO:
-                raise _Miss  # (the next full-path count folds it into the shards)
+            # One link: not a hard link another member of a shared cache made to a
+            # file of ours elsewhere (the next full-path count folds it away).
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size >= MAX_MEMO:
+                raise _Miss
             # Shared: a fold (CounterFiles) takes it exclusively once it has renamed the
             # file, so an append either lands before the fold reads or is not made.
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            if os.fstat(fd).st_nlink == 0:
+            if os.fstat(fd).st_nlink != 1:
                 raise _Miss
-            if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != self.counters_mode:
+            if made and stat.S_IMODE(st.st_mode) != self.counters_mode:
                 os.fchmod(fd, self.counters_mode)
             os.write(fd, line)
         finally:
@@ -317,7 +324,7 @@ def _finish(
 def identity(path: bytes, follow: bool, folder_only: bool) -> tuple[int, ...]:
     """What a memo records of a path: its stat identity, or the error looking it up gave."""
     try:
-        st = os.stat(path, follow_symlinks=follow)
+        st = _stat(path, follow_symlinks=follow)
     except OSError as e:
         return (-(e.errno or 1), 0, 0, 0, 0, 0, 0)
     if folder_only and stat.S_ISDIR(st.st_mode):
@@ -331,6 +338,11 @@ def identity(path: bytes, follow: bool, folder_only: bool) -> tuple[int, ...]:
         st.st_mtime_ns,
         st.st_ctime_ns,
     )
+
+
+# os.stat as at import: the real one also while quickmemo.Recorder wraps os's (it takes
+# each path's identity, through this, as the path is consulted).
+_stat = os.stat
 
 
 def _open_same(path: bytes, identity: tuple[int, int]) -> int:

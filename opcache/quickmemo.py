@@ -1,9 +1,10 @@
 """Writing a quick hit's memo (``quickhit.py``): what a full hit of a C compile consulted.
 
 ``Recorder`` notes, while ``wrap.run`` serves a full hit, every path the process
-looks up, opens to read or lists (through ``os`` and ``open``); ``write_memo``
-then records each one's stat identity (``quickhit``'s format), the entry and
-its artifacts' digests, unless one recorded file is racy: its mtime or ctime
+looks up, opens to read or lists (through ``os`` and ``open``), with its stat
+identity as it was then; ``write_memo`` then records those identities
+(``quickhit``'s format), the entry and its artifacts' digests, unless one
+moved meanwhile or one recorded file (or link) is racy: its mtime or ctime
 within RACY_SECONDS of the run's start (git's rule: a file changed in the
 same clock tick as it was read could change again unseen).  Kept apart from
 ``quickhit``, which every ``opcache`` run imports first: only a full hit needs
@@ -13,6 +14,7 @@ this.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 from .quickhit import (
@@ -35,8 +37,6 @@ RACY_SECONDS = 2.0  # a file changed this close to the run that read it gets no 
 MAX_MEMOS = 10_000  # then the folder is emptied (each memo is only a shortcut)
 MEMO_DAYS = 7  # a memo not rewritten for this long goes at a cleaning
 CLEAN_ONE_IN = 64  # a memo write cleans the folder about once in this many
-# Not inputs of a hit: the kernel's views of this process.
-_NOT_INPUTS = ("/proc/", "/dev/fd/")
 _WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT
 # In an ``opcache server`` worker: when the call it serves started (cli's rule for
 # the program; a served full hit leaves a memo as the program's does).
@@ -53,7 +53,10 @@ class Recorder:
     """
 
     def __init__(self) -> None:
-        self.looked: dict[tuple[str, bool], None] = {}  # (path, follow), in order
+        # (path, follow), in order -> its identity and, followed, the link's own, taken
+        # as the path was first consulted: a memo certifies what the hit saw, not what
+        # is there once it is done (a header made, a link re-pointed, in between).
+        self.looked: dict[tuple[str, bool], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.listed: set[str] = set()
         self.warned = False
         self._undo: list[tuple[object, str, object]] = []
@@ -68,7 +71,8 @@ class Recorder:
         except (TypeError, ValueError, OSError):
             return None
         text = text.rstrip("/") or "/"
-        self.looked.setdefault((text, follow), None)
+        if (text, follow) not in self.looked:
+            self.looked[text, follow] = _seen(text, follow)
         return text
 
     def __enter__(self) -> Recorder:
@@ -168,6 +172,20 @@ _PATCHED = ("stat", "lstat", "open", "access", "readlink", "listdir", "scandir")
 _original_readlink = os.readlink
 
 
+def _seen(path: str, follow: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A path's identity now, and its own (the link's, if it is one and followed)."""
+    raw = os.fsencode(path)
+    found = identity(raw, follow, False)
+    return found, identity(raw, False, False) if follow else found
+
+
+def _as_recorded(seen: tuple[int, ...], folder_only: bool) -> tuple[int, ...]:
+    """``identity(path, follow, folder_only)`` of a path whose full identity was ``seen``."""
+    if folder_only and seen[0] >= 0 and stat.S_ISDIR(seen[2]):
+        return (*seen[:4], NO_SIZE, 0, 0)
+    return seen
+
+
 class Hit:
     """What a full hit of a C compile gives a memo (``wrap`` fills it in)."""
 
@@ -219,19 +237,28 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     racy = int((started - RACY_SECONDS) * 1e9)
     remote = _network_devices(_mount_table())
     fields: list[bytes] = []
-    for path, follow in _opcache_files() + list(recorder.looked):
+    looked = [(path, follow, None) for path, follow in _opcache_files()]
+    looked += [(path, follow, seen) for (path, follow), seen in recorder.looked.items()]
+    for path, follow, seen in looked:
         full = os.path.abspath(path)
         if (
             full in skip
             or full == entry
             or _under(full, (entry, counters))
-            or full.startswith(_NOT_INPUTS)
             or "/.opcache-wrap." in full
         ):
             continue
-        want = identity(os.fsencode(path), follow, full not in recorder.listed)
-        if want[0] >= 0 and want[4] != NO_SIZE and max(want[5], want[6]) >= racy:
-            return None  # racy: it may change again within the times it was read with
+        folder_only = full not in recorder.listed
+        now = [_as_recorded(found, folder_only) for found in _seen(path, follow)]
+        if seen is not None and [_as_recorded(found, folder_only) for found in seen] != now:
+            return None  # it moved since the hit consulted it: the object may be the old one's
+        want = now[0]
+        for got in now:
+            if got[0] >= 0 and got[4] != NO_SIZE and max(got[5], got[6]) >= racy:
+                # Racy (a link itself too): it may change again within the times it was
+                # read with.  (A folder not listed keeps no times: what is looked up in
+                # it is recorded on its own.)
+                return None
         if want[0] in remote:
             return None  # its client caches attributes: a stat may not see a change yet
         fields += [b"c", os.fsencode(path), b"1" if follow else b"0", *(b"%d" % n for n in want)]

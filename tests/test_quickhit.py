@@ -528,3 +528,86 @@ def test_a_memo_name_holds_the_supplementary_groups(monkeypatch: pytest.MonkeyPa
     assert quickhit.memo_name(words, env, b"/src", 0o22) == name
     monkeypatch.setattr(os, "getgroups", lambda: [5])
     assert quickhit.memo_name(words, env, b"/src", 0o22) != name
+
+
+@pytest.mark.parametrize("change", ["folder_made", "link_repointed", "header_removed"])
+def test_a_path_changed_between_its_look_and_the_memo_gets_no_memo(
+    tmp_path: Path, change: str
+) -> None:
+    """A parallel build makes a header (and its folder) earlier on the include path, or
+    re-points a link to an older file, or removes a header, after the full hit looked
+    and before its memo is written: the memo would certify the new state with the old
+    object, so none is written, and the next run compiles what is there now."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    cmd, status = CMD, 0
+    if change == "folder_made":
+        for folder in ("A", "B/sub"):
+            (src / folder).mkdir(parents=True)
+        (src / "h.h").rename(src / "B" / "sub" / "h.h")
+        (src / "k.c").write_text('#include "sub/h.h"\nint scale(int x) { return x * FACTOR; }\n')
+        cmd = [*CMD, "-IA", "-IB"]
+        action = "mkdir A/sub && echo '#define FACTOR 7' > A/sub/h.h"
+    elif change == "link_repointed":
+        (src / "hb.h").write_text("#define FACTOR 5\n")  # (old: past the racy window)
+        (src / "h.h").rename(src / "ha.h")
+        (src / "h.h").symlink_to("ha.h")
+        action = "ln -sfn hb.h h.h"
+    else:
+        action, status = "rm h.h", 1
+    wrap(*cmd, env=env, cwd=src)
+    _age()
+    _driven(cmd, env, src, TEST_BEFORE_MEMO=action)
+    assert _memos(tmp_path) == []
+
+    (src / "k.o").unlink()
+    wrap(*cmd, env=env, cwd=src, status=status)
+    assert _quick_hits(tmp_path) == 0
+    if status == 0:
+        assert (src / "k.o").read_bytes() == _plain(src, *cmd[1:3], *cmd[5:])
+
+
+def test_sources_named_through_proc_self_are_checked(tmp_path: Path) -> None:
+    """``/proc/self/cwd/k.c`` (Bazel's way) is an input like any other: edited, the
+    next run compiles it anew."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    (src / "inc").mkdir()
+    (src / "h.h").rename(src / "inc" / "h.h")
+    cmd = ["gcc", "-c", "/proc/self/cwd/k.c", "-I/proc/self/cwd/inc", "-o", "k.o", "-DOFFSET=1"]
+    wrap(*cmd, env=env, cwd=src)
+    _age()
+    wrap(*cmd, env=env, cwd=src)
+    (src / "inc" / "h.h").write_text("#define FACTOR 9\n")
+    (src / "k.c").write_text('#include "h.h"\nint scale(int x) { return x * FACTOR + 1; }\n')
+    (src / "k.o").unlink()
+
+    wrap(*cmd, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-Iinc", "-DOFFSET=1")
+
+
+def test_a_link_made_just_now_gets_no_memo(tmp_path: Path) -> None:
+    """The racy rule holds for a link too, not only for the older file it leads to."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    shutil.copy(src / "h.h", src / "ha.h")
+    wrap(*CMD, env=env, cwd=src)
+    _age()
+    (src / "h.h").unlink()
+    (src / "h.h").symlink_to("ha.h")
+    wrap(*CMD, env=env, cwd=src)
+    assert _memos(tmp_path) == []
+
+
+def test_a_hard_link_planted_as_the_appended_counts_is_not_written(tmp_path: Path) -> None:
+    """A shared cache's stats folder is the group's: a member may put there a hard link
+    to a file of the user's elsewhere.  A quick hit never appends to it."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    (root,) = (tmp_path / "cache").glob("kernel_cache*")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the user's own notes\n")
+    os.link(notes, root / ".opcache" / "stats" / "host" / QUICK_COUNTS)
+    (src / "k.o").unlink()
+
+    wrap(*CMD, env=env, cwd=src)
+    assert notes.read_text() == "the user's own notes\n"
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
