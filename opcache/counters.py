@@ -78,7 +78,7 @@ class CounterFiles:
             with flocked(_lock_name(index), self._modes, dir_fd=fd):
                 counts = self._read(_shard_name(index), fd)
                 if _size(QUICK_COUNTS, fd) >= FOLD_BYTES:
-                    for name, value in self._take_appended(fd).items():
+                    for name, value in self._take_appended(fd, give_back=True).items():
                         counts[name] = counts.get(name, 0) + value
                 for name, value in deltas.items():
                     counts[name] = counts.get(name, 0) + value
@@ -174,12 +174,13 @@ class CounterFiles:
             and abs(value) < _MAX_COUNT
         }
 
-    def _take_appended(self, dir_fd: int) -> Counts:
+    def _take_appended(self, dir_fd: int, give_back: bool = False) -> Counts:
         """The quick hits' appended counts, taken out of the folder (the caller keeps them).
 
         Renamed first, so new appends start a new file; then locked exclusively:
         an append that opened the old name before the rename holds a shared
         lock while it writes (and gives up if it finds the file locked or gone).
+        ``give_back``: a file still locked after the wait is left for the next fold.
         """
         import fcntl
         import time
@@ -201,6 +202,15 @@ class CounterFiles:
                     break
                 except BlockingIOError:
                     time.sleep(0.001)
+            else:
+                # A quick hit stopped in its write (^Z, swapped out): its line would be
+                # lost once the file is read and unlinked.
+                if give_back:
+                    try:
+                        os.link(taken, QUICK_COUNTS, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                        return {}
+                    except OSError:
+                        pass  # (appends began anew meanwhile: read it now after all)
             return self._read_appended(taken, dir_fd)
         finally:
             if fd is not None:

@@ -21,6 +21,7 @@ from .quickhit import (
     FOLDER,
     FOLDER_FLAGS,
     FORMAT,
+    MAX_MEMO,
     NO_SIZE,
     READ,
     identity,
@@ -220,8 +221,10 @@ def write_memo(words: list[str], recorder: Recorder, hit: Hit, started: float) -
         cwd = os.getcwdb()
         umask = os.umask(0o077)
         os.umask(umask)
-        name = memo_name(words, os.environb, cwd, umask)
-        _put(name, b"\0".join([FORMAT, *fields, b"end"]))
+        data = b"\0".join([FORMAT, *fields, b"end"])
+        if len(data) > MAX_MEMO:
+            return False  # (never read: not rewritten at every full hit either)
+        _put(memo_name(words, os.environb, cwd, umask), data)
         return True
     except OSError:
         return False
@@ -234,6 +237,7 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     entry = f"{hit.root}/{hit.soc}/{hit.key[:2]}/{hit.key}"
     counters = f"{hit.root}/.opcache/stats/{hit.soc}"
     skip = {os.path.abspath(target) for target in hit.outputs.values()}
+    staging = f"/.opcache-wrap.{os.getpid()}."  # (this run's: fsutil.unique_name's form)
     racy = int((started - RACY_SECONDS) * 1e9)
     remote = _network_devices(_mount_table())
     fields: list[bytes] = []
@@ -241,12 +245,7 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     looked += [(path, follow, seen) for (path, follow), seen in recorder.looked.items()]
     for path, follow, seen in looked:
         full = os.path.abspath(path)
-        if (
-            full in skip
-            or full == entry
-            or _under(full, (entry, counters))
-            or "/.opcache-wrap." in full
-        ):
+        if full in skip or full == entry or _under(full, (entry, counters)) or staging in full:
             continue
         folder_only = full not in recorder.listed
         now = [_as_recorded(found, folder_only) for found in _seen(path, follow)]

@@ -442,7 +442,8 @@ def test_files_on_a_network_file_system_get_no_memo() -> None:
 
 # ``opcache wrap -- CMD`` as the program runs it (the same sys.argv: the same memo), with
 # a shell command run just before the memo is written (a concurrent writer's change that
-# lands between the full hit's look at a path and the memo) or an output's rename refused.
+# lands between the full hit's look at a path and the memo), an output's rename refused,
+# or a smaller bound on a memo's size.
 _DRIVER = """
 import errno, os, subprocess, sys
 import opcache
@@ -450,6 +451,8 @@ from opcache import cli, quickmemo
 sys.argv = [os.path.join(os.path.dirname(opcache.__file__), "__main__.py"), *sys.argv[1:]]
 action = os.environ.pop("TEST_BEFORE_MEMO", "")
 refused = os.environ.pop("TEST_REFUSED_OUTPUT", "")
+if "TEST_MAX_MEMO" in os.environ:
+    quickmemo.MAX_MEMO = int(os.environ.pop("TEST_MAX_MEMO"))
 if action:
     write_memo = quickmemo.write_memo
     def hooked(*args):
@@ -611,3 +614,57 @@ def test_a_hard_link_planted_as_the_appended_counts_is_not_written(tmp_path: Pat
     wrap(*CMD, env=env, cwd=src)
     assert notes.read_text() == "the user's own notes\n"
     assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
+
+
+def test_a_header_in_a_folder_named_like_opcache_staging_is_checked(tmp_path: Path) -> None:
+    """Only this run's own staging folder is left out of a memo, not every folder whose
+    name starts as a staging folder's does."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    (src / ".opcache-wrap.inc").mkdir()
+    (src / "h.h").rename(src / ".opcache-wrap.inc" / "h.h")
+    cmd = [*CMD, "-I.opcache-wrap.inc"]
+    _memoized(tmp_path, env, src, cmd)
+    (src / ".opcache-wrap.inc" / "h.h").write_text("#define FACTOR 11\n")
+
+    wrap(*cmd, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", *cmd[5:])
+
+
+def test_a_memo_too_big_to_be_read_is_not_written(tmp_path: Path) -> None:
+    """The quick path reads no memo over MAX_MEMO: a bigger one is not written at all."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    wrap(*CMD, env=env, cwd=src)
+    _age()
+    _driven(CMD, env, src, TEST_BEFORE_MEMO="true")
+    assert len(_memos(tmp_path)) == 1
+    size = _memos(tmp_path)[0].stat().st_size
+    _memos(tmp_path)[0].unlink()
+    _driven(CMD, env, src, TEST_BEFORE_MEMO="true", TEST_MAX_MEMO=str(size - 1))
+    assert _memos(tmp_path) == []
+
+
+def test_a_fold_that_cannot_lock_the_appended_counts_leaves_them(tmp_path: Path) -> None:
+    """A quick hit stopped between its lock and its write (swapped out, ^Z) holds the
+    file past the fold's wait: the fold leaves the file for the next one, so the
+    line it then writes is not lost."""
+    import fcntl
+
+    folder = tmp_path / "stats"
+    counters = CounterFiles(folder)
+    counters.add({"hits": 2})
+    line = b"hits=1 time_saved_seconds=0.5\n"
+    lines = FOLD_BYTES // len(line) + 1
+    (folder / QUICK_COUNTS).write_bytes(line * lines)
+    stalled = os.open(folder / QUICK_COUNTS, os.O_WRONLY | os.O_APPEND)
+    try:
+        fcntl.flock(stalled, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        counters.add({"misses": 1})
+        os.write(stalled, line)
+    finally:
+        os.close(stalled)
+    assert counters.totals() == {
+        "hits": 3 + lines,
+        "time_saved_seconds": 0.5 * (lines + 1),
+        "misses": 1,
+    }
