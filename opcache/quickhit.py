@@ -363,9 +363,9 @@ def _write_outputs(outputs: list[tuple[bytes, bytes]]) -> None:
 
     held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
     try:
-        for target, data in outputs:
-            folder, _, _ = target.rpartition(b"/")
-            temp = b"%s/.opcache-wrap.%d.%s" % (folder, os.getpid(), os.urandom(4).hex().encode())
+        for raw, data in outputs:
+            target = os.fsdecode(raw)  # (an error names it as the full path's does)
+            temp = f"{target.rpartition('/')[0]}/.opcache-wrap.{os.getpid()}.{os.urandom(4).hex()}"
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             try:
                 try:

@@ -500,6 +500,7 @@ def test_a_quick_hit_whose_output_folder_went_counts_once_and_fails_as_the_full_
     done = wrap(*cmd, env=env, cwd=src, status=1)
     assert _quick_hits(tmp_path) == 1
     assert done.stderr.count(b"opcache: error:") == 1
+    assert b"opcache: error: %s/deps/" % os.fsencode(src) in done.stderr  # (not b'...')
     assert stats(env, "host")["hits"] == 2
     assert sorted(p.name for p in src.iterdir()) == ["h.h", "k.c", "k.o"]
 
