@@ -119,6 +119,13 @@ def test_redis_first_gives_claims_and_the_folder_behind_it_keeps_entries(
     with opcache.OpCache(machine(tmp_path, "b", url)) as b:
         assert b.compile(make_request(3), compiler, tmp_path / "again").tier == "remote"
     assert compiler.calls() == 4
+    # The claims are Redis's: a's, marked stored, are seen through the tiers.
+    from opcache.storage import open_remote
+
+    tiers = open_remote(settings.remote)
+    keys = [r.key for r in results]
+    assert tiers.peek_claims(SOC, [*keys, "0" * 32]) == set(keys)
+    tiers.close()
 
 
 def test_tier_urls_are_each_checked_and_masked(tmp_path: Path) -> None:
