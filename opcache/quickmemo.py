@@ -239,7 +239,7 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     skip = {os.path.abspath(target) for target in hit.outputs.values()}
     staging = f"/.opcache-wrap.{os.getpid()}."  # (this run's: fsutil.unique_name's form)
     racy = int((started - RACY_SECONDS) * 1e9)
-    remote = _network_devices(_mount_table())
+    remote = _nonlocal_devices(_mount_table())
     fields: list[bytes] = []
     looked = [(path, follow, None) for path, follow in _opcache_files()]
     looked += [(path, follow, seen) for (path, follow), seen in recorder.looked.items()]
@@ -292,12 +292,14 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     return fields
 
 
-# File systems whose clients cache attributes (NFS's actimeo...): a stat there may
-# show a file as it was while an open (close-to-open) reads what it is now.
-NETWORK_FILE_SYSTEMS = frozenset(
+# File systems whose stat shows a change as soon as it is made.  Any other kind (NFS's
+# client caches attributes up to actimeo, virtiofs, sshfs and other FUSE mounts, SMB...)
+# may show a file as it was while an open reads what it is now: no memo there.
+LOCAL_FILE_SYSTEMS = frozenset(
     (
-        *("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs"),
-        *("gpfs", "fuse.sshfs", "fuse.s3fs", "fuse.rclone", "fuse.glusterfs", "fuse.cephfs"),
+        *("ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "jfs", "nilfs2"),
+        *("reiserfs", "tmpfs", "ramfs", "overlay", "squashfs", "erofs", "vfat", "exfat"),
+        *("ntfs3", "iso9660", "proc", "sysfs", "devtmpfs", "devpts"),
     )
 )
 
@@ -310,14 +312,15 @@ def _mount_table() -> str:
         return ""
 
 
-def _network_devices(mountinfo: str) -> set[int]:
-    """The devices (``st_dev``) of network file systems in a ``/proc/self/mountinfo`` text."""
+def _nonlocal_devices(mountinfo: str) -> set[int]:
+    """The devices (``st_dev``) in a ``/proc/self/mountinfo`` text of file systems not in
+    LOCAL_FILE_SYSTEMS (a network's, a FUSE mount's...)."""
     found = set()
     for line in mountinfo.splitlines():
         words, _, after = line.partition(" - ")
         fields = words.split()
         kind = after.split()[:1]
-        if len(fields) < 3 or not kind or kind[0] not in NETWORK_FILE_SYSTEMS:
+        if len(fields) < 3 or not kind or kind[0] in LOCAL_FILE_SYSTEMS:
             continue
         major, _, minor = fields[2].partition(":")
         if major.isdigit() and minor.isdigit():
