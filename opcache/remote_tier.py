@@ -442,13 +442,12 @@ class RemoteTier:
         if remote is None or remote.read_only:
             return
         try:
-            sent = remote.put(soc, key, manifest, files)
+            sent = remote.put_claimed(soc, key, manifest, files, claim)
         except Exception as e:
             self._failed(e, soc)
             return
         self._recovered()
         if sent and claim is not None:
-            claim.stored()
             self._corrupt.discard((soc, key))  # replaced: a bad value there now is a new one
             self._stats.add(soc, "remote_stores")
             self._stats.add(soc, "remote_bytes_up", sent)

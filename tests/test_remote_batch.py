@@ -426,3 +426,30 @@ def test_keys_other_machines_claimed_cost_one_look_not_a_claim_each(
         assert read_dir(tmp_path / "b-out" / request.op_name) == expected_files(request)
     calls = client.info("commandstats")
     assert calls["cmdstat_set"]["calls"] == 1  # the first claim, refused (before: one a key)
+
+
+def test_a_compiles_entry_and_its_claim_marked_stored_are_one_round_trip(
+    tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis.connection import Connection
+
+    client = own_server.client()
+    client.flushall()
+    compiler = ToyCompiler(tmp_path / "calls")
+    sent: list[bytes] = []
+    send = Connection.send_packed_command
+
+    def counted(self, command, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sent.append(b"".join(command) if isinstance(command, list) else command)
+        return send(self, command, *args, **kwargs)
+
+    with opcache.OpCache(machine(tmp_path, "a", own_server.url)) as a:
+        a.compile(make_request(1), compiler, tmp_path / "o1")  # (connected: its handshake)
+        monkeypatch.setattr(Connection, "send_packed_command", counted)
+        result = a.compile(make_request(0), compiler, tmp_path / "o")
+        monkeypatch.undo()
+    assert result.status == "miss"
+    # Its look, its claim, then the entry with its claim marked stored (before: 4).
+    assert len(sent) == 3, sent
+    assert client.get(f"opcache:1:{SOC}:{result.key}:claim") == b"stored"
+    assert client.exists(f"opcache:1:{SOC}:{result.key}")

@@ -180,6 +180,26 @@ class RedisRemote(Remote):
         stored = self._write("SET", self._redis.set, self._name(soc, key), value, ex=self._ttl)
         return len(value) if stored else 0
 
+    def put_claimed(
+        self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], claim: Claim | None
+    ) -> int:
+        """The entry and its claim marked stored, in one round trip (in that order)."""
+        if not isinstance(claim, _Claim) or claim._released or claim._remote is not self:
+            return super().put_claimed(soc, key, manifest, files, claim)
+        value = None if self.read_only else self._value(soc, key, manifest, files)
+        if value is None:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self._name(soc, key), value, ex=self._ttl)
+        pipe.set(claim.name, _STORED, px=claim.millis)
+        stored = self._write("SET", pipe.execute)
+        if not stored or not stored[0]:
+            return 0  # (the claim still ours: released as after any unsent store)
+        claim._released = True
+        with self._claims_lock:
+            self._claims.pop(claim.token, None)
+        return len(value)
+
     def put_many(self, soc: str, entries: list[tuple[str, bytes, dict[str, bytes]]]) -> list[int]:
         """Store several entries in one pipeline; the bytes sent for each (0: not sent)."""
         if self.read_only:

@@ -143,6 +143,16 @@ class Remote:
         one round trip says so."""
         return [self.put(soc, key, manifest, files) for key, manifest, files in entries]
 
+    def put_claimed(
+        self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], claim: Claim | None
+    ) -> int:
+        """``put``, then, once sent, ``claim.stored()``; a kind that can do both in
+        one round trip says so."""
+        sent = self.put(soc, key, manifest, files)
+        if sent and claim is not None:
+            claim.stored()
+        return sent
+
     def have_many(self, soc: str, keys: list[str]) -> set[str]:
         """Which of ``keys`` the remote holds, in few round trips.  By default the
         entries are fetched; a kind that can ask for existence alone says so."""
