@@ -673,3 +673,19 @@ def test_a_fold_that_cannot_lock_the_appended_counts_leaves_them(tmp_path: Path)
         "time_saved_seconds": 0.5 * (lines + 1),
         "misses": 1,
     }
+
+
+def test_a_memo_missing_a_record_runs_the_full_path(tmp_path: Path) -> None:
+    """A memo of the right format but without its entry record (a bug, a format changed
+    without a new FORMAT): the full path runs, never a traceback."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _memoized(tmp_path, env, src)
+    (memo,) = _memos(tmp_path)
+    fields = memo.read_bytes().split(b"\0")
+    at = next(i for i, field in enumerate(fields) if field == b"e" and fields[i + 1][:1] == b"/")
+    memo.write_bytes(b"\0".join(fields[:at] + fields[at + 6 :]))
+    (src / "k.o").unlink()
+
+    wrap(*CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
