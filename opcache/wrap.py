@@ -291,8 +291,9 @@ def _run_uncacheable(
 ) -> int:
     """Run a command the cache cannot take as it is, counted with its reason in stats."""
     _more_than_a_hit(reason)
-    with _cache_warnings(settings), OpCache(settings, stats_seconds=None) as cache:
-        cache.record_uncacheable(HOST_CHIP, reason)
+    # (only counted: the remote is neither loaded nor connected)
+    with _cache_warnings(settings), OpCache(settings, stats_seconds=None, open_remote=False) as c:
+        c.record_uncacheable(HOST_CHIP, reason)
     log.info("uncacheable (%s): running the command as it is", reason)
     return _run_plain(argv, env)
 

@@ -98,6 +98,20 @@ def test_a_wrap_hit_with_a_remote_set_does_not_load_its_client(
     assert (status, "redis" in modules) == ("0", False), stderr
 
 
+@pytest.mark.skipif(GCC is None, reason="no gcc")
+def test_a_wrapped_command_it_cannot_cache_neither_loads_nor_connects_the_remote(
+    tmp_path: Path, own_server
+) -> None:
+    env = {**base_env(tmp_path), "OPCACHE_REMOTE": own_server.url}
+    src = write_project(tmp_path / "src")
+    wrap("gcc", "-DOFFSET=1", "-c", "k.c", "-o", "k.o", env=env, cwd=src)  # (a cache folder)
+    client = own_server.client()
+    before = int(client.info("stats")["total_connections_received"])
+    status, modules, stderr = wrap_imports(["gcc", "k.o", "-o", "k.so", "-shared"], env, src)
+    assert (status, "redis" in modules) == ("0", False), stderr
+    assert int(client.info("stats")["total_connections_received"]) == before
+
+
 def test_a_cold_cluster_compiles_each_key_once_with_few_redis_commands(
     tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
