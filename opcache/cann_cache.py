@@ -541,19 +541,11 @@ class _Owners:
         self._not_owned: set[str] = set()  # of an entry's name, not its
         self._aged_flipped: set[str] = set()  # of an entry's name, aged otherwise than said
         present = PresentFiles(fd)
-        with os.scandir(fd) as it:
-            for item in it:
-                if not is_entry_json(item.name):
-                    continue
-                try:
-                    st = item.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    entry = CannEntry(fd, item.name, present)
-                    self._count(entry, access_time(st), now, present)
-                    if each is not None:
-                        each(entry, st)
+        for name, st in _entry_json_stats(fd):
+            entry = CannEntry(fd, name, present)
+            self._count(entry, access_time(st), now, present)
+            if each is not None:
+                each(entry, st)
 
     def _count(self, entry: CannEntry, atime: int, now: int, present: PresentFiles) -> None:
         self.entries += 1
@@ -643,6 +635,14 @@ def _oldest_first(fd: int) -> Iterator[tuple[int, str]]:
 
 def _entry_jsons(fd: int, after: tuple[int, str] | None) -> Iterator[tuple[int, str]]:
     """(access time, kernel) of each entry json (a regular file) past ``after``."""
+    for name, st in _entry_json_stats(fd):
+        found = (access_time(st), name[: -len(".json")])
+        if after is None or found > after:
+            yield found
+
+
+def _entry_json_stats(fd: int) -> Iterator[tuple[str, os.stat_result]]:
+    """The name and ``lstat`` of each entry json of the chip folder that is a regular file."""
     with os.scandir(fd) as it:
         for item in it:
             if not is_entry_json(item.name):
@@ -652,9 +652,7 @@ def _entry_jsons(fd: int, after: tuple[int, str] | None) -> Iterator[tuple[int, 
             except FileNotFoundError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                found = (access_time(st), item.name[: -len(".json")])
-                if after is None or found > after:
-                    yield found
+                yield item.name, st
 
 
 def _bytes(fd: int, names: Iterable[str]) -> int:

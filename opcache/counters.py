@@ -133,31 +133,11 @@ class CounterFiles:
             os.close(fd)
 
     def _read(self, name: str, dir_fd: int) -> Counts:
-        try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
+        # A shard is written whole, then renamed into place: its size is all
+        # there is, and a read allocates what it asks for.
+        raw = self._read_bytes(name, dir_fd, 1)
+        if raw is None:
             return {}
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                log.warning("ignoring the counter file %s/%s: it is a link", self.folder, name)
-            else:
-                log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
-            return {}
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                log.warning(
-                    "ignoring the counter file %s/%s: not a regular file", self.folder, name
-                )
-                return {}
-            # A shard is written whole, then renamed into place: its size is all
-            # there is, and a read allocates what it asks for.
-            raw = os.read(fd, min(st.st_size + 1, _MAX_SHARD))
-        except OSError as e:
-            log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
-            return {}
-        finally:
-            os.close(fd)
         try:
             data = _json.loads(raw)
         except ValueError:
@@ -219,23 +199,9 @@ class CounterFiles:
 
     def _read_appended(self, name: str, dir_fd: int) -> Counts:
         """The sum of the lines ``name=value ...`` a quick hit appends."""
-        try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-        except OSError:
+        raw = self._read_bytes(name, dir_fd, 0)
+        if raw is None:
             return {}
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                log.warning(
-                    "ignoring the counter file %s/%s: not a regular file", self.folder, name
-                )
-                return {}
-            raw = os.read(fd, min(st.st_size, _MAX_SHARD))
-        except OSError as e:
-            log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
-            return {}
-        finally:
-            os.close(fd)
         total: Counts = {}
         for line in raw.split(b"\n")[:-1]:  # (a last line without its end: not written yet)
             for word in line.split():
@@ -249,6 +215,33 @@ class CounterFiles:
                         total.get(key.decode(errors="replace"), 0) + number
                     )
         return total
+
+    def _read_bytes(self, name: str, dir_fd: int, beyond: int) -> bytes | None:
+        """A counter file's bytes (asking for its size and ``beyond`` more), or
+        None where it is missing, a link, not a regular file or unreadable."""
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                log.warning("ignoring the counter file %s/%s: it is a link", self.folder, name)
+            else:
+                log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                log.warning(
+                    "ignoring the counter file %s/%s: not a regular file", self.folder, name
+                )
+                return None
+            return os.read(fd, min(st.st_size + beyond, _MAX_SHARD))
+        except OSError as e:
+            log.debug("cannot read counters %s/%s: %s", self.folder, name, e)
+            return None
+        finally:
+            os.close(fd)
 
     def _write(self, index: int, counts: Counts, dir_fd: int) -> None:
         data = json.dumps(counts, sort_keys=True, separators=(",", ":")).encode()
