@@ -245,9 +245,14 @@ class _Schedule:
             self._busy -= settled + len(again)
             self._fresh.extendleft(again)
             if parked:
+                # Progress halves the wait rather than ending it: where entries
+                # come every few ms (a cold cluster), a poll every 10 ms finds a
+                # few each, and costs a round trip each.
                 progress = settled or again
                 self._poll_delay = (
-                    _FIRST_POLL if progress else min(self._poll_delay * 2, _LAST_POLL)
+                    max(self._poll_delay / 2, _FIRST_POLL)
+                    if progress
+                    else min(self._poll_delay * 2, _LAST_POLL)
                 )
                 due = time.monotonic() + self._poll_delay
                 # (A job parked during this poll may have made one due sooner.)
