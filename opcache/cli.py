@@ -214,7 +214,7 @@ def _masquerade(argv: Sequence[str]) -> int:
 def run_logged(verbose: bool, func: Callable[[], int]) -> int:
     """Run a command with opcache's records on stderr; errors of the cache folder exit 1."""
     from . import _log
-    from .errors import ConfigError
+    from .errors import ConfigError, sentence
 
     stderr = _StderrLog(verbose)
     if verbose:
@@ -234,20 +234,11 @@ def run_logged(verbose: bool, func: Callable[[], int]) -> int:
     except OSError as e:
         # The cache folder itself is unusable (not a folder, no permission...):
         # a maintenance command cannot work around that.
-        print(f"opcache: error: {_sentence(e)}", file=sys.stderr)
+        print(f"opcache: error: {sentence(e)}", file=sys.stderr)
         return 1
     finally:
         _log.forget(stderr.install)
         stderr.remove()
-
-
-def _sentence(error: OSError) -> str:
-    """An OSError as a user reads it: its file names and why, without ``[Errno N]``
-    and quotes.  (opcache's own OSErrors are sentences already.)"""
-    if error.strerror is None:
-        return str(error)
-    names = [str(name) for name in (error.filename, error.filename2) if name is not None]
-    return f"{' -> '.join(names)}: {error.strerror}" if names else error.strerror
 
 
 class _StderrLog:

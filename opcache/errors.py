@@ -30,3 +30,12 @@ def shown(value: object) -> str:
     """``repr(value)``, cut short: a message names the value, not 5,000 digits of it."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(str(value))} characters)"
+
+
+def sentence(error: OSError) -> str:
+    """An OSError as a user reads it: its file names and why, without ``[Errno N]``
+    and quotes.  (opcache's own OSErrors are sentences already.)"""
+    if error.strerror is None:
+        return str(error)
+    names = [str(name) for name in (error.filename, error.filename2) if name is not None]
+    return f"{' -> '.join(names)}: {error.strerror}" if names else error.strerror

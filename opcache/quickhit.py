@@ -310,10 +310,10 @@ def _finish(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as e:
-        from .cli import _sentence
+        from .errors import sentence
 
         try:
-            why = _sentence(e) if isinstance(e, OSError) else str(e)
+            why = sentence(e) if isinstance(e, OSError) else str(e)
             print(f"opcache: error: {why}", file=sys.stderr)
         except (OSError, ValueError):
             pass  # (stderr itself failed)
