@@ -298,6 +298,9 @@ def _imports(path: str) -> bool:
         "/__pycache__" in path
         or (path.startswith(package) and (name.endswith(".so") or os.path.isdir(path)))
         or (name.startswith("python3") and name.endswith(".zip"))
+        # setuptools' editable finder puts this name on sys.path, where the import
+        # system stats it against the working folder (a fresh venv's `pip install -e`)
+        or name.endswith(".__path_hook__")
     )
 
 
