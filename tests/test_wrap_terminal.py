@@ -92,6 +92,16 @@ def test_ctrl_c_during_a_compile_ends_quietly_as_the_compiler_does(standin):
 @pytest.mark.parametrize(("how", "number"), [("SIGTERM", 15), ("SIGKILL", 9), ("SIGHUP", 1)])
 def test_a_compiler_killed_by_a_signal_gives_128_plus_its_number(standin, how, number):
     env, src = standin
+    # Under nohup SIGHUP is ignored, and an ignored signal stays ignored through
+    # exec: the stand-in could not die by it. Give the children the default.
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        _killed_by(env, src, how, number)
+    finally:
+        signal.signal(signal.SIGHUP, hup)
+
+
+def _killed_by(env: dict, src: Path, how: str, number: int) -> None:
     env = {**env, "STANDIN": how}
     wrap(*COMPILE, env=env, cwd=src, status=128 + number)
     # The same for a command run as it is (not cached): gcc -E here.
