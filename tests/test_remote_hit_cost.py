@@ -234,3 +234,27 @@ def test_a_value_that_does_not_compress_is_given_up_on_samples(monkeypatch) -> N
     value = pack(KEY, make_manifest(KEY, plain, 1.0, {}, 0.0), plain)
     assert value[5] == 1 and len(value) < 50_000
     assert unpack(KEY, value, 1 << 20)[0].files == plain
+
+
+def test_an_artifact_that_does_not_compress_is_stored_in_the_stream_as_it_is() -> None:
+    """Beside a json that compresses, an artifact of random bytes goes into the zlib
+    stream as stored blocks (inflating copies it) instead of being deflated with
+    the rest (inflating it was a tenth of a 4 KB remote hit); any zlib reader,
+    the last release's too, reads the value."""
+    files = {"a.json": b"{" + b" " * 1022 + b"}", "a.o": os.urandom(3072)}
+    manifest = make_manifest(KEY, files, 1.0, {}, 0.0)
+    value = pack(KEY, manifest, files)
+    assert value[5] == 1  # the zlib flag: the json and the manifest are deflated
+    assert files["a.o"] in value  # ... and the random bytes are not
+    assert len(value) < 3072 + 1024 + len(manifest)
+    payload = struct.pack(">I", len(manifest)) + manifest + files["a.json"] + files["a.o"]
+    assert zlib.decompress(value[6:-16]) == payload  # as the last release inflates it
+    entry, got = unpack(KEY, value, 1 << 20)
+    assert (entry.files, got) == (files, manifest)
+    # Over a stored block's 65,535 bytes: in two.
+    big = {"a.json": b" " * 20_000, "a.o": os.urandom(100_000)}
+    manifest = make_manifest(KEY, big, 1.0, {}, 0.0)
+    value = pack(KEY, manifest, big)
+    assert value[5] == 1 and big["a.o"][:65_535] in value and big["a.o"][65_535:] in value
+    assert zlib.decompress(value[6:-16])[-100_000:] == big["a.o"]
+    assert unpack(KEY, value, 1 << 20)[0].files == big

@@ -2,11 +2,15 @@
 
 A value is our own format, never pickle: ``OPCR``, a format byte and a flags
 byte, then the payload (the manifest's length and bytes, then every artifact
-in the manifest's order; zlib-compressed when that saves a tenth, a big
-payload estimated on samples first), then the XXH3-128 of everything
-before it.  A value is checked whole (checksum, the manifest's own checksum,
-every artifact's size and digest) before it is returned: ``RemoteCorrupt``
-otherwise.
+in the manifest's order), then the XXH3-128 of everything before it.  With
+the zlib flag the payload is one zlib stream, in which each part (the
+manifest, each artifact) is deflated where that saves a tenth and stored as
+it is (deflate's stored blocks) where not, so that a reader inflates only
+what compressed and copies the rest; without the flag it is the payload as
+it is, written when the stream would not save a tenth in all.  A big part is
+estimated on samples before zlib sees it whole.  A value is checked whole
+(checksum, the manifest's own checksum, every artifact's size and digest)
+before it is returned: ``RemoteCorrupt`` otherwise.
 
 Redis and Redis Cluster (``redis.py``, ``redis_cluster.py``), the HTTP
 cache (``http.py``), ``opcache export``'s archives (``archive.py``) and
@@ -33,8 +37,18 @@ _ZLIB = 1
 _HEAD = struct.Struct(">4sBB")
 _LENGTH = struct.Struct(">I")
 _CHECK = 16  # bytes of XXH3-128
-_COMPRESS_FROM = 1024
-_SAMPLE = 4096  # bytes a big payload's compressibility is estimated on, twice
+_COMPRESS_FROM = 1024  # a smaller payload is kept as it is
+_DEFLATE_FROM = 64  # a smaller part is stored: deflating it saves less than its flush costs
+_SAMPLE = 4096  # bytes a big part's compressibility is estimated on, twice
+# The zlib stream's own framing (RFC 1950/1951): its header (deflate, 32 KB
+# window, "fastest"), a stored block's header (not the last; its length and
+# the length's complement), the empty last block that ends it, then the
+# Adler-32 of everything inflated.
+_ZLIB_HEADER = b"\x78\x01"
+_STORED = struct.Struct("<BHH")
+_STORED_MAX = 0xFFFF
+_LAST_BLOCK = b"\x01\x00\x00\xff\xff"
+_ADLER = struct.Struct(">I")
 
 
 def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
@@ -45,38 +59,81 @@ def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
         raise ValueError(f"not the manifest of {key}: {e}") from None
     if sorted(files) != sorted(name for name, _, _ in described):
         raise ValueError("the files are not the ones the manifest names")
-    payload = b"".join(
-        [_LENGTH.pack(len(manifest)), manifest, *(files[name] for name, _, _ in described)]
-    )
+    parts = [_LENGTH.pack(len(manifest)) + manifest, *(files[name] for name, _, _ in described)]
     flags = 0
-    packed = _compressed(payload)
+    packed = _compressed(parts)
     if packed is not None:
         payload, flags = packed, _ZLIB
+    else:
+        payload = b"".join(parts)
     value = _HEAD.pack(MAGIC, FORMAT, flags) + payload
     return value + xxhash.xxh3_128_digest(value)
 
 
-def _compressed(payload: bytes) -> bytes | None:
-    """``payload`` compressed, or None when that would not save a tenth.
+def _compressed(parts: list[bytes]) -> bytes | None:
+    """``parts`` joined as one zlib stream, or None when that would not save a tenth.
 
-    A big payload is first estimated: its head (the manifest, small files)
-    compressed whole, the rest on two samples.  One that would not save even
-    a twentieth (random bytes, compressed data) is given up at their cost,
-    where zlib took 2.6 ms per 100 KB to find it so.
+    Each part is deflated on its own where that saves a tenth (``_deflated``),
+    else written in stored blocks, which inflating only copies: an artifact of
+    random bytes beside a json of spaces was inflated whole, at a tenth of a
+    remote hit.  Any zlib reader reads the stream (the readers of every
+    release before this one too).
     """
-    size = len(payload)
+    size = sum(map(len, parts))
     if size < _COMPRESS_FROM:
+        return None
+    out = [_ZLIB_HEADER]
+    stored: list[bytes] = []  # parts kept as they are, written as one run
+    check = 1  # (adler32's start)
+    for part in parts:
+        check = zlib.adler32(part, check)
+        deflated = _deflated(part)
+        if deflated is None:
+            stored.append(part)
+            continue
+        if stored:
+            out.append(_stored_blocks(b"".join(stored)))
+            stored.clear()
+        out.append(deflated)
+    if stored:
+        out.append(_stored_blocks(b"".join(stored)))
+    out += [_LAST_BLOCK, _ADLER.pack(check)]
+    stream = b"".join(out)
+    return stream if len(stream) * 10 <= size * 9 else None
+
+
+def _deflated(part: bytes) -> bytes | None:
+    """``part`` as raw deflate blocks ending on a byte (a sync flush, not the last
+    block), or None when that would not save a tenth.
+
+    A big part is first estimated: its head compressed whole, the rest on two
+    samples.  One that would not save even a twentieth (random bytes,
+    compressed data) is given up at their cost, where zlib took 2.6 ms per
+    100 KB to find it so.
+    """
+    size = len(part)
+    if size < _DEFLATE_FROM:
         return None
     if size > 8 * _SAMPLE:
         half = _SAMPLE // 2
         middle = (size + _SAMPLE) // 2
-        sample = payload[middle : middle + half] + payload[-half:]
-        kept = len(zlib.compress(payload[:_SAMPLE], 1))
+        sample = part[middle : middle + half] + part[-half:]
+        kept = len(zlib.compress(part[:_SAMPLE], 1))
         kept += (size - _SAMPLE) * len(zlib.compress(sample, 1)) / len(sample)
         if kept * 20 > size * 19:
             return None
-    packed = zlib.compress(payload, 1)
+    deflate = zlib.compressobj(1, zlib.DEFLATED, -15)  # raw: the stream's header is ours
+    packed = deflate.compress(part) + deflate.flush(zlib.Z_SYNC_FLUSH)
     return packed if len(packed) * 10 <= size * 9 else None
+
+
+def _stored_blocks(data: bytes) -> bytes:
+    """``data`` as deflate's stored blocks (none the last), 65,535 bytes at most each."""
+    out = []
+    for at in range(0, len(data), _STORED_MAX):
+        chunk = data[at : at + _STORED_MAX]
+        out += [_STORED.pack(0, len(chunk), len(chunk) ^ 0xFFFF), chunk]
+    return b"".join(out)
 
 
 def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
