@@ -209,10 +209,14 @@ class RemoteTier:
             for key, (entry, _) in found.items()
         }
 
-    def backfill_later(self, soc: str, found: dict[str, tuple[Entry, bytes]]) -> dict[str, Entry]:
+    def backfill_later(
+        self, soc: str, found: dict[str, tuple[Entry, bytes]], *, wake: bool = True
+    ) -> dict[str, Entry]:
         """``backfill_many`` by the copier thread, the entries served meanwhile.
         (Under a key's lock, where others wait to find the copy, it is done at
-        once instead.)"""
+        once instead.)  ``wake`` False: the caller serves a batch of hits first,
+        then wakes the copier (``copy_pending``), which would otherwise share
+        the interpreter with those deliveries."""
         now = self._clock()
         hits = {key: Entry(key, e.files, e.compile_seconds, now) for key, (e, _) in found.items()}
         pid = os.getpid()
@@ -225,8 +229,15 @@ class RemoteTier:
                 self._backfills[(soc, key)] = (hits[key], manifest)
             if self._copier_pid != pid:
                 self._start_copier()
-            self._signal()
+            if wake:
+                self._signal()
         return hits
+
+    def copy_pending(self) -> None:
+        """Wake the copier for the copies ``backfill_later(wake=False)`` left to make."""
+        with self._mutex:
+            if self._backfills and self._copier_pid == os.getpid():
+                self._signal()
 
     def _signal(self) -> None:
         """Wake the copier (``_mutex`` held: ``_wake`` is released only under it, so
@@ -293,6 +304,7 @@ class RemoteTier:
         """Return once the local copies of the remote hits served so far are made."""
         if self._copied is not None and self._copier_pid == os.getpid():
             with self._copied:
+                self._signal()  # (copies a batch left to make after its deliveries)
                 self._copied.wait_for(lambda: not self._backfills)
 
     def _stop_copier(self) -> None:

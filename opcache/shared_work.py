@@ -121,8 +121,12 @@ POLL, WATCH = _Poll(remote=True), _Poll(remote=False)
 # Looks at the remote for parked jobs: often at first, then less and less.
 _FIRST_POLL = 0.01
 _LAST_POLL = 0.1
-# How often, at most, the claims of fresh keys are looked at after a job is parked.
+# How often, at most, the claims of fresh keys are looked at after a job is parked,
+# and how many: the next ones taken, not all of a batch's (a look of hundreds of
+# claims every 50 ms was half a cold cluster's Redis commands; the keys past
+# these are looked at by the peeks to come, before they are taken).
 _PEEK_EVERY = 0.05
+_PEEK_KEYS = 64
 
 
 class _Schedule:
@@ -188,14 +192,16 @@ class _Schedule:
             self._busy -= jobs
             self._cond.notify_all()
 
-    def fresh_keys(self, soc: str) -> list[str]:
-        """The keys of the fresh jobs of chip ``soc`` not tried yet."""
+    def fresh_keys(self, soc: str, most: int) -> list[str]:
+        """The keys of the next ``most`` fresh jobs of chip ``soc`` not tried yet."""
+        keys: list[str] = []
         with self._cond:
-            return [
-                job.key
-                for job in self._fresh
-                if job.plain is None and not job.remote_wait and job.request.soc_version == soc
-            ]
+            for job in self._fresh:
+                if len(keys) == most:
+                    break
+                if job.plain is None and not job.remote_wait and job.request.soc_version == soc:
+                    keys.append(job.key)
+        return keys
 
     def later(self, job: _Job) -> None:
         """Keep a job another process of this machine holds, until a ``WATCH`` finds
@@ -372,8 +378,11 @@ class _Batch:
             # Served now, kept in the cache folder in the background (no local
             # lock is held on them: nobody here waits for those copies).
             jobs_of = {job.key: job for job in missing if job.key in found}
-            for key, entry in remote.backfill_later(soc, found).items():
-                self._hits(jobs_of[key], entry, started, "remote")
+            try:  # (the copier woken once they are delivered, not to compete with them)
+                for key, entry in remote.backfill_later(soc, found, wake=False).items():
+                    self._hits(jobs_of[key], entry, started, "remote")
+            finally:
+                remote.copy_pending()
         return [job for job in jobs if self.results[job.indices[0]] is None]
 
     def _first_look(
@@ -484,7 +493,7 @@ class _Batch:
         self._peeked[soc] = now
         remote = self.flow.remote
         assert remote is not None
-        remote.peek_claims(soc, schedule.fresh_keys(soc))
+        remote.peek_claims(soc, schedule.fresh_keys(soc, _PEEK_KEYS))
 
     def _poll(self, schedule: _Schedule) -> None:
         """One look at the remote for every parked job: deliver what is there; what

@@ -25,7 +25,7 @@ from helpers_cache import SOC, ToyCompiler, entry_dirs, expected_files, make_req
 from helpers_cache import machine as file_machine
 
 import opcache
-from opcache import _json
+from opcache import _json, flow
 from opcache.key import digest
 from opcache.storage import RemoteCorrupt
 from opcache.storage.entry import CorruptEntry, make_manifest, parse_manifest
@@ -76,6 +76,44 @@ def test_single_remote_hits_share_one_copier_thread(tmp_path: Path, monkeypatch)
         cache.close()
     assert started.count("opcache-backfill") == 1
     assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == 4
+    assert not (tmp_path / "calls_b").exists()  # nothing compiled
+
+
+def test_a_batch_of_remote_hits_is_delivered_before_its_copies_are_made(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """compile_many wakes the copier once its remote hits are delivered: started
+    beside them (1 ms after they were fetched), it shared the interpreter with
+    their deliveries (a third of scenario 16's batch).  close() makes the copies."""
+    url, requests = _shared(tmp_path, 6)
+    delivered: list[str] = []
+    copied_after: list[int] = []
+    real_deliver = flow.deliver
+
+    def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
+        time.sleep(0.02)  # (a slow disk: the copier, woken early, would copy meanwhile)
+        delivered.append(out.name)
+        return real_deliver(out, files)
+
+    monkeypatch.setattr(flow, "deliver", deliver)
+    cache = opcache.OpCache(file_machine(tmp_path, "b", url))
+    tier = cache._flow.remote
+    assert tier is not None
+    real_keep = tier._keep
+
+    def keep(soc: str, entries: list) -> None:  # type: ignore[type-arg]
+        copied_after.append(len(delivered))
+        real_keep(soc, entries)
+
+    tier._keep = keep
+    try:
+        outs = [tmp_path / "out" / r.op_name for r in requests]
+        results = cache.compile_many(requests, ToyCompiler(tmp_path / "calls_b"), outs)
+        assert [r.tier for r in results] == ["remote"] * 6
+    finally:
+        cache.close()
+    assert copied_after and min(copied_after) == 6
+    assert len(entry_dirs(tmp_path / "b" / "kernel_cache")) == 6
     assert not (tmp_path / "calls_b").exists()  # nothing compiled
 
 
