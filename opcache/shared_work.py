@@ -121,12 +121,8 @@ POLL, WATCH = _Poll(remote=True), _Poll(remote=False)
 # Looks at the remote for parked jobs: often at first, then less and less.
 _FIRST_POLL = 0.01
 _LAST_POLL = 0.1
-# How often, at most, the claims of fresh keys are looked at after a job is parked,
-# and how many: the next ones taken, not all of a batch's (a look of hundreds of
-# claims every 50 ms was half a cold cluster's Redis commands; the keys past
-# these are looked at by the peeks to come, before they are taken).
+# How often, at most, the claims of fresh keys are looked at after a job is parked.
 _PEEK_EVERY = 0.05
-_PEEK_KEYS = 64
 
 
 class _Schedule:
@@ -192,16 +188,14 @@ class _Schedule:
             self._busy -= jobs
             self._cond.notify_all()
 
-    def fresh_keys(self, soc: str, most: int) -> list[str]:
-        """The keys of the next ``most`` fresh jobs of chip ``soc`` not tried yet."""
-        keys: list[str] = []
+    def fresh_keys(self, soc: str) -> list[str]:
+        """The keys of the fresh jobs of chip ``soc`` not tried yet."""
         with self._cond:
-            for job in self._fresh:
-                if len(keys) == most:
-                    break
-                if job.plain is None and not job.remote_wait and job.request.soc_version == soc:
-                    keys.append(job.key)
-        return keys
+            return [
+                job.key
+                for job in self._fresh
+                if job.plain is None and not job.remote_wait and job.request.soc_version == soc
+            ]
 
     def later(self, job: _Job) -> None:
         """Keep a job another process of this machine holds, until a ``WATCH`` finds
@@ -493,7 +487,7 @@ class _Batch:
         self._peeked[soc] = now
         remote = self.flow.remote
         assert remote is not None
-        remote.peek_claims(soc, schedule.fresh_keys(soc, _PEEK_KEYS))
+        remote.peek_claims(soc, schedule.fresh_keys(soc))
 
     def _poll(self, schedule: _Schedule) -> None:
         """One look at the remote for every parked job: deliver what is there; what
