@@ -74,6 +74,37 @@ def test_get_many_returns_what_is_there(redis_url: str) -> None:
     assert all(found[k][0].key == k for k in found)
 
 
+def test_a_poll_asks_values_and_claims_in_one_command_a_batch(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting on keys others compile (a cold cluster polls them every few ms): each
+    batch of keys' values and claims come in one MGET, not one MGET each."""
+    from redis.connection import Connection
+
+    r = remote(redis_url)
+    keys = [f"{i:032x}" for i in range(100)]  # two batches
+    r.put(SOC, keys[0], *entry(keys[0]))
+    held = r.claim(SOC, keys[1], 5)
+    claimed_and_stored = r.claim(SOC, keys[70], 5)
+    r.put(SOC, keys[70], *entry(keys[70]))
+    sent: list[bytes] = []
+    send = Connection.send_packed_command
+
+    def counted(self, command, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sent.append(b"".join(command) if isinstance(command, list) else command)
+        return send(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    found, claimed = r.watch(SOC, keys)
+    monkeypatch.undo()
+    assert sorted(found) == [keys[0], keys[70]]
+    assert claimed == {keys[1], keys[70]}
+    assert b"".join(sent).count(b"MGET") == 2  # (before: 3, the claims a command of their own)
+    held.release()
+    claimed_and_stored.release()
+    r.close()
+
+
 def test_big_entries_stay_local(redis_url: str, redis_server) -> None:
     r = remote(redis_url, max_entry_mb=1)
     assert r.put(SOC, KEY, *entry(**{"big.o": b"x" * (1 << 20)})) == 0

@@ -157,18 +157,19 @@ class RedisRemote(Remote):
         pipe = self._redis.pipeline(transaction=False)
         batches = [keys[start : start + _MGET_KEYS] for start in range(0, len(keys), _MGET_KEYS)]
         for batch in batches:
-            pipe.mget([self._name(soc, k) for k in batch])
-        if claims:
-            pipe.mget([self._name(soc, k) + CLAIM_SUFFIX for k in keys])
+            names = [self._name(soc, k) for k in batch]
+            # A batch's claims in its values' MGET: one command a poll, not two.
+            pipe.mget(names + [name + CLAIM_SUFFIX for name in names] if claims else names)
         answers = self._call("MGET", pipe.execute)
         found: dict[str, Fetched | RemoteCorrupt] = {}
-        for batch, values in zip(batches, answers, strict=False):
-            for key, value in zip(batch, values, strict=True):
+        claimed = set()
+        for batch, values in zip(batches, answers, strict=True):
+            for key, value in zip(batch, values, strict=False):
                 if value is not None:
                     found[key] = checked(key, value, self.max_entry_bytes)
-        claimed = set()
-        if claims:
-            claimed = {key for key, token in zip(keys, answers[-1], strict=True) if token}
+            if claims:
+                tokens = values[len(batch) :]
+                claimed.update(key for key, token in zip(batch, tokens, strict=True) if token)
         return found, claimed
 
     def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
