@@ -121,8 +121,12 @@ POLL, WATCH = _Poll(remote=True), _Poll(remote=False)
 # Looks at the remote for parked jobs: often at first, then less and less.
 _FIRST_POLL = 0.01
 _LAST_POLL = 0.1
-# How often, at most, the claims of fresh keys are looked at after a job is parked.
+# After a job is parked, the claims of the next fresh keys are looked at: at most
+# this often, unless the next key was not among those looked at last; and only
+# this many (one MGET), the next ones taken (a look at all of a batch's, hundreds
+# of claims every 50 ms, was half a cold cluster's Redis commands).
 _PEEK_EVERY = 0.05
+_PEEK_KEYS = 64
 
 
 class _Schedule:
@@ -188,14 +192,16 @@ class _Schedule:
             self._busy -= jobs
             self._cond.notify_all()
 
-    def fresh_keys(self, soc: str) -> list[str]:
-        """The keys of the fresh jobs of chip ``soc`` not tried yet."""
+    def fresh_keys(self, soc: str, most: int) -> list[str]:
+        """The keys of the next ``most`` fresh jobs of chip ``soc`` not tried yet."""
+        keys: list[str] = []
         with self._cond:
-            return [
-                job.key
-                for job in self._fresh
-                if job.plain is None and not job.remote_wait and job.request.soc_version == soc
-            ]
+            for job in self._fresh:
+                if len(keys) == most:
+                    break
+                if job.plain is None and not job.remote_wait and job.request.soc_version == soc:
+                    keys.append(job.key)
+        return keys
 
     def later(self, job: _Job) -> None:
         """Keep a job another process of this machine holds, until a ``WATCH`` finds
@@ -330,7 +336,8 @@ class _Batch:
         self._readers = threading.local()  # each thread's (when, ExitStack, reader) by chip
         self._locks_checked: set[str] = set()  # chips whose locks folder this batch checked
         self._listed: dict[str, tuple[float, set[str]]] = {}  # lock folder: (when, names)
-        self._peeked: dict[str, float] = {}  # when each chip's fresh claims were looked at
+        # When each chip's fresh claims were last looked at, and whose.
+        self._peeked: dict[str, tuple[float, frozenset[str]]] = {}
 
     def first_look(self) -> list[_Job]:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
@@ -478,16 +485,21 @@ class _Batch:
         return _PARKED
 
     def _peek(self, schedule: _Schedule, soc: str) -> None:
-        """After a job was parked (another machine compiles its key): unless done a
-        moment ago, look in one round trip which of the chip's fresh keys others
-        claimed too, so that those are parked without a claim refused each."""
-        now = time.monotonic()
-        if now - self._peeked.get(soc, -_PEEK_EVERY) < _PEEK_EVERY:
+        """After a job was parked (another machine compiles its key): unless the
+        next fresh key of the chip was looked at a moment ago, look in one round
+        trip which of the next fresh keys others claimed too, so that those are
+        parked without a claim refused each."""
+        keys = schedule.fresh_keys(soc, _PEEK_KEYS)
+        if not keys:
             return
-        self._peeked[soc] = now
+        now = time.monotonic()
+        when, seen = self._peeked.get(soc, (-_PEEK_EVERY, frozenset()))
+        if now - when < _PEEK_EVERY and keys[0] in seen:
+            return
+        self._peeked[soc] = now, frozenset(keys)
         remote = self.flow.remote
         assert remote is not None
-        remote.peek_claims(soc, schedule.fresh_keys(soc))
+        remote.peek_claims(soc, keys)
 
     def _poll(self, schedule: _Schedule) -> None:
         """One look at the remote for every parked job: deliver what is there; what

@@ -442,6 +442,49 @@ def test_keys_other_machines_claimed_cost_one_look_not_a_claim_each(
     assert calls["cmdstat_set"]["calls"] == 1  # the first claim, refused (before: one a key)
 
 
+def test_a_look_at_claims_asks_only_the_next_keys_and_still_saves_every_refusal(
+    tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of many keys other machines claimed: each look at claims asks the
+    next few keys to be taken (one MGET), not all the batch's again; a key past
+    them gets its own look before it is taken, so still no claim is refused
+    but the first."""
+    monkeypatch.setattr(remote_tier, "CLAIM_SECONDS", 600.0)  # (a's marks outlive the test)
+    ops = 150
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(ops)]
+    client = own_server.client()
+    client.flushall()
+    with opcache.OpCache(machine(tmp_path, "a", own_server.url)) as a:
+        a.compile_many(requests, compiler, lambda r: tmp_path / "a-out" / r.op_name)
+    names = [n for n in client.keys("*") if not n.endswith(b":claim")]
+    values = dict(zip(names, client.mget(names), strict=True))
+    client.delete(*names)  # (a's claims, marked stored, left: to b, keys a compiles)
+    client.config_resetstat()
+    poll, peek = remote_tier.RemoteTier.poll, remote_tier.RemoteTier.peek_claims
+    looks: list[int] = []
+
+    def entries_come_once_all_are_parked(self, soc, keys):  # type: ignore[no-untyped-def]
+        if len(keys) == ops and not client.exists(names[0]):
+            client.mset(values)
+        return poll(self, soc, keys)
+
+    def counted(self, soc, keys):  # type: ignore[no-untyped-def]
+        looks.append(len(keys))
+        return peek(self, soc, keys)
+
+    monkeypatch.setattr(remote_tier.RemoteTier, "poll", entries_come_once_all_are_parked)
+    monkeypatch.setattr(remote_tier.RemoteTier, "peek_claims", counted)
+    with opcache.OpCache(machine(tmp_path, "b", own_server.url)) as b:
+        results = b.compile_many(
+            requests, compiler, lambda r: tmp_path / "b-out" / r.op_name, jobs=1
+        )
+    assert [r.tier for r in results] == ["remote"] * ops
+    assert compiler.calls() == ops  # a's, none of b's
+    assert client.info("commandstats")["cmdstat_set"]["calls"] == 1  # the first claim
+    assert looks and max(looks) <= 64, looks  # (before: all the keys left, every 50 ms)
+
+
 def test_a_compiles_entry_and_its_claim_marked_stored_are_one_round_trip(
     tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
