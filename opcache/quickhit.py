@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
 FORMAT = b"opcache-quick 1"
+CLIENT_FORMAT = b"opcache-client 1"  # a memo the C client reads (opcache_client.c's)
 FOLDER = "quick"
 MAX_MEMO = 1 << 20
 # Variables no compiler and no part of opcache reads, that change from one build
@@ -92,13 +93,35 @@ def memo_name(words: list[str], environb: Mapping[bytes, bytes], cwd: bytes, uma
     ``UNKEYED_ENVIRONMENT``), the machine's name and the Python it runs in."""
     import xxhash
 
+    head = [FORMAT, os.fsencode(sys.executable), sys.version.encode()]
+    return "m" + xxhash.xxh3_128_hexdigest(_named(head, words, environb, cwd, umask))
+
+
+def client_memo_name(
+    tag: str, words: list[str], environb: Mapping[bytes, bytes], cwd: bytes, umask: int
+) -> str:
+    """The memo the C client reads (``opcache_client.c``, ``memo_name``, computes the same):
+    the client's tag (its install and protocol) and mount namespace in place of the Python."""
+    import xxhash
+
+    head = [CLIENT_FORMAT, tag.encode(), os.readlink("/proc/self/ns/mnt").encode()]
+    named = _named(head, words, environb, cwd, umask)
+    return "c" + xxhash.xxh64_hexdigest(named) + xxhash.xxh64_hexdigest(named, seed=1)
+
+
+def _named(
+    head: list[bytes],
+    words: list[str],
+    environb: Mapping[bytes, bytes],
+    cwd: bytes,
+    umask: int,
+) -> bytes:
+    """What a memo's name is the digest of: ``head``, then the command and its process."""
     env = sorted(
         name + b"=" + value for name, value in environb.items() if name not in UNKEYED_ENVIRONMENT
     )
     fields = [
-        FORMAT,
-        os.fsencode(sys.executable),
-        sys.version.encode(),
+        *head,
         cwd,
         b"%o %d %d" % (umask, os.getuid(), os.getgid()),
         # (what may run or be read goes by them too: which() and a shared cache's trust)
@@ -108,13 +131,18 @@ def memo_name(words: list[str], environb: Mapping[bytes, bytes], cwd: bytes, uma
         *(os.fsencode(word) for word in words),
         *env,
     ]
-    return "m" + xxhash.xxh3_128_hexdigest(b"\0".join(fields))
+    return b"\0".join(fields)
+
+
+def count_line(saved: float) -> bytes:
+    """The line a quick hit appends to its chip's counts (``counters.QUICK_COUNTS``)."""
+    return b"hits=1 time_saved_seconds=%r\n" % saved
 
 
 # -- the quick path ------------------------------------------------------------------
 
 
-class _Miss(Exception):
+class Miss(Exception):
     """The memo does not hold, or cannot be used: the full path runs."""
 
 
@@ -123,7 +151,7 @@ def serve(words: list[str]) -> int | None:
     status, or None (nothing done) when there is no memo or it does not hold."""
     try:
         return _serve(words)
-    except Exception:  # (nothing visible done yet: _Memo.serve sees to it)
+    except Exception:  # (nothing visible done yet: Memo.serve sees to it)
         return None
 
 
@@ -140,17 +168,27 @@ def _serve(words: list[str]) -> int:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > MAX_MEMO:
-            raise _Miss
+            raise Miss
         data = os.read(fd, st.st_size + 1)
     finally:
         os.close(fd)
     fields = data.split(b"\0")
     if fields[0] != FORMAT or fields[-1] != b"end":
-        raise _Miss
-    return _Memo(fields[1:-1]).serve()
+        raise Miss
+    status = Memo(fields[1:-1]).serve()
+    if status == 0:
+        last_memo[:] = [data]
+    return status
 
 
-class _Memo:
+# The memo this process last served a hit from or wrote (quickmemo): a server's worker
+# writes the C client's memo from it (quickmemo.client_memo).
+last_memo: list[bytes] = []
+
+
+class Memo:
+    """A memo's records, parsed (Miss if one is unknown): ``serve`` checks and serves it."""
+
     def __init__(self, fields: list[bytes]) -> None:
         self.checks: list[tuple[bytes, bool, tuple[int, ...]]] = []
         self.outputs: list[tuple[bytes, bytes, int, str]] = []  # target, artifact, size, digest
@@ -186,9 +224,9 @@ class _Memo:
                 self.appended = fields[at + 6]
                 at += 7
             else:
-                raise _Miss
+                raise Miss
         if not self.outputs:
-            raise _Miss
+            raise Miss
 
     def serve(self) -> int:
         """Everything that can be checked first; then the hit is counted (as the full
@@ -196,53 +234,54 @@ class _Memo:
         the full path's would: ``opcache: error: ...``, 1, never a second try."""
         for path, follow, want in self.checks:
             if identity(path, follow, want[4] == NO_SIZE) != want:
-                raise _Miss
-        entry = _open_same(self.entry, self.entry_id)
+                raise Miss
+        entry = open_same(self.entry, self.entry_id)
         try:
-            outputs = [(target, self._artifact(entry, *rest)) for target, *rest in self.outputs]
-            streams = [(number, self._artifact(entry, *rest)) for number, *rest in self.streams]
+            outputs = [(target, self.artifact(entry, *rest)) for target, *rest in self.outputs]
+            streams = [(number, self.artifact(entry, *rest)) for number, *rest in self.streams]
             if any(b"\x1b[" in data for _, data in streams):
-                raise _Miss  # (colour taken out where it cannot show: the full path's work)
+                raise Miss  # (colour taken out where it cannot show: the full path's work)
             for target, _ in outputs:
                 try:
                     st = os.lstat(target)
                 except FileNotFoundError:
                     continue
                 if not stat.S_ISREG(st.st_mode):
-                    raise _Miss  # (the full path says why it is uncacheable)
+                    raise Miss  # (the full path says why it is uncacheable)
             self._count()
             return _finish(self._stamp, entry, outputs, streams)
         finally:
             os.close(entry)
 
     @staticmethod
-    def _artifact(entry: int, name: bytes, size: int, want: str) -> bytes:
+    def artifact(entry: int, name: bytes, size: int, want: str) -> bytes:
+        """The artifact ``name`` in the folder ``entry``, if regular, that size and digest."""
         import xxhash
 
         fd = os.open(name, READ, dir_fd=entry)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                raise _Miss
+                raise Miss
             chunks, left = [], size
             while left > 0:
                 chunk = os.read(fd, left)
                 if not chunk:
-                    raise _Miss
+                    raise Miss
                 chunks.append(chunk)
                 left -= len(chunk)
         finally:
             os.close(fd)
         data = b"".join(chunks)
         if xxhash.xxh3_128_hexdigest(data) != want:
-            raise _Miss
+            raise Miss
         return data
 
     def _count(self) -> None:
         """One hit (and the time it saved) on the chip's counters, as one appended line."""
-        folder = _open_same(self.counters, self.counters_id)
+        folder = open_same(self.counters, self.counters_id)
         try:
-            line = b"hits=1 time_saved_seconds=%r\n" % self.saved
+            line = count_line(self.saved)
             flags = os.O_WRONLY | os.O_APPEND | READ
             try:
                 fd, made = os.open(self.appended, flags, dir_fd=folder), False
@@ -259,12 +298,12 @@ class _Memo:
             # One link: not a hard link another member of a shared cache made to a
             # file of ours elsewhere (the next full-path count folds it away).
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size >= MAX_MEMO:
-                raise _Miss
+                raise Miss
             # Shared: a fold (CounterFiles) takes it exclusively once it has renamed the
             # file, so an append either lands before the fold reads or is not made.
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             if os.fstat(fd).st_nlink != 1:
-                raise _Miss
+                raise Miss
             if made and stat.S_IMODE(st.st_mode) != self.counters_mode:
                 os.fchmod(fd, self.counters_mode)
             os.write(fd, line)
@@ -345,14 +384,14 @@ def identity(path: bytes, follow: bool, folder_only: bool) -> tuple[int, ...]:
 _stat = os.stat
 
 
-def _open_same(path: bytes, identity: tuple[int, int]) -> int:
+def open_same(path: bytes, identity: tuple[int, int]) -> int:
     """The folder at ``path``, opened without following a link, if it is still the one
     the full path used (the same device and inode)."""
     fd = os.open(path, FOLDER_FLAGS)
     st = os.fstat(fd)
     if (st.st_dev, st.st_ino) != identity:
         os.close(fd)
-        raise _Miss
+        raise Miss
     return fd
 
 

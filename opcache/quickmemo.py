@@ -17,16 +17,22 @@ import os
 import stat
 import sys
 
+from . import quickhit
 from .quickhit import (
+    CLIENT_FORMAT,
     FOLDER,
     FOLDER_FLAGS,
     FORMAT,
     MAX_MEMO,
     NO_SIZE,
     READ,
+    Memo,
+    Miss,
+    count_line,
     identity,
     memo_name,
     open_own_folder,
+    open_same,
     runtime_folder,
 )
 
@@ -224,7 +230,8 @@ def write_memo(words: list[str], recorder: Recorder, hit: Hit, started: float) -
         data = b"\0".join([FORMAT, *fields, b"end"])
         if len(data) > MAX_MEMO:
             return False  # (never read: not rewritten at every full hit either)
-        _put(memo_name(words, os.environb, cwd, umask), data)
+        put(runtime_folder(os.environ), memo_name(words, os.environb, cwd, umask), data)
+        quickhit.last_memo[:] = [data]
         return True
     except OSError:
         return False
@@ -341,8 +348,58 @@ def _opcache_files() -> list[tuple[str, bool]]:
     )
 
 
-def _put(name: str, data: bytes) -> None:
-    folder = runtime_folder(os.environ)
+def client_memo(memo: bytes) -> bytes | None:
+    """The C client's memo (``opcache_client.c`` reads it) of ``memo``, a Python memo that
+    holds (just served from or written): None where the client would not serve it.
+
+    The same records, but each artifact's xxh64 (read now, and checked against the
+    manifest's digest first) in place of that digest, the count as the line to
+    append, and one more check: the server's Python (the memo is the work of the
+    opcache it runs, and its name holds no Python, which the client does not know).
+    """
+    import time
+
+    import xxhash
+
+    fields = memo.split(b"\0")
+    try:
+        parsed = Memo(fields[1:-1])
+        if fields[0] != FORMAT or fields[-1] != b"end":
+            return None
+        python = os.fsencode(sys.executable)
+        checks = [*parsed.checks, (python, True, identity(python, True, False))]
+        racy = int((time.time() - RACY_SECONDS) * 1e9)
+        out = [CLIENT_FORMAT]
+        for path, follow, want in checks:
+            if want[0] >= 0 and want[4] != NO_SIZE and max(want[5], want[6]) >= racy:
+                return None  # (the Python just installed: it may change again unseen)
+            out += [b"c", path, b"1" if follow else b"0", *(b"%d" % n for n in want)]
+        entry = open_same(parsed.entry, parsed.entry_id)
+        try:
+            out += [b"e", parsed.entry, *(b"%d" % n for n in parsed.entry_id), parsed.manifest]
+            out.append(repr(parsed.stamp_every).encode())
+            for target, name, size, want in parsed.outputs:
+                data = Memo.artifact(entry, name, size, want)
+                out += [b"o", target, name, b"%d" % size, xxhash.xxh64_hexdigest(data).encode()]
+            for number, name, size, want in parsed.streams:
+                data = Memo.artifact(entry, name, size, want)
+                if b"\x1b[" in data:
+                    return None  # (the client leaves colour to the Python path, as quickhit)
+                out += [b"s", b"%d" % number, name, b"%d" % size]
+                out.append(xxhash.xxh64_hexdigest(data).encode())
+        finally:
+            os.close(entry)
+        out += [b"n", parsed.counters, *(b"%d" % n for n in parsed.counters_id)]
+        out += [b"%d" % parsed.counters_mode, parsed.appended, count_line(parsed.saved)]
+    except (Miss, OSError, ValueError, IndexError, AttributeError):
+        return None
+    data = b"\0".join([*out, b"end"])
+    return data if len(data) <= MAX_MEMO else None
+
+
+def put(folder: str, name: str, data: bytes) -> None:
+    """Write the memo ``name`` in the runtime ``folder`` (``runtime_folder``): made anew and
+    renamed over, in its 0700 folder of memos."""
     os.close(open_own_folder(folder, True))  # (the server's folder: made or checked)
     fd = open_own_folder(os.path.join(folder, FOLDER), True)
     try:

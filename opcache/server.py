@@ -108,15 +108,7 @@ def build_client(folder: Path, program: str, environ: Mapping[str, str]) -> str:
         raise OSError("no C compiler (cc, gcc, clang) on PATH to build opcache's client")
     target = folder / CLIENT_NAME
     building = folder / fsutil.unique_name(f".{CLIENT_NAME}")
-    command = [
-        compiler,
-        "-O2",
-        f'-DOPCACHE_PROGRAM="{program}"',
-        f'-DOPCACHE_TAG="{client_tag(program)}"',
-        "-o",
-        str(building),
-        str(CLIENT_SOURCE),
-    ]
+    command = [compiler, "-O2", *client_defines(program), "-o", str(building), str(CLIENT_SOURCE)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
         if done.returncode != 0:
@@ -129,6 +121,17 @@ def build_client(folder: Path, program: str, environ: Mapping[str, str]) -> str:
         if os.path.lexists(building):
             os.unlink(building)
     return str(target)
+
+
+def client_defines(program: str) -> list[str]:
+    """The client's build flags: the ``opcache`` it falls back on, its tag, and the
+    variables a memo's name leaves out (``quickhit.UNKEYED_ENVIRONMENT``)."""
+    unkeyed = "".join(f"{os.fsdecode(name)}\\0" for name in quickhit.UNKEYED_ENVIRONMENT)
+    return [
+        f'-DOPCACHE_PROGRAM="{program}"',
+        f'-DOPCACHE_TAG="{client_tag(program)}"',
+        f'-DOPCACHE_UNKEYED="{unkeyed}"',
+    ]
 
 
 # -- the server ------------------------------------------------------------------
@@ -186,7 +189,7 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
                 pid = os.fork()
                 if pid == 0:
                     os.close(said)
-                    _work(listener, tell, files, me, program)  # (does not return)
+                    _work(listener, tell, files, me, program, name[:-5])  # (does not return)
                 workers[pid] = False
             if select.select([said], [], [], min(idle, 1.0))[0]:
                 states = dict(struct.iter_unpack("=ib", os.read(said, 4096)))
@@ -293,6 +296,7 @@ def _work(
     files: dict,
     server: int,
     program: Callable[[list[str]], int],
+    tag: str,
 ) -> None:
     """A worker: serve calls one after another, saying when it is busy; never returns.
 
@@ -325,7 +329,7 @@ def _work(
             alive = threading.Thread(target=_say_alive, args=(conn, done), daemon=True)
             alive.start()
             try:
-                reply = _answer(conn, files, program)
+                reply = _answer(conn, files, program, tag)
             except BaseException as e:  # the client runs opcache itself: it says what is wrong
                 log.debug("opcache server: call dropped: %r", e)
                 os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
@@ -343,6 +347,7 @@ def _work(
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             stats.write_deferred()  # (in the client's folder still: a cache named relatively)
+            _write_client_memo()
             os.chdir("/")
             logging.getLogger("opcache").handlers.clear()
         if _stale:  # an upgrade: this process's modules are old
@@ -368,7 +373,9 @@ def _die_with_the_server(die: bool, server: int = 0) -> None:
         os._exit(0)
 
 
-def _answer(conn: socket.socket, files: dict, program: Callable[[list[str]], int]) -> bytes:
+def _answer(
+    conn: socket.socket, files: dict, program: Callable[[list[str]], int], tag: str
+) -> bytes:
     pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     if uid != os.getuid() or not _sees_what_we_see(pid):
         return b"N"
@@ -385,7 +392,7 @@ def _answer(conn: socket.socket, files: dict, program: Callable[[list[str]], int
             return b"N"
         umask, cwd, argc = int(fields[1], 8), fields[2], int(fields[3])
         argv, env = fields[4 : 4 + argc], fields[4 + argc : -1]
-        return _serve(pid, argv, env, cwd, umask, fds, program)
+        return _serve(pid, argv, env, cwd, umask, fds, program, tag)
     finally:
         for fd in fds:
             if fd > 2:
@@ -427,6 +434,7 @@ def _serve(
     umask: int,
     fds: list[int],
     program: Callable[[list[str]], int],
+    tag: str,
 ) -> bytes:
     """Become the client and run its command line: the reply (served, or b"N")."""
     import atexit
@@ -464,6 +472,7 @@ def _serve(
         sys.addaudithook(_no_programs)
         _hooked.append(True)
     quickmemo.serving[:] = [time.time()]
+    quickhit.last_memo.clear()
     try:
         # A memo's quick hit first (quickhit.py), as the program tries it; then the full hit.
         status = quickhit.serve(sys.argv)
@@ -474,10 +483,29 @@ def _serve(
         sys.stderr.flush()
     except wrap.NotServed:
         return b"N"
+    if status == 0 and quickhit.last_memo:
+        # The C client serves the next such call itself (written once the reply is sent).
+        name = quickhit.client_memo_name(tag, sys.argv, os.environb, os.getcwdb(), umask)
+        folder = quickhit.runtime_folder(os.environ)
+        _client_memo[:] = [(folder, name, quickhit.last_memo[0])]
     out = [b"S", struct.pack("=i", status)]
     for stream, data in said:
         out += [bytes((stream,)), struct.pack("=I", len(data)), data]
     return b"".join([*out, b"\0", struct.pack("=I", 0)])
+
+
+_client_memo: list[tuple[str, str, bytes]] = []  # the call's: runtime folder, name, Python memo
+
+
+def _write_client_memo() -> None:
+    """The C client's memo of the call just served (``_serve``), if it is to have one."""
+    if not _client_memo:
+        return
+    folder, name, memo = _client_memo.pop()
+    data = quickmemo.client_memo(memo)
+    if data is not None:
+        with contextlib.suppress(OSError):
+            quickmemo.put(folder, name, data)
 
 
 def _environment(env: list[bytes]) -> dict[bytes, bytes]:

@@ -26,17 +26,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <sys/utsname.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-#if !defined(OPCACHE_PROGRAM) || !defined(OPCACHE_TAG)
-#error "build with -DOPCACHE_PROGRAM=... -DOPCACHE_TAG=... (opcache masquerade --client)"
+#if !defined(OPCACHE_PROGRAM) || !defined(OPCACHE_TAG) || !defined(OPCACHE_UNKEYED)
+#error "build with -DOPCACHE_PROGRAM=... -DOPCACHE_TAG=... -DOPCACHE_UNKEYED=... (opcache masquerade --client)"
 #endif
 
 #define PROTOCOL "opcache-serve 3"
@@ -383,6 +386,473 @@ static int replay(const struct buf *r) {
     return status & 0xff;
 }
 
+/* -- the client's memo: a hit served here, without the server ---------------------
+ *
+ * A served hit (or a full hit in a worker) leaves, beside the Python memo
+ * (opcache/quickhit.py), one for this client (quickmemo.client_memo): the same
+ * records, with each artifact's xxh64.  The next identical call checks it here
+ * exactly as quickhit.Memo.serve checks its own, in the same order and with the
+ * same rules; anything unknown, malformed or not as recorded: not served, and
+ * the call goes to the server as before.  Once the hit is counted, an error
+ * ends the run as the Python path's would: "opcache: error: ...", 1. */
+
+#define MEMO_FORMAT "opcache-client 1" /* quickhit.CLIENT_FORMAT */
+#define MEMO_FOLDER "quick"            /* quickhit.FOLDER */
+#define MAX_MEMO (1u << 20)            /* quickhit.MAX_MEMO */
+#define NO_SIZE "-1"                   /* quickhit.NO_SIZE: a folder not listed */
+#define READ_FLAGS (O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+#define FOLDER_FLAGS (O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+
+/* XXH64 (the xxHash specification's; Python's xxhash.xxh64 gives the same). */
+static const uint64_t P1 = 11400714785074694791ULL, P2 = 14029467366897019727ULL,
+                      P3 = 1609587929392839161ULL, P4 = 9650029242287828579ULL,
+                      P5 = 2870177450012600261ULL;
+
+static uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static uint64_t read64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i]; /* little-endian, any alignment */
+    return v;
+}
+
+static uint32_t read32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t xxh_round(uint64_t acc, uint64_t input) {
+    return rotl(acc + input * P2, 31) * P1;
+}
+
+static uint64_t xxh_merge(uint64_t acc, uint64_t value) {
+    return (acc ^ xxh_round(0, value)) * P1 + P4;
+}
+
+static uint64_t xxh64(const void *data, size_t len, uint64_t seed) {
+    const unsigned char *p = data, *end = p + len;
+    uint64_t h;
+    if (len >= 32) {
+        uint64_t v1 = seed + P1 + P2, v2 = seed + P2, v3 = seed, v4 = seed - P1;
+        for (; end - p >= 32; p += 32) {
+            v1 = xxh_round(v1, read64(p));
+            v2 = xxh_round(v2, read64(p + 8));
+            v3 = xxh_round(v3, read64(p + 16));
+            v4 = xxh_round(v4, read64(p + 24));
+        }
+        h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+        h = xxh_merge(xxh_merge(xxh_merge(xxh_merge(h, v1), v2), v3), v4);
+    } else {
+        h = seed + P5;
+    }
+    h += (uint64_t)len;
+    for (; end - p >= 8; p += 8) h = rotl(h ^ xxh_round(0, read64(p)), 27) * P1 + P4;
+    if (end - p >= 4) {
+        h = rotl(h ^ (uint64_t)read32(p) * P1, 23) * P2 + P3;
+        p += 4;
+    }
+    for (; p < end; p++) h = rotl(h ^ *p * P5, 11) * P1;
+    h ^= h >> 33;
+    h *= P2;
+    h ^= h >> 29;
+    h *= P3;
+    return h ^ (h >> 32);
+}
+
+static int by_bytes(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b); /* (unsigned, as bytes sort) */
+}
+
+static int by_number(const void *a, const void *b) {
+    gid_t x = *(const gid_t *)a, y = *(const gid_t *)b;
+    return (x > y) - (x < y);
+}
+
+static int unkeyed(const char *entry, size_t len) {
+    for (const char *name = OPCACHE_UNKEYED; *name; name += strlen(name) + 1)
+        if (strlen(name) == len && memcmp(entry, name, len) == 0) return 1;
+    return 0;
+}
+
+/* The memo's name, as quickhit.client_memo_name makes it (into name[34]): 0, or -1
+ * when this process's environment is not one the server would have named alike (a
+ * variable given twice, an entry without a name). */
+static int memo_name(char **line, const char *cwd, char *name) {
+    struct buf b = {0};
+    char text[PATH_MAX], ns[128];
+    int bad = 0;
+    ssize_t n = readlink("/proc/self/ns/mnt", ns, sizeof ns - 1);
+    if (n <= 0) return -1;
+    ns[n] = '\0';
+    mode_t mask = umask(0);
+    umask(mask);
+    bad |= put_str(&b, MEMO_FORMAT) | put_str(&b, OPCACHE_TAG) | put_str(&b, ns);
+    bad |= put_str(&b, cwd);
+    snprintf(text, sizeof text, "%o %u %u", (unsigned)mask, (unsigned)getuid(),
+             (unsigned)getgid());
+    bad |= put_str(&b, text);
+    int count = getgroups(0, NULL);
+    gid_t *groups = count >= 0 ? calloc((size_t)count + 1, sizeof *groups) : NULL;
+    if (groups == NULL || (count = getgroups(count, groups)) < 0) {
+        free(groups);
+        free(b.data);
+        return -1;
+    }
+    qsort(groups, (size_t)count, sizeof *groups, by_number);
+    for (int i = 0; i < count; i++) {
+        snprintf(text, sizeof text, i ? " %u" : "%u", (unsigned)groups[i]);
+        bad |= put(&b, text, strlen(text));
+    }
+    free(groups);
+    bad |= put(&b, "", 1);
+    struct utsname uts;
+    bad |= uname(&uts) != 0 || put_str(&b, uts.nodename);
+    int argc = 0;
+    while (line[argc] != NULL) argc++;
+    snprintf(text, sizeof text, "%d", argc);
+    bad |= put_str(&b, text);
+    for (int i = 0; i < argc; i++) bad |= put_str(&b, line[i]);
+    size_t vars = 0;
+    while (environ[vars] != NULL) vars++;
+    char **env = calloc(vars + 1, sizeof *env);
+    size_t kept = 0;
+    for (size_t i = 0; env != NULL && i < vars; i++) {
+        const char *eq = strchr(environ[i], '=');
+        if (eq == NULL || eq == environ[i]) bad = 1; /* (the server leaves it out) */
+        else if (!unkeyed(environ[i], (size_t)(eq - environ[i]))) env[kept++] = environ[i];
+    }
+    if (env != NULL) qsort(env, kept, sizeof *env, by_bytes);
+    for (size_t i = 0; env != NULL && i < kept; i++) {
+        size_t len = strcspn(env[i], "=") + 1;
+        if (i > 0 && strncmp(env[i - 1], env[i], len) == 0) bad = 1; /* given twice */
+        bad |= put_str(&b, env[i]);
+    }
+    free(env);
+    if (bad || env == NULL) {
+        free(b.data);
+        return -1;
+    }
+    /* (the fields joined by NULs: without the last one's) */
+    snprintf(name, 34, "c%016llx%016llx", (unsigned long long)xxh64(b.data, b.len - 1, 0),
+             (unsigned long long)xxh64(b.data, b.len - 1, 1));
+    free(b.data);
+    return 0;
+}
+
+/* A memo's field that is a number as Python's "%d" writes it: its value, or -1. */
+static long long number(const char *text) {
+    long long value = 0;
+    if (text[0] == '\0' || (text[0] == '0' && text[1] != '\0')) return -1;
+    for (const char *c = text; *c; c++) {
+        if (*c < '0' || *c > '9' || value > (LLONG_MAX - 9) / 10) return -1;
+        value = value * 10 + (*c - '0');
+    }
+    return value;
+}
+
+/* Whether a path's identity now is the 7 fields recorded (quickhit.identity's). */
+static int same_identity(const char *path, int follow, char **want) {
+    struct stat st;
+    char got[7][32];
+    if ((follow ? stat(path, &st) : lstat(path, &st)) != 0) {
+        snprintf(got[0], sizeof got[0], "%d", -(errno ? errno : 1));
+        for (int i = 1; i < 7; i++) strcpy(got[i], "0");
+    } else {
+        snprintf(got[0], sizeof got[0], "%llu", (unsigned long long)st.st_dev);
+        snprintf(got[1], sizeof got[1], "%llu", (unsigned long long)st.st_ino);
+        snprintf(got[2], sizeof got[2], "%u", (unsigned)st.st_mode);
+        snprintf(got[3], sizeof got[3], "%u", (unsigned)st.st_uid);
+        if (strcmp(want[4], NO_SIZE) == 0 && S_ISDIR(st.st_mode)) {
+            strcpy(got[4], NO_SIZE);
+            strcpy(got[5], "0");
+            strcpy(got[6], "0");
+        } else {
+            snprintf(got[4], sizeof got[4], "%lld", (long long)st.st_size);
+            snprintf(got[5], sizeof got[5], "%lld",
+                     (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
+            snprintf(got[6], sizeof got[6], "%lld",
+                     (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec);
+        }
+    }
+    for (int i = 0; i < 7; i++)
+        if (strcmp(got[i], want[i]) != 0) return 0;
+    return 1;
+}
+
+/* The folder at path if it is still the one recorded (its device and inode): -1 if not. */
+static int open_same(const char *path, const char *dev, const char *ino) {
+    int fd = open(path, FOLDER_FLAGS);
+    struct stat st;
+    char d[32], i[32];
+    if (fd < 0) return -1;
+    if (fstat(fd, &st) == 0) {
+        snprintf(d, sizeof d, "%llu", (unsigned long long)st.st_dev);
+        snprintf(i, sizeof i, "%llu", (unsigned long long)st.st_ino);
+        if (strcmp(d, dev) == 0 && strcmp(i, ino) == 0) return fd;
+    }
+    close(fd);
+    return -1;
+}
+
+/* Read a whole file (at most max bytes, else -1) from fd; its bytes and size. */
+static int read_whole(int fd, size_t max, char **data, size_t *size) {
+    struct buf b = {0};
+    char chunk[65536];
+    for (;;) {
+        ssize_t n = read(fd, chunk, sizeof chunk);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 || b.len + (size_t)n > max || put(&b, chunk, (size_t)n) != 0) {
+            free(b.data);
+            return -1;
+        }
+        if (n == 0) break;
+    }
+    *data = b.data;
+    *size = b.len;
+    return 0;
+}
+
+struct artifact {
+    char **at; /* its record's fields after the tag: target (or stream), name, size, xxh64 */
+    char *data;
+    size_t len;
+};
+
+/* The artifact of a record, read from the entry: regular, the size and xxh64 recorded. */
+static int read_artifact(int entry, struct artifact *a) {
+    long long size = number(a->at[2]);
+    char digest[17];
+    int fd = size < 0 ? -1 : openat(entry, a->at[1], READ_FLAGS);
+    struct stat st;
+    if (fd < 0) return -1;
+    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == size &&
+             read_whole(fd, (size_t)size, &a->data, &a->len) == 0 && a->len == (size_t)size;
+    close(fd);
+    if (!ok) return -1;
+    snprintf(digest, sizeof digest, "%016llx", (unsigned long long)xxh64(a->data, a->len, 0));
+    return strcmp(digest, a->at[3]) == 0 ? 0 : -1;
+}
+
+/* The hit's count: one line appended to the chip's counts (quickhit.Memo._count). */
+static int count(char **n) {
+    long long mode = number(n[3]);
+    int folder = mode < 0 || mode > 07777 ? -1 : open_same(n[0], n[1], n[2]);
+    if (folder < 0) return -1;
+    int flags = O_WRONLY | O_APPEND | READ_FLAGS, made = 0;
+    int fd = openat(folder, n[4], flags);
+    if (fd < 0 && errno == ENOENT) {
+        /* Made here, so its mode is set here: never another file's (a hard link). */
+        fd = openat(folder, n[4], flags | O_CREAT | O_EXCL, 0600);
+        made = 1;
+    }
+    close(folder);
+    if (fd < 0) return -1;
+    struct stat st;
+    size_t len = strlen(n[5]);
+    /* One link, and shared with a fold (CounterFiles takes it exclusively). */
+    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1 &&
+             st.st_size < (off_t)MAX_MEMO && flock(fd, LOCK_SH | LOCK_NB) == 0 &&
+             fstat(fd, &st) == 0 && st.st_nlink == 1 &&
+             (!made || (long long)(st.st_mode & 07777) == mode || fchmod(fd, (mode_t)mode) == 0) &&
+             write(fd, n[5], len) == (ssize_t)len;
+    close(fd);
+    return ok ? 0 : -1;
+}
+
+/* The entry's access, as a full hit stamps it (aging must see the use); a hint only. */
+static void stamp(int entry, const char *manifest, double every) {
+    struct timespec now;
+    struct stat st;
+    if (every < 0 || clock_gettime(CLOCK_REALTIME, &now) != 0 ||
+        fstatat(entry, manifest, &st, AT_SYMLINK_NOFOLLOW) != 0)
+        return;
+    double age = (double)(now.tv_sec - st.st_mtim.tv_sec) +
+                 (double)(now.tv_nsec - st.st_mtim.tv_nsec) / 1e9;
+    if (age < every) return;
+    struct timespec times[2] = {now, now};
+    if (utimensat(entry, manifest, times, AT_SYMLINK_NOFOLLOW) != 0 && errno == EPERM)
+        utimensat(entry, manifest, NULL, AT_SYMLINK_NOFOLLOW); /* (another's entry) */
+}
+
+static _Noreturn void fail(const char *path, const char *other) {
+    int error = errno;
+    if (path == NULL) fprintf(stderr, "opcache: error: %s\n", strerror(error));
+    else if (other == NULL) fprintf(stderr, "opcache: error: %s: %s\n", path, strerror(error));
+    else fprintf(stderr, "opcache: error: %s -> %s: %s\n", path, other, strerror(error));
+    exit(1);
+}
+
+/* Each output as the full path writes it: a new file (0666 less the umask) renamed
+ * over the target.  A Ctrl-C waits until none is half made. */
+static void write_outputs(struct artifact *outputs, size_t count_of) {
+    sigset_t block, held;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    sigprocmask(SIG_BLOCK, &block, &held);
+    for (size_t i = 0; i < count_of; i++) {
+        const char *target = outputs[i].at[0], *slash = strrchr(target, '/');
+        unsigned char noise[4] = {0};
+        char temp[PATH_MAX + 64];
+        if (slash == NULL || getrandom(noise, sizeof noise, 0) != (ssize_t)sizeof noise) {
+            errno = EINVAL;
+            fail(target, NULL);
+        }
+        snprintf(temp, sizeof temp, "%.*s/.opcache-wrap.%d.%02x%02x%02x%02x",
+                 (int)(slash - target), target, (int)getpid(), noise[0], noise[1], noise[2],
+                 noise[3]);
+        int fd = open(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+        if (fd < 0) fail(temp, NULL);
+        const char *data = outputs[i].data;
+        size_t left = outputs[i].len;
+        while (left > 0) {
+            ssize_t n = write(fd, data, left);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                int error = n < 0 ? errno : EIO;
+                close(fd);
+                unlink(temp);
+                errno = error;
+                fail(NULL, NULL);
+            }
+            data += n;
+            left -= (size_t)n;
+        }
+        if (close(fd) != 0 || rename(temp, target) != 0) {
+            int error = errno;
+            unlink(temp); /* (none left in the user's folder) */
+            errno = error;
+            fail(temp, target);
+        }
+    }
+    sigprocmask(SIG_SETMASK, &held, NULL);
+}
+
+/* The memo's hit, served here (exits), if the memo holds; else returns (nothing done). */
+static void serve_memo(const char *name) {
+    char path[PATH_MAX], *raw = NULL;
+    size_t size = 0;
+    int folder = open_folder(path, sizeof path), quick = -1, fd = -1;
+    struct stat st;
+    if (folder >= 0) {
+        quick = openat(folder, MEMO_FOLDER, FOLDER_FLAGS);
+        close(folder);
+    }
+    if (quick < 0) return;
+    if (fstat(quick, &st) == 0 && st.st_uid == getuid() && (st.st_mode & 077) == 0)
+        fd = openat(quick, name, READ_FLAGS);
+    close(quick);
+    if (fd < 0) return;
+    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == getuid() &&
+             st.st_size <= (off_t)MAX_MEMO && read_whole(fd, MAX_MEMO, &raw, &size) == 0;
+    close(fd);
+    if (!ok) return;
+    /* Its fields, split at the NULs (a memo holds no other NUL). */
+    size_t n = 1;
+    for (size_t i = 0; i < size; i++) n += raw[i] == '\0';
+    char **f = calloc(n + 1, sizeof *f), *text = malloc(size + 1);
+    if (f == NULL || text == NULL) return;
+    memcpy(text, raw, size);
+    text[size] = '\0';
+    free(raw);
+    f[0] = text;
+    for (size_t i = 0, k = 1; i < size; i++)
+        if (text[i] == '\0') f[k++] = text + i + 1;
+    if (strcmp(f[0], MEMO_FORMAT) != 0 || strcmp(f[n - 1], "end") != 0) return;
+    /* The records: checks (c), the entry (e), outputs (o), streams (s), counts (n). */
+    struct artifact *outputs = calloc(n, sizeof *outputs), *streams = calloc(n, sizeof *streams);
+    char ***checks = calloc(n, sizeof *checks), **entry = NULL, **counts = NULL;
+    size_t nc = 0, no = 0, ns = 0, end = n - 1;
+    if (outputs == NULL || streams == NULL || checks == NULL) return;
+    for (size_t at = 1; at < end;) {
+        const char *tag = f[at];
+        size_t width = strcmp(tag, "c") == 0   ? 10
+                       : strcmp(tag, "e") == 0 ? 6
+                       : strcmp(tag, "o") == 0 ? 5
+                       : strcmp(tag, "s") == 0 ? 5
+                       : strcmp(tag, "n") == 0 ? 7
+                                                : 0;
+        if (width == 0 || at + width > end) return;
+        char **rest = f + at + 1;
+        if (tag[0] == 'c') {
+            if (strcmp(rest[1], "0") != 0 && strcmp(rest[1], "1") != 0) return;
+            checks[nc++] = rest;
+        } else if (tag[0] == 'e') {
+            if (entry != NULL) return;
+            entry = rest;
+        } else if (tag[0] == 'o') {
+            if (rest[0][0] != '/') return;
+            outputs[no++].at = rest;
+        } else if (tag[0] == 's') {
+            if (strcmp(rest[0], "1") != 0 && strcmp(rest[0], "2") != 0) return;
+            streams[ns++].at = rest;
+        } else {
+            if (counts != NULL) return;
+            counts = rest;
+        }
+        at += width;
+    }
+    char *stop;
+    double every = entry != NULL ? strtod(entry[4], &stop) : 0;
+    if (no == 0 || entry == NULL || counts == NULL || *entry[4] == '\0' || *stop != '\0') return;
+    /* Everything that can be checked first, as quickhit.Memo.serve. */
+    for (size_t i = 0; i < nc; i++)
+        if (!same_identity(checks[i][0], checks[i][1][0] == '1', checks[i] + 2)) return;
+    int folder_fd = open_same(entry[0], entry[1], entry[2]);
+    if (folder_fd < 0) return;
+    for (size_t i = 0; i < no; i++)
+        if (read_artifact(folder_fd, &outputs[i]) != 0) goto miss;
+    for (size_t i = 0; i < ns; i++)
+        if (read_artifact(folder_fd, &streams[i]) != 0 ||
+            memmem(streams[i].data, streams[i].len, "\x1b[", 2) != NULL)
+            goto miss; /* (colour taken out where it cannot show: the full path's work) */
+    for (size_t i = 0; i < no; i++)
+        if (lstat(outputs[i].at[0], &st) == 0 ? !S_ISREG(st.st_mode) : errno != ENOENT)
+            goto miss; /* (the full path says why it is uncacheable) */
+    if (count(counts) != 0) goto miss;
+    /* Counted: from here on the run ends here, whatever fails (the full path's status). */
+    stamp(folder_fd, entry[3], every);
+    write_outputs(outputs, no);
+    signal(SIGPIPE, SIG_IGN); /* (a reader that left: 1, as the Python path's) */
+    for (int stream = 1; stream <= 2; stream++) {
+        for (size_t i = 0; i < ns; i++) {
+            const char *data = streams[i].data;
+            size_t left = streams[i].len;
+            if (streams[i].at[0][0] - '0' != stream) continue;
+            while (left > 0) {
+                ssize_t w = write(stream, data, left);
+                if (w < 0 && errno == EINTR) continue;
+                if (w < 0 && errno == EPIPE) exit(1);
+                if (w <= 0) fail(NULL, NULL);
+                data += w;
+                left -= (size_t)w;
+            }
+        }
+    }
+    exit(0);
+miss:
+    close(folder_fd);
+}
+
+#ifdef OPCACHE_TEST
+/* tests/test_client_memo.py's: `xxh64 SEED OFFSET` hashes stdin placed OFFSET bytes
+ * into a buffer; `name WORDS...` prints the memo name of that command line here. */
+int main(int argc, char **argv) {
+    char cwd[PATH_MAX], name[34], *data;
+    size_t len;
+    if (argc == 4 && strcmp(argv[1], "xxh64") == 0 && read_whole(0, 1u << 30, &data, &len) == 0) {
+        size_t offset = (size_t)atoi(argv[3]);
+        char *placed = malloc(len + offset + 1);
+        memcpy(placed + offset, data, len);
+        printf("%016llx\n", (unsigned long long)xxh64(placed + offset, len, strtoull(argv[2], NULL, 10)));
+        return 0;
+    }
+    if (argc >= 2 && strcmp(argv[1], "name") == 0 && getcwd(cwd, sizeof cwd) != NULL &&
+        memo_name(argv + 2, cwd, name) == 0) {
+        printf("%s\n", name);
+        return 0;
+    }
+    return 1;
+}
+#else
 int main(int argc, char **argv) {
     const char *name = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
     int masquerade = strcmp(name, "opcache-client") != 0;
@@ -392,6 +862,8 @@ int main(int argc, char **argv) {
     int served = masquerade || (argc > 1 && strcmp(argv[1], "wrap") == 0);
     for (int fd = 0; fd < 3; fd++) served = served && fcntl(fd, F_GETFD) >= 0;
     if (!served || getcwd(cwd, sizeof cwd) == NULL) run_opcache(line);
+    char memo[34];
+    if (memo_name(line, cwd, memo) == 0) serve_memo(memo); /* (returns: not served) */
     int start;
     pid_t server;
     int sock = connect_server(&start, folder, sizeof folder, &server);
@@ -408,3 +880,4 @@ int main(int argc, char **argv) {
     }
     run_opcache(line);
 }
+#endif

@@ -1,0 +1,288 @@
+"""The C client serves a quick hit itself, from the memo a server's worker wrote for it.
+
+The client computes the memo's name as ``quickhit.client_memo_name`` does,
+checks each recorded path as ``quickhit.Memo.serve`` does, and checks each
+artifact's xxh64: a hit it serves involves no server and no Python.  Here the
+server is stopped (its socket gone) before the client's own hit: a call the
+client does not serve runs the stand-in ``opcache`` (a ``wrap`` line in its
+log), which must then give the right object.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+from helpers_faults import NOBODY, requires_root
+from helpers_wrap import GCC, opcache, stats
+from test_server import COMPILE, WAIT, Served, alive, warmed
+
+from opcache import quickhit, quickmemo, server
+from opcache.counters import QUICK_COUNTS
+
+pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed to build the client")
+
+
+@pytest.fixture
+def served(tmp_path):
+    setup = Served(tmp_path)
+    yield setup
+    setup.stop()
+
+
+def quick_folder(served: Served) -> Path:
+    return served.folder / quickhit.FOLDER
+
+
+def client_memos(served: Served) -> list[Path]:
+    folder = quick_folder(served)
+    return sorted(folder.glob("c*")) if folder.is_dir() else []
+
+
+def appended(served: Served) -> int:
+    (root,) = (served.tmp / "cache").glob("kernel_cache*")
+    counts = root / ".opcache" / "stats" / "host" / QUICK_COUNTS
+    return len(counts.read_bytes().splitlines()) if counts.exists() else 0
+
+
+def memoized(served: Served, *args: str) -> bytes:
+    """A miss, then a full hit served by the server, whose worker writes the client's
+    memo; then the server is stopped and its socket removed.  The object's bytes."""
+    args = args or tuple(COMPILE)
+    warmed(served, *args)
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)  # (past the racy window: a memo may be written)
+    done = served.gcc(*args)
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + WAIT
+    while not client_memos(served) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the worker writes it once its reply is sent)
+    assert len(client_memos(served)) == 1
+    stop_server(served)
+    return (served.src / "k.o").read_bytes()
+
+
+def stop_server(served: Served) -> None:
+    pid = served.server_pid()
+    served.stop()
+    deadline = time.monotonic() + WAIT
+    while pid and alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    served.socket.unlink(missing_ok=True)
+
+
+def plain(served: Served, *args: str) -> bytes:
+    subprocess.run([GCC, *args, "-o", "plain.o"], cwd=served.src, check=True)
+    return (served.src / "plain.o").read_bytes()
+
+
+def test_the_client_alone_serves_the_hit_once_the_server_is_gone(served):
+    made = memoized(served)
+    before, starts = served.fallbacks(), served.starts.read_text()
+    (served.src / "k.o").unlink()
+
+    for number in (1, 2):
+        hit = served.gcc(*COMPILE)
+        assert (hit.returncode, hit.stdout, hit.stderr) == (0, b"", b"")
+        assert served.starts.read_text() == starts, "opcache or a server was started"
+        assert (served.src / "k.o").read_bytes() == made
+        assert appended(served) == number
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (served.src / "k.o").stat().st_mode & 0o777 == 0o666 & ~umask
+    host = stats(served.env, "host")
+    assert (host["misses"], host["hits"]) == (1, 3)  # (each hit counted once)
+    assert served.fallbacks() == before and not served.socket.exists()
+
+
+def test_a_warning_is_replayed_and_a_reader_that_left_ends_the_run_with_1(served):
+    """stderr a pipe nobody reads any more: the object in place, the hit counted once, 1
+    (as the Python path's quick hit ends)."""
+    (served.src / "k.c").write_text(
+        '#include "h.h"\nint scale(int x) { int unused; return x * FACTOR + OFFSET; }\n'
+    )
+    args = ["-Wall", *COMPILE]
+    made = memoized(served, *args)
+    alone = served.gcc(*args)
+    assert alone.returncode == 0 and b"unused" in alone.stderr
+    assert (served.fallbacks(), appended(served)) == (1, 1)
+    (served.src / "k.o").unlink()
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            ["gcc", *args],
+            env=served.env,
+            cwd=served.src,
+            stdout=subprocess.DEVNULL,
+            stderr=write,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert (served.fallbacks(), appended(served)) == (1, 2)
+    assert (served.src / "k.o").read_bytes() == made
+
+
+STALE = [
+    "header_edited_same_size_and_mtime",
+    "header_made_earlier_on_the_include_path",
+    "compiler_earlier_on_path",
+    "keyed_variable_changed",
+    "cleared",
+    "artifact_corrupted_same_size",
+    "ini_changed",
+]
+
+
+@pytest.mark.parametrize("case", STALE)
+def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case):
+    args = list(COMPILE)
+    env = dict(served.env)
+    if case == "header_made_earlier_on_the_include_path":
+        for name in ("A", "B"):
+            (served.src / name).mkdir()
+        (served.src / "h.h").rename(served.src / "B" / "h.h")
+        (served.src / "k.c").write_text(
+            "#include <h.h>\nint scale(int x) { return x * FACTOR + OFFSET; }\n"
+        )
+        args += ["-IA", "-IB"]
+    if case == "compiler_earlier_on_path":
+        extra = served.tmp / "extra"
+        extra.mkdir()
+        # (after the client's links: the compiler the masquerade wraps is the first after them)
+        served.env["PATH"] = served.env["PATH"].replace(
+            f"{served.links}{os.pathsep}", f"{served.links}{os.pathsep}{extra}{os.pathsep}"
+        )
+        env = dict(served.env)
+    memoized(served, *args)
+    (root,) = (served.tmp / "cache").glob("kernel_cache*")
+
+    if case == "header_edited_same_size_and_mtime":
+        header = served.src / "h.h"
+        before = header.stat()
+        header.write_text("#define FACTOR 5\n")  # (same size)
+        os.utime(header, ns=(before.st_atime_ns, before.st_mtime_ns))  # (ctime still moves)
+    elif case == "header_made_earlier_on_the_include_path":
+        (served.src / "A" / "h.h").write_text("#define FACTOR 7\n")
+    elif case == "compiler_earlier_on_path":
+        other = served.tmp / "extra" / "gcc"
+        other.write_text(f'#!/bin/sh\nexec {GCC} -DFACTOR_TWICE "$@"\n')
+        other.chmod(0o755)
+    elif case == "keyed_variable_changed":
+        env["CPATH"] = str(served.tmp)
+    elif case == "cleared":
+        opcache("clear", env=served.env, cwd=served.src)
+    elif case == "artifact_corrupted_same_size":
+        (artifact,) = root.glob("host/*/*/object")
+        data = bytearray(artifact.read_bytes())
+        data[-1] ^= 0xFF
+        artifact.chmod(0o644)
+        artifact.write_bytes(bytes(data))
+    elif case == "ini_changed":
+        ini = root / "op_cache.ini"
+        ini.write_text(ini.read_text() + "\n")
+
+    done = served.gcc(*args, env=env)
+    assert done.returncode == 0, done.stderr
+    assert served.fallbacks() == 2, "the client served a memo that does not hold"
+    assert appended(served) == 0
+    if case != "compiler_earlier_on_path":
+        compile_only = [arg for arg in args if arg not in ("-o", "k.o")]
+        assert (served.src / "k.o").read_bytes() == plain(served, *compile_only)
+
+
+def test_a_variable_the_name_leaves_out_changed_is_still_served(served):
+    made = memoized(served)
+    env = {**served.env, "MAKEFLAGS": " -j4 --jobserver-auth=fifo:/tmp/GMfifo1", "SHLVL": "9"}
+    assert served.gcc(*COMPILE, env=env).returncode == 0
+    assert (served.fallbacks(), appended(served)) == (1, 1)
+    assert (served.src / "k.o").read_bytes() == made
+
+
+def hostile(served: Served, case: str, memo: Path) -> None:
+    if case == "memo_a_link":
+        kept = memo.with_name("kept")
+        memo.rename(kept)
+        memo.symlink_to(kept)
+    elif case == "memo_a_fifo":
+        memo.unlink()
+        os.mkfifo(memo, 0o600)
+    elif case == "memo_another_user_s":
+        os.chown(memo, NOBODY, -1)
+    elif case == "quick_folder_group_writable":
+        quick_folder(served).chmod(0o770)
+    elif case == "runtime_folder_group_writable":
+        served.folder.chmod(0o770)
+
+
+HOSTILE = [
+    "memo_a_link",
+    "memo_a_fifo",
+    pytest.param("memo_another_user_s", marks=requires_root),
+    "quick_folder_group_writable",
+    "runtime_folder_group_writable",
+]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_planted_or_exposed_memo_is_never_read(served, case):
+    made = memoized(served)
+    (memo,) = client_memos(served)
+    hostile(served, case, memo)
+    (served.src / "k.o").unlink()
+
+    done = subprocess.run(
+        ["gcc", *COMPILE], env=served.env, cwd=served.src, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert served.fallbacks() == 2, "the client served a memo it must not read"
+    assert (served.src / "k.o").read_bytes() == made
+
+
+def test_python_s_xxh64_and_memo_name_are_the_client_s(tmp_path):
+    """The client's C, built for its tests, against Python's xxhash and quickhit."""
+    program = str(tmp_path / "opcache")
+    built = tmp_path / "client-test"
+    flags = ["-O2", "-Wno-unused-function", "-DOPCACHE_TEST", *server.client_defines(program)]
+    subprocess.run(
+        [GCC, *flags, "-o", built, str(server.CLIENT_SOURCE)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    for size in [*range(101), 1000, 100_000]:
+        data = os.urandom(size)
+        for seed in (0, 1):
+            for offset in (0, 3):  # (unaligned)
+                got = subprocess.run(
+                    [built, "xxh64", str(seed), str(offset)],
+                    input=data,
+                    capture_output=True,
+                    check=True,
+                ).stdout.strip()
+                assert got.decode() == xxhash.xxh64_hexdigest(data, seed=seed), (size, seed)
+
+    words = [program, "wrap", "--", "/usr/bin/gcc", "-c", "k.c", "-o", "k \u00e9.o"]
+    env = {
+        "PATH": os.environ["PATH"],
+        "CPATH": "/a=b",
+        "Z": "",
+        **{os.fsdecode(name): "changes" for name in quickhit.UNKEYED_ENVIRONMENT},
+    }
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for cwd in (tmp_path, Path("/")):
+        got = subprocess.run(
+            [built, "name", *words], env=env, cwd=cwd, capture_output=True, check=True
+        ).stdout.strip()
+        environb = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+        want = quickhit.client_memo_name(
+            server.client_tag(program), words, environb, os.fsencode(cwd), umask
+        )
+        assert got.decode() == want
