@@ -296,3 +296,36 @@ def test_an_artifact_that_does_not_compress_is_stored_in_the_stream_as_it_is() -
     assert value[5] == 1 and big["a.o"][:65_535] in value and big["a.o"][65_535:] in value
     assert zlib.decompress(value[6:-16])[-100_000:] == big["a.o"]
     assert unpack(KEY, value, 1 << 20)[0].files == big
+
+
+def test_a_hit_after_one_into_a_new_folder_makes_its_folder_before_opening(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A batch delivering into new out folders makes each first, rather than after
+    an open that fails for want of it (a system call per hit); a folder there
+    already, or one whose parents are missing, is delivered into as before."""
+    failed: list[str] = []
+    real_open = os.open
+
+    def opened(path, flags, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
+        try:
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+        except FileNotFoundError:
+            failed.append(str(path))
+            raise
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(flow, "_make_out_first", False)  # (as after a hit into a folder there)
+    files = {"a.json": b"{}", "a.o": b"\x7fELF"}
+    for i in range(3):
+        assert flow.deliver(tmp_path / f"op{i}", files) == {
+            name: tmp_path / f"op{i}" / name for name in files
+        }
+    (tmp_path / "there").mkdir()
+    (tmp_path / "there" / "a.o").write_bytes(b"old")
+    flow.deliver(tmp_path / "there", files)
+    flow.deliver(tmp_path / "deep" / "er", files)
+    for folder in ("op0", "op1", "op2", "there", "deep/er"):
+        assert {name: (tmp_path / folder / name).read_bytes() for name in files} == files
+    # Only the first new folder, and the one whose parent was missing, cost a failed open.
+    assert failed == [f"{tmp_path}/op0/a.json", f"{tmp_path}/deep/er/a.json"]
