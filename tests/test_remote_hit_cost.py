@@ -329,3 +329,45 @@ def test_a_hit_after_one_into_a_new_folder_makes_its_folder_before_opening(
         assert {name: (tmp_path / folder / name).read_bytes() for name in files} == files
     # Only the first new folder, and the one whose parent was missing, cost a failed open.
     assert failed == [f"{tmp_path}/op0/a.json", f"{tmp_path}/deep/er/a.json"]
+
+
+def test_a_private_cache_copies_remote_hits_without_setting_modes_again(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A private cache's files have the bits the open gave them (the umask's): no
+    fchmod per file of every copy; a group-shared cache still sets its bits
+    exactly, whatever the umask."""
+    from opcache import fsutil
+
+    fixed: list[int] = []  # the modes set on an entry's files
+    writing = [False]
+    real_fchmod, real_write_entry = os.fchmod, LocalStore._write_entry
+
+    def fchmod(fd: int, mode: int) -> None:
+        if writing[0]:
+            fixed.append(mode)
+        real_fchmod(fd, mode)
+
+    def write_entry(*args, **kwargs):  # type: ignore[no-untyped-def]
+        writing[0] = True
+        try:
+            return real_write_entry(*args, **kwargs)
+        finally:
+            writing[0] = False
+
+    monkeypatch.setattr(os, "fchmod", fchmod)
+    monkeypatch.setattr(LocalStore, "_write_entry", write_entry)
+    files = {"a.json": b"{}", "a.o": b"\x7fELF"}
+    entries = [
+        (f"{i:032x}", make_manifest(f"{i:032x}", files, 1.0, {}, 0.0), files) for i in (1, 2)
+    ]
+    private = LocalStore(tmp_path / "private")
+    assert private.put_many(SOC, entries, now=1000.0) == [len(m) + 6 for _, m, _ in entries]
+    assert fixed == []
+    for key, _, _ in entries:
+        for name in ("a.json", "a.o", "MANIFEST"):
+            mode = (private.entry_dir(SOC, key) / name).stat().st_mode & 0o777
+            assert mode == fsutil.PRIVATE.file_bits
+    shared = LocalStore(tmp_path / "shared", modes=fsutil.group_shared(os.getgid()))
+    shared.put_many(SOC, entries, now=1000.0)
+    assert fixed == [0o660] * 6

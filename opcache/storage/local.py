@@ -604,11 +604,16 @@ class LocalStore:
     ) -> int:
         """Write an entry's files into the new folder open as ``dir_fd``; its bytes."""
         file_mode = self.modes.file_bits
+        # Exact in a group-shared cache, whatever the umask; a private one's are
+        # the umask's, as the open made them (a system call a file, a sixth of a
+        # remote hit's copy).
+        exact = self.modes.group is not None
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         for name, data in (*files.items(), (MANIFEST, manifest)):
             fd = os.open(name, flags, file_mode, dir_fd=dir_fd)
             try:
-                os.fchmod(fd, file_mode)  # exact in a group-shared cache
+                if exact:
+                    os.fchmod(fd, file_mode)
                 write_all(fd, data)  # (not a file object: its fstat, ioctl and lseek)
             finally:
                 os.close(fd)
