@@ -102,6 +102,7 @@ class RemoteTier:
         # release, where an Event's set runs a Condition's Python).
         self._wake = _thread.allocate_lock()
         self._stopping = False
+        self._unwoken = False  # copies waiting for their caller's copy_pending
         self._copied: threading.Condition | None = None  # (on _mutex) no copy pending
         self._remote: Remote | None = None
         self._backoff = Backoff("the remote cache")
@@ -231,17 +232,20 @@ class RemoteTier:
                 self._start_copier()
             if wake:
                 self._signal()
+            else:
+                self._unwoken = True
         return hits
 
     def copy_pending(self) -> None:
         """Wake the copier for the copies ``backfill_later(wake=False)`` left to make."""
         with self._mutex:
-            if self._backfills and self._copier_pid == os.getpid():
+            if self._unwoken and self._copier_pid == os.getpid():
                 self._signal()
 
     def _signal(self) -> None:
         """Wake the copier (``_mutex`` held: ``_wake`` is released only under it, so
         it cannot be released by another between the check and the release)."""
+        self._unwoken = False
         if self._wake.locked():  # (else a wake is pending already)
             self._wake.release()
 
@@ -304,7 +308,8 @@ class RemoteTier:
         """Return once the local copies of the remote hits served so far are made."""
         if self._copied is not None and self._copier_pid == os.getpid():
             with self._copied:
-                self._signal()  # (copies a batch left to make after its deliveries)
+                if self._unwoken:  # (copies a batch left to make after its deliveries)
+                    self._signal()
                 self._copied.wait_for(lambda: not self._backfills)
 
     def _stop_copier(self) -> None:
