@@ -139,6 +139,16 @@ def count_line(saved: float) -> bytes:
     return b"hits=1 time_saved_seconds=%r\n" % saved
 
 
+def opcache_files() -> list[str]:
+    """The files of opcache's modules loaded here: a memo checks them (an upgrade, or an
+    edit, makes every memo miss), a server too (it ends when they change)."""
+    return sorted(
+        module.__file__
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] == "opcache" and getattr(module, "__file__", None)
+    )
+
+
 # -- the quick path ------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from .quickhit import (
     count_line,
     identity,
     memo_name,
+    opcache_files,
     open_own_folder,
     open_same,
     runtime_folder,
@@ -248,7 +249,7 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     racy = int((started - RACY_SECONDS) * 1e9)
     remote = _nonlocal_devices(_mount_table())
     fields: list[bytes] = []
-    looked = [(path, follow, None) for path, follow in _opcache_files()]
+    looked = [(path, True, None) for path in opcache_files()]
     looked += [(path, follow, seen) for (path, follow), seen in recorder.looked.items()]
     for path, follow, seen in looked:
         full = os.path.abspath(path)
@@ -337,15 +338,6 @@ def _nonlocal_devices(mountinfo: str) -> set[int]:
 
 def _under(path: str, folders: Iterable[str]) -> bool:
     return any(path.startswith(folder + "/") for folder in folders)
-
-
-def _opcache_files() -> list[tuple[str, bool]]:
-    """opcache's own modules: an upgrade (or an edit) makes every memo miss."""
-    return sorted(
-        (module.__file__, True)
-        for name, module in list(sys.modules.items())
-        if name.split(".")[0] == "opcache" and getattr(module, "__file__", None)
-    )
 
 
 def client_memo(memo: bytes) -> bytes | None:

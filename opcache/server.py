@@ -35,7 +35,6 @@ import re
 import select
 import signal
 import socket
-import stat
 import struct
 import sys
 import threading
@@ -43,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import __version__, _log, fsutil, quickhit, quickmemo, stats, trust
+from . import __version__, _log, fsutil, quickhit, quickmemo, stats
 from ._log import get_logger
 from .key import digest
 from .masquerade import find_compiler
@@ -68,11 +67,6 @@ CALLS_PER_WORKER = 500  # then a fresh one: whatever a call leaks is bounded
 _IDLE, _BUSY, _UPGRADED = 0, 1, 2  # what a worker tells the server
 _stale: list[bool] = []  # opcache's files changed since this process loaded them
 _hooked: list[bool] = []  # the audit hook is installed (once a process: it cannot be removed)
-
-
-def socket_folder(environ: Mapping[str, str]) -> str:
-    """The folder of this user's server sockets (the client's rule, in its C)."""
-    return quickhit.runtime_folder(environ)
 
 
 def client_tag(program: str) -> str:
@@ -149,7 +143,7 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
     folder, name = os.path.split(os.path.abspath(socket_path))
     if not name.endswith(".sock") or "/" in name:
         raise OSError(f"{socket_path}: a server's socket is named <tag>.sock")
-    dir_fd = _own_folder(folder)
+    dir_fd = quickhit.open_own_folder(folder, True)  # (a folder another user made first: refused)
     lock = os.open(
         name[:-5] + ".lock",
         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -221,25 +215,6 @@ def _reaped() -> set[int]:
     return ended
 
 
-def _own_folder(folder: str) -> int:
-    """The socket folder, made 0700 if missing, opened without following a link.
-
-    Refused (trust.UntrustedFolder) unless it is this user's and no one else
-    can enter it: a folder another user made first must not get our socket.
-    """
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(folder, 0o700)
-    fd = os.open(folder, fsutil.DIR_FLAGS)
-    st = os.fstat(fd)
-    reason = trust.problem(st, fsutil.PRIVATE)
-    if reason is None and (st.st_uid != os.getuid() or st.st_mode & 0o077):
-        reason = f"not yours alone (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
-    if reason is not None:
-        os.close(fd)
-        raise trust.UntrustedFolder(f"{folder} is {reason}")
-    return fd
-
-
 _PR_SET_PDEATHSIG = 1
 
 
@@ -275,15 +250,14 @@ def _warm_up() -> dict[str, tuple[int, int, int]]:
 
 
 def _opcache_files() -> dict[str, tuple[int, int, int]]:
+    """opcache's files as loaded, each with its identity now (an upgrade changes them)."""
     files = {}
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None) or ""
-        if getattr(module, "__name__", "").split(".")[0] == "opcache" and path:
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            files[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    for path in quickhit.opcache_files():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        files[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
     return files
 
 

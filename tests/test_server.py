@@ -26,7 +26,7 @@ from fake_opc import base_env
 from helpers_faults import IS_ROOT, NEEDS_ROOT, NOBODY
 from helpers_wrap import GCC, K_C, lines, link_compilers, opcache, stats, wrap, write_project
 
-from opcache import quickmemo, server
+from opcache import quickhit, quickmemo, server
 from opcache.counters import QUICK_COUNTS
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed to build the client")
@@ -64,7 +64,7 @@ class Served:
         self.client = server.build_client(self.links, str(self.program), self.env)
         link_compilers(self.links, self.client, "gcc")
         self.env["PATH"] = f"{self.links}{os.pathsep}{self.env['PATH']}"
-        self.folder = Path(server.socket_folder(self.env))
+        self.folder = Path(quickhit.runtime_folder(self.env))
         self.socket = self.folder / f"{server.client_tag(str(self.program))}.sock"
         self.src = write_project(tmp_path / "src")
 
