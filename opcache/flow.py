@@ -49,6 +49,10 @@ _EUID = os.geteuid()
 # (a system call, a sixth of delivering a batch's 4 KB hit into new folders).
 # Only an order of system calls: each file is still opened as _open_own says.
 _make_out_first = False
+# Whether the last file a hit delivered was there already (hits into the out
+# folder of earlier ones): the next is opened as one that is there, checked,
+# and written over, without an open that fails to make it first.
+_files_there = False
 # Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>, locked while they run.
 _BUILD_LABEL = ".opcache-build"
 
@@ -445,11 +449,11 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
         if opened is None:
             others[name] = data
             continue
-        fd, made = opened
+        fd, held = opened
         try:
-            if not made:
-                os.ftruncate(fd, 0)
             write_all(fd, data)
+            if held > len(data):  # (the rest of the bytes it held)
+                os.ftruncate(fd, len(data))
         finally:
             os.close(fd)
         paths[name] = out / name
@@ -458,21 +462,25 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     return paths
 
 
-def _open_own(out: Path, path: str) -> tuple[int, bool] | None:
-    """(``path``, a file of ``out``, open for writing, whether it was made now) if it
-    was free or is this user's own file with no other name, else None."""
-    global _make_out_first
+def _open_own(out: Path, path: str) -> tuple[int, int] | None:
+    """(``path``, a file of ``out``, open for writing, the bytes it held) if it was
+    free or is this user's own file with no other name, else None."""
+    global _make_out_first, _files_there
     # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
     try:
         try:
-            # A file made now is ours, plain and empty: nothing to check or truncate.
-            return os.open(path, _NEW_FLAGS, 0o666), True
+            if _files_there:  # (the last hit's files were there: likely this one's too)
+                fd = os.open(path, _OUT_FLAGS, 0o666)
+            else:
+                # A file made now is ours, plain and empty: nothing to check.
+                return os.open(path, _NEW_FLAGS, 0o666), 0
         except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
             out.mkdir(parents=True, exist_ok=True)
-            _make_out_first = True
-            return os.open(path, _NEW_FLAGS, 0o666), True
+            _make_out_first, _files_there = True, False
+            return os.open(path, _NEW_FLAGS, 0o666), 0
         except FileExistsError:
             fd = os.open(path, _OUT_FLAGS, 0o666)
+            _files_there = True
     except OSError as e:
         # A link; a FIFO nobody reads; a file we may not write (a rename still replaces it).
         if e.errno in (errno.ELOOP, errno.ENXIO, errno.EACCES, errno.EEXIST):
@@ -480,7 +488,9 @@ def _open_own(out: Path, path: str) -> tuple[int, bool] | None:
         raise
     st = os.fstat(fd)
     if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == _EUID:
-        return fd, False
+        if not st.st_size:
+            _files_there = False  # (made now, most likely: new files again)
+        return fd, st.st_size
     os.close(fd)
     return None
 

@@ -319,6 +319,7 @@ def test_a_hit_after_one_into_a_new_folder_makes_its_folder_before_opening(
 
     monkeypatch.setattr(os, "open", opened)
     monkeypatch.setattr(flow, "_make_out_first", False)  # (as after a hit into a folder there)
+    monkeypatch.setattr(flow, "_files_there", False, raising=False)
     files = {"a.json": b"{}", "a.o": b"\x7fELF"}
     for i in range(3):
         assert flow.deliver(tmp_path / f"op{i}", files) == {
@@ -374,3 +375,54 @@ def test_a_private_cache_copies_remote_hits_without_setting_modes_again(
     shared = LocalStore(tmp_path / "shared", modes=fsutil.group_shared(os.getgid()))
     shared.put_many(SOC, entries, now=1000.0)
     assert fixed == [0o660] * 6
+
+
+def test_hits_into_an_out_folder_holding_their_files_write_over_them_checked(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """After a hit whose files were there, the next opens its files as ones that are
+    there (no open that fails to make them first) and truncates only what is
+    left past the new bytes; a link or a file with another name put there
+    meanwhile is still replaced, never written through."""
+    calls: list[str] = []
+    real_open, real_ftruncate = os.open, os.ftruncate
+
+    def opened(path, flags, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
+        try:
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+        except FileExistsError:
+            calls.append("open failed")
+            raise
+
+    def ftruncate(fd: int, length: int) -> None:
+        calls.append(f"ftruncate {length}")
+        real_ftruncate(fd, length)
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    monkeypatch.setattr(flow, "_files_there", False, raising=False)
+    out = tmp_path / "out"
+    files = {"a.json": b"{}" * 10, "a.o": b"\x7fELF" * 10}
+    flow.deliver(out, files)
+    flow.deliver(out, files)  # the files made by the first: the first file tried as new
+    assert calls == ["open failed"]
+    calls.clear()
+    flow.deliver(out, files)  # now opened as there at once; the same sizes: nothing truncated
+    shorter = {"a.json": b"{}", "a.o": b"\x7fELF" * 20}
+    flow.deliver(out, shorter)
+    assert calls == ["ftruncate 2"]
+    assert {name: (out / name).read_bytes() for name in files} == shorter
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not yours")
+    (out / "a.o").unlink()
+    (out / "a.o").symlink_to(outside)
+    os.link(outside, tmp_path / "linked")
+    (out / "a.json").unlink()
+    os.link(tmp_path / "linked", out / "a.json")  # a file with other names
+    flow.deliver(out, files)
+    assert outside.read_bytes() == b"not yours"
+    assert not (out / "a.o").is_symlink() and (out / "a.json").stat().st_nlink == 1
+    assert {name: (out / name).read_bytes() for name in files} == files
+    new = tmp_path / "new" / "deeper"  # then a folder not there, nor its parent
+    assert flow.deliver(new, files) == {name: new / name for name in files}
+    assert {name: (new / name).read_bytes() for name in files} == files
