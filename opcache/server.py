@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-PROTOCOL = b"opcache-serve 3"
+PROTOCOL = b"opcache-serve 4"
 TAKEN = b"T"  # a worker's first word on a call, with its pid: the client sends it only then
 ALIVE = b"."  # then, until the reply: a client that hears none for 10 s kills the worker
 ALIVE_SECONDS = 1.0
@@ -285,6 +285,7 @@ def _work(
         signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDWR)
     stats.defer_writes()
+    alive = _Alive()
     for _ in range(CALLS_PER_WORKER):
         _die_with_the_server(True, server)
         try:
@@ -299,17 +300,14 @@ def _work(
         except OSError:  # the client waited too long and runs opcache itself: no call
             reply = b""
         else:
-            done = threading.Event()
-            alive = threading.Thread(target=_say_alive, args=(conn, done), daemon=True)
-            alive.start()
+            alive.call = (conn, time.monotonic())
             try:
                 reply = _answer(conn, files, program, tag)
             except BaseException as e:  # the client runs opcache itself: it says what is wrong
                 log.debug("opcache server: call dropped: %r", e)
                 os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
             finally:
-                done.set()
-            alive.join()  # (its bytes come before the reply, never inside it)
+                alive.end()  # (its bytes come before the reply, never inside it)
         try:
             conn.settimeout(None)
             conn.sendall(reply)
@@ -331,13 +329,32 @@ def _work(
     os._exit(0)
 
 
-def _say_alive(conn: socket.socket, done: threading.Event) -> None:
-    """Until ``done``: tell the client this worker still runs its call (it kills a silent one)."""
-    while not done.wait(ALIVE_SECONDS):
-        try:
-            conn.sendall(ALIVE)
-        except OSError:
-            return
+class _Alive:
+    """A worker's one thread that tells the client of a call running for a second or more,
+    about once a second, that it still runs (the client kills a silent worker).  One per
+    worker, not per call: a thread started and joined at every call cost each its CPU."""
+
+    def __init__(self) -> None:
+        self.call: tuple[socket.socket, float] | None = None  # the connection, since when
+        self._sending = threading.Lock()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def end(self) -> None:
+        """The call is over: once this returns, nothing more is sent on its connection."""
+        with self._sending:
+            self.call = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(ALIVE_SECONDS)
+            with self._sending:
+                call = self.call
+                if call is None or time.monotonic() - call[1] < ALIVE_SECONDS:
+                    continue
+                try:
+                    call[0].sendall(ALIVE)
+                except OSError:
+                    self.call = None  # (the client left: nothing more to tell it)
 
 
 def _die_with_the_server(die: bool, server: int = 0) -> None:
@@ -364,9 +381,15 @@ def _answer(
         if _opcache_files() != files:  # an upgrade: the modules here are old (_work ends)
             _stale.append(True)
             return b"N"
-        umask, cwd, argc = int(fields[1], 8), fields[2], int(fields[3])
-        argv, env = fields[4 : 4 + argc], fields[4 + argc : -1]
-        return _serve(pid, argv, env, cwd, umask, fds, program, tag)
+        # (a client that found no memo of its own that holds wants one: "1")
+        wants_memo, umask, cwd, argc = (
+            fields[1] == b"1",
+            int(fields[2], 8),
+            fields[3],
+            int(fields[4]),
+        )
+        argv, env = fields[5 : 5 + argc], fields[5 + argc : -1]
+        return _serve(pid, argv, env, cwd, umask, fds, program, tag if wants_memo else None)
     finally:
         for fd in fds:
             if fd > 2:
@@ -408,9 +431,12 @@ def _serve(
     umask: int,
     fds: list[int],
     program: Callable[[list[str]], int],
-    tag: str,
+    tag: str | None,
 ) -> bytes:
-    """Become the client and run its command line: the reply (served, or b"N")."""
+    """Become the client and run its command line: the reply (served, or b"N").
+
+    ``tag``: the client's, when it wants its memo (``quickmemo.client_memo``) of this call.
+    """
     import atexit
     import logging
 
@@ -457,7 +483,7 @@ def _serve(
         sys.stderr.flush()
     except wrap.NotServed:
         return b"N"
-    if status == 0 and quickhit.last_memo:
+    if status == 0 and quickhit.last_memo and tag is not None:
         # The C client serves the next such call itself (written once the reply is sent).
         name = quickhit.client_memo_name(tag, sys.argv, os.environb, os.getcwdb(), umask)
         folder = quickhit.runtime_folder(os.environ)

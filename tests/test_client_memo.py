@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 import xxhash
 from helpers_faults import NOBODY, requires_root
 from helpers_wrap import GCC, opcache, stats
-from test_server import COMPILE, WAIT, Served, alive, warmed
+from test_server import COMPILE, EXECVE_LIST, WAIT, Served, alive, counted, warmed
 
 from opcache import quickhit, quickmemo, server
 from opcache.counters import QUICK_COUNTS
@@ -286,3 +287,29 @@ def test_python_s_xxh64_and_memo_name_are_the_client_s(tmp_path):
             server.client_tag(program), words, environb, os.fsencode(cwd), umask
         )
         assert got.decode() == want
+
+
+def test_a_client_that_cannot_name_its_memo_gets_none_written(served):
+    """A variable given twice: the server keeps its first, the client cannot tell its memo's
+    name as the server would; it does not serve, and asks for no memo, so the server's
+    worker writes none (its work would be lost at every call)."""
+    warmed(served, *COMPILE)
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)
+    launcher = served.tmp / "execve_list.py"
+    launcher.write_text(EXECVE_LIST)
+    twice = ["TWICE=1", "TWICE=2"]
+    for number in (1, 2):  # a full hit in a worker, which writes the Python memo; its quick hit
+        done = subprocess.run(
+            [sys.executable, launcher, *twice, "--", served.links / "gcc", *COMPILE],
+            env=served.env,
+            cwd=served.src,
+            capture_output=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        counted(served.env, "hits", number)
+    assert served.fallbacks() == 1  # (both served by the server)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        assert client_memos(served) == []
+        time.sleep(0.1)

@@ -42,7 +42,7 @@
 #error "build with -DOPCACHE_PROGRAM=... -DOPCACHE_TAG=... -DOPCACHE_UNKEYED=... (opcache masquerade --client)"
 #endif
 
-#define PROTOCOL "opcache-serve 3"
+#define PROTOCOL "opcache-serve 4"
 #define MAX_REPLY (64u << 20)
 /* How long a server may take to connect and to take a call (a worker's "taken"
  * byte) before opcache runs itself: a stopped or wedged server (SIGSTOP, a
@@ -290,14 +290,16 @@ static void end_worker(int pidfd) {
     }
 }
 
-static int send_request(int sock, char **line, const char *cwd) {
+/* The call: "1" when this client wants its memo of it (it found none that holds), the
+ * umask, the folder, the command line and the environment; stdin, stdout, stderr. */
+static int send_request(int sock, char **line, const char *cwd, int wants_memo) {
     struct buf b = {0};
     char number[32];
     mode_t mask = umask(0);
     umask(mask);
     int argc = 0;
     while (line[argc] != NULL) argc++;
-    int bad = put_str(&b, PROTOCOL);
+    int bad = put_str(&b, PROTOCOL) | put_str(&b, wants_memo ? "1" : "0");
     snprintf(number, sizeof number, "%o", (unsigned)mask);
     bad |= put_str(&b, number) | put_str(&b, cwd);
     snprintf(number, sizeof number, "%d", argc);
@@ -863,7 +865,8 @@ int main(int argc, char **argv) {
     for (int fd = 0; fd < 3; fd++) served = served && fcntl(fd, F_GETFD) >= 0;
     if (!served || getcwd(cwd, sizeof cwd) == NULL) run_opcache(line);
     char memo[34];
-    if (memo_name(line, cwd, memo) == 0) serve_memo(memo); /* (returns: not served) */
+    int wants_memo = memo_name(line, cwd, memo) == 0;
+    if (wants_memo) serve_memo(memo); /* (returns: not served) */
     int start;
     pid_t server;
     int sock = connect_server(&start, folder, sizeof folder, &server);
@@ -874,7 +877,7 @@ int main(int argc, char **argv) {
     struct buf reply = {0};
     pid_t worker = taken(sock);
     int pidfd = hold_worker(worker, server);
-    if (worker > 0 && send_request(sock, line, cwd) == 0 && read_reply(sock, &reply, pidfd) == 0) {
+    if (worker > 0 && send_request(sock, line, cwd, wants_memo) == 0 && read_reply(sock, &reply, pidfd) == 0) {
         int status = replay(&reply);
         if (status >= 0) return status;
     }
