@@ -1137,6 +1137,10 @@ def _plan_cc(
         # Debug info, dependency files and __FILE__ name the headers where they
         # were found (the same contents in another folder is another object).
         attrs["header_paths"] = inputs.paths
+    if want_deps and not has_target:
+        # The dependency file names the object as its target (-MT output below):
+        # another -o of the same compile is another file (ccache keys it too).
+        attrs["dep_target"] = output
     if debug or want_deps:
         # Debug info and dependency files name folders: the key must too.  Under
         # base_dir the paths are relative, and debug info names the folder ".".

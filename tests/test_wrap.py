@@ -440,6 +440,19 @@ def test_cc_dependency_file_is_restored(csrc, tmp_path):
     assert (src / "k.o").read_bytes() == (plain / "k.o").read_bytes()
 
 
+def test_cc_dependency_file_names_this_compiles_object(csrc):
+    """Two -o of one compile: each dependency file names its own object (make reads it)."""
+    env, src = csrc
+    for folder in ("a", "b"):
+        (src / folder).mkdir()
+        wrap("gcc", "-MD", "-DOFFSET=1", "-c", "k.c", "-o", f"{folder}/k.o", env=env, cwd=src)
+        assert (src / folder / "k.d").read_text().startswith(f"{folder}/k.o:")
+    (src / "b" / "k.d").unlink()
+    wrap("gcc", "-MD", "-DOFFSET=1", "-c", "k.c", "-o", "b/k.o", env=env, cwd=src)
+    assert (src / "b" / "k.d").read_text().startswith("b/k.o:")
+    assert host(env)["hits"] == 1
+
+
 def test_cc_mmd_with_mf_and_mt(csrc):
     env, src = csrc
     cmd = ["gcc", "-MMD", "-MF", "deps/k.dep", "-MT", "obj/k.o", "-DOFFSET=1"]
@@ -590,6 +603,20 @@ def test_cc_paths_with_spaces_dollars_and_hashes_are_cached(csrc, tmp_path):
         wrap(*cmd, env=env, cwd=src)
     assert (host(env)["misses"], host(env)["hits"]) == (3, 1)
     assert stats(env)["uncacheable"] == 0
+
+
+def test_cc_words_and_folders_that_are_not_utf8_are_cached(csrc, tmp_path):
+    """A byte that is no UTF-8 in a -D value or the folder's name: the compile is gcc's,
+    and another such byte is another key."""
+    env, _ = csrc
+    src = Path(os.fsdecode(bytes(tmp_path) + b"/dir\xff"))
+    shutil.copytree(csrc[1], src)
+    for value in (b"\xff", b"\xfe", b"\xff"):
+        define = os.fsdecode(b'-DNAME="' + value + b'"')
+        wrap("gcc", "-g", define, "-DOFFSET=1", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+        plain_gcc(src, "-g", define, "-DOFFSET=1", "-c", "k.c", "-o", "plain.o")
+        assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
+    assert (host(env)["misses"], host(env)["hits"]) == (2, 1)
 
 
 def test_uncacheable_command_keeps_its_exit_status(csrc):
