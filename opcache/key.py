@@ -41,7 +41,10 @@ def canonical_json(value: Any) -> bytes:
     """
     _check_keys(value)
     try:
-        return _ENCODER.encode(value).encode()
+        # A word that is not UTF-8 (a byte 0xff in a -D value or a folder's name reaches
+        # Python as "\udcff") is written as JSON's escape of it, "\\udcff": still
+        # JSON (a manifest holds it) and no other word's bytes.
+        return _ENCODER.encode(value).encode("utf-8", "backslashreplace")
     except (TypeError, ValueError) as e:
         raise TypeError(f"an OpRequest field is not JSON data: {e}") from None
 
