@@ -11,6 +11,7 @@ log), which must then give the right object.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -313,3 +314,23 @@ def test_a_client_that_cannot_name_its_memo_gets_none_written(served):
     while time.monotonic() < deadline:
         assert client_memos(served) == []
         time.sleep(0.1)
+
+
+def test_an_output_folder_gone_after_the_memo_counts_once_and_fails_as_the_python_path(served):
+    """-MF into a folder removed since: the client counts the hit, then cannot write the
+    depfile: one error line, 1, no second count and no call of opcache or the server."""
+    (served.src / "deps").mkdir()
+    args = [*COMPILE, "-MD", "-MF", "deps/k.d"]
+    memoized(served, *args)
+    shutil.rmtree(served.src / "deps")
+    (served.src / "k.o").unlink()
+    starts = served.starts.read_text()
+
+    done = served.gcc(*args)
+    assert done.returncode == 1
+    assert done.stderr.count(b"opcache: error:") == 1, done.stderr
+    assert b"opcache: error: %s/deps/" % os.fsencode(served.src) in done.stderr
+    assert served.starts.read_text() == starts
+    assert appended(served) == 1
+    assert stats(served.env, "host")["hits"] == 2
+    assert sorted(p.name for p in served.src.iterdir()) == ["h.h", "k.c", "k.o"]
