@@ -299,6 +299,18 @@ def test_an_artifact_that_does_not_compress_is_stored_in_the_stream_as_it_is() -
     assert value[5] == 1 and big["a.o"][:65_535] in value and big["a.o"][65_535:] in value
     assert zlib.decompress(value[6:-16])[-100_000:] == big["a.o"]
     assert unpack(KEY, value, 1 << 20)[0].files == big
+    # A part deflated after a stored one may refer back into it (its bytes are in
+    # the reader's window too); one after a big part given up on samples may not.
+    noise = os.urandom(3000)
+    for twice in (
+        {"a.json": b" " * 2000, "b.o": noise, "c.o": noise},
+        {"a.json": b" " * 2000, "b.o": os.urandom(40_000), "c.o": b"x" * 9000 + noise[:99]},
+    ):
+        manifest = make_manifest(KEY, twice, 1.0, {}, 0.0)
+        value = pack(KEY, manifest, twice)
+        assert value[5] == 1
+        assert unpack(KEY, value, 1 << 20)[0].files == twice
+    assert len(pack(KEY, make_manifest(KEY, twice, 1.0, {}, 0.0), twice)) < 41_000
 
 
 def test_a_hit_after_one_into_a_new_folder_makes_its_folder_before_opening(

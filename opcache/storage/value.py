@@ -38,7 +38,6 @@ _HEAD = struct.Struct(">4sBB")
 _LENGTH = struct.Struct(">I")
 _CHECK = 16  # bytes of XXH3-128
 _COMPRESS_FROM = 1024  # a smaller payload is kept as it is
-_DEFLATE_FROM = 64  # a smaller part is stored: deflating it saves less than its flush costs
 _SAMPLE = 4096  # bytes a big part's compressibility is estimated on, twice
 # The zlib stream's own framing (RFC 1950/1951): its header (deflate, 32 KB
 # window, "fastest"), a stored block's header (not the last; its length and
@@ -73,67 +72,67 @@ def pack(key: str, manifest: bytes, files: dict[str, bytes]) -> bytes:
 def _compressed(parts: list[bytes]) -> bytes | None:
     """``parts`` joined as one zlib stream, or None when that would not save a tenth.
 
-    Each part is deflated on its own where that saves a tenth (``_deflated``),
-    else written in stored blocks, which inflating only copies: an artifact of
-    random bytes beside a json of spaces was inflated whole, at a tenth of a
-    remote hit.  Any zlib reader reads the stream (the readers of every
-    release before this one too).
+    Each part is deflated where that saves a tenth, else written in stored
+    blocks, which inflating only copies: an artifact of random bytes beside a
+    json of spaces was inflated whole, at a tenth of a remote hit.  Any zlib
+    reader reads the stream (the readers of every release before this one too).
+
+    One deflater sees the parts in turn, each ending on a byte (a sync flush):
+    a part whose blocks do not save a tenth is written stored instead, and
+    its bytes are in the reader's window as in the deflater's, so what follows
+    may still refer back to them.  A big part given up on samples is not seen
+    by it: the next part starts a deflater of its own.
     """
     size = sum(map(len, parts))
     if size < _COMPRESS_FROM:
         return None
-    out = [_ZLIB_HEADER]
-    stored: list[bytes] = []  # parts kept as they are, written as one run
-    check = 1  # (adler32's start)
-    for part in parts:
-        check = zlib.adler32(part, check)
-        deflated = _deflated(part)
-        if deflated is None:
-            stored.append(part)
-            continue
-        if stored:
-            out.append(_stored_blocks(b"".join(stored)))
-            stored.clear()
-        out.append(deflated)
-    if stored:
-        out.append(_stored_blocks(b"".join(stored)))
-    out += [_LAST_BLOCK, _ADLER.pack(check)]
-    stream = b"".join(out)
-    return stream if len(stream) * 10 <= size * 9 else None
-
-
-def _deflated(part: bytes) -> bytes | None:
-    """``part`` as raw deflate blocks ending on a byte (a sync flush, not the last
-    block), or None when that would not save a tenth.
-
-    A big part is first estimated: its head compressed whole, the rest on two
-    samples.  One that would not save even a twentieth (random bytes,
-    compressed data) is given up at their cost, where zlib took 2.6 ms per
-    100 KB to find it so.
-    """
-    size = len(part)
-    if size < _DEFLATE_FROM:
+    tried = [_worth_trying(part) for part in parts]
+    if sum(len(part) for part, t in zip(parts, tried, strict=True) if not t) * 10 > size * 9:
+        return None  # (what is given up on samples alone keeps it from saving a tenth)
+    pieces: list[tuple[bytes, bytes | None]] = []
+    deflate = None
+    for part, worth in zip(parts, tried, strict=True):
+        packed = None
+        if worth:
+            if deflate is None:
+                deflate = zlib.compressobj(1, zlib.DEFLATED, -15)  # raw: the header is ours
+            packed = deflate.compress(part) + deflate.flush(zlib.Z_SYNC_FLUSH)
+            if len(packed) * 10 > len(part) * 9:
+                packed = None
+        else:
+            deflate = None
+        pieces.append((part, packed))
+    kept = sum(len(part if packed is None else packed) for part, packed in pieces)
+    if kept * 10 > size * 9:  # (judged before a byte of the stream is put together)
         return None
-    if size > 8 * _SAMPLE:
-        half = _SAMPLE // 2
-        middle = (size + _SAMPLE) // 2
-        sample = part[middle : middle + half] + part[-half:]
-        kept = len(zlib.compress(part[:_SAMPLE], 1))
-        kept += (size - _SAMPLE) * len(zlib.compress(sample, 1)) / len(sample)
-        if kept * 20 > size * 19:
-            return None
-    deflate = zlib.compressobj(1, zlib.DEFLATED, -15)  # raw: the stream's header is ours
-    packed = deflate.compress(part) + deflate.flush(zlib.Z_SYNC_FLUSH)
-    return packed if len(packed) * 10 <= size * 9 else None
-
-
-def _stored_blocks(data: bytes) -> bytes:
-    """``data`` as deflate's stored blocks (none the last), 65,535 bytes at most each."""
-    out = []
-    for at in range(0, len(data), _STORED_MAX):
-        chunk = data[at : at + _STORED_MAX]
-        out += [_STORED.pack(0, len(chunk), len(chunk) ^ 0xFFFF), chunk]
+    out = [_ZLIB_HEADER]
+    check = 1  # (adler32's start)
+    for part, packed in pieces:
+        check = zlib.adler32(part, check)
+        if packed is not None:
+            out.append(packed)
+            continue
+        view = memoryview(part)  # (its blocks sliced without a copy)
+        for at in range(0, len(part), _STORED_MAX):
+            chunk = view[at : at + _STORED_MAX]
+            out += [_STORED.pack(0, len(chunk), len(chunk) ^ 0xFFFF), chunk]
+    out += [_LAST_BLOCK, _ADLER.pack(check)]
     return b"".join(out)
+
+
+def _worth_trying(part: bytes) -> bool:
+    """Whether ``part`` is offered to zlib: a big one only if it may save a twentieth,
+    estimated on its head compressed whole and two samples of the rest (random
+    bytes, compressed data: zlib took 2.6 ms per 100 KB to find they do not)."""
+    size = len(part)
+    if size <= 8 * _SAMPLE:
+        return True
+    half = _SAMPLE // 2
+    middle = (size + _SAMPLE) // 2
+    sample = part[middle : middle + half] + part[-half:]
+    kept = len(zlib.compress(part[:_SAMPLE], 1))
+    kept += (size - _SAMPLE) * len(zlib.compress(sample, 1)) / len(sample)
+    return kept * 20 <= size * 19
 
 
 def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
