@@ -473,6 +473,13 @@ def _serve(
         _hooked.append(True)
     quickmemo.serving[:] = [time.time()]
     quickhit.last_memo.clear()
+    # The client's memo (if it wants one) is named by the call as it came, as the client
+    # names it: before anything of the call runs.
+    memo = None
+    if tag is not None:
+        with contextlib.suppress(OSError):  # (no /proc: no memo, as the client's then)
+            name = quickhit.client_memo_name(tag, sys.argv, os.environb, os.getcwdb(), umask)
+            memo = (quickhit.runtime_folder(os.environ), name)
     try:
         # A memo's quick hit first (quickhit.py), as the program tries it; then the full hit.
         status = quickhit.serve(sys.argv)
@@ -483,11 +490,9 @@ def _serve(
         sys.stderr.flush()
     except wrap.NotServed:
         return b"N"
-    if status == 0 and quickhit.last_memo and tag is not None:
+    if status == 0 and quickhit.last_memo and memo is not None:
         # The C client serves the next such call itself (written once the reply is sent).
-        name = quickhit.client_memo_name(tag, sys.argv, os.environb, os.getcwdb(), umask)
-        folder = quickhit.runtime_folder(os.environ)
-        _client_memo[:] = [(folder, name, quickhit.last_memo[0])]
+        _client_memo[:] = [(*memo, quickhit.last_memo[0])]
     out = [b"S", struct.pack("=i", status)]
     for stream, data in said:
         out += [bytes((stream,)), struct.pack("=I", len(data)), data]
