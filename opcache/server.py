@@ -15,7 +15,9 @@ compile; note a configuration warning as shown), it stops with
 itself, which then does it all as always.  So a served hit is the Python
 path's hit, checks and all, and everything else is the Python path.  As the
 program does, a worker tries the command's memo first (``quickhit``), and its
-full hits of C compiles leave one (``quickmemo``).
+full hits of C compiles leave one (``quickmemo``); after a call served from a
+memo, or that wrote one, it writes the client's own (``quickmemo.client_memo``),
+from which the client serves the next such call alone.
 
 The socket lives in ``$XDG_RUNTIME_DIR/opcache-<uid>`` (``/tmp`` without it): a
 folder of this user's, mode 0700, never reached through a link; the client

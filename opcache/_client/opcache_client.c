@@ -5,6 +5,7 @@
  * (opcache/server.py, build_client), which defines:
  *   OPCACHE_PROGRAM  the `opcache` program to run when the server does not serve
  *   OPCACHE_TAG      the socket's name: this install and this protocol
+ *   OPCACHE_UNKEYED  the variables a memo's name leaves out, each ending in \0
  *
  * Run through a link named like a compiler (the masquerade), it stands for
  * `opcache wrap -- <that compiler> ARGS`; run as opcache-client, for
@@ -15,6 +16,10 @@
  * miss, a mistake, a reply cut short, a folder or socket that is not this
  * user's own) it runs opcache with the same command line, which then does
  * what it always does; nothing was done yet that it would do twice.
+ *
+ * First, though, it tries its own memo of the command (serve_memo, below): a
+ * hit a server's worker served or stored leaves one, and while every path it
+ * records is as it was, the client serves the hit alone.
  */
 #define _GNU_SOURCE
 #include <errno.h>
