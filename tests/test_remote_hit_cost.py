@@ -438,3 +438,27 @@ def test_hits_into_an_out_folder_holding_their_files_write_over_them_checked(
     new = tmp_path / "new" / "deeper"  # then a folder not there, nor its parent
     assert flow.deliver(new, files) == {name: new / name for name in files}
     assert {name: (new / name).read_bytes() for name in files} == files
+
+
+def test_a_local_miss_before_the_remote_opens_no_folder(tmp_path: Path, monkeypatch) -> None:
+    """A key with nothing at its entry's path is a miss told by one lstat: the chip
+    and bucket folders are opened one by one without links only when something
+    is there, which is then read (or refused) the careful way."""
+    store = LocalStore(tmp_path / "cache")
+    files = {"a.json": b"{}", "a.o": b"\x7fELF"}
+    there = "ab" + "0" * 30
+    store.put(SOC, there, make_manifest(there, files, 1.0, {}, 0.0), files, now=1000.0)
+    opened: list[str] = []
+    real_open = os.open
+
+    def counted(path, flags, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
+        opened.append(str(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", counted)
+    for missing in ("ab" + "1" * 30, "cd" + "0" * 30):  # its bucket there, and not
+        assert store.get(SOC, missing) is None
+    assert opened == []
+    got = store.get(SOC, there)
+    assert got is not None and got.files == files
+    assert opened  # read the careful way
