@@ -1320,13 +1320,13 @@ def _bench_cluster(
     cpus: dict[str, list[float]] = {side: [] for side in sides}
     calls: dict[str, dict[str, int]] = {}
     compiles: dict[str, int] = {}
-    run = folder / "none"
     # Turns, the opcache run last: its cache folders serve the all-hits run below.
+    # Each run in a new folder, and none deleted before the last is done: see
+    # _spread_runs.
     for n in range(rounds):
         for side in sorted(sides, reverse=(rounds - n) % 2 == 0):
             client.flushall()
-            shutil.rmtree(run, ignore_errors=True)
-            run = folder / f"{side.split()[0]}-{n}"  # (a new folder: see _spread_runs)
+            run = Path(tempfile.mkdtemp(prefix=f"{side.split()[0]}-{n}-", dir=folder))
             folders = [run / f"m{m}" for m in range(machines)]
             client.config_resetstat()
             _, server_cpu = _redis_usage(client)
@@ -1366,17 +1366,20 @@ def _bench_cluster(
         redis_per_op_machine=sum(hits.values()) / operators,
         compiles=sum(d[1] for d in done),
     )
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _spread_runs(folder: Path) -> None:
     """Make ``folder`` (on ext4) spread the folders made in it over the disk, as
-    top folders are (``chattr +T``): each run's folder then goes to a block group
-    of its own, not the one where the run before it deleted its files.  On ext4
-    without a journal (this VM's disk) making a file skips every inode of its
-    group freed in the last 1-6 minutes, one lookup each, so a run's files cost
-    in proportion to the files the runs before it deleted there (perf: most of a
-    run's CPU, in the kernel's ``recently_deleted``): the order of the sides, not
-    their work, set their figures."""
+    top folders are (``chattr +T``): each run's folder, of a new name (ext4
+    starts its search from a hash of the name), then goes to a block group of
+    its own, most likely not one a run before emptied.  On ext4 without a
+    journal (this VM's disk) making a file skips every inode of its group freed
+    in the last 1-6 minutes, one lookup each, so a run's files cost in
+    proportion to the files deleted there shortly before (perf: most of a run's
+    CPU, in the kernel's ``recently_deleted``): when each run deleted the last
+    one's folder and used its place, the order of the sides, not their work,
+    set their figures."""
     folder.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):  # (no chattr, or a filesystem without the flag)
         subprocess.run(["chattr", "+T", str(folder)], capture_output=True, check=False)
