@@ -60,24 +60,26 @@ _LEAVES = frozenset({str, int, float, bool, type(None)})
 
 
 def _check_keys(value: Any) -> None:
-    # A loop, not recursion: a call per leaf was a tenth of a library hit.
+    # A loop, not recursion: a call per leaf was a tenth of a library hit.  Only
+    # what is not a leaf is pushed (and popped): the leaves of a mapping or list
+    # are passed over where they are met.
     pending = [value]
     seen: set[int] = set()  # a container holding itself is json's error to report
     while pending:
         item = pending.pop()
-        if type(item) in _LEAVES:
+        if id(item) in seen:
             continue
-        if isinstance(item, dict | list | tuple):
-            if id(item) in seen:
-                continue
-            seen.add(id(item))
+        seen.add(id(item))
         if isinstance(item, dict):
-            for name in item:
+            for name, inner in item.items():
                 if not isinstance(name, str):
                     raise TypeError(f"an OpRequest field has a non-string mapping key: {name!r}")
-            pending.extend(item.values())
+                if type(inner) not in _LEAVES:
+                    pending.append(inner)
         elif isinstance(item, list | tuple):
-            pending.extend(item)
+            for inner in item:
+                if type(inner) not in _LEAVES:
+                    pending.append(inner)
 
 
 def request_parts(request: OpRequest) -> dict[str, Any]:

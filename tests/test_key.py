@@ -225,3 +225,34 @@ def test_a_request_that_contains_itself_is_refused_not_hung() -> None:
     attrs["self"] = attrs
     with pytest.raises(TypeError, match="not JSON data"):
         canonical_json({"attrs": attrs})
+
+
+class _Attrs(dict):
+    pass
+
+
+class _Name(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"attrs": {"pads": [{"top": 0}, ({1: 0},)]}},  # deep in a tuple in a list
+        {"attrs": _Attrs({2.5: "x"})},  # a mapping of another class
+        {"attrs": [[{"a": {None: 1}}]] * 2},  # the same list twice, then deeper
+        {1: "top"},
+    ],
+)
+def test_a_mapping_key_that_is_not_text_is_refused_wherever_it_is(value: dict) -> None:
+    # JSON would write 1 as "1": two different requests would share a key.
+    with pytest.raises(TypeError, match="non-string mapping key"):
+        canonical_json(value)
+
+
+def test_text_keys_of_a_str_class_and_shared_parts_are_json_as_usual() -> None:
+    shared = {"dtype": "float16"}
+    value = {"inputs": [shared, shared], "attrs": _Attrs({_Name("k"): (1, 2.5, None, True)})}
+    assert canonical_json(value) == (
+        b'{"attrs":{"k":[1,2.5,null,true]},"inputs":[{"dtype":"float16"},{"dtype":"float16"}]}'
+    )
