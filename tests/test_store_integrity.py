@@ -368,3 +368,48 @@ def test_file_and_folder_modes(tmp_path: Path, umask: int, file_mode: int, dir_m
 def test_op_cache_ini_respects_a_strict_umask(tmp_path: Path) -> None:
     modes = _modes_script(tmp_path, 0o077)
     assert modes["op_cache.ini"] == [0o600, False]
+
+
+def _signed(body: bytes) -> bytes:
+    return digest(body).encode() + b"\n" + body
+
+
+def test_a_manifest_is_checked_without_parsing_the_inputs_of_its_key(monkeypatch) -> None:
+    # A hit uses the artifacts and the compile time, not the key's inputs: most of
+    # a manifest's text, and of its parse.  (Each field used is still parsed whole.)
+    from opcache.storage import entry
+
+    inputs = {"attrs": {f"a{i}": [i, {"x": "y" * 20}] for i in range(500)}}
+    raw = make_manifest("a" * 32, {"k.o": b"\x7fELF"}, 2.5, inputs, 9.0)
+
+    class WholeParse(json.JSONDecoder):
+        def decode(self, s, *args):  # type: ignore[override]
+            raise AssertionError("the whole manifest was parsed")
+
+    monkeypatch.setattr(entry, "_DECODER", WholeParse(parse_constant=entry._no_constant))
+    parsed = parse_manifest(raw, "a" * 32)
+    assert parsed["compile_seconds"] == 2.5
+    assert parsed["artifacts"] == [("k.o", 4, digest(b"\x7fELF"))]
+
+
+def test_a_manifest_laid_out_otherwise_is_parsed_whole_and_checked_the_same() -> None:
+    raw = make_manifest("a" * 32, {"k.o": b"x"}, 1.5, {"op_type": "Add"}, 3.0)
+    fields = json.loads(raw.partition(b"\n")[2])
+    spaced = json.dumps(fields).encode()  # ", " and ": ": not make_manifest's text
+    last_first = json.dumps(dict(reversed(fields.items())), separators=(",", ":")).encode()
+    for body in (spaced, last_first):
+        parsed = parse_manifest(_signed(body), "a" * 32)
+        assert parsed["compile_seconds"] == 1.5
+        assert parsed["artifacts"] == [("k.o", 1, digest(b"x"))]
+        with pytest.raises(CorruptEntry):
+            parse_manifest(_signed(body), "b" * 32)
+    canonical = raw.partition(b"\n")[2]
+    for bad, why in [
+        (canonical.replace(b'"compile_seconds":1.5', b'"compile_seconds":NaN'), "not JSON"),
+        (canonical.replace(b'"compile_seconds":1.5', b'"compile_seconds":"1"'), "lacks"),
+        (canonical.replace(b'"format":1', b'"format":2'), "another entry or format"),
+        (canonical.replace(b'"size":1', b'"size":-1'), "bad artifact"),
+        (canonical.replace(b'"artifacts":[', b'"artifacts":[[', 1), "not JSON"),
+    ]:
+        with pytest.raises(CorruptEntry, match=why):
+            parse_manifest(_signed(bad), "a" * 32)
