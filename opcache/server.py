@@ -238,6 +238,7 @@ def _prctl(option: int, value: int) -> None:
 def _warm_up() -> dict[str, tuple[int, int, int]]:
     """Import what a wrap hit uses (each worker starts with it); opcache's files as loaded."""
     _c_library()  # (loaded once, before the workers: prctl in each of them)
+    _coerced_to[:] = [_c_locale_target()]
     import atexit  # noqa: F401  (the worker's exit)
     import logging  # noqa: F401  (-v, and any warning)
 
@@ -452,8 +453,9 @@ def _serve(
         return b"N"
     os.umask(umask)
     fsutil.UMASK = umask  # read once at import: the server's, not the client's
+    given = _environment(env)
     os.environb.clear()
-    os.environb.update(_environment(env))
+    os.environb.update(_as_python_starts(given))
     for number, fd in enumerate(fds):
         os.dup2(fd, number)  # (the client's terminal decides colour, as for opcache)
     sys.argv = [os.fsdecode(word) for word in argv]
@@ -475,12 +477,12 @@ def _serve(
         _hooked.append(True)
     quickmemo.serving[:] = [time.time()]
     quickhit.last_memo.clear()
-    # The client's memo (if it wants one) is named by the call as it came, as the client
-    # names it: before anything of the call runs.
+    # The client's memo (if it wants one) is named by the call as it came (its own
+    # environment), as the client names it: before anything of the call runs.
     memo = None
     if tag is not None:
         with contextlib.suppress(OSError):  # (no /proc: no memo, as the client's then)
-            name = quickhit.client_memo_name(tag, sys.argv, os.environb, os.getcwdb(), umask)
+            name = quickhit.client_memo_name(tag, sys.argv, given, os.getcwdb(), umask)
             memo = (quickhit.runtime_folder(os.environ), name)
     try:
         # A memo's quick hit first (quickhit.py), as the program tries it; then the full hit.
@@ -513,6 +515,40 @@ def _write_client_memo() -> None:
     if data is not None:
         with contextlib.suppress(OSError):
             quickmemo.put(folder, name, data)
+
+
+_coerced_to: list[bytes | None] = []  # the locale CPython takes for a C one here (PEP 538)
+
+
+def _c_locale_target() -> bytes | None:
+    """The first of CPython's UTF-8 locales for a C locale (PEP 538) this machine has."""
+    import locale
+
+    held = locale.setlocale(locale.LC_CTYPE)
+    try:
+        for name in ("C.UTF-8", "C.utf8", "UTF-8"):
+            with contextlib.suppress(locale.Error):
+                locale.setlocale(locale.LC_CTYPE, name)
+                return name.encode()
+        return None
+    finally:
+        locale.setlocale(locale.LC_CTYPE, held)
+
+
+def _as_python_starts(env: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """The client's environment as the ``opcache`` it would run sees it.
+
+    In a C or POSIX locale CPython sets LC_CTYPE to a UTF-8 one as it starts (PEP
+    538), and opcache keys that, as the compiler it runs sees it.  Taken only where
+    it is plain: no LC_ALL, no PYTHONCOERCECLOCALE, LC_CTYPE (else LANG) unset, empty,
+    C or POSIX.  Elsewhere the environment stays as it is (a key that differs from the
+    Python path's is a call not served, never another hit).
+    """
+    ctype = env.get(b"LC_CTYPE") or env.get(b"LANG") or b""
+    target = _coerced_to[0] if _coerced_to else None
+    if target is None or env.get(b"LC_ALL") or b"PYTHONCOERCECLOCALE" in env:
+        return env
+    return {**env, b"LC_CTYPE": target} if ctype in (b"", b"C", b"POSIX") else env
 
 
 def _environment(env: list[bytes]) -> dict[bytes, bytes]:

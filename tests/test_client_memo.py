@@ -52,16 +52,21 @@ def appended(served: Served) -> int:
 
 
 def memoized(served: Served, *args: str) -> bytes:
-    """A miss, then a full hit served by the server, whose worker writes the client's
-    memo; then the server is stopped and its socket removed.  The object's bytes."""
+    """A miss, then a hit served by the server, whose worker writes the client's memo;
+    then the server is stopped and its socket removed.  The object's bytes.
+
+    (On a busy machine the server may not take a call within the client's 2 s: opcache
+    serves that one itself, and writes no memo for the client.  The next call then.)"""
     args = args or tuple(COMPILE)
     warmed(served, *args)
     time.sleep(quickmemo.RACY_SECONDS + 0.3)  # (past the racy window: a memo may be written)
-    done = served.gcc(*args)
-    assert done.returncode == 0, done.stderr
     deadline = time.monotonic() + WAIT
     while not client_memos(served) and time.monotonic() < deadline:
-        time.sleep(0.05)  # (the worker writes it once its reply is sent)
+        done = served.gcc(*args)
+        assert done.returncode == 0, done.stderr
+        written = time.monotonic() + 5
+        while not client_memos(served) and time.monotonic() < written:
+            time.sleep(0.05)  # (the worker writes it once its reply is sent)
     assert len(client_memos(served)) == 1
     stop_server(served)
     return (served.src / "k.o").read_bytes()
@@ -108,9 +113,10 @@ def test_a_warning_is_replayed_and_a_reader_that_left_ends_the_run_with_1(served
     )
     args = ["-Wall", *COMPILE]
     made = memoized(served, *args)
+    before = served.fallbacks()
     alone = served.gcc(*args)
     assert alone.returncode == 0 and b"unused" in alone.stderr
-    assert (served.fallbacks(), appended(served)) == (1, 1)
+    assert (served.fallbacks(), appended(served)) == (before, 1)
     (served.src / "k.o").unlink()
 
     read, write = os.pipe()
@@ -127,7 +133,7 @@ def test_a_warning_is_replayed_and_a_reader_that_left_ends_the_run_with_1(served
     finally:
         os.close(write)
     assert done.returncode == 1
-    assert (served.fallbacks(), appended(served)) == (1, 2)
+    assert (served.fallbacks(), appended(served)) == (before, 2)
     assert (served.src / "k.o").read_bytes() == made
 
 
@@ -163,13 +169,14 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
         )
         env = dict(served.env)
     memoized(served, *args)
+    before = served.fallbacks()
     (root,) = (served.tmp / "cache").glob("kernel_cache*")
 
     if case == "header_edited_same_size_and_mtime":
         header = served.src / "h.h"
-        before = header.stat()
+        kept = header.stat()
         header.write_text("#define FACTOR 5\n")  # (same size)
-        os.utime(header, ns=(before.st_atime_ns, before.st_mtime_ns))  # (ctime still moves)
+        os.utime(header, ns=(kept.st_atime_ns, kept.st_mtime_ns))  # (ctime still moves)
     elif case == "header_made_earlier_on_the_include_path":
         (served.src / "A" / "h.h").write_text("#define FACTOR 7\n")
     elif case == "compiler_earlier_on_path":
@@ -192,7 +199,7 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
 
     done = served.gcc(*args, env=env)
     assert done.returncode == 0, done.stderr
-    assert served.fallbacks() == 2, "the client served a memo that does not hold"
+    assert served.fallbacks() == before + 1, "the client served a memo that does not hold"
     assert appended(served) == 0
     if case != "compiler_earlier_on_path":
         compile_only = [arg for arg in args if arg not in ("-o", "k.o")]
@@ -201,9 +208,10 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
 
 def test_a_variable_the_name_leaves_out_changed_is_still_served(served):
     made = memoized(served)
+    before = served.fallbacks()
     env = {**served.env, "MAKEFLAGS": " -j4 --jobserver-auth=fifo:/tmp/GMfifo1", "SHLVL": "9"}
     assert served.gcc(*COMPILE, env=env).returncode == 0
-    assert (served.fallbacks(), appended(served)) == (1, 1)
+    assert (served.fallbacks(), appended(served)) == (before, 1)
     assert (served.src / "k.o").read_bytes() == made
 
 
@@ -235,6 +243,7 @@ HOSTILE = [
 @pytest.mark.parametrize("case", HOSTILE)
 def test_a_planted_or_exposed_memo_is_never_read(served, case):
     made = memoized(served)
+    before = served.fallbacks()
     (memo,) = client_memos(served)
     hostile(served, case, memo)
     (served.src / "k.o").unlink()
@@ -243,7 +252,7 @@ def test_a_planted_or_exposed_memo_is_never_read(served, case):
         ["gcc", *COMPILE], env=served.env, cwd=served.src, capture_output=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert served.fallbacks() == 2, "the client served a memo it must not read"
+    assert served.fallbacks() == before + 1, "the client served a memo it must not read"
     assert (served.src / "k.o").read_bytes() == made
 
 
@@ -309,7 +318,8 @@ def test_a_client_that_cannot_name_its_memo_gets_none_written(served):
         )
         assert done.returncode == 0, done.stderr
         counted(served.env, "hits", number)
-    assert served.fallbacks() == 1  # (both served by the server)
+    # (at least one served by the server: a busy machine may leave one to opcache)
+    assert served.fallbacks() <= 2
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline:
         assert client_memos(served) == []
@@ -334,3 +344,16 @@ def test_an_output_folder_gone_after_the_memo_counts_once_and_fails_as_the_pytho
     assert appended(served) == 1
     assert stats(served.env, "host")["hits"] == 2
     assert sorted(p.name for p in served.src.iterdir()) == ["h.h", "k.c", "k.o"]
+
+
+def test_a_client_without_locale_variables_serves_its_memo_too(served):
+    """No LANG (the worker takes LC_CTYPE as CPython would set it): the memo is still
+    named by the client's own environment, so the client finds it."""
+    for name in ("LANG", "LC_ALL", "LC_CTYPE"):
+        served.env.pop(name, None)
+    made = memoized(served)
+    before = served.fallbacks()
+    (served.src / "k.o").unlink()
+    assert served.gcc(*COMPILE).returncode == 0
+    assert (served.fallbacks(), appended(served)) == (before, 1)
+    assert (served.src / "k.o").read_bytes() == made

@@ -731,3 +731,19 @@ def test_a_served_full_hit_leaves_a_memo_for_the_next_call(served):
     assert (hit.returncode, served.fallbacks()) == (0, before), "the hits were not served"
     assert (served.src / "k.o").read_bytes() == made
     assert len(appended.read_bytes().splitlines()) == 1
+
+
+def test_a_client_without_locale_variables_is_served(served):
+    """No LANG, LC_ALL or LC_CTYPE (as in many containers): CPython sets LC_CTYPE to a
+    UTF-8 locale as ``opcache`` starts (PEP 538), and opcache keys it; the worker takes
+    the client's environment as that ``opcache`` would see it, so its hit is served."""
+    env = {k: v for k, v in served.env.items() if k not in ("LANG", "LC_ALL", "LC_CTYPE")}
+    assert served.gcc(*COMPILE, env=env).returncode == 0
+    served.wait_for_server()
+    before = served.fallbacks()
+    (served.src / "k.o").unlink()
+    hit = served.gcc(*COMPILE, env=env)
+    assert (hit.returncode, served.fallbacks()) == (0, before), "the hit was not served"
+    python = wrap("gcc", *COMPILE[:-1], "alone.o", env=env, cwd=served.src)
+    assert (served.src / "k.o").read_bytes() == (served.src / "alone.o").read_bytes()
+    assert (hit.stdout, hit.stderr) == (python.stdout, python.stderr)
