@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from . import locks, stats
@@ -72,19 +72,9 @@ class CacheErrors:
         # Threads inside a compile, and whether the cache folder failed them yet.
         self._compiling: dict[int, bool] = {}
 
-    @contextlib.contextmanager
-    def one_per_compile(self, soc: str) -> Iterator[None]:
+    def one_per_compile(self, soc: str) -> _OnePerCompile:
         """Around one compile: however often the cache folder fails it, one error."""
-        me = _thread.get_ident()
-        outer = self._compiling.get(me)  # a compiler that compiles through the cache itself
-        self._compiling[me] = False
-        try:
-            yield
-        finally:
-            if self._compiling.pop(me):
-                self._stats.add(soc, "errors")
-            if outer is not None:
-                self._compiling[me] = outer
+        return _OnePerCompile(self, soc)
 
     def report(self, kind: str, message: str, soc: str) -> None:
         """Count a failure of the cache folder (``kind``: lock, read, write...).
@@ -108,6 +98,30 @@ class CacheErrors:
             self._warned.add(kind)
         # The topic, not the message (which names a key): opcache wrap shows it once an hour.
         log.warning("%s", message, topic=f"{kind} {self._root}")
+
+
+class _OnePerCompile:
+    """``CacheErrors.one_per_compile``: a class, not a generator context manager
+    (1.2 -> 0.4 us, around every look of a batch)."""
+
+    __slots__ = ("_errors", "_me", "_outer", "_soc")
+
+    def __init__(self, errors: CacheErrors, soc: str) -> None:
+        self._errors = errors
+        self._soc = soc
+
+    def __enter__(self) -> None:
+        me = self._me = _thread.get_ident()
+        compiling = self._errors._compiling
+        self._outer = compiling.get(me)  # a compiler that compiles through the cache itself
+        compiling[me] = False
+
+    def __exit__(self, *exc: object) -> None:
+        compiling = self._errors._compiling
+        if compiling.pop(self._me):
+            self._errors._stats.add(self._soc, "errors")
+        if self._outer is not None:
+            compiling[self._me] = self._outer
 
 
 class Filled:
