@@ -568,7 +568,7 @@ def bench_served_wrap(report: Report, tmp: Path, repeat: int) -> None:
     through the masquerade (client, and Python links) against ccache's."""
     from opcache.quickmemo import RACY_SECONDS
 
-    print("13. served wrap hit: client + opcache server vs Python path vs ccache")
+    print("13. served wrap hit: the client (its memo, else the server) vs Python vs ccache")
     folder = tmp / "served"
     folder.mkdir()
     ccache = _ccache()
@@ -594,7 +594,7 @@ def bench_served_wrap(report: Report, tmp: Path, repeat: int) -> None:
     commands = {
         "python -c pass (regular install)": [str(bin_dir / "python"), "-c", "pass"],
         "ccache hit": [ccache, "gcc", *gcc],
-        "client + server hit": [str(folder / "links-client" / "gcc"), *gcc],
+        "client hit (its memo, else the server)": [str(folder / "links-client" / "gcc"), *gcc],
         "python wrap hit (regular install)": [program, "wrap", "--", "gcc", *gcc],
         "python wrap hit, PYTHONDONTWRITEBYTECODE=1": [program, "wrap", "--", "gcc", *gcc],
     }
@@ -607,7 +607,7 @@ def bench_served_wrap(report: Report, tmp: Path, repeat: int) -> None:
     # The first runs store, start the server and write bytecode; wait for the server.
     for name, argv in commands.items():
         runner(name, argv)()
-    _wait_for_server(folder / "run", src, env, commands["client + server hit"])
+    _wait_for_server(folder / "run", src, env, commands["client hit (its memo, else the server)"])
     # A wrap hit leaves a memo for the next (opcache/quickhit.py) only once every file it
     # read is older than the racy window: sources are, where a build is warm.
     time.sleep(RACY_SECONDS)
@@ -645,7 +645,7 @@ def _bench_warm_build(
     _c_project(project, 100)
     ways = {
         "warm build: ccache": {"CC": f"{ccache} gcc"},
-        "warm build: masquerade, client + server": {"PATH": f"{folder / 'links-client'}:"},
+        "warm build: masquerade, client": {"PATH": f"{folder / 'links-client'}:"},
         "warm build: masquerade, Python links": {"PATH": f"{folder / 'links-python'}:"},
     }
 
