@@ -67,6 +67,23 @@ REQUEST_TIMEOUT = 30.0  # a client that connects and never says anything
 MAX_WORKERS = 2 * (os.cpu_count() or 1)  # calls beyond wait for one (the CPU is the bound)
 CALLS_PER_WORKER = 500  # then a fresh one: whatever a call leaks is bounded
 _IDLE, _BUSY, _UPGRADED = 0, 1, 2  # what a worker tells the server
+# The variables that decide which opcache (and which Python) the program loads: the
+# user site-packages' HOME and the Python start-up variables the client starts a server
+# with (opcache_client.c's SERVER_ENV).  A call whose values differ from the server's own
+# would run another install than the server's: not served (and no client memo named for it).
+STARTUP_ENVIRONMENT = (
+    b"HOME",
+    b"PYTHONPATH",
+    b"PYTHONHOME",
+    b"PYTHONNOUSERSITE",
+    b"PYTHONUSERBASE",
+    b"PYTHONPLATLIBDIR",
+    b"PYTHONSAFEPATH",
+    b"PYTHONDONTWRITEBYTECODE",
+    b"PYTHONPYCACHEPREFIX",
+    b"PYTHONUTF8",
+)
+_started_with: dict[bytes, bytes | None] = {}  # the server's own STARTUP_ENVIRONMENT
 _stale: list[bool] = []  # opcache's files changed since this process loaded them
 _hooked: list[bool] = []  # the audit hook is installed (once a process: it cannot be removed)
 
@@ -159,6 +176,7 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
     except BlockingIOError:
         return 0  # another server serves it
     files = _warm_up()  # (before the socket answers: a call sees opcache's files as loaded)
+    _started_with.update((name, os.environb.get(name)) for name in STARTUP_ENVIRONMENT)
     os.chdir("/")  # (for minutes: a folder of a build would stay busy, even once deleted)
     # Objects made so far are never collected: a worker's collections skip them,
     # and so do not copy the pages they sit in (fork shares them until written).
@@ -446,14 +464,16 @@ def _serve(
     from . import masquerade, wrap
     from .compilers import toolchain
 
-    if argv[1:2] != [b"wrap"]:
-        return b"N"
+    given = _environment(env)
+    if argv[1:2] != [b"wrap"] or any(
+        given.get(name) != _started_with.get(name) for name in STARTUP_ENVIRONMENT
+    ):
+        return b"N"  # (another opcache, or Python, than this server's: the client runs it)
     os.chdir(cwd)
     if not _same_file(f"/proc/{pid}/cwd", "."):  # (its folder, not one of that name)
         return b"N"
     os.umask(umask)
     fsutil.UMASK = umask  # read once at import: the server's, not the client's
-    given = _environment(env)
     os.environb.clear()
     os.environb.update(_as_python_starts(given))
     for number, fd in enumerate(fds):

@@ -11,6 +11,7 @@ log), which must then give the right object.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -357,3 +358,27 @@ def test_a_client_without_locale_variables_serves_its_memo_too(served):
     assert served.gcc(*COMPILE).returncode == 0
     assert (served.fallbacks(), appended(served)) == (before, 1)
     assert (served.src / "k.o").read_bytes() == made
+
+
+def test_a_caller_whose_python_start_up_differs_from_the_server_s_is_left_to_opcache(served):
+    """PYTHONPATH other than the server's own: the program would load another opcache than
+    the server runs; the server leaves each such call to it, and writes no client memo
+    (one named by that PYTHONPATH would certify what the server's modules did)."""
+    warmed(served, *COMPILE)
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)
+    env = {**served.env, "PYTHONPATH": str(served.tmp / "elsewhere")}
+    before = served.fallbacks()
+    for number in (1, 2, 3):
+        done = served.gcc(*COMPILE, env=env)
+        assert done.returncode == 0, done.stderr
+        assert served.fallbacks() == before + number
+    assert client_memos(served) == []
+
+
+def test_the_start_up_variables_compared_are_those_the_client_starts_a_server_with():
+    source = server.CLIENT_SOURCE.read_text()
+    listed = source.split("SERVER_ENV[] = {", 1)[1].split("}", 1)[0]
+    names = {name.encode() for name in re.findall(r'"([A-Z0-9_]+)"', listed)}
+    python = {name for name in names if name.startswith(b"PYTHON")}
+    assert set(server.STARTUP_ENVIRONMENT) == {b"HOME", *python}
+
