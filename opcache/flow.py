@@ -247,8 +247,7 @@ class KeyFlow:
     def hit(self, entry: Entry, soc: str, out: Path, started: float, tier: str) -> CompileResult:
         """Deliver ``entry`` into ``out``; the hit is counted and its access stamped."""
         files = deliver(out, entry.files)
-        self._stats.add(soc, "hits")
-        self._stats.add(soc, "time_saved_seconds", entry.compile_seconds)
+        self._stats.add_hit(soc, entry.compile_seconds)
         if self.settings.aging_enabled:  # (CANN: with aging off, a hit writes nothing)
             now = self._clock()
             if now - entry.stamp >= STAMP_GRANULARITY:
