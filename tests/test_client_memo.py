@@ -382,3 +382,32 @@ def test_the_start_up_variables_compared_are_those_the_client_starts_a_server_wi
     python = {name for name in names if name.startswith(b"PYTHON")}
     assert set(server.STARTUP_ENVIRONMENT) == {b"HOME", *python}
 
+
+NO_GETRANDOM = r"""
+#include <errno.h>
+#include <sys/types.h>
+ssize_t getrandom(void *buffer, size_t size, unsigned int flags) {
+    (void)buffer, (void)size, (void)flags;
+    errno = ENOSYS; /* (a seccomp allow-list without it, a kernel before 3.17) */
+    return -1;
+}
+"""
+
+
+def test_a_hit_the_client_counts_never_fails_for_want_of_getrandom(served):
+    """The temp names of the outputs need no getrandom(2): without it the client's hit
+    is served (counted once, the object written), as the Python path serves it."""
+    shim = served.tmp / "no_getrandom.so"
+    source = served.tmp / "no_getrandom.c"
+    source.write_text(NO_GETRANDOM)
+    subprocess.run([GCC, "-shared", "-fPIC", "-o", shim, source], check=True, timeout=120)
+    served.env["LD_PRELOAD"] = str(shim)  # (every process: Python falls back to /dev/urandom)
+    made = memoized(served)
+    (served.src / "k.o").unlink()
+    starts = served.starts.read_text()
+
+    done = served.gcc(*COMPILE)
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert (served.src / "k.o").read_bytes() == made
+    assert served.starts.read_text() == starts
+    assert appended(served) == 1

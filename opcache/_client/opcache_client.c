@@ -32,7 +32,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -697,16 +696,20 @@ static void write_outputs(struct artifact *outputs, size_t count_of) {
     sigprocmask(SIG_BLOCK, &block, &held);
     for (size_t i = 0; i < count_of; i++) {
         const char *target = outputs[i].at[0], *slash = strrchr(target, '/');
-        unsigned char noise[4] = {0};
         char temp[PATH_MAX + 64];
-        if (slash == NULL || getrandom(noise, sizeof noise, 0) != (ssize_t)sizeof noise) {
-            errno = EINVAL;
-            fail(target, NULL);
+        int fd = -1;
+        /* The name needs no secret (O_EXCL|O_NOFOLLOW make it safe), and nothing after
+         * the count may fail where the Python path would not (no getrandom: a seccomp
+         * list, an old kernel): pid, clock and a number, another on a name taken. */
+        for (uint32_t tries = 0; fd < 0 && tries < 1000; tries++) {
+            struct timespec now = {0};
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            snprintf(temp, sizeof temp, "%.*s/.opcache-wrap.%d.%08x", (int)(slash - target),
+                     target, (int)getpid(),
+                     (uint32_t)now.tv_nsec ^ (uint32_t)(i + tries * 0x9e3779b9u));
+            fd = open(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+            if (fd < 0 && errno != EEXIST) break;
         }
-        snprintf(temp, sizeof temp, "%.*s/.opcache-wrap.%d.%02x%02x%02x%02x",
-                 (int)(slash - target), target, (int)getpid(), noise[0], noise[1], noise[2],
-                 noise[3]);
-        int fd = open(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
         if (fd < 0) fail(temp, NULL);
         const char *data = outputs[i].data;
         size_t left = outputs[i].len;
