@@ -126,7 +126,7 @@ def _named(
         b"%o %d %d" % (umask, os.getuid(), os.getgid()),
         # (what may run or be read goes by them too: which() and a shared cache's trust)
         b" ".join(b"%d" % group for group in sorted(os.getgroups())),
-        os.uname().nodename.encode(),  # (the cache folder's name may hold it)
+        os.fsencode(os.uname().nodename),  # (the cache folder's name may hold it; its bytes)
         b"%d" % len(words),
         *(os.fsencode(word) for word in words),
         *env,

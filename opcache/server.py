@@ -501,8 +501,10 @@ def _serve(
     # environment), as the client names it: before anything of the call runs.
     memo = None
     if tag is not None:
-        with contextlib.suppress(OSError):  # (no /proc: no memo, as the client's then)
-            name = quickhit.client_memo_name(tag, sys.argv, given, os.getcwdb(), umask)
+        # (from the folder the client sent, which it hashed; no /proc, or a name it
+        # cannot take: no memo, never a call dropped)
+        with contextlib.suppress(OSError, ValueError):
+            name = quickhit.client_memo_name(tag, sys.argv, given, cwd, umask)
             memo = (quickhit.runtime_folder(os.environ), name)
     try:
         # A memo's quick hit first (quickhit.py), as the program tries it; then the full hit.

@@ -257,9 +257,8 @@ def test_a_planted_or_exposed_memo_is_never_read(served, case):
     assert (served.src / "k.o").read_bytes() == made
 
 
-def test_python_s_xxh64_and_memo_name_are_the_client_s(tmp_path):
-    """The client's C, built for its tests, against Python's xxhash and quickhit."""
-    program = str(tmp_path / "opcache")
+def built_for_tests(tmp_path: Path, program: str) -> Path:
+    """The client built with its test main (OPCACHE_TEST) for ``program``."""
     built = tmp_path / "client-test"
     flags = ["-O2", "-Wno-unused-function", "-DOPCACHE_TEST", *server.client_defines(program)]
     subprocess.run(
@@ -268,6 +267,13 @@ def test_python_s_xxh64_and_memo_name_are_the_client_s(tmp_path):
         capture_output=True,
         timeout=120,
     )
+    return built
+
+
+def test_python_s_xxh64_and_memo_name_are_the_client_s(tmp_path):
+    """The client's C, built for its tests, against Python's xxhash and quickhit."""
+    program = str(tmp_path / "opcache")
+    built = built_for_tests(tmp_path, program)
     for size in [*range(101), 1000, 100_000]:
         data = os.urandom(size)
         for seed in (0, 1):
@@ -411,3 +417,36 @@ def test_a_hit_the_client_counts_never_fails_for_want_of_getrandom(served):
     assert (served.src / "k.o").read_bytes() == made
     assert served.starts.read_text() == starts
     assert appended(served) == 1
+
+
+NAMED_IN_ITS_OWN_UTS = """
+import os, socket, subprocess, sys
+from opcache import quickhit
+socket.sethostname(b"build\\xff")
+built, tag, *words = sys.argv[1:]
+got = subprocess.run([built, "name", *words], capture_output=True, check=True).stdout
+umask = os.umask(0o022)
+os.umask(umask)
+print(got.decode().strip(), quickhit.client_memo_name(tag, words, os.environb, os.getcwdb(), umask))
+"""
+
+
+@requires_root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_a_host_name_that_is_not_utf8_names_the_memo_as_the_client_does(tmp_path):
+    """The host name's bytes as they are (no exception naming the memo in the worker,
+    which then served its call, and the C's name)."""
+    program = str(tmp_path / "opcache")
+    built = built_for_tests(tmp_path, program)
+    words = [program, "wrap", "--", "/usr/bin/gcc", "-c", "k.c"]
+    script = [sys.executable, "-c", NAMED_IN_ITS_OWN_UTS, built, server.client_tag(program)]
+    done = subprocess.run(
+        ["unshare", "--uts", *script, *words],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    got, want = done.stdout.split()
+    assert got == want
