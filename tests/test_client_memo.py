@@ -450,3 +450,54 @@ def test_a_host_name_that_is_not_utf8_names_the_memo_as_the_client_does(tmp_path
     assert done.returncode == 0, done.stderr
     got, want = done.stdout.split()
     assert got == want
+
+
+def test_an_error_after_the_count_to_a_closed_stderr_ends_with_1(served):
+    """The error line after the count meets a reader that left: 1, as the Python quick
+    hit's, not a death by SIGPIPE."""
+    (served.src / "deps").mkdir()
+    args = [*COMPILE, "-MD", "-MF", "deps/k.d"]
+    memoized(served, *args)
+    shutil.rmtree(served.src / "deps")
+    starts = served.starts.read_text()
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            ["gcc", *args], env=served.env, cwd=served.src, stderr=write, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert served.starts.read_text() == starts
+    assert appended(served) == 1
+
+
+def test_a_client_built_with_ubsan_serves_empty_streams(served):
+    """Nearly every hit has an empty stdout and stderr: no null pointer reaches memcpy,
+    xxh64 or memmem for them (a client built with -fsanitize=undefined stops on one)."""
+    build = subprocess.run(
+        [
+            GCC,
+            "-O2",
+            "-fsanitize=undefined",
+            "-fno-sanitize-recover=all",
+            *server.client_defines(str(served.program)),
+            "-o",
+            served.client,
+            str(server.CLIENT_SOURCE),
+        ],
+        capture_output=True,
+        timeout=120,
+    )
+    if build.returncode != 0:
+        pytest.skip(f"no UBSan here: {build.stderr.decode(errors='replace')[-200:]}")
+    made = memoized(served)  # (the client is on the paths a memo checks: built first)
+    (served.src / "k.o").unlink()
+    starts = served.starts.read_text()
+
+    done = served.gcc(*COMPILE)
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert (served.src / "k.o").read_bytes() == made
+    assert served.starts.read_text() == starts
+

@@ -67,6 +67,7 @@ struct buf {
 };
 
 static int put(struct buf *b, const void *data, size_t len) {
+    if (len == 0) return 0; /* (memcpy takes no null pointer, even for no bytes) */
     if (b->len + len > b->cap) {
         size_t cap = b->cap ? b->cap : 65536;
         while (cap < b->len + len) cap *= 2;
@@ -612,9 +613,10 @@ static int read_whole(int fd, size_t max, char **data, size_t *size) {
         }
         if (n == 0) break;
     }
-    *data = b.data;
+    /* An empty file: a buffer all the same (xxh64 and memmem take no null pointer). */
+    *data = b.data != NULL ? b.data : malloc(1);
     *size = b.len;
-    return 0;
+    return *data != NULL ? 0 : -1;
 }
 
 struct artifact {
@@ -818,10 +820,11 @@ static void serve_memo(const char *name) {
         if (lstat(outputs[i].at[0], &st) == 0 ? !S_ISREG(st.st_mode) : errno != ENOENT)
             goto miss; /* (the full path says why it is uncacheable) */
     if (count(counts) != 0) goto miss;
-    /* Counted: from here on the run ends here, whatever fails (the full path's status). */
+    /* Counted: from here on the run ends here, whatever fails (the full path's status).
+     * A reader that left (of the streams, or of an error line): 1, as the Python path's. */
+    signal(SIGPIPE, SIG_IGN);
     stamp(folder_fd, entry[3], every);
     write_outputs(outputs, no);
-    signal(SIGPIPE, SIG_IGN); /* (a reader that left: 1, as the Python path's) */
     for (int stream = 1; stream <= 2; stream++) {
         for (size_t i = 0; i < ns; i++) {
             const char *data = streams[i].data;
