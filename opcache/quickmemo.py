@@ -13,6 +13,8 @@ this.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 import sys
@@ -302,12 +304,15 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
 
 # File systems whose stat shows a change as soon as it is made.  Any other kind (NFS's
 # client caches attributes up to actimeo, virtiofs, sshfs and other FUSE mounts, SMB...)
-# may show a file as it was while an open reads what it is now: no memo there.
+# may show a file as it was while an open reads what it is now: no memo there.  Nor on
+# read-only images (squashfs, erofs, iso9660, cramfs): their times, sizes and inode
+# numbers come from the image, so another image mounted in its place (the same loop
+# device) can give every recorded identity back.
 LOCAL_FILE_SYSTEMS = frozenset(
     (
         *("ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "jfs", "nilfs2"),
-        *("reiserfs", "tmpfs", "ramfs", "overlay", "squashfs", "erofs", "vfat", "exfat"),
-        *("ntfs3", "iso9660", "proc", "sysfs", "devtmpfs", "devpts"),
+        *("reiserfs", "tmpfs", "ramfs", "overlay", "vfat", "exfat"),
+        *("ntfs3", "proc", "sysfs", "devtmpfs", "devpts"),
     )
 )
 
@@ -398,10 +403,16 @@ def put(folder: str, name: str, data: bytes) -> None:
         temp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}"
         out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
         try:
-            os.write(out, data)
-        finally:
-            os.close(out)
-        os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            try:
+                if os.write(out, data) != len(data):
+                    raise OSError(errno.ENOSPC, "a memo written short")  # (a full folder)
+            finally:
+                os.close(out)
+            os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=fd)  # (a full folder would keep one a call: none)
+            raise
         if os.urandom(1)[0] < 256 // CLEAN_ONE_IN:
             _clean(fd)
     finally:

@@ -8,6 +8,7 @@ chip's ``appended`` counter file (the full path counts in the shards).
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import re
@@ -445,6 +446,39 @@ def test_files_on_a_network_file_system_get_no_memo() -> None:
         "bad line\n"
     )
     assert quickmemo._nonlocal_devices(mountinfo) == {os.makedev(0, n) for n in (52, 53, 54)}
+
+
+def test_files_on_a_read_only_image_get_no_memo() -> None:
+    """squashfs, erofs, iso9660, cramfs: times, sizes and inode numbers come from the
+    image, so another image mounted in its place (the same loop device) can give every
+    recorded identity back."""
+    kinds = ("squashfs", "erofs", "iso9660", "cramfs")
+    mountinfo = "".join(
+        f"{50 + n} 30 7:{n} / /mnt/{kind} ro - {kind} /dev/loop{n} ro\n"
+        for n, kind in enumerate(kinds)
+    )
+    assert quickmemo._nonlocal_devices(mountinfo) == {os.makedev(7, n) for n in range(4)}
+
+
+@pytest.mark.parametrize("fault", ["full", "short"])
+def test_a_memo_that_cannot_be_written_leaves_no_temp_file(tmp_path, monkeypatch, fault):
+    """A full runtime folder (ENOSPC, or a write cut short): an error, and nothing left
+    behind (a served call at a time would fill the folder's inodes)."""
+    folder = tmp_path / "run"
+    write = os.write
+
+    def failing(fd: int, data: bytes) -> int:
+        if fault == "full":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(fd, bytes(data)[: len(data) // 2])
+
+    monkeypatch.setattr(os, "write", failing)
+    try:
+        with pytest.raises(OSError):
+            quickmemo.put(str(folder), "m" + "0" * 32, b"x" * 100)
+    finally:
+        monkeypatch.undo()
+    assert list((folder / quickhit.FOLDER).iterdir()) == []
 
 
 # ``opcache wrap -- CMD`` as the program runs it (the same sys.argv: the same memo), with
