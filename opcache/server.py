@@ -389,7 +389,7 @@ def _answer(
     conn: socket.socket, files: dict, program: Callable[[list[str]], int], tag: str
 ) -> bytes:
     pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    if uid != os.getuid() or not _sees_what_we_see(pid):
+    if uid != os.getuid() or not _sees_what_we_see(pid) or not _is_as_we_are(pid):
         return b"N"
     head, fds, _, _ = socket.recv_fds(conn, 4, 3)
     try:
@@ -437,6 +437,25 @@ def _sees_what_we_see(pid: int) -> bool:
         )
     except OSError:  # (pid 0: a client in another pid namespace)
         return False
+
+
+def _is_as_we_are(pid: int) -> bool:
+    """Whether the client has this worker's group ids (real, effective, saved, file
+    system's; supplementary) and host name (UTS namespace): the worker checks paths, and
+    names the client's memo, with its own (a caller after newgrp, sg or setpriv runs
+    opcache itself, with its own)."""
+    try:
+        return _ids(f"/proc/{pid}") == _ids("/proc/self")
+    except OSError:
+        return False
+
+
+def _ids(process: str) -> tuple[object, ...]:
+    """A process's group ids and UTS namespace, from its /proc folder."""
+    with open(f"{process}/status", "rb") as f:
+        fields = dict(line.partition(b":")[::2] for line in f.read().splitlines())
+    gids, groups = fields[b"Gid"].split(), sorted(set(fields[b"Groups"].split()))
+    return gids, groups, os.readlink(f"{process}/ns/uts")
 
 
 def _same_file(a: str, b: str) -> bool:

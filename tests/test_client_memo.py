@@ -501,3 +501,34 @@ def test_a_client_built_with_ubsan_serves_empty_streams(served):
     assert (served.src / "k.o").read_bytes() == made
     assert served.starts.read_text() == starts
 
+
+@requires_root
+@pytest.mark.skipif(
+    not (shutil.which("setpriv") and shutil.which("unshare")), reason="needs setpriv, unshare"
+)
+@pytest.mark.parametrize(
+    "how",
+    [
+        ["setpriv", "--groups", "4242"],
+        ["setpriv", "--regid", "4242", "--keep-groups"],
+        ["unshare", "--uts"],
+    ],
+)
+def test_a_caller_with_other_groups_or_host_than_the_server_s_is_left_to_opcache(served, how):
+    """After newgrp, sg or setpriv (other groups), or in its own UTS namespace: a worker
+    would check the paths with the server's groups, and name the client's memo with the
+    server's; the caller runs opcache itself (with its own), and no memo is written."""
+    warmed(served, *COMPILE)
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)
+    before = served.fallbacks()
+    for number in (1, 2):
+        done = subprocess.run(
+            [*how, served.links / "gcc", *COMPILE],
+            env=served.env,
+            cwd=served.src,
+            capture_output=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert served.fallbacks() == before + number
+    assert client_memos(served) == []
