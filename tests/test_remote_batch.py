@@ -402,22 +402,18 @@ def test_opening_the_cache_connects_to_the_remote(tmp_path: Path, own_server) ->
     assert after == before + 1
 
 
-def test_keys_other_machines_claimed_cost_one_look_not_a_claim_each(
-    tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Machine b finds every key claimed by machine a: one claim refused, then one
-    look at the claims of all the others parks them (no claim of its own each),
-    and each is delivered once its entry comes."""
+def _claimed_by_a(tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch, ops: int):  # type: ignore[no-untyped-def]
+    """Machine a compiles ``ops`` keys; then its entries are taken away and its claims
+    (marked stored) left, so that to machine b they are keys a compiles.  Patches the
+    tier's poll so that the entries come back once b has parked all of them.  Returns
+    (the compiler, the requests, the Redis client)."""
     monkeypatch.setattr(remote_tier, "CLAIM_SECONDS", 600.0)  # (a's marks outlive the test)
-    ops = 20
     compiler = ToyCompiler(tmp_path / "calls")
     requests = [make_request(i) for i in range(ops)]
     client = own_server.client()
     client.flushall()
     with opcache.OpCache(machine(tmp_path, "a", own_server.url)) as a:
         a.compile_many(requests, compiler, lambda r: tmp_path / "a-out" / r.op_name)
-    # a's entries taken away for now, its claims (marked stored) left: to b they are
-    # keys a compiles.
     names = [n for n in client.keys("*") if not n.endswith(b":claim")]
     values = dict(zip(names, client.mget(names), strict=True))
     client.delete(*names)
@@ -430,6 +426,17 @@ def test_keys_other_machines_claimed_cost_one_look_not_a_claim_each(
         return poll(self, soc, keys)
 
     monkeypatch.setattr(remote_tier.RemoteTier, "poll", entries_come_once_all_are_parked)
+    return compiler, requests, client
+
+
+def test_keys_other_machines_claimed_cost_one_look_not_a_claim_each(
+    tmp_path: Path, own_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machine b finds every key claimed by machine a: one claim refused, then one
+    look at the claims of all the others parks them (no claim of its own each),
+    and each is delivered once its entry comes."""
+    ops = 20
+    compiler, requests, client = _claimed_by_a(tmp_path, own_server, monkeypatch, ops)
     with opcache.OpCache(machine(tmp_path, "b", own_server.url)) as b:
         results = b.compile_many(
             requests, compiler, lambda r: tmp_path / "b-out" / r.op_name, jobs=1
@@ -449,31 +456,15 @@ def test_a_look_at_claims_asks_only_the_next_keys_and_still_saves_every_refusal(
     next few keys to be taken (one MGET), not all the batch's again; a key past
     them gets its own look before it is taken, so still no claim is refused
     but the first."""
-    monkeypatch.setattr(remote_tier, "CLAIM_SECONDS", 600.0)  # (a's marks outlive the test)
     ops = 150
-    compiler = ToyCompiler(tmp_path / "calls")
-    requests = [make_request(i) for i in range(ops)]
-    client = own_server.client()
-    client.flushall()
-    with opcache.OpCache(machine(tmp_path, "a", own_server.url)) as a:
-        a.compile_many(requests, compiler, lambda r: tmp_path / "a-out" / r.op_name)
-    names = [n for n in client.keys("*") if not n.endswith(b":claim")]
-    values = dict(zip(names, client.mget(names), strict=True))
-    client.delete(*names)  # (a's claims, marked stored, left: to b, keys a compiles)
-    client.config_resetstat()
-    poll, peek = remote_tier.RemoteTier.poll, remote_tier.RemoteTier.peek_claims
+    compiler, requests, client = _claimed_by_a(tmp_path, own_server, monkeypatch, ops)
+    peek = remote_tier.RemoteTier.peek_claims
     looks: list[int] = []
-
-    def entries_come_once_all_are_parked(self, soc, keys):  # type: ignore[no-untyped-def]
-        if len(keys) == ops and not client.exists(names[0]):
-            client.mset(values)
-        return poll(self, soc, keys)
 
     def counted(self, soc, keys):  # type: ignore[no-untyped-def]
         looks.append(len(keys))
         return peek(self, soc, keys)
 
-    monkeypatch.setattr(remote_tier.RemoteTier, "poll", entries_come_once_all_are_parked)
     monkeypatch.setattr(remote_tier.RemoteTier, "peek_claims", counted)
     with opcache.OpCache(machine(tmp_path, "b", own_server.url)) as b:
         results = b.compile_many(
