@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
 RACY_SECONDS = 2.0  # a file changed this close to the run that read it gets no memo
-MAX_MEMOS = 10_000  # then the folder is emptied (each memo is only a shortcut)
+MAX_MEMOS = 20_000  # then the folder is emptied (each memo is only a shortcut; two a command)
 MEMO_DAYS = 7  # a memo not rewritten for this long goes at a cleaning
 CLEAN_ONE_IN = 64  # a memo write cleans the folder about once in this many
 _WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT

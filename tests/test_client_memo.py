@@ -532,3 +532,16 @@ def test_a_caller_with_other_groups_or_host_than_the_server_s_is_left_to_opcache
         assert done.returncode == 0, done.stderr
         assert served.fallbacks() == before + number
     assert client_memos(served) == []
+
+
+def test_a_memo_the_client_serves_is_renewed_so_it_is_not_cleaned_while_in_use(served):
+    """The server never sees the calls the client serves: the client renews its memo's
+    time (a day at a time), or every memo of a project would go after MEMO_DAYS at once."""
+    memoized(served)
+    (memo,) = client_memos(served)
+    old = time.time() - 3 * 86400
+    os.utime(memo, (old, old))
+    (served.src / "k.o").unlink()
+    assert served.gcc(*COMPILE).returncode == 0
+    assert appended(served) == 1
+    assert memo.stat().st_mtime > old + 2 * 86400

@@ -757,6 +757,7 @@ static void serve_memo(const char *name) {
              st.st_size <= (off_t)MAX_MEMO && read_whole(fd, MAX_MEMO, &raw, &size) == 0;
     close(fd);
     if (!ok) return;
+    time_t written = st.st_mtim.tv_sec;
     /* Its fields, split at the NULs (a memo holds no other NUL). */
     size_t n = 1;
     for (size_t i = 0; i < size; i++) n += raw[i] == '\0';
@@ -824,6 +825,12 @@ static void serve_memo(const char *name) {
      * A reader that left (of the streams, or of an error line): 1, as the Python path's. */
     signal(SIGPIPE, SIG_IGN);
     stamp(folder_fd, entry[3], every);
+    /* A memo served here is never rewritten by a server: renewed a day at a time, it is
+     * not cleaned as unused (quickmemo.MEMO_DAYS) while in use.  A hint, as the stamp. */
+    if (time(NULL) - written > 86400 &&
+        (size_t)snprintf(path + strlen(path), sizeof path - strlen(path), "/%s/%s",
+                         MEMO_FOLDER, name) < sizeof path - strlen(path))
+        utimensat(AT_FDCWD, path, NULL, AT_SYMLINK_NOFOLLOW);
     write_outputs(outputs, no);
     for (int stream = 1; stream <= 2; stream++) {
         for (size_t i = 0; i < ns; i++) {
