@@ -375,15 +375,17 @@ def client_memo(memo: bytes) -> bytes | None:
         try:
             out += [b"e", parsed.entry, *(b"%d" % n for n in parsed.entry_id), parsed.manifest]
             out.append(repr(parsed.stamp_every).encode())
-            for target, name, size, want in parsed.outputs:
-                data = Memo.artifact(entry, name, size, want)
-                out += [b"o", target, name, b"%d" % size, xxhash.xxh64_hexdigest(data).encode()]
+            # The streams first: small, and one with colour ends it before the outputs
+            # are read and hashed for nothing.
             for number, name, size, want in parsed.streams:
                 data = Memo.artifact(entry, name, size, want)
                 if b"\x1b[" in data:
                     return None  # (the client leaves colour to the Python path, as quickhit)
                 out += [b"s", b"%d" % number, name, b"%d" % size]
                 out.append(xxhash.xxh64_hexdigest(data).encode())
+            for target, name, size, want in parsed.outputs:
+                data = Memo.artifact(entry, name, size, want)
+                out += [b"o", target, name, b"%d" % size, xxhash.xxh64_hexdigest(data).encode()]
         finally:
             os.close(entry)
         out += [b"n", parsed.counters, *(b"%d" % n for n in parsed.counters_id)]

@@ -445,9 +445,14 @@ def _is_as_we_are(pid: int) -> bool:
     names the client's memo, with its own (a caller after newgrp, sg or setpriv runs
     opcache itself, with its own)."""
     try:
-        return _ids(f"/proc/{pid}") == _ids("/proc/self")
-    except OSError:
+        if not _own_ids:
+            _own_ids.append(_ids("/proc/self"))  # (a worker's never change)
+        return _ids(f"/proc/{pid}") == _own_ids[0]
+    except (OSError, KeyError):
         return False
+
+
+_own_ids: list[tuple[object, ...]] = []
 
 
 def _ids(process: str) -> tuple[object, ...]:
