@@ -22,7 +22,7 @@ import pytest
 import xxhash
 from helpers_faults import NOBODY, requires_root
 from helpers_wrap import GCC, opcache, stats
-from test_server import COMPILE, EXECVE_LIST, WAIT, Served, alive, counted, warmed
+from test_server import COMPILE, WAIT, Served, alive, counted, run_with_entries, warmed
 
 from opcache import quickhit, quickmemo, server
 from opcache.counters import QUICK_COUNTS
@@ -71,6 +71,18 @@ def memoized(served: Served, *args: str) -> bytes:
     assert len(client_memos(served)) == 1
     stop_server(served)
     return (served.src / "k.o").read_bytes()
+
+
+def served_by_the_client_alone(served: Served) -> None:
+    """A memo made, the object removed: the client alone writes it back, silently, with
+    no opcache and no server started."""
+    made = memoized(served)
+    (served.src / "k.o").unlink()
+    starts = served.starts.read_text()
+    done = served.gcc(*COMPILE)
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert (served.src / "k.o").read_bytes() == made
+    assert served.starts.read_text() == starts
 
 
 def stop_server(served: Served) -> None:
@@ -312,17 +324,9 @@ def test_a_client_that_cannot_name_its_memo_gets_none_written(served):
     worker writes none (its work would be lost at every call)."""
     warmed(served, *COMPILE)
     time.sleep(quickmemo.RACY_SECONDS + 0.3)
-    launcher = served.tmp / "execve_list.py"
-    launcher.write_text(EXECVE_LIST)
     twice = ["TWICE=1", "TWICE=2"]
     for number in (1, 2):  # a full hit in a worker, which writes the Python memo; its quick hit
-        done = subprocess.run(
-            [sys.executable, launcher, *twice, "--", served.links / "gcc", *COMPILE],
-            env=served.env,
-            cwd=served.src,
-            capture_output=True,
-            timeout=120,
-        )
+        done = run_with_entries(served, twice, [served.links / "gcc", *COMPILE])
         assert done.returncode == 0, done.stderr
         counted(served.env, "hits", number)
     # (at least one served by the server: a busy machine may leave one to opcache)
@@ -408,14 +412,7 @@ def test_a_hit_the_client_counts_never_fails_for_want_of_getrandom(served):
     source.write_text(NO_GETRANDOM)
     subprocess.run([GCC, "-shared", "-fPIC", "-o", shim, source], check=True, timeout=120)
     served.env["LD_PRELOAD"] = str(shim)  # (every process: Python falls back to /dev/urandom)
-    made = memoized(served)
-    (served.src / "k.o").unlink()
-    starts = served.starts.read_text()
-
-    done = served.gcc(*COMPILE)
-    assert (done.returncode, done.stderr) == (0, b"")
-    assert (served.src / "k.o").read_bytes() == made
-    assert served.starts.read_text() == starts
+    served_by_the_client_alone(served)
     assert appended(served) == 1
 
 
@@ -492,14 +489,7 @@ def test_a_client_built_with_ubsan_serves_empty_streams(served):
     )
     if build.returncode != 0:
         pytest.skip(f"no UBSan here: {build.stderr.decode(errors='replace')[-200:]}")
-    made = memoized(served)  # (the client is on the paths a memo checks: built first)
-    (served.src / "k.o").unlink()
-    starts = served.starts.read_text()
-
-    done = served.gcc(*COMPILE)
-    assert (done.returncode, done.stderr) == (0, b"")
-    assert (served.src / "k.o").read_bytes() == made
-    assert served.starts.read_text() == starts
+    served_by_the_client_alone(served)  # (the client is on the paths a memo checks: built first)
 
 
 @requires_root

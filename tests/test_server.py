@@ -553,6 +553,20 @@ sys.exit(127)
 """
 
 
+def run_with_entries(served, entries: list[str], argv: list) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    """``argv`` run in the build folder with ``entries`` (``NAME=value``, a name may come
+    twice) before the served environment's, through EXECVE_LIST."""
+    launcher = served.tmp / "execve_list.py"
+    launcher.write_text(EXECVE_LIST)
+    return subprocess.run(
+        [sys.executable, launcher, *entries, "--", *argv],
+        env=served.env,
+        cwd=served.src,
+        capture_output=True,
+        timeout=120,
+    )
+
+
 def test_a_variable_given_twice_is_taken_as_the_compiler_takes_it(served):
     """CPATH=<a> then CPATH=<b>: gcc's getenv and the Python path take the first; a
     served hit must not be the object of the second."""
@@ -567,24 +581,11 @@ def test_a_variable_given_twice_is_taken_as_the_compiler_takes_it(served):
     before = served.fallbacks()
     assert served.gcc(*args, env=env_b).returncode == 0
     assert served.fallbacks() == before  # CPATH=<b> alone is served
-    launcher = served.tmp / "execve_list.py"
-    launcher.write_text(EXECVE_LIST)
     twice = [f"CPATH={served.tmp / 'a'}", f"CPATH={served.tmp / 'b'}"]
-    done = subprocess.run(
-        [sys.executable, launcher, *twice, "--", served.links / "gcc", *args],
-        env=served.env,
-        cwd=served.src,
-        capture_output=True,
-        timeout=120,
-    )
+    done = run_with_entries(served, twice, [served.links / "gcc", *args])
     assert done.returncode == 0, done.stderr
-    subprocess.run(
-        [sys.executable, launcher, *twice, "--", GCC, *args[:-1], "plain.o"],
-        env=served.env,
-        cwd=served.src,
-        check=True,
-        timeout=120,
-    )
+    plain = run_with_entries(served, twice, [GCC, *args[:-1], "plain.o"])
+    assert plain.returncode == 0, plain.stderr
     assert (served.src / "v.o").read_bytes() == (served.src / "plain.o").read_bytes()
 
 
