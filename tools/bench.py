@@ -718,6 +718,9 @@ def bench_cmake(report: Report, tmp: Path, repeat: int) -> None:
     opcache_exe = shutil.which("opcache", path=os.path.dirname(sys.executable)) or "opcache"
     env = {**os.environ, "HOME": str(folder), "CCACHE_DIR": str(folder / "ccache")}
     env["OPCACHE_SERVER_IDLE"] = "60"  # (the client's server: gone soon after the bench)
+    # A server of this run's own: one a run before left (another HOME) serves no one here.
+    (folder / "run").mkdir(mode=0o700)
+    env["XDG_RUNTIME_DIR"] = str(folder / "run")
     launchers = {"opcache": f"{opcache_exe};wrap;--"}
     # The C client and its warm server (opcache masquerade --client), when it builds here.
     subprocess.run(
