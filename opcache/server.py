@@ -272,14 +272,21 @@ def _warm_up() -> dict[str, tuple[int, int, int]]:
 
 def _opcache_files() -> dict[str, tuple[int, int, int]]:
     """opcache's files as loaded, each with its identity now (an upgrade changes them)."""
-    files = {}
-    for path in quickhit.opcache_files():
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        files[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
-    return files
+    return {path: _identity(path) for path in quickhit.opcache_files()}
+
+
+def _upgraded(files: dict[str, tuple[int, int, int]]) -> bool:
+    """Whether a module file loaded at the start changed since.  Only those: a call may
+    load more (explain, trash), from the files there now."""
+    return any(_identity(path) != was for path, was in files.items())
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0)  # (gone: an upgrade that removed it)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 # -- a worker ----------------------------------------------------------------------
@@ -399,7 +406,7 @@ def _answer(
         fields = data.split(b"\0")
         if fields[0] != PROTOCOL or fields[-1] != b"":
             return b"N"
-        if _opcache_files() != files:  # an upgrade: the modules here are old (_work ends)
+        if _upgraded(files):  # the modules here are old (_work ends)
             _stale.append(True)
             return b"N"
         # (a client that found no memo of its own that holds wants one: "1")

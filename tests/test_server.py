@@ -760,3 +760,15 @@ def test_a_client_without_locale_variables_is_served(served):
     python = wrap("gcc", *COMPILE[:-1], "alone.o", env=env, cwd=served.src)
     assert (served.src / "k.o").read_bytes() == (served.src / "alone.o").read_bytes()
     assert (hit.stdout, hit.stderr) == (python.stdout, python.stderr)
+
+
+def test_a_module_a_call_loads_is_no_upgrade():
+    """A worker's call may import a module of opcache the start did not (a miss's
+    explain, trash): the server goes on serving; before, every such call ended it."""
+    code = (
+        "import sys\nfrom opcache import server\nfiles = server._opcache_files()\n"
+        "assert 'opcache.explain' not in sys.modules\nimport opcache.explain\n"
+        "print(server._upgraded(files))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
