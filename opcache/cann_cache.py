@@ -205,9 +205,16 @@ class CannCache:
         self._modes = modes
         self._clock = clock
 
-    def stats(self, soc: str | None = None) -> dict[str, object]:
-        """What each chip folder holds, bytes counted as CANN counts them."""
-        report = self._each_chip(soc, self._chip_stats)
+    def stats(self, soc: str | None = None, *, check: bool = False) -> dict[str, object]:
+        """What each chip folder holds, bytes counted as CANN counts them.
+
+        Its files are told by name and ``lstat`` alone (``_chip_counts``); with
+        ``check``, each entry's json is read as CANN reads it (``_chip_stats``):
+        the files it names otherwise than by its kernel, and whether CANN would
+        reuse it (``broken_entries``, None without ``check``).
+        """
+        report = self._each_chip(soc, self._chip_stats if check else self._chip_counts)
+        report["checked"] = check
         report["total"] = _total(report["chips"])
         return report
 
@@ -275,20 +282,39 @@ class CannCache:
 
     # -- stats ---------------------------------------------------------------
 
+    def _chip_counts(self, fd: int) -> dict[str, object]:
+        # One walk, no file opened: an entry is a <kernel>.json, and owns the files
+        # of its kernel's name (<kernel>.o, .so, .h, and a mix entry's
+        # <kernel>_mix_aic.json / _mix_aiv.json with their binaries), as CANN
+        # names them.  Per file one lstat, and one more for a binary's entry json.
+        entries = _Entries(int(self._clock()))
+        counts = dict.fromkeys(_COUNTED, 0)
+        present = PresentFiles(fd)
+        for name, st, top in walk_chip(fd):
+            if not _count_file(counts, st, top):
+                continue
+            if is_entry_json(name):
+                entries.count(access_time(st))
+                counts["entry_bytes"] += st.st_size
+                continue
+            kind = _loose_kind(name)
+            if kind == "orphans" and _entry_of_name(name) in present:
+                if name.endswith(".h"):
+                    counts["headers"] += 1
+                    counts["header_bytes"] += st.st_size
+                else:
+                    counts["entry_bytes"] += st.st_size
+                continue
+            _count_loose(counts, kind, st)
+        return self._chip_report(counts, entries, None)
+
     def _chip_stats(self, fd: int) -> dict[str, object]:
         # Two passes, holding counters and the few files whose owner is not the
         # entry of their name: the entries, then every file (see _Owners).
         owners = _Owners(fd, int(self._clock()))
         counts = dict.fromkeys(_COUNTED, 0)
         for name, st, top in walk_chip(fd):
-            if not stat.S_ISREG(st.st_mode):
-                counts["links"] += 1
-                continue
-            counts["files"] += 1
-            counts["used_bytes"] += st.st_size
-            if not top:
-                counts["subfolder_files"] += 1
-                counts["subfolder_bytes"] += st.st_size
+            if not _count_file(counts, st, top):
                 continue
             owned, aged = owners.of(name)
             if aged:
@@ -297,22 +323,24 @@ class CannCache:
                 counts["headers"] += 1
                 counts["header_bytes"] += st.st_size
             if not owned:
-                kind = _loose_kind(name)
-                counts[kind] += 1
-                if kind in _KIND_BYTES:  # (a lock's bytes are not reported)
-                    counts[_KIND_BYTES[kind]] += st.st_size
+                _count_loose(counts, _loose_kind(name), st)
+        return self._chip_report(counts, owners, owners.broken)
+
+    def _chip_report(
+        self, counts: dict[str, int], entries: _Entries, broken: int | None
+    ) -> dict[str, object]:
         max_bytes = self.limits.max_bytes
         return {
             "used_bytes": counts["used_bytes"],
             "files": counts["files"],
             "limit_bytes": max_bytes,
             "over_limit": max_bytes is not None and counts["used_bytes"] >= max_bytes,
-            "entries": owners.entries,
+            "entries": entries.entries,
             "entry_bytes": counts["entry_bytes"],
-            "broken_entries": owners.broken,
-            "idle_entries": owners.idle,
-            "oldest_access": owners.oldest,
-            "newest_access": owners.newest,
+            "broken_entries": broken,
+            "idle_entries": entries.idle,
+            "oldest_access": entries.oldest,
+            "newest_access": entries.newest,
             **{k: counts[k] for k in _COUNTED if k not in ("used_bytes", "files", "entry_bytes")},
         }
 
@@ -489,6 +517,27 @@ def _why_kept(
     return None
 
 
+def _count_file(counts: dict[str, int], st: os.stat_result, top: bool) -> bool:
+    """Count a walked file as CANN counts its size; whether it is a regular file of the
+    chip folder itself, which stats then sorts by kind."""
+    if not stat.S_ISREG(st.st_mode):
+        counts["links"] += 1
+        return False
+    counts["files"] += 1
+    counts["used_bytes"] += st.st_size
+    if not top:
+        counts["subfolder_files"] += 1
+        counts["subfolder_bytes"] += st.st_size
+    return top
+
+
+def _count_loose(counts: dict[str, int], kind: str, st: os.stat_result) -> None:
+    """Count a file no entry owns, of ``_loose_kind`` ``kind``."""
+    counts[kind] += 1
+    if kind in _KIND_BYTES:  # (a lock's bytes are not reported)
+        counts[_KIND_BYTES[kind]] += st.st_size
+
+
 def _loose_kind(name: str) -> str:
     """What a file no entry owns is (a verify list, a stats figure)."""
     if name.endswith(".lock"):
@@ -518,7 +567,23 @@ _COUNTED = (
 _OWN_SUFFIXES = {".o": True, ".so": True, ".h": False}
 
 
-class _Owners:
+class _Entries:
+    """Entries counted by their json's access time (whole seconds), as ``now`` sees them."""
+
+    def __init__(self, now: int) -> None:
+        self._now = now
+        self.entries = self.idle = 0
+        self.oldest: int | None = None
+        self.newest: int | None = None
+
+    def count(self, atime: int) -> None:
+        self.entries += 1
+        self.idle += self._now - atime >= AGE_SECONDS
+        self.oldest = atime if self.oldest is None else min(self.oldest, atime)
+        self.newest = atime if self.newest is None else max(self.newest, atime)
+
+
+class _Owners(_Entries):
     """Which entry owns each file of a chip folder, from one pass over its entries,
     holding only the exceptions: an entry ``k.json`` owns ``k.o``, ``k.so`` and
     ``k.h`` where they exist, CANN's aging deleting the first two with it.  Files
@@ -532,10 +597,9 @@ class _Owners:
         now: int,
         each: Callable[[CannEntry, os.stat_result], None] | None = None,
     ) -> None:
+        super().__init__(now)
         self._fd = fd
-        self.entries = self.broken = self.idle = 0
-        self.oldest: int | None = None
-        self.newest: int | None = None
+        self.broken = 0
         self._owned: set[str] = set()  # owned by an entry not of their name
         self._aged: set[str] = set()
         self._not_owned: set[str] = set()  # of an entry's name, not its
@@ -543,16 +607,13 @@ class _Owners:
         present = PresentFiles(fd)
         for name, st in _entry_json_stats(fd):
             entry = CannEntry(fd, name, present)
-            self._count(entry, access_time(st), now, present)
+            self.count(access_time(st))
+            self._own(entry, present)
             if each is not None:
                 each(entry, st)
 
-    def _count(self, entry: CannEntry, atime: int, now: int, present: PresentFiles) -> None:
-        self.entries += 1
+    def _own(self, entry: CannEntry, present: PresentFiles) -> None:
         self.broken += entry.problem is not None
-        self.idle += now - atime >= AGE_SECONDS
-        self.oldest = atime if self.oldest is None else min(self.oldest, atime)
-        self.newest = atime if self.newest is None else max(self.newest, atime)
         aged = set(entry.aged or [entry.json])
         own = {entry.json, *(entry.kernel + suffix for suffix in _OWN_SUFFIXES)}
         self._owned |= entry.owned - own
@@ -594,6 +655,12 @@ def _kernel_of(name: str) -> str:
         if stem.endswith(mix):
             return stem[: -len(mix)]
     return stem
+
+
+def _entry_of_name(name: str) -> str:
+    """The entry json a binary, header or sub-json belongs to by its name, or ""."""
+    owner = _kernel_of(name) + ".json"
+    return owner if is_entry_json(owner) else ""
 
 
 def _orphan_locks(name: str) -> list[str]:
@@ -689,16 +756,17 @@ def _remove(fd: int, names: list[str], errors: list[str]) -> int:
 
 
 _SUMMED = (
-    "used_bytes", "files", "entries", "entry_bytes", "broken_entries", "idle_entries",
-    "headers", "header_bytes", "prebuild", "prebuild_bytes", "locks", "temps", "temp_bytes",
-    "orphans", "orphan_bytes", "other", "other_bytes", "subfolder_files", "subfolder_bytes",
-    "links",
+    "used_bytes", "files", "entries", "entry_bytes", "idle_entries", "headers", "header_bytes",
+    "prebuild", "prebuild_bytes", "locks", "temps", "temp_bytes", "orphans",
+    "orphan_bytes", "other", "other_bytes", "subfolder_files", "subfolder_bytes", "links",
 )  # fmt: skip
 
 
 def _total(chips: Mapping[str, Mapping[str, object]]) -> dict[str, object]:
     read = [c for c in chips.values() if "error" not in c]
     total: dict[str, object] = {k: sum(c[k] for c in read) for k in _SUMMED}  # type: ignore[misc]
+    broken = [c["broken_entries"] for c in read]
+    total["broken_entries"] = None if None in broken else sum(broken)  # type: ignore[arg-type]
     oldest = [c["oldest_access"] for c in read if c["oldest_access"] is not None]
     newest = [c["newest_access"] for c in read if c["newest_access"] is not None]
     total["oldest_access"] = min(oldest, default=None)  # type: ignore[type-var]

@@ -553,6 +553,8 @@ def _cmd_cann(args: argparse.Namespace) -> int:
 
     if args.fix and args.action != "verify":
         raise UsageError("--fix goes with 'opcache cann verify'")
+    if args.check and args.action != "stats":
+        raise UsageError("--check goes with 'opcache cann stats'")
     if args.dry_run and args.action in ("stats", "verify", "export"):
         raise UsageError(f"--dry-run does not go with 'opcache cann {args.action}'")
     if (args.file is None) != (args.action not in ("export", "import")):
@@ -567,7 +569,7 @@ def _cmd_cann(args: argparse.Namespace) -> int:
     cache = cann_cache.open_cann_cache(_settings(args))
     try:
         if args.action == "stats":
-            report = cache.stats(args.soc_version)
+            report = cache.stats(args.soc_version, check=args.check)
         elif args.action == "age":
             report = cache.age(args.soc_version, dry_run=args.dry_run)
         else:
@@ -708,9 +710,11 @@ def _cann_stats_lines(report: dict, args: argparse.Namespace) -> list[str]:
             continue
         limit = c["limit_bytes"]
         share = f" ({100 * c['used_bytes'] / limit:.0f}% of the limit)" if limit else ""
+        broken = c["broken_entries"]
         lines += [
-            f"{soc}: {_count(c['entries'], 'entry', 'entries')} ({_size(c['entry_bytes'])}, "
-            f"{c['broken_entries']} unusable), {_size(c['used_bytes'])} used{share}",
+            f"{soc}: {_count(c['entries'], 'entry', 'entries')} ({_size(c['entry_bytes'])}"
+            + (f", {broken} unusable" if broken is not None else "")
+            + f"), {_size(c['used_bytes'])} used{share}",
             f"  last access: oldest {_ago(c['oldest_access'])}, newest "
             f"{_ago(c['newest_access'])}; idle 30 min or more: {c['idle_entries']}",
             f"  headers: {c['headers']} ({_size(c['header_bytes'])}), prebuild results: "
@@ -919,6 +923,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="age, push, pull, import: report, change nothing"
     )
     cann.add_argument("--fix", action="store_true", help="verify: remove what it finds")
+    cann.add_argument(
+        "--check",
+        action="store_true",
+        help="stats: read every entry's json (which CANN would reuse, files named otherwise)",
+    )
     for name, text in (
         ("export", "write opcache's cache (or one chip's) into one archive FILE"),
         ("import", "store the entries of an archive FILE in opcache's cache"),

@@ -289,27 +289,88 @@ def test_subfolders_are_counted_as_cann_counts_them_but_left_alone(base, capsys)
 # -- stats ------------------------------------------------------------------------------------
 
 
-def test_stats_counts_every_kind_of_file_as_cann_counts_them(base, capsys):
+@pytest.mark.parametrize("flags", [(), ("--check",)], ids=["by name", "check"])
+def test_stats_counts_every_kind_of_file_as_cann_counts_them(base, capsys, flags):
     f = aging_folder(base)
     (f.chip / f"{kernel_name('Add', 'gone')}.o").write_bytes(b"o" * 100)  # an orphan
     (f.chip / "notes.txt").write_text("hello")
-    status, report = cann_json(capsys, base, "stats")
-    assert status == 0
+    status, report = cann_json(capsys, base, "stats", *flags)
+    assert status == 0 and report["checked"] == bool(flags)
     chip = report["chips"][SOC]
     every_file = list(f.chip.iterdir())
     assert chip["used_bytes"] == sum(p.stat().st_size for p in every_file)
     assert chip["files"] == len(every_file)
-    assert chip["entries"] == 8 and chip["broken_entries"] == 0  # sha256 is verify's job
-    assert chip["idle_entries"] == 6  # all but "recent" (10 min) and "fresh"
-    assert chip["headers"] == 1 and chip["prebuild"] == 1
+    assert chip["entries"] == 8 and chip["idle_entries"] == 6  # all but "recent" and "fresh"
+    # Whether CANN reuses an entry needs its json read (sha256 is verify's job).
+    assert chip["broken_entries"] == report["total"]["broken_entries"] == (0 if flags else None)
+    # What aging deletes with the entries; told by name, a mix entry's main binary
+    # too (CANN's aging leaves it: only its json says it is no sub-json's).
+    aged = files_of(f, *f.entries)
+    mix_main = f.chip / f"{kernel_name('MatMul', 'mix')}.o"
+    by_name = {mix_main.name} if not flags else set()
+    assert chip["entry_bytes"] == sum((f.chip / n).stat().st_size for n in aged | by_name)
+    header = f.chip / f"{kernel_name('Add', 'old1')}.h"
+    assert (chip["headers"], chip["header_bytes"]) == (1, header.stat().st_size)
+    assert chip["prebuild"] == 1
     assert chip["locks"] == 10  # 8 entries, the prebuild result, the killed writer
     assert chip["temps"] == 1 and chip["orphans"] == 2 and chip["other"] == 1
+    assert (
+        chip["orphan_bytes"] == 100 + (f.chip / f"{kernel_name('Add', 'killed')}.o").stat().st_size
+    )
     assert chip["oldest_access"] == int(f.now - 5 * HOUR)
     assert chip["newest_access"] == int(f.now)
     assert chip["limit_bytes"] == 500 * 1024 * KIB and chip["over_limit"] is False
     assert report["total"]["entries"] == 8
-    status, out, _ = cann(capsys, base, "stats")
+    status, out, _ = cann(capsys, base, "stats", *flags)
     assert f"{SOC}: 8 entries" in out and "orphans: 2" in out and "note: access times" in out
+    assert ("0 unusable" in out) == bool(flags)
+
+
+def test_stats_without_check_reads_no_file(base, capsys, monkeypatch):
+    """Counting needs names and lstat only: a json parsed cost 74 us an entry (74 s of
+    CPU at a million), an unusable one is told only by --check."""
+    f = aging_folder(base)
+    f.entry("unusable", 2, sha256="")
+    opened = []
+    monkeypatch.setattr(cann_format, "open_quietly", lambda fd, name: opened.append(name))
+    status, report = cann_json(capsys, base, "stats")
+    assert (status, opened) == (0, [])
+    assert report["chips"][SOC]["entries"] == 9
+    monkeypatch.undo()
+    status, report = cann_json(capsys, base, "stats", "--check")
+    assert (status, report["chips"][SOC]["broken_entries"]) == (0, 1)
+
+
+def test_stats_never_follows_opens_or_waits_on_planted_files(base, tmp_path):
+    """A link, a FIFO named as an entry json or as a binary, another user's entry: counted
+    by lstat, never followed nor opened (a FIFO's open would wait for a writer forever);
+    each run is a real process, bounded by a timeout."""
+    f = Folder(base)
+    f.entry("one", 1)
+    theirs = f.entry("theirs", 1)
+    for path in f.entries["theirs"]:
+        os.chown(path, 65534, 65534)
+        path.chmod(0o600)
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    (f.chip / f"{kernel_name('Add', 'link')}.json").symlink_to(outside)
+    os.mkfifo(f.chip / f"{kernel_name('Add', 'fifo')}.json")
+    os.mkfifo(f.chip / f"{kernel_name('Add', 'one')}.so")
+    for flags in ((), ("--check",)):
+        done = subprocess.run(
+            [sys.executable, "-m", "opcache", "cann", "stats", "--json", *flags,
+             "--op_compiler_cache_dir", str(base)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        chip = json.loads(done.stdout)["chips"][SOC]
+        assert (chip["entries"], chip["links"]) == (2, 3), flags
+        regular = [p for p in f.chip.iterdir() if p.is_file() and not p.is_symlink()]
+        assert chip["used_bytes"] == sum(p.stat().st_size for p in regular)
+        assert chip["entry_bytes"] == sum(
+            p.stat().st_size for label in ("one", "theirs") for p in f.entries[label]
+        )
+    assert theirs and outside.read_text() == "{}"
 
 
 def test_limits_follow_cann_s_ini_rules(base, capsys, monkeypatch):
@@ -505,6 +566,7 @@ def test_a_folder_without_a_cann_cache_says_so_and_exits_1(base, capsys):
         ["cann", "clean"],
         ["cann"],
         ["cann", "stats", "--fix"],
+        ["cann", "age", "--check"],
         ["cann", "verify", "--dry-run"],
         ["cann", "age", "--soc_version", "../etc"],
         ["cann", "age", "--op_compiler_cache_dir", "/tmp/with space"],

@@ -123,12 +123,13 @@ def fill_cann(base: Path, count: int) -> Path:
     return chip.parent
 
 
-def cann_stats_peak(base: Path, count: int) -> int:
+def cann_stats_peak(base: Path, count: int, check: bool) -> int:
     root = fill_cann(base, count)
     cache = cann_cache.CannCache(root, cann_cache.read_limits(root), clock=FakeClock(NOW))
     with peak_growth() as peak:
-        chip = cache.stats()["chips"][CANN_SOC]
+        chip = cache.stats(check=check)["chips"][CANN_SOC]
     assert chip["entries"] == count
+    assert chip["broken_entries"] == (0 if check else None)
     assert chip["headers"] == count // 2
     assert chip["orphans"] == count // 4
     assert chip["oldest_access"] == T0
@@ -138,12 +139,13 @@ def cann_stats_peak(base: Path, count: int) -> int:
     return peak[0]
 
 
-def test_cann_stats_memory_is_flat_in_the_entry_count(tmp_path: Path) -> None:
-    # Counting needs each json parsed (its binary, its header), not held: an
-    # entry's json, CannEntry and lstat results once held about 2.7 KB each.
-    cann_stats_peak(tmp_path / "warm", 40)
-    small = cann_stats_peak(tmp_path / "small", 1000)
-    large = cann_stats_peak(tmp_path / "large", 4000)
+@pytest.mark.parametrize("check", [False, True], ids=["by name", "check"])
+def test_cann_stats_memory_is_flat_in_the_entry_count(tmp_path: Path, check: bool) -> None:
+    # Counting by name holds nothing per entry; a check parses each json, and holds
+    # none: an entry's json, CannEntry and lstat results once held about 2.7 KB each.
+    cann_stats_peak(tmp_path / "warm", 40, check)
+    small = cann_stats_peak(tmp_path / "small", 1000, check)
+    large = cann_stats_peak(tmp_path / "large", 4000, check)
     assert large - small < FLAT_BYTES, (small, large)
     assert large < PEAK_BYTES, large
 
