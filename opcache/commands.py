@@ -571,7 +571,9 @@ def _cmd_cann(args: argparse.Namespace) -> int:
         if args.action == "stats":
             report = cache.stats(args.soc_version, check=args.check)
         elif args.action == "age":
-            report = cache.age(args.soc_version, dry_run=args.dry_run)
+            # Every entry named only where asked: 40 MB for half a million.
+            names = args.json or args.verbose
+            report = cache.age(args.soc_version, dry_run=args.dry_run, names=names)
         else:
             report = cache.verify(args.soc_version, fix=args.fix)
     except cann_cache.NoCannCache as e:
@@ -739,18 +741,20 @@ def _cann_age_lines(report: dict, args: argparse.Namespace) -> list[str]:
         if "error" in c:
             lines.append(f"{soc}: not aged: {c['error']}")
             continue
-        kept = c["kept_locked"]
-        if c["removed"] or kept or c["errors"] or args.verbose or args.dry_run:
+        removed, kept = c["removed_count"], c["kept_locked_count"]
+        if removed or kept or c["errors"] or args.verbose or args.dry_run:
             line = (
-                f"{soc}: {verb} {_count(len(c['removed']), 'entry', 'entries')}, "
+                f"{soc}: {verb} {_count(removed, 'entry', 'entries')}, "
                 f"{_size(c['removed_bytes'])} "
                 f"({_size(c['used_bytes'])} -> {_size(c['used_after'])})"
             )
             if c["skipped"]:
                 line += f"; skipped: {c['skipped']}"
             if kept:
-                line += f"; kept {_count(len(kept), 'entry', 'entries')} a writer holds"
+                line += f"; kept {_count(kept, 'entry', 'entries')} a writer holds"
             lines.append(line)
+        lines += [f"  {verb}: {name}" for name in c["removed"]]
+        lines += [f"  kept, a writer holds it: {name}" for name in c["kept_locked"]]
         lines += [f"{soc}: {error}" for error in c["errors"]]
     if args.verbose:
         lines = [_cann_limit_line(report), *lines] + [f"note: {n}" for n in report["notes"]]

@@ -131,6 +131,7 @@ def test_age_removes_exactly_what_cann_removes_and_nothing_young_or_locked(base,
         ("Add", "old1"), ("MatMul", "mix"), ("Add", "old2"), ("Add", "old3"), ("Add", "badsha"),
     )]  # fmt: skip
     assert chip["kept_locked"] == [kernel_name("Add", "locked")]
+    assert (chip["removed_count"], chip["kept_locked_count"], chip["names_listed"]) == (5, 1, True)
     assert chip["stopped_at_recent"] is True  # "recent" (10 minutes) ended the pass
     assert chip["used_bytes"] == used
     assert chip["to_free"] == used - 1024 * KIB * 50 // 100
@@ -150,6 +151,26 @@ def test_age_stops_once_enough_is_freed(base, capsys):
     assert (status, err) == (0, "")
     assert f.names() == before - files_of(f, "old1", "mix", "old2") | {cann_format.DEL_LOCK}
     assert out.startswith(f"{SOC}: removed 3 entries, ")
+
+
+def test_age_counts_what_it_removes_and_names_it_with_verbose_or_json(base, capsys):
+    """A cron job's report is counts and sizes: naming every entry removed held about
+    80 bytes each, 54-87 MB at a million entries."""
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=2, ratio=80)  # 3 entries go, as above
+    gone = [kernel_name(*k) for k in (("Add", "old1"), ("MatMul", "mix"), ("Add", "old2"))]
+    status, out, err = cann(capsys, base, "age", "--dry-run")
+    assert (status, err) == (0, "")
+    assert out.startswith(f"{SOC}: would remove 3 entries, ") and out.count("\n") == 1
+    status, out, _ = cann(capsys, base, "age", "--dry-run", "-v")
+    named = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("  would")]
+    assert status == 0 and named == gone
+    chip = cann_json(capsys, base, "age", "--dry-run")[1]["chips"][SOC]
+    assert (chip["removed"], chip["removed_count"]) == (gone, 3)
+    with held_by_other_process(f.chip / f"{kernel_name('Add', 'old2')}.lock"):
+        status, out, _ = cann(capsys, base, "age")
+    assert out.startswith(f"{SOC}: removed 3 entries, ") and "kept 1 entry a writer holds" in out
+    assert f.names().isdisjoint(files_of(f, "old1", "mix", "locked"))
 
 
 def test_age_under_the_limit_or_with_aging_off_removes_nothing_and_says_nothing(base, capsys):

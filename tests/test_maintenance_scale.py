@@ -191,6 +191,34 @@ def test_cann_verify_and_age_memory_is_flat_in_the_entry_count(
     assert large < PEAK_BYTES, large
 
 
+def cann_age_all_peak(base: Path, count: int, dry_run: bool) -> int:
+    root = fill_cann(base, count)
+    # Every entry idle and the limit far below what they hold: all of them go.
+    (root / CANN_SOC / "other.bin").write_bytes(b"\0" * 2 * MB)
+    write_ini(root, 1, 1)
+    now = T0 + AGE_SECONDS + count
+    cache = cann_cache.CannCache(root, cann_cache.read_limits(root), clock=FakeClock(now))
+    with peak_growth() as peak:
+        chip = cache.age(dry_run=dry_run, names=False)["chips"][CANN_SOC]
+    assert (chip["removed_count"], chip["removed"], chip["names_listed"]) == (count, [], False)
+    assert chip["removed_bytes"] > 0 and chip["errors"] == []
+    return peak[0]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry run", "age"])
+def test_cann_age_memory_is_flat_in_the_entries_it_removes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dry_run: bool
+) -> None:
+    # Its report counts them: naming each held about 80 bytes an entry (54-87 MB
+    # for a third to a half of a million), which only --json and -v list.
+    monkeypatch.setattr(cann_cache, "CANDIDATES", 100, raising=False)
+    cann_age_all_peak(tmp_path / "warm", 40, dry_run)
+    small = cann_age_all_peak(tmp_path / "small", 1000, dry_run)
+    large = cann_age_all_peak(tmp_path / "large", 4000, dry_run)
+    assert large - small < FLAT_BYTES, (small, large)
+    assert large < PEAK_BYTES, large
+
+
 def test_a_trim_in_several_walks_removes_the_oldest_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
