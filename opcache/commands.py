@@ -730,6 +730,11 @@ def _cann_stats_lines(report: dict, args: argparse.Namespace) -> list[str]:
                 else ""
             ),
         ]
+    if not report["checked"]:
+        lines.append(
+            "note: files told by their names, no json read (--check reads them: which "
+            "entries CANN would never reuse, files an entry names otherwise)"
+        )
     lines += [f"note: {note}" for note in report["notes"]]
     return lines
 
