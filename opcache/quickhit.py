@@ -197,20 +197,24 @@ last_memo: list[bytes] = []
 
 
 class Memo:
-    """A memo's records, parsed (Miss if one is unknown): ``serve`` checks and serves it."""
+    """A memo's records, parsed (Miss if one is unknown): ``serve`` checks and serves it.
+
+    The checks (the memo's first records, as it is written) are parsed one at a time
+    as ``serve`` takes them: a memo that misses costs the checks up to the first that
+    fails, not the parsing of hundreds.
+    """
 
     def __init__(self, fields: list[bytes]) -> None:
-        self.checks: list[tuple[bytes, bool, tuple[int, ...]]] = []
+        self.fields = fields
         self.outputs: list[tuple[bytes, bytes, int, str]] = []  # target, artifact, size, digest
         self.streams: list[tuple[int, bytes, int, str]] = []  # 1 or 2, artifact, size, digest
         at = 0
+        while fields[at : at + 1] == [b"c"]:
+            at += 10  # (a check: its tag, path, follow ("1" or "0") and 7 numbers)
+        self.checks_end = at  # (fields[:checks_end]: the checks)
         while at < len(fields):
             tag = fields[at]
-            if tag == b"c":
-                path, follow = fields[at + 1], fields[at + 2] == b"1"
-                self.checks.append((path, follow, tuple(map(int, fields[at + 3 : at + 10]))))
-                at += 10
-            elif tag == b"e":
+            if tag == b"e":
                 self.entry = fields[at + 1]
                 self.entry_id = (int(fields[at + 2]), int(fields[at + 3]))
                 self.manifest = fields[at + 4]
@@ -242,8 +246,10 @@ class Memo:
         """Everything that can be checked first; then the hit is counted (as the full
         path counts it before its outputs), and from then on an error ends the run as
         the full path's would: ``opcache: error: ...``, 1, never a second try."""
-        for path, follow, want in self.checks:
-            if identity(path, follow, want[4] == NO_SIZE) != want:
+        fields = self.fields
+        for at in range(0, self.checks_end, 10):
+            want = tuple(map(int, fields[at + 3 : at + 10]))
+            if identity(fields[at + 1], fields[at + 2] == b"1", want[4] == NO_SIZE) != want:
                 raise Miss
         entry = open_same(self.entry, self.entry_id)
         try:

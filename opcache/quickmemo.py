@@ -353,6 +353,9 @@ def client_memo(memo: bytes) -> bytes | None:
     manifest's digest first) in place of that digest, the count as the line to
     append, and one more check: the server's Python (the memo is the work of the
     opcache it runs, and its name holds no Python, which the client does not know).
+    The checks are taken as they are, unparsed: the client checks each field itself,
+    and none can be racy (each was older than the racy window when the memo was
+    written, and holds still).
     """
     import time
 
@@ -364,13 +367,11 @@ def client_memo(memo: bytes) -> bytes | None:
         if fields[0] != FORMAT or fields[-1] != b"end":
             return None
         python = os.fsencode(sys.executable)
-        checks = [*parsed.checks, (python, True, identity(python, True, False))]
-        racy = int((time.time() - RACY_SECONDS) * 1e9)
-        out = [CLIENT_FORMAT]
-        for path, follow, want in checks:
-            if want[0] >= 0 and want[4] != NO_SIZE and max(want[5], want[6]) >= racy:
-                return None  # (the Python just installed: it may change again unseen)
-            out += [b"c", path, b"1" if follow else b"0", *(b"%d" % n for n in want)]
+        want = identity(python, True, False)
+        if want[0] >= 0 and max(want[5], want[6]) >= int((time.time() - RACY_SECONDS) * 1e9):
+            return None  # (the Python just installed: it may change again unseen)
+        checks = fields[1 : 1 + parsed.checks_end]
+        out = [CLIENT_FORMAT, *checks, b"c", python, b"1", *(b"%d" % n for n in want)]
         entry = open_same(parsed.entry, parsed.entry_id)
         try:
             out += [b"e", parsed.entry, *(b"%d" % n for n in parsed.entry_id), parsed.manifest]

@@ -726,3 +726,16 @@ def test_a_memo_missing_a_record_runs_the_full_path(tmp_path: Path) -> None:
     wrap(*CMD, env=env, cwd=src)
     assert _quick_hits(tmp_path) == 0
     assert (src / "k.o").read_bytes() == _plain(src, "-c", "k.c", "-DOFFSET=1")
+
+
+def test_a_memo_that_misses_at_its_first_check_parses_none_of_the_rest(tmp_path: Path) -> None:
+    """A command's memo often misses (a build folder made anew each time: scenario 10):
+    its checks are taken one at a time, so the hundreds after the first that fails cost
+    nothing (here they could not even be parsed)."""
+    moved = [b"c", os.fsencode(tmp_path / "gone"), b"0", b"1", b"2", b"3", b"4", b"5", b"6", b"7"]
+    unread = [b"c", b"/x", b"0", *[b"not a number"] * 7] * 500
+    rest = [b"e", os.fsencode(tmp_path), b"1", b"2", b"manifest.json", b"-1.0"]
+    rest += [b"o", os.fsencode(tmp_path / "k.o"), b"k.o", b"4", b"0" * 32]
+    rest += [b"n", os.fsencode(tmp_path), b"1", b"2", b"384", b"0.5", QUICK_COUNTS.encode()]
+    with pytest.raises(quickhit.Miss):
+        quickhit.Memo([*moved, *unread, *rest]).serve()
