@@ -455,7 +455,7 @@ def _is_as_we_are(pid: int) -> bool:
         if not _own_ids:
             _own_ids.append(_ids("/proc/self"))  # (a worker's never change)
         return _ids(f"/proc/{pid}") == _own_ids[0]
-    except (OSError, KeyError):
+    except (OSError, ValueError):
         return False
 
 
@@ -463,11 +463,23 @@ _own_ids: list[tuple[object, ...]] = []
 
 
 def _ids(process: str) -> tuple[object, ...]:
-    """A process's group ids and UTS namespace, from its /proc folder."""
-    with open(f"{process}/status", "rb") as f:
-        fields = dict(line.partition(b":")[::2] for line in f.read().splitlines())
-    gids, groups = fields[b"Gid"].split(), sorted(set(fields[b"Groups"].split()))
-    return gids, groups, os.readlink(f"{process}/ns/uts")
+    """A process's group ids and UTS namespace, from its /proc folder: of the status
+    file, one read and its two lines (split whole, with a file object, it cost a call
+    three times as much)."""
+    fd = os.open(f"{process}/status", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        status = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    gids, groups = _status_line(status, b"Gid"), _status_line(status, b"Groups")
+    return gids.split(), sorted(set(groups.split())), os.readlink(f"{process}/ns/uts")
+
+
+def _status_line(status: bytes, name: bytes) -> bytes:
+    """The value of the line ``name`` of a /proc status file (ValueError if none)."""
+    start = status.index(b"\n" + name + b":") + len(name) + 2
+    end = status.find(b"\n", start)
+    return status[start : end if end >= 0 else len(status)]
 
 
 def _same_file(a: str, b: str) -> bool:
