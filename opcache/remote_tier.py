@@ -353,19 +353,22 @@ class RemoteTier:
             self._failed(e, soc)
             return {}
         self._recovered()
-        sound = self._sound(soc, got)
+        sound = self._sound(soc, got, None if again else len(keys))
         self._note_looked(soc, keys, sound, asked)
-        if not again:
-            self._stats.add(soc, "remote_misses", len(keys) - len(sound))
         return sound
 
     def _sound(
-        self, soc: str, got: dict[str, Fetched | RemoteCorrupt]
+        self,
+        soc: str,
+        got: dict[str, Fetched | RemoteCorrupt],
+        asked: int | None = None,
     ) -> dict[str, tuple[Entry, bytes]]:
         """The values that passed their checks, counted; the others counted as corrupt
-        (a value looked at again, after a claim, is not counted again)."""
+        (a value looked at again, after a claim, is not counted again); of ``asked``
+        keys, those not sound counted as misses.  The counts in one update (a
+        single hit took the recorder's lock three times)."""
         sound = {}
-        down = 0  # (counted once: a batch of hits added it a key at a time)
+        down = corrupt = 0  # (counted once: a batch of hits added it a key at a time)
         for key, value in got.items():
             if isinstance(value, RemoteCorrupt):
                 down += value.size
@@ -374,14 +377,20 @@ class RemoteTier:
                     continue
                 self._corrupt.add((soc, key))
                 log.warning("corrupt remote entry %s/%s not used: %s", soc, key, value)
-                self._stats.add(soc, "remote_corrupt")
+                corrupt += 1
                 continue
             entry, manifest, size = value
             sound[key] = entry, manifest
             down += size
+        counts: dict[str, float] = {"remote_hits": len(sound)} if sound else {}
         if down:
-            self._stats.add(soc, "remote_bytes_down", down)
-        self._stats.add(soc, "remote_hits", len(sound))
+            counts["remote_bytes_down"] = down
+        if corrupt:
+            counts["remote_corrupt"] = corrupt
+        if asked is not None and asked > len(sound):
+            counts["remote_misses"] = asked - len(sound)
+        if counts:
+            self._stats.add_counts(soc, counts)
         return sound
 
     def poll(self, soc: str, keys: list[str]) -> tuple[dict[str, tuple[Entry, bytes]], set[str]]:

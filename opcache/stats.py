@@ -87,6 +87,15 @@ class StatsRecorder:
             if self._thread is None:
                 self._start()
 
+    def add_counts(self, soc: str, counts: dict[str, float]) -> None:
+        """``add`` of several counters of a chip under one lock (a remote look's)."""
+        with self._lock:
+            chip = self._pending.setdefault(soc, {})
+            for name, amount in counts.items():
+                chip[name] = chip.get(name, 0) + amount
+            if self._thread is None:
+                self._start()
+
     def add_hit(self, soc: str, saved: float) -> None:
         """Count a hit and the compile seconds it saved, under one lock (a hit's two
         ``add`` calls were a tenth of its bookkeeping)."""
