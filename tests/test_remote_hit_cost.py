@@ -313,6 +313,65 @@ def test_an_artifact_that_does_not_compress_is_stored_in_the_stream_as_it_is() -
     assert len(pack(KEY, make_manifest(KEY, twice, 1.0, {}, 0.0), twice)) < 41_000
 
 
+def _zlib_value(manifest: bytes, files: dict[str, bytes], stream: bytes | None = None) -> bytes:
+    """A value (format 1, zlib) of ``stream`` (else the payload deflated by plain zlib),
+    checksummed as a writer would."""
+    payload = struct.pack(">I", len(manifest)) + manifest + b"".join(files.values())
+    value = b"OPCR\x01\x01" + (zlib.compress(payload) if stream is None else stream)
+    return value + xxhash.xxh3_128_digest(value)
+
+
+def test_a_value_is_inflated_without_its_adler32_which_its_digests_cover() -> None:
+    """The zlib stream's Adler-32 is not computed (2 us of a 4 KB value's check):
+    the value's checksum, the manifest's and every artifact's digest cover every
+    byte it would.  A stream whose Adler-32 alone is wrong is read; a byte
+    changed inside it, whatever the Adler-32 and the value's checksum say, is
+    still refused."""
+    files = {"a.json": b"{" + b" " * 1022 + b"}", "a.o": os.urandom(3072)}
+    manifest = make_manifest(KEY, files, 1.0, {}, 0.0)
+    stream = zlib.compress(struct.pack(">I", len(manifest)) + manifest + b"".join(files.values()))
+    entry, _ = unpack(KEY, _zlib_value(manifest, files, stream[:-4] + b"\0\0\0\0"), 1 << 20)
+    assert entry.files == files
+    changed = bytearray(pack(KEY, manifest, files)[6:-16])
+    changed[changed.index(files["a.o"][:64]) + 10] ^= 1  # (in its stored block)
+    adler = zlib.adler32(zlib.decompressobj(-15).decompress(bytes(changed[2:])))
+    changed[-4:] = struct.pack(">I", adler)
+    with pytest.raises(RemoteCorrupt, match="digest"):
+        unpack(KEY, _zlib_value(manifest, files, bytes(changed)), 1 << 20)
+
+
+def test_a_zlib_stream_of_any_level_and_window_is_read_and_a_bad_one_refused() -> None:
+    """The last releases' values (zlib's levels, a smaller window) are read; a
+    stream that is not zlib's deflate, wants a preset dictionary, or is cut short
+    of its Adler-32 is refused as zlib refuses it."""
+    files = {"a.json": b"[" + b"1," * 2000 + b"1]", "a.o": b"\x7fELF" + bytes(range(256)) * 4}
+    manifest = make_manifest(KEY, files, 1.0, {}, 0.0)
+    payload = struct.pack(">I", len(manifest)) + manifest + b"".join(files.values())
+    for level, window in ((1, 15), (6, 15), (9, 15), (9, 9), (0, 12)):
+        deflate = zlib.compressobj(level, zlib.DEFLATED, window)
+        stream = deflate.compress(payload) + deflate.flush()
+        entry, got = unpack(KEY, _zlib_value(manifest, files, stream), 1 << 20)
+        assert (entry.files, got) == (files, manifest)
+    stream = zlib.compress(payload)
+
+    def header(method: int, flags: int) -> bytes:  # (its check bits set as zlib's are)
+        return bytes([method, flags | (31 - (method << 8 | flags) % 31) % 31])
+
+    bad = {
+        "not deflate": header(0x77, 0x80) + stream[2:],
+        "a window over 32 KB": header(0x88, 0x80) + stream[2:],
+        "a preset dictionary": header(0x78, 0xA0) + stream[2:],
+        "a header that fails its check": b"\x78\x02" + stream[2:],
+        "cut short of its Adler-32": stream[:-1],
+        "cut short": stream[: len(stream) // 2],
+        "no stream": b"",
+    }
+    for why, stream in bad.items():
+        with pytest.raises(RemoteCorrupt, match="decompress"):
+            unpack(KEY, _zlib_value(manifest, files, stream), 1 << 20)
+            pytest.fail(why)
+
+
 def test_a_hit_after_one_into_a_new_folder_makes_its_folder_before_opening(
     tmp_path: Path, monkeypatch
 ) -> None:
