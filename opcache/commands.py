@@ -829,14 +829,14 @@ def _client_for(folder: Path, program: str) -> str:
 def _cmd_server(args: argparse.Namespace) -> int:
     from .masquerade import opcache_executable
     from .quickhit import runtime_folder
-    from .server import client_tag, idle_seconds, serve
+    from .server import idle_seconds, serve, socket_name
 
     path = args.socket
     if path is None:
         program = opcache_executable()
         if program is None:
             raise FileNotFoundError("no opcache program beside this Python or on PATH")
-        path = os.path.join(runtime_folder(os.environ), client_tag(program) + ".sock")
+        path = os.path.join(runtime_folder(os.environ), socket_name(program, os.environb))
     return serve(path, idle_seconds(os.environ), args.program)
 
 

@@ -22,9 +22,11 @@ from which the client serves the next such call alone.
 The socket lives in ``$XDG_RUNTIME_DIR/opcache-<uid>`` (``/tmp`` without it): a
 folder of this user's, mode 0700, never reached through a link; the client
 and the server refuse one that is not, and talk only to a peer of their own
-uid (``SO_PEERCRED``).  One server per user and install (the socket's name is
-the client's tag); it exits when idle for ``OPCACHE_SERVER_IDLE`` seconds
-(default 600), and when opcache's own files change under it (an upgrade).
+uid (``SO_PEERCRED``).  One server per user, install and start-up environment
+(``socket_name``: the client's tag and a digest of ``STARTUP_ENVIRONMENT``'s
+values, which the server is started with); it exits when idle for
+``OPCACHE_SERVER_IDLE`` seconds (default 600), and when opcache's own files
+change under it (an upgrade).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ CALLS_PER_WORKER = 500  # then a fresh one: whatever a call leaks is bounded
 _IDLE, _BUSY, _UPGRADED = 0, 1, 2  # what a worker tells the server
 # The variables that decide which opcache (and which Python) the program loads: the
 # user site-packages' HOME and the Python start-up variables the client starts a server
-# with (opcache_client.c's SERVER_ENV).  A call whose values differ from the server's own
-# would run another install than the server's: not served (and no client memo named for it).
+# with (opcache_client.c's SERVER_ENV, in its order).  Each set of values has a server of
+# its own (``socket_name``); a call whose values differ from the server's own all the same
+# (a server started by hand) would run another install: not served, and no client memo.
 STARTUP_ENVIRONMENT = (
     b"HOME",
     b"PYTHONPATH",
@@ -91,6 +94,19 @@ _hooked: list[bool] = []  # the audit hook is installed (once a process: it cann
 def client_tag(program: str) -> str:
     """The socket name of a client that falls back on ``program``: this install and protocol."""
     return "s" + digest(b"\0".join((os.fsencode(program), __version__.encode(), PROTOCOL)))[:16]
+
+
+def socket_name(program: str, environb: Mapping[bytes, bytes]) -> str:
+    """The socket of the server for a client that falls back on ``program`` and has
+    ``environb``: its tag, and the XXH64 of its STARTUP_ENVIRONMENT, each ``NAME=value``
+    (``NAME`` when unset) ending in a NUL (``opcache_client.c``'s ``socket_name``)."""
+    import xxhash
+
+    startup = b"".join(
+        name + (b"" if (value := environb.get(name)) is None else b"=" + value) + b"\0"
+        for name in STARTUP_ENVIRONMENT
+    )
+    return f"{client_tag(program)}-{xxhash.xxh64_hexdigest(startup)}.sock"
 
 
 def idle_seconds(environ: Mapping[str, str]) -> float:
@@ -203,7 +219,9 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
                 pid = os.fork()
                 if pid == 0:
                     os.close(said)
-                    _work(listener, tell, files, me, program, name[:-5])  # (does not return)
+                    # (the client's tag: the name's first part, the memos' names hold it)
+                    tag = name[:-5].partition("-")[0]
+                    _work(listener, tell, files, me, program, tag)  # (does not return)
                 workers[pid] = False
             if select.select([said], [], [], min(idle, 1.0))[0]:
                 states = dict(struct.iter_unpack("=ib", os.read(said, 4096)))

@@ -22,7 +22,17 @@ import pytest
 import xxhash
 from helpers_faults import NOBODY, requires_root
 from helpers_wrap import GCC, opcache, stats
-from test_server import COMPILE, WAIT, Served, alive, counted, run_with_entries, warmed
+from test_server import (
+    COMPILE,
+    EXECVE_LIST,
+    WAIT,
+    Served,
+    alive,
+    answers,
+    counted,
+    run_with_entries,
+    warmed,
+)
 
 from opcache import quickhit, quickmemo, server
 from opcache.counters import QUICK_COUNTS
@@ -371,26 +381,90 @@ def test_a_client_without_locale_variables_serves_its_memo_too(served):
 
 
 def test_a_caller_whose_python_start_up_differs_from_the_server_s_is_left_to_opcache(served):
-    """PYTHONPATH other than the server's own: the program would load another opcache than
-    the server runs; the server leaves each such call to it, and writes no client memo
-    (one named by that PYTHONPATH would certify what the server's modules did)."""
+    """A server on a caller's socket, but started by hand with another PYTHONPATH than the
+    caller's (the caller's program would load another opcache than the server runs): it
+    leaves each such call to opcache, and writes no client memo (one named by that
+    PYTHONPATH would certify what the server's modules did)."""
     warmed(served, *COMPILE)
     time.sleep(quickmemo.RACY_SECONDS + 0.3)
     env = {**served.env, "PYTHONPATH": str(served.tmp / "elsewhere")}
-    before = served.fallbacks()
-    for number in (1, 2, 3):
-        done = served.gcc(*COMPILE, env=env)
-        assert done.returncode == 0, done.stderr
-        assert served.fallbacks() == before + number
+    socket = served.socket_of(env)
+    with subprocess.Popen(
+        [served.program, "server", "--socket", str(socket)],
+        env=served.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as by_hand:
+        try:
+            deadline = time.monotonic() + WAIT
+            while not (socket.exists() and answers(socket)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            before = served.fallbacks()
+            for number in (1, 2, 3):
+                done = served.gcc(*COMPILE, env=env)
+                assert done.returncode == 0, done.stderr
+                assert served.fallbacks() == before + number
+            assert by_hand.poll() is None  # (it was the server asked, and it said no)
+        finally:
+            by_hand.kill()
     assert client_memos(served) == []
 
 
+def test_each_start_up_environment_gets_a_server_of_its_own(served):
+    """Two clients with different HOMEs (a user site-packages each: maybe another
+    opcache): each call starts, or is served by, a server started with its own HOME;
+    after each one's first call, both are served hits, none is left to opcache."""
+    other_home = served.tmp / "other-home"
+    other_home.mkdir()
+    envs = [served.env, {**served.env, "HOME": str(other_home)}]
+    assert served.socket_of(envs[0]) != served.socket_of(envs[1])
+    warmed(served, *COMPILE)  # (the miss, and the first HOME's server)
+    (served.src / "k.o").unlink()
+    assert served.gcc(*COMPILE, env=envs[1]).returncode == 0  # (it starts the second's)
+    deadline = time.monotonic() + WAIT
+    while not answers(served.socket_of(envs[1])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before, hits = served.fallbacks(), stats(served.env, "host")["hits"]
+    for env in envs * 2:
+        done = served.gcc("-DSERVED", *COMPILE, env=env)  # (no memo of either holds yet)
+        assert done.returncode == 0, done.stderr
+    assert served.fallbacks() == before + 1  # (the first of -DSERVED: a miss)
+    assert counted(served.env, "hits", hits + 3)["hits"] == hits + 3
+    for env in envs:
+        pid = int(served.socket_of(env).with_suffix(".lock").read_text())
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"HOME=" + env["HOME"].encode() in environ
+
+
 def test_the_start_up_variables_compared_are_those_the_client_starts_a_server_with():
+    """In the same order: the socket's name hashes their values in it."""
     source = server.CLIENT_SOURCE.read_text()
     listed = source.split("SERVER_ENV[] = {", 1)[1].split("}", 1)[0]
-    names = {name.encode() for name in re.findall(r'"([A-Z0-9_]+)"', listed)}
-    python = {name for name in names if name.startswith(b"PYTHON")}
-    assert set(server.STARTUP_ENVIRONMENT) == {b"HOME", *python}
+    names = [name.encode() for name in re.findall(r'"([A-Z0-9_]+)"', listed)]
+    startup = [name for name in names if name == b"HOME" or name.startswith(b"PYTHON")]
+    assert list(server.STARTUP_ENVIRONMENT) == startup
+
+
+def test_python_s_socket_name_is_the_client_s(tmp_path):
+    """The client's C, built for its tests, names the socket of its start-up environment
+    as ``server.socket_name`` does: set, empty, unset, given twice, not UTF-8."""
+    program = str(tmp_path / "opcache")
+    built = built_for_tests(tmp_path, program)
+    cases = [
+        {},
+        {b"HOME": b"/home/a"},
+        {b"HOME": b""},
+        {b"HOME": b"/home/b", b"PYTHONPATH": b"/x:/y", b"PYTHONDONTWRITEBYTECODE": b"1"},
+        {b"HOME": b"/h\xff\xfe", b"PYTHONUTF8": b"1", b"PYTHONNOUSERSITE": b"", b"LANG": b"C"},
+    ]
+    for env in cases:
+        got = subprocess.run([built, "socket"], env=env, capture_output=True, check=True)
+        assert got.stdout.strip().decode() == server.socket_name(program, env), env
+    launcher = tmp_path / "execve_list.py"
+    launcher.write_text(EXECVE_LIST)
+    twice = [sys.executable, launcher, "HOME=/first", "HOME=/second", "--", built, "socket"]
+    got = subprocess.run(twice, env={}, capture_output=True, check=True)
+    assert got.stdout.strip().decode() == server.socket_name(program, {b"HOME": b"/first"})
 
 
 NO_GETRANDOM = r"""

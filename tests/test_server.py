@@ -65,8 +65,13 @@ class Served:
         link_compilers(self.links, self.client, "gcc")
         self.env["PATH"] = f"{self.links}{os.pathsep}{self.env['PATH']}"
         self.folder = Path(quickhit.runtime_folder(self.env))
-        self.socket = self.folder / f"{server.client_tag(str(self.program))}.sock"
+        self.socket = self.socket_of(self.env)
         self.src = write_project(tmp_path / "src")
+
+    def socket_of(self, env: dict[str, str]) -> Path:
+        """The socket of the server for a client run with ``env`` (its start-up's own)."""
+        environb = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+        return self.folder / server.socket_name(str(self.program), environb)
 
     def gcc(
         self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
@@ -105,12 +110,30 @@ class Served:
 
 
 def answers(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX) as s:
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
+    """Whether a server listens on ``path`` (reached through its folder, as the client
+    does: a long test folder's path does not fit in a socket address)."""
+    try:
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(f"/proc/self/fd/{folder}/{path.name}")
+    except OSError:
+        return False
+    finally:
+        os.close(folder)
     return True
+
+
+def bind_at(listener: socket.socket, path: Path) -> None:
+    """Bind ``listener`` to ``path`` through its folder, as the server does (a long test
+    folder's path does not fit in a socket address)."""
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        listener.bind(f"/proc/self/fd/{folder}/{path.name}")
+    finally:
+        os.close(folder)
 
 
 def processes_of(socket_path: Path) -> list[int]:
@@ -312,7 +335,7 @@ class FakeServer:
     def __init__(self, path: Path, reply: bytes | None) -> None:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(path))
+        bind_at(self.listener, path)
         self.listener.listen(4)
         self.listener.settimeout(WAIT)
         self.reply = reply
@@ -357,7 +380,7 @@ def test_a_worker_stopped_after_taking_the_call_is_killed_and_opcache_runs_itsel
     and runs opcache itself, instead of hanging the build."""
     served.folder.mkdir(mode=0o700)
     with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(str(served.socket))
+        bind_at(listener, served.socket)
         listener.listen(4)
         worker = subprocess.Popen(  # the listener's child, as the server's workers are
             [
@@ -697,7 +720,7 @@ def test_a_server_that_takes_no_call_and_a_full_backlog_cost_a_python_compile(se
     (then for the "taken" byte), the next cannot even connect; neither may hang."""
     served.folder.mkdir(mode=0o700)
     with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(str(served.socket))
+        bind_at(listener, served.socket)
         listener.listen(0)  # (room for one call waiting)
         for number in (1, 2, 3):
             (served.src / "k.o").unlink(missing_ok=True)

@@ -4,7 +4,7 @@
  * Built by `opcache masquerade --client DIR` with the machine's C compiler
  * (opcache/server.py, build_client), which defines:
  *   OPCACHE_PROGRAM  the `opcache` program to run when the server does not serve
- *   OPCACHE_TAG      the socket's name: this install and this protocol
+ *   OPCACHE_TAG      this install and this protocol: its socket's name begins with it
  *   OPCACHE_UNKEYED  the variables a memo's name leaves out, each ending in \0
  *
  * Run through a link named like a compiler (the masquerade), it stands for
@@ -124,13 +124,48 @@ static const char *started_as(const char *name) {
     return name;
 }
 
+/* The variables the server is started with: what its Python's start-up and
+ * the server itself read.  Each call brings its own environment; a server
+ * keeping the first compile's for minutes would hold its secrets. */
+static const char *const SERVER_ENV[] = {
+    "PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "LD_LIBRARY_PATH", "XDG_RUNTIME_DIR",
+    "OPCACHE_SERVER_IDLE", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE",
+    "PYTHONPLATLIBDIR", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX",
+    "PYTHONUTF8", NULL};
+
+#define NAME_SIZE (sizeof OPCACHE_TAG + 24) /* <tag>-<16 hex>.sock and its NUL */
+
+static uint64_t xxh64(const void *data, size_t len, uint64_t seed);
+
+/* The socket's name (server.socket_name): the tag, then the XXH64 of the start-up
+ * environment (HOME and the PYTHON* names of SERVER_ENV: server.STARTUP_ENVIRONMENT),
+ * each "NAME=value", or "NAME" when unset, ending in a NUL.  Each set of values has
+ * a server of its own, started with them: one started with another HOME would load
+ * another opcache, and serves no call of this one.  0, or -1 (no memory). */
+static int socket_name(char *name) {
+    struct buf b = {0};
+    int bad = 0;
+    for (const char *const *n = SERVER_ENV; *n != NULL; n++) {
+        if (strcmp(*n, "HOME") != 0 && strncmp(*n, "PYTHON", 6) != 0) continue;
+        const char *value = getenv(*n); /* (the first of that name, as the server's) */
+        bad |= put(&b, *n, strlen(*n));
+        if (value != NULL) bad |= put(&b, "=", 1) | put(&b, value, strlen(value));
+        bad |= put(&b, "", 1);
+    }
+    if (!bad)
+        snprintf(name, NAME_SIZE, "%s-%016llx.sock", OPCACHE_TAG,
+                 (unsigned long long)xxh64(b.data, b.len, 0));
+    free(b.data);
+    return bad ? -1 : 0;
+}
+
 /* The server's folder: $XDG_RUNTIME_DIR/opcache-<uid> (else under /tmp), this
  * user's and no one else's, opened without following a link; -1 if not so. */
 static int open_folder(char *path, size_t size) {
     const char *base = getenv("XDG_RUNTIME_DIR");
     if (base == NULL || base[0] != '/') base = "/tmp";
     int n = snprintf(path, size, "%s/opcache-%u", base, (unsigned)getuid());
-    if (n < 0 || (size_t)n + sizeof OPCACHE_TAG + 8 >= size) {
+    if (n < 0 || (size_t)n + NAME_SIZE >= size) {
         path[0] = '\0';  /* (too long to name a socket in: no server) */
         return -1;
     }
@@ -143,21 +178,12 @@ static int open_folder(char *path, size_t size) {
     return fd;
 }
 
-/* The variables the server is started with: what its Python's start-up and
- * the server itself read.  Each call brings its own environment; a server
- * keeping the first compile's for minutes would hold its secrets. */
-static const char *const SERVER_ENV[] = {
-    "PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "LD_LIBRARY_PATH", "XDG_RUNTIME_DIR",
-    "OPCACHE_SERVER_IDLE", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE",
-    "PYTHONPLATLIBDIR", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX",
-    "PYTHONUTF8", NULL};
-
 /* Start `opcache server` for this socket, detached from this process and its
  * descriptors (a build waiting for a pipe to close must not wait for it), in
  * "/" (not a build folder it would keep busy) with SERVER_ENV only. */
-static void start_server(const char *folder) {
+static void start_server(const char *folder, const char *name) {
     char socket_path[PATH_MAX];
-    snprintf(socket_path, sizeof socket_path, "%s/%s.sock", folder, OPCACHE_TAG);
+    snprintf(socket_path, sizeof socket_path, "%s/%s", folder, name);
     pid_t child = fork();
     if (child == 0) {
         if (fork() != 0) _exit(0);
@@ -189,9 +215,11 @@ static void start_server(const char *folder) {
     if (child > 0) waitpid(child, NULL, 0);
 }
 
-/* Connect to this user's server: the socket, or -1 (*start: no server to talk to).
+/* Connect to this user's server of this start-up environment (name: its socket's):
+ * the socket, or -1 (*start: no server to talk to).
  * *server: the server's pid as this process sees it (0: not in its pid namespace). */
-static int connect_server(int *start, char *folder, size_t size, pid_t *server) {
+static int connect_server(int *start, char *folder, size_t size, const char *name,
+                          pid_t *server) {
     *start = 0;
     int dir = open_folder(folder, size);
     if (dir < 0) {
@@ -200,8 +228,6 @@ static int connect_server(int *start, char *folder, size_t size, pid_t *server) 
         *start = folder[0] != '\0' && lstat(folder, &st) != 0 && errno == ENOENT;
         return -1;
     }
-    char name[sizeof OPCACHE_TAG + 8];
-    snprintf(name, sizeof name, "%s.sock", OPCACHE_TAG);
     struct stat st;
     if (fstatat(dir, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
         *start = errno == ENOENT;
@@ -854,15 +880,20 @@ miss:
 
 #ifdef OPCACHE_TEST
 /* tests/test_client_memo.py's: `xxh64 SEED OFFSET` hashes stdin placed OFFSET bytes
- * into a buffer; `name WORDS...` prints the memo name of that command line here. */
+ * into a buffer; `name WORDS...` prints the memo name of that command line here;
+ * `socket` the server's socket name for this environment. */
 int main(int argc, char **argv) {
-    char cwd[PATH_MAX], name[34], *data;
+    char cwd[PATH_MAX], name[NAME_SIZE > 34 ? NAME_SIZE : 34], *data;
     size_t len;
     if (argc == 4 && strcmp(argv[1], "xxh64") == 0 && read_whole(0, 1u << 30, &data, &len) == 0) {
         size_t offset = (size_t)atoi(argv[3]);
         char *placed = malloc(len + offset + 1);
         memcpy(placed + offset, data, len);
         printf("%016llx\n", (unsigned long long)xxh64(placed + offset, len, strtoull(argv[2], NULL, 10)));
+        return 0;
+    }
+    if (argc == 2 && strcmp(argv[1], "socket") == 0 && socket_name(name) == 0) {
+        printf("%s\n", name);
         return 0;
     }
     if (argc >= 2 && strcmp(argv[1], "name") == 0 && getcwd(cwd, sizeof cwd) != NULL &&
@@ -887,9 +918,11 @@ int main(int argc, char **argv) {
     if (wants_memo) serve_memo(memo); /* (returns: not served) */
     int start;
     pid_t server;
-    int sock = connect_server(&start, folder, sizeof folder, &server);
+    char sock_name[NAME_SIZE];
+    if (socket_name(sock_name) != 0) run_opcache(line);
+    int sock = connect_server(&start, folder, sizeof folder, sock_name, &server);
     if (sock < 0) {
-        if (start) start_server(folder);
+        if (start) start_server(folder, sock_name);
         run_opcache(line);
     }
     struct buf reply = {0};
