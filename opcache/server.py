@@ -218,10 +218,18 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
                 # first copies of the server's pages are part of a call.
                 pid = os.fork()
                 if pid == 0:
-                    os.close(said)
-                    # (the client's tag: the name's first part, the memos' names hold it)
-                    tag = name[:-5].partition("-")[0]
-                    _work(listener, tell, files, me, program, tag)  # (does not return)
+                    # A worker may outlive the server (busy with a call when it was
+                    # killed): it neither holds the lock (a new server could not start)
+                    # nor ever runs the server's cleanup below (its socket, its workers),
+                    # whatever it raises (its word to a server gone: EPIPE).
+                    try:
+                        os.close(said)
+                        os.close(lock)
+                        # (the client's tag: the name's first part, the memos' names hold it)
+                        tag = name[:-5].partition("-")[0]
+                        _work(listener, tell, files, me, program, tag)
+                    finally:
+                        os._exit(1)
                 workers[pid] = False
             if select.select([said], [], [], min(idle, 1.0))[0]:
                 states = dict(struct.iter_unpack("=ib", os.read(said, 4096)))
