@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from helpers_cann import SOC as CANN_SOC
 from helpers_cann import kernel_json, set_access, write_ini
 
 import opcache
-from opcache import aging, cann_cache, trash
+from opcache import aging, cann_cache, commands, trash
 from opcache.settings import AGE_SECONDS, MB
 from opcache.storage import local
 from opcache.storage.entry import make_manifest
@@ -217,6 +218,22 @@ def test_cann_age_memory_is_flat_in_the_entries_it_removes(
     large = cann_age_all_peak(tmp_path / "large", 4000, dry_run)
     assert large - small < FLAT_BYTES, (small, large)
     assert large < PEAK_BYTES, large
+
+
+def test_a_json_report_is_written_as_it_is_encoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cann age --json names every entry it removes; its encoded chunks, joined
+    # into one string before printing, took about 160 bytes a name more.
+    names = [f"te_add_{i:08d}" for i in range(20_000)]
+    report = {"chips": {CANN_SOC: {"removed": names, "removed_count": len(names)}}}
+    with (tmp_path / "report.json").open("w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        with peak_growth() as peak:
+            commands._print_json(report)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    assert peak[0] < PEAK_BYTES, peak[0]
 
 
 def test_a_trim_in_several_walks_removes_the_oldest_first(
