@@ -41,7 +41,7 @@ from .quickhit import (
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
 RACY_SECONDS = 2.0  # a file changed this close to the run that read it gets no memo
 MAX_MEMOS = 20_000  # then the folder is emptied (each memo is only a shortcut; two a command)
@@ -182,6 +182,9 @@ _PATCHED = ("stat", "lstat", "open", "access", "readlink", "listdir", "scandir")
 _original_readlink = os.readlink
 
 
+_NUMBERS = b"\0".join([b"%d"] * 7)  # a check's identity, as a memo holds it
+
+
 def _seen(path: str, follow: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A path's identity now, and its own (the link's, if it is one and followed)."""
     raw = os.fsencode(path)
@@ -253,13 +256,20 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
     fields: list[bytes] = []
     looked = [(path, True, None) for path in opcache_files()]
     looked += [(path, follow, seen) for (path, follow), seen in recorder.looked.items()]
+    inside = (entry + "/", counters + "/")
     for path, follow, seen in looked:
         full = os.path.abspath(path)
-        if full in skip or full == entry or _under(full, (entry, counters)) or staging in full:
+        if full in skip or full == entry or full.startswith(inside) or staging in full:
             continue
         folder_only = full not in recorder.listed
-        now = [_as_recorded(found, folder_only) for found in _seen(path, follow)]
-        if seen is not None and [_as_recorded(found, folder_only) for found in seen] != now:
+        found = _seen(path, follow)
+        now = [_as_recorded(one, folder_only) for one in found]
+        # (as seen to the last field, it is as recorded too: the common case, told at once)
+        if (
+            seen is not None
+            and seen != found
+            and [_as_recorded(one, folder_only) for one in seen] != now
+        ):
             return None  # it moved since the hit consulted it: the object may be the old one's
         want = now[0]
         for got in now:
@@ -270,7 +280,8 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
                 return None
         if want[0] in remote:
             return None  # its client caches attributes: a stat may not see a change yet
-        fields += [b"c", os.fsencode(path), b"1" if follow else b"0", *(b"%d" % n for n in want)]
+        # (the 7 numbers as one element: joined by NULs, the same bytes as 7 of them)
+        fields += [b"c", os.fsencode(path), b"1" if follow else b"0", _NUMBERS % want]
     fd = os.open(entry, FOLDER_FLAGS)
     try:
         st = os.fstat(fd)
@@ -339,10 +350,6 @@ def _nonlocal_devices(mountinfo: str) -> set[int]:
         if major.isdigit() and minor.isdigit():
             found.add(os.makedev(int(major), int(minor)))
     return found
-
-
-def _under(path: str, folders: Iterable[str]) -> bool:
-    return any(path.startswith(folder + "/") for folder in folders)
 
 
 def client_memo(memo: bytes) -> bytes | None:
