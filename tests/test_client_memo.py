@@ -10,9 +10,11 @@ log), which must then give the right object.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -421,19 +423,24 @@ def test_each_start_up_environment_gets_a_server_of_its_own(served):
     warmed(served, *COMPILE)  # (the miss, and the first HOME's server)
     (served.src / "k.o").unlink()
     assert served.gcc(*COMPILE, env=envs[1]).returncode == 0  # (it starts the second's)
-    deadline = time.monotonic() + WAIT
-    while not answers(served.socket_of(envs[1])) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    before, hits = served.fallbacks(), stats(served.env, "host")["hits"]
-    for env in envs * 2:
-        done = served.gcc("-DSERVED", *COMPILE, env=env)  # (no memo of either holds yet)
-        assert done.returncode == 0, done.stderr
-    assert served.fallbacks() == before + 1  # (the first of -DSERVED: a miss)
-    assert counted(served.env, "hits", hits + 3)["hits"] == hits + 3
-    for env in envs:
-        pid = int(served.socket_of(env).with_suffix(".lock").read_text())
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        assert b"HOME=" + env["HOME"].encode() in environ
+    second = served.socket_of(envs[1])
+    try:
+        deadline = time.monotonic() + WAIT
+        while not answers(second) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before, hits = served.fallbacks(), stats(served.env, "host")["hits"]
+        for env in envs * 2:
+            done = served.gcc("-DSERVED", *COMPILE, env=env)  # (no memo of either holds yet)
+            assert done.returncode == 0, done.stderr
+        assert served.fallbacks() == before + 1  # (the first of -DSERVED: a miss)
+        assert counted(served.env, "hits", hits + 3)["hits"] == hits + 3
+        for env in envs:
+            pid = int(served.socket_of(env).with_suffix(".lock").read_text())
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"HOME=" + env["HOME"].encode() in environ
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(second.with_suffix(".lock").read_text()), signal.SIGKILL)
 
 
 def test_the_start_up_variables_compared_are_those_the_client_starts_a_server_with():
