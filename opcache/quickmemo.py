@@ -186,10 +186,17 @@ _NUMBERS = b"\0".join([b"%d"] * 7)  # a check's identity, as a memo holds it
 
 
 def _seen(path: str, follow: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A path's identity now, and its own (the link's, if it is one and followed)."""
+    """A path's identity now, and its own (the link's, if it is one and followed).
+
+    Its own first: followed, a path that is not a link is that same file, and one that
+    cannot be looked up fails as it would followed (the same folders are searched), so
+    only a link costs a second ``stat``.
+    """
     raw = os.fsencode(path)
-    found = identity(raw, follow, False)
-    return found, identity(raw, False, False) if follow else found
+    own = identity(raw, False, False)
+    if follow and own[0] >= 0 and stat.S_ISLNK(own[2]):
+        return identity(raw, True, False), own
+    return own, own
 
 
 def _as_recorded(seen: tuple[int, ...], folder_only: bool) -> tuple[int, ...]:
