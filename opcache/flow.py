@@ -43,6 +43,10 @@ UNUSABLE = "not stored: the cache is unusable"
 # in its place must not hang the open; no O_TRUNC before it is known to be ours.
 _OUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# What an open for writing over an out file meets that a rename replaces (_open_own).
+_REPLACED = frozenset(
+    {errno.ELOOP, errno.ENXIO, errno.EACCES, errno.EEXIST, errno.EAGAIN, errno.ETXTBSY}
+)
 _EUID = os.geteuid()
 # Whether the last hit delivered had to make its out folder: the next one makes
 # its folder first, rather than after a first open that fails for want of it
@@ -467,12 +471,27 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
             write_all(fd, data)
             if held > len(data):  # (the rest of the bytes it held)
                 os.ftruncate(fd, len(data))
+        except BaseException:
+            _drop_partial(fd, f"{folder}/{name}")
+            raise
         finally:
             os.close(fd)
         paths[name] = out / name
     if others:
         paths.update(_replace_into(out, others))
     return paths
+
+
+def _drop_partial(fd: int, path: str) -> None:
+    """A file a failed hit half wrote (a full disk, a quota, Ctrl-C), open as ``fd``:
+    emptied, and its name removed while it is still this file, as gcc removes an
+    output it failed to write: no build may take new bytes on an old file's
+    tail, at a new mtime, for an output."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        st, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
 
 
 def _open_own(out: Path, path: str) -> tuple[int, int] | None:
@@ -495,8 +514,9 @@ def _open_own(out: Path, path: str) -> tuple[int, int] | None:
             fd = os.open(path, _OUT_FLAGS, 0o666)
             _files_there = True
     except OSError as e:
-        # A link; a FIFO nobody reads; a file we may not write (a rename still replaces it).
-        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EACCES, errno.EEXIST):
+        # A link; a FIFO nobody reads; a file we may not write, one another holds a
+        # lease on (EAGAIN) or a program running (ETXTBSY): a rename still replaces it.
+        if e.errno in _REPLACED:
             return None
         raise
     st = os.fstat(fd)

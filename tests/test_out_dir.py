@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers_cache import ToyCompiler, compiling_half_way, expected_files, make_request, read_dir
-from helpers_faults import settings_for
+from helpers_faults import open_folder, settings_for
 
 import opcache
 
@@ -87,3 +87,72 @@ def test_a_failed_compile_leaves_none_of_the_folders_it_made(tmp_path: Path) -> 
             make_request(0), ToyCompiler(tmp_path / "calls", fail=True), tmp_path / "kept" / "op"
         )
     assert (tmp_path / "kept").is_dir()  # it was there before
+
+
+_HALF_WRITTEN = r"""
+import os, resource, signal, sys
+from pathlib import Path
+from opcache.flow import deliver
+out = Path(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (EFBIG part-way, as a full disk gives)
+resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))
+try:
+    deliver(out, {"kernel.o": b"new!" * 2000})
+except OSError as e:
+    print("failed:", e.strerror)
+"""
+
+
+def test_a_hit_that_fails_part_way_leaves_no_output_at_all(tmp_path: Path) -> None:
+    # Not the new bytes over the last build's tail at its size and a new mtime,
+    # which make would take for up to date: no file, as gcc leaves none.
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kernel.o").write_bytes(b"OLD-" * 2500)  # the last build's, longer
+    done = subprocess.run(
+        [sys.executable, "-c", _HALF_WRITTEN, str(out)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "failed: File too large" in done.stdout
+    assert not (out / "kernel.o").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hold another user's lease")
+def test_a_file_another_user_holds_a_lease_on_is_replaced_as_a_miss_replaces_it() -> None:
+    import fcntl
+
+    from opcache.flow import deliver
+
+    with open_folder() as shared:
+        out = shared / "out"
+        out.mkdir()
+        out.chmod(0o777)  # a team's out folder
+        _deliver_over_a_lease(out, fcntl, deliver)
+
+
+def _deliver_over_a_lease(out: Path, fcntl, deliver) -> None:  # type: ignore[no-untyped-def]
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # another user: a file of theirs at the artifact's name, leased
+        try:
+            signal.signal(signal.SIGIO, signal.SIG_IGN)  # (told of the lease's break)
+            os.setgid(64_002)
+            os.setuid(64_002)
+            fd = os.open(out / "kernel.o", os.O_RDONLY | os.O_CREAT, 0o666)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            os.write(ready_w, b"x")
+            signal.pause()
+        finally:
+            os._exit(0)
+    os.close(ready_w)  # (a child that failed closes the pipe: no wait for ever)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        assert deliver(out, {"kernel.o": b"new"}) == {"kernel.o": out / "kernel.o"}
+        assert (out / "kernel.o").read_bytes() == b"new"
+    finally:
+        os.close(ready_r)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

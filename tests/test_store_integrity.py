@@ -413,3 +413,39 @@ def test_a_manifest_laid_out_otherwise_is_parsed_whole_and_checked_the_same() ->
     ]:
         with pytest.raises(CorruptEntry, match=why):
             parse_manifest(_signed(bad), "a" * 32)
+
+
+def test_the_span_of_a_manifest_between_its_fields_and_key_is_vouched_for_only(
+    tmp_path: Path,
+) -> None:
+    # What parse_manifest says it does: a manifest laid out as make_manifest
+    # writes it is read from its fields and its key; the key's inputs between
+    # them are vouched for by the checksum, and not read (a later duplicate of
+    # a field there changes nothing a hit serves: the fields before it do).
+    raw = make_manifest("a" * 32, {"k.o": b"x"}, 1.5, {"op_type": "Add"}, 3.0)
+    body = raw.partition(b"\n")[2]
+    extra = b',"artifacts":[],"format":2'
+    doubled = body.replace(b'{"op_type":"Add"}', b'{"op_type":"Add"}' + extra)
+    parsed = parse_manifest(_signed(doubled), "a" * 32)
+    assert parsed["artifacts"] == [("k.o", 1, digest(b"x"))]
+    assert parse_manifest(_signed(body.replace(b'"Add"', b"[not json")), "a" * 32)
+    with pytest.raises(CorruptEntry, match="checksum"):
+        parse_manifest(digest(body).encode() + b"\n" + doubled, "a" * 32)
+
+
+def test_a_group_s_chip_folder_planted_as_a_link_is_refused_not_looked_through(
+    tmp_path: Path,
+) -> None:
+    # In a private cache only its owner can put a link in it; in a group's, any
+    # member can, and a look through one to a mount that never answers would hang
+    # every member's compiles: there every level is opened without links.
+    from opcache import fsutil
+    from opcache.trust import UntrustedFolder
+
+    root = tmp_path / "cache"
+    store = LocalStore(root, modes=fsutil.group_shared(os.getgid()))
+    root.mkdir(mode=0o2770)
+    (tmp_path / "elsewhere").mkdir()
+    (root / SOC).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UntrustedFolder):
+        store.get(SOC, "ab" * 16)

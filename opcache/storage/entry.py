@@ -80,8 +80,12 @@ def make_manifest(
 def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     """Check a manifest and return {'artifacts': [(name, size, digest)], 'compile_seconds'}.
 
-    Raises CorruptEntry for anything that is not a manifest of ``key`` that
-    this version of opcache wrote.
+    Raises CorruptEntry where the checksum fails, or where a field a hit uses
+    (the format, the key, the compile time, each artifact's name, size and
+    digest) is missing or not of its exact type.  A manifest laid out as
+    make_manifest writes it is read without parsing the key's inputs between
+    those fields and its key (``_before_inputs``): whatever that span holds,
+    the checksum vouches for every byte, and a hit uses none of it.
     """
     check, newline, body = raw.partition(b"\n")
     if not newline or check.decode("ascii", "replace") != digest(body):

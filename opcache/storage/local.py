@@ -263,12 +263,17 @@ class LocalStore:
         # the folders opened one by one without links took seven, before every
         # remote look or compile.  Only a name that is absent answers so: what
         # is there is read the careful way, nothing is read through a link.
-        try:
-            os.lstat(f"{self.root}/{soc}/{key[:2]}/{key}")
-        except FileNotFoundError:
-            return None
-        except OSError:
-            pass  # (the careful way says what is wrong)
+        # Only in a private cache: the path's lookup follows a link at the chip
+        # or bucket level, which only its owner can put there; where others may
+        # (a group's cache, a shared folder remote) one to a mount that never
+        # answers would hang every look.
+        if self.modes.group is None:
+            try:
+                os.lstat(f"{self.root}/{soc}/{key[:2]}/{key}")
+            except FileNotFoundError:
+                return None
+            except OSError:
+                pass  # (the careful way says what is wrong)
         bucket_fd = self._open_bucket(soc, key)
         if bucket_fd is None:
             return None
