@@ -1757,9 +1757,12 @@ print(usage.ru_maxrss, os.waitstatus_to_exitcode(status), usage.ru_utime + usage
 def _measured(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
     """(seconds, peak resident MB, CPU seconds) of a command run to its end."""
     started = time.perf_counter()
+    # Not in the bench's folder: `python -m opcache` puts it first on sys.path, and
+    # run from a checkout it would load that opcache, not --before's.
     done = subprocess.run(
-        [sys.executable, "-S", "-c", _PEAK_OF, *argv], env=env, capture_output=True, text=True
-    )
+        [sys.executable, "-S", "-c", _PEAK_OF, *argv],
+        env=env, capture_output=True, text=True, cwd=tempfile.gettempdir(),
+    )  # fmt: skip
     seconds = time.perf_counter() - started
     peak_kb, code, cpu = done.stdout.split()
     if int(code) not in (0, 1):
