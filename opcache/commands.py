@@ -595,6 +595,8 @@ def _cmd_cann(args: argparse.Namespace) -> int:
 def _print_json(report: dict) -> None:
     """Print ``report`` as one JSON object, written as it is encoded: the chunks of a
     report naming half a million entries, joined into one string first, took 100 MB."""
+    if sys.stdout is None:  # (started with stdout closed: nothing to print to)
+        return
     json.dump(report, sys.stdout, indent=2, sort_keys=True)
     print()
 

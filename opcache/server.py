@@ -494,9 +494,12 @@ def _ids(process: str) -> tuple[object, ...]:
     three times as much)."""
     fd = os.open(f"{process}/status", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        status = os.read(fd, 1 << 16)
+        chunks = [os.read(fd, 1 << 16)]
+        while chunks[-1]:  # (the Groups line of a user of thousands of groups is long)
+            chunks.append(os.read(fd, 1 << 16))
     finally:
         os.close(fd)
+    status = b"".join(chunks)
     gids, groups = _status_line(status, b"Gid"), _status_line(status, b"Groups")
     return gids.split(), sorted(set(groups.split())), os.readlink(f"{process}/ns/uts")
 

@@ -613,3 +613,14 @@ def test_folders_others_can_write_are_refused(base, capsys):
     status, out, err = cann(capsys, base, "verify", "--fix")
     assert status == 1 and out == "" and "writable by others" in err
     assert err.startswith("opcache: error: ") and f.names() == before
+
+
+def test_a_json_report_with_stdout_closed_ends_quietly(base) -> None:
+    # (cron may start it so: nothing to print to is no traceback)
+    Folder(base).entry("one", 1)
+    done = subprocess.run(
+        ["sh", "-c", '"$0" -m opcache cann stats --json --op_compiler_cache_dir "$1" >&-',
+         sys.executable, str(base)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")

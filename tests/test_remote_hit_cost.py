@@ -363,6 +363,7 @@ def test_a_zlib_stream_of_any_level_and_window_is_read_and_a_bad_one_refused() -
         "a preset dictionary": header(0x78, 0xA0) + stream[2:],
         "a header that fails its check": b"\x78\x02" + stream[2:],
         "cut short of its Adler-32": stream[:-1],
+        "running on past its Adler-32": stream + b"\0",
         "cut short": stream[: len(stream) // 2],
         "no stream": b"",
     }

@@ -862,3 +862,16 @@ def test_a_module_a_call_loads_is_no_upgrade():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_the_group_ids_of_a_user_of_thousands_of_groups_are_read_whole(tmp_path) -> None:
+    # (a /proc status of a user in 20,000 groups is over 64 KB: the Groups line
+    # cut short would refuse the very caller it describes, or match a wrong one)
+    groups = " ".join(str(g) for g in range(20_000))
+    status = f"Name:\tcc\nUid:\t1\t1\t1\t1\nGid:\t5\t5\t5\t5\nGroups:\t{groups}\nVmPeak:\t1 kB\n"
+    (tmp_path / "status").write_text(status)
+    (tmp_path / "ns").mkdir()
+    (tmp_path / "ns" / "uts").symlink_to("uts:[4026531838]")
+    gids, got, uts = server._ids(str(tmp_path))
+    assert gids == [b"5"] * 4 and uts == "uts:[4026531838]"
+    assert got == sorted(str(g).encode() for g in range(20_000))

@@ -433,18 +433,26 @@ def test_the_span_of_a_manifest_between_its_fields_and_key_is_vouched_for_only(
         parse_manifest(digest(body).encode() + b"\n" + doubled, "a" * 32)
 
 
-def test_a_group_s_chip_folder_planted_as_a_link_is_refused_not_looked_through(
-    tmp_path: Path,
+@pytest.mark.parametrize("cache", ["a group's", "private, its root writable by others"])
+def test_a_chip_folder_others_could_plant_as_a_link_is_refused_not_looked_through(
+    tmp_path: Path, cache: str
 ) -> None:
-    # In a private cache only its owner can put a link in it; in a group's, any
-    # member can, and a look through one to a mount that never answers would hang
-    # every member's compiles: there every level is opened without links.
+    # Where only the cache's owner can put a link, a miss may be told by one lstat
+    # of the entry's path; where others can (a group's cache, a root others may
+    # write to, a shared folder remote's), a look through a link to a mount that
+    # never answers would hang every compile: there every level is opened
+    # without links.
     from opcache import fsutil
     from opcache.trust import UntrustedFolder
 
     root = tmp_path / "cache"
-    store = LocalStore(root, modes=fsutil.group_shared(os.getgid()))
-    root.mkdir(mode=0o2770)
+    if cache == "a group's":
+        store = LocalStore(root, modes=fsutil.group_shared(os.getgid()))
+        root.mkdir(mode=0o2770)
+    else:
+        store = LocalStore(root)
+        root.mkdir()
+        root.chmod(0o777)
     (tmp_path / "elsewhere").mkdir()
     (root / SOC).symlink_to(tmp_path / "elsewhere")
     with pytest.raises(UntrustedFolder):

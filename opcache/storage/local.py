@@ -110,6 +110,7 @@ class LocalStore:
         self.locks_dir = book / "locks"
         self.stats_dir = book / "stats"
         self._verified: set[Path] = set()
+        self._only_owner: bool | None = None  # (see _owner_only)
 
     # -- paths ---------------------------------------------------------------
 
@@ -263,11 +264,12 @@ class LocalStore:
         # the folders opened one by one without links took seven, before every
         # remote look or compile.  Only a name that is absent answers so: what
         # is there is read the careful way, nothing is read through a link.
-        # Only in a private cache: the path's lookup follows a link at the chip
-        # or bucket level, which only its owner can put there; where others may
-        # (a group's cache, a shared folder remote) one to a mount that never
-        # answers would hang every look.
-        if self.modes.group is None:
+        # Only in a private cache whose root only its owner can write: the path's
+        # lookup follows a link at the chip or bucket level, which then only its
+        # owner can put there; where others may (a group's cache, a shared folder
+        # remote, a root others write to) one to a mount that never answers would
+        # hang every look.
+        if self._owner_only():
             try:
                 os.lstat(f"{self.root}/{soc}/{key[:2]}/{key}")
             except FileNotFoundError:
@@ -281,6 +283,18 @@ class LocalStore:
             return self._get_in(bucket_fd, soc, key)
         finally:
             os.close(bucket_fd)
+
+    def _owner_only(self) -> bool:
+        """Whether only this user (or root) can put anything in the cache: a private
+        cache whose root passes the private trust rule (looked at once)."""
+        if self._only_owner is None:
+            try:
+                st = os.stat(self.root)
+            except OSError:
+                return False  # (not there yet: asked again next time)
+            private = self.modes.group is None
+            self._only_owner = private and trust.problem(st, fsutil.PRIVATE) is None
+        return self._only_owner
 
     @contextlib.contextmanager
     def reading(self, soc: str) -> Iterator[Callable[[str], Entry | None]]:

@@ -196,8 +196,8 @@ def _inflated(stream: memoryview, limit: int) -> bytes:
         raise RemoteCorrupt(f"cannot decompress: {e}") from None
     if inflate.unconsumed_tail:
         raise RemoteCorrupt(f"it inflates past {limit - _LENGTH.size} bytes")
-    if not inflate.eof or len(inflate.unused_data) < _ADLER.size:
-        raise RemoteCorrupt("cannot decompress: the stream is cut short")
+    if not inflate.eof or len(inflate.unused_data) != _ADLER.size:
+        raise RemoteCorrupt("cannot decompress: the stream is cut short or runs on")
     return inflated
 
 
