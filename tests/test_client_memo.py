@@ -443,6 +443,42 @@ def test_each_start_up_environment_gets_a_server_of_its_own(served):
             os.kill(int(second.with_suffix(".lock").read_text()), signal.SIGKILL)
 
 
+def _servers_up(folder: Path) -> list[int]:
+    """The pids of the servers up in ``folder``: those holding their lock."""
+    import fcntl
+
+    up = []
+    for lock in folder.glob("*.lock"):
+        with open(lock, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                up.append(int(f.read() or 0))
+    return up
+
+
+def test_a_build_that_gives_each_compile_its_own_home_starts_no_more_than_four_servers(served):
+    """(one per compile, each living minutes, would be a server per test of a test
+    suite that makes a HOME per test): past four up, a call takes opcache's own path."""
+    envs = []
+    for n in range(6):
+        home = served.tmp / f"home-{n}"
+        home.mkdir()
+        envs.append({**served.env, "HOME": str(home)})
+    try:
+        for n, env in enumerate(envs):
+            done = served.gcc(*COMPILE, env=env)
+            assert done.returncode == 0, done.stderr
+            deadline = time.monotonic() + (WAIT if n < 4 else 2)
+            while not answers(served.socket_of(env)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(_servers_up(served.folder)) == min(n + 1, 4)
+    finally:
+        for pid in _servers_up(served.folder):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_the_start_up_variables_compared_are_those_the_client_starts_a_server_with():
     """In the same order: the socket's name hashes their values in it."""
     source = server.CLIENT_SOURCE.read_text()

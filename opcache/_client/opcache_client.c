@@ -22,6 +22,7 @@
  * records is as it was, the client serves the hit alone.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -215,6 +216,38 @@ static void start_server(const char *folder, const char *name) {
     if (child > 0) waitpid(child, NULL, 0);
 }
 
+/* Each start-up environment has a server of its own: a build that gives each
+ * compile another HOME would start one per compile, each living minutes.  Past
+ * this many up, a call with no server of its own takes opcache's own path. */
+#define MAX_SERVERS 4
+
+/* How many of this user's servers are up (at most MAX_SERVERS): the lock files
+ * of the folder open as dir that a server holds. */
+static int servers_up(int dir) {
+    int fd = openat(dir, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *listing = fd < 0 ? NULL : fdopendir(fd);
+    if (listing == NULL) {
+        if (fd >= 0) close(fd);
+        return MAX_SERVERS;
+    }
+    int up = 0;
+    struct dirent *e;
+    while (up < MAX_SERVERS && (e = readdir(listing)) != NULL) {
+        size_t n = strlen(e->d_name);
+        if (n <= 5 || strcmp(e->d_name + n - 5, ".lock") != 0) continue;
+        int lock = openat(dir, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        if (lock < 0) continue;
+        struct stat st;
+        /* (held: a server's; a lock free for a moment's shared try is no one's) */
+        if (fstat(lock, &st) == 0 && S_ISREG(st.st_mode) && flock(lock, LOCK_SH | LOCK_NB) != 0 &&
+            errno == EWOULDBLOCK)
+            up++;
+        close(lock);
+    }
+    closedir(listing);
+    return up;
+}
+
 /* Connect to this user's server of this start-up environment (name: its socket's):
  * the socket, or -1 (*start: no server to talk to).
  * *server: the server's pid as this process sees it (0: not in its pid namespace). */
@@ -230,7 +263,7 @@ static int connect_server(int *start, char *folder, size_t size, const char *nam
     }
     struct stat st;
     if (fstatat(dir, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-        *start = errno == ENOENT;
+        *start = errno == ENOENT && servers_up(dir) < MAX_SERVERS;
         close(dir);
         return -1;
     }
@@ -245,7 +278,8 @@ static int connect_server(int *start, char *folder, size_t size, const char *nam
     struct timeval limit = {.tv_sec = TAKE_MS / 1000, .tv_usec = TAKE_MS % 1000 * 1000};
     if (sock >= 0 && (setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit) != 0 ||
                       connect(sock, (struct sockaddr *)&addr, sizeof addr) != 0)) {
-        *start = errno == ECONNREFUSED;  /* a server that is gone left its socket */
+        /* a server that is gone left its socket */
+        *start = errno == ECONNREFUSED && servers_up(dir) < MAX_SERVERS;
         close(sock);
         sock = -1;
     }
