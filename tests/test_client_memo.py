@@ -391,12 +391,7 @@ def test_a_caller_whose_python_start_up_differs_from_the_server_s_is_left_to_opc
     time.sleep(quickmemo.RACY_SECONDS + 0.3)
     env = {**served.env, "PYTHONPATH": str(served.tmp / "elsewhere")}
     socket = served.socket_of(env)
-    with subprocess.Popen(
-        [served.program, "server", "--socket", str(socket)],
-        env=served.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as by_hand:
+    with served.by_hand(socket) as by_hand:
         try:
             deadline = time.monotonic() + WAIT
             while not (socket.exists() and answers(socket)) and time.monotonic() < deadline:

@@ -84,6 +84,13 @@ class Served:
             timeout=120,
         )
 
+    def by_hand(self, socket: Path | None = None, **kwargs) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+        """``opcache server`` started by hand on ``socket`` (this one's by default)."""
+        return subprocess.Popen(
+            [self.program, "server", "--socket", str(socket or self.socket)],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs,
+        )  # fmt: skip
+
     def fallbacks(self) -> int:
         return lines(self.starts).count("wrap")
 
@@ -376,12 +383,7 @@ def test_a_worker_that_outlives_its_server_does_not_keep_a_new_one_from_starting
     """The lock a server holds is not held by its workers: one still busy with a call
     of the killed server does not make the next server think another serves."""
     call = server_killed_while_a_worker_is_busy(served)
-    with subprocess.Popen(
-        [served.program, "server", "--socket", str(served.socket)],
-        env=served.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as by_hand:
+    with served.by_hand() as by_hand:
         try:
             deadline = time.monotonic() + WAIT
             while served.server_pid() != by_hand.pid and time.monotonic() < deadline:
@@ -716,13 +718,7 @@ def test_the_server_keeps_neither_the_first_compile_s_folder_nor_its_environment
 
 def test_opcache_server_run_by_hand_leaves_its_folder(served):
     served.folder.mkdir(mode=0o700)
-    with subprocess.Popen(
-        [served.program, "server", "--socket", str(served.socket)],
-        env=served.env,
-        cwd=served.src,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as started:
+    with served.by_hand(cwd=served.src) as started:
         try:
             assert served.wait_for_server() == started.pid
             assert os.readlink(f"/proc/{started.pid}/cwd") == "/"
