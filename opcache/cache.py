@@ -16,7 +16,6 @@ import os
 import stat
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from . import fsutil, stats, trust
 from ._log import get_logger
@@ -25,7 +24,7 @@ from ._log import get_logger
 from .chips import BUILD_GAP_SECONDS as BUILD_GAP_SECONDS
 from .chips import BUILD_SESSION as BUILD_SESSION
 from .chips import ChipFolders, Progress
-from .flow import UNUSABLE, CacheErrors, KeyFlow
+from .flow import UNUSABLE, CacheErrors, KeyFlow, out_path
 from .key import compute_key
 from .request import CompileResult, OpRequest, check_soc_version
 from .storage.entry import CorruptEntry
@@ -191,8 +190,7 @@ class OpCache:
         runs, a warning is logged once, and stats count the error.
         """
         started = time.perf_counter()
-        # A Path is kept as given (immutable): Path(path) parses it again, 2 us a hit.
-        out = out_dir if isinstance(out_dir, Path) else Path(out_dir)
+        out = out_path(out_dir)
         flow = self._flow
         plain = flow.bypass(request)
         if plain is not None:

@@ -444,6 +444,12 @@ class KeyFlow:
             )
 
 
+def out_path(out: str | os.PathLike[str]) -> Path:
+    """An out_dir as a Path; one given as a Path is kept (immutable): Path(path) parses
+    it again, 2 us a hit."""
+    return out if isinstance(out, Path) else Path(out)
+
+
 def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     """Write a hit's ``files`` into ``out``.
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ._log import get_logger
-from .flow import UNUSABLE, deliver
+from .flow import UNUSABLE, deliver, out_path
 from .key import compute_key
 from .request import CompileResult, OpRequest
 from .storage import UNCLAIMED
@@ -287,9 +287,9 @@ def compile_many(
     if jobs < 1:
         raise ValueError(f"jobs={jobs} is not valid; use 1 or more")
     if callable(out_dirs):
-        outs = [_path(out_dirs(request)) for request in requests]
+        outs = [out_path(out_dirs(request)) for request in requests]
     elif len(out_dirs) == len(requests):
-        outs = [_path(out) for out in out_dirs]
+        outs = [out_path(out) for out in out_dirs]
     else:
         raise ValueError(f"{len(requests)} requests but {len(out_dirs)} output folders")
     batch = _Batch(flow, requests, compiler, outs, on_result)
@@ -774,11 +774,6 @@ class _Batch:
         self.flow.count(job.request.soc_version, "hits")
         seconds = time.perf_counter() - started
         return CompileResult("hit", job.key, files, seconds, saved_seconds=saved, tier="local")
-
-
-def _path(out: str | os.PathLike[str]) -> Path:
-    # A Path is kept as given (immutable): Path(path) parses it again, 2 us an operator.
-    return out if isinstance(out, Path) else Path(out)
 
 
 def _names_in(folder: str) -> set[str]:

@@ -81,28 +81,19 @@ class StatsRecorder:
 
     def add(self, soc: str, name: str, amount: float = 1) -> None:
         """Count ``amount`` of ``name`` for a chip (in memory; written soon)."""
-        with self._lock:
-            chip = self._pending.setdefault(soc, {})
-            chip[name] = chip.get(name, 0) + amount
-            if self._thread is None:
-                self._start()
-
-    def add_counts(self, soc: str, counts: dict[str, float]) -> None:
-        """``add`` of several counters of a chip under one lock (a remote look's)."""
-        with self._lock:
-            chip = self._pending.setdefault(soc, {})
-            for name, amount in counts.items():
-                chip[name] = chip.get(name, 0) + amount
-            if self._thread is None:
-                self._start()
+        self.add_counts(soc, {name: amount})
 
     def add_hit(self, soc: str, saved: float) -> None:
         """Count a hit and the compile seconds it saved, under one lock (a hit's two
         ``add`` calls were a tenth of its bookkeeping)."""
+        self.add_counts(soc, {"hits": 1, "time_saved_seconds": saved})
+
+    def add_counts(self, soc: str, counts: dict[str, float]) -> None:
+        """Count each of ``counts`` for a chip, under one lock (a remote look's several)."""
         with self._lock:
             chip = self._pending.setdefault(soc, {})
-            chip["hits"] = chip.get("hits", 0) + 1
-            chip["time_saved_seconds"] = chip.get("time_saved_seconds", 0) + saved
+            for name, amount in counts.items():
+                chip[name] = chip.get(name, 0) + amount
             if self._thread is None:
                 self._start()
 
