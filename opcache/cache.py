@@ -133,12 +133,16 @@ class OpCache:
     once per compile command, names ``BUILD_SESSION``: a build is then a run
     of force compiles with no pause longer than ``BUILD_GAP_SECONDS``.
 
-    A remote tier, if set, is opened here (its client library imported, its
-    client made), so that no compile waits for that; ``open_remote=False``
-    leaves it to the first local miss, for a process that most likely ends on
-    a local hit (``opcache wrap``).  So does ``upkeep_at_miss=True`` with a chip
-    folder's upkeep (leftovers of dead writers removed, an aging pass), which
-    otherwise runs at the chip's first touch.
+    What compiles need is made ready here, so that no compile waits for it:
+    a remote tier, if set, is opened (its client library imported, its client
+    made), and the modules of a miss and of ``compile_many`` are imported
+    (where bytecode is not written, as ``PYTHONDONTWRITEBYTECODE`` has it in
+    many containers, an import compiles its module: 10-15 ms each, in every
+    rank).  ``eager=False`` leaves each to its first use, for a process that
+    most likely ends on a local hit (``opcache wrap``).  So does
+    ``upkeep_at_miss=True`` with a chip folder's upkeep (leftovers of dead
+    writers removed, an aging pass), which otherwise runs at the chip's first
+    touch.
     """
 
     def __init__(
@@ -149,7 +153,7 @@ class OpCache:
         lock_timeout: float = LOCK_TIMEOUT_SECONDS,
         stats_seconds: float | None = stats.FLUSH_SECONDS,
         session: str | None = None,
-        open_remote: bool = True,
+        eager: bool = True,
         upkeep_at_miss: bool = False,
     ) -> None:
         self.settings = settings
@@ -175,8 +179,12 @@ class OpCache:
             lock_timeout=lock_timeout,
             clock=clock,
         )
-        if open_remote and self._flow.remote is not None:
-            self._flow.remote.open()
+        if eager:
+            # A miss's note, a batch's threads, the deleter of a chip's upkeep.
+            from . import explain, shared_work, trash  # noqa: F401
+
+            if self._flow.remote is not None:
+                self._flow.remote.open()
 
     # -- compiling -----------------------------------------------------------
 

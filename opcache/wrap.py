@@ -292,7 +292,7 @@ def _run_uncacheable(
     """Run a command the cache cannot take as it is, counted with its reason in stats."""
     _more_than_a_hit(reason)
     # (only counted: the remote is neither loaded nor connected)
-    with _cache_warnings(settings), OpCache(settings, stats_seconds=None, open_remote=False) as c:
+    with _cache_warnings(settings), OpCache(settings, stats_seconds=None, eager=False) as c:
         c.record_uncacheable(HOST_CHIP, reason)
     log.info("uncacheable (%s): running the command as it is", reason)
     return _run_plain(argv, env)
@@ -310,7 +310,7 @@ def _run_planned(
     with (
         _cache_warnings(settings),
         OpCache(
-            settings, stats_seconds=None, session=session, open_remote=False, upkeep_at_miss=True
+            settings, stats_seconds=None, session=session, eager=False, upkeep_at_miss=True
         ) as cache,
     ):
         try:
