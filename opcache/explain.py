@@ -168,13 +168,19 @@ def record(
     note = {"key": key, "created": time.time() if now is None else now, "parts": parts}
     if names:
         note["names"] = {name: list(names[name]) for name in NAMES if name in names}
+    seen = False
+
+    def updated(raw: bytes | None) -> bytes:
+        nonlocal seen
+        kept = [n for n in _parsed(raw) if n["key"] != key]
+        kept = [n for n in kept if store.stamp(soc, n["key"]) is not None]
+        seen = bool(kept)
+        return json.dumps([*kept[-(KEEP - 1) :], note]).encode()
+
     try:
         # Locked: two keys of one operator stored at once must both be kept.
         with store.locked(f"{soc}.explain"):
-            kept = [n for n in _read(store, where) if n["key"] != key]
-            kept = [n for n in kept if store.stamp(soc, n["key"]) is not None]
-            seen = bool(kept)
-            store.write_note(json.dumps([*kept[-(KEEP - 1) :], note]).encode(), *where)
+            store.update_note(updated, *where)
     except OSError as e:
         log.debug("cannot note the explanation of %s/%s: %s", soc, key, e)
         return None
@@ -360,7 +366,11 @@ def _short(value: Any) -> str:
 
 def _read(store: LocalStore, where: tuple[str, ...]) -> list[dict[str, Any]]:
     """The explanations a note holds, oldest first; what is not one is left out."""
-    raw = store.read_note(*where)
+    return _parsed(store.read_note(*where))
+
+
+def _parsed(raw: bytes | None) -> list[dict[str, Any]]:
+    """The explanations in a note's bytes (``_read``)."""
     try:
         notes = _json.loads(raw) if raw else []
     except ValueError:

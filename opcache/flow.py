@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import locks, stats
+from . import fsutil, locks, stats
 from ._log import get_logger
 from .aging import STAMP_GRANULARITY
 from .errors import CompileError
 from .request import CompileResult, is_plain_name
 from .storage.entry import MANIFEST, CorruptEntry, Entry, make_manifest
-from .storage.local import Workdir, new_build_folder, remove_abandoned, write_all
+from .storage.local import Workdir, new_build_folder, remove_abandoned
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -474,7 +474,7 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
             continue
         fd, held = opened
         try:
-            write_all(fd, data)
+            fsutil.write_all(fd, data)
             if held > len(data):  # (the rest of the bytes it held)
                 os.ftruncate(fd, len(data))
         except BaseException:
@@ -579,8 +579,7 @@ def _compile_into(
         files, artifacts = {}, {}
         for entry in os.scandir(build.path):
             if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
-                with open(entry.path, "rb") as f:
-                    artifacts[entry.name] = f.read()
+                artifacts[entry.name] = _read_artifact(build.fd, entry.name)
                 files[entry.name] = _move_out(build, entry.name, out)
             else:
                 log.debug("ignoring %s: not a plain file", entry.path)
@@ -594,6 +593,20 @@ def _compile_into(
         raise
     build.close()
     return files, artifacts
+
+
+def _read_artifact(build_fd: int, name: str) -> bytes:
+    """What the compiler wrote to ``name`` in its build folder (open as ``build_fd``),
+    through the handle, not a file object (its fstat, ioctl and lseeks, per file)."""
+    fd, st = fsutil.open_regular(name, dir_fd=build_fd)
+    try:
+        chunks = []
+        # Its size and a byte more, then on to the end (a read may stop short of it).
+        while chunk := os.read(fd, st.st_size + 1 if not chunks else 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _missing_folders(out: Path) -> list[Path]:

@@ -122,6 +122,15 @@ def is_temp_name(name: str) -> bool:
     return bool(_TEMP.fullmatch(name))
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the file open as ``fd``."""
+    written = os.write(fd, data)
+    if written < len(data):  # (a short write: the rest, in as many as it takes)
+        view = memoryview(data)[written:]
+        while view:
+            view = view[os.write(fd, view) :]
+
+
 def write_atomic(path: Path | str, data: bytes, modes: Modes, *, dir_fd: int | None = None) -> None:
     """Write ``data`` to ``path`` (relative to ``dir_fd`` if given) through a temp file
     and a rename."""
@@ -130,9 +139,14 @@ def write_atomic(path: Path | str, data: bytes, modes: Modes, *, dir_fd: int | N
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, modes.file_bits, dir_fd=dir_fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), modes.file_bits)
+        try:
+            # Exact in a group-shared cache, whatever the umask; a private one's
+            # are the umask's, as the open made them.
+            if modes.group is not None:
+                os.fchmod(fd, modes.file_bits)
+            write_all(fd, data)  # (not a file object: its fstat, ioctl and lseek)
+        finally:
+            os.close(fd)
         os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -215,11 +215,15 @@ class LocalStore:
         except OSError:
             return None
         try:
-            fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=dir_fd)
-        except OSError:
-            return None
+            return self._note_in(dir_fd, parts[-1])
         finally:
             os.close(dir_fd)
+
+    def _note_in(self, dir_fd: int, name: str) -> bytes | None:
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or trust.problem(st, self.modes):
@@ -233,6 +237,18 @@ class LocalStore:
         """Replace the record under ``.opcache/<parts>`` whole (OSError if it cannot)."""
         dir_fd = self.open_folder(*parts[:-1])
         try:
+            fsutil.write_atomic(parts[-1], data, self.modes, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def update_note(self, update: Callable[[bytes | None], bytes], *parts: str) -> None:
+        """Replace the record under ``.opcache/<parts>`` whole with ``update(what it
+        holds, as read_note reads it)``, read and written through one handle on its
+        folder (OSError if it cannot be written).  Not atomic: callers that may
+        race lock around it."""
+        dir_fd = self.open_folder(*parts[:-1])
+        try:
+            data = update(self._note_in(dir_fd, parts[-1]))
             fsutil.write_atomic(parts[-1], data, self.modes, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
@@ -644,7 +660,7 @@ class LocalStore:
             try:
                 if exact:
                     os.fchmod(fd, file_mode)
-                write_all(fd, data)  # (not a file object: its fstat, ioctl and lseek)
+                fsutil.write_all(fd, data)  # (not a file object: its fstat, ioctl and lseek)
             finally:
                 os.close(fd)
         os.utime(MANIFEST, (now, now), dir_fd=dir_fd, follow_symlinks=False)
@@ -1062,15 +1078,6 @@ class LocalStore:
             removed += clean(partial(self._open_sizes, soc, None, create=False), stale)
         removed += clean(partial(self.open_folder, "stats", create=False), each_chip_stats)
         return removed
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to the file open as ``fd``."""
-    written = os.write(fd, data)
-    if written < len(data):  # (a short write: the rest, in as many as it takes)
-        view = memoryview(data)[written:]
-        while view:
-            view = view[os.write(fd, view) :]
 
 
 def _check_names(files: dict[str, bytes]) -> None:
