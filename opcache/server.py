@@ -179,17 +179,9 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
     if not name.endswith(".sock") or "/" in name:
         raise OSError(f"{socket_path}: a server's socket is named <tag>.sock")
     dir_fd = quickhit.open_own_folder(folder, True)  # (a folder another user made first: refused)
-    lock = os.open(
-        name[:-5] + ".lock",
-        os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o600,
-        dir_fd=dir_fd,
-    )
-    import fcntl
-
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock_name = name[:-5] + ".lock"
+    lock = _lock(lock_name, dir_fd)
+    if lock is None:
         return 0  # another server serves it
     files = _warm_up()  # (before the socket answers: a call sees opcache's files as loaded)
     _started_with.update((name, os.environb.get(name)) for name in STARTUP_ENVIRONMENT)
@@ -244,12 +236,47 @@ def serve(socket_path: str, idle: float, program: Callable[[list[str]], int]) ->
             if not busy:
                 os.kill(pid, signal.SIGKILL)  # (waiting in accept; a busy one ends its call)
         # Only the socket this server made: a name it no longer holds is another's.
-        with contextlib.suppress(FileNotFoundError):
-            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if (now.st_ino, now.st_dev) == (bound.st_ino, bound.st_dev):
-                os.unlink(name, dir_fd=dir_fd)
+        _unlink_if(name, dir_fd, bound)
         listener.close()
+        # Its lock file too, still held: a server starting meanwhile that locked
+        # the file before it went takes the lock again on its own (``_lock``).
+        _unlink_if(lock_name, dir_fd, os.fstat(lock))
     return 0
+
+
+def _lock(name: str, dir_fd: int) -> int | None:
+    """The server's lock file ``name`` in the folder open as ``dir_fd``, held; None
+    when another server holds it.  A server removes its lock file as it ends,
+    while still holding it: a lock taken on a file removed meanwhile is no
+    server's, and is taken again on the file now of that name."""
+    import fcntl
+
+    while True:
+        lock = os.open(
+            name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd
+        )
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            return None
+        held = os.fstat(lock)
+        try:
+            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
+            return lock
+        os.close(lock)
+
+
+def _unlink_if(name: str, dir_fd: int, made: os.stat_result) -> None:
+    """Remove ``name`` from the folder open as ``dir_fd`` if it is still the file
+    ``made`` (a name this server no longer holds is another's)."""
+    with contextlib.suppress(FileNotFoundError):
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (now.st_ino, now.st_dev) == (made.st_ino, made.st_dev):
+            os.unlink(name, dir_fd=dir_fd)
 
 
 def _reaped() -> set[int]:

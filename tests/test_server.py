@@ -588,6 +588,34 @@ def test_the_server_exits_when_idle(served):
         time.sleep(0.1)
     assert not alive(pid)
     assert not served.socket.exists()  # its socket gone with it
+    assert not served.socket.with_suffix(".lock").exists()  # and its lock file
+
+
+def test_a_lock_taken_on_a_lock_file_removed_meanwhile_is_taken_on_the_new_one(
+    tmp_path, monkeypatch
+):
+    """A server removes its lock file as it ends, holding it: one starting meanwhile
+    that opened the old file and locks it once free holds no server's lock, and
+    locks the file of that name instead (two servers never serve one socket)."""
+    import fcntl
+
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    real, locked = fcntl.flock, []
+
+    def flock(fd: int, how: int) -> None:
+        if not locked:  # (the ending server: between this open and this lock)
+            os.unlink("s.lock", dir_fd=dir_fd)
+        locked.append(fd)
+        real(fd, how)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    try:
+        lock = server._lock("s.lock", dir_fd)
+        assert lock is not None and len(locked) == 2
+        assert os.fstat(lock).st_ino == (tmp_path / "s.lock").stat().st_ino
+        os.close(lock)
+    finally:
+        os.close(dir_fd)
 
 
 def test_a_changed_opcache_ends_the_server_and_the_compile_falls_back(served, tmp_path):
