@@ -1114,7 +1114,10 @@ class Workdir:
                 return
             held = os.fstat(self.fd)
             if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-                fsutil.remove_folder(self.fd, self.path.name, self.parent_fd)
+                try:  # (emptied, as a compile's folder once its files are moved out: one call)
+                    os.rmdir(self.path.name, dir_fd=self.parent_fd)
+                except OSError:
+                    fsutil.remove_folder(self.fd, self.path.name, self.parent_fd)
             else:
                 log.debug("not deleting %s: another folder is in its place", self.path)
         finally:
