@@ -252,7 +252,9 @@ class KeyFlow:
         """Deliver ``entry`` into ``out``; the hit is counted and its access stamped."""
         files = deliver(out, entry.files)
         self._stats.add_hit(soc, entry.compile_seconds)
-        if self.settings.aging_enabled:  # (CANN: with aging off, a hit writes nothing)
+        # (CANN: with aging off, a hit writes nothing.  A remote hit's local copy is
+        # stamped when it is made: the remote's entry has no stamp of its own.)
+        if self.settings.aging_enabled and tier != "remote":
             now = self._clock()
             if now - entry.stamp >= STAMP_GRANULARITY:
                 try:

@@ -140,7 +140,9 @@ class RemoteTier:
         """
         copying = self._backfills.get((soc, key))
         if copying is not None:  # a remote hit of a moment ago, on its way to the folder
-            return copying[0], "local"
+            # (stamped now: its copy will be, so the hit has no access to record)
+            entry = copying[0]
+            return Entry(key, entry.files, entry.compile_seconds, self._clock()), "local"
         got = self.fetch(soc, key)
         if got is None:
             return None
@@ -197,18 +199,18 @@ class RemoteTier:
 
     def backfill(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
         """A remote's entry, kept in the cache folder too, as a local hit then sees it
-        (a folder that cannot take it only warns: the entry is served)."""
+        (a folder that cannot take it only warns: the entry is served).
+
+        The entries served here are the remote's as fetched (no access stamp):
+        their local copy is stamped when made, and ``KeyFlow.hit`` stamps no
+        remote hit."""
         self._keep(soc, [(key, manifest, entry.files)])
-        return Entry(key, entry.files, entry.compile_seconds, self._clock())
+        return entry
 
     def backfill_many(self, soc: str, found: dict[str, tuple[Entry, bytes]]) -> dict[str, Entry]:
         """``backfill`` of several entries, kept in the cache folder in one batch."""
         self._keep(soc, [(key, manifest, entry.files) for key, (entry, manifest) in found.items()])
-        now = self._clock()
-        return {
-            key: Entry(key, entry.files, entry.compile_seconds, now)
-            for key, (entry, _) in found.items()
-        }
+        return {key: entry for key, (entry, _) in found.items()}
 
     def backfill_later(
         self, soc: str, found: dict[str, tuple[Entry, bytes]], *, wake: bool = True
@@ -218,23 +220,21 @@ class RemoteTier:
         once instead.)  ``wake`` False: the caller serves a batch of hits first,
         then wakes the copier (``copy_pending``), which would otherwise share
         the interpreter with those deliveries."""
-        now = self._clock()
-        hits = {key: Entry(key, e.files, e.compile_seconds, now) for key, (e, _) in found.items()}
         pid = os.getpid()
         if self._copier_pid not in (0, pid):
             # A child forked from a process whose copier it lacks, which may have
             # held the lock at the fork.
             self._mutex, self._copier_pid = _thread.allocate_lock(), 0
         with self._mutex:
-            for key, (_, manifest) in found.items():
-                self._backfills[(soc, key)] = (hits[key], manifest)
+            for key, got in found.items():
+                self._backfills[(soc, key)] = got
             if self._copier_pid != pid:
                 self._start_copier()
             if wake:
                 self._signal()
             else:
                 self._unwoken = True
-        return hits
+        return {key: entry for key, (entry, _) in found.items()}
 
     def copy_pending(self) -> None:
         """Wake the copier for the copies ``backfill_later(wake=False)`` left to make."""
