@@ -404,7 +404,8 @@ class _Batch:
         key, inputs = compute_key(request, self.compiler.name, fingerprint)
         if not flow.chip_ready(soc):
             return _Job(index, request, key, plain=("miss", UNUSABLE))
-        known = by_key.get((soc, key))
+        mine = (soc, key)
+        known = by_key.get(mine)
         if isinstance(known, _Job):
             known.indices.append(index)  # the same kernel under another name
             return None
@@ -412,10 +413,10 @@ class _Batch:
             with flow.one_error(soc):
                 known = flow.look(soc, key, reader(soc))
         if known is not None:
-            by_key[(soc, key)] = known
+            by_key[mine] = known
             self._set(index, flow.hit(known, soc, self.outs[index], started, "local"))
             return None
-        job = by_key[(soc, key)] = _Job(index, request, key, inputs)
+        job = by_key[mine] = _Job(index, request, key, inputs)
         return job
 
     def work(self, schedule: _Schedule) -> None:
@@ -623,16 +624,18 @@ class _Batch:
         return _DONE
 
     def _hits(self, job: _Job, entry: Entry, started: float, tier: str) -> None:
-        soc = job.request.soc_version
+        soc, hit = job.request.soc_version, self.flow.hit
         for index in job.indices:
-            self._each(job, index, lambda i: self.flow.hit(entry, soc, self.outs[i], started, tier))
+            self._each(job, index, hit, entry, soc, self.outs[index], started, tier)
 
-    def _each(self, job: _Job, index: int, result: Callable[[int], CompileResult]) -> None:
-        """Request ``index`` of the job gets ``result(index)``, or its own error: a
+    def _each(
+        self, job: _Job, index: int, result: Callable[..., CompileResult], *args: object
+    ) -> None:
+        """Request ``index`` of the job gets ``result(*args)``, or its own error: a
         failure to deliver into its out_dir is not the other requests' failure."""
         started = time.perf_counter()
         try:
-            self._set(index, result(index))
+            self._set(index, result(*args))
         except Exception as e:
             self._set(index, _failed(job.key, e, started))
 
@@ -764,7 +767,7 @@ class _Batch:
             if artifacts is None or result.status == "error":
                 self._set(index, result)
             else:
-                self._each(job, index, lambda i: self._copy(job, i, artifacts, result.seconds))
+                self._each(job, index, self._copy, job, index, artifacts, result.seconds)
 
     def _copy(
         self, job: _Job, index: int, artifacts: dict[str, bytes], saved: float

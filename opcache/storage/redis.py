@@ -156,8 +156,9 @@ class RedisRemote(Remote):
             ), set()
         pipe = self._redis.pipeline(transaction=False)
         batches = [keys[start : start + _MGET_KEYS] for start in range(0, len(keys), _MGET_KEYS)]
+        prefix = self._name(soc, "")
         for batch in batches:
-            names = [self._name(soc, k) for k in batch]
+            names = [prefix + key for key in batch]
             # A batch's claims in its values' MGET: one command a poll, not two.
             pipe.mget(names + [name + CLAIM_SUFFIX for name in names] if claims else names)
         answers = self._call("MGET", pipe.execute)
