@@ -250,8 +250,18 @@ class KeyFlow:
 
     def hit(self, entry: Entry, soc: str, out: Path, started: float, tier: str) -> CompileResult:
         """Deliver ``entry`` into ``out``; the hit is counted and its access stamped."""
+        result = self.served(entry, soc, out, started, tier)
+        self.count_hits(soc, 1, entry.compile_seconds)
+        return result
+
+    def count_hits(self, soc: str, hits: int, saved: float) -> None:
+        """Count ``hits`` hits of a chip and the compile seconds they ``saved``."""
+        self._stats.add_counts(soc, {"hits": hits, "time_saved_seconds": saved})
+
+    def served(self, entry: Entry, soc: str, out: Path, started: float, tier: str) -> CompileResult:
+        """``hit`` but for its count, for a batch that counts its hits at once
+        (``count_hits``)."""
         files = deliver(out, entry.files)
-        self._stats.add_hit(soc, entry.compile_seconds)
         # (CANN: with aging off, a hit writes nothing.  A remote hit's local copy is
         # stamped when it is made: the remote's entry has no stamp of its own.)
         if self.settings.aging_enabled and tier != "remote":

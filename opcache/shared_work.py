@@ -380,8 +380,9 @@ class _Batch:
             # lock is held on them: nobody here waits for those copies).
             jobs_of = {job.key: job for job in missing if job.key in found}
             try:  # (the copier woken once they are delivered, not to compete with them)
-                for key, entry in remote.backfill_later(soc, found, wake=False).items():
-                    self._hits(jobs_of[key], entry, started, "remote")
+                entries = remote.backfill_later(soc, found, wake=False)
+                hits = [(jobs_of[key], entry) for key, entry in entries.items()]
+                self._hits(soc, hits, started, "remote")
             finally:
                 remote.copy_pending()
         return [job for job in jobs if self.results[job.indices[0]] is None]
@@ -536,7 +537,7 @@ class _Batch:
                 try:
                     if job.held is not None:
                         job.held.release()
-                    self._hits(job, entry, started, "remote")
+                    self._hits(soc, [(job, entry)], started, "remote")
                 except Exception as e:  # one operator's failure does not stop the others
                     self._fail(job, e)
         with self._parked_lock:
@@ -589,7 +590,7 @@ class _Batch:
                 # through this thread's open folders costs an open).
                 entry = flow.look(soc, job.key, self._reader(soc))
                 if entry is not None:  # another process compiled it
-                    self._hits(job, entry, started, "local")
+                    self._hits(soc, [(job, entry)], started, "local")
                     return _DONE
                 lock = self._claim(job, fresh)
                 if lock is False:
@@ -610,7 +611,7 @@ class _Batch:
                     if entry is not None:
                         if job.held is not None:
                             job.held.release()
-                        self._hits(job, entry, started, "remote")
+                        self._hits(soc, [(job, entry)], started, "remote")
                         return _DONE
                     if claim is None:
                         return self._park(job)  # another machine compiles it
@@ -618,26 +619,41 @@ class _Batch:
                 job.held, request, self.compiler, job.key, job.inputs or {}, out, claim
             )
         if filled.entry is not None:
-            self._hits(job, filled.entry, started, filled.tier)
+            self._hits(soc, [(job, filled.entry)], started, filled.tier)
             return _DONE
         self._settle(job, flow.missed(filled, soc, job.key, started), filled.artifacts)
         return _DONE
 
-    def _hits(self, job: _Job, entry: Entry, started: float, tier: str) -> None:
-        soc, hit = job.request.soc_version, self.flow.hit
-        for index in job.indices:
-            self._each(job, index, hit, entry, soc, self.outs[index], started, tier)
+    def _hits(self, soc: str, hits: list[tuple[_Job, Entry]], started: float, tier: str) -> None:
+        """Deliver each job's entry into the out_dir of each of its requests; the hits
+        counted at once (a count per hit was a tenth of a batch's bookkeeping)."""
+        served, saved, outs = 0, 0.0, self.outs
+        try:
+            for job, entry in hits:
+                for index in job.indices:
+                    args = (entry, soc, outs[index], started, tier)
+                    if self._each(job, index, self.flow.served, *args):
+                        served += 1
+                        saved += entry.compile_seconds
+        finally:
+            if served:
+                self.flow.count_hits(soc, served, saved)
 
     def _each(
         self, job: _Job, index: int, result: Callable[..., CompileResult], *args: object
-    ) -> None:
+    ) -> bool:
         """Request ``index`` of the job gets ``result(*args)``, or its own error: a
-        failure to deliver into its out_dir is not the other requests' failure."""
+        failure to deliver into its out_dir is not the other requests' failure.
+        True if ``result`` gave one."""
         started = time.perf_counter()
+        gave = False
         try:
-            self._set(index, result(*args))
+            got = result(*args)
+            gave = True
+            self._set(index, got)
         except Exception as e:
             self._set(index, _failed(job.key, e, started))
+        return gave
 
     def _watch(self, schedule: _Schedule) -> None:
         """One listing of the lock files for every job another process of this
@@ -683,7 +699,7 @@ class _Batch:
                 if entry is None:
                     again.append(job)
                     continue
-                self._hits(job, entry, started, "local")
+                self._hits(soc, [(job, entry)], started, "local")
             except Exception as e:  # one operator's failure does not stop the others
                 self._fail(job, e)
             settled += 1
