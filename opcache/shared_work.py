@@ -29,7 +29,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ._log import get_logger
@@ -381,7 +381,7 @@ class _Batch:
             jobs_of = {job.key: job for job in missing if job.key in found}
             try:  # (the copier woken once they are delivered, not to compete with them)
                 entries = remote.backfill_later(soc, found, wake=False)
-                hits = [(jobs_of[key], entry) for key, entry in entries.items()]
+                hits = ((jobs_of[key], entry) for key, entry in entries.items())
                 self._hits(soc, hits, started, "remote")
             finally:
                 remote.copy_pending()
@@ -624,7 +624,9 @@ class _Batch:
         self._settle(job, flow.missed(filled, soc, job.key, started), filled.artifacts)
         return _DONE
 
-    def _hits(self, soc: str, hits: list[tuple[_Job, Entry]], started: float, tier: str) -> None:
+    def _hits(
+        self, soc: str, hits: Iterable[tuple[_Job, Entry]], started: float, tier: str
+    ) -> None:
         """Deliver each job's entry into the out_dir of each of its requests; the hits
         counted at once (a count per hit was a tenth of a batch's bookkeeping)."""
         served, saved, outs = 0, 0.0, self.outs
