@@ -37,7 +37,7 @@ _ZLIB = 1
 _HEAD = struct.Struct(">4sBB")
 _LENGTH = struct.Struct(">I")
 _CHECK = 16  # bytes of XXH3-128
-_COMPRESS_FROM = 1024  # a smaller payload is kept as it is
+_COMPRESS_FROM = 1024  # a smaller payload, or part of one, is kept as it is
 _SAMPLE = 4096  # bytes a big part's compressibility is estimated on, twice
 # The zlib stream's own framing (RFC 1950/1951): its header (deflate, 32 KB
 # window, "fastest"), a stored block's header (not the last; its length and
@@ -74,8 +74,13 @@ def _compressed(parts: list[bytes]) -> bytes | None:
 
     Each part is deflated where that saves a tenth, else written in stored
     blocks, which inflating only copies: an artifact of random bytes beside a
-    json of spaces was inflated whole, at a tenth of a remote hit.  Any zlib
-    reader reads the stream (the readers of every release before this one too).
+    json of spaces was inflated whole, at a tenth of a remote hit.  A part under
+    ``_COMPRESS_FROM`` bytes is stored too, as a payload that small is: it
+    saves a few hundred bytes deflated, and inflating them costs every reader
+    a block's Huffman tables and codes (a 627-byte manifest, 353 deflated: 2.6
+    of a 4 KB value's 11 us of checks, a tenth of a single remote hit).  Any
+    zlib reader reads the stream (the readers of every release before this one
+    too).
 
     One deflater sees the parts in turn, each ending on a byte (a sync flush):
     a part whose blocks do not save a tenth is written stored instead, and
@@ -86,7 +91,7 @@ def _compressed(parts: list[bytes]) -> bytes | None:
     size = sum(map(len, parts))
     if size < _COMPRESS_FROM:
         return None
-    tried = [_worth_trying(part) for part in parts]
+    tried = [len(part) >= _COMPRESS_FROM and _worth_trying(part) for part in parts]
     if sum(len(part) for part, t in zip(parts, tried, strict=True) if not t) * 10 > size * 9:
         return None  # (what is given up on samples alone keeps it from saving a tenth)
     pieces: list[tuple[bytes, bytes | None]] = []
