@@ -264,7 +264,7 @@ class KeyFlow:
         files = deliver(out, entry.files)
         # (CANN: with aging off, a hit writes nothing.  A remote hit's local copy is
         # stamped when it is made: the remote's entry has no stamp of its own.)
-        if self.settings.aging_enabled and tier != "remote":
+        if tier != "remote" and self.settings.aging_enabled:
             now = self._clock()
             if now - entry.stamp >= STAMP_GRANULARITY:
                 try:

@@ -75,6 +75,7 @@ else:  # (markers, default, encoder, indent, separators, sort_keys, skipkeys, al
 # JSON's leaves, passed over at the cost of a set lookup (half of the walk was
 # isinstance tests of leaves).
 _LEAVES = frozenset({str, int, float, bool, type(None)})
+_SEQUENCES = (list, tuple)  # (a tuple: isinstance of a union was slower, 3.11)
 
 
 def _check_keys(value: Any) -> None:
@@ -85,16 +86,17 @@ def _check_keys(value: Any) -> None:
     seen: set[int] = set()  # a container holding itself is json's error to report
     while pending:
         item = pending.pop()
-        if id(item) in seen:
+        ident = id(item)
+        if ident in seen:
             continue
-        seen.add(id(item))
+        seen.add(ident)
         if isinstance(item, dict):
             for name, inner in item.items():
                 if not isinstance(name, str):
                     raise TypeError(f"an OpRequest field has a non-string mapping key: {name!r}")
                 if type(inner) not in _LEAVES:
                     pending.append(inner)
-        elif isinstance(item, list | tuple):
+        elif isinstance(item, _SEQUENCES):
             for inner in item:
                 if type(inner) not in _LEAVES:
                     pending.append(inner)

@@ -144,12 +144,12 @@ def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
     """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole,
     or if its manifest and files are over ``limit`` bytes (checked as it inflates: a
     value under a remote's size cap may still be zlib that inflates to gigabytes)."""
-    if len(value) < _HEAD.size + _CHECK or value[:4] != MAGIC:
+    if len(value) < _HEAD.size + _CHECK or not value.startswith(MAGIC):
         raise RemoteCorrupt("not an opcache value")
     # Slices of a view copy nothing (a 100 KB value was copied three times): only
     # the manifest and the files are, once each.
     view = memoryview(value)
-    if xxhash.xxh3_128_digest(view[:-_CHECK]) != value[-_CHECK:]:
+    if not value.endswith(xxhash.xxh3_128_digest(view[:-_CHECK])):
         raise RemoteCorrupt("the value is damaged (checksum)")
     _, version, flags = _HEAD.unpack_from(value)
     if version != FORMAT:
