@@ -92,8 +92,8 @@ class RemoteTier:
         self._clock = clock
         self._lock_timeout = lock_timeout
         self._mutex = _thread.allocate_lock()
-        # Remote hits whose local copy is still to be made, by (chip, key).
-        self._backfills: dict[tuple[str, str], tuple[Entry, bytes]] = {}
+        # Remote hits whose local copy is still to be made, by chip and key.
+        self._backfills: dict[str, dict[str, tuple[Entry, bytes]]] = {}
         # The thread that makes them, started at the first remote hit and woken at
         # each, until close() (started again in a forked child, which has none).
         self._copier: threading.Thread | None = None
@@ -138,7 +138,8 @@ class RemoteTier:
         thread (``close`` waits for the copies still to be made); a hit on a
         copy still on its way counts as local.
         """
-        copying = self._backfills.get((soc, key))
+        chip = self._backfills.get(soc)
+        copying = None if chip is None else chip.get(key)
         if copying is not None:  # a remote hit of a moment ago, on its way to the folder
             # (stamped now: its copy will be, so the hit has no access to record)
             entry = copying[0]
@@ -226,8 +227,7 @@ class RemoteTier:
             # held the lock at the fork.
             self._mutex, self._copier_pid = _thread.allocate_lock(), 0
         with self._mutex:
-            for key, got in found.items():
-                self._backfills[(soc, key)] = got
+            self._backfills.setdefault(soc, {}).update(found)
             if self._copier_pid != pid:
                 self._start_copier()
             if wake:
@@ -292,15 +292,17 @@ class RemoteTier:
                     if not self._backfills:
                         self._copied.notify_all()
                         break
-                    soc = next(iter(self._backfills))[0]
-                    batch = [(k, got) for (s, k), got in self._backfills.items() if s == soc]
+                    soc, chip = next(iter(self._backfills.items()))
+                    batch = list(chip.items())
                 try:
                     self._keep(soc, [(key, manifest, hit.files) for key, (hit, manifest) in batch])
                 except Exception as e:  # (keep reports a folder's failures: this is a bug's)
                     log.warning("cannot copy remote hits into the cache folder: %s", e)
                 with self._mutex:  # (a hit meanwhile took them from here rather than the remote)
                     for key, _ in batch:
-                        del self._backfills[(soc, key)]
+                        del chip[key]
+                    if not chip:
+                        del self._backfills[soc]
             if self._stopping:
                 return
 

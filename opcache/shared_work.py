@@ -343,7 +343,7 @@ class _Batch:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
         fingerprint = self.flow.fingerprint(self.compiler) if self.requests else ""
         jobs: list[_Job] = []
-        by_key: dict[tuple[str, str], _Job | Entry] = {}
+        by_key: dict[str, _Job | Entry] = {}  # (a key is of one chip: its inputs name it)
         with contextlib.ExitStack() as held:
             # Each chip's folders opened and trusted once for the whole pass, not per key.
             readers: dict[str, Callable[[str], Entry | None]] = {}
@@ -392,7 +392,7 @@ class _Batch:
         index: int,
         request: OpRequest,
         fingerprint: str,
-        by_key: dict[tuple[str, str], _Job | Entry],
+        by_key: dict[str, _Job | Entry],
         started: float,
         reader: Callable[[str], Callable[[str], Entry | None]],
     ) -> _Job | None:
@@ -405,8 +405,7 @@ class _Batch:
         key, inputs = compute_key(request, self.compiler.name, fingerprint)
         if not flow.chip_ready(soc):
             return _Job(index, request, key, plain=("miss", UNUSABLE))
-        mine = (soc, key)
-        known = by_key.get(mine)
+        known = by_key.get(key)
         if isinstance(known, _Job):
             known.indices.append(index)  # the same kernel under another name
             return None
@@ -414,10 +413,10 @@ class _Batch:
             with flow.one_error(soc):
                 known = flow.look(soc, key, reader(soc))
         if known is not None:
-            by_key[mine] = known
+            by_key[key] = known
             self._set(index, flow.hit(known, soc, self.outs[index], started, "local"))
             return None
-        job = by_key[mine] = _Job(index, request, key, inputs)
+        job = by_key[key] = _Job(index, request, key, inputs)
         return job
 
     def work(self, schedule: _Schedule) -> None:
