@@ -345,12 +345,15 @@ class _Batch:
         jobs: list[_Job] = []
         by_key: dict[str, _Job | Entry] = {}  # (a key is of one chip: its inputs name it)
         with contextlib.ExitStack() as held:
-            # Each chip's folders opened and trusted once for the whole pass, not per key.
-            readers: dict[str, Callable[[str], Entry | None]] = {}
+            # Each chip's folders opened and trusted once for the whole pass, not per
+            # key; None for a chip whose folder must not be used (``chip_ready``,
+            # asked once a pass too).
+            readers: dict[str, Callable[[str], Entry | None] | None] = {}
 
-            def reader(soc: str) -> Callable[[str], Entry | None]:
+            def reader(soc: str) -> Callable[[str], Entry | None] | None:
                 if soc not in readers:
-                    readers[soc] = held.enter_context(self.flow.reading(soc))
+                    ready = self.flow.chip_ready(soc)
+                    readers[soc] = held.enter_context(self.flow.reading(soc)) if ready else None
                 return readers[soc]
 
             for index, request in enumerate(self.requests):
@@ -394,7 +397,7 @@ class _Batch:
         fingerprint: str,
         by_key: dict[str, _Job | Entry],
         started: float,
-        reader: Callable[[str], Callable[[str], Entry | None]],
+        reader: Callable[[str], Callable[[str], Entry | None] | None],
     ) -> _Job | None:
         """A new job for ``request``, or None when it is a hit or joins a job of its key."""
         flow = self.flow
@@ -403,7 +406,8 @@ class _Batch:
             return _Job(index, request, plain=plain)
         soc = request.soc_version
         key, inputs = compute_key(request, self.compiler.name, fingerprint)
-        if not flow.chip_ready(soc):
+        read = reader(soc)
+        if read is None:
             return _Job(index, request, key, plain=("miss", UNUSABLE))
         known = by_key.get(key)
         if isinstance(known, _Job):
@@ -411,7 +415,7 @@ class _Batch:
             return None
         if known is None:
             with flow.one_error(soc):
-                known = flow.look(soc, key, reader(soc))
+                known = flow.look(soc, key, read)
         if known is not None:
             by_key[key] = known
             self._set(index, flow.hit(known, soc, self.outs[index], started, "local"))
