@@ -93,7 +93,7 @@ class RemoteTier:
         self._lock_timeout = lock_timeout
         self._mutex = _thread.allocate_lock()
         # Remote hits whose local copy is still to be made, by chip and key.
-        self._backfills: dict[str, dict[str, tuple[Entry, bytes]]] = {}
+        self._backfills: dict[str, dict[str, Fetched]] = {}
         # The thread that makes them, started at the first remote hit and woken at
         # each, until close() (started again in a forked child, which has none).
         self._copier: threading.Thread | None = None
@@ -196,7 +196,7 @@ class RemoteTier:
             if got is None:
                 return None, claim
             claim.release()
-        return self.backfill(soc, key, *got), None
+        return self.backfill(soc, key, got[0], got[1]), None
 
     def backfill(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
         """A remote's entry, kept in the cache folder too, as a local hit then sees it
@@ -208,13 +208,13 @@ class RemoteTier:
         self._keep(soc, [(key, manifest, entry.files)])
         return entry
 
-    def backfill_many(self, soc: str, found: dict[str, tuple[Entry, bytes]]) -> dict[str, Entry]:
+    def backfill_many(self, soc: str, found: dict[str, Fetched]) -> dict[str, Entry]:
         """``backfill`` of several entries, kept in the cache folder in one batch."""
-        self._keep(soc, [(key, manifest, entry.files) for key, (entry, manifest) in found.items()])
-        return {key: entry for key, (entry, _) in found.items()}
+        self._keep(soc, [(key, got[1], got[0].files) for key, got in found.items()])
+        return {key: got[0] for key, got in found.items()}
 
     def backfill_later(
-        self, soc: str, found: dict[str, tuple[Entry, bytes]], *, wake: bool = True
+        self, soc: str, found: dict[str, Fetched], *, wake: bool = True
     ) -> dict[str, Entry]:
         """``backfill_many`` by the copier thread, the entries served meanwhile.
         (Under a key's lock, where others wait to find the copy, it is done at
@@ -234,7 +234,7 @@ class RemoteTier:
                 self._signal()
             else:
                 self._unwoken = True
-        return {key: entry for key, (entry, _) in found.items()}
+        return {key: got[0] for key, got in found.items()}
 
     def copy_pending(self) -> None:
         """Wake the copier for the copies ``backfill_later(wake=False)`` left to make."""
@@ -295,7 +295,7 @@ class RemoteTier:
                     soc, chip = next(iter(self._backfills.items()))
                     batch = list(chip.items())
                 try:
-                    self._keep(soc, [(key, manifest, hit.files) for key, (hit, manifest) in batch])
+                    self._keep(soc, [(key, got[1], got[0].files) for key, got in batch])
                 except Exception as e:  # (keep reports a folder's failures: this is a bug's)
                     log.warning("cannot copy remote hits into the cache folder: %s", e)
                 with self._mutex:  # (a hit meanwhile took them from here rather than the remote)
@@ -334,17 +334,16 @@ class RemoteTier:
 
     # -- what the cache asks ---------------------------------------------------------
 
-    def fetch(self, soc: str, key: str, *, again: bool = False) -> tuple[Entry, bytes] | None:
+    def fetch(self, soc: str, key: str, *, again: bool = False) -> Fetched | None:
         """The remote's entry of ``key`` (checked), or None: absent, bad or unreachable.
 
         ``again``: a key this process looked for before, whose miss was counted.
         """
         return self.fetch_many(soc, [key], again=again).get(key)
 
-    def fetch_many(
-        self, soc: str, keys: list[str], *, again: bool = False
-    ) -> dict[str, tuple[Entry, bytes]]:
-        """The remote's entries of ``keys`` that are there and sound, in few round trips."""
+    def fetch_many(self, soc: str, keys: list[str], *, again: bool = False) -> dict[str, Fetched]:
+        """The remote's entries of ``keys`` that are there and sound, in few round trips
+        (each as fetched: the entry, its manifest's bytes, its size on the wire)."""
         remote = self._usable(soc)
         if remote is None or not keys:
             return {}
@@ -364,7 +363,7 @@ class RemoteTier:
         soc: str,
         got: dict[str, Fetched | RemoteCorrupt],
         asked: int | None = None,
-    ) -> dict[str, tuple[Entry, bytes]]:
+    ) -> dict[str, Fetched]:
         """The values that passed their checks, counted; the others counted as corrupt
         (a value looked at again, after a claim, is not counted again); of ``asked``
         keys, those not sound counted as misses.  The counts in one update (a
@@ -381,9 +380,8 @@ class RemoteTier:
                 log.warning("corrupt remote entry %s/%s not used: %s", soc, key, value)
                 corrupt += 1
                 continue
-            entry, manifest, size = value
-            sound[key] = entry, manifest
-            down += size
+            sound[key] = value
+            down += value[2]
         counts: dict[str, float] = {"remote_hits": len(sound)} if sound else {}
         if down:
             counts["remote_bytes_down"] = down
@@ -395,7 +393,7 @@ class RemoteTier:
             self._stats.add_counts(soc, counts)
         return sound
 
-    def poll(self, soc: str, keys: list[str]) -> tuple[dict[str, tuple[Entry, bytes]], set[str]]:
+    def poll(self, soc: str, keys: list[str]) -> tuple[dict[str, Fetched], set[str]]:
         """For keys other clients compile: (the entries now there, the keys still
         claimed), in one round trip.  An unreachable remote claims nothing: the
         keys are compiled here."""

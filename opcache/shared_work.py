@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ._log import get_logger
 from .flow import UNUSABLE, deliver, out_path
-from .key import compute_key
+from .key import compute_key, key_inputs
 from .request import CompileResult, OpRequest
 from .storage import UNCLAIMED
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .flow import KeyFlow
     from .locks import KeyLock
     from .request import Status
+    from .storage import Fetched
     from .storage.entry import Entry
 
     OutDirs = Sequence[str | os.PathLike[str]] | Callable[[OpRequest], str | os.PathLike[str]]
@@ -73,7 +74,6 @@ class _Job:
     __slots__ = (
         "held",
         "indices",
-        "inputs",
         "key",
         "lock",
         "lock_dir",
@@ -90,13 +90,11 @@ class _Job:
         index: int,
         request: OpRequest,
         key: str = "",
-        inputs: dict | None = None,
         plain: tuple[Status, str | None] | None = None,
     ) -> None:
         self.indices = [index]
         self.request = request
         self.key = key
-        self.inputs = inputs
         self.plain = plain  # (status, reason) of a compile that keeps the cache out
         self.lock: KeyLock | None = None
         self.lock_dir = ""  # the folder of its lock file, as text
@@ -405,7 +403,7 @@ class _Batch:
         if plain is not None:
             return _Job(index, request, plain=plain)
         soc = request.soc_version
-        key, inputs = compute_key(request, self.compiler.name, fingerprint)
+        key = compute_key(request, self.compiler.name, fingerprint)[0]
         read = reader(soc)
         if read is None:
             return _Job(index, request, key, plain=("miss", UNUSABLE))
@@ -420,7 +418,7 @@ class _Batch:
             by_key[key] = known
             self._set(index, flow.hit(known, soc, self.outs[index], started, "local"))
             return None
-        job = by_key[key] = _Job(index, request, key, inputs)
+        job = by_key[key] = _Job(index, request, key)
         return job
 
     def work(self, schedule: _Schedule) -> None:
@@ -548,7 +546,7 @@ class _Batch:
         schedule.polled(settled, again, still)
 
     def _backfilled(
-        self, soc: str, found: dict[str, tuple[Entry, bytes]], jobs: dict[str, _Job]
+        self, soc: str, found: dict[str, Fetched], jobs: dict[str, _Job]
     ) -> dict[str, Entry]:
         """The remote's entries ``found``, kept in the cache folder in one batch now;
         if that fails unexpectedly, their ``jobs`` fail with it."""
@@ -618,9 +616,10 @@ class _Batch:
                         return _DONE
                     if claim is None:
                         return self._park(job)  # another machine compiles it
-            filled = flow.fill(
-                job.held, request, self.compiler, job.key, job.inputs or {}, out, claim
-            )
+            # The key's inputs, for the entry's manifest: made again for the few keys
+            # compiled, not kept for every key of the batch since its first look.
+            inputs = key_inputs(request, self.compiler.name, flow.fingerprint(self.compiler))
+            filled = flow.fill(job.held, request, self.compiler, job.key, inputs, out, claim)
         if filled.entry is not None:
             self._hits(soc, [(job, filled.entry)], started, filled.tier)
             return _DONE
