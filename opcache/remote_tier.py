@@ -147,7 +147,8 @@ class RemoteTier:
         got = self.fetch(soc, key)
         if got is None:
             return None
-        return self.backfill_later(soc, {key: got})[key], "remote"
+        self.backfill_later(soc, {key: got})
+        return got[0], "remote"
 
     def claim_or_wait(self, soc: str, key: str) -> tuple[Entry | None, Claim]:
         """(the remote's entry, once another client stored it) or (None, this compile's
@@ -213,9 +214,7 @@ class RemoteTier:
         self._keep(soc, [(key, got[1], got[0].files) for key, got in found.items()])
         return {key: got[0] for key, got in found.items()}
 
-    def backfill_later(
-        self, soc: str, found: dict[str, Fetched], *, wake: bool = True
-    ) -> dict[str, Entry]:
+    def backfill_later(self, soc: str, found: dict[str, Fetched], *, wake: bool = True) -> None:
         """``backfill_many`` by the copier thread, the entries served meanwhile.
         (Under a key's lock, where others wait to find the copy, it is done at
         once instead.)  ``wake`` False: the caller serves a batch of hits first,
@@ -234,7 +233,6 @@ class RemoteTier:
                 self._signal()
             else:
                 self._unwoken = True
-        return {key: got[0] for key, got in found.items()}
 
     def copy_pending(self) -> None:
         """Wake the copier for the copies ``backfill_later(wake=False)`` left to make."""

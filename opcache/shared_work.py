@@ -379,10 +379,9 @@ class _Batch:
             found = remote.fetch_many(soc, [job.key for job in missing])
             # Served now, kept in the cache folder in the background (no local
             # lock is held on them: nobody here waits for those copies).
-            jobs_of = {job.key: job for job in missing if job.key in found}
             try:  # (the copier woken once they are delivered, not to compete with them)
-                entries = remote.backfill_later(soc, found, wake=False)
-                hits = ((jobs_of[key], entry) for key, entry in entries.items())
+                remote.backfill_later(soc, found, wake=False)
+                hits = ((job, found[job.key][0]) for job in missing if job.key in found)
                 self._hits(soc, hits, started, "remote")
             finally:
                 remote.copy_pending()
