@@ -9,6 +9,7 @@ same kernel under two node names is one entry.
 from __future__ import annotations
 
 import json
+from json.encoder import c_make_encoder, encode_basestring
 
 import xxhash
 
@@ -16,6 +17,7 @@ from ._log import DEBUG, get_logger
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
     from .compilers.protocol import Compiler
@@ -28,9 +30,11 @@ log = get_logger(__name__)
 SCHEMA = 1
 
 
-def digest(data: bytes) -> str:
-    """XXH3-128 of ``data`` as 32 hex digits: the one hash opcache uses."""
-    return xxhash.xxh3_128_hexdigest(data)
+# XXH3-128 of bytes as 32 hex digits: the one hash opcache uses.  xxhash's own
+# function, not a wrapper around it: a remote hit computes four or more (its key,
+# its manifest's checksum, each artifact's digest), and a wrapper's call cost
+# half as much again as hashing a KB.
+digest: Callable[[bytes], str] = xxhash.xxh3_128_hexdigest
 
 
 def canonical_json(value: Any) -> bytes:
@@ -44,19 +48,37 @@ def canonical_json(value: Any) -> bytes:
         # A word that is not UTF-8 (a byte 0xff in a -D value or a folder's name reaches
         # Python as "\udcff") is written as JSON's escape of it, "\\udcff": still
         # JSON (a manifest holds it) and no other word's bytes.
-        return _ENCODER.encode(value).encode("utf-8", "backslashreplace")
+        return "".join(_encode(value, 0)).encode("utf-8", "backslashreplace")
     except (TypeError, ValueError) as e:
         raise TypeError(f"an OpRequest field is not JSON data: {e}") from None
+    except RecursionError:  # (no circular check: a container holding itself ends so)
+        raise TypeError(
+            "an OpRequest field is not JSON data: it holds itself or nests too deep"
+        ) from None
 
 
-# One encoder: json.dumps with arguments builds one per call (a tenth of a key).
+# One encoder, made once: JSONEncoder.encode makes one per call, and its circular
+# check keeps a dict of the containers on the way (together a quarter of a
+# canonical_json).  Without the check, a container that holds itself recurses
+# until RecursionError, refused as any other value that is not JSON.
 _ENCODER = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
+    sort_keys=True,
+    separators=(",", ":"),
+    ensure_ascii=False,
+    allow_nan=True,
+    check_circular=False,
 )
+if c_make_encoder is None:  # (a Python without json's C part)
+    _encode = _ENCODER.iterencode
+else:  # (markers, default, encoder, indent, separators, sort_keys, skipkeys, allow_nan)
+    _encode = c_make_encoder(
+        None, _ENCODER.default, encode_basestring, None, ":", ",", True, False, True
+    )
 
 # JSON's leaves, passed over at the cost of a set lookup (half of the walk was
 # isinstance tests of leaves).
 _LEAVES = frozenset({str, int, float, bool, type(None)})
+_SEQUENCES = (list, tuple)  # (a tuple: isinstance of a union was slower, 3.11)
 
 
 def _check_keys(value: Any) -> None:
@@ -67,16 +89,17 @@ def _check_keys(value: Any) -> None:
     seen: set[int] = set()  # a container holding itself is json's error to report
     while pending:
         item = pending.pop()
-        if id(item) in seen:
+        ident = id(item)
+        if ident in seen:
             continue
-        seen.add(id(item))
+        seen.add(ident)
         if isinstance(item, dict):
             for name, inner in item.items():
                 if not isinstance(name, str):
                     raise TypeError(f"an OpRequest field has a non-string mapping key: {name!r}")
                 if type(inner) not in _LEAVES:
                     pending.append(inner)
-        elif isinstance(item, list | tuple):
+        elif isinstance(item, _SEQUENCES):
             for inner in item:
                 if type(inner) not in _LEAVES:
                     pending.append(inner)

@@ -92,8 +92,8 @@ class RemoteTier:
         self._clock = clock
         self._lock_timeout = lock_timeout
         self._mutex = _thread.allocate_lock()
-        # Remote hits whose local copy is still to be made, by (chip, key).
-        self._backfills: dict[tuple[str, str], tuple[Entry, bytes]] = {}
+        # Remote hits whose local copy is still to be made, by chip and key.
+        self._backfills: dict[str, dict[str, Fetched]] = {}
         # The thread that makes them, started at the first remote hit and woken at
         # each, until close() (started again in a forked child, which has none).
         self._copier: threading.Thread | None = None
@@ -138,13 +138,17 @@ class RemoteTier:
         thread (``close`` waits for the copies still to be made); a hit on a
         copy still on its way counts as local.
         """
-        copying = self._backfills.get((soc, key))
+        chip = self._backfills.get(soc)
+        copying = None if chip is None else chip.get(key)
         if copying is not None:  # a remote hit of a moment ago, on its way to the folder
-            return copying[0], "local"
+            # (stamped now: its copy will be, so the hit has no access to record)
+            entry = copying[0]
+            return Entry(key, entry.files, entry.compile_seconds, self._clock()), "local"
         got = self.fetch(soc, key)
         if got is None:
             return None
-        return self.backfill_later(soc, {key: got})[key], "remote"
+        self.backfill_later(soc, {key: got})
+        return got[0], "remote"
 
     def claim_or_wait(self, soc: str, key: str) -> tuple[Entry | None, Claim]:
         """(the remote's entry, once another client stored it) or (None, this compile's
@@ -193,48 +197,42 @@ class RemoteTier:
             if got is None:
                 return None, claim
             claim.release()
-        return self.backfill(soc, key, *got), None
+        return self.backfill(soc, key, got[0], got[1]), None
 
     def backfill(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:
         """A remote's entry, kept in the cache folder too, as a local hit then sees it
-        (a folder that cannot take it only warns: the entry is served)."""
+        (a folder that cannot take it only warns: the entry is served).
+
+        The entries served here are the remote's as fetched (no access stamp):
+        their local copy is stamped when made, and ``KeyFlow.hit`` stamps no
+        remote hit."""
         self._keep(soc, [(key, manifest, entry.files)])
-        return Entry(key, entry.files, entry.compile_seconds, self._clock())
+        return entry
 
-    def backfill_many(self, soc: str, found: dict[str, tuple[Entry, bytes]]) -> dict[str, Entry]:
+    def backfill_many(self, soc: str, found: dict[str, Fetched]) -> dict[str, Entry]:
         """``backfill`` of several entries, kept in the cache folder in one batch."""
-        self._keep(soc, [(key, manifest, entry.files) for key, (entry, manifest) in found.items()])
-        now = self._clock()
-        return {
-            key: Entry(key, entry.files, entry.compile_seconds, now)
-            for key, (entry, _) in found.items()
-        }
+        self._keep(soc, [(key, got[1], got[0].files) for key, got in found.items()])
+        return {key: got[0] for key, got in found.items()}
 
-    def backfill_later(
-        self, soc: str, found: dict[str, tuple[Entry, bytes]], *, wake: bool = True
-    ) -> dict[str, Entry]:
+    def backfill_later(self, soc: str, found: dict[str, Fetched], *, wake: bool = True) -> None:
         """``backfill_many`` by the copier thread, the entries served meanwhile.
         (Under a key's lock, where others wait to find the copy, it is done at
         once instead.)  ``wake`` False: the caller serves a batch of hits first,
         then wakes the copier (``copy_pending``), which would otherwise share
         the interpreter with those deliveries."""
-        now = self._clock()
-        hits = {key: Entry(key, e.files, e.compile_seconds, now) for key, (e, _) in found.items()}
         pid = os.getpid()
         if self._copier_pid not in (0, pid):
             # A child forked from a process whose copier it lacks, which may have
             # held the lock at the fork.
             self._mutex, self._copier_pid = _thread.allocate_lock(), 0
         with self._mutex:
-            for key, (_, manifest) in found.items():
-                self._backfills[(soc, key)] = (hits[key], manifest)
+            self._backfills.setdefault(soc, {}).update(found)
             if self._copier_pid != pid:
                 self._start_copier()
             if wake:
                 self._signal()
             else:
                 self._unwoken = True
-        return hits
 
     def copy_pending(self) -> None:
         """Wake the copier for the copies ``backfill_later(wake=False)`` left to make."""
@@ -292,15 +290,17 @@ class RemoteTier:
                     if not self._backfills:
                         self._copied.notify_all()
                         break
-                    soc = next(iter(self._backfills))[0]
-                    batch = [(k, got) for (s, k), got in self._backfills.items() if s == soc]
+                    soc, chip = next(iter(self._backfills.items()))
+                    batch = list(chip.items())
                 try:
-                    self._keep(soc, [(key, manifest, hit.files) for key, (hit, manifest) in batch])
+                    self._keep(soc, [(key, got[1], got[0].files) for key, got in batch])
                 except Exception as e:  # (keep reports a folder's failures: this is a bug's)
                     log.warning("cannot copy remote hits into the cache folder: %s", e)
                 with self._mutex:  # (a hit meanwhile took them from here rather than the remote)
                     for key, _ in batch:
-                        del self._backfills[(soc, key)]
+                        del chip[key]
+                    if not chip:
+                        del self._backfills[soc]
             if self._stopping:
                 return
 
@@ -332,17 +332,16 @@ class RemoteTier:
 
     # -- what the cache asks ---------------------------------------------------------
 
-    def fetch(self, soc: str, key: str, *, again: bool = False) -> tuple[Entry, bytes] | None:
+    def fetch(self, soc: str, key: str, *, again: bool = False) -> Fetched | None:
         """The remote's entry of ``key`` (checked), or None: absent, bad or unreachable.
 
         ``again``: a key this process looked for before, whose miss was counted.
         """
         return self.fetch_many(soc, [key], again=again).get(key)
 
-    def fetch_many(
-        self, soc: str, keys: list[str], *, again: bool = False
-    ) -> dict[str, tuple[Entry, bytes]]:
-        """The remote's entries of ``keys`` that are there and sound, in few round trips."""
+    def fetch_many(self, soc: str, keys: list[str], *, again: bool = False) -> dict[str, Fetched]:
+        """The remote's entries of ``keys`` that are there and sound, in few round trips
+        (each as fetched: the entry, its manifest's bytes, its size on the wire)."""
         remote = self._usable(soc)
         if remote is None or not keys:
             return {}
@@ -362,7 +361,7 @@ class RemoteTier:
         soc: str,
         got: dict[str, Fetched | RemoteCorrupt],
         asked: int | None = None,
-    ) -> dict[str, tuple[Entry, bytes]]:
+    ) -> dict[str, Fetched]:
         """The values that passed their checks, counted; the others counted as corrupt
         (a value looked at again, after a claim, is not counted again); of ``asked``
         keys, those not sound counted as misses.  The counts in one update (a
@@ -379,9 +378,8 @@ class RemoteTier:
                 log.warning("corrupt remote entry %s/%s not used: %s", soc, key, value)
                 corrupt += 1
                 continue
-            entry, manifest, size = value
-            sound[key] = entry, manifest
-            down += size
+            sound[key] = value
+            down += value[2]
         counts: dict[str, float] = {"remote_hits": len(sound)} if sound else {}
         if down:
             counts["remote_bytes_down"] = down
@@ -393,7 +391,7 @@ class RemoteTier:
             self._stats.add_counts(soc, counts)
         return sound
 
-    def poll(self, soc: str, keys: list[str]) -> tuple[dict[str, tuple[Entry, bytes]], set[str]]:
+    def poll(self, soc: str, keys: list[str]) -> tuple[dict[str, Fetched], set[str]]:
         """For keys other clients compile: (the entries now there, the keys still
         claimed), in one round trip.  An unreachable remote claims nothing: the
         keys are compiled here."""

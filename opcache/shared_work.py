@@ -29,12 +29,12 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ._log import get_logger
 from .flow import UNUSABLE, deliver, out_path
-from .key import compute_key
+from .key import compute_key, key_inputs
 from .request import CompileResult, OpRequest
 from .storage import UNCLAIMED
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .flow import KeyFlow
     from .locks import KeyLock
     from .request import Status
+    from .storage import Fetched
     from .storage.entry import Entry
 
     OutDirs = Sequence[str | os.PathLike[str]] | Callable[[OpRequest], str | os.PathLike[str]]
@@ -73,7 +74,6 @@ class _Job:
     __slots__ = (
         "held",
         "indices",
-        "inputs",
         "key",
         "lock",
         "lock_dir",
@@ -90,13 +90,11 @@ class _Job:
         index: int,
         request: OpRequest,
         key: str = "",
-        inputs: dict | None = None,
         plain: tuple[Status, str | None] | None = None,
     ) -> None:
         self.indices = [index]
         self.request = request
         self.key = key
-        self.inputs = inputs
         self.plain = plain  # (status, reason) of a compile that keeps the cache out
         self.lock: KeyLock | None = None
         self.lock_dir = ""  # the folder of its lock file, as text
@@ -343,14 +341,17 @@ class _Batch:
         """Deliver every hit; return the jobs left: one per missing key or plain compile."""
         fingerprint = self.flow.fingerprint(self.compiler) if self.requests else ""
         jobs: list[_Job] = []
-        by_key: dict[tuple[str, str], _Job | Entry] = {}
+        by_key: dict[str, _Job | Entry] = {}  # (a key is of one chip: its inputs name it)
         with contextlib.ExitStack() as held:
-            # Each chip's folders opened and trusted once for the whole pass, not per key.
-            readers: dict[str, Callable[[str], Entry | None]] = {}
+            # Each chip's folders opened and trusted once for the whole pass, not per
+            # key; None for a chip whose folder must not be used (``chip_ready``,
+            # asked once a pass too).
+            readers: dict[str, Callable[[str], Entry | None] | None] = {}
 
-            def reader(soc: str) -> Callable[[str], Entry | None]:
+            def reader(soc: str) -> Callable[[str], Entry | None] | None:
                 if soc not in readers:
-                    readers[soc] = held.enter_context(self.flow.reading(soc))
+                    ready = self.flow.chip_ready(soc)
+                    readers[soc] = held.enter_context(self.flow.reading(soc)) if ready else None
                 return readers[soc]
 
             for index, request in enumerate(self.requests):
@@ -378,10 +379,10 @@ class _Batch:
             found = remote.fetch_many(soc, [job.key for job in missing])
             # Served now, kept in the cache folder in the background (no local
             # lock is held on them: nobody here waits for those copies).
-            jobs_of = {job.key: job for job in missing if job.key in found}
             try:  # (the copier woken once they are delivered, not to compete with them)
-                for key, entry in remote.backfill_later(soc, found, wake=False).items():
-                    self._hits(jobs_of[key], entry, started, "remote")
+                remote.backfill_later(soc, found, wake=False)
+                hits = ((job, found[job.key][0]) for job in missing if job.key in found)
+                self._hits(soc, hits, started, "remote")
             finally:
                 remote.copy_pending()
         return [job for job in jobs if self.results[job.indices[0]] is None]
@@ -391,9 +392,9 @@ class _Batch:
         index: int,
         request: OpRequest,
         fingerprint: str,
-        by_key: dict[tuple[str, str], _Job | Entry],
+        by_key: dict[str, _Job | Entry],
         started: float,
-        reader: Callable[[str], Callable[[str], Entry | None]],
+        reader: Callable[[str], Callable[[str], Entry | None] | None],
     ) -> _Job | None:
         """A new job for ``request``, or None when it is a hit or joins a job of its key."""
         flow = self.flow
@@ -401,21 +402,22 @@ class _Batch:
         if plain is not None:
             return _Job(index, request, plain=plain)
         soc = request.soc_version
-        key, inputs = compute_key(request, self.compiler.name, fingerprint)
-        if not flow.chip_ready(soc):
+        key = compute_key(request, self.compiler.name, fingerprint)[0]
+        read = reader(soc)
+        if read is None:
             return _Job(index, request, key, plain=("miss", UNUSABLE))
-        known = by_key.get((soc, key))
+        known = by_key.get(key)
         if isinstance(known, _Job):
             known.indices.append(index)  # the same kernel under another name
             return None
         if known is None:
             with flow.one_error(soc):
-                known = flow.look(soc, key, reader(soc))
+                known = flow.look(soc, key, read)
         if known is not None:
-            by_key[(soc, key)] = known
+            by_key[key] = known
             self._set(index, flow.hit(known, soc, self.outs[index], started, "local"))
             return None
-        job = by_key[(soc, key)] = _Job(index, request, key, inputs)
+        job = by_key[key] = _Job(index, request, key)
         return job
 
     def work(self, schedule: _Schedule) -> None:
@@ -535,7 +537,7 @@ class _Batch:
                 try:
                     if job.held is not None:
                         job.held.release()
-                    self._hits(job, entry, started, "remote")
+                    self._hits(soc, [(job, entry)], started, "remote")
                 except Exception as e:  # one operator's failure does not stop the others
                     self._fail(job, e)
         with self._parked_lock:
@@ -543,7 +545,7 @@ class _Batch:
         schedule.polled(settled, again, still)
 
     def _backfilled(
-        self, soc: str, found: dict[str, tuple[Entry, bytes]], jobs: dict[str, _Job]
+        self, soc: str, found: dict[str, Fetched], jobs: dict[str, _Job]
     ) -> dict[str, Entry]:
         """The remote's entries ``found``, kept in the cache folder in one batch now;
         if that fails unexpectedly, their ``jobs`` fail with it."""
@@ -588,7 +590,7 @@ class _Batch:
                 # through this thread's open folders costs an open).
                 entry = flow.look(soc, job.key, self._reader(soc))
                 if entry is not None:  # another process compiled it
-                    self._hits(job, entry, started, "local")
+                    self._hits(soc, [(job, entry)], started, "local")
                     return _DONE
                 lock = self._claim(job, fresh)
                 if lock is False:
@@ -609,32 +611,52 @@ class _Batch:
                     if entry is not None:
                         if job.held is not None:
                             job.held.release()
-                        self._hits(job, entry, started, "remote")
+                        self._hits(soc, [(job, entry)], started, "remote")
                         return _DONE
                     if claim is None:
                         return self._park(job)  # another machine compiles it
-            filled = flow.fill(
-                job.held, request, self.compiler, job.key, job.inputs or {}, out, claim
-            )
+            # The key's inputs, for the entry's manifest: made again for the few keys
+            # compiled, not kept for every key of the batch since its first look.
+            inputs = key_inputs(request, self.compiler.name, flow.fingerprint(self.compiler))
+            filled = flow.fill(job.held, request, self.compiler, job.key, inputs, out, claim)
         if filled.entry is not None:
-            self._hits(job, filled.entry, started, filled.tier)
+            self._hits(soc, [(job, filled.entry)], started, filled.tier)
             return _DONE
         self._settle(job, flow.missed(filled, soc, job.key, started), filled.artifacts)
         return _DONE
 
-    def _hits(self, job: _Job, entry: Entry, started: float, tier: str) -> None:
-        soc = job.request.soc_version
-        for index in job.indices:
-            self._each(job, index, lambda i: self.flow.hit(entry, soc, self.outs[i], started, tier))
-
-    def _each(self, job: _Job, index: int, result: Callable[[int], CompileResult]) -> None:
-        """Request ``index`` of the job gets ``result(index)``, or its own error: a
-        failure to deliver into its out_dir is not the other requests' failure."""
-        started = time.perf_counter()
+    def _hits(
+        self, soc: str, hits: Iterable[tuple[_Job, Entry]], started: float, tier: str
+    ) -> None:
+        """Deliver each job's entry into the out_dir of each of its requests; the hits
+        counted at once (a count per hit was a tenth of a batch's bookkeeping)."""
+        served, saved, outs = 0, 0.0, self.outs
         try:
-            self._set(index, result(index))
+            for job, entry in hits:
+                for index in job.indices:
+                    args = (entry, soc, outs[index], started, tier)
+                    if self._each(job, index, self.flow.served, *args):
+                        served += 1
+                        saved += entry.compile_seconds
+        finally:
+            if served:
+                self.flow.count_hits(soc, served, saved)
+
+    def _each(
+        self, job: _Job, index: int, result: Callable[..., CompileResult], *args: object
+    ) -> bool:
+        """Request ``index`` of the job gets ``result(*args)``, or its own error: a
+        failure to deliver into its out_dir is not the other requests' failure.
+        True if ``result`` gave one."""
+        started = time.perf_counter()
+        gave = False
+        try:
+            got = result(*args)
+            gave = True
+            self._set(index, got)
         except Exception as e:
             self._set(index, _failed(job.key, e, started))
+        return gave
 
     def _watch(self, schedule: _Schedule) -> None:
         """One listing of the lock files for every job another process of this
@@ -680,7 +702,7 @@ class _Batch:
                 if entry is None:
                     again.append(job)
                     continue
-                self._hits(job, entry, started, "local")
+                self._hits(soc, [(job, entry)], started, "local")
             except Exception as e:  # one operator's failure does not stop the others
                 self._fail(job, e)
             settled += 1
@@ -764,7 +786,7 @@ class _Batch:
             if artifacts is None or result.status == "error":
                 self._set(index, result)
             else:
-                self._each(job, index, lambda i: self._copy(job, i, artifacts, result.seconds))
+                self._each(job, index, self._copy, job, index, artifacts, result.seconds)
 
     def _copy(
         self, job: _Job, index: int, artifacts: dict[str, bytes], saved: float

@@ -83,11 +83,6 @@ class StatsRecorder:
         """Count ``amount`` of ``name`` for a chip (in memory; written soon)."""
         self.add_counts(soc, {name: amount})
 
-    def add_hit(self, soc: str, saved: float) -> None:
-        """Count a hit and the compile seconds it saved, under one lock (a hit's two
-        ``add`` calls were a tenth of its bookkeeping)."""
-        self.add_counts(soc, {"hits": 1, "time_saved_seconds": saved})
-
     def add_counts(self, soc: str, counts: dict[str, float]) -> None:
         """Count each of ``counts`` for a chip, under one lock (a remote look's several)."""
         with self._lock:

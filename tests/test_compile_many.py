@@ -7,6 +7,7 @@ tests count compiles per process.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -30,6 +31,8 @@ from helpers_cache import (
 )
 
 import opcache
+from opcache.key import canonical_json
+from opcache.storage.entry import MANIFEST
 
 
 def settings_for(tmp_path: Path, mode: str = "enable", **options: object) -> opcache.Settings:
@@ -197,6 +200,22 @@ def test_results_keep_the_order_of_requests_and_shared_keys_compile_once(
     assert compiler.calls() == 3  # add_1 before, then add_0 and add_2 once each
     for request in requests:
         assert read_dir(tmp_path / "o" / request.op_name) == expected_files(request)
+
+
+def test_the_entries_it_stores_hold_their_keys_inputs(tmp_path: Path) -> None:
+    # (A batch keeps no key inputs from its first look: they are made again to
+    # store a key it compiles.)
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(3)]
+    settings = settings_for(tmp_path)
+    with opcache.OpCache(settings) as cache:
+        results = cache.compile_many(requests, compiler, lambda r: tmp_path / "o" / r.op_name)
+    entries = entry_dirs(settings.root)
+    for request, result in zip(requests, results, strict=True):
+        assert result.status == "miss"
+        body = (entries[result.key] / MANIFEST).read_bytes().partition(b"\n")[2]
+        parts = opcache.explain_key(request, compiler)["parts"]
+        assert json.loads(body)["inputs"] == json.loads(canonical_json(parts))
 
 
 def test_modes_and_bypasses_hold_per_operator(tmp_path: Path) -> None:

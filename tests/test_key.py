@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,16 @@ def test_requests_are_read_only_compare_by_value_and_survive_pickling() -> None:
 def test_a_request_that_contains_itself_is_refused_not_hung() -> None:
     attrs: dict = {"alpha": 1}
     attrs["self"] = attrs
+    with pytest.raises(TypeError, match="not JSON data"):
+        canonical_json({"attrs": attrs})
+
+
+def test_a_request_nested_too_deep_is_refused_as_not_json() -> None:
+    attrs: list = []
+    inner = attrs
+    for _ in range(sys.getrecursionlimit() + 10):
+        inner.append([])
+        inner = inner[0]
     with pytest.raises(TypeError, match="not JSON data"):
         canonical_json({"attrs": attrs})
 

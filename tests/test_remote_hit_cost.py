@@ -28,7 +28,7 @@ import opcache
 from opcache import _json, flow
 from opcache.key import digest
 from opcache.storage import RemoteCorrupt
-from opcache.storage.entry import CorruptEntry, make_manifest, parse_manifest
+from opcache.storage.entry import CorruptEntry, Entry, make_manifest, parse_manifest
 from opcache.storage.local import LocalStore
 from opcache.storage.value import pack, unpack
 
@@ -285,7 +285,7 @@ def test_an_artifact_that_does_not_compress_is_stored_in_the_stream_as_it_is() -
     files = {"a.json": b"{" + b" " * 1022 + b"}", "a.o": os.urandom(3072)}
     manifest = make_manifest(KEY, files, 1.0, {}, 0.0)
     value = pack(KEY, manifest, files)
-    assert value[5] == 1  # the zlib flag: the json and the manifest are deflated
+    assert value[5] == 1  # the zlib flag: the json is deflated
     assert files["a.o"] in value  # ... and the random bytes are not
     assert len(value) < 3072 + 1024 + len(manifest)
     payload = struct.pack(">I", len(manifest)) + manifest + files["a.json"] + files["a.o"]
@@ -311,6 +311,24 @@ def test_an_artifact_that_does_not_compress_is_stored_in_the_stream_as_it_is() -
         assert value[5] == 1
         assert unpack(KEY, value, 1 << 20)[0].files == twice
     assert len(pack(KEY, make_manifest(KEY, twice, 1.0, {}, 0.0), twice)) < 41_000
+
+
+def test_a_part_under_a_kilobyte_is_stored_in_the_stream_as_it_is() -> None:
+    """A small manifest (or artifact) is not deflated even where that would save a
+    tenth: inflating its few hundred bytes cost a reader more than they weigh.
+    A part of a kilobyte or more still is, and any zlib reader reads the value."""
+    files = {"a.json": b"{" + b" " * 1022 + b"}", "a.o": os.urandom(3072)}
+    inputs = {"inputs": [{"shape": [16, 1024], "dtype": "float16", "format": "ND"}] * 3}
+    manifest = make_manifest(KEY, files, 1.0, inputs, 0.0)
+    assert len(manifest) < 1024 and len(zlib.compress(manifest, 1)) * 10 < len(manifest) * 9
+    value = pack(KEY, manifest, files)
+    assert value[5] == 1 and manifest in value and files["a.json"] not in value
+    payload = struct.pack(">I", len(manifest)) + manifest + files["a.json"] + files["a.o"]
+    assert zlib.decompress(value[6:-16]) == payload
+    assert unpack(KEY, value, 1 << 20) == (Entry(KEY, files, 1.0, 0.0), manifest)
+    small = {"a.json": b" " * 900, "a.o": os.urandom(3072)}  # nothing worth deflating
+    value = pack(KEY, make_manifest(KEY, small, 1.0, inputs, 0.0), small)
+    assert value[5] == 0 and small["a.json"] in value
 
 
 def _zlib_value(manifest: bytes, files: dict[str, bytes], stream: bytes | None = None) -> bytes:

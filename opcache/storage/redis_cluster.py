@@ -94,8 +94,10 @@ class RedisClusterRemote(RedisRemote):
             names += [name + CLAIM_SUFFIX for name in names[: len(keys)]]
         values = self._call("MGET", self._redis.mget_nonatomic, names)
         found: dict[str, Fetched | RemoteCorrupt] = {}
-        for key, value in zip(keys, values, strict=False):
+        for at, key in enumerate(keys):
+            value = values[at]
             if value is not None:
+                values[at] = None  # (let go once checked, as RedisRemote.watch does)
                 found[key] = checked(key, value, self.max_entry_bytes)
         claimed = set()
         if claims:

@@ -37,7 +37,7 @@ _ZLIB = 1
 _HEAD = struct.Struct(">4sBB")
 _LENGTH = struct.Struct(">I")
 _CHECK = 16  # bytes of XXH3-128
-_COMPRESS_FROM = 1024  # a smaller payload is kept as it is
+_COMPRESS_FROM = 1024  # a smaller payload, or part of one, is kept as it is
 _SAMPLE = 4096  # bytes a big part's compressibility is estimated on, twice
 # The zlib stream's own framing (RFC 1950/1951): its header (deflate, 32 KB
 # window, "fastest"), a stored block's header (not the last; its length and
@@ -74,8 +74,13 @@ def _compressed(parts: list[bytes]) -> bytes | None:
 
     Each part is deflated where that saves a tenth, else written in stored
     blocks, which inflating only copies: an artifact of random bytes beside a
-    json of spaces was inflated whole, at a tenth of a remote hit.  Any zlib
-    reader reads the stream (the readers of every release before this one too).
+    json of spaces was inflated whole, at a tenth of a remote hit.  A part under
+    ``_COMPRESS_FROM`` bytes is stored too, as a payload that small is: it
+    saves a few hundred bytes deflated, and inflating them costs every reader
+    a block's Huffman tables and codes (a 627-byte manifest, 353 deflated: 2.6
+    of a 4 KB value's 11 us of checks, a tenth of a single remote hit).  Any
+    zlib reader reads the stream (the readers of every release before this one
+    too).
 
     One deflater sees the parts in turn, each ending on a byte (a sync flush):
     a part whose blocks do not save a tenth is written stored instead, and
@@ -86,7 +91,7 @@ def _compressed(parts: list[bytes]) -> bytes | None:
     size = sum(map(len, parts))
     if size < _COMPRESS_FROM:
         return None
-    tried = [_worth_trying(part) for part in parts]
+    tried = [len(part) >= _COMPRESS_FROM and _worth_trying(part) for part in parts]
     if sum(len(part) for part, t in zip(parts, tried, strict=True) if not t) * 10 > size * 9:
         return None  # (what is given up on samples alone keeps it from saving a tenth)
     pieces: list[tuple[bytes, bytes | None]] = []
@@ -139,12 +144,12 @@ def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
     """(the entry, its manifest's bytes) from a stored value; RemoteCorrupt if not whole,
     or if its manifest and files are over ``limit`` bytes (checked as it inflates: a
     value under a remote's size cap may still be zlib that inflates to gigabytes)."""
-    if len(value) < _HEAD.size + _CHECK or value[:4] != MAGIC:
+    if len(value) < _HEAD.size + _CHECK or not value.startswith(MAGIC):
         raise RemoteCorrupt("not an opcache value")
     # Slices of a view copy nothing (a 100 KB value was copied three times): only
     # the manifest and the files are, once each.
     view = memoryview(value)
-    if xxhash.xxh3_128_digest(view[:-_CHECK]) != value[-_CHECK:]:
+    if not value.endswith(xxhash.xxh3_128_digest(view[:-_CHECK])):
         raise RemoteCorrupt("the value is damaged (checksum)")
     _, version, flags = _HEAD.unpack_from(value)
     if version != FORMAT:
