@@ -244,8 +244,9 @@ class LocalStore:
     def update_note(self, update: Callable[[bytes | None], bytes], *parts: str) -> None:
         """Replace the record under ``.opcache/<parts>`` whole with ``update(what it
         holds, as read_note reads it)``, read and written through one handle on its
-        folder (OSError if it cannot be written).  Not atomic: callers that may
-        race lock around it."""
+        folder (OSError if it cannot be written).  The write replaces the file
+        whole, but the read and the write are two steps: callers that may race
+        hold a lock around it."""
         dir_fd = self.open_folder(*parts[:-1])
         try:
             data = update(self._note_in(dir_fd, parts[-1]))
