@@ -164,6 +164,18 @@ def test_keys_another_process_holds_are_watched_without_a_look_at_each_lock_file
     assert max(looked[key] for key in keys) <= 4
 
 
+class _GatedCompiler(ToyCompiler):
+    """A ToyCompiler whose compiles wait (at most 30 s) until ``gate`` is set."""
+
+    def __init__(self, calls_file: Path, *, gate: threading.Event) -> None:
+        super().__init__(calls_file)
+        self.gate = gate
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        self.gate.wait(30)
+        super().compile(request, workdir)
+
+
 def test_keys_another_process_compiles_come_as_hits_without_a_lock_file_opened(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,7 +185,22 @@ def test_keys_another_process_compiles_come_as_hits_without_a_lock_file_opened(
     keys = {compute_key(r, "toycc", "toycc 1.0")[0] for r in requests}
     locks_dir = settings.root / ".opcache" / "locks" / SOC
     holder_cache = opcache.OpCache(settings, clock=FakeClock())
-    holder_compiler = ToyCompiler(tmp_path / "calls", sleep=1.5)  # the batch starts well within
+    # The holder's compiles end only once the batch has set every key aside as
+    # held: with a fixed sleep, a loaded machine's batch could reach a claim
+    # after a compile had ended and taken its lock file away (then a lock file
+    # is rightly opened, and the test failed).
+    all_set_aside = threading.Event()
+    holder_compiler = _GatedCompiler(tmp_path / "calls", gate=all_set_aside)
+    set_aside: set[str] = set()
+    real_later = shared_work._Schedule.later
+
+    def later(schedule: shared_work._Schedule, job: shared_work._Job) -> None:
+        set_aside.add(job.key)
+        if set_aside >= keys:
+            all_set_aside.set()
+        real_later(schedule, job)
+
+    monkeypatch.setattr(shared_work._Schedule, "later", later)
     # Another OpCache holds every key's lock while it compiles them (as another
     # process of this machine would); the batch starts once all are held.
     holder = threading.Thread(
@@ -199,6 +226,7 @@ def test_keys_another_process_compiles_come_as_hits_without_a_lock_file_opened(
         monkeypatch.setattr(os, "open", counting_open)
         results = cache.compile_many(requests, ToyCompiler(tmp_path / "calls"), outs, jobs=2)
         monkeypatch.undo()
+    all_set_aside.set()  # (if the assertion below is to fail, not the join to wait)
     holder.join(60)
     holder_cache.close()
     assert [r.status for r in results] == ["hit"] * 10
