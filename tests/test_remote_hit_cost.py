@@ -331,6 +331,25 @@ def test_a_part_under_a_kilobyte_is_stored_in_the_stream_as_it_is() -> None:
     assert value[5] == 0 and small["a.json"] in value
 
 
+def test_many_small_artifacts_are_deflated_together() -> None:
+    """Small parts are kept as they are only while they are few: an entry of forty
+    900-byte jsons is deflated (kept as they are, the value was 4.5x its zlib
+    size, in the remote and on the wire), and any zlib reader reads it."""
+    files = {
+        f"k{n}.json": json.dumps({"op": f"Op{n}", "shape": [16, n], "pad": " " * 800}).encode()
+        for n in range(40)
+    }
+    assert all(len(data) < 1024 for data in files.values())
+    manifest = make_manifest(KEY, files, 1.0, {}, 0.0)
+    value = pack(KEY, manifest, files)
+    raw = sum(map(len, files.values())) + len(manifest)
+    assert value[5] == 1 and len(value) * 3 < raw
+    payload = struct.pack(">I", len(manifest)) + manifest
+    payload += b"".join(files[name] for name in sorted(files))
+    assert zlib.decompress(value[6:-16]) == payload  # as the last release inflates it
+    assert unpack(KEY, value, 1 << 20) == (Entry(KEY, files, 1.0, 0.0), manifest)
+
+
 def _zlib_value(manifest: bytes, files: dict[str, bytes], stream: bytes | None = None) -> bytes:
     """A value (format 1, zlib) of ``stream`` (else the payload deflated by plain zlib),
     checksummed as a writer would."""

@@ -38,6 +38,9 @@ _HEAD = struct.Struct(">4sBB")
 _LENGTH = struct.Struct(">I")
 _CHECK = 16  # bytes of XXH3-128
 _COMPRESS_FROM = 1024  # a smaller payload, or part of one, is kept as it is
+# ... unless a value's small parts come to this much: then they are deflated too
+# (forty jsons of 900 bytes kept as they are made a value 4.5x its zlib size).
+_SMALL_PARTS_DEFLATED = 4096
 _SAMPLE = 4096  # bytes a big part's compressibility is estimated on, twice
 # The zlib stream's own framing (RFC 1950/1951): its header (deflate, 32 KB
 # window, "fastest"), a stored block's header (not the last; its length and
@@ -78,7 +81,10 @@ def _compressed(parts: list[bytes]) -> bytes | None:
     ``_COMPRESS_FROM`` bytes is stored too, as a payload that small is: it
     saves a few hundred bytes deflated, and inflating them costs every reader
     a block's Huffman tables and codes (a 627-byte manifest, 353 deflated: 2.6
-    of a 4 KB value's 11 us of checks, a tenth of a single remote hit).  Any
+    of a 4 KB value's 11 us of checks, a tenth of a single remote hit).  Not
+    when a value's small parts come to ``_SMALL_PARTS_DEFLATED`` bytes or more
+    (many small artifacts): then what deflating saves is kilobytes, on the
+    wire and in the remote, and they are deflated as big parts are.  Any
     zlib reader reads the stream (the readers of every release before this one
     too).
 
@@ -91,7 +97,9 @@ def _compressed(parts: list[bytes]) -> bytes | None:
     size = sum(map(len, parts))
     if size < _COMPRESS_FROM:
         return None
-    tried = [len(part) >= _COMPRESS_FROM and _worth_trying(part) for part in parts]
+    small = sum(len(part) for part in parts if len(part) < _COMPRESS_FROM)
+    least = _COMPRESS_FROM if small < _SMALL_PARTS_DEFLATED else 0
+    tried = [len(part) >= least and _worth_trying(part) for part in parts]
     if sum(len(part) for part, t in zip(parts, tried, strict=True) if not t) * 10 > size * 9:
         return None  # (what is given up on samples alone keeps it from saving a tenth)
     pieces: list[tuple[bytes, bytes | None]] = []
