@@ -142,7 +142,8 @@ class OpCache:
     most likely ends on a local hit (``opcache wrap``).  So does
     ``upkeep_at_miss=True`` with a chip folder's upkeep (leftovers of dead
     writers removed, an aging pass), which otherwise runs at the chip's first
-    touch.
+    touch.  (``open_remote=``, this parameter's earlier name, is still taken,
+    with a DeprecationWarning.)
     """
 
     def __init__(
@@ -155,7 +156,17 @@ class OpCache:
         session: str | None = None,
         eager: bool = True,
         upkeep_at_miss: bool = False,
+        open_remote: bool | None = None,
     ) -> None:
+        if open_remote is not None:  # (its name before eager: callers of it still run)
+            import warnings
+
+            warnings.warn(
+                "OpCache(open_remote=...) is now OpCache(eager=...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            eager = open_remote
         self.settings = settings
         self._clock = clock
         self._store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))

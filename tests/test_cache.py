@@ -737,6 +737,27 @@ def read_manifest(path: Path) -> dict:
     return json.loads(body)
 
 
+def test_open_remote_the_earlier_name_of_eager_is_still_taken(tmp_path: Path) -> None:
+    """A compile tool written for ``OpCache(open_remote=False)`` still opens its
+    cache (as ``eager=False``: nothing imported before its use), told once that
+    the name is now ``eager``."""
+    done = run_script(f"""
+import sys, warnings
+import opcache
+settings = opcache.resolve_settings(
+    op_compiler_cache_mode="enable", op_compiler_cache_dir={str(tmp_path)!r},
+    environ={{"HOME": {str(tmp_path)!r}}},
+)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cache = opcache.OpCache(settings, open_remote=False)
+cache.close()
+print("opcache.explain" in sys.modules, [w.category.__name__ for w in caught])
+""")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False ['DeprecationWarning']"
+
+
 def test_an_opened_cache_imports_nothing_more_in_its_compiles(tmp_path: Path) -> None:
     """A compile tool opens the cache, then compiles: no compile pays for an import
     (where bytecode is not written, an import compiles its module, 10-15 ms each
