@@ -518,7 +518,9 @@ def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
         yield f"cannot open {DEL_LOCK}: {why}"
         return
     try:
-        if not dry_run:
+        # Not a file with other names: a member of a shared cache may link one of
+        # ours from elsewhere as the lock, for our chmod to narrow it.
+        if not dry_run and os.fstat(lock_fd).st_nlink == 1:
             with contextlib.suppress(OSError):  # someone else's file: CANN goes on too
                 os.fchmod(lock_fd, LOCK_MODE)
         free = try_lock(lock_fd, fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX)

@@ -228,7 +228,14 @@ def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = 
         os.close(fd)
         raise trust.UntrustedFolder(f"the lock file {path} is not a regular file")
     mine = st.st_uid == os.geteuid()
-    if modes.group is not None and mine and st.st_mode & 0o7777 != modes.file_bits:
+    # (Not a file with other names: another member may link one of ours from
+    # elsewhere as a lock file, for our chmod to widen or narrow it.)
+    if (
+        modes.group is not None
+        and mine
+        and st.st_nlink == 1
+        and st.st_mode & 0o7777 != modes.file_bits
+    ):
         with contextlib.suppress(OSError):
             os.fchmod(fd, modes.file_bits)  # the umask narrowed what we made
     return fd

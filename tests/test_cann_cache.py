@@ -184,6 +184,20 @@ def test_age_under_the_limit_or_with_aging_off_removes_nothing_and_says_nothing(
     assert f.names() == before
 
 
+def test_age_never_chmods_a_file_linked_in_as_its_aging_lock(base, tmp_path, capsys):
+    """A member of a shared cache who links a file of ours from elsewhere in as
+    op_cache_file_del.lock does not get our aging to narrow its mode (CANN's 0640)."""
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    notes = tmp_path / "team-notes.txt"
+    notes.write_text("the team writes here\n")
+    notes.chmod(0o660)
+    os.link(notes, f.chip / cann_format.DEL_LOCK)
+    status, report = cann_json(capsys, base, "age")
+    assert status == 0 and report["chips"][SOC]["removed"]  # (the lock is still taken)
+    assert notes.stat().st_mode & 0o7777 == 0o660
+
+
 def test_age_skips_while_another_process_holds_cann_s_aging_lock(base, capsys):
     f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)

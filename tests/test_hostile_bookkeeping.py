@@ -669,3 +669,18 @@ def test_a_locks_folder_swapped_after_a_long_lived_process_checked_it_is_not_fol
             with pytest.raises(opcache.CompileError):
                 cache.compile(make_request(i, soc_version=soc), failing, tmp_path / "o" / str(i))
     assert snapshot(victim) == before
+
+
+def test_a_file_linked_in_as_a_lock_file_keeps_its_mode(tmp_path: Path) -> None:
+    """In a group-shared cache a member may hard-link a file of another member's
+    from elsewhere in as a lock file: taking the lock does not chmod that file."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("ours\n")
+    notes.chmod(0o666)
+    locks_dir = tmp_path / "locks"
+    locks_dir.mkdir()
+    os.link(notes, locks_dir / "host.count")
+    lock = locks.KeyLock(locks_dir / "host.count", fsutil.group_shared(os.getgid()))
+    assert lock.try_acquire()
+    lock.release()
+    assert notes.stat().st_mode & 0o7777 == 0o666
