@@ -61,6 +61,9 @@ ASCEND_CC_KEY_ENVIRONMENT = (
     "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH", "ASCEND_AICPU_PATH",
     "TOOLCHAIN_HOME",
 )  # fmt: skip
+# Variables that make gcc run its programs (cc1, as, collect2) from folders they
+# name: which programs those are is not keyed, so a compile with one set is not cached.
+CC_PROGRAM_ENVIRONMENT = ("GCC_EXEC_PREFIX", "COMPILER_PATH")
 # Variables that make the compiler write a file opcache does not capture.
 CC_SIDE_OUTPUT_ENVIRONMENT = (
     "DEPENDENCIES_OUTPUT",

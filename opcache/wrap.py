@@ -57,6 +57,7 @@ from .key import canonical_json, compute_key, digest
 from .keyed_env import (
     ASCEND_CC_KEY_ENVIRONMENT,
     CC_KEY_ENVIRONMENT,
+    CC_PROGRAM_ENVIRONMENT,
     CC_SIDE_OUTPUT_ENVIRONMENT,
     ENV_EXTRA_FILES,
     ENV_KEY_ENV,
@@ -1011,6 +1012,9 @@ def _plan_cc(
     for name in CC_SIDE_OUTPUT_ENVIRONMENT:
         if env.get(name):
             raise Uncacheable(f"cc: {name} is set")
+    for name in CC_PROGRAM_ENVIRONMENT:
+        if env.get(name):
+            raise Uncacheable(f"cc: {name} is set (the programs gcc runs from it are not keyed)")
     cwd = os.getcwd()
     # The folder as the compiler names it in debug info, when it lies under base_dir.
     relative_to = _under_base_dir(base_dir, env, cwd) if base_dir is not None else None
@@ -1131,6 +1135,9 @@ def _plan_cc(
     if keyed_env:
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
     macros = {*inputs.macros, *_macros_in(source_data), *_macros_in(os.fsencode(" ".join(args)))}
+    for directive in _FILE_DIRECTIVES:
+        if directive in macros:
+            raise Uncacheable(f"cc: a {directive} directive reads a file the key does not hold")
     attrs |= _clock_key(argv[0], macros, env, [source, *inputs.paths])
     extra = []  # flags the key decides without holding them
     if debug or want_deps or not macros.isdisjoint(("__FILE__", "__FILE_NAME__")):
@@ -1203,7 +1210,7 @@ def _plan_cc(
 def _path_assembler(
     cc: str, identity: str, env: Mapping[str, str], store: LocalStore | None
 ) -> str | None:
-    """The identity of the assembler gcc takes from PATH, if it takes one.
+    """The identity of the assembler gcc runs: the one PATH picks, or its own.
 
     ``cc -print-prog-name=as`` names a bare ``as`` when the compiler has none
     of its own (a distribution's gcc): then PATH picks it, and another one
@@ -1227,8 +1234,12 @@ def _path_assembler(
         if store is not None:
             with contextlib.suppress(OSError):
                 store.write_note(name, "prog-as", memo_key[:2], memo_key)
-    if not name or b"/" in name:
-        return None  # (a path of the compiler's own: PATH does not choose it)
+    if not name:
+        return None
+    if b"/" in name:
+        # The compiler's own (a cross toolchain's): PATH does not choose it, but
+        # binutils upgraded on their own make another object.
+        return file_identity(os.fsdecode(name), store)
     return file_identity(_which(os.fsdecode(name), env), store)
 
 
@@ -1408,7 +1419,7 @@ class HeaderMemo:
         memo_key = digest(
             canonical_json(
                 {
-                    "format": 2,  # variants with negative lookups and macros
+                    "format": 3,  # variants with negative lookups, macros and directives
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
@@ -1514,8 +1525,14 @@ class _Found:
 _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", "__FILE__", "__FILE_NAME__")
 
 
+# Assembler directives that read a file (in an asm statement): the preprocessor
+# does not list it, so its contents are in no key (ccache's rule too).  Found as
+# text, and kept with the macros: a remembered header list carries them.
+_FILE_DIRECTIVES = (".incbin", ".include")
+
+
 def _macros_in(data: bytes) -> list[str]:
-    return [m for m in _KEY_MACROS if m.encode() in data]
+    return [m for m in (*_KEY_MACROS, *_FILE_DIRECTIVES) if m.encode() in data]
 
 
 def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:
@@ -1552,6 +1569,7 @@ def _absent(path: str) -> bool:
 _QUOTED_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^"\n]+)"'
 _COMPUTED_INCLUDE = rb"(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]"
 _HAS_INCLUDE = rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)'
+_COMPUTED_HAS_INCLUDE = rb'__has_include(?:_next)?\s*\(\s*[^"<\s]'
 
 
 def _negative_lookups(
@@ -1568,7 +1586,7 @@ def _negative_lookups(
     folder when one is (``A/sys`` stands for every ``A/sys/*.h``).
     """
     # (an -include file is looked for in the working folder first)
-    absent = {*found.absent, *filter(None, (_first_missing("", name) for name in forced))}
+    absent = {*found.absent, *filter(None, (_earlier_place("", name) for name in forced))}
     chain = found.quote + found.bracket
     names = {os.path.basename(header) for header in found.headers}
     places = [*chain, *{os.path.dirname(path) for path in reads}]
@@ -1582,7 +1600,7 @@ def _negative_lookups(
             placed = True
             if k < len(chain):
                 names.add(name)
-                absent.update(filter(None, (_first_missing(f, name) for f in chain[:k])))
+                absent.update(filter(None, (_earlier_place(f, name) for f in chain[:k])))
         if not placed:
             log.debug("%s lies in no folder searched: its earlier places are not known", header)
             known = False
@@ -1593,14 +1611,17 @@ def _negative_lookups(
         if re.search(_COMPUTED_INCLUDE, data):
             # A name a macro gives is not in the text: every name found, beside it.
             quoted_names += names
+        if re.search(_COMPUTED_HAS_INCLUDE, data):
+            # A name a macro gives is not in the text, nor is where it was looked for.
+            raise Uncacheable("cc: __has_include of a name a macro gives")
         for name in quoted_names:
-            missing = _first_missing(beside, name)
+            missing = _earlier_place(beside, name)
             if missing:
                 absent.add(missing)
         for next_, quoted, angled in re.findall(_HAS_INCLUDE, data):
             name = os.fsdecode(quoted or angled)
             for folder in [beside, *chain] if quoted else found.bracket:
-                missing = _first_missing(folder, name)
+                missing = _earlier_place(folder, name)
                 if missing is None:
                     present.append(os.path.join(folder, name))
                     # _next searches after the includer's folder, which holds
@@ -1610,6 +1631,22 @@ def _negative_lookups(
                 else:
                     absent.add(missing)
     return sorted(absent), present, known
+
+
+def _earlier_place(folder: str, name: str) -> str | None:
+    """``_first_missing`` of a place the preprocessor looked at and passed over:
+    Uncacheable where something is there all the same (a link to nothing, a
+    folder), which it may take once that changes, unseen by a remembered list."""
+    missing = _first_missing(folder, name)
+    if missing is None:
+        path = os.path.join(folder, name) if folder else name
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            raise Uncacheable(f"cc: {path}, looked at for a header, is no file")
+    return missing
 
 
 def _name_under(header: str, folder: str) -> str | None:

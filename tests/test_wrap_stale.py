@@ -629,3 +629,109 @@ def test_a_clang_flag_writing_a_side_file_runs_uncached(env, src, flag, side):
     assert stats(env)["uncacheable_reasons"] == {
         f"cc: {flag} writes a side file a hit could not give back": 2
     }
+
+
+# -- adversarial review, 2026-11-28: what the preprocessor's list does not show ------------
+
+
+@pytest.mark.parametrize("there", ["a link to nothing", "a folder"])
+def test_a_place_passed_over_earlier_on_the_include_path_is_seen_once_it_holds_a_header(
+    env, src, there
+):
+    # gcc passes over A/x.h while it is a link to nothing or a folder, and takes
+    # it once it is a header: a remembered header list must not hide that.
+    (src / "A").mkdir()
+    (src / "B").mkdir()
+    (src / "B" / "x.h").write_text("#define X 1\n")
+    if there == "a folder":
+        (src / "A" / "x.h").mkdir()
+    else:
+        (src / "A" / "x.h").symlink_to("../gen.h")
+    (src / "k.c").write_text("#include <x.h>\nint f(void) { return X; }\n")
+    for _ in range(2):
+        same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    if there == "a folder":
+        (src / "A" / "x.h").rmdir()
+        (src / "A" / "x.h").write_text("#define X 2\n")
+    else:
+        (src / "gen.h").write_text("#define X 2\n")
+    same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+
+
+@pytest.mark.parametrize(
+    ("directive", "name", "before", "after"),
+    [
+        (".incbin", "d.bin", "AAAA", "BBBB"),
+        (".include", "inc.s", ".byte 0x41\n", ".byte 0x42\n"),
+    ],
+)
+def test_a_file_an_asm_directive_reads_is_seen_when_it_changes(
+    env, src, directive, name, before, after
+):
+    # The assembler reads it; the preprocessor's list does not name it.
+    (src / name).write_text(before)
+    asm = f'.section .rodata\\n{directive} \\"{name}\\"\\n.previous'
+    (src / "k.c").write_text(f'__asm__("{asm}");\nint f(void) {{ return 1; }}\n')
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c")
+    (src / name).write_text(after)
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 0
+
+
+@pytest.mark.parametrize("variable", ["COMPILER_PATH", "GCC_EXEC_PREFIX"])
+def test_a_program_gcc_runs_from_its_program_variables_is_seen_when_it_changes(
+    env, src, tmp_path, variable
+):
+    # gcc runs tools/cc1 (COMPILER_PATH) or <prefix>cc1 (GCC_EXEC_PREFIX); edited, the
+    # object changes while the variable keeps its value.
+    real_cc1 = subprocess.run(
+        [GCC, "-print-prog-name=cc1"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tools = tmp_path / "tools"
+    cc1 = tools / "cc1"
+    changed = {**env, variable: str(tools)}
+    if variable == "GCC_EXEC_PREFIX":  # (gcc looks in <prefix><machine>/<version>/)
+        machine, version = (
+            subprocess.run([GCC, flag], capture_output=True, text=True, check=True).stdout.strip()
+            for flag in ("-dumpmachine", "-dumpversion")
+        )
+        cc1 = tools / machine / version / "cc1"
+        changed[variable] = f"{tools}/"
+    cc1.parent.mkdir(parents=True)
+    (src / "k.c").write_text("#ifndef Y\n#define Y 1\n#endif\nint g(void) { return Y; }\n")
+    for flag in ("", "-DY=2 "):
+        cc1.write_text(f'#!/bin/sh\nexec {real_cc1} {flag}"$@"\n')
+        cc1.chmod(0o755)
+        for _ in range(2):
+            same_as_gcc(src, changed, "-O2", "-c", "k.c")
+
+
+def test_has_include_of_a_name_a_macro_gives_sees_the_header_appear(env, src):
+    (src / "I").mkdir()
+    (src / "k.c").write_text(
+        "#define H <opt.h>\n#if __has_include(H)\n#define X 2\n#else\n#define X 1\n#endif\n"
+        "int f(void) { return X; }\n"
+    )
+    for _ in range(2):
+        same_as_gcc(src, env, "-II", "-O2", "-c", "k.c")
+    (src / "I" / "opt.h").write_text("\n")
+    same_as_gcc(src, env, "-II", "-O2", "-c", "k.c")
+
+
+def test_an_assembler_of_the_compilers_own_is_keyed_by_its_contents(tmp_path):
+    # A cross toolchain names its own assembler by its path: binutils upgraded on
+    # their own give another object, so the key holds that file's identity.
+    from opcache import wrap as wrap_module
+
+    assembler = tmp_path / "bin" / "as"
+    assembler.parent.mkdir()
+    assembler.write_text("#!/bin/sh\n# binutils 2.40\n")
+    cc = tmp_path / "cross-gcc"
+    cc.write_text(f"#!/bin/sh\necho {assembler}\n")  # (its -print-prog-name=as)
+    cc.chmod(0o755)
+    env = {"PATH": os.environ["PATH"]}
+    before = wrap_module._path_assembler(str(cc), "cross-gcc 1", env, None)
+    assembler.write_text("#!/bin/sh\n# binutils 2.41, upgraded\n")
+    after = wrap_module._path_assembler(str(cc), "cross-gcc 1", env, None)
+    assert before is not None and after is not None and before != after
