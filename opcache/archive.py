@@ -45,6 +45,7 @@ from .request import is_plain_name
 from .settings import MB, REMOTE_OPTIONS, Settings, check_soc_version
 from .storage import RemoteCorrupt
 from .storage.entry import CorruptEntry, Entry
+from .storage.local import is_key
 from .storage.value import MAGIC, pack, unpack
 
 log = get_logger(__name__)
@@ -219,7 +220,7 @@ class ArchiveReader:
         trailer = None
         self._file.seek(0)
         try:
-            with tarfile.open(fileobj=self._file, mode="r|*") as tar:
+            with tarfile.open(fileobj=self._file, mode="r|*", tarinfo=_BoundedTarInfo) as tar:
                 for info in tar:
                     if trailer is not None:
                         raise BadArchive(f"{info.name!r} comes after {TRAILER}")
@@ -232,11 +233,34 @@ class ArchiveReader:
                     soc, key = _entry_name(info.name, self.kind)
                     count += 1
                     yield soc, key, _read_member(tar, info, MAX_MEMBER_BYTES, MAGIC)
+        except _HeaderTooBig as e:
+            raise BadArchive(f"{self.path}: {e}: refusing the archive") from None
         except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
             # (gzip's BadGzipFile is an OSError: a damaged file reads as one too)
             why = e or "unexpected end"
             raise BadArchive(f"{self.path}: not a whole tar file ({why})") from None
         _check_trailer(self.path, trailer, self.kind, count)
+
+
+class _HeaderTooBig(tarfile.TarError):
+    pass
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A member whose extended header (a PAX record, a GNU long name) is refused on
+    its declared size: tarfile reads such a header whole before any member is
+    seen, and a few MB of gzip declaring gigabytes took them in memory."""
+
+    def _proc_member(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        if self.type in _EXTENDED_HEADERS and self.size > _MAX_TRAILER_BYTES:
+            raise _HeaderTooBig(f"an extended tar header of {self.size} bytes")
+        return super()._proc_member(tarfile)  # type: ignore[misc]
+
+
+_EXTENDED_HEADERS = (
+    tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)  # fmt: skip
 
 
 def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int, magic: bytes) -> bytes:
@@ -262,6 +286,9 @@ def _entry_name(name: str, kind: str) -> tuple[str, str]:
     parts = name.split("/")
     if len(parts) != 3 or parts[0] != kind or not is_plain_name(parts[2]):
         raise BadArchive(f"{name!r} is not {kind}/<soc>/<entry>: refusing the archive")
+    if kind == OPCACHE and not is_key(parts[2]):
+        # (its first two characters name the bucket: "..x" would be the cache's root)
+        raise BadArchive(f"{name!r} does not name an entry by its key: refusing the archive")
     try:
         check_soc_version(parts[1])
     except ValueError:

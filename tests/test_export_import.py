@@ -198,6 +198,55 @@ def test_opcache_own_cache_exports_and_imports(tmp_path):
     assert archive.import_cache(other, path)["present"] == 3
 
 
+@pytest.mark.parametrize("name", ["..x", "....", "_size", "ZZ", "0" * 31 + "g"])
+def test_an_opcache_archive_entry_not_named_by_a_key_is_refused(tmp_path, name):
+    """A member named ``..x`` packed as a real value of key ``..x`` (its manifest
+    says so) would be stored in the bucket ``..``, the cache's root: refused."""
+    from opcache.storage.entry import make_manifest
+    from opcache.storage.value import pack
+
+    files = {"k.o": b"kernel"}
+    value = pack(name, make_manifest(name, files, 1.0, {}, 0.0), files)
+    path = tmp_path / "evil.tar"
+    with tarfile.open(path, "w") as tar:
+        for member, data in (
+            (f"opcache/{SOC}/{name}", value),
+            (archive.TRAILER, json.dumps({"format": 1, "kind": "opcache", "entries": 1}).encode()),
+        ):
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    with pytest.raises(archive.BadArchive, match="by its key"):
+        archive.import_cache(settings, path)
+    assert not settings.root.exists() or not any(settings.root.rglob("k.o"))
+
+
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME])
+def test_an_extended_tar_header_declaring_megabytes_is_refused_on_its_size(tmp_path, kind):
+    """tarfile reads a PAX or GNU long-name header whole before any member is seen: one
+    declaring 64 MB (gigabytes in a few MB of gzip) is refused on its size, not read."""
+    import gzip
+    import tracemalloc
+
+    info = tarfile.TarInfo("././@LongLink" if kind == tarfile.GNUTYPE_LONGNAME else "pax")
+    info.type, info.size = kind, 64 << 20
+    path = tmp_path / "bomb.tar.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(info.tobuf(tarfile.USTAR_FORMAT))
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    for kind_of in (archive.OPCACHE, archive.CANN):
+        tracemalloc.start()
+        try:
+            with pytest.raises(archive.BadArchive, match="extended tar header"):
+                archive.ArchiveReader(path, kind_of).check()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 << 20
+
+
 def test_a_cann_archive_is_not_an_opcache_archive(tmp_path):
     path = _export(tmp_path)
     with pytest.raises(archive.BadArchive, match="is not opcache/"):

@@ -611,10 +611,10 @@ class LocalStore:
         or None when another writer stored the key first (its entry stands;
         ours is dropped).  ``now`` is the entry's first access stamp.  Raises
         OSError when the cache cannot be written, UntrustedFolder when the chip
-        folder fails the trust rule, ValueError for an artifact name that is
-        not a plain file name (or is the manifest's).
+        folder fails the trust rule, ValueError for a key that is not one or an
+        artifact name that is not a plain file name (or is the manifest's).
         """
-        _check_names(files)
+        _check_names(files, key)
         with self._new_workdir(key) as workdir:
             size = self._write_entry(workdir.fd, manifest, files, now)
             with self._counting(soc):
@@ -631,8 +631,8 @@ class LocalStore:
         chip folder).  Raises as ``put`` does; a failure stores none of those
         not yet in place.
         """
-        for _, _, files in entries:
-            _check_names(files)
+        for key, _, files in entries:
+            _check_names(files, key)
         with self._new_workdir("batch") as workdir:
             sizes = []
             for key, manifest, files in entries:
@@ -1081,7 +1081,9 @@ class LocalStore:
         return removed
 
 
-def _check_names(files: dict[str, bytes]) -> None:
+def _check_names(files: dict[str, bytes], key: str) -> None:
+    if not is_key(key):  # (its first two characters name its bucket)
+        raise ValueError(f"{key!r} is not a key")
     for name in files:
         if not is_plain_name(name) or name == MANIFEST:
             raise ValueError(f"artifact name {name!r} is not a plain file name")
