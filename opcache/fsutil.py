@@ -158,7 +158,7 @@ def write_atomic(path: Path | str, data: bytes, modes: Modes, *, dir_fd: int | N
 _RESTARTS = 8
 
 
-def remove_tree(path: Path | str, dir_fd: int | None = None) -> int:
+def remove_tree(path: Path | str, dir_fd: int | None = None, *, ours: bool = False) -> int:
     """Delete a folder tree without following links, tolerating parts that vanish.
 
     ``path`` is relative to ``dir_fd`` when given.  Returns the bytes of the
@@ -173,12 +173,14 @@ def remove_tree(path: Path | str, dir_fd: int | None = None) -> int:
     if fd is None:
         return 0
     try:
-        return remove_folder(fd, path, dir_fd)
+        return remove_folder(fd, path, dir_fd, ours=ours)
     finally:
         os.close(fd)
 
 
-def remove_folder(fd: int, path: Path | str, dir_fd: int | None = None) -> int:
+def remove_folder(
+    fd: int, path: Path | str, dir_fd: int | None = None, *, ours: bool = False
+) -> int:
     """Delete what is in the folder open as ``fd``, then its name ``path`` (relative to
     ``dir_fd`` if given) if that is empty now; returns the bytes of the files deleted.
 
@@ -187,8 +189,23 @@ def remove_folder(fd: int, path: Path | str, dir_fd: int | None = None) -> int:
     stack or descriptors.  Each step up opens ``..`` and checks it is the
     folder come down from: if a folder was moved meanwhile (out of the tree,
     or to lead elsewhere), the walk starts again from ``fd``.
+
+    A folder is emptied only if whoever could have put it where it is could
+    have emptied it too (``_may_empty``), else left as it is: a member of a
+    group-shared cache who moves another member's private folder in (from a
+    team folder both write) must not get it deleted by someone who can.
+    ``ours``: the folder is one the caller made (and checked is still in its
+    place): only what is in it is judged so.
     """
     size = 0
+    if not ours:
+        try:
+            above = os.fstat(dir_fd) if dir_fd is not None else os.stat(_parent(path))
+        except OSError:
+            above = None
+        if above is not None and not _may_empty(os.fstat(fd), above):
+            _left(path)
+            return 0
     cur = os.dup(fd)
     # Per level from the top: its name in the level above, the identity of that
     # level, and the subfolders still to delete (None: not listed yet).
@@ -204,7 +221,12 @@ def remove_folder(fd: int, path: Path | str, dir_fd: int | None = None) -> int:
                 sub = pending.pop()
                 child = _open_subfolder(sub, cur)
                 if child is not None:
-                    levels.append((sub, _identity(os.fstat(cur)), None))
+                    here = os.fstat(cur)
+                    if not _may_empty(os.fstat(child), here):
+                        os.close(child)
+                        _left(sub)
+                        continue
+                    levels.append((sub, _identity(here), None))
                     os.close(cur)
                     cur = child
                 continue
@@ -227,6 +249,35 @@ def remove_folder(fd: int, path: Path | str, dir_fd: int | None = None) -> int:
         os.close(cur)
     _rmdir(path, dir_fd)
     return size
+
+
+def _may_empty(folder: os.stat_result, parent: os.stat_result) -> bool:
+    """Whether everyone who may write in ``parent`` (and so put ``folder`` there, by a
+    rename from elsewhere) may also empty ``folder``: anyone, where anyone writes
+    ``parent``; its group, where its group does; else its owner, who owns ``folder``
+    too.  A sticky folder is never taken for one others may empty."""
+    if folder.st_mode & stat.S_ISVTX:
+        return folder.st_uid == parent.st_uid and not parent.st_mode & 0o022
+    anyone = folder.st_mode & 0o003 == 0o003
+    if parent.st_mode & 0o002:
+        return anyone
+    if parent.st_mode & 0o020:
+        group = folder.st_gid == parent.st_gid and folder.st_mode & 0o030 == 0o030
+        return anyone or group
+    # Its owner alone writes it: that owner (or root) put the folder there.
+    return anyone or folder.st_uid == parent.st_uid or parent.st_uid in (0, os.geteuid())
+
+
+def _parent(path: Path | str) -> str:
+    return os.path.dirname(os.path.normpath(path)) or "."
+
+
+def _left(name: Path | str) -> None:
+    from ._log import get_logger  # (only when something is left)
+
+    get_logger(__name__).debug(
+        "not deleting %s: whoever could put it there could not empty it", name
+    )
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:

@@ -78,7 +78,7 @@ def delete_later(trash_fd: int, name: str, fd: int) -> None:
         except OSError:
             pass
         if not _spawn_deleter(trash_fd, name, fd):
-            fsutil.remove_folder(fd, name, trash_fd)
+            fsutil.remove_folder(fd, name, trash_fd, ours=True)
     finally:
         os.close(fd)
 
@@ -156,7 +156,7 @@ def _main(argv: list[str]) -> None:
     with contextlib.suppress(OSError):
         os.nice(10)  # the compiles that go on matter more
     try:
-        fsutil.remove_folder(fd, name, trash_fd)
+        fsutil.remove_folder(fd, name, trash_fd, ours=True)  # (new_folder's, its lock held)
     finally:
         os.close(fd)
         os.close(trash_fd)

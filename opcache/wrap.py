@@ -282,7 +282,7 @@ def _remove_staging(staging: Path) -> None:
         except FileNotFoundError:
             pass
         except OSError:  # not empty, or not a folder (then the link goes, not its target)
-            fsutil.remove_tree(staging)
+            fsutil.remove_tree(staging, ours=True)
     finally:
         _signal.pthread_sigmask(_signal.SIG_SETMASK, held)
 
@@ -831,7 +831,7 @@ class _TracedCommand:
             except readset.Unprovable as e:
                 raise _Unproven(str(e), _read_outputs(workdir)) from None
         finally:
-            fsutil.remove_tree(trace_dir)
+            fsutil.remove_tree(trace_dir, ours=True)
         trace.memo.remember(trace.memo_key, reads)
         if self._known is not None and reads.digest == self._known.digest:
             return  # stored under this key

@@ -24,6 +24,7 @@ from helpers_cache import (
     trash_emptied,
     tree_bytes,
 )
+from helpers_faults import MEMBER_A, MEMBER_B, TEAM_GID, requires_root
 
 import opcache
 from opcache import fsutil, trash
@@ -172,3 +173,56 @@ def test_a_trash_folder_swept_before_its_lock_is_replaced(
         assert (trash_dir / name).is_dir() and os.listdir(trash_dir) == [name]
     finally:
         os.close(fd)
+
+
+def _planted(folder: Path, owner: int, group: int) -> None:
+    """A team folder (2770) holding a file any member may delete, and a member's
+    private folder (0750) holding a file only that member may."""
+    (folder / "private").mkdir(parents=True)
+    (folder / "notes").write_text("any member may delete this\n")
+    (folder / "private" / "secret").write_text("only its owner may delete this\n")
+    for path, mode in ((folder, 0o2770), (folder / "private", 0o750)):
+        os.chown(path, owner, group)
+        path.chmod(mode)
+    for path in (folder / "notes", folder / "private" / "secret"):
+        os.chown(path, owner, group)
+
+
+@requires_root
+def test_a_sweep_never_empties_a_folder_a_member_moved_in_that_it_could_not_empty(tmp_path):
+    """In a group-shared cache a member can move any folder of a team folder into the
+    trash, another member's private one too: a sweep (by whoever, root's cron too)
+    deletes only what the one who moved it could have deleted."""
+    trash_dir = tmp_path / "trash"
+    trash_dir.mkdir()
+    os.chown(trash_dir, MEMBER_A, TEAM_GID)
+    trash_dir.chmod(0o2770)
+    _planted(trash_dir / "project", MEMBER_B, TEAM_GID)
+    _planted(trash_dir / "other", MEMBER_B, TEAM_GID)
+    (trash_dir / "other").chmod(0o750)  # moved in whole: not even its files
+    fd = os.open(trash_dir, fsutil.DIR_FLAGS)
+    try:
+        trash.sweep(fd)
+    finally:
+        os.close(fd)
+    assert (trash_dir / "project" / "private" / "secret").exists()
+    assert not (trash_dir / "project" / "notes").exists()  # (its mover could delete it)
+    assert (trash_dir / "other" / "notes").exists()
+    assert (trash_dir / "other" / "private" / "secret").exists()
+
+
+def test_a_folder_of_ones_own_goes_whole_wherever_it_was_made(tmp_path):
+    """A build folder (0700) made in a group-writable out_dir is the caller's own: it
+    goes whole; the same folder found there, not known to be the caller's, is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o2777)
+    for ours in (False, True):
+        (out / "build" / "sub").mkdir(parents=True)
+        (out / "build" / "sub" / "x.o").write_bytes(b"x")
+        (out / "build").chmod(0o700)
+        fsutil.remove_tree(out / "build", ours=ours)
+        assert (out / "build").exists() is not ours
+        if not ours:
+            assert (out / "build" / "sub" / "x.o").exists()
+            fsutil.remove_tree(out / "build", ours=True)

@@ -1120,7 +1120,7 @@ class Workdir:
                 try:  # (emptied, as a compile's folder once its files are moved out: one call)
                     os.rmdir(self.path.name, dir_fd=self.parent_fd)
                 except OSError:
-                    fsutil.remove_folder(self.fd, self.path.name, self.parent_fd)
+                    fsutil.remove_folder(self.fd, self.path.name, self.parent_fd, ours=True)
             else:
                 log.debug("not deleting %s: another folder is in its place", self.path)
         finally:
