@@ -109,7 +109,7 @@ def walk_chip(fd: int) -> Iterator[tuple[str, os.stat_result, bool]]:
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
+            except OSError:  # gone, or in a folder another user keeps closed: not counted
                 continue
             if not stat.S_ISDIR(st.st_mode):
                 yield entry.name, st, len(walks) == 1
@@ -118,8 +118,13 @@ def walk_chip(fd: int) -> Iterator[tuple[str, os.stat_result, bool]]:
                     sub = os.open(entry.name, fsutil.DIR_FLAGS, dir_fd=opened[-1] if opened else fd)
                 except OSError:
                     continue
+                try:
+                    walk = os.scandir(sub)
+                except OSError:
+                    os.close(sub)
+                    continue
                 opened.append(sub)
-                walks.append(os.scandir(sub))
+                walks.append(walk)
     finally:
         for walk in walks:
             walk.close()

@@ -210,7 +210,15 @@ def _is_real_folder(path: Path) -> bool:
 
 
 def _is_chip_folder(entry: os.DirEntry[str]) -> bool:
-    return not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)
+    # (a folder named as no chip is (``odd name``, lost+found) is none: not a chip
+    # argument the whole command would refuse)
+    if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+        return False
+    try:
+        check_soc_version(entry.name)
+    except ValueError:
+        return False
+    return True
 
 
 def _root_setting(settings: Settings) -> str:

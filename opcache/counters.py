@@ -174,6 +174,9 @@ class CounterFiles:
             fd = os.open(taken, _READ_FLAGS, dir_fd=dir_fd)
         except OSError:
             fd = None
+        if fd is not None and not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)  # (a folder planted in its place: set aside as it is, not read)
+            return {}
         try:
             for _ in range(1000):  # an append holds it for a write: never a second
                 try:

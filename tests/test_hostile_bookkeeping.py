@@ -684,3 +684,100 @@ def test_a_file_linked_in_as_a_lock_file_keeps_its_mode(tmp_path: Path) -> None:
     assert lock.try_acquire()
     lock.release()
     assert notes.stat().st_mode & 0o7777 == 0o666
+
+
+# ------------------------------------ what another user keeps closed, or names oddly
+
+
+CANN_AS_MEMBER = """
+import contextlib, io
+from opcache.cli import main
+report = {{}}
+for action in ("age", "stats"):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        status = main(["cann", action, "--json", "--op_compiler_cache_dir", {atc!r}])
+    report[action] = [status, json.loads(out.getvalue() or "null")]
+print(json.dumps(report))
+"""
+
+
+@requires_root
+def test_a_folder_another_member_keeps_closed_does_not_stop_cann_aging() -> None:
+    """A member's subfolder (0740) in a shared CANN chip folder, whose files the others
+    cannot stat: their aging and stats count around it, not give up on the chip."""
+    from helpers_cann import kernel_name, set_access, store_entry, write_ini
+
+    with open_folder() as base:
+        atc = base / "atc"
+        chip = atc / "kernel_cache" / SOC
+        chip.mkdir(parents=True)
+        for n in range(4):
+            paths = store_entry(chip, kernel_name("Add", str(n)), os.urandom(400 << 10))
+            set_access(paths, time.time() - 7200)
+        write_ini(atc / "kernel_cache", max_mb=1, ratio=50)
+        for dirpath, dirs, files in os.walk(base):
+            for name in [".", *dirs, *files]:
+                os.lchown(os.path.join(dirpath, name), MEMBER_A, TEAM_GID)
+        closed = chip / "m"
+        closed.mkdir()
+        (closed / "x").write_text("x")
+        for path in (closed, closed / "x"):
+            os.lchown(path, MEMBER_B, TEAM_GID)
+        closed.chmod(0o740)  # (the team may list it, not look at what is in it)
+        code = CHILD_PROLOGUE + CANN_AS_MEMBER.format(atc=str(atc))
+        report = run_as(MEMBER_A, TEAM_GID, code, groups=(TEAM_GID,))
+        status, aged = report["age"]
+        assert status == 0 and aged["chips"][SOC]["removed"], aged
+        assert report["stats"][0] == 0
+        assert (closed / "x").exists()
+
+
+@pytest.mark.parametrize("where", ["stats", "size"])
+def test_a_folder_in_place_of_the_appended_counts_ends_no_command(
+    tmp_path: Path, where: str
+) -> None:
+    """A folder named ``appended`` in a counter folder (a member's, or a planted one) is
+    set aside, not read or deleted: verify and stats go on, the counters right."""
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    with opcache.OpCache(settings) as cache:
+        cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), tmp_path / "out")
+    counters = (
+        settings.root / ".opcache" / "stats" / SOC
+        if where == "stats"
+        else settings.root / SOC / "_size"
+    )
+    (counters / "appended").mkdir(parents=True)
+    for argv in (["verify"], ["stats", "--zero"], ["stats", "--json"]):
+        args = (*argv, "--op_compiler_cache_dir", str(tmp_path / "ops"))
+        run_opcache(*args, env=cli_env(tmp_path), cwd=tmp_path, text=True)
+
+
+MAINTAIN_AS_MEMBER = """
+import contextlib, io
+from opcache.cli import main
+statuses = []
+for command in ("age", "verify", "stats"):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        statuses.append(main([command, "--op_compiler_cache_dir", {ops!r}]))
+print(json.dumps(statuses))
+"""  # (each command's status: 1 says the unreadable chip was left, 2 would be a usage error)
+
+
+@requires_root
+def test_a_folder_named_as_no_chip_is_not_taken_for_one() -> None:
+    """Beside a chip folder the user cannot read (0700, root's), a folder that
+    names no chip (``odd name``) is not taken for one: the commands work on the
+    readable chips (exit 1 for the unreadable one) rather than refuse them all."""
+    with open_folder() as base:
+        settings = make_settings(base / "ops", base)
+        with opcache.OpCache(settings) as cache:
+            cache.compile(make_request(0), ToyCompiler(base / "calls"), base / "out")
+        for dirpath, dirs, files in os.walk(base):
+            for name in [".", *dirs, *files]:
+                os.lchown(os.path.join(dirpath, name), MEMBER_A, MEMBER_A)
+        (settings.root / "odd name").mkdir()
+        os.lchown(settings.root / "odd name", MEMBER_A, MEMBER_A)
+        (settings.root / "Ascend310P3").mkdir(mode=0o700)  # (root's)
+        code = CHILD_PROLOGUE + MAINTAIN_AS_MEMBER.format(ops=str(base / "ops"))
+        assert run_as(MEMBER_A, MEMBER_A, code) == [1, 1, 1]  # (not 2: a usage error)
