@@ -203,7 +203,8 @@ def remove_folder(
             above = os.fstat(dir_fd) if dir_fd is not None else os.stat(_parent(path))
         except OSError:
             above = None
-        if above is not None and not _may_empty(os.fstat(fd), above):
+        top = os.fstat(fd)
+        if above is not None and not (_may_empty(top, above) or _moved_by_its_owner(top)):
             _left(path)
             return 0
     cur = os.dup(fd)
@@ -266,6 +267,14 @@ def _may_empty(folder: os.stat_result, parent: os.stat_result) -> bool:
         return anyone or group
     # Its owner alone writes it: that owner (or root) put the folder there.
     return anyone or folder.st_uid == parent.st_uid or parent.st_uid in (0, os.geteuid())
+
+
+def _moved_by_its_owner(folder: os.stat_result) -> bool:
+    """A folder of this user's (or root's) that no one else may write: moved here from
+    another folder only by its owner or root (a rename to another folder writes its
+    ``..``).  Only for a folder found where it is, never for one below it, which
+    moves with its parent."""
+    return folder.st_uid in (os.geteuid(), 0) and not folder.st_mode & 0o022
 
 
 def _parent(path: Path | str) -> str:

@@ -1117,7 +1117,7 @@ def _plan_cc(
     inputs = memo.header_digests(
         argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names
     )
-    for place in [*inputs.paths, *inputs.absent]:
+    for place in [*inputs.paths, *inputs.absent, *inputs.passed]:
         # gcc takes <place>.gch, where it exists, for the header it looks for
         # there; cc -M names the header alone, so the key would not hold it.
         if not _absent(place + ".gch"):
@@ -1134,7 +1134,8 @@ def _plan_cc(
     keyed_env = [(name, env[name]) for name in keyed_names if name in env]
     if keyed_env:
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
-    macros = {*inputs.macros, *_macros_in(source_data), *_macros_in(os.fsencode(" ".join(args)))}
+    macros = {*inputs.macros, *_macros_in(source_data), *_directives_in(source_data)}
+    macros.update(_macros_in(os.fsencode(" ".join(args))))
     for directive in _FILE_DIRECTIVES:
         if directive in macros:
             raise Uncacheable(f"cc: a {directive} directive reads a file the key does not hold")
@@ -1191,6 +1192,8 @@ def _plan_cc(
                 pass
             return "cc: a file it read changed during the compile"
         if not all(_absent(path) for path in inputs.absent):
+            return "cc: a file it read changed during the compile"
+        if not all(_no_file(path) for path in inputs.passed):
             return "cc: a file it read changed during the compile"
         return None
 
@@ -1433,17 +1436,22 @@ class HeaderMemo:
         for variant in variants:
             digests = _current_digests(variant)
             if digests is not None:
-                return CcInputs(variant["headers"], digests, variant["macros"], variant["absent"])
+                return CcInputs(
+                    variant["headers"], digests, variant["macros"], variant["absent"],
+                    variant["passed"],
+                )  # fmt: skip
         found = _cc_headers(cc, pass_args, source, env)
         headers = [h for h in found.headers if h != source]
         contents = {h: _read(h) for h in headers}
         forced = [pass_args[i + 1] for i, a in enumerate(pass_args[:-1]) if a == "-include"]
         reads = {source: source_data, **contents}
-        absent, present, known = _negative_lookups(found, reads, forced)
+        absent, present, passed, known = _negative_lookups(found, reads, forced)
         for path in present:
             with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
                 contents.setdefault(path, read_input(path))
-        macros = sorted({m for data in contents.values() for m in _macros_in(data)})
+        macros = sorted(
+            {m for data in contents.values() for m in (*_macros_in(data), *_directives_in(data))}
+        )
         paths = list(contents)
         digests = [digest(data) for data in contents.values()]
         # Only when the search list is known and every header was placed in it
@@ -1453,10 +1461,11 @@ class HeaderMemo:
                 "headers": paths,
                 "digests": digests,
                 "absent": absent,
+                "passed": passed,
                 "macros": macros,
             }
             self._remember(memo_key, [variant, *variants][: self._VARIANTS])
-        return CcInputs(paths, digests, macros, absent)
+        return CcInputs(paths, digests, macros, absent, passed)
 
     def _recall(self, memo_key: str) -> list[dict[str, list[str]]]:
         raw = self.store.read_note("direct", memo_key[:2], memo_key) if self.store else None
@@ -1464,7 +1473,7 @@ class HeaderMemo:
             variants = _json.loads(raw) if raw else []
         except ValueError:
             return []
-        fields = ("headers", "digests", "absent", "macros")
+        fields = ("headers", "digests", "absent", "passed", "macros")
         ok = isinstance(variants, list) and all(
             isinstance(v, dict)
             and all(
@@ -1487,16 +1496,23 @@ class HeaderMemo:
 
 class CcInputs:
     """The headers a C compile reads, their digests, the macros in them that
-    make the output depend on more than their contents (``_KEY_MACROS``), and
-    the places the include search found empty (``absent``)."""
+    make the output depend on more than their contents (``_KEY_MACROS``), the
+    places the include search found empty (``absent``) and those it passed over
+    holding no file (``passed``)."""
 
     def __init__(
-        self, paths: list[str], digests: list[str], macros: list[str], absent: list[str]
+        self,
+        paths: list[str],
+        digests: list[str],
+        macros: list[str],
+        absent: list[str],
+        passed: list[str],
     ) -> None:
         self.paths = paths
         self.digests = digests
         self.macros = macros
         self.absent = absent
+        self.passed = passed
 
 
 class _Found:
@@ -1527,12 +1543,20 @@ _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", "__FILE__", "__FILE_NAME
 
 # Assembler directives that read a file (in an asm statement): the preprocessor
 # does not list it, so its contents are in no key (ccache's rule too).  Found as
-# text, and kept with the macros: a remembered header list carries them.
+# text in the directive's form (its name, then a quoted file name, escaped in a
+# C string), and kept with the macros: a remembered header list carries them.
 _FILE_DIRECTIVES = (".incbin", ".include")
+_FILE_DIRECTIVE = rb'\.(incbin|include)[ \t]+\\?"'
 
 
 def _macros_in(data: bytes) -> list[str]:
-    return [m for m in (*_KEY_MACROS, *_FILE_DIRECTIVES) if m.encode() in data]
+    return [m for m in _KEY_MACROS if m.encode() in data]
+
+
+def _directives_in(data: bytes) -> list[str]:
+    if b".inc" not in data:  # (no pattern compiled for most files)
+        return []
+    return sorted({"." + found.decode() for found in re.findall(_FILE_DIRECTIVE, data)})
 
 
 def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:
@@ -1541,6 +1565,8 @@ def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:
     for path in variant["absent"]:
         if not _absent(path):
             return None
+    if not all(_no_file(path) for path in variant["passed"]):
+        return None
     digests = []
     for path, want in zip(variant["headers"], variant["digests"], strict=True):
         try:
@@ -1570,13 +1596,18 @@ _QUOTED_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^
 _COMPUTED_INCLUDE = rb"(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]"
 _HAS_INCLUDE = rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)'
 _COMPUTED_HAS_INCLUDE = rb'__has_include(?:_next)?\s*\(\s*[^"<\s]'
+_HAS_INCLUDE_WRAPPER = (
+    rb"(?m)^[ \t]*#[ \t]*define[ \t]+(\w+)\([ \t]*(\w+)[ \t]*\)[ \t]*"
+    rb"__has_include(_next)?[ \t]*\([ \t]*\2[ \t]*\)[ \t]*$"
+)
 
 
 def _negative_lookups(
     found: _Found, reads: dict[str, bytes], forced: list[str]
-) -> tuple[list[str], list[str], bool]:
-    """(places looked up and empty, files ``__has_include`` found, whether every
-    header lies in a folder of the search list or beside a file read) for a compile.
+) -> tuple[list[str], list[str], list[str], bool]:
+    """(places looked up and empty, files ``__has_include`` found, places looked up
+    that hold no file (``_earlier_place``), whether every header lies in a folder
+    of the search list or beside a file read) for a compile.
 
     A header found in folder k of the search list was first looked for in
     folders 0..k-1 (all of them: a quoted include, ``#include_next`` and a
@@ -1585,8 +1616,9 @@ def _negative_lookups(
     Each such place that does not exist is recorded, as its first missing
     folder when one is (``A/sys`` stands for every ``A/sys/*.h``).
     """
+    passed: set[str] = set()
     # (an -include file is looked for in the working folder first)
-    absent = {*found.absent, *filter(None, (_earlier_place("", name) for name in forced))}
+    absent = {*found.absent, *filter(None, (_earlier_place("", n, passed) for n in forced))}
     chain = found.quote + found.bracket
     names = {os.path.basename(header) for header in found.headers}
     places = [*chain, *{os.path.dirname(path) for path in reads}]
@@ -1600,28 +1632,34 @@ def _negative_lookups(
             placed = True
             if k < len(chain):
                 names.add(name)
-                absent.update(filter(None, (_earlier_place(f, name) for f in chain[:k])))
+                absent.update(filter(None, (_earlier_place(f, name, passed) for f in chain[:k])))
         if not placed:
             log.debug("%s lies in no folder searched: its earlier places are not known", header)
             known = False
     present = []
+    # Wrappers (fmt's "#define FMT_HAS_INCLUDE(x) __has_include(x)"): their uses
+    # with a literal name are looked up as __has_include's are.
+    wrappers = {
+        name: next_
+        for data in reads.values()
+        if b"__has_include" in data
+        for name, _, next_ in re.findall(_HAS_INCLUDE_WRAPPER, data)
+    }
     for path, data in reads.items():
         beside = os.path.dirname(path)
         quoted_names = [os.fsdecode(raw) for raw in re.findall(_QUOTED_INCLUDE, data)]
         if re.search(_COMPUTED_INCLUDE, data):
             # A name a macro gives is not in the text: every name found, beside it.
             quoted_names += names
-        if re.search(_COMPUTED_HAS_INCLUDE, data):
-            # A name a macro gives is not in the text, nor is where it was looked for.
-            raise Uncacheable("cc: __has_include of a name a macro gives")
+        asked = _has_include_names(data, wrappers)
         for name in quoted_names:
-            missing = _earlier_place(beside, name)
+            missing = _earlier_place(beside, name, passed)
             if missing:
                 absent.add(missing)
-        for next_, quoted, angled in re.findall(_HAS_INCLUDE, data):
+        for next_, quoted, angled in asked:
             name = os.fsdecode(quoted or angled)
             for folder in [beside, *chain] if quoted else found.bracket:
-                missing = _earlier_place(folder, name)
+                missing = _earlier_place(folder, name, passed)
                 if missing is None:
                     present.append(os.path.join(folder, name))
                     # _next searches after the includer's folder, which holds
@@ -1630,23 +1668,52 @@ def _negative_lookups(
                         break
                 else:
                     absent.add(missing)
-    return sorted(absent), present, known
+    return sorted(absent), present, sorted(passed), known
 
 
-def _earlier_place(folder: str, name: str) -> str | None:
-    """``_first_missing`` of a place the preprocessor looked at and passed over:
-    Uncacheable where something is there all the same (a link to nothing, a
-    folder), which it may take once that changes, unseen by a remembered list."""
+def _has_include_names(
+    data: bytes, wrappers: dict[bytes, bytes]
+) -> list[tuple[bytes, bytes, bytes]]:
+    """(``_next`` or not, a quoted name, an angled name) of each ``__has_include`` (or
+    use of a wrapper of it) in ``data``; Uncacheable for one of a name a macro gives:
+    where it looked is not in the text."""
+    if b"__has_include" not in data and not wrappers:
+        return []
+    text = re.sub(_HAS_INCLUDE_WRAPPER, b"", data)  # (the wrappers' own definitions)
+    asked = re.findall(_HAS_INCLUDE, text)
+    computed = re.search(_COMPUTED_HAS_INCLUDE, text) is not None
+    for name, next_ in wrappers.items():
+        if name not in text:
+            continue
+        # (its definitions, the one for a compiler without __has_include too, are no use)
+        used = re.sub(rb"(?m)^[ \t]*#[ \t]*define[ \t]+" + re.escape(name) + rb"\b.*$", b"", text)
+        word = rb"\b" + re.escape(name) + rb"\s*\(\s*"
+        uses = re.findall(word + rb'(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)', used)
+        asked += [(next_, quoted, angled) for quoted, angled in uses]
+        computed = computed or re.search(word + rb'[^"<\s]', used) is not None
+    if computed:
+        raise Uncacheable("cc: __has_include of a name a macro gives")
+    return asked
+
+
+def _earlier_place(folder: str, name: str, passed: set[str]) -> str | None:
+    """``_first_missing`` of a place the preprocessor looked at; one that is there but
+    holds no file it takes (a folder named as the header, a link to nothing) joins
+    ``passed``: it may take it once that changes (``_no_file``)."""
     missing = _first_missing(folder, name)
     if missing is None:
         path = os.path.join(folder, name) if folder else name
-        try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)
-        except OSError:
-            regular = False
-        if not regular:
-            raise Uncacheable(f"cc: {path}, looked at for a header, is no file")
+        if _no_file(path):
+            passed.add(path)
     return missing
+
+
+def _no_file(path: str) -> bool:
+    """Whether ``path`` holds no file the preprocessor would read (links followed)."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True
 
 
 def _name_under(header: str, folder: str) -> str | None:

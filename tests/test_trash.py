@@ -211,18 +211,35 @@ def test_a_sweep_never_empties_a_folder_a_member_moved_in_that_it_could_not_empt
     assert (trash_dir / "other" / "private" / "secret").exists()
 
 
-def test_a_folder_of_ones_own_goes_whole_wherever_it_was_made(tmp_path):
-    """A build folder (0700) made in a group-writable out_dir is the caller's own: it
-    goes whole; the same folder found there, not known to be the caller's, is left."""
+@requires_root
+def test_a_private_folder_goes_whole_from_a_shared_folder_only_if_it_is_ones_own(tmp_path):
+    """A build folder (0700) left in a world-writable out_dir goes whole: no one but its
+    owner could have moved it there (a rename into another folder writes its ``..``).
+    Another user's is left, unless the caller says it made it."""
     out = tmp_path / "out"
     out.mkdir()
-    out.chmod(0o2777)
-    for ours in (False, True):
-        (out / "build" / "sub").mkdir(parents=True)
+    out.chmod(0o777)
+    for owner, ours, goes in ((0, False, True), (MEMBER_B, False, False), (MEMBER_B, True, True)):
+        (out / "build" / "sub").mkdir(parents=True, exist_ok=True)
         (out / "build" / "sub" / "x.o").write_bytes(b"x")
+        for path in (out / "build", out / "build" / "sub", out / "build" / "sub" / "x.o"):
+            os.chown(path, owner, owner)
         (out / "build").chmod(0o700)
         fsutil.remove_tree(out / "build", ours=ours)
-        assert (out / "build").exists() is not ours
-        if not ours:
-            assert (out / "build" / "sub" / "x.o").exists()
-            fsutil.remove_tree(out / "build", ours=True)
+        assert (out / "build").exists() is not goes, (owner, ours)
+
+
+def test_an_entry_is_kept_under_any_name_that_names_a_bucket_but_no_dot_folder(tmp_path):
+    """A folder remote keeps CANN's kernels by their names (``te_add_<sha256>``) and
+    its index as ``#index``; a name whose bucket would be ``..``, ``.`` or a dot
+    folder of the cache's own is refused before anything is written."""
+    from opcache.storage.entry import make_manifest
+
+    store = LocalStore(tmp_path / "store")
+    files = {"k.o": b"kernel"}
+    for key in ("te_add_" + "0" * 64, "#index"):
+        assert store.put(SOC, key, make_manifest(key, files, 1.0, {}, 0.0), files, now=T0)
+    for key in ("..x", ".opcache", "x", "a/b"):
+        with pytest.raises(ValueError, match="cannot name an entry"):
+            store.put(SOC, key, make_manifest(key, files, 1.0, {}, 0.0), files, now=T0)
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [".opcache", SOC]

@@ -658,6 +658,46 @@ def test_a_place_passed_over_earlier_on_the_include_path_is_seen_once_it_holds_a
     same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
 
 
+def test_a_folder_named_as_a_standard_header_earlier_on_the_path_keeps_its_hits(env, src):
+    # RocksDB's layout: -I. and a folder memory/ beside <memory>'s users. gcc passes
+    # over ./memory; the compile is cached, and hits while that stays a folder.
+    if shutil.which("g++", path=env["PATH"]) is None:
+        pytest.skip("g++ is needed")
+    (src / "memory").mkdir()
+    (src / "memory" / "arena.h").write_text("#define ARENA 1\n")
+    (src / "a.cc").write_text("#include <memory>\nint f() { return sizeof(std::unique_ptr<int>); }")
+    for _ in range(3):
+        same_as_gcc(src, env, "-I.", "-O2", "-c", "a.cc", cc="g++")
+    assert stats(env, "host")["hits"] == 2
+
+
+def test_a_has_include_wrapper_with_a_literal_name_keeps_its_hits_and_sees_the_header(env, src):
+    # fmt's FMT_HAS_INCLUDE(x) __has_include(x): a use with a literal name is looked
+    # up as __has_include's own, so the compile is cached and sees the header appear.
+    (src / "I").mkdir()
+    (src / "k.c").write_text(
+        "#if defined(__has_include)\n#define MY_HAS_INCLUDE(x) __has_include(x)\n"
+        "#else\n#define MY_HAS_INCLUDE(x) 0\n#endif\n"
+        "#if MY_HAS_INCLUDE(<opt.h>)\n#define X 2\n#else\n#define X 1\n#endif\n"
+        "int f(void) { return X; }\n"
+    )
+    for _ in range(2):
+        same_as_gcc(src, env, "-II", "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
+    (src / "I" / "opt.h").write_text("\n")
+    same_as_gcc(src, env, "-II", "-O2", "-c", "k.c")
+
+
+def test_include_in_a_name_is_no_directive(env, src):
+    (src / "k.c").write_text(
+        "struct q { int include_hidden; };\n"
+        "int f(struct q *q) { return q->include_hidden; } /* see foo.include */\n"
+    )
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
+
+
 @pytest.mark.parametrize(
     ("directive", "name", "before", "after"),
     [

@@ -611,8 +611,8 @@ class LocalStore:
         or None when another writer stored the key first (its entry stands;
         ours is dropped).  ``now`` is the entry's first access stamp.  Raises
         OSError when the cache cannot be written, UntrustedFolder when the chip
-        folder fails the trust rule, ValueError for a key that is not one or an
-        artifact name that is not a plain file name (or is the manifest's).
+        folder fails the trust rule, ValueError for a key that cannot name an
+        entry or an artifact name that is not a plain file name (or is the manifest's).
         """
         _check_names(files, key)
         with self._new_workdir(key) as workdir:
@@ -1082,8 +1082,10 @@ class LocalStore:
 
 
 def _check_names(files: dict[str, bytes], key: str) -> None:
-    if not is_key(key):  # (its first two characters name its bucket)
-        raise ValueError(f"{key!r} is not a key")
+    # Its first two characters name its bucket: never "..", "." or a dot-folder of
+    # the cache's own.  (A remote folder's keys are CANN kernels' names too.)
+    if not is_plain_name(key) or len(key) < 2 or key.startswith("."):
+        raise ValueError(f"{key!r} cannot name an entry")
     for name in files:
         if not is_plain_name(name) or name == MANIFEST:
             raise ValueError(f"artifact name {name!r} is not a plain file name")
