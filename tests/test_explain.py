@@ -29,7 +29,7 @@ from test_wrap_opc_reads import edit
 from test_wrap_opc_reads import project as opc_project
 
 from opcache import OpCache
-from opcache.keyed_env import CC_KEY_ENVIRONMENT, OPC_KEY_ENVIRONMENT
+from opcache.keyed_env import CC_KEY_ENVIRONMENT, CC_PROGRAM_ENVIRONMENT, OPC_KEY_ENVIRONMENT
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
 
@@ -410,7 +410,9 @@ CC_VARIABLES = {name: None for name in CC_KEY_ENVIRONMENT} | {
 UNSETTABLE_CC = ("GCC_COMPARE_DEBUG", "GCC_EXEC_PREFIX")
 
 
-@pytest.mark.parametrize("variable", [v for v in CC_VARIABLES if v not in UNSETTABLE_CC])
+@pytest.mark.parametrize(
+    "variable", [v for v in CC_VARIABLES if v not in (*UNSETTABLE_CC, *CC_PROGRAM_ENVIRONMENT)]
+)
 def test_each_keyed_variable_of_a_c_compile_is_named(tmp_path, variable):
     env, src = base_env(tmp_path), write_project(tmp_path / "src")
     value = CC_VARIABLES[variable] or str(tmp_path / "elsewhere")
@@ -422,11 +424,12 @@ def test_each_keyed_variable_of_a_c_compile_is_named(tmp_path, variable):
         assert changes == [f"attrs.env.{variable}: {was} -> {value!r}"]
 
 
-def test_a_variable_that_makes_a_c_compile_uncacheable_says_so(csrc):
+@pytest.mark.parametrize("variable", ["DEPENDENCIES_OUTPUT", *CC_PROGRAM_ENVIRONMENT])
+def test_a_variable_that_makes_a_c_compile_uncacheable_says_so(csrc, variable):
     env, src = csrc
-    env = {**env, "DEPENDENCIES_OUTPUT": "deps.d"}
+    env = {**env, variable: "deps.d" if variable == "DEPENDENCIES_OUTPUT" else str(src / "no")}
     done = opcache("explain", "--", *CC, env=env, cwd=src, status=2)
-    assert "would not cache this command: cc: DEPENDENCIES_OUTPUT is set" in done.stderr.decode()
+    assert f"would not cache this command: cc: {variable} is set" in done.stderr.decode()
 
 
 @needs_strace
