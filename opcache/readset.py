@@ -42,6 +42,11 @@ log = get_logger(__name__)
 
 ENV_TRACE = "OPCACHE_TRACE"  # "off": do not trace (as where strace is missing)
 SYSTEM_FOLDERS = ("/proc", "/sys", "/dev", "/run")
+# ... where users keep files too (tmpfs): those stay in a read set.
+USER_FOLDERS = ("/dev/shm", "/run/user")
+# A path through a process's own folder or root names another path, which the
+# read set would not hold (``cat /proc/self/cwd/k.cpp``).
+_THROUGH_PROC = r"/proc/(?:self|thread-self|\d+)/(?:cwd|root)/."
 TRACE_PREFIX = "trace"
 # opcache's own folders beside a compile's outputs (staging, builds): not in a listing.
 OWN_NAMES = ".opcache-"
@@ -201,26 +206,44 @@ def record(
     gone), or a relative path cannot be placed (a process moved before the
     trace noted its folder).
     """
-    looked, listed, changed, made, rewritten = _parse(trace_dir)
+    looked, listed, changed, made, rewritten, updated = _parse(trace_dir)
     if not looked and not changed:
         raise Unprovable("strace recorded nothing (it may not be allowed to trace here)")
     skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
-    kept = tuple(_folder(p) for p in keep)
+    kept = tuple(_folder(p) for p in (*keep, *USER_FOLDERS))
     made_dirs = tuple(_folder(p) for p in made)
+    through_proc = re.compile(_THROUGH_PROC)
     items = []
     for path in sorted(looked):
         norm = os.path.normpath(path)
+        if through_proc.match(norm):
+            raise Unprovable(f"{path}: a file reached through /proc is not known by its name")
         if norm.startswith(made_dirs) or _skipped(norm, skip, kept):
             continue
         if norm in rewritten:
             raise Unprovable(f"{path} changed while the compile ran (it wrote what it had read)")
-        if norm in changed:
+        if norm in changed and not _kept_as_it_was(norm, updated, started_ns):
             continue
         for item in _facts_with_link(path, listed=norm in listed):
             if item[1] == "file" and max(item[4], item[5]) >= started_ns - _CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
             items.append(item)
     return ReadSet(items)
+
+
+def _kept_as_it_was(norm: str, updated: set[str], started_ns: int) -> bool:
+    """Whether a path opened for writing but not truncated (a database opened read-write)
+    is a file the compile did not change: it was read, and is recorded as such.
+    (One changed since the start may have been made by the compile: left out.)"""
+    if norm not in updated:
+        return False
+    try:
+        st = os.lstat(norm)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and max(st.st_mtime_ns, st.st_ctime_ns) < (
+        started_ns - _CLOCK_LAG_NS
+    )
 
 
 def _folder(path: str) -> str:
@@ -294,13 +317,16 @@ def _errno_name(code: int) -> str:
     return errno.errorcode.get(code, "")
 
 
-def _parse(trace_dir: str) -> tuple[set[str], set[str], set[str], set[str], set[str]]:
+def _parse(
+    trace_dir: str,
+) -> tuple[set[str], set[str], set[str], set[str], set[str], set[str]]:
     """(paths looked at, folders listed, paths changed, folders made, paths read and then
-    changed) by every process."""
+    changed, paths opened read-write without truncating) by every process."""
     looked: set[str] = set()
     listed: set[str] = set()
     changed: set[str] = set()
     made: set[str] = set()
+    updated: set[str] = set()
     # When (µs) each path was first opened to read, first changed: the processes' files
     # interleave only by their times.  (No time: read before anything, as a tie is.)
     first_read: dict[str, int] = {}
@@ -348,18 +374,23 @@ def _parse(trace_dir: str) -> tuple[set[str], set[str], set[str], set[str], set[
             elif call in _LOOKS and paths:
                 if ok and call.startswith("open") and write_re.search(args):
                     done = paths[:1]
+                    if "O_RDWR" in args and "O_TRUNC" not in args and "O_EXCL" not in args:
+                        looked.add(paths[0])  # (read too, if it was there and is unchanged)
+                        updated.add(paths[0])
                 else:
                     looked.add(paths[0])
                     if ok and call.startswith("open"):
                         first_read.setdefault(paths[0], when)
                         first_read[paths[0]] = min(first_read[paths[0]], when)
-                    if ok and call.startswith("open") and "O_DIRECTORY" in args:
-                        listed.add(paths[0])
+                        # A folder opened to read is listed, O_DIRECTORY or not
+                        # (os.fwalk's opens): its names are taken when it is one.
+                        if "O_PATH" not in args:
+                            listed.add(paths[0])
             for path in done:
                 changed.add(path)
                 first_change[path] = min(first_change.get(path, when), when)
     rewritten = {p for p, when in first_change.items() if first_read.get(p, when + 1) <= when}
-    return looked, listed, changed, made, rewritten
+    return looked, listed, changed, made, rewritten, updated
 
 
 def _start_folder(calls: list[tuple], cwd_re: re.Pattern[str]) -> str | None:

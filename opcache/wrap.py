@@ -188,7 +188,15 @@ class _WrappedCommand:
         argv = self._plan.command(workdir)
         argv = argv if wrap is None else wrap(argv)
         try:
-            done = subprocess.run(argv, capture_output=True, env=dict(self._environ), check=False)
+            # No stdin: what a compile read there would be in no key (a stand-in's
+            # "cat > k.o" under "wrap < data.txt" gave a hit of old data).
+            done = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                env=dict(self._environ),
+                check=False,
+            )
         except OSError as e:
             raise _ToolFailed(127, b"", f"opcache: cannot run {argv[0]}: {e}\n".encode()) from None
         if done.returncode != 0:
@@ -689,7 +697,12 @@ def _opc_trace_folders(opc: object, env: Mapping[str, str]) -> tuple[list[str], 
     from .compilers.cann import script_interpreter, version_files
 
     home = getattr(opc, "home", None)
-    exclude = [str(home)] if home is not None and version_files(home, env) else []
+    # Only a toolkit's own folder, with its own version files (not the operator
+    # package's, which ASCEND_OPP_PATH names), and not the user's work: an opc
+    # found on PATH in a project's bin/ (or a shim in ~/bin) names it as home.
+    cwd = os.path.join(os.getcwd(), "")
+    ours = home is not None and not cwd.startswith(os.path.join(str(home), ""))
+    exclude = [str(home)] if ours and version_files(home, {}) else []
     interpreter = script_interpreter(getattr(opc, "opc", ""), env)
     if interpreter:
         for path in {interpreter, os.path.realpath(interpreter)}:

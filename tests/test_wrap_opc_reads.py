@@ -16,6 +16,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -536,3 +538,112 @@ def test_a_read_sets_digest_is_the_canonical_json_of_its_paths_and_contents(tmp_
     reads = readset.ReadSet(items)
     rows = [[i[0], i[1], i[2], i[3] if i[1] == "file" else 0, i[6]] for i in items]
     assert reads.digest == digest(canonical_json(rows))
+
+
+# -- adversarial review, 2026-11-28: reads a trace showed, but the read set missed ----------
+
+FWALK_OPC = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+data = b""
+for folder, _, files, fd in os.fwalk("kernel"):  # (opens folders without O_DIRECTORY)
+    for name in sorted(files):
+        with open(os.path.join(folder, name), "rb") as f:
+            data += f.read()
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(data)
+"""
+
+RDWR_OPC = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+with open("op/tuning.db", "r+b") as f:  # (as sqlite opens its database: read-write)
+    data = f.read()
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(data)
+"""
+
+PROC_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+cat /proc/self/cwd/kernel/k.cpp > "$out/k.o"
+"""
+
+SHM_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+cat "$SHM_KERNEL" > "$out/k.o"
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("case", ["fwalk", "rdwr", "proc", "shm"])
+def test_an_input_read_in_a_way_of_its_own_changed_is_never_stale(tmp_path, case):
+    env, root = project(tmp_path)
+    shm = None
+    if case in ("fwalk", "rdwr"):
+        write_tool(tmp_path / "bin", "opc", FWALK_OPC if case == "fwalk" else RDWR_OPC)
+        (root / "op" / "tuning.db").write_bytes(b"tile=8\n")
+    else:
+        write_tool(tmp_path / "bin", "opc", "")
+        (tmp_path / "bin" / "opc").write_text(PROC_OPC if case == "proc" else SHM_OPC)
+    if case == "shm":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm here")
+        shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        env["SHM_KERNEL"] = str(shm / "k.cpp")
+        (shm / "k.cpp").write_text("int k = 1;\n")
+    try:
+        for n in (1, 2):  # (the second: a hit, when the compile could be cached)
+            assert compile_into(env, root, f"out{n}") == fresh(env, root, "opc", ARGS)
+        time.sleep(0.02)  # (a change a clock tick after the compiles)
+        if case == "fwalk":
+            (root / "kernel" / "b.cpp").write_text("int b = 2;\n")  # a new file listed
+        elif case == "rdwr":
+            (root / "op" / "tuning.db").write_bytes(b"tile=16\n")
+        elif case == "proc":
+            (root / "kernel" / "k.cpp").write_text("int k = 2;\n")
+        else:
+            (shm / "k.cpp").write_text("int k = 2;\n")
+        assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+    finally:
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+@needs_strace
+def test_what_the_caller_pipes_in_is_no_input_of_a_cached_compile(tmp_path):
+    # A cached compile gets no stdin: what it read there would be in no key.
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", "")
+    (tmp_path / "bin" / "opc").write_text(
+        '#!/bin/sh\nfor a; do case "$a" in --output=*) out="${a#--output=}";; esac; done\n'
+        'mkdir -p "$out"\ncat > "$out/k.o"\n'
+    )
+    data = tmp_path / "data.txt"
+    for n, text in enumerate(("one\n", "two\n")):
+        data.write_text(text)
+        with open(data, "rb") as stdin:
+            subprocess.run(
+                [sys.executable, "-m", "opcache", "wrap", "--", "opc", *ARGS, f"--output=o{n}"],
+                env=env, cwd=root, stdin=stdin, check=True, timeout=120,
+            )  # fmt: skip
+        assert (root / f"o{n}" / "k.o").read_bytes() == b""
+
+
+@needs_strace
+def test_an_opc_in_the_project_s_own_bin_leaves_the_project_in_the_read_set(tmp_path):
+    # opc found on PATH in the project's bin/: its "home" is the project, which holds a
+    # version.info of the operator package's (ASCEND_OPP_PATH): not left out as a toolkit.
+    env, root = project(tmp_path)
+    write_tool(root / "bin", "opc", "")
+    (root / "bin" / "opc").write_text(SHELL_OPC)
+    (root / "opp" / "version.info").write_text("Version=7.0\n")
+    env["PATH"] = f"{root / 'bin'}:{env['PATH']}"
+    env["ASCEND_OPP_PATH"] = str(root / "opp")
+    for n in (1, 2):
+        assert compile_into(env, root, f"out{n}") == fresh(env, root, "opc", ARGS)
+    (root / "kernel" / "k.cpp").write_text("// edited\nint k = 2;\n")
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
