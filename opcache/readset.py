@@ -206,7 +206,7 @@ def record(
     gone), or a relative path cannot be placed (a process moved before the
     trace noted its folder).
     """
-    looked, listed, changed, made, rewritten, updated = _parse(trace_dir)
+    looked, listed, changed, made, rewritten, updated, opened = _parse(trace_dir)
     if not looked and not changed:
         raise Unprovable("strace recorded nothing (it may not be allowed to trace here)")
     skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
@@ -227,6 +227,10 @@ def record(
         for item in _facts_with_link(path, listed=norm in listed):
             if item[1] == "file" and max(item[4], item[5]) >= started_ns - _CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
+            if item[1] == "missing" and norm in opened:
+                # Read, then deleted by another process before this record: "missing"
+                # would let the next run, with no such file, hit on what it held.
+                raise Unprovable(f"{path} was read and is gone")
             items.append(item)
     return ReadSet(items)
 
@@ -319,9 +323,10 @@ def _errno_name(code: int) -> str:
 
 def _parse(
     trace_dir: str,
-) -> tuple[set[str], set[str], set[str], set[str], set[str], set[str]]:
+) -> tuple[set[str], set[str], set[str], set[str], set[str], set[str], set[str]]:
     """(paths looked at, folders listed, paths changed, folders made, paths read and then
-    changed, paths opened read-write without truncating) by every process."""
+    changed, paths opened read-write without truncating, paths opened to read) by every
+    process."""
     looked: set[str] = set()
     listed: set[str] = set()
     changed: set[str] = set()
@@ -390,7 +395,7 @@ def _parse(
                 changed.add(path)
                 first_change[path] = min(first_change.get(path, when), when)
     rewritten = {p for p, when in first_change.items() if first_read.get(p, when + 1) <= when}
-    return looked, listed, changed, made, rewritten, updated
+    return looked, listed, changed, made, rewritten, updated, set(first_read)
 
 
 def _start_folder(calls: list[tuple], cwd_re: re.Pattern[str]) -> str | None:

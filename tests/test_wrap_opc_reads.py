@@ -647,3 +647,36 @@ def test_an_opc_in_the_project_s_own_bin_leaves_the_project_in_the_read_set(tmp_
         assert compile_into(env, root, f"out{n}") == fresh(env, root, "opc", ARGS)
     (root / "kernel" / "k.cpp").write_text("// edited\nint k = 2;\n")
     assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+
+
+WAITING_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+cat "$BUILD_KERNEL_SRC" > "$out/k.o"
+touch "$READY"
+while [ ! -e "$GO" ]; do sleep 0.02; done
+"""
+
+
+@needs_strace
+def test_a_file_read_then_deleted_by_another_process_leaves_the_compile_unstored(tmp_path):
+    # Recorded as missing, the next run (the file still gone) would hit on what it held.
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", "")
+    (tmp_path / "bin" / "opc").write_text(WAITING_OPC)
+    # (named to come after the kernel: the first path found unsound is the one said)
+    env["READY"], env["GO"] = str(tmp_path / "zz-ready"), str(tmp_path / "zz-go")
+    command = [sys.executable, "-m", "opcache", "wrap", "--", "opc", *ARGS, "--output=out1"]
+    running = subprocess.Popen(command, env=env, cwd=root)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "zz-ready").exists():
+            assert time.monotonic() < deadline and running.poll() is None
+            time.sleep(0.02)
+        (root / "kernel" / "k.cpp").unlink()  # (another process: the build's clean step)
+        (tmp_path / "zz-go").touch()
+        assert running.wait(60) == 0
+    finally:
+        running.kill()
+    reasons = stats(env, SOC)["uncacheable_reasons"]
+    assert any("k.cpp was read and is gone" in r for r in reasons), reasons
