@@ -98,10 +98,92 @@ def traced_command(strace: str, trace_dir: str, argv: Sequence[str]) -> list[str
     """``argv`` run under strace, one trace file per process in ``trace_dir``."""
     out = os.path.join(trace_dir, TRACE_PREFIX)
     calls = "trace=%file,fchdir,chdir"
-    # -ttt: when each call was made, to tell a file read and then rewritten from one made and read
-    options = ["-f", "-ff", "-qq", "-ttt", "-xx", "-y", "-s", "65535", "-e", calls]
-    options += ["-e", "signal=none"]
+    # -ttt: when each call was made, to tell a file read and then rewritten from one made and read;
+    # -q, not -qq: each process's exit is noted in its file (run_traced reads the command's)
+    options = ["-f", "-ff", "-q", "-ttt", "-xx", "-y", "-s", "65535", "-e", calls]
+    # -I2: a SIGINT makes it let go of its processes and end (with -o and a command its
+    # default, 3, blocks it): run_traced's way out of a process left running
+    options += ["-e", "signal=none", "-I2"]
     return [strace, *options, "-o", out, "--", *argv]
+
+
+# After the traced command's own process ends, how long the processes it started get
+# before strace lets go of them (strace -f waits for every one: a server a compile
+# starts in the background kept the build waiting for as long as it ran).
+_LINGER_SECONDS = 1.0
+
+
+def run_traced(
+    argv: Sequence[str], trace_dir: str, env: Mapping[str, str]
+) -> tuple[int, bytes, bytes, str | None]:
+    """Run ``traced_command``'s ``argv``: (the command's exit status, its stdout, its
+    stderr, why its read set is not known, or None).
+
+    Once the command's own process has ended, the processes it started get
+    ``_LINGER_SECONDS``; any still running then is let go by strace (it runs on,
+    untraced) and the compile is not stored.  Its output goes to files, not
+    pipes, so a process holding them does not keep this waiting either.
+    """
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        strace = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=dict(env)
+        )
+        top, ended, outlived = None, None, None
+        while True:
+            try:
+                status = strace.wait(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if top is None:
+                top = _command_process(trace_dir)
+            elif ended is None:
+                ended = time.monotonic() if _exit_status(trace_dir, top) is not None else None
+            elif time.monotonic() - ended > _LINGER_SECONDS:
+                strace.send_signal(signal.SIGINT)  # (strace detaches and ends)
+                strace.wait()
+                outlived = "a process it started outlived it"
+                status = _exit_status(trace_dir, top) or 0
+                break
+        out.seek(0)
+        err.seek(0)
+        return status, out.read(), err.read(), outlived
+
+
+def _command_process(trace_dir: str) -> int | None:
+    """The traced command's own process: the first any trace file notes a call of
+    (strace makes its file before any other's, as it runs before any other); None
+    until one is noted."""
+    first: tuple[float, int] | None = None
+    for name in os.listdir(trace_dir):
+        pid = name[len(TRACE_PREFIX) + 1 :]
+        try:
+            with open(os.path.join(trace_dir, name), "rb") as f:
+                when = float(f.read(24).split(b" ", 1)[0])
+        except (OSError, ValueError):
+            continue
+        if pid.isdigit() and (first is None or when < first[0]):
+            first = (when, int(pid))
+    return None if first is None else first[1]
+
+
+def _exit_status(trace_dir: str, pid: int) -> int | None:
+    """The exit status its trace file gives a process that ended, else None."""
+    try:
+        with open(os.path.join(trace_dir, f"{TRACE_PREFIX}.{pid}"), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 200))
+            tail = f.read()
+    except OSError:
+        return None
+    found = re.search(rb"\+\+\+ (exited with (\d+)|killed by SIG\w+)", tail)
+    if found is None:
+        return None
+    return int(found.group(2)) if found.group(2) else 128 + 9
 
 
 class ReadSet:

@@ -180,30 +180,42 @@ class _WrappedCommand:
         self,
         request: OpRequest,
         workdir: Path,
-        wrap: Callable[[list[str]], list[str]] | None = None,
+        trace: tuple[str, str] | None = None,
     ) -> None:
-        """Run the command; ``wrap`` puts a command (strace) in front of it."""
+        """Run the command; with ``trace`` (strace, its trace folder), under strace."""
         import subprocess  # a hit runs nothing: keep it off start-up
 
         argv = self._plan.command(workdir)
-        argv = argv if wrap is None else wrap(argv)
+        outlived = None
         try:
-            # No stdin: what a compile read there would be in no key (a stand-in's
-            # "cat > k.o" under "wrap < data.txt" gave a hit of old data).
-            done = subprocess.run(
-                argv,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                env=dict(self._environ),
-                check=False,
-            )
+            if trace is None:
+                # No stdin: what a compile read there would be in no key (a stand-in's
+                # "cat > k.o" under "wrap < data.txt" gave a hit of old data).
+                done = subprocess.run(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    env=dict(self._environ),
+                    check=False,
+                )
+                status, stdout, stderr = done.returncode, done.stdout, done.stderr
+            else:
+                from . import readset  # (a traced miss only)
+
+                strace, trace_dir = trace
+                traced = readset.traced_command(strace, trace_dir, argv)
+                status, stdout, stderr, outlived = readset.run_traced(
+                    traced, trace_dir, dict(self._environ)
+                )
         except OSError as e:
             raise _ToolFailed(127, b"", f"opcache: cannot run {argv[0]}: {e}\n".encode()) from None
-        if done.returncode != 0:
-            raise _ToolFailed(exit_status(done.returncode), done.stdout, done.stderr)
-        (workdir / STDOUT).write_bytes(done.stdout)
-        (workdir / STDERR).write_bytes(done.stderr)
+        if status != 0:
+            raise _ToolFailed(exit_status(status), stdout, stderr)
+        (workdir / STDOUT).write_bytes(stdout)
+        (workdir / STDERR).write_bytes(stderr)
         unsettled = self._plan.settled() if self._plan.settled is not None else None
+        if unsettled is None and outlived:
+            unsettled = f"{outlived} (what it reads after is not known)"
         if unsettled is not None:
             raise _Unproven(unsettled, _read_outputs(workdir))
 
@@ -826,7 +838,7 @@ class _TracedCommand:
                 self._command.compile(
                     request,
                     workdir,
-                    wrap=lambda argv: readset.traced_command(trace.strace, trace_dir, argv),
+                    trace=(trace.strace, trace_dir),
                 )
             except _ToolFailed as e:
                 if readset.traced(trace_dir):

@@ -680,3 +680,18 @@ def test_a_file_read_then_deleted_by_another_process_leaves_the_compile_unstored
         running.kill()
     reasons = stats(env, SOC)["uncacheable_reasons"]
     assert any("k.cpp was read and is gone" in r for r in reasons), reasons
+
+
+@needs_strace
+def test_a_process_opc_leaves_running_does_not_keep_the_compile_waiting(tmp_path):
+    # strace -f waits for every process the command started: a server left running
+    # kept the build waiting as long as it ran.  Now it is let go, the compile unstored.
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", "")
+    (tmp_path / "bin" / "opc").write_text(SHELL_OPC + "( sleep 30 </dev/null >/dev/null 2>&1 & )\n")
+    started = time.monotonic()
+    assert compile_into(env, root, "out1") == fresh(env, root, "opc", ARGS)
+    assert time.monotonic() - started < 20
+    reasons = stats(env, SOC)["uncacheable_reasons"]
+    assert any("a process it started outlived it" in r for r in reasons), reasons
+    subprocess.run(["pkill", "-f", "sleep 30"], check=False)
