@@ -146,7 +146,7 @@ def _give_to_team(folder: Path, uid: int) -> None:
 # Runs as the runner: every command of ``plan`` in this process, stderr (fd 2)
 # captured per command, an alarm as the bound on each; one JSON line out.
 RUNNER = r"""
-import json, os, signal, stat, subprocess, sys, tempfile, traceback
+import contextlib, json, os, signal, stat, subprocess, sys, tempfile, traceback
 from pathlib import Path
 
 class Hung(BaseException):
@@ -181,6 +181,20 @@ for case in plan:
                 rc = main(argv)
         except (Hung, subprocess.TimeoutExpired):
             hung = True
+            # The compiler's own children (gcc's cc1, blocked on a FIFO) outlive the
+            # driver the alarm killed: ended here, not left on the machine.
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        words = f.read().split(b"\0")
+                except OSError:
+                    continue
+                outs = {os.path.dirname(o).encode() + b"/" for o in case["objects"]}
+                if int(pid) != os.getpid() and words[0].endswith(b"cc1") and any(
+                    out in w for w in words for out in outs
+                ):
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
         except BaseException:
             exc = traceback.format_exc()
         finally:
