@@ -180,10 +180,17 @@ def _exit_status(trace_dir: str, pid: int) -> int | None:
             tail = f.read()
     except OSError:
         return None
-    found = re.search(rb"\+\+\+ (exited with (\d+)|killed by SIG\w+)", tail)
+    found = re.search(rb"\+\+\+ (?:exited with (\d+)|killed by (SIG[A-Z0-9]+))", tail)
     if found is None:
         return None
-    return int(found.group(2)) if found.group(2) else 128 + 9
+    if found.group(1):
+        return int(found.group(1))
+    import signal
+
+    try:  # (as subprocess gives a process a signal ended: its negative number)
+        return -signal.Signals[found.group(2).decode()].value
+    except KeyError:
+        return -signal.SIGKILL
 
 
 class ReadSet:

@@ -1216,9 +1216,9 @@ def _plan_cc(
             except OSError:
                 pass
             return "cc: a file it read changed during the compile"
-        if not all(_absent(path) for path in inputs.absent):
-            return "cc: a file it read changed during the compile"
-        if not all(_no_file(path) for path in inputs.passed):
+        if not all(_absent(path) for path in inputs.absent) or not all(
+            _no_file(path) for path in inputs.passed
+        ):
             return "cc: a file it read changed during the compile"
         return None
 

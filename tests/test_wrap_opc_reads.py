@@ -695,3 +695,12 @@ def test_a_process_opc_leaves_running_does_not_keep_the_compile_waiting(tmp_path
     reasons = stats(env, SOC)["uncacheable_reasons"]
     assert any("a process it started outlived it" in r for r in reasons), reasons
     subprocess.run(["pkill", "-f", "sleep 30"], check=False)
+
+
+def test_the_command_s_end_is_read_from_its_trace_as_subprocess_gives_it(tmp_path):
+    from opcache import readset
+
+    ends = ((1, "+++ exited with 3 +++", 3), (2, "+++ killed by SIGTERM +++", -15), (3, "", None))
+    for pid, line, status in ends:
+        (tmp_path / f"trace.{pid}").write_text(f"1.000001 openat(...) = 3\n1.000002 {line}\n")
+        assert readset._exit_status(str(tmp_path), pid) == status
