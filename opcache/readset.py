@@ -10,9 +10,14 @@ now: a file's mode, size, times and digest; a folder's mode (and, when the
 tool listed it, the digest of its names); a link's target; or that it is
 missing (ENOENT, ENOTDIR: a negative entry, so a file created later earlier on
 a search path is seen).  Left out: what the compile wrote, made, renamed or
-deleted itself (its outputs and temporary files), and the folders ``exclude``
-names (the toolkit and Python's standard library, which the toolkit
-fingerprint covers, and ``/proc``, ``/sys``, ``/dev``, ``/run``).
+deleted itself without looking at it first (its outputs and temporary files),
+Python's bytecode caches (checked against their sources by Python), and the
+folders ``exclude`` names (the toolkit and Python's standard library, which
+the toolkit fingerprint covers, and ``/proc``, ``/sys``, ``/dev``, ``/run``).
+A path the compile looked for and then made is recorded as missing (what it
+found); one it found and then changed, or a folder whose names changed after
+the compile listed them (other than by the compile), leaves the compile
+unstored: what it saw is gone.
 
 ``ReadSet.digest`` covers the paths and contents, not the times: it joins a
 cache key.  ``ReadSet.unchanged()`` checks the set against the machine: one
@@ -60,6 +65,7 @@ _TIME = r"(?:(\d+)\.(\d{6}) )?"
 _CALL = r"^" + _TIME + r"(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<" + _HEX + r">)?(?:\s+(E[A-Z0-9]+))?"
 _PATH_ARG = r"(?:(?:AT_FDCWD|-?\d+)<(" + _HEX + r")>,\s*)?\"(" + _HEX + r")\""
 _FD_ARG = r"^-?\d+<(" + _HEX + r")>"
+_DIRENT_NAME = r"d_name=\"(" + _HEX + r")\""
 _CWD_NOTE = r"AT_FDCWD<(" + _HEX + r")>"
 # Calls that look at a path (the first one), calls that change one or two.
 _LOOKS = frozenset((
@@ -97,13 +103,15 @@ def strace_program(environ: Mapping[str, str]) -> str | None:
 def traced_command(strace: str, trace_dir: str, argv: Sequence[str]) -> list[str]:
     """``argv`` run under strace, one trace file per process in ``trace_dir``."""
     out = os.path.join(trace_dir, TRACE_PREFIX)
-    calls = "trace=%file,fchdir,chdir"
+    calls = "trace=%file,fchdir,chdir,getdents,getdents64"
     # -ttt: when each call was made, to tell a file read and then rewritten from one made and read;
     # -q, not -qq: each process's exit is noted in its file (run_traced reads the command's)
     options = ["-f", "-ff", "-q", "-ttt", "-xx", "-y", "-s", "65535", "-e", calls]
     # -I2: a SIGINT makes it let go of its processes and end (with -o and a command its
     # default, 3, blocks it): run_traced's way out of a process left running
     options += ["-e", "signal=none", "-I2"]
+    # a listing's names, not "/* 5 entries */": what the compile saw of a folder
+    options += ["-e", "abbrev=!getdents,getdents64"]
     return [strace, *options, "-o", out, "--", *argv]
 
 
@@ -295,33 +303,69 @@ def record(
     gone), or a relative path cannot be placed (a process moved before the
     trace noted its folder).
     """
-    looked, listed, changed, made, rewritten, updated, opened = _parse(trace_dir)
-    if not looked and not changed:
+    trace = _parse(trace_dir)
+    if not trace.looked and not trace.changed:
         raise Unprovable("strace recorded nothing (it may not be allowed to trace here)")
     skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
     kept = tuple(_folder(p) for p in (*keep, *USER_FOLDERS))
-    made_dirs = tuple(_folder(p) for p in made)
+    made_dirs = tuple(_folder(p) for p in trace.made)
     through_proc = re.compile(_THROUGH_PROC)
+    own_names = trace.changed_names()
     items = []
-    for path in sorted(looked):
+    for path in sorted(trace.looked):
         norm = os.path.normpath(path)
         if through_proc.match(norm):
             raise Unprovable(f"{path}: a file reached through /proc is not known by its name")
-        if norm.startswith(made_dirs) or _skipped(norm, skip, kept):
+        if norm.startswith(made_dirs) or _skipped(norm, skip, kept) or _bytecode(norm):
             continue
-        if norm in rewritten:
+        if norm in trace.rewritten:
             raise Unprovable(f"{path} changed while the compile ran (it wrote what it had read)")
-        if norm in changed and not _kept_as_it_was(norm, updated, started_ns):
+        if norm in trace.changed and not _kept_as_it_was(norm, trace.updated, started_ns):
+            found = trace.found_before_changing(norm)
+            if found is None:
+                continue  # made before it was looked at: the compile's own
+            if found:
+                raise Unprovable(f"{path} was there and the compile changed it")
+            items.append([path, "missing", 0, 0, 0, 0, ""])  # (what it found)
             continue
-        for item in _facts_with_link(path, listed=norm in listed):
+        for item in _facts_with_link(path, listed=norm in trace.listed):
             if item[1] == "file" and max(item[4], item[5]) >= started_ns - _CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
-            if item[1] == "missing" and norm in opened:
+            if item[1] == "missing" and norm in trace.opened:
                 # Read, then deleted by another process before this record: "missing"
                 # would let the next run, with no such file, hit on what it held.
                 raise Unprovable(f"{path} was read and is gone")
+            if item[1] == "dir" and item[0] == path and norm in trace.listings:
+                _check_listings(path, trace.listings[norm], own_names.get(norm, set()))
             items.append(item)
     return ReadSet(items)
+
+
+def _bytecode(norm: str) -> bool:
+    """A ``__pycache__`` folder or a ``.pyc`` in one: Python reads one only while it
+    matches its source (which is in the read set), and makes and replaces them as
+    it pleases: no input, else a compile that writes them would miss twice."""
+    folder, name = os.path.split(norm)
+    return name == "__pycache__" or (
+        name.endswith(".pyc") and os.path.basename(folder) == "__pycache__"
+    )
+
+
+def _check_listings(path: str, listings: list[tuple[bool, set[str]]], own: set[str]) -> None:
+    """Unprovable when a folder's names now differ from what a listing of the compile
+    found, other than by names the compile itself changed: the record would hold
+    names it never saw (a file another process added after the listing)."""
+    try:
+        now = {n for n in os.listdir(path) if not n.startswith(OWN_NAMES)}
+    except OSError:
+        return  # (its item says it cannot be listed)
+    for complete, names in listings:
+        names = {n for n in names if not n.startswith(OWN_NAMES)} - {".", ".."}
+        moved = (names ^ now if complete else names - now) - own
+        if moved:
+            raise Unprovable(
+                f"{path}: its names changed after the compile listed them ({sorted(moved)[0]})"
+            )
 
 
 def _kept_as_it_was(norm: str, updated: set[str], started_ns: int) -> bool:
@@ -410,23 +454,69 @@ def _errno_name(code: int) -> str:
     return errno.errorcode.get(code, "")
 
 
-def _parse(
-    trace_dir: str,
-) -> tuple[set[str], set[str], set[str], set[str], set[str], set[str], set[str]]:
-    """(paths looked at, folders listed, paths changed, folders made, paths read and then
-    changed, paths opened read-write without truncating, paths opened to read) by every
-    process."""
-    looked: set[str] = set()
-    listed: set[str] = set()
-    changed: set[str] = set()
-    made: set[str] = set()
-    updated: set[str] = set()
-    # When (µs) each path was first opened to read, first changed: the processes' files
-    # interleave only by their times.  (No time: read before anything, as a tie is.)
-    first_read: dict[str, int] = {}
-    first_change: dict[str, int] = {}
-    patterns = (_CALL, _PATH_ARG, _FD_ARG, _CWD_NOTE, _WRITE_FLAGS)
-    call_re, path_re, fd_re, cwd_re, write_re = map(re.compile, patterns)
+class _Trace:
+    """What a compile's trace files say, for ``record``."""
+
+    def __init__(self) -> None:
+        self.looked: set[str] = set()  # paths looked at
+        self.listed: set[str] = set()  # folders opened to read
+        self.changed: set[str] = set()  # paths written, made, renamed or deleted
+        self.made: set[str] = set()  # folders made
+        self.updated: set[str] = set()  # opened read-write without truncating
+        # When (µs) each path was first opened to read, first looked at (and whether
+        # something was there), first changed: the processes' files interleave only by
+        # their times.  (No time: before anything, as a tie is.)
+        self.first_read: dict[str, int] = {}
+        self.first_look: dict[str, tuple[int, bool]] = {}
+        self.first_change: dict[str, int] = {}
+        # Each folder's listings (getdents): (read to its end, the names found).
+        self.listings: dict[str, list[tuple[bool, set[str]]]] = {}
+
+    @property
+    def opened(self) -> set[str]:
+        """The paths opened to read."""
+        return set(self.first_read)
+
+    @property
+    def rewritten(self) -> set[str]:
+        """The paths read and then changed."""
+        return {
+            path
+            for path, when in self.first_change.items()
+            if self.first_read.get(path, when + 1) <= when
+        }
+
+    def found_before_changing(self, path: str) -> bool | None:
+        """Whether something was at ``path`` when the compile first looked at it, before
+        it changed it; None when it changed it first."""
+        look = self.first_look.get(path)
+        if look is None or look[0] > self.first_change[path]:
+            return None
+        return look[1]
+
+    def changed_names(self) -> dict[str, set[str]]:
+        """The names the compile changed, by folder."""
+        names: dict[str, set[str]] = {}
+        for path in self.changed:
+            folder, name = os.path.split(path)
+            names.setdefault(folder, set()).add(name)
+        return names
+
+    def look(self, path: str, when: int, found: bool) -> None:
+        self.looked.add(path)
+        if path not in self.first_look or when < self.first_look[path][0]:
+            self.first_look[path] = (when, found)
+
+    def change(self, path: str, when: int) -> None:
+        self.changed.add(path)
+        self.first_change[path] = min(self.first_change.get(path, when), when)
+
+
+def _parse(trace_dir: str) -> _Trace:
+    """What every process of the compile looked at, listed, read and changed."""
+    trace = _Trace()
+    patterns = (_CALL, _PATH_ARG, _FD_ARG, _CWD_NOTE, _WRITE_FLAGS, _DIRENT_NAME)
+    call_re, path_re, fd_re, cwd_re, write_re, dirent_re = map(re.compile, patterns)
     try:
         names = [n for n in os.listdir(trace_dir) if n.startswith(TRACE_PREFIX + ".")]
     except OSError:
@@ -441,13 +531,23 @@ def _parse(
         # A process's folder: known from each AT_FDCWD<...>; chdir moves it.  Its calls
         # before the first note ran where it started (its parent's folder at the fork).
         here = _start_folder(calls, cwd_re)
-        for seconds, micros, call, args, result, _error in calls:
+        reading: dict[str, set[str]] = {}  # this process's listings under way, by folder
+        for seconds, micros, call, args, result, error in calls:
             when = int(seconds) * 1_000_000 + int(micros) if seconds else 0
+            ok = result not in ("-1", "?")
+            if call in ("getdents", "getdents64"):
+                fd = fd_re.match(args)
+                if fd and ok:
+                    folder = os.path.normpath(_unhex(fd.group(1)))
+                    found = reading.setdefault(folder, set())
+                    found.update(map(_unhex, dirent_re.findall(args)))
+                    if result == "0":  # (its end)
+                        trace.listings.setdefault(folder, []).append((True, reading.pop(folder)))
+                continue
             cwd_note = cwd_re.search(args)
             if cwd_note:
                 here = _unhex(cwd_note.group(1))
             paths = [_place(here, folder, text) for folder, text in path_re.findall(args) if text]
-            ok = result not in ("-1", "?")
             if call in ("chdir", "fchdir") and ok:
                 fd = fd_re.match(args)
                 if call == "fchdir" and fd:
@@ -456,35 +556,37 @@ def _parse(
                     here = paths[0]
                 continue
             paths = [os.path.normpath(p) for p in paths]
+            found = ok or error not in _MISSING
             done: list[str] = []
             if call in _SYMLINKS and ok:
                 done = paths[1:2]
             elif call in _CHANGES and ok:
                 done = paths[: _CHANGES[call]]
                 if call in ("mkdir", "mkdirat"):
-                    made.update(paths[:1])
+                    trace.made.update(paths[:1])
             elif call in _CHANGES or call in _SYMLINKS:
-                looked.update(paths[:1])  # (failed: what it found there decided that)
+                if paths:  # (failed: what it found there decided that)
+                    trace.look(paths[0], when, found)
             elif call in _LOOKS and paths:
                 if ok and call.startswith("open") and write_re.search(args):
                     done = paths[:1]
                     if "O_RDWR" in args and "O_TRUNC" not in args and "O_EXCL" not in args:
-                        looked.add(paths[0])  # (read too, if it was there and is unchanged)
-                        updated.add(paths[0])
+                        trace.look(paths[0], when, True)  # (read too, if it was there)
+                        trace.updated.add(paths[0])
                 else:
-                    looked.add(paths[0])
+                    trace.look(paths[0], when, found)
                     if ok and call.startswith("open"):
-                        first_read.setdefault(paths[0], when)
-                        first_read[paths[0]] = min(first_read[paths[0]], when)
+                        first = trace.first_read.get(paths[0], when)
+                        trace.first_read[paths[0]] = min(first, when)
                         # A folder opened to read is listed, O_DIRECTORY or not
                         # (os.fwalk's opens): its names are taken when it is one.
                         if "O_PATH" not in args:
-                            listed.add(paths[0])
+                            trace.listed.add(paths[0])
             for path in done:
-                changed.add(path)
-                first_change[path] = min(first_change.get(path, when), when)
-    rewritten = {p for p, when in first_change.items() if first_read.get(p, when + 1) <= when}
-    return looked, listed, changed, made, rewritten, updated, set(first_read)
+                trace.change(path, when)
+        for folder, found in reading.items():  # (stopped before the end: a part of it)
+            trace.listings.setdefault(folder, []).append((False, found))
+    return trace
 
 
 def _start_folder(calls: list[tuple], cwd_re: re.Pattern[str]) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -704,3 +705,123 @@ def test_the_command_s_end_is_read_from_its_trace_as_subprocess_gives_it(tmp_pat
     for pid, line, status in ends:
         (tmp_path / f"trace.{pid}").write_text(f"1.000001 openat(...) = 3\n1.000002 {line}\n")
         assert readset._exit_status(str(tmp_path), pid) == status
+
+
+# -- what the compile looked at before changing it, and listings that moved on ---------------
+
+TILING_CACHE_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+if [ -e "$TILING_CACHE" ]; then cat "$TILING_CACHE" > "$out/k.o"
+else echo computed > "$out/k.o"; echo cached > "$TILING_CACHE"; fi
+"""
+
+MARKER_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+if [ -e "$MARKER" ]; then rm "$MARKER"; echo first > "$out/k.o"
+else cat "$BUILD_KERNEL_SRC" > "$out/k.o"; fi
+"""
+
+
+def shell_tool(tmp_path: Path, script: str) -> None:
+    write_tool(tmp_path / "bin", "opc", "")
+    (tmp_path / "bin" / "opc").write_text(script)
+
+
+@needs_strace
+def test_a_file_the_compile_makes_when_it_finds_none_is_looked_for_on_each_hit(tmp_path):
+    # A tiling cache in HOME, made by the first compile: the next compile reads it and
+    # writes what it holds.  A hit on the first compile's output would be stale.
+    env, root = project(tmp_path)
+    shell_tool(tmp_path, TILING_CACHE_OPC)
+    env["TILING_CACHE"] = str(tmp_path / "tiling.cache")
+    assert compile_into(env, root, "out1") == b"computed\n"
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS) == b"cached\n"
+    assert compile_into(env, root, "out3") == b"cached\n"
+    assert stats(env, SOC)["hits"] == 1
+    (tmp_path / "tiling.cache").unlink()
+    assert compile_into(env, root, "out4") == b"computed\n"  # (the first compile's entry)
+    assert stats(env, SOC)["hits"] == 2
+
+
+@needs_strace
+def test_a_file_the_compile_finds_and_deletes_leaves_it_unstored(tmp_path):
+    # A marker the compile checks and removes: what it made depends on the marker,
+    # which the next run no longer finds.
+    env, root = project(tmp_path)
+    shell_tool(tmp_path, MARKER_OPC)
+    env["MARKER"] = str(tmp_path / "first-run")
+    (tmp_path / "first-run").touch()
+    time.sleep(0.02)  # (made a clock tick before the compile)
+    assert compile_into(env, root, "out1") == b"first\n"
+    reasons = stats(env, SOC)["uncacheable_reasons"]
+    assert any("first-run" in r for r in reasons), reasons
+    kernel = fresh(env, root, "opc", ARGS)
+    assert compile_into(env, root, "out2") == kernel
+    assert compile_into(env, root, "out3") == kernel
+    assert stats(env, SOC)["hits"] == 1
+
+
+LISTING_OPC = r"""
+import os, sys, time
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+data = b""
+for name in sorted(os.listdir("kernel")):
+    if name.endswith(".cpp"):
+        with open(os.path.join("kernel", name), "rb") as f:
+            data += f.read()
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(data)
+if os.environ.get("READY"):  # (its pid said, then a signal waited for: no path looked at)
+    import signal
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    with open(os.environ["READY"], "w") as f:
+        f.write(str(os.getpid()))
+    signal.sigwait([signal.SIGUSR1])
+"""
+
+
+@needs_strace
+def test_a_folder_that_gains_a_file_after_the_compile_listed_it_leaves_it_unstored(tmp_path):
+    # Recorded with the new name, the next run (the file still there) would hit on an
+    # output made without it.
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", LISTING_OPC)
+    ready = tmp_path / "ready"
+    env["READY"] = str(ready)
+    command = [sys.executable, "-m", "opcache", "wrap", "--", "opc", *ARGS, "--output=out1"]
+    running = subprocess.Popen(command, env=env, cwd=root)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and ready.read_text()):
+            assert time.monotonic() < deadline and running.poll() is None
+            time.sleep(0.02)
+        (root / "kernel" / "b.cpp").write_text("int b = 2;\n")  # (another process)
+        os.kill(int(ready.read_text()), signal.SIGUSR1)
+        assert running.wait(60) == 0
+    finally:
+        running.kill()
+    reasons = stats(env, SOC)["uncacheable_reasons"]
+    assert any("kernel" in r and "listed" in r for r in reasons), reasons
+    del env["READY"]
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    assert b"int b = 2" in (root / "out2" / "k.o").read_bytes()
+
+
+@needs_strace
+def test_a_python_opc_writing_bytecode_hits_from_its_second_run(tmp_path):
+    # Python checks a .pyc against its source (in the read set): the .pyc files and
+    # __pycache__ folders it makes, reads and replaces are no inputs, so the second run
+    # hits and an edited helper is stored at once.
+    env, root = project(tmp_path)
+    del env["PYTHONDONTWRITEBYTECODE"]
+    assert compile_into(env, root, "out1") == fresh(env, root, "opc", ARGS)
+    assert (root / "op" / "__pycache__").is_dir()
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 1
+    edit(root, env, "helper")
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+    assert compile_into(env, root, "out4") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2
