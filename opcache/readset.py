@@ -15,7 +15,8 @@ Python's bytecode caches (checked against their sources by Python), and the
 folders ``exclude`` names (the toolkit and Python's standard library, which
 the toolkit fingerprint covers, and ``/proc``, ``/sys``, ``/dev``, ``/run``).
 A path the compile looked for and then made is recorded as missing (what it
-found); one it found and then changed, or a folder whose names changed after
+found), one it found and then changed or deleted without reading it as there;
+one it read (or moved) and then changed, or a folder whose names changed after
 the compile listed them (other than by the compile), leaves the compile
 unstored: what it saw is gone.
 
@@ -80,6 +81,7 @@ _CHANGES = dict.fromkeys((
 ), 1)  # fmt: skip
 _CHANGES |= dict.fromkeys(("rename", "renameat", "renameat2", "link", "linkat"), 2)
 _SYMLINKS = frozenset(("symlink", "symlinkat"))  # the second path is the one made
+_MAKES = frozenset(("mkdir", "mkdirat", "mknod", "mknodat"))  # (only where nothing is)
 _WRITE_FLAGS = r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC"
 _MISSING = ("ENOENT", "ENOTDIR")
 # File times come from the kernel's coarse clock, up to a tick (10 ms at HZ=100)
@@ -208,7 +210,8 @@ class ReadSet:
     by path, ``kind`` one of ``file`` (content: its digest), ``dir`` (content:
     the digest of its names when it was listed, else ""), ``link`` (content:
     its target; the path's item as followed comes next, under ``path + "\\0"``),
-    ``missing``, ``other`` (a FIFO, socket or device: its type), ``error``
+    ``missing``, ``there`` (something the compile found and then changed: only
+    that something is there), ``other`` (a FIFO, socket or device: its type), ``error``
     (content: the error's text).
     """
 
@@ -247,14 +250,19 @@ class ReadSet:
                     continue
                 if [st.st_size, st.st_mtime_ns, st.st_ctime_ns] == item[3:6]:
                     continue  # (a folder's names change its mtime)
-            elif kind == "missing":
-                # Still nothing there (the other errors, or a path that now exists, differ).
+            elif kind in ("missing", "there"):
+                # Still nothing there (the other errors, or a path that now exists, differ);
+                # still something there.
                 try:
                     os.stat(real) if follow else os.lstat(real)
                 except (FileNotFoundError, NotADirectoryError):
-                    continue
+                    if kind == "missing":
+                        continue
+                    return False
                 except OSError:
-                    pass
+                    return False
+                if kind == "there":
+                    continue
                 return False
             now = _facts(real, follow, listed=kind == "dir", cheap=kind not in ("file", "dir"))
             if now[1] != kind or now[2] != item[2]:
@@ -316,17 +324,14 @@ def record(
         norm = os.path.normpath(path)
         if through_proc.match(norm):
             raise Unprovable(f"{path}: a file reached through /proc is not known by its name")
-        if norm.startswith(made_dirs) or _skipped(norm, skip, kept) or _bytecode(norm):
+        if norm.startswith(made_dirs) or _skipped(norm, skip, kept):
             continue
-        if norm in trace.rewritten:
-            raise Unprovable(f"{path} changed while the compile ran (it wrote what it had read)")
+        if _bytecode(norm) and (norm in trace.changed or norm.endswith("__pycache__")):
+            continue  # (a .pyc Python only read may be one it used though stale: kept)
         if norm in trace.changed and not _kept_as_it_was(norm, trace.updated, started_ns):
-            found = trace.found_before_changing(norm)
-            if found is None:
-                continue  # made before it was looked at: the compile's own
-            if found:
-                raise Unprovable(f"{path} was there and the compile changed it")
-            items.append([path, "missing", 0, 0, 0, 0, ""])  # (what it found)
+            found = _as_found(path, norm, trace)
+            if found is not None:
+                items.append(found)
             continue
         for item in _facts_with_link(path, listed=norm in trace.listed):
             if item[1] == "file" and max(item[4], item[5]) >= started_ns - _CLOCK_LAG_NS:
@@ -335,10 +340,32 @@ def record(
                 # Read, then deleted by another process before this record: "missing"
                 # would let the next run, with no such file, hit on what it held.
                 raise Unprovable(f"{path} was read and is gone")
-            if item[1] == "dir" and item[0] == path and norm in trace.listings:
-                _check_listings(path, trace.listings[norm], own_names.get(norm, set()))
+            if item[1] == "dir" and item[0].rstrip("\0") == path:
+                real = os.path.realpath(norm)  # (strace -y names a listing's folder so)
+                if real in trace.listings:
+                    _check_listings(real, trace.listings[real], own_names.get(real, set()))
             items.append(item)
     return ReadSet(items)
+
+
+def _as_found(path: str, norm: str, trace: _Trace) -> list | None:
+    """The item of a path the compile changed, as the compile found it; None when it
+    changed it before looking at it (its own output, a temporary file)."""
+    if norm in trace.rewritten:
+        raise Unprovable(f"{path} changed while the compile ran (it wrote what it had read)")
+    if norm in trace.updated and os.path.lexists(norm):
+        # Opened read-write (and changed): what it read is gone.  (One it made so, a
+        # database, is read unchanged by the next run, which is stored.)
+        raise Unprovable(f"{path} was opened read-write and changed by the compile")
+    found = trace.found_before_changing(norm)
+    if found is None:
+        return None
+    if not found:
+        return [path, "missing", 0, 0, 0, 0, ""]
+    if norm in trace.opened or norm in trace.updated or norm in trace.moved:
+        # What it held was read, or is under another name now: gone from this path.
+        raise Unprovable(f"{path} was there, and the compile read or moved it and changed it")
+    return [path, "there", 0, 0, 0, 0, ""]  # (a marker it removed, an old output it replaced)
 
 
 def _bytecode(norm: str) -> bool:
@@ -463,6 +490,7 @@ class _Trace:
         self.changed: set[str] = set()  # paths written, made, renamed or deleted
         self.made: set[str] = set()  # folders made
         self.updated: set[str] = set()  # opened read-write without truncating
+        self.moved: set[str] = set()  # renamed away
         # When (µs) each path was first opened to read, first looked at (and whether
         # something was there), first changed: the processes' files interleave only by
         # their times.  (No time: before anything, as a tie is.)
@@ -499,7 +527,8 @@ class _Trace:
         names: dict[str, set[str]] = {}
         for path in self.changed:
             folder, name = os.path.split(path)
-            names.setdefault(folder, set()).add(name)
+            # (by its real path, as strace -y names a listing's folder)
+            names.setdefault(os.path.realpath(folder), set()).add(name)
         return names
 
     def look(self, path: str, when: int, found: bool) -> None:
@@ -562,8 +591,14 @@ def _parse(trace_dir: str) -> _Trace:
                 done = paths[1:2]
             elif call in _CHANGES and ok:
                 done = paths[: _CHANGES[call]]
+                if paths and call not in ("creat", "link", "linkat"):
+                    # Its success says what was there: nothing for mkdir and mknod,
+                    # something for the rest (a remove, a rename, a chmod).
+                    trace.look(paths[0], when, call not in _MAKES)
                 if call in ("mkdir", "mkdirat"):
                     trace.made.update(paths[:1])
+                elif call in ("rename", "renameat", "renameat2"):
+                    trace.moved.update(paths[:1])
             elif call in _CHANGES or call in _SYMLINKS:
                 if paths:  # (failed: what it found there decided that)
                     trace.look(paths[0], when, found)
@@ -571,8 +606,10 @@ def _parse(trace_dir: str) -> _Trace:
                 if ok and call.startswith("open") and write_re.search(args):
                     done = paths[:1]
                     if "O_RDWR" in args and "O_TRUNC" not in args and "O_EXCL" not in args:
-                        trace.look(paths[0], when, True)  # (read too, if it was there)
+                        trace.looked.add(paths[0])  # (read too, if it was there)
                         trace.updated.add(paths[0])
+                        if "O_CREAT" not in args:  # (with it, it may have made it)
+                            trace.look(paths[0], when, True)
                 else:
                     trace.look(paths[0], when, found)
                     if ok and call.startswith("open"):

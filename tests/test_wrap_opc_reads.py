@@ -746,21 +746,22 @@ def test_a_file_the_compile_makes_when_it_finds_none_is_looked_for_on_each_hit(t
 
 
 @needs_strace
-def test_a_file_the_compile_finds_and_deletes_leaves_it_unstored(tmp_path):
-    # A marker the compile checks and removes: what it made depends on the marker,
-    # which the next run no longer finds.
+def test_a_file_the_compile_finds_and_deletes_is_looked_for_on_each_hit(tmp_path):
+    # A marker the compile checks and removes: what it made depends on the marker, which
+    # the next run no longer finds.  Recorded as there, as the compile found it.
     env, root = project(tmp_path)
     shell_tool(tmp_path, MARKER_OPC)
     env["MARKER"] = str(tmp_path / "first-run")
     (tmp_path / "first-run").touch()
     time.sleep(0.02)  # (made a clock tick before the compile)
     assert compile_into(env, root, "out1") == b"first\n"
-    reasons = stats(env, SOC)["uncacheable_reasons"]
-    assert any("first-run" in r for r in reasons), reasons
     kernel = fresh(env, root, "opc", ARGS)
     assert compile_into(env, root, "out2") == kernel
     assert compile_into(env, root, "out3") == kernel
     assert stats(env, SOC)["hits"] == 1
+    (tmp_path / "first-run").touch()
+    assert compile_into(env, root, "out4") == b"first\n"  # (the first compile's entry)
+    assert stats(env, SOC)["hits"] == 2
 
 
 LISTING_OPC = r"""
@@ -825,3 +826,186 @@ def test_a_python_opc_writing_bytecode_hits_from_its_second_run(tmp_path):
     assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
     assert compile_into(env, root, "out4") == fresh(env, root, "opc", ARGS)
     assert runs(env) == 2
+
+
+# -- review of the above, 2026-11-28 -------------------------------------------------------
+
+NESTED_CACHE_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+if [ -e "$CACHE_DIR/t.bin" ]; then cat "$CACHE_DIR/t.bin" > "$out/k.o"
+else echo computed > "$out/k.o"; mkdir "$CACHE_DIR"; echo cached > "$CACHE_DIR/t.bin"; fi
+"""
+
+NESTED_CACHE_PY = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+d = os.environ["CACHE_DIR"]; t = os.path.join(d, "t.bin")
+if os.path.exists(t):
+    data = open(t, "rb").read()
+else:
+    data = b"computed\n"
+    os.makedirs(d, exist_ok=True)
+    open(t, "wb").write(b"cached\n")
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "wb").write(data)
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("language", ["shell", "python"])
+def test_a_file_made_in_a_folder_the_compile_makes_when_missing_is_looked_for(tmp_path, language):
+    # Everything under a folder the compile made is its own; the folder itself is
+    # recorded as missing, as it found it.
+    env, root = project(tmp_path)
+    if language == "shell":
+        shell_tool(tmp_path, NESTED_CACHE_OPC)
+    else:
+        write_tool(tmp_path / "bin", "opc", NESTED_CACHE_PY)
+    env["CACHE_DIR"] = str(tmp_path / "home-cache")
+    assert compile_into(env, root, "out1") == b"computed\n"
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS) == b"cached\n"
+
+
+@needs_strace
+def test_a_linked_folder_that_gains_a_file_after_the_compile_listed_it(tmp_path):
+    # strace names a listing's folder by its real path; the compile named it by the link.
+    env, root = project(tmp_path)
+    (root / "kernel").rename(root / "real_kernel")
+    (root / "kernel").symlink_to("real_kernel")
+    write_tool(tmp_path / "bin", "opc", LISTING_OPC)
+    ready = tmp_path / "ready"
+    env["READY"] = str(ready)
+    command = [sys.executable, "-m", "opcache", "wrap", "--", "opc", *ARGS, "--output=out1"]
+    running = subprocess.Popen(command, env=env, cwd=root)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and ready.read_text()):
+            assert time.monotonic() < deadline and running.poll() is None
+            time.sleep(0.02)
+        (root / "real_kernel" / "b.cpp").write_text("int b = 2;\n")  # (another process)
+        os.kill(int(ready.read_text()), signal.SIGUSR1)
+        assert running.wait(60) == 0
+    finally:
+        running.kill()
+    del env["READY"]
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+
+
+@needs_strace
+def test_a_pyc_python_used_though_stale_is_in_the_read_set(tmp_path):
+    # Python checks a .pyc by its source's size and mtime in whole seconds: an edit that
+    # keeps both (cp -p, tar, an edit within the second) runs the old bytecode, as the
+    # tool itself does; once the .pyc is gone the tool gives the new source's output.
+    env, root = project(tmp_path)
+    del env["PYTHONDONTWRITEBYTECODE"]
+    helper = root / "op" / "helper.py"
+    compile_into(env, root, "out1")
+    st = helper.stat()
+    helper.write_text('VALUE = "helper-2\\n"\n')  # (the same size)
+    os.utime(helper, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    shutil.rmtree(root / "op" / "__pycache__")
+    assert b"helper-2" in fresh(env, root, "opc", ARGS)
+    shutil.rmtree(root / "op" / "__pycache__")
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+
+
+REMOVE_THEN_WRITE_PY = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+os.makedirs("kernel_meta", exist_ok=True)
+data = open(os.environ["BUILD_KERNEL_SRC"], "rb").read()
+j = os.path.join("kernel_meta", "k.json")
+if os.path.exists(j):
+    os.remove(j)
+with open(j, "w") as f:
+    f.write("{}")
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "wb").write(data)
+"""
+
+LOCK_PY = r"""
+import fcntl, os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+lock = os.path.join(os.environ["HOME"], "opc.lock")
+fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+data = open(os.environ["BUILD_KERNEL_SRC"], "rb").read()
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "wb").write(data)
+os.unlink(lock)
+os.close(fd)
+"""
+
+LINKED_TEMP_PY = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+tmp = os.path.join(os.environ["LINKED"], "kernel", "k.tmp")  # (through a link)
+open(tmp, "w").close()
+data = b"".join(open(os.path.join("kernel", n), "rb").read()
+                for n in sorted(os.listdir("kernel")) if n.endswith(".cpp"))
+os.unlink(tmp)
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "wb").write(data)
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("case", ["remove_then_write", "lock_file", "temp_through_a_link"])
+def test_files_a_compile_makes_and_removes_of_its_own_leave_it_cached(tmp_path, case):
+    # Its old output replaced, a lock file made and removed, a temporary file made
+    # through a link in a folder it lists: stored, and hits from then on.
+    env, root = project(tmp_path)
+    script = {"remove_then_write": REMOVE_THEN_WRITE_PY, "lock_file": LOCK_PY}
+    write_tool(tmp_path / "bin", "opc", script.get(case, LINKED_TEMP_PY))
+    (root / "kernel_meta").mkdir()  # (there already: another operator's compile made it)
+    (tmp_path / "link").symlink_to(root)
+    env["LINKED"] = str(tmp_path / "link")
+    for n in range(1, 5):
+        assert compile_into(env, root, f"out{n}") == fresh(env, root, "opc", ARGS)
+    chip = stats(env, SOC)
+    assert chip["hits"] >= 2, chip["uncacheable_reasons"]
+
+
+MARKER_BY_REMOVE_PY = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+try:
+    os.remove(os.environ["MARKER"])
+    data = b"first\n"
+except FileNotFoundError:
+    data = open(os.environ["BUILD_KERNEL_SRC"], "rb").read()
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "wb").write(data)
+"""
+
+CLAIM_BY_RENAME_SH = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+if mv "$HOME/pending.cfg" "$HOME/used.cfg" 2>/dev/null; then cat "$HOME/used.cfg" > "$out/k.o"
+else cat "$BUILD_KERNEL_SRC" > "$out/k.o"; fi
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("case", ["removed", "renamed"])
+def test_a_file_the_compile_removes_or_renames_without_looking_first_is_no_output(tmp_path, case):
+    # A remove or a rename that works says the file was there.
+    env, root = project(tmp_path)
+    if case == "removed":
+        write_tool(tmp_path / "bin", "opc", MARKER_BY_REMOVE_PY)
+        env["MARKER"] = str(tmp_path / "first-run")
+        (tmp_path / "first-run").touch()
+    else:
+        shell_tool(tmp_path, CLAIM_BY_RENAME_SH)
+        (tmp_path / "pending.cfg").write_text("pending config\n")
+    time.sleep(0.02)
+    first = compile_into(env, root, "out1")
+    assert first == (b"first\n" if case == "removed" else b"pending config\n")
+    if case == "renamed":
+        (tmp_path / "used.cfg").unlink()
+        (tmp_path / "pending.cfg").write_text("another config\n")  # (what it read: gone)
+        assert compile_into(env, root, "out2") == b"another config\n"
+        (tmp_path / "used.cfg").unlink()
+    assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
