@@ -181,6 +181,10 @@ def base_env(tmp_path: Path, *extra_path: Path) -> dict[str, str]:
     system = os.environ.get("PATH", os.defpath).split(os.pathsep)
     system = [p for p in system if p and not os.access(os.path.join(p, "opc"), os.X_OK)]
     path = [str(p) for p in extra_path] + system
+    # The stand-in's mark of sleeping runs: made here, as a toolkit's folders are there
+    # before a compile.  (One a traced opc makes itself is an input, as it found it:
+    # missing, and the second of two runs at once, finding it, would miss.)
+    (tmp_path / "opc.log.running").mkdir(parents=True, exist_ok=True)
     return {
         "PATH": os.pathsep.join(path),
         "HOME": str(tmp_path),
