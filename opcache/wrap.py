@@ -1017,6 +1017,14 @@ _CC_FILE_FLAGS += ("-fsanitize-system-ignorelist=", "-fsanitize-coverage-allowli
 _CC_FILE_FLAGS += ("-fsanitize-coverage-ignorelist=", "-fsanitize-coverage-whitelist=")
 _CC_FILE_FLAGS += ("-fsanitize-coverage-blacklist=", "-fxray-attr-list=")
 _CC_FILE_FLAGS += ("-fxray-always-instrument=", "-fxray-never-instrument=")
+# Flags making clang read files no -M listing names (modules and their maps, which
+# a header made later turns on; an include search beside every including file;
+# a sections list), or write its own command line (opcache's, with the build
+# folder's -o) into the object.  ccache refuses modules too.
+_CC_UNLISTED_READS = ("-fmodules", "-fcxx-modules", "-fmodule-file", "-fprebuilt-module-path")
+_CC_UNLISTED_READS += ("-fimplicit-module-maps", "-fms-compatibility")
+_CC_UNLISTED_READS += ("-fbasic-block-sections=list=",)
+_CC_RECORDS_ITS_COMMAND = ("-frecord-command-line", "-grecord-command-line")
 _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 # The flags of CANN's device compilers (bisheng, ccec), keyed and passed as
@@ -1079,6 +1087,10 @@ def _plan_cc(
             raise Uncacheable(f"cc: {arg} {reason}")
         if arg.startswith(_CC_SIDE_FILES) or (arg.startswith("-fopt-info") and "=" in arg):
             raise Uncacheable(f"cc: {arg} writes a side file a hit could not give back")
+        if arg.startswith(_CC_UNLISTED_READS):
+            raise Uncacheable(f"cc: {arg} reads files the preprocessor's listing does not name")
+        if arg in _CC_RECORDS_ITS_COMMAND:
+            raise Uncacheable(f"cc: {arg} writes the compile's own command line into the object")
         if arg == "-c":
             compile_only = True
         elif arg == "-o" or (arg.startswith("-o") and len(arg) > 2):
@@ -1094,6 +1106,12 @@ def _plan_cc(
         elif arg == "-MP":
             key_args.append(arg)
         elif arg.startswith(_CC_INCLUDE_DIRS):
+            flag = next(f for f in _CC_INCLUDE_DIRS if arg.startswith(f))
+            place = value if value is not None else arg[len(flag) :]
+            if place and os.path.isfile(place):
+                # (clang reads a file there as a header map: the headers it names are
+                # in no listing)
+                raise Uncacheable(f"cc: {flag} {place} is a file, not a folder")
             pass_args += [arg, value] if value is not None else [arg]
         elif arg == "-include":
             pass_args += [arg, value or ""]
@@ -1137,16 +1155,21 @@ def _plan_cc(
     if not out_path.parent.is_dir():
         raise Uncacheable("cc: the output folder does not exist")
     source_data = _read(source)
+    # The binary, and the name it is run by: clang++ compiles a .c as C++, and a
+    # cross name (aarch64-linux-gnu-clang) picks another target (ccache keys it too).
     compiler_identity = file_identity(_which(argv[0], env), memo.store)
+    compiler_identity += "\0" + os.path.basename(argv[0])
     keyed_names = CC_KEY_ENVIRONMENT + ASCEND_CC_KEY_ENVIRONMENT if ascend else CC_KEY_ENVIRONMENT
     inputs = memo.header_digests(
         argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names
     )
     for place in [*inputs.paths, *inputs.absent, *inputs.passed]:
-        # gcc takes <place>.gch, where it exists, for the header it looks for
-        # there; cc -M names the header alone, so the key would not hold it.
-        if not _absent(place + ".gch"):
-            raise Uncacheable(f"cc: a precompiled header {place}.gch may be used")
+        # gcc takes <place>.gch, clang <place>.pch first, where it exists, for the
+        # header it looks for there; cc -M names the header alone, so the key would
+        # not hold it.
+        for suffix in (".gch", ".pch"):
+            if not _absent(place + suffix):
+                raise Uncacheable(f"cc: a precompiled header {place}{suffix} may be used")
     key_sources = {os.path.basename(source): source_data}
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
     if flag_files:
@@ -1166,9 +1189,11 @@ def _plan_cc(
             raise Uncacheable(f"cc: a {directive} directive reads a file the key does not hold")
     attrs |= _clock_key(argv[0], macros, env, [source, *inputs.paths])
     extra = []  # flags the key decides without holding them
-    if debug or want_deps or not macros.isdisjoint(("__FILE__", "__FILE_NAME__")):
-        # Debug info, dependency files and __FILE__ name the headers where they
-        # were found (the same contents in another folder is another object).
+    sanitized = any(a.startswith("-fsanitize=") for a in key_args)
+    if debug or want_deps or sanitized or not macros.isdisjoint(_PATH_MACROS):
+        # Debug info, dependency files, __FILE__ and a sanitizer's source locations
+        # name the headers where they were found (the same contents in another
+        # folder is another object).
         attrs["header_paths"] = inputs.paths
     if want_deps and not has_target:
         # The dependency file names the object as its target (-MT output below):
@@ -1287,14 +1312,17 @@ def _flag_file_digest(arg: str) -> str:
 
 def _names_no_file(arg: str) -> None:
     """Uncacheable when a flag keyed by its text names a file by its value
-    (``-fNAME=FILE``): the compiler may read it, and its contents are not keyed.
-    A folder is allowed (``-fdebug-compilation-dir=.``)."""
+    (``-fNAME=FILE``, ``-fNAME=KIND=FILE``): the compiler may read it, and its
+    contents are not keyed.  A folder is allowed (``-fdebug-compilation-dir=.``)."""
     _, sep, value = arg.partition("=")
-    try:
-        if sep and value and not stat.S_ISDIR(os.stat(value).st_mode):
-            raise Uncacheable(f"cc: {arg} names a file opcache does not key")
-    except (OSError, ValueError):
-        pass
+    if not sep:
+        return
+    for part in {value, *value.split("=")}:
+        try:
+            if part and not stat.S_ISDIR(os.stat(part).st_mode):
+                raise Uncacheable(f"cc: {arg} names a file opcache does not key")
+        except (OSError, ValueError):
+            pass
 
 
 def _clock_key(
@@ -1563,7 +1591,8 @@ class _Found:
 
 # Macros whose expansion is not in the files' contents: the time, a file's
 # time, a file's path.  Found as text (a name pasted together by ## is not).
-_KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", "__FILE__", "__FILE_NAME__")
+_PATH_MACROS = ("__FILE__", "__FILE_NAME__", "__builtin_FILE")
+_KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", *_PATH_MACROS)
 
 
 # Assembler directives that read a file (in an asm statement): the preprocessor

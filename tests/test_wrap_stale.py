@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -775,3 +776,101 @@ def test_an_assembler_of_the_compilers_own_is_keyed_by_its_contents(tmp_path):
     assembler.write_text("#!/bin/sh\n# binutils 2.41, upgraded\n")
     after = wrap_module._path_assembler(str(cc), "cross-gcc 1", env, None)
     assert before is not None and after is not None and before != after
+
+
+# -- review of clang, 2026-11-28: objects clang gives otherwise than a hit did -------------
+
+needs_clang = pytest.mark.skipif(CLANG is None, reason="clang is needed (CI installs it)")
+
+
+@needs_clang
+def test_the_name_clang_is_run_by_is_in_the_key(env, src, tmp_path):
+    # clang++ compiles a .c as C++; a cross name picks another target: one binary.
+    (src / "k.c").write_text("int f(void) { return 42; }\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "clang++").symlink_to(CLANG)
+    env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    same_as_gcc(src, env, "-c", "k.c", cc="clang")
+    same_as_gcc(src, env, "-c", "k.c", cc="clang++")
+    assert b"_Z1fv" in (src / "k.o").read_bytes()
+    assert stats(env, "host")["hits"] == 0
+
+
+@needs_clang
+@pytest.mark.parametrize("macro", ["__builtin_FILE()", "sanitizer"])
+def test_an_object_naming_its_header_s_path_is_keyed_by_it(env, src, macro):
+    # __builtin_FILE() and a sanitizer's source locations name the header as found.
+    body = "return __builtin_FILE();" if macro != "sanitizer" else "return (const char*)(a + b);"
+    for name in ("A", "B"):
+        (src / name / "inc").mkdir(parents=True)
+        (src / name / "inc" / "w.h").write_text(
+            f"static inline const char *where(int a, int b) {{ {body} }}\n"
+        )
+        (src / name / "k.c").write_text(
+            '#include "w.h"\nconst char *f(int a) { return where(a, 2); }\n'
+        )
+    flags = ["-fsanitize=undefined"] if macro == "sanitizer" else []
+    for name in ("A", "B"):
+        folder = src / name
+        same_as_gcc(folder, env, "-O1", *flags, f"-I{folder / 'inc'}", "-c", "k.c", cc="clang")
+
+
+@needs_clang
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "-fms-compatibility",
+        "-fmodules",
+        "-fmodule-file=M=m.pcm",
+        "-fprebuilt-module-path=pre",
+        "-fbasic-block-sections=list=bb.txt",
+        "-frecord-command-line",
+        "-grecord-command-line",
+    ],
+)
+def test_clang_flags_that_read_files_no_listing_names_are_not_cached(env, src, flag):
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    (src / "m.pcm").write_bytes(b"")
+    (src / "pre").mkdir()
+    (src / "bb.txt").write_text("!f\n")
+    done = wrap("clang", flag, "-c", "k.c", "-o", "k.o", env=env, cwd=src, status=None)
+    del done
+    assert stats(env, "host").get("uncacheable", 0) == 1
+
+
+@needs_clang
+def test_a_pch_beside_a_forced_include_is_seen(env, src):
+    # clang takes x.h.pch for -include x.h, where it exists (gcc takes x.h.gch).
+    (src / "x.h").write_text("#ifdef EXTRA\n#define V EXTRA\n#else\n#define V 1\n#endif\n")
+    (src / "k.c").write_text("int f(void) { return V; }\n")
+    same_as_gcc(src, env, "-include", "x.h", "-c", "k.c", cc="clang")
+    subprocess.run(
+        [CLANG, "-DEXTRA=5", "-x", "c-header", "x.h", "-o", "x.h.pch"], cwd=src, check=True
+    )
+    same_as_gcc(src, env, "-include", "x.h", "-c", "k.c", cc="clang")
+
+
+def header_map(path: Path, name: str, prefix: str) -> None:
+    """Write clang's header map (``-I m.hmap``): ``name`` found as ``prefix + name``."""
+    strings = b"\0"
+    offsets = []
+    for text in (name, prefix, name):
+        offsets.append(len(strings))
+        strings += text.encode() + b"\0"
+    buckets = [(0, 0, 0)] * 8
+    buckets[sum(ord(c.lower()) * 13 for c in name) & 7] = tuple(offsets)
+    head = struct.pack("<IHHIIII", 0x686D6170, 1, 0, 24 + 12 * 8, 1, 8, len(prefix + name))
+    path.write_bytes(head + b"".join(struct.pack("<III", *b) for b in buckets) + strings)
+
+
+@needs_clang
+def test_a_header_map_on_the_include_path_is_not_cached(env, src):
+    # clang reads a file on the include path as a header map: which header it names
+    # is in no listing.
+    for folder, value in (("a", 1), ("b", 2)):
+        (src / folder).mkdir()
+        (src / folder / "x.h").write_text(f"#define V {value}\n")
+    (src / "k.c").write_text('#include "x.h"\nint f(void) { return V; }\n')
+    for folder in ("a", "b"):
+        header_map(src / "m.hmap", "x.h", f"{src / folder}/")
+        same_as_gcc(src, env, "-I", "m.hmap", "-c", "k.c", cc="clang")
