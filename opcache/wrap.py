@@ -52,7 +52,7 @@ from . import _json, _log, fsutil, quickmemo
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers.toolchain import file_identity, read_input, which
-from .errors import CompileError, ConfigError
+from .errors import CompileError, ConfigError, sentence
 from .key import canonical_json, compute_key, digest
 from .keyed_env import (
     ASCEND_CC_KEY_ENVIRONMENT,
@@ -267,6 +267,12 @@ def run(
             plan = _plan_cc(argv, run_env, HeaderMemo(store), base.base_dir)
     except Uncacheable as e:
         return _run_uncacheable(argv, run_env, base, str(e))
+    except OSError as e:
+        # A file the key needs that this user may not read (an execute-only compiler,
+        # another's file in the tuning bank): the command runs as it is, never fails.
+        reason = f"cannot read what the key needs: {sentence(e)}"
+        log.warning("%s: running the command uncached", reason)
+        return _run_uncacheable(argv, run_env, base, reason)
     settings: Settings | None = base
     if plan.debug_level is not None or plan.debug_config is not None:
         try:

@@ -174,3 +174,41 @@ def test_compile_v_shows_the_compiler_s_warnings(specs, tmp_path):
     said = opcache(*args, "-v", env=env, cwd=specs).stderr.decode()
     assert "opcache: info: cc K said:\nk.c:1:2: warning: #warning " in said
     assert "look-here-43" in said
+
+
+EXECUTE_ONLY_CODE = """
+import contextlib, io, json, os
+from opcache.cli import main
+base = {base!r}
+os.chdir(base)
+os.environ.update(HOME=base, ASCEND_CACHE_PATH=os.path.join(base, "cache"))
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    status = main(["wrap", "--", os.path.join(base, "bin", "gcc"), "-c", "b.c", "-o", "b.o"])
+print(json.dumps([status, os.path.exists("b.o"), err.getvalue()]))
+"""
+
+
+@pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+def test_a_compiler_this_user_may_run_but_not_read_compiles_uncached(tmp_path):
+    # Mode 0711: the key cannot hold its digest; the compile runs as it is.
+    from helpers_faults import NOBODY, open_folder, run_as
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another user")
+    with open_folder() as base:
+        (base / "bin").mkdir()
+        gcc = base / "bin" / "gcc"
+        gcc.write_bytes(Path(os.path.realpath(GCC)).read_bytes())
+        gcc.chmod(0o711)
+        for folder in ("lib", "libexec"):  # (where it finds its cc1, as from /usr/bin)
+            (base / folder).symlink_to(f"/usr/{folder}")
+        (base / "b.c").write_text("int b(void) { return 2; }\n")
+        os.chown(base, NOBODY, NOBODY)
+        code = EXECUTE_ONLY_CODE.format(base=str(base))
+        status, made, err = run_as(NOBODY, NOBODY, code)
+        assert (status, made) == (0, True), err
+        assert "Traceback" not in err and "cannot read what the key needs" in err, err
+        said = json.loads(opcache("stats", "--json", env=base_env(base), cwd=base).stdout)
+        reasons = said["chips"]["host"]["uncacheable_reasons"]
+        assert any("cannot read what the key needs" in r and "gcc" in r for r in reasons), reasons
