@@ -15,7 +15,13 @@ OPC_KEY_ENVIRONMENT = (
     "ASCEND_TOOLKIT_HOME", "ASCEND_AICPU_PATH", "BISHENG_REAL_PATH", "TILINGKEY_PAR_COMPILE",
     "ASCENDC_SPK_SUB_ID", "BUILD_BUILTIN_OPP", "PATH", "PYTHONPATH", "PYTHONHOME",
     "LD_LIBRARY_PATH", "LD_PRELOAD",
+    # read by CANN's own compile Python (asc-devkit's asc_op_compile_base): -g for
+    # coverage, the super-kernel transform, hashed temporary names
+    "ASCENDC_COV", "SKT_ENABLE", "BIN_FILENAME_HASHED",
 )  # fmt: skip
+# Variables making opc (CANN's compile Python) write files outside its --output folder:
+# a hit could not give them back (ASCENDC_BUILD_LOG_DIR: each kernel's build log).
+OPC_SIDE_OUTPUT_ENVIRONMENT = ("ASCENDC_BUILD_LOG_DIR",)
 # Variables that move where Python looks for modules (the user site-packages).
 # Not in the key: the read set holds what was found there.  They pick which
 # remembered read sets are tried, as the working folder does.

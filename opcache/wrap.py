@@ -63,6 +63,7 @@ from .keyed_env import (
     ENV_KEY_ENV,
     OPC_KEY_ENVIRONMENT,
     OPC_READS_ENVIRONMENT,
+    OPC_SIDE_OUTPUT_ENVIRONMENT,
 )
 from .masquerade import ASCEND_CC_NAMES, compiler_environ, compiler_kind, find_compiler, reentered
 from .request import CompileResult, OpRequest
@@ -85,6 +86,7 @@ WARN_SECONDS = 3600  # a configuration warning shows at most once an hour per ca
 # opc flags that say where outputs go: not part of the key.
 _OPC_OUTPUT_FLAGS = ("output", "debug_dir")
 _OPC_DEBUG_FLAGS = ("op_debug_level", "op_debug_config")
+_OPC_NAMED_FLAGS = (*_OPC_OUTPUT_FLAGS, *_OPC_DEBUG_FLAGS, "soc_version")
 
 
 class _ToolFailed(CompileError):
@@ -589,6 +591,14 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     values = dict(flags)
     if len(values) != len(flags):
         raise Uncacheable("opc: a flag is given twice")
+    for name in values:
+        # asc_opc takes a flag's unique prefix for it (getopt): --out=... is --output.
+        whole = [f for f in _OPC_NAMED_FLAGS if f.startswith(name) and f != name]
+        if whole:
+            raise Uncacheable(f"opc: --{name} may stand for --{whole[0]}")
+    for name in OPC_SIDE_OUTPUT_ENVIRONMENT:
+        if env.get(name):
+            raise Uncacheable(f"opc: {name} is set (it writes files a hit could not give back)")
     soc = values.get("soc_version")
     if not soc:
         raise Uncacheable("opc: no --soc_version")
@@ -597,7 +607,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     op_type, op_name = "opc", ""
     key_flags = []
     for name, value in flags:
-        if name in _OPC_OUTPUT_FLAGS or name in _OPC_DEBUG_FLAGS or name == "soc_version":
+        if name in _OPC_NAMED_FLAGS:
             continue
         if value is not None and os.path.isfile(value):
             data = _read(value)
@@ -1067,6 +1077,7 @@ def _plan_cc(
     dep_file: str | None = None
     want_deps = debug = False
     has_target = False
+    mllvm_before = ""  # the last -mllvm value: the option a bare value is given to
     flag_files: list[list[str]] = []  # [flag, the digest of the file it names]
     after_source: list[str] = []  # -x after the source: it applies to no input
     ascend = os.path.basename(argv[0]) in ASCEND_CC_NAMES
@@ -1143,7 +1154,8 @@ def _plan_cc(
             if arg.startswith("-f"):
                 _names_no_file(arg)
             if arg == "-mllvm":
-                _names_no_file(value or "")
+                _mllvm_reads_no_file(value or "", mllvm_before)
+                mllvm_before = value or ""
             debug = debug or (arg.startswith("-g") and arg != "-g0")
             words = [arg, value] if value is not None else [arg]
             key_args += words
@@ -1314,6 +1326,24 @@ def _flag_file_digest(arg: str) -> str:
         return digest(read_input(path))
     except OSError as e:
         raise Uncacheable(f"cc: cannot read the file of {flag}= ({e.strerror})") from None
+
+
+# LLVM options writing a file beside the object (statistics, remarks, dumps).
+_MLLVM_WRITES = ("info-output-file", "pass-remarks-output", "debugify-export")
+_MLLVM_WRITES += ("cfg-dot-filename-prefix", "stats-json")
+
+
+def _mllvm_reads_no_file(value: str, before: str) -> None:
+    """Uncacheable when an ``-mllvm`` value names a file (``-opt=FILE``, or ``FILE``
+    alone after ``-mllvm -opt``: LLVM takes an option's value as the next word) or
+    makes LLVM write one."""
+    option = (value if value.startswith("-") else before).lstrip("-").partition("=")[0]
+    if option in _MLLVM_WRITES or "dump" in option:
+        raise Uncacheable(f"cc: -mllvm {value} writes a side file a hit could not give back")
+    try:
+        _names_no_file(value if value.startswith("-") else "=" + value)
+    except Uncacheable:
+        raise Uncacheable(f"cc: -mllvm {value} names a file opcache does not key") from None
 
 
 def _names_no_file(arg: str) -> None:

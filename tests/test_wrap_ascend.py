@@ -266,3 +266,25 @@ def test_a_sync_log_flag_runs_uncached_with_its_reason(kernel):
     assert stats(env)["uncacheable_reasons"] == {
         "cc: --cce-auto-sync-log=sync.txt writes a side file a hit could not give back": 1
     }
+
+
+# -- review of the Ascend paths, 2026-11-28 --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["-mllvm", "-cce-aicore-record-overflow", "-mllvm", "list.txt"],  # (LLVM: the next word)
+        ["-mllvm", "-cce-aicore-record-overflow=list.txt"],
+        ["-mllvm", "-stats", "-mllvm", "-info-output-file=stats.txt"],
+        ["-mllvm", "-info-output-file", "-mllvm", "stats.txt"],
+        ["-mllvm", "-cce-aicore-dump-ir"],
+    ],
+)
+def test_an_mllvm_option_naming_or_writing_a_file_runs_uncached(kernel, words):
+    # The file it reads is in no key; the file it writes a hit could not give back.
+    env, src = kernel
+    (src / "list.txt").write_text("fun:add_kernel\n")
+    wrap("bisheng", *LINE, *words, env=env, cwd=src)
+    reasons = host(env)["uncacheable_reasons"]
+    assert len(reasons) == 1 and "-mllvm" in next(iter(reasons)), reasons

@@ -1009,3 +1009,57 @@ def test_a_file_the_compile_removes_or_renames_without_looking_first_is_no_outpu
         assert compile_into(env, root, "out2") == b"another config\n"
         (tmp_path / "used.cfg").unlink()
     assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+
+
+# -- review of the Ascend paths, 2026-11-28: what CANN's own compile Python reads ----------
+
+ASC_ENV_OPC = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+opts = ["kernel"]
+if os.environ.get("ASCENDC_COV") == "1":  # (asc_op_compile_base: -g for coverage)
+    opts.append("-g")
+if os.environ.get("SKT_ENABLE") == "1":  # (-mllvm -cce-aicore-sk-transform)
+    opts.append("sk-transform")
+log = os.environ.get("ASCENDC_BUILD_LOG_DIR")
+if log:
+    os.makedirs(log, exist_ok=True)
+    open(os.path.join(log, "k_build.log"), "w").write("bisheng ...\n")
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "w").write(" ".join(opts))
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("variable", ["ASCENDC_COV", "SKT_ENABLE"])
+def test_a_variable_cann_s_compile_python_reads_is_in_the_key(tmp_path, variable):
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "asc_opc", ASC_ENV_OPC)
+    assert compile_into(env, root, "out1", tool="asc_opc") == b"kernel"
+    env[variable] = "1"
+    assert compile_into(env, root, "out2", tool="asc_opc") == fresh(env, root, "asc_opc", ARGS)
+
+
+@needs_strace
+def test_a_build_log_folder_runs_asc_opc_uncached(tmp_path):
+    # Each kernel's build log goes to ASCENDC_BUILD_LOG_DIR: a hit would write none.
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "asc_opc", ASC_ENV_OPC)
+    env["ASCENDC_BUILD_LOG_DIR"] = str(tmp_path / "logs")
+    for out in ("out1", "out2"):
+        shutil.rmtree(tmp_path / "logs", ignore_errors=True)
+        compile_into(env, root, out, tool="asc_opc")
+        assert (tmp_path / "logs" / "k_build.log").exists()
+    reasons = stats(env)["uncacheable_reasons"]
+    assert any("ASCENDC_BUILD_LOG_DIR" in r for r in reasons), reasons
+
+
+@needs_strace
+@pytest.mark.parametrize("flag", ["--out=out2", "--op_debug_l=3"])
+def test_a_flag_that_may_stand_for_an_output_or_debug_flag_runs_uncached(tmp_path, flag):
+    # asc_opc parses its line with getopt, which takes a unique prefix for the flag.
+    env, root = project(tmp_path)
+    shell_tool(tmp_path, "#!/bin/sh\nmkdir -p o && echo k > o/k.o\n")
+    wrap("opc", *ARGS, flag, env=env, cwd=root)
+    reasons = stats(env)["uncacheable_reasons"]
+    assert any("may stand for" in r for r in reasons), reasons
