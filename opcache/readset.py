@@ -248,6 +248,8 @@ class ReadSet:
                     # A folder the compile did not list: only that it is one.  Its times move
                     # with any name made in it (the hit's own staging in its output folder).
                     continue
+                if not _same_access(real, item):
+                    return False
                 if [st.st_size, st.st_mtime_ns, st.st_ctime_ns] == item[3:6]:
                     continue  # (a folder's names change its mtime)
             elif kind in ("missing", "there"):
@@ -393,6 +395,16 @@ def _check_listings(path: str, listings: list[tuple[bool, set[str]]], own: set[s
             raise Unprovable(
                 f"{path}: its names changed after the compile listed them ({sorted(moved)[0]})"
             )
+
+
+def _same_access(path: str, item: list) -> bool:
+    """Whether this user may read ``path`` now as when it was recorded: a stat does not
+    say (the user joined or left its group), and the compile read it, or failed to.
+    Asked only of what not everyone may read."""
+    was_denied = item[6].startswith(("unreadable:", "unlistable:"))
+    if not was_denied and item[2] & 0o004:
+        return True
+    return os.access(path, os.R_OK) != was_denied
 
 
 def _kept_as_it_was(norm: str, updated: set[str], started_ns: int) -> bool:

@@ -240,6 +240,7 @@ PRELOAD = (
     "errno",
     "fcntl",
     "functools",
+    "glob",
     "grp",
     "hashlib",
     "heapq",

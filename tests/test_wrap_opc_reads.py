@@ -1063,3 +1063,52 @@ def test_a_flag_that_may_stand_for_an_output_or_debug_flag_runs_uncached(tmp_pat
     wrap("opc", *ARGS, flag, env=env, cwd=root)
     reasons = stats(env)["uncacheable_reasons"]
     assert any("may stand for" in r for r in reasons), reasons
+
+
+# -- review as a user who is not root, 2026-11-28 --------------------------------------------
+
+ACCESS_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+{ cat "$BUILD_KERNEL_SRC"; cat opt.txt 2>/dev/null || echo "no opt"; } > "$out/k.o"
+"""
+
+ACCESS_CODE = """
+import contextlib, io, json, os
+from opcache.cli import main
+os.chdir({root!r})
+os.environ.update({env!r})
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    status = main(["wrap", "--", "opc", *{args!r}, "--output={out}"])
+with open(os.path.join({root!r}, "{out}", "k.o")) as f:
+    print(json.dumps([status, f.read(), err.getvalue()]))
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("first_in_the_group", [False, True])
+def test_a_file_this_user_may_read_now_and_could_not_then_is_a_miss(first_in_the_group):
+    # The same stat, another answer to "may I read it": the user joined (or left) the
+    # file's group.  What the compile read then is not what it would read now.
+    from helpers_faults import MEMBER_A, TEAM_GID, open_folder, run_as
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another user")
+    with open_folder() as base:
+        env, root = project(base)
+        shell_tool(base, ACCESS_OPC)
+        (root / "opt.txt").write_text("OPT ON\n")
+        subprocess.run(["chown", "-R", f"{MEMBER_A}:{MEMBER_A}", str(base)], check=True)
+        os.chown(root / "opt.txt", 0, TEAM_GID)
+        (root / "opt.txt").chmod(0o640)
+        said = []
+        for n, member in enumerate((first_in_the_group, not first_in_the_group)):
+            code = ACCESS_CODE.format(root=str(root), env=env, args=ARGS, out=f"out{n}")
+            groups = (TEAM_GID,) if member else ()
+            said.append(run_as(MEMBER_A, MEMBER_A, code, groups=groups))
+        for (status, output, err), member in zip(
+            said, (first_in_the_group, not first_in_the_group), strict=True
+        ):
+            assert status == 0, err
+            assert output.endswith("OPT ON\n" if member else "no opt\n"), (member, output)
