@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ._log import get_logger
 from .counters import CounterFiles
+from .errors import sentence
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class StatsRecorder:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._registered = False
+        self._failed: OSError | None = None  # why the last write failed
 
     def add(self, soc: str, name: str, amount: float = 1) -> None:
         """Count ``amount`` of ``name`` for a chip (in memory; written soon)."""
@@ -113,6 +115,7 @@ class StatsRecorder:
                 self.files(soc).add(counts)
             except OSError as e:
                 log.debug("cannot write stats for %s: %s", soc, e)
+                self._failed = e
                 with self._lock:
                     chip = self._pending.setdefault(soc, {})
                     for name, value in counts.items():
@@ -143,7 +146,13 @@ class StatsRecorder:
     def _write_and_forget(self) -> None:
         self.flush()
         with self._lock:
-            self._pending.clear()  # counts that could not be written are given up
+            lost, self._pending = self._pending, {}  # counts that could not be written
+        if lost:
+            log.warning(
+                "cannot write the counts of %s (%s): opcache stats will not show them",
+                ", ".join(sorted(lost)),
+                sentence(self._failed) if self._failed else "unknown error",
+            )
         with _hooks:
             _recorders.discard(self)
 

@@ -781,3 +781,19 @@ def test_a_folder_named_as_no_chip_is_not_taken_for_one() -> None:
         (settings.root / "Ascend310P3").mkdir(mode=0o700)  # (root's)
         code = CHILD_PROLOGUE + MAINTAIN_AS_MEMBER.format(ops=str(base / "ops"))
         assert run_as(MEMBER_A, MEMBER_A, code) == [1, 1, 1]  # (not 2: a usage error)
+
+
+def test_counts_that_cannot_be_written_say_so(tmp_path, caplog):
+    # A file in place of the stats folder: the compile is served, and a warning says
+    # why opcache stats will not show it (before: a debug line only).
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    with opcache.OpCache(settings) as cache:
+        cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), tmp_path / "out0")
+    folder = settings.root / ".opcache" / "stats"
+    shutil.rmtree(folder)
+    folder.write_text("not a folder")
+    with opcache.OpCache(settings) as cache:
+        result = cache.compile(make_request(1), ToyCompiler(tmp_path / "calls"), tmp_path / "out1")
+    assert result.status == "miss"
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("cannot write the counts" in m and str(folder) in m for m in said), said
