@@ -172,6 +172,8 @@ class OpCache:
         self._store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
         self._stats = stats.StatsRecorder(self._store.stats_files, flush_seconds=stats_seconds)
         errors = CacheErrors(self._stats, self._store.root)
+        # (an unwritable cache fails the stats with the rest: one warning for all)
+        self._stats.on_lost = lambda message: errors.warn_once("cache", message)
         self._folders = ChipFolders(
             settings,
             self._store,

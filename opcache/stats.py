@@ -80,6 +80,8 @@ class StatsRecorder:
         self._thread: threading.Thread | None = None
         self._registered = False
         self._failed: OSError | None = None  # why the last write failed
+        # Told of counts given up at close (the owner's one warning about its cache).
+        self.on_lost: Callable[[str], None] = log.warning
 
     def add(self, soc: str, name: str, amount: float = 1) -> None:
         """Count ``amount`` of ``name`` for a chip (in memory; written soon)."""
@@ -148,11 +150,10 @@ class StatsRecorder:
         with self._lock:
             lost, self._pending = self._pending, {}  # counts that could not be written
         if lost:
-            log.warning(
-                "cannot write the counts of %s (%s): opcache stats will not show them",
-                ", ".join(sorted(lost)),
-                sentence(self._failed) if self._failed else "unknown error",
-            )
+            why = sentence(self._failed) if self._failed else "unknown error"
+            chips = ", ".join(sorted(lost))
+            said = f"cannot write the counts of {chips} ({why})"
+            self.on_lost(f"{said}: opcache stats will not show them")
         with _hooks:
             _recorders.discard(self)
 
