@@ -81,6 +81,7 @@ class ChipVerify:
         self.checked = 0
         self.corrupt = 0  # removed
         self.errors = 0  # entries that could not be read or removed
+        self.unread = 0  # buckets that could not be read: their entries not checked
         self.entries = 0  # after the check
         self.bytes = 0
         self.counted_entries = counted_entries  # what the counters said before
@@ -103,7 +104,8 @@ class VerifyReport:
 
     @property
     def errors(self) -> int:
-        return sum(c.errors for c in self.chips.values())
+        """Entries that could not be checked or removed, and folders not read."""
+        return sum(c.errors + c.unread for c in self.chips.values())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -331,7 +333,8 @@ class OpCache:
         return report
 
     def _verify_chip(self, soc: str, chip: ChipVerify, progress: Progress | None) -> None:
-        for key, size, problem in self._store.check_each(soc, progress):
+        unread: list[str] = []
+        for key, size, problem in self._store.check_each(soc, progress, unread):
             chip.checked += 1
             if isinstance(problem, CorruptEntry):
                 log.warning("corrupt cache entry %s/%s removed: %s", soc, key, problem)
@@ -348,6 +351,11 @@ class OpCache:
                 chip.errors += 1
             chip.entries += 1
             chip.bytes += size
+        chip.unread = len(unread)
+        if unread:
+            # Entries the walk could not see are in the counters, rightly: kept as they were.
+            log.warning("the counters of %s are left as they were: it was not all read", soc)
+            return
         self._store.set_used(soc, chip.entries, chip.bytes)
 
     def clear(self, soc_version: str | None = None) -> list[str]:

@@ -402,8 +402,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         drift = ""
         # The corrupt entries verify removed were in the counters, with the size
         # they had when stored (damage may have changed it): that is no drift.
-        if chip.counted_entries - chip.corrupt != chip.entries or (
-            not chip.corrupt and chip.counted_bytes != chip.bytes
+        if not chip.unread and (
+            chip.counted_entries - chip.corrupt != chip.entries
+            or (not chip.corrupt and chip.counted_bytes != chip.bytes)
         ):
             drift = (
                 "; the counters were wrong (they said "
@@ -415,6 +416,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             f"{chip.corrupt} corrupt removed, {_count(chip.entries, 'entry', 'entries')} kept, "
             f"{_size(chip.bytes)}{drift}"
             + (f"; {chip.errors} could not be checked or removed" if chip.errors else "")
+            + (f"; {_count(chip.unread, 'folder')} could not be read" if chip.unread else "")
         )
     print(f"removed {_count(report.leftovers_removed, 'leftover')} of interrupted writers")
     return max(chips.report("not verified"), 1 if report.errors else 0)

@@ -797,3 +797,38 @@ def test_counts_that_cannot_be_written_say_so(tmp_path, caplog):
     assert result.status == "miss"
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("cannot write the counts" in m and str(folder) in m for m in said), said
+
+
+UNREAD_BUCKET_CODE = """
+settings = h.make_settings({ops!r}, {base!r}, shared_group={gid})
+comp = h.ToyCompiler({calls!r})
+with opcache.OpCache(settings) as cache:
+    if {store}:
+        for i in (0, 1):
+            cache.compile(h.make_request(i), comp, Path({base!r}) / "b" / str(i))
+        key = cache.compile(h.make_request(0), comp, Path({base!r}) / "b" / "again").key
+        os.chmod(settings.root / h.SOC / key[:2], 0o2700)  # (member B's bucket, closed)
+        print(json.dumps(0))
+    else:
+        chip = cache.verify().as_dict()["chips"][h.SOC]
+        print(json.dumps([chip, cache.stats()["chips"][h.SOC]["entries"], keep.messages]))
+"""
+
+
+@requires_root
+def test_verify_leaves_the_counters_alone_when_a_bucket_cannot_be_read() -> None:
+    # Member B's bucket, not open to the group: member A's verify does not see its
+    # entries, which are there; it says so, and does not count them away.
+    with open_folder() as base:
+        ops, calls = team_cache(base)
+        said = {}
+        for uid, store in ((MEMBER_B, True), (MEMBER_A, False)):
+            code = UNREAD_BUCKET_CODE.format(
+                ops=str(ops), base=str(base), gid=TEAM_GID, calls=str(calls), store=store
+            )
+            said[uid] = run_as(uid, uid, CHILD_PROLOGUE + code, groups=(TEAM_GID,))
+        chip, entries, warnings = said[MEMBER_A]
+        assert entries == 2, (chip, entries)
+        assert chip["unread"] == 1, chip
+        assert any("cannot be read" in w for w in warnings), warnings
+        assert any("left as they were" in w for w in warnings), warnings

@@ -506,7 +506,10 @@ class LocalStore:
             yield EntryInfo(key, *_entry_facts(bucket_fd, key, sizes))
 
     def check_each(
-        self, soc: str, progress: Callable[[int], None] | None = None
+        self,
+        soc: str,
+        progress: Callable[[int], None] | None = None,
+        unread: list[str] | None = None,
     ) -> Iterator[tuple[str, int, OSError | CorruptEntry | None]]:
         """Every entry of a chip folder read and checked as ``get`` checks it, in one
         walk: (key, its bytes, None) for a sound entry, (key, 0, CorruptEntry) for
@@ -514,9 +517,10 @@ class LocalStore:
         not be checked.  An entry gone meanwhile (force, clear) is left out.
 
         Each folder and file is opened, and its metadata read, once: a walk for
-        sizes followed by a ``get`` of each read everything twice.
+        sizes followed by a ``get`` of each read everything twice.  Buckets that
+        cannot be read are warned about and added to ``unread``.
         """
-        for bucket_fd, key in self._entry_names(soc, progress):
+        for bucket_fd, key in self._entry_names(soc, progress, unread):
             checked = self._check_in(bucket_fd, soc, key)
             if checked is not None:
                 yield checked
@@ -550,12 +554,17 @@ class LocalStore:
         return key, len(manifest) + sum(map(len, entry.files.values())), None
 
     def _entry_names(
-        self, soc: str, progress: Callable[[int], None] | None
+        self,
+        soc: str,
+        progress: Callable[[int], None] | None,
+        unread: list[str] | None = None,
     ) -> Iterator[tuple[int, str]]:
         """(its bucket's handle, key) of every entry name in a chip folder, a bucket at a time.
 
         Only one bucket's names are held at once, a 256th of the entries (4,000
-        names at a million), never the whole list.
+        names at a million), never the whole list.  A bucket that is there but
+        cannot be read (another member's, not open to the group) is skipped with
+        a warning, and added to ``unread``: its entries are not in the walk.
         """
         chip_fd = self._open_chip_if_there(soc)
         if chip_fd is None:
@@ -568,10 +577,17 @@ class LocalStore:
                 except trust.UntrustedFolder as e:
                     log.warning("skipping %s", e)
                     continue
-                except OSError:
-                    continue  # removed meanwhile
+                except OSError as e:
+                    if e.errno not in fsutil.GONE:  # (else removed meanwhile)
+                        self._unread(soc, bucket, e, unread)
+                    continue
                 try:
-                    for name in os.listdir(bucket_fd):
+                    names = os.listdir(bucket_fd)
+                except OSError as e:
+                    self._unread(soc, bucket, e, unread)
+                    names = []
+                try:
+                    for name in names:
                         if is_key(name) and name.startswith(bucket):
                             yield bucket_fd, name
                 finally:
@@ -961,14 +977,23 @@ class LocalStore:
         finally:
             os.close(trash_fd)
 
+    def _unread(self, soc: str, bucket: str, error: OSError, unread: list[str] | None) -> None:
+        path = self.chip_dir(soc) / bucket
+        log.warning("skipping %s, which cannot be read: %s", path, error.strerror or error)
+        if unread is not None:
+            unread.append(str(path))
+
     def recount(self, soc: str, progress: Callable[[int], None] | None = None) -> tuple[int, int]:
-        """Walk a chip folder and set its counters to what is there."""
+        """Walk a chip folder and set its counters to what is there (left as they
+        were when a bucket cannot be read: the walk did not see all of it)."""
         with self.counting_paused(soc):
             entries = total = 0
-            for info in self.scan(soc, progress, sizes=True):
+            unread: list[str] = []
+            for bucket_fd, key in self._entry_names(soc, progress, unread):
                 entries += 1
-                total += info.size
-            self.set_used(soc, entries, total)
+                total += _entry_facts(bucket_fd, key, True)[1]
+            if not unread:
+                self.set_used(soc, entries, total)
         return entries, total
 
     @contextlib.contextmanager
