@@ -352,8 +352,8 @@ class OpCache:
             chip.entries += 1
             chip.bytes += size
         chip.unread = len(unread)
-        if unread:
-            # Entries the walk could not see are in the counters, rightly: kept as they were.
+        if unread or chip.errors:
+            # Entries the walk could not see or size are in the counters, rightly: kept.
             log.warning("the counters of %s are left as they were: it was not all read", soc)
             return
         self._store.set_used(soc, chip.entries, chip.bytes)

@@ -807,28 +807,35 @@ with opcache.OpCache(settings) as cache:
         for i in (0, 1):
             cache.compile(h.make_request(i), comp, Path({base!r}) / "b" / str(i))
         key = cache.compile(h.make_request(0), comp, Path({base!r}) / "b" / "again").key
-        os.chmod(settings.root / h.SOC / key[:2], 0o2700)  # (member B's bucket, closed)
-        print(json.dumps(0))
+        closed = settings.root / h.SOC / key[:2]
+        os.chmod(closed / key if {closed!r} == "entry" else closed, 0o2700)  # (member B's)
+        print(json.dumps(cache.stats()["chips"][h.SOC]["bytes"]))
     else:
         chip = cache.verify().as_dict()["chips"][h.SOC]
-        print(json.dumps([chip, cache.stats()["chips"][h.SOC]["entries"], keep.messages]))
+        now = cache.stats()["chips"][h.SOC]
+        print(json.dumps([chip, now["entries"], now["bytes"], keep.messages]))
 """
 
 
 @requires_root
-def test_verify_leaves_the_counters_alone_when_a_bucket_cannot_be_read() -> None:
-    # Member B's bucket, not open to the group: member A's verify does not see its
-    # entries, which are there; it says so, and does not count them away.
+@pytest.mark.parametrize("closed", ["bucket", "entry"])
+def test_verify_leaves_the_counters_alone_when_a_folder_cannot_be_read(closed: str) -> None:
+    # Member B's bucket (or entry), not open to the group: member A's verify does not
+    # see (or size) its entries, which are there; it says so, and does not count them away.
     with open_folder() as base:
         ops, calls = team_cache(base)
         said = {}
         for uid, store in ((MEMBER_B, True), (MEMBER_A, False)):
             code = UNREAD_BUCKET_CODE.format(
-                ops=str(ops), base=str(base), gid=TEAM_GID, calls=str(calls), store=store
+                ops=str(ops),
+                base=str(base),
+                gid=TEAM_GID,
+                calls=str(calls),
+                store=store,
+                closed=closed,
             )
             said[uid] = run_as(uid, uid, CHILD_PROLOGUE + code, groups=(TEAM_GID,))
-        chip, entries, warnings = said[MEMBER_A]
-        assert entries == 2, (chip, entries)
-        assert chip["unread"] == 1, chip
-        assert any("cannot be read" in w for w in warnings), warnings
+        chip, entries, size, warnings = said[MEMBER_A]
+        assert (entries, size) == (2, said[MEMBER_B]), chip
+        assert chip["unread" if closed == "bucket" else "errors"] == 1, chip
         assert any("left as they were" in w for w in warnings), warnings
