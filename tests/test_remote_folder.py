@@ -256,3 +256,34 @@ def test_a_group_shared_folder_is_shared_by_its_group_and_no_one_else() -> None:
         assert entry_dir.stat().st_gid == group and entry_dir.stat().st_uid == writer
     finally:
         shutil.rmtree(base)
+
+
+_UNREADABLE_SHARE = """
+import contextlib, io, json, os
+from opcache.cli import main
+os.environ.update(HOME={home!r}, OPCACHE_REMOTE="file://{share}")
+said = []
+for command in ("stats", "clear"):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        status = main(["remote", command])
+    said.append([status, err.getvalue()])
+print(json.dumps(said))
+"""
+
+
+def test_a_shared_folder_this_user_cannot_read_is_an_error_not_an_empty_remote() -> None:
+    # Before: "0 entries" and "removed 0 entries", exit 0.
+    from helpers_faults import NOBODY, open_folder, run_as
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another user")
+    with open_folder() as base:
+        share = base / "share"
+        share.mkdir(mode=0o700)  # (root's)
+        (base / "home").mkdir()
+        os.chown(base / "home", NOBODY, NOBODY)
+        code = _UNREADABLE_SHARE.format(home=str(base / "home"), share=share)
+        for status, err in run_as(NOBODY, NOBODY, code):
+            assert status != 0 and "Permission denied" in err, (status, err)
+            assert "Traceback" not in err, err

@@ -33,6 +33,7 @@ from urllib.parse import unquote, urlsplit
 
 from .. import fsutil
 from .._log import get_logger
+from ..errors import sentence
 from . import Remote, RemoteCorrupt, RemoteError
 from .entry import CorruptEntry
 from .local import LocalStore
@@ -82,7 +83,7 @@ class FolderRemote(Remote):
                 found[key] = RemoteCorrupt(str(e))
                 continue
             except OSError as e:  # unreadable, untrusted, the mount gone
-                raise RemoteError(f"{self.where}: {e}") from None
+                raise RemoteError(f"{self.where}: {sentence(e)}") from None
             if got is not None:
                 entry, manifest = got
                 found[key] = entry, manifest, len(manifest) + sum(map(len, entry.files.values()))
@@ -116,17 +117,25 @@ class FolderRemote(Remote):
         except OSError as e:
             raise RemoteError(f"{self.where}: cannot remove {soc}/{key}: {e}") from None
 
+    def _chips(self, soc: str | None) -> list[str]:
+        """``soc``, or every chip folder; OSError when the folder cannot be listed (the
+        store's list reads that as no chip: a remote of another user's, said empty)."""
+        if soc:
+            return [soc]
+        os.listdir(self._store.root)
+        return self._store.chips()
+
     def usage(self, soc: str | None = None) -> dict[str, object]:
         """Entries and bytes per chip, by a walk of the folder (its counters are
         per-host estimates on a shared mount)."""
         chips = {}
         try:
-            for chip in [soc] if soc else self._store.chips():
+            for chip in self._chips(soc):
                 infos = list(self._store.scan(chip, sizes=True))
                 if infos:
                     chips[chip] = {"entries": len(infos), "bytes": sum(i.size for i in infos)}
         except OSError as e:
-            raise RemoteError(f"{self.where}: {e}") from None
+            raise RemoteError(f"{self.where}: {sentence(e)}") from None
         return {"chips": chips, "used_memory": None, "maxmemory": None, "maxmemory_policy": None}
 
     def clear(self, soc: str | None = None) -> int:
@@ -137,10 +146,10 @@ class FolderRemote(Remote):
         removed = 0
         try:
             self._store.clean_leftovers(time.time())
-            for chip in [soc] if soc else self._store.chips():
+            for chip in self._chips(soc):
                 count = sum(1 for _ in self._store.scan(chip))
                 if self._store.clear_chip(chip):
                     removed += count
         except OSError as e:
-            raise RemoteError(f"{self.where}: {e}") from None
+            raise RemoteError(f"{self.where}: {sentence(e)}") from None
         return removed
