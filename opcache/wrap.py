@@ -1842,7 +1842,13 @@ def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, st
     )
     if done.returncode != 0:
         raise Uncacheable("cc: the preprocessor failed (the compile will report why)")
-    headers = _make_prerequisites(done.stdout.decode(errors="surrogateescape"))
+    rules = done.stdout.decode(errors="surrogateescape")
+    if re.search(r"(?<!\\)\n(?=\S)", rules.strip()):
+        # A compile for a host and its device (clang's offloading, a mixed bisheng
+        # line): a preprocessor run, a rule and a search list each, which direct mode
+        # does not read as one.
+        raise Uncacheable("cc: a compile for more than one target (a rule each in cc -M)")
+    headers = _make_prerequisites(rules)
     return _search_list(list(dict.fromkeys(headers)), done.stderr.decode(errors="surrogateescape"))
 
 

@@ -288,3 +288,23 @@ def test_an_mllvm_option_naming_or_writing_a_file_runs_uncached(kernel, words):
     wrap("bisheng", *LINE, *words, env=env, cwd=src)
     reasons = host(env)["uncacheable_reasons"]
     assert len(reasons) == 1 and "-mllvm" in next(iter(reasons)), reasons
+
+
+def test_a_compile_for_a_host_and_its_device_runs_uncached_with_its_reason(tmp_path):
+    # A mixed line (clang's offloading, bisheng without --cce-aicore-only) preprocesses
+    # once per target: cc -M gives a rule and a search list each.  Before: "cannot read
+    # k.o:", the second rule's target taken for a header.
+    clang = real_compiler("bisheng")
+    if clang is None:
+        pytest.skip("needs clang")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "bisheng").write_text(
+        f'#!/bin/sh\ncase " $* " in *" -M "*) {clang} "$@" || exit; esac\nexec {clang} "$@"\n'
+    )
+    (tmp_path / "bin" / "bisheng").chmod(0o755)
+    (tmp_path / "k.c").write_text("int k(void) { return 1; }\n")
+    env = base_env(tmp_path, tmp_path / "bin")
+    wrap("bisheng", "-c", "k.c", "-o", "k.o", env=env, cwd=tmp_path)
+    assert (tmp_path / "k.o").exists()
+    reasons = host(env)["uncacheable_reasons"]
+    assert list(reasons) == ["cc: a compile for more than one target (a rule each in cc -M)"]
