@@ -1175,8 +1175,12 @@ def _plan_cc(
     source_data = _read(source)
     # The binary, and the name it is run by: clang++ compiles a .c as C++, and a
     # cross name (aarch64-linux-gnu-clang) picks another target (ccache keys it too).
-    compiler_identity = file_identity(_which(argv[0], env), memo.store)
+    found = _which(argv[0], env)
+    compiler_identity = file_identity(found, memo.store)
     compiler_identity += "\0" + os.path.basename(argv[0])
+    for place in _config_places(argv[0], found):
+        if not _absent(place):
+            raise Uncacheable(f"cc: clang reads its configuration file {place} (not keyed)")
     keyed_names = CC_KEY_ENVIRONMENT + ASCEND_CC_KEY_ENVIRONMENT if ascend else CC_KEY_ENVIRONMENT
     inputs = memo.header_digests(
         argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names
@@ -1276,6 +1280,24 @@ def _plan_cc(
             "absent": [os.path.abspath(path) for path in inputs.absent],
         },
     )
+
+
+def _config_places(invoked: str, found: str) -> list[str]:
+    """Where a clang-based driver looks for its configuration file (flags it adds to
+    every compile): ``<name>.cfg`` and ``<prefix>.cfg`` for a name such as
+    ``x86_64-linux-gnu-clang`` (clang 14, beside its real binary), and from clang
+    16 ``clang.cfg`` / ``clang++.cfg``, in the binary's folder and the folder of
+    the name it is run by.  None for gcc, which reads no such file."""
+    real = os.path.realpath(found)
+    name = os.path.basename(invoked)
+    if "clang" not in os.path.basename(real) and name not in ASCEND_CC_NAMES:
+        return []
+    names = [name, "clang", "clang++"]
+    prefix = re.match(r"(.+)-(?:clang|clang\+\+|bisheng)(?:-[\d.]+)?$", name)
+    if prefix:
+        names.append(prefix[1])
+    folders = dict.fromkeys((os.path.dirname(real), os.path.dirname(os.path.abspath(found))))
+    return [os.path.join(f, f"{n}.cfg") for f in folders for n in dict.fromkeys(names)]
 
 
 def _path_assembler(

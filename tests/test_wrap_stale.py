@@ -874,3 +874,29 @@ def test_a_header_map_on_the_include_path_is_not_cached(env, src):
     for folder in ("a", "b"):
         header_map(src / "m.hmap", "x.h", f"{src / folder}/")
         same_as_gcc(src, env, "-I", "m.hmap", "-c", "k.c", cc="clang")
+
+
+@needs_clang
+@pytest.mark.parametrize("made_later", [False, True])
+def test_a_clang_configuration_file_is_never_stale(env, src, tmp_path, made_later):
+    # clang run as x86_64-linux-gnu-clang reads x86_64-linux-gnu-clang.cfg beside its
+    # binary: flags added to every compile, in no key.
+    bin_dir = tmp_path / "llvm" / "bin"
+    bin_dir.mkdir(parents=True)
+    shutil.copy(os.path.realpath(CLANG), bin_dir / "clang")
+    (bin_dir / "x86_64-linux-gnu-clang").symlink_to("clang")
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    config = bin_dir / "x86_64-linux-gnu-clang.cfg"
+    (src / "k.c").write_text("int f(void) { return VAL; }\n")
+    versions = ["-DVAL=1", "-DVAL=2"]
+    if made_later:
+        (src / "k.c").write_text(
+            "#ifndef VAL\n#define VAL 0\n#endif\nint f(void) { return VAL; }\n"
+        )
+        versions = [None, "-DVAL=2"]
+    for flags in versions:
+        if flags is None:
+            config.unlink(missing_ok=True)
+        else:
+            config.write_text(flags + "\n")
+        same_as_gcc(src, env, "-c", "k.c", cc="x86_64-linux-gnu-clang")
