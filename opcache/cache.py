@@ -82,6 +82,7 @@ class ChipVerify:
         self.corrupt = 0  # removed
         self.errors = 0  # entries that could not be read or removed
         self.unread = 0  # buckets that could not be read: their entries not checked
+        self.unsized = 0  # entries whose bytes could not be read: the counters kept
         self.entries = 0  # after the check
         self.bytes = 0
         self.counted_entries = counted_entries  # what the counters said before
@@ -345,14 +346,18 @@ class OpCache:
                 except OSError as err:
                     log.warning("cannot remove %s/%s: %s", soc, key, err)
                     chip.errors += 1
+                    chip.unsized += 1  # (still there, and not counted)
                 continue
             if problem is not None:
                 log.warning("cannot check %s/%s: %s", soc, key, problem)
                 chip.errors += 1
+            if size is None:
+                chip.unsized += 1
+                size = 0
             chip.entries += 1
             chip.bytes += size
         chip.unread = len(unread)
-        if unread or chip.errors:
+        if unread or chip.unsized:
             # Entries the walk could not see or size are in the counters, rightly: kept.
             log.warning("the counters of %s are left as they were: it was not all read", soc)
             return

@@ -402,9 +402,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         drift = ""
         # The corrupt entries verify removed were in the counters, with the size
         # they had when stored (damage may have changed it): that is no drift.
-        if not (chip.unread or chip.errors) and (
-            chip.counted_entries - chip.corrupt != chip.entries
-            or (not chip.corrupt and chip.counted_bytes != chip.bytes)
+        if chip.unread or chip.unsized:
+            drift = "; the counters were left as they were (not all of it could be read)"
+        elif chip.counted_entries - chip.corrupt != chip.entries or (
+            not chip.corrupt and chip.counted_bytes != chip.bytes
         ):
             drift = (
                 "; the counters were wrong (they said "

@@ -82,6 +82,7 @@ _CHANGES = dict.fromkeys((
 _CHANGES |= dict.fromkeys(("rename", "renameat", "renameat2", "link", "linkat"), 2)
 _SYMLINKS = frozenset(("symlink", "symlinkat"))  # the second path is the one made
 _MAKES = frozenset(("mkdir", "mkdirat", "mknod", "mknodat"))  # (only where nothing is)
+_RETIMES = frozenset(("utime", "utimes", "utimensat", "futimesat", "truncate"))
 _WRITE_FLAGS = r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC"
 _MISSING = ("ENOENT", "ENOTDIR")
 # File times come from the kernel's coarse clock, up to a tick (10 ms at HZ=100)
@@ -330,13 +331,17 @@ def record(
             continue
         if _bytecode(norm) and (norm in trace.changed or norm.endswith("__pycache__")):
             continue  # (a .pyc Python only read may be one it used though stale: kept)
-        if norm in trace.changed and not _kept_as_it_was(norm, trace.updated, started_ns):
+        as_it_was = _kept_as_it_was(norm, trace, started_ns)
+        if norm in trace.changed and not as_it_was:
             found = _as_found(path, norm, trace)
             if found is not None:
                 items.append(found)
             continue
         for item in _facts_with_link(path, listed=norm in trace.listed):
-            if item[1] == "file" and max(item[4], item[5]) >= started_ns - _CLOCK_LAG_NS:
+            # (a file kept as it was by its contents: its mode, owner and so its ctime
+            # may be the compile's, as CANN's lock files are chmodded when opened)
+            when = item[4] if as_it_was else max(item[4], item[5])
+            if item[1] == "file" and when >= started_ns - _CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
             if item[1] == "missing" and norm in trace.opened:
                 # Read, then deleted by another process before this record: "missing"
@@ -356,6 +361,8 @@ def _as_found(path: str, norm: str, trace: _Trace) -> list | None:
     if norm in trace.rewritten:
         raise Unprovable(f"{path} changed while the compile ran (it wrote what it had read)")
     if norm in trace.updated and os.path.lexists(norm):
+        if norm in trace.appended:
+            return None  # (a log or lock file opened to append: the compile's own)
         # Opened read-write (and changed): what it read is gone.  (One it made so, a
         # database, is read unchanged by the next run, which is stored.)
         raise Unprovable(f"{path} was opened read-write and changed by the compile")
@@ -407,19 +414,19 @@ def _same_access(path: str, item: list) -> bool:
     return os.access(path, os.R_OK) != was_denied
 
 
-def _kept_as_it_was(norm: str, updated: set[str], started_ns: int) -> bool:
-    """Whether a path opened for writing but not truncated (a database opened read-write)
-    is a file the compile did not change: it was read, and is recorded as such.
-    (One changed since the start may have been made by the compile: left out.)"""
-    if norm not in updated:
+def _kept_as_it_was(norm: str, trace: _Trace, started_ns: int) -> bool:
+    """Whether a path opened read-write but not truncated (a database, a lock file)
+    is a file whose contents the compile did not change: it was read, and is
+    recorded as such.  Its contents go by its mtime, which every write sets and
+    only a utime or truncate by the compile could set back; a chmod (CANN's lock
+    files) moves the ctime alone."""
+    if norm not in trace.updated or norm in trace.retimed:
         return False
     try:
         st = os.lstat(norm)
     except OSError:
         return False
-    return stat.S_ISREG(st.st_mode) and max(st.st_mtime_ns, st.st_ctime_ns) < (
-        started_ns - _CLOCK_LAG_NS
-    )
+    return stat.S_ISREG(st.st_mode) and st.st_mtime_ns < started_ns - _CLOCK_LAG_NS
 
 
 def _folder(path: str) -> str:
@@ -503,6 +510,8 @@ class _Trace:
         self.made: set[str] = set()  # folders made
         self.updated: set[str] = set()  # opened read-write without truncating
         self.moved: set[str] = set()  # renamed away
+        self.appended: set[str] = set()  # opened read-write to append
+        self.retimed: set[str] = set()  # given times or a size (utime, truncate)
         # When (µs) each path was first opened to read, first looked at (and whether
         # something was there), first changed: the processes' files interleave only by
         # their times.  (No time: before anything, as a tie is.)
@@ -611,6 +620,8 @@ def _parse(trace_dir: str) -> _Trace:
                     trace.made.update(paths[:1])
                 elif call in ("rename", "renameat", "renameat2"):
                     trace.moved.update(paths[:1])
+                elif call in _RETIMES:
+                    trace.retimed.update(paths[:1])
             elif call in _CHANGES or call in _SYMLINKS:
                 if paths:  # (failed: what it found there decided that)
                     trace.look(paths[0], when, found)
@@ -620,6 +631,8 @@ def _parse(trace_dir: str) -> _Trace:
                     if "O_RDWR" in args and "O_TRUNC" not in args and "O_EXCL" not in args:
                         trace.looked.add(paths[0])  # (read too, if it was there)
                         trace.updated.add(paths[0])
+                        if "O_APPEND" in args:
+                            trace.appended.add(paths[0])
                         if "O_CREAT" not in args:  # (with it, it may have made it)
                             trace.look(paths[0], when, True)
                 else:

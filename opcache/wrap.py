@@ -593,7 +593,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
         raise Uncacheable("opc: a flag is given twice")
     for name in values:
         # asc_opc takes a flag's unique prefix for it (getopt): --out=... is --output.
-        whole = [f for f in _OPC_NAMED_FLAGS if f.startswith(name) and f != name]
+        whole = [f for f in _OPC_NAMED_FLAGS if name and f.startswith(name) and f != name]
         if whole:
             raise Uncacheable(f"opc: --{name} may stand for --{whole[0]}")
     for name in OPC_SIDE_OUTPUT_ENVIRONMENT:
@@ -1178,9 +1178,12 @@ def _plan_cc(
     found = _which(argv[0], env)
     compiler_identity = file_identity(found, memo.store)
     compiler_identity += "\0" + os.path.basename(argv[0])
-    for place in _config_places(argv[0], found):
+    config_places = _config_places(argv[0], found)
+    for place in config_places:
         if not _absent(place):
             raise Uncacheable(f"cc: clang reads its configuration file {place} (not keyed)")
+    # (gcc takes <place>.gch, clang <place>.pch first: a clang has config places)
+    pch_suffixes = (".gch", ".pch") if config_places else (".gch",)
     keyed_names = CC_KEY_ENVIRONMENT + ASCEND_CC_KEY_ENVIRONMENT if ascend else CC_KEY_ENVIRONMENT
     inputs = memo.header_digests(
         argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names
@@ -1189,7 +1192,7 @@ def _plan_cc(
         # gcc takes <place>.gch, clang <place>.pch first, where it exists, for the
         # header it looks for there; cc -M names the header alone, so the key would
         # not hold it.
-        for suffix in (".gch", ".pch"):
+        for suffix in pch_suffixes:
             if not _absent(place + suffix):
                 raise Uncacheable(f"cc: a precompiled header {place}{suffix} may be used")
     key_sources = {os.path.basename(source): source_data}

@@ -922,6 +922,18 @@ os.unlink(lock)
 os.close(fd)
 """
 
+CANN_LOCK_PY = r"""
+import fcntl, os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+# CANN's LockAndOpenCacheFile: fopen a+, chmod 0640, then the lock.
+lock = open(os.path.join(os.environ["HOME"], "k.lock"), "a+")
+os.chmod(lock.name, 0o640)
+fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+data = open(os.environ["BUILD_KERNEL_SRC"], "rb").read()
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "wb").write(data)
+"""
+
 LINKED_TEMP_PY = r"""
 import os, sys
 flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
@@ -936,12 +948,18 @@ open(os.path.join(flags["output"], "k.o"), "wb").write(data)
 
 
 @needs_strace
-@pytest.mark.parametrize("case", ["remove_then_write", "lock_file", "temp_through_a_link"])
+@pytest.mark.parametrize(
+    "case", ["remove_then_write", "lock_file", "cann_lock_file", "temp_through_a_link"]
+)
 def test_files_a_compile_makes_and_removes_of_its_own_leave_it_cached(tmp_path, case):
     # Its old output replaced, a lock file made and removed, a temporary file made
     # through a link in a folder it lists: stored, and hits from then on.
     env, root = project(tmp_path)
-    script = {"remove_then_write": REMOVE_THEN_WRITE_PY, "lock_file": LOCK_PY}
+    script = {
+        "remove_then_write": REMOVE_THEN_WRITE_PY,
+        "lock_file": LOCK_PY,
+        "cann_lock_file": CANN_LOCK_PY,
+    }
     write_tool(tmp_path / "bin", "opc", script.get(case, LINKED_TEMP_PY))
     (root / "kernel_meta").mkdir()  # (there already: another operator's compile made it)
     (tmp_path / "link").symlink_to(root)
@@ -1096,3 +1114,28 @@ def test_a_file_this_user_may_read_now_and_could_not_then_is_a_miss(first_in_the
         ):
             assert status == 0, err
             assert output.endswith("OPT ON\n" if member else "no opt\n"), (member, output)
+
+
+COUNTING_DB_OPC = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+fd = os.open(os.path.join(os.environ["HOME"], "tuning.db"), os.O_RDWR | os.O_CREAT, 0o644)
+seen = os.read(fd, 100)  # (what it read decides the kernel)
+os.lseek(fd, 0, 0)
+os.write(fd, b"%d" % (int(seen or b"0") + 1))
+os.makedirs(flags["output"], exist_ok=True)
+open(os.path.join(flags["output"], "k.o"), "wb").write(b"tuned by " + (seen or b"nothing"))
+"""
+
+
+@needs_strace
+def test_a_database_the_compile_reads_and_rewrites_leaves_each_compile_unstored(tmp_path):
+    # What it read is gone once it wrote: no run can be stored (a hit would give the
+    # kernel tuned by what the database held once).
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", COUNTING_DB_OPC)
+    for n, seen in enumerate((b"nothing", b"1", b"2")):
+        assert compile_into(env, root, f"out{n}") == b"tuned by " + seen
+    chip = stats(env, SOC)
+    assert (chip.get("hits", 0), chip.get("stores", 0)) == (0, 0), chip
+    assert any("opened read-write and changed" in r for r in chip["uncacheable_reasons"])

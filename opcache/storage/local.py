@@ -510,11 +510,12 @@ class LocalStore:
         soc: str,
         progress: Callable[[int], None] | None = None,
         unread: list[str] | None = None,
-    ) -> Iterator[tuple[str, int, OSError | CorruptEntry | None]]:
+    ) -> Iterator[tuple[str, int | None, OSError | CorruptEntry | None]]:
         """Every entry of a chip folder read and checked as ``get`` checks it, in one
         walk: (key, its bytes, None) for a sound entry, (key, 0, CorruptEntry) for
-        one to remove, (key, the bytes of its files, OSError) for one that could
-        not be checked.  An entry gone meanwhile (force, clear) is left out.
+        one to remove, (key, the bytes of its files or None when they cannot be
+        listed, OSError) for one that could not be checked.  An entry gone
+        meanwhile (force, clear) is left out.
 
         Each folder and file is opened, and its metadata read, once: a walk for
         sizes followed by a ``get`` of each read everything twice.  Buckets that
@@ -527,13 +528,22 @@ class LocalStore:
 
     def _check_in(
         self, bucket_fd: int, soc: str, key: str
-    ) -> tuple[str, int, OSError | CorruptEntry | None] | None:
+    ) -> tuple[str, int | None, OSError | CorruptEntry | None] | None:
         try:
             entry_fd = self._open_entry_in(bucket_fd, soc, key)
         except CorruptEntry as e:
             return key, 0, e
         except OSError as e:
-            return key, _folder_bytes(key, bucket_fd), e
+            try:
+                fd = os.open(key, fsutil.DIR_FLAGS, dir_fd=bucket_fd)
+            except OSError:
+                return key, None, e
+            try:
+                return key, _files_bytes(fd), e
+            except OSError:
+                return key, None, e
+            finally:
+                os.close(fd)
         if entry_fd is None:
             return None
         try:
@@ -547,7 +557,7 @@ class LocalStore:
                 return None
             with contextlib.suppress(OSError):
                 return key, _files_bytes(entry_fd), e
-            return key, 0, e
+            return key, None, e
         finally:
             os.close(entry_fd)
         # What ``put`` counted: the manifest and the artifacts it names.
