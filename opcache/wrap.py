@@ -1041,6 +1041,8 @@ _CC_UNLISTED_READS = ("-fmodules", "-fcxx-modules", "-fmodule-file", "-fprebuilt
 _CC_UNLISTED_READS += ("-fimplicit-module-maps", "-fms-compatibility")
 _CC_UNLISTED_READS += ("-fbasic-block-sections=list=",)
 _CC_RECORDS_ITS_COMMAND = ("-frecord-command-line", "-grecord-command-line")
+# (clang's spellings of them; gcc's own records its switches without -o: kept)
+_CLANG_RECORDS_ITS_COMMAND = ("-frecord-gcc-switches", "-grecord-gcc-switches")
 _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 # The flags of CANN's device compilers (bisheng, ccec), keyed and passed as
@@ -1184,6 +1186,9 @@ def _plan_cc(
             raise Uncacheable(f"cc: clang reads its configuration file {place} (not keyed)")
     # (gcc takes <place>.gch, clang <place>.pch first: a clang has config places)
     pch_suffixes = (".gch", ".pch") if config_places else (".gch",)
+    for arg in args:
+        if config_places and arg in _CLANG_RECORDS_ITS_COMMAND:
+            raise Uncacheable(f"cc: {arg} writes the compile's own command line into the object")
     keyed_names = CC_KEY_ENVIRONMENT + ASCEND_CC_KEY_ENVIRONMENT if ascend else CC_KEY_ENVIRONMENT
     inputs = memo.header_digests(
         argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names

@@ -826,6 +826,8 @@ def test_an_object_naming_its_header_s_path_is_keyed_by_it(env, src, macro):
         "-fbasic-block-sections=list=bb.txt",
         "-frecord-command-line",
         "-grecord-command-line",
+        "-frecord-gcc-switches",
+        "-grecord-gcc-switches",
     ],
 )
 def test_clang_flags_that_read_files_no_listing_names_are_not_cached(env, src, flag):
