@@ -1189,6 +1189,11 @@ def _plan_cc(
     for arg in args:
         if config_places and arg in _CLANG_RECORDS_ITS_COMMAND:
             raise Uncacheable(f"cc: {arg} writes the compile's own command line into the object")
+    if config_places:
+        # clang takes C++ headers and start files from the newest GCC it finds: one
+        # installed beside it later is another header list (direct mode's memo is
+        # keyed by the identity too) and another object.
+        compiler_identity += "\0" + "\0".join(_gcc_installations(found))
     keyed_names = CC_KEY_ENVIRONMENT + ASCEND_CC_KEY_ENVIRONMENT if ascend else CC_KEY_ENVIRONMENT
     inputs = memo.header_digests(
         argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names
@@ -1306,6 +1311,34 @@ def _config_places(invoked: str, found: str) -> list[str]:
         names.append(prefix[1])
     folders = dict.fromkeys((os.path.dirname(real), os.path.dirname(os.path.abspath(found))))
     return [os.path.join(f, f"{n}.cfg") for f in folders for n in dict.fromkeys(names)]
+
+
+def _gcc_installations(found: str) -> list[str]:
+    """Every GCC installation a clang run as ``found`` may choose from: the version
+    folders under ``lib*/gcc*/<triple>/`` of the prefix above the folder it is run
+    from (clang's InstalledDir), of its real binary's, and of ``/usr``."""
+    prefixes = (
+        os.path.dirname(os.path.dirname(os.path.abspath(found))),
+        os.path.dirname(os.path.dirname(os.path.realpath(found))),
+        "/usr",
+    )
+    found_here = []
+    for prefix in dict.fromkeys(prefixes):
+        for lib in ("lib", "lib64", "lib32", "libx32"):
+            for kind in ("gcc", "gcc-cross"):
+                folder = os.path.join(prefix, lib, kind)
+                for triple in _names(folder):
+                    versions = _names(os.path.join(folder, triple))
+                    found_here += [os.path.join(folder, triple, v) for v in versions]
+    return sorted(found_here)
+
+
+def _names(folder: str) -> list[str]:
+    """The names in ``folder``; none when it is not there or cannot be listed."""
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 def _path_assembler(

@@ -902,3 +902,25 @@ def test_a_clang_configuration_file_is_never_stale(env, src, tmp_path, made_late
         else:
             config.write_text(flags + "\n")
         same_as_gcc(src, env, "-c", "k.c", cc="x86_64-linux-gnu-clang")
+
+
+@needs_clang
+def test_a_gcc_installed_beside_clang_later_is_seen(env, src, tmp_path):
+    # clang++ takes its C++ headers from the newest GCC it finds (here beside the folder
+    # it is run from, as apt install g++-13 adds one to /usr): every header it read
+    # before is unchanged, yet the object is another.
+    prefix = tmp_path / "toolchain"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "clang++").symlink_to(CLANG)
+    env["PATH"] = f"{prefix / 'bin'}:{env['PATH']}"
+    (src / "k.cpp").write_text("#include <cstddef>\nint f() { return sizeof(std::size_t); }\n")
+    same_as_gcc(src, env, "-c", "k.cpp", cc="clang++")
+    gcc = prefix / "lib" / "gcc" / "x86_64-linux-gnu" / "99"
+    gcc.mkdir(parents=True)
+    (gcc / "crtbegin.o").touch()
+    (prefix / "include" / "c++" / "99").mkdir(parents=True)
+    header = prefix / "include" / "c++" / "99" / "cstddef"
+    header.write_text("namespace std { typedef char size_t; }\n")
+    same_as_gcc(src, env, "-c", "k.cpp", cc="clang++")
+    header.write_text("namespace std { typedef short size_t; }\n")  # (its header edited)
+    same_as_gcc(src, env, "-c", "k.cpp", cc="clang++")
