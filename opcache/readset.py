@@ -343,7 +343,7 @@ def record(
             when = item[4] if as_it_was else max(item[4], item[5])
             if item[1] == "file" and when >= started_ns - _CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
-            if item[1] == "missing" and norm in trace.opened:
+            if item[1] == "missing" and norm in trace.first_read:
                 # Read, then deleted by another process before this record: "missing"
                 # would let the next run, with no such file, hit on what it held.
                 raise Unprovable(f"{path} was read and is gone")
@@ -358,7 +358,7 @@ def record(
 def _as_found(path: str, norm: str, trace: _Trace) -> list | None:
     """The item of a path the compile changed, as the compile found it; None when it
     changed it before looking at it (its own output, a temporary file)."""
-    if norm in trace.rewritten:
+    if trace.read_then_changed(norm):
         raise Unprovable(f"{path} changed while the compile ran (it wrote what it had read)")
     if norm in trace.updated and os.path.lexists(norm):
         if norm in trace.appended:
@@ -371,7 +371,7 @@ def _as_found(path: str, norm: str, trace: _Trace) -> list | None:
         return None
     if not found:
         return [path, "missing", 0, 0, 0, 0, ""]
-    if norm in trace.opened or norm in trace.updated or norm in trace.moved:
+    if norm in trace.first_read or norm in trace.updated or norm in trace.moved:
         # What it held was read, or is under another name now: gone from this path.
         raise Unprovable(f"{path} was there, and the compile read or moved it and changed it")
     return [path, "there", 0, 0, 0, 0, ""]  # (a marker it removed, an old output it replaced)
@@ -506,7 +506,6 @@ class _Trace:
     def __init__(self) -> None:
         self.looked: set[str] = set()  # paths looked at
         self.listed: set[str] = set()  # folders opened to read
-        self.changed: set[str] = set()  # paths written, made, renamed or deleted
         self.made: set[str] = set()  # folders made
         self.updated: set[str] = set()  # opened read-write without truncating
         self.moved: set[str] = set()  # renamed away
@@ -514,32 +513,24 @@ class _Trace:
         self.retimed: set[str] = set()  # given times or a size (utime, truncate)
         # When (µs) each path was first opened to read, first looked at (and whether
         # something was there), first changed: the processes' files interleave only by
-        # their times.  (No time: before anything, as a tie is.)
+        # their times.  (No time: before anything, as a tie is.)  The keys of
+        # ``first_read`` are the paths opened to read, of ``changed`` those changed.
         self.first_read: dict[str, int] = {}
         self.first_look: dict[str, tuple[int, bool]] = {}
-        self.first_change: dict[str, int] = {}
+        self.changed: dict[str, int] = {}  # (written, made, renamed or deleted)
         # Each folder's listings (getdents): (read to its end, the names found).
         self.listings: dict[str, list[tuple[bool, set[str]]]] = {}
 
-    @property
-    def opened(self) -> set[str]:
-        """The paths opened to read."""
-        return set(self.first_read)
-
-    @property
-    def rewritten(self) -> set[str]:
-        """The paths read and then changed."""
-        return {
-            path
-            for path, when in self.first_change.items()
-            if self.first_read.get(path, when + 1) <= when
-        }
+    def read_then_changed(self, path: str) -> bool:
+        """Whether the compile read ``path`` and then changed it (a path it changed)."""
+        when = self.changed[path]
+        return self.first_read.get(path, when + 1) <= when
 
     def found_before_changing(self, path: str) -> bool | None:
         """Whether something was at ``path`` when the compile first looked at it, before
         it changed it; None when it changed it first."""
         look = self.first_look.get(path)
-        if look is None or look[0] > self.first_change[path]:
+        if look is None or look[0] > self.changed[path]:
             return None
         return look[1]
 
@@ -558,8 +549,7 @@ class _Trace:
             self.first_look[path] = (when, found)
 
     def change(self, path: str, when: int) -> None:
-        self.changed.add(path)
-        self.first_change[path] = min(self.first_change.get(path, when), when)
+        self.changed[path] = min(self.changed.get(path, when), when)
 
 
 def _parse(trace_dir: str) -> _Trace:
