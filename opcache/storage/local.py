@@ -534,16 +534,9 @@ class LocalStore:
         except CorruptEntry as e:
             return key, 0, e
         except OSError as e:
-            try:
-                fd = os.open(key, fsutil.DIR_FLAGS, dir_fd=bucket_fd)
-            except OSError:
-                return key, None, e
-            try:
-                return key, _files_bytes(fd), e
-            except OSError:
-                return key, None, e
-            finally:
-                os.close(fd)
+            with contextlib.suppress(OSError):
+                return key, _folder_bytes(key, bucket_fd), e
+            return key, None, e
         if entry_fd is None:
             return None
         try:
@@ -1320,11 +1313,12 @@ def _files_bytes(folder_fd: int) -> int:
         )
 
 
-def _folder_bytes(name: str, parent_fd: int) -> int:
+def _folder_bytes(name: str, parent_fd: int) -> int | None:
+    """The bytes of the files in folder ``name``; None when it cannot be opened."""
     try:
         fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
-        return 0
+        return None
     try:
         return _files_bytes(fd)
     finally:
@@ -1386,7 +1380,7 @@ def _into_trash(
         return fsutil.remove_tree(aside, trash_fd)
     if not _rename_if_there(src, src_dir_fd, name, folder[1]):
         return None
-    return _folder_bytes(name, folder[1]) if later else fsutil.remove_tree(name, folder[1])
+    return (_folder_bytes(name, folder[1]) or 0) if later else fsutil.remove_tree(name, folder[1])
 
 
 def _rename_if_there(src: str, src_dir_fd: int | None, dst: str, dst_dir_fd: int) -> bool:
