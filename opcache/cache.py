@@ -24,6 +24,7 @@ from ._log import get_logger
 from .chips import BUILD_GAP_SECONDS as BUILD_GAP_SECONDS
 from .chips import BUILD_SESSION as BUILD_SESSION
 from .chips import ChipFolders, Progress
+from .errors import sentence
 from .flow import UNUSABLE, CacheErrors, KeyFlow, out_path
 from .key import compute_key
 from .request import CompileResult, OpRequest, check_soc_version
@@ -83,12 +84,13 @@ class ChipVerify:
         self.errors = 0  # entries that could not be read or removed
         self.unread = 0  # buckets that could not be read: their entries not checked
         self.unsized = 0  # entries whose bytes could not be read: the counters kept
+        self.unwritten = ""  # why the counters could not be set to what was found
         self.entries = 0  # after the check
         self.bytes = 0
         self.counted_entries = counted_entries  # what the counters said before
         self.counted_bytes = counted_bytes
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | str]:
         return dict(vars(self))
 
 
@@ -105,8 +107,9 @@ class VerifyReport:
 
     @property
     def errors(self) -> int:
-        """Entries that could not be checked or removed, and folders not read."""
-        return sum(c.errors + c.unread for c in self.chips.values())
+        """Entries that could not be checked or removed, folders not read, and
+        counters that could not be set."""
+        return sum(c.errors + c.unread + bool(c.unwritten) for c in self.chips.values())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -361,7 +364,11 @@ class OpCache:
             # Entries the walk could not see or size are in the counters, rightly: kept.
             log.warning("the counters of %s are left as they were: it was not all read", soc)
             return
-        self._store.set_used(soc, chip.entries, chip.bytes)
+        try:
+            self._store.set_used(soc, chip.entries, chip.bytes)
+        except OSError as e:
+            chip.unwritten = sentence(e)
+            log.warning("the counters of %s are left as they were: %s", soc, chip.unwritten)
 
     def clear(self, soc_version: str | None = None) -> list[str]:
         """Delete every entry (of one chip, or of all); returns the chips cleared."""

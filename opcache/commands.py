@@ -404,6 +404,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         # they had when stored (damage may have changed it): that is no drift.
         if chip.unread or chip.unsized:
             drift = "; the counters were left as they were (not all of it could be read)"
+        elif chip.unwritten:
+            drift = f"; the counters were left as they were ({chip.unwritten})"
         elif chip.counted_entries - chip.corrupt != chip.entries or (
             not chip.corrupt and chip.counted_bytes != chip.bytes
         ):

@@ -17,6 +17,7 @@ place is neither waited on nor read.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -110,25 +111,31 @@ class CounterFiles:
     ) -> None:
         """Set the counters to ``values`` (zero when None), except the names in ``keep``.
 
-        The shards are locked one after another, so a concurrent ``add`` lands
-        either before its shard is reset or after, never half.
+        Every shard's lock is taken before any is written: a lock that cannot be
+        had (another user's file, a full disk) raises OSError with every count
+        as it was, not half of them zeroed.  A concurrent ``add`` lands either
+        before the reset or after it.
         """
         fd = self._open_folder(True)
         try:
-            appended = self._take_appended(fd)  # (then reset with the shards, or kept)
-            for index in range(SHARDS):
-                name = _shard_name(index)
-                if index and not fsutil.lexists(name, fd):
-                    continue  # an add that creates it now lands after the reset: right
-                with flocked(_lock_name(index), self._modes, dir_fd=fd):
-                    kept = {n: v for n, v in self._read(name, fd).items() if n in keep}
-                    if index == 0:
-                        for n, v in appended.items():
-                            if n in keep:
-                                kept[n] = kept.get(n, 0) + v
-                    if index == 0 and values:
-                        kept.update((n, v) for n, v in values.items() if n not in keep)
-                    self._write(index, kept, fd)
+            with contextlib.ExitStack() as held:
+                present = []
+                for index in range(SHARDS):
+                    if index and not fsutil.lexists(_shard_name(index), fd):
+                        continue  # an add that creates it now lands after the reset: right
+                    held.enter_context(flocked(_lock_name(index), self._modes, dir_fd=fd))
+                    present.append(index)
+                kept = [
+                    {n: v for n, v in self._read(_shard_name(index), fd).items() if n in keep}
+                    for index in present
+                ]
+                for n, v in self._take_appended(fd).items():
+                    if n in keep:
+                        kept[0][n] = kept[0].get(n, 0) + v
+                if values:
+                    kept[0].update((n, v) for n, v in values.items() if n not in keep)
+                for index, counts in zip(present, kept, strict=True):
+                    self._write(index, counts, fd)
         finally:
             os.close(fd)
 

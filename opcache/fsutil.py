@@ -350,6 +350,17 @@ def lexists(name: str, dir_fd: int) -> bool:
     return True
 
 
+def shown_path(path: Path | str, dir_fd: int | None) -> str:
+    """``path`` as a message names it: whole, though it was opened relative to
+    ``dir_fd`` (``06.lock: Permission denied`` says not where)."""
+    if dir_fd is None or os.path.isabs(path):
+        return os.fspath(path)
+    try:
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+    except OSError:
+        return os.fspath(path)
+
+
 def open_regular(
     path: Path | str, flags: int = os.O_RDONLY, mode: int = 0o666, *, dir_fd: int | None = None
 ) -> tuple[int, os.stat_result]:
@@ -357,15 +368,19 @@ def open_regular(
 
     For a file anyone else could have put there: a link is never followed
     (ELOOP), and a FIFO or a device neither blocks the open (O_NONBLOCK, which
-    a regular file ignores) nor is kept (EINVAL, "not a regular file").
+    a regular file ignores) nor is kept (EINVAL, "not a regular file").  The
+    error names the whole path.
     """
     flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    if flags & os.O_CREAT:
-        fd = os.open(path, flags, mode, dir_fd=dir_fd)
-    else:  # (no mode: pyfakefs, in the tests, chmods any file opened with one)
-        fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        if flags & os.O_CREAT:
+            fd = os.open(path, flags, mode, dir_fd=dir_fd)
+        else:  # (no mode: pyfakefs, in the tests, chmods any file opened with one)
+            fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, shown_path(path, dir_fd)) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        raise OSError(errno.EINVAL, "not a regular file", shown_path(path, dir_fd))
     return fd, st

@@ -220,13 +220,15 @@ def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = 
     try:
         fd = os.open(path, flags, modes.file_bits, dir_fd=dir_fd)
     except OSError as e:
+        shown = fsutil.shown_path(path, dir_fd)
         if e.errno == errno.ELOOP:
-            raise trust.UntrustedFolder(f"the lock file {path} is a link") from None
-        raise
+            raise trust.UntrustedFolder(f"the lock file {shown} is a link") from None
+        raise OSError(e.errno, e.strerror, shown) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise trust.UntrustedFolder(f"the lock file {path} is not a regular file")
+        shown = fsutil.shown_path(path, dir_fd)
+        raise trust.UntrustedFolder(f"the lock file {shown} is not a regular file")
     mine = st.st_uid == os.geteuid()
     # (Not a file with other names: another member may link one of ours from
     # elsewhere as a lock file, for our chmod to widen or narrow it.)

@@ -839,3 +839,47 @@ def test_verify_leaves_the_counters_alone_when_a_folder_cannot_be_read(closed: s
         assert (entries, size) == (2, said[MEMBER_B]), chip
         assert chip["unread" if closed == "bucket" else "errors"] == 1, chip
         assert any("left as they were" in w for w in warnings), warnings
+
+
+UNWRITABLE_COUNTERS_CODE = """
+settings = h.make_settings({ops!r}, {base!r}, shared_group={gid})
+comp = h.ToyCompiler({calls!r})
+with opcache.OpCache(settings) as cache:
+    if {store}:
+        for i in (0, 1):
+            cache.compile(h.make_request(i), comp, Path({base!r}) / "b" / str(i))
+        print(json.dumps(cache.stats()["chips"][h.SOC]["bytes"]))
+    else:
+        chip = cache.verify().as_dict()["chips"][h.SOC]
+        now = cache.stats()["chips"][h.SOC]
+        print(json.dumps([chip, now["entries"], now["bytes"], keep.messages]))
+"""
+
+
+@requires_root
+def test_verify_sets_every_counter_or_none() -> None:
+    # The size counters are split in shards, each with its lock file.  One lock file
+    # member A cannot open (member B's, made without the group's bits): verify leaves
+    # every shard as it was and names the file whole, where it used to zero the shards
+    # before it (the counters then said 1 entry of 2) and say "15.lock: Permission denied".
+    with open_folder() as base:
+        ops, calls = team_cache(base)
+        fmt = {"ops": str(ops), "base": str(base), "gid": TEAM_GID, "calls": str(calls)}
+        code = CHILD_PROLOGUE + UNWRITABLE_COUNTERS_CODE
+        size = run_as(MEMBER_B, MEMBER_B, code.format(store=True, **fmt), groups=(TEAM_GID,))
+        sizes = ops / "kernel_cache" / SOC / local.SIZE_FOLDER
+        (shard,) = sizes.glob("*.json")
+        last = "14" if shard.name == "15.json" else "15"
+        split = {"entries": 1, "bytes": 1}
+        shard.write_text(json.dumps({"entries": 1, "bytes": size - 1}))
+        (sizes / f"{last}.json").write_text(json.dumps(split))
+        (sizes / f"{last}.lock").touch(mode=0o600)
+        for made in (f"{last}.json", f"{last}.lock"):
+            os.chown(sizes / made, MEMBER_B, TEAM_GID)
+        os.chmod(sizes / f"{last}.json", 0o660)
+        chip, entries, now, warnings = run_as(
+            MEMBER_A, MEMBER_A, code.format(store=False, **fmt), groups=(TEAM_GID,)
+        )
+        assert (entries, now) == (2, size), chip
+        assert chip["unwritten"] == f"{sizes / last}.lock: Permission denied", chip
+        assert any(f"{sizes / last}.lock" in w for w in warnings), warnings

@@ -940,17 +940,19 @@ class LocalStore:
             raise
         return self._trusted(fd, parent, name) if trusted else fd
 
-    def _count(self, chip_fd: int, soc: str, deltas: dict[str, float] | None) -> None:
-        """Move (or, with ``deltas`` None, zero) the size counters of the chip folder
-        open as ``chip_fd``.
+    def _count(
+        self, chip_fd: int, soc: str, deltas: dict[str, float], *, reset: bool = False
+    ) -> None:
+        """Move (or, with ``reset``, set) the size counters of the chip folder open
+        as ``chip_fd`` by ``deltas``.
 
         A chip folder that force or clear deleted meanwhile took the entry with
         it: there is nothing left to count then, and no error.
         """
         try:
             counters = self.sizes(soc, chip_fd)
-            if deltas is None:
-                counters.reset()
+            if reset:
+                counters.reset(deltas)
             else:
                 counters.add(deltas)
         except OSError as e:
@@ -1051,8 +1053,7 @@ class LocalStore:
         if chip_fd is None:
             return
         try:
-            self._count(chip_fd, soc, None)
-            self._count(chip_fd, soc, {"entries": entries, "bytes": size})
+            self._count(chip_fd, soc, {"entries": entries, "bytes": size}, reset=True)
         finally:
             os.close(chip_fd)
 
