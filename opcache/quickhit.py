@@ -257,13 +257,16 @@ class Memo:
             streams = [(number, self.artifact(entry, *rest)) for number, *rest in self.streams]
             if any(b"\x1b[" in data for _, data in streams):
                 raise Miss  # (colour taken out where it cannot show: the full path's work)
+            euid = os.geteuid()
             for target, _ in outputs:
                 try:
                     st = os.lstat(target)
                 except FileNotFoundError:
                     continue
-                if not stat.S_ISREG(st.st_mode):
-                    raise Miss  # (the full path says why it is uncacheable)
+                # Not a regular file, or another user's (which a sticky folder keeps from
+                # being replaced, though the compiler may write into it): the full path's.
+                if not stat.S_ISREG(st.st_mode) or (st.st_uid != euid and euid != 0):
+                    raise Miss
             self._count()
             return _finish(self._stamp, entry, outputs, streams)
         finally:

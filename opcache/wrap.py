@@ -292,7 +292,7 @@ def run(
             # An output folder opcache cannot write in: the compiler says so best.
             reason = f"cannot write in the output folder: {e.strerror or e}"
             return _run_uncacheable(argv, run_env, base, reason)
-        return _run_planned(plan, kind, settings, run_env, staging)
+        return _run_planned(argv, plan, kind, settings, run_env, staging)
     finally:
         _remove_staging(staging)
 
@@ -328,7 +328,12 @@ def _run_uncacheable(
 
 
 def _run_planned(
-    plan: Plan, kind: str, settings: Settings, env: Mapping[str, str], staging: Path
+    argv: Sequence[str],
+    plan: Plan,
+    kind: str,
+    settings: Settings,
+    env: Mapping[str, str],
+    staging: Path,
 ) -> int:
     compiler = _WrappedCommand(plan, kind, env)
     # One wrap per compile command: force clears once per build, not per command.
@@ -358,9 +363,16 @@ def _run_planned(
         return failed.returncode
     said = f" ({result.reason})" if result.reason else ""
     log.info("%s%s, key %s", result.status, said, result.key or "-")
+    try:
+        _restore(plan, result.files)
+    except OSError as e:
+        # An output opcache may not replace where the command may write it (another
+        # user's file, writable, in a sticky folder): the command says what it makes.
+        log.warning("cannot put the outputs in place: %s; running the command", sentence(e))
+        return _run_plain(argv, env)
     if kind == "cc" and result.status == "hit" and result.tier == "local":
         _note_hit(plan, settings, result)
-    _restore(plan, result.files)
+    _replay_streams(result.files)
     return 0
 
 
@@ -494,9 +506,11 @@ def _staging_path(plan: Plan) -> Path:
 
 
 def _restore(plan: Plan, files: dict[str, Path]) -> None:
-    stdout = files.pop(STDOUT, None)
-    stderr = files.pop(STDERR, None)
+    """Move the outputs in ``files`` to where the command writes them (OSError if one
+    cannot be); the saved streams (``STDOUT``, ``STDERR``) stay in ``files``."""
     for name, path in files.items():
+        if name in (STDOUT, STDERR):
+            continue
         target = plan.outputs.get(name)
         if target is None and plan.output_dir is not None:
             target = plan.output_dir / name
@@ -506,7 +520,11 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
                 mode = os.stat(path).st_mode
                 os.chmod(path, mode | (mode & 0o444) >> 2)  # x wherever r, as chmod +x
             os.replace(path, target)
-    for saved, stream in ((stdout, sys.stdout), (stderr, sys.stderr)):
+
+
+def _replay_streams(files: dict[str, Path]) -> None:
+    """Write the command's saved output where it wrote it."""
+    for saved, stream in ((files.get(STDOUT), sys.stdout), (files.get(STDERR), sys.stderr)):
         if saved is not None:
             data = saved.read_bytes()
             saved.unlink()  # (the staging folder, emptied, then goes with one rmdir)

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from fake_opc import SOC, base_env
 from helpers_wrap import GCC, opcache
 
+from opcache import quickhit, quickmemo
 from opcache.cli import main
 
 needs_gcc = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
@@ -212,3 +215,70 @@ def test_a_compiler_this_user_may_run_but_not_read_compiles_uncached(tmp_path):
         said = json.loads(opcache("stats", "--json", env=base_env(base), cwd=base).stdout)
         reasons = said["chips"]["host"]["uncacheable_reasons"]
         assert any("cannot read what the key needs" in r and "gcc" in r for r in reasons), reasons
+
+
+STICKY_CODE = """
+import json, os, sys
+base = {base!r}
+os.chdir(base)
+os.environ.update(HOME=base, XDG_RUNTIME_DIR=os.path.join(base, "run"))
+os.environ["ASCEND_CACHE_PATH"] = os.path.join(base, "cache")
+pid = os.fork()
+if pid == 0:  # (the program leaves at once when done: a child of its own)
+    os.dup2(os.open("err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+    sys.argv = ["opcache", "wrap", "--", {gcc!r}, "-c", "b.c", "-o", "out/b.o"]
+    from opcache.cli import main
+    main()
+    os._exit(99)
+status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+with open("err") as err:
+    print(json.dumps([status, err.read()]))
+"""
+
+
+@pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
+def test_an_output_another_user_owns_in_a_sticky_folder_is_written_as_the_compiler_writes_it(
+    tmp_path,
+):
+    # out/ is sticky (as /tmp) and b.o another user's, writable by all: gcc writes into it,
+    # but no one else may rename over it.  A miss, a hit and a quick hit (from the memo
+    # a hit leaves) each ended in 'opcache: error: ... -> out/b.o: Operation not
+    # permitted', exit 1, where gcc alone succeeds.  The command runs instead.
+    from helpers_faults import MEMBER_B, NOBODY, open_folder, run_as
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another user")
+    with open_folder() as base:
+        (base / "b.c").write_text("int b(void) { return 2; }\n")
+        (base / "run").mkdir(mode=0o700)
+        os.chown(base / "run", NOBODY, NOBODY)
+        (base / "out").mkdir()
+        os.chmod(base / "out", 0o1777)
+        os.chown(base, NOBODY, NOBODY)
+        subprocess.run([GCC, "-c", "b.c", "-o", "made.o"], cwd=base, check=True)
+        made = (base / "made.o").read_bytes()
+        target = base / "out" / "b.o"
+        code = STICKY_CODE.format(base=str(base), gcc=GCC)
+
+        def planted() -> None:
+            target.unlink(missing_ok=True)
+            target.write_bytes(b"another user's object")
+            os.chown(target, MEMBER_B, MEMBER_B)
+            target.chmod(0o666)
+
+        def run() -> str:
+            status, err = run_as(NOBODY, NOBODY, code)
+            assert (status, target.read_bytes()) == (0, made), err
+            assert "opcache: error" not in err and "running the command" in err, err
+            return err
+
+        for _ in ("miss", "hit"):
+            planted()
+            run()
+        time.sleep(quickmemo.RACY_SECONDS + 0.3)  # (a memo only of files older than this)
+        target.unlink()
+        status, err = run_as(NOBODY, NOBODY, code)  # a hit that leaves a memo
+        assert status == 0 and target.read_bytes() == made, err
+        assert list((base / "run").glob(f"opcache-{NOBODY}/{quickhit.FOLDER}/*")), "no memo"
+        planted()
+        run()  # the memo's quick hit: left to the full path, which runs the command

@@ -877,9 +877,13 @@ static void serve_memo(const char *name) {
         if (read_artifact(folder_fd, &streams[i]) != 0 ||
             memmem(streams[i].data, streams[i].len, "\x1b[", 2) != NULL)
             goto miss; /* (colour taken out where it cannot show: the full path's work) */
+    /* Not a regular file, or another user's (which a sticky folder keeps from being
+     * replaced, though the compiler may write into it): the full path's work. */
     for (size_t i = 0; i < no; i++)
-        if (lstat(outputs[i].at[0], &st) == 0 ? !S_ISREG(st.st_mode) : errno != ENOENT)
-            goto miss; /* (the full path says why it is uncacheable) */
+        if (lstat(outputs[i].at[0], &st) == 0
+                ? !S_ISREG(st.st_mode) || (st.st_uid != geteuid() && geteuid() != 0)
+                : errno != ENOENT)
+            goto miss;
     if (count(counts) != 0) goto miss;
     /* Counted: from here on the run ends here, whatever fails (the full path's status).
      * A reader that left (of the streams, or of an error line): 1, as the Python path's. */
