@@ -429,8 +429,11 @@ def _masked_url(url: str) -> str:
     """The URL with its password and every query value but ``_SHOWN_OPTIONS``' masked."""
     from urllib.parse import unquote
 
-    url, mark, query = url.partition("?")
     scheme, sep, rest = url.partition("://")
+    if _at_past_the_host(scheme, rest):
+        return f"{scheme}{sep}***"  # (where the password ends is not known: none of it)
+    url, mark, query = url.partition("?")
+    rest = rest.partition("?")[0]
     credentials, at, host = rest.rpartition("@")
     if at:
         user, colon, _ = credentials.partition(":")
@@ -524,6 +527,16 @@ _TLS_OPTIONS = (
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 
 
+def _at_past_the_host(scheme: str, rest: str) -> bool:
+    """Whether an ``@`` follows the first ``/`` or ``?`` after ``scheme://``: a password
+    holding one of those as it is (``redis://u:ab/cd@host``), which would be read as
+    the host, port or path, and quoted so in a message."""
+    if scheme in ("file", "unix"):  # (no host part: an @ in a path is a name)
+        return False
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    return "@" not in rest[:end] and "@" in rest[end:]
+
+
 def _url_problem(url: str) -> str | None:
     """What is wrong with a remote's URL (one tier's), or None.
 
@@ -540,6 +553,11 @@ def _url_problem(url: str) -> str | None:
         return "a URL holds no spaces, control or non-ASCII characters (percent-encode them)"
     if "#" in rest:
         return "a URL has no '#' (write %23 in a password)"
+    if _at_past_the_host(scheme, rest):
+        return (
+            "an '@' after the host's end: percent-encode '/', '?' and '@' in a user name "
+            "or password, and '@' in a path (%2F, %3F, %40)"
+        )
     from urllib.parse import unquote
 
     rest, _, query = rest.partition("?")

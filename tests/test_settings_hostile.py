@@ -322,3 +322,32 @@ def test_query_values_of_a_remote_url_are_masked_in_warnings_stats_and_files(tmp
     printed = stats.stdout.decode() + stats.stderr.decode()
     assert shown in printed and "PASSPHRASE" not in said + printed
     assert not files_holding(tmp_path / "cache", "PASSPHRASE")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://ci:Xy7s3cr/et+K@cache-host:6379/0",  # (base64 passwords hold '/')
+        "rediss://ci:a.b.c.long-Secret/xx@h",
+        "redis://u:pa?ssWORD@host",
+        "http://u:Xy7s3cr/etK@h/cache",
+        "redis+cluster://u:Xy7s3cr/etK@h1:7000,h2:7000",
+    ],
+)
+def test_a_password_holding_a_slash_or_question_mark_is_never_quoted(url, caplog):
+    """Read as it is, the password's first part was the port, quoted in the warning of
+    every compile ('the port 'Xy7s3cr' is not a number'), and the shown URL kept it."""
+    with pytest.raises(ConfigError, match="percent-encode") as caught:
+        resolve_settings(remote={"url": url}, environ={"HOME": "/nonexistent"})
+    with caplog.at_level(logging.WARNING, logger="opcache"):
+        resolve_settings(environ={"OPCACHE_REMOTE": url, "HOME": "/nonexistent"})
+    secret = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
+    pieces = [secret[i : i + 3] for i in range(len(secret) - 2)]
+    for said in (str(caught.value), caplog.text):
+        assert "percent-encode" in said
+        assert not [p for p in pieces if p in said.replace("percent-encode", "")], said
+
+
+def test_an_at_sign_in_a_file_remote_s_path_is_a_name():
+    settings = resolve_settings(environ={"OPCACHE_REMOTE": "file:///mnt/a@b/c", "HOME": "/x"})
+    assert settings.remote is not None and settings.remote.shown_url == "file:///mnt/a@b/c"
