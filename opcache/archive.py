@@ -20,8 +20,9 @@ on its header, before it is read) or not starting as a value does, a value
 that does not unpack, a truncated file: the archive is refused, with the
 reason.  The entries are then read again from the same open file, each one
 required to be the member checked (``ArchiveReader.entries``).  Writing goes
-to a temp file beside ``FILE``, renamed over it when complete; an entry over
-``MAX_MEMBER_BYTES`` is left out, and reported.
+to a temp file beside ``FILE``, renamed over it when complete (never over a
+link, a device or a folder: refused); an entry over ``MAX_MEMBER_BYTES`` is
+left out, and reported.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class ArchiveWriter:
         self.kind = kind
         self.count = 0
         self.bytes = 0
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                # (renamed over, a device node or a link would be gone, nothing written)
+                raise OSError(f"{path} is not a regular file: name a file for the archive")
         self._tmp = path.parent / fsutil.unique_name(f".{path.name}")
         fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         self._file = os.fdopen(fd, "wb")
@@ -115,12 +120,16 @@ class ArchiveWriter:
         self._tar.addfile(info, io.BytesIO(data))
 
     def close(self) -> None:
-        """Write the trailer and put the archive at its name."""
+        """Write the trailer and put the archive at its name (or leave no file)."""
         trailer = {"format": FORMAT, "kind": self.kind, "entries": self.count}
-        self._member(TRAILER, json.dumps(trailer, sort_keys=True).encode(), time.time())
-        self._tar.close()
-        self._file.close()
-        os.replace(self._tmp, self.path)
+        try:
+            self._member(TRAILER, json.dumps(trailer, sort_keys=True).encode(), time.time())
+            self._tar.close()
+            self._file.close()
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -163,18 +172,23 @@ class ArchiveReader:
         self._seen: list[tuple[str, str, int, bytes]] | None = None
         self._stat = self._identity()
 
-    def check(self) -> dict[str, list[tuple[str, int, bytes]]]:
-        """Read the whole archive: {soc: [(key, packed size, manifest bytes)]} in its order.
+    def check(
+        self, summary: Callable[[bytes], bytes] = lambda manifest: b""
+    ) -> dict[str, list[tuple[str, int, bytes]]]:
+        """Read the whole archive: {soc: [(key, packed size, summary of its manifest)]}
+        in its order.
 
         BadArchive for any member that is not what an archive of its kind holds,
         a value that does not unpack (damaged, or another key's), a missing or
-        wrong trailer: nothing of such a file is used.
+        wrong trailer: nothing of such a file is used.  Only ``summary``'s bytes
+        of each manifest are kept (keep them small): a few KB of gzip can hold
+        thousands of members of a 60 MB manifest each.
         """
         found: dict[str, list[tuple[str, int, bytes]]] = {}
         seen = []
         for soc, key, value in self._members():
             _, manifest = unpacked(soc, key, value)
-            found.setdefault(soc, []).append((key, len(value), manifest))
+            found.setdefault(soc, []).append((key, len(value), summary(manifest)))
             seen.append((soc, key, len(value), xxhash.xxh3_128_digest(value)))
         self._seen = seen
         self._stat = self._identity()

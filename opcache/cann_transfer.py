@@ -939,7 +939,7 @@ def import_archive(
     writers: dict[str, tuple[_Writer, bytes]] = {}
     with contextlib.ExitStack() as held:
         reader = held.enter_context(ArchiveReader(Path(path), CANN))
-        found = reader.check()
+        found = reader.check(lambda manifest: digest(_versions_of(manifest)).encode())
         for soc, rows in found.items():
             if soc_version is not None and soc != soc_version:
                 continue
@@ -947,8 +947,8 @@ def import_archive(
                 ns, ini_missing = local_namespace(
                     root, soc, env, settings.shared_group, taking=True
                 )
-                if {_versions_of(manifest) for _, _, manifest in rows} != {
-                    canonical_json(ns.versions())
+                if {versions for _, _, versions in rows} != {
+                    digest(canonical_json(ns.versions())).encode()
                 }:
                     raise Refused(
                         f"the archive's {soc} entries are of other versions than this folder's "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
 import tarfile
@@ -579,3 +580,73 @@ def test_a_value_inflating_past_the_member_cap_is_refused(tmp_path, monkeypatch)
     with pytest.raises(archive.BadArchive, match="inflates past"):
         _import(tmp_path, path)
     assert not (tmp_path / "b/kernel_cache" / SOC).exists()
+
+
+BOMB = """
+import resource, sys
+from pathlib import Path
+from opcache import archive
+resource.setrlimit(resource.RLIMIT_AS, (600 << 20, 600 << 20))
+with archive.ArchiveReader(Path(sys.argv[1]), archive.OPCACHE) as reader:
+    print(sum(len(rows) for rows in reader.check().values()))
+"""
+
+
+def test_an_archive_of_huge_manifests_is_checked_in_bounded_memory(tmp_path):
+    """Each member's manifest of 20 MB (of one letter: 20 KB of gzip) was kept for the
+    whole check: 40 of them, an archive of about 1 MB, took 800 MB before a byte was
+    written (a MemoryError traceback under a limit).  Only what a caller asks is kept."""
+    from opcache.storage.entry import make_manifest
+
+    path = tmp_path / "big.tar.gz"
+    with archive.ArchiveWriter(path, archive.OPCACHE) as out:
+        for i in range(40):
+            key = f"{i:032x}"
+            files = {"k.o": b"\x7fELF"}
+            manifest = make_manifest(key, files, 1.0, {"pad": "A" * (20 << 20)}, 0.0)
+            assert out.add("Ascend910B1", key, manifest, files, 0.0)
+    assert path.stat().st_size < 4 << 20
+    done = subprocess.run(
+        [sys.executable, "-c", BOMB, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "40"), done.stderr[-500:]
+
+
+@pytest.mark.parametrize("kind", ["link", "device", "folder"])
+def test_export_never_replaces_what_is_not_a_regular_file(tmp_path, kind):
+    """Renamed over, /dev/full (as root) or a link to /dev/stdout was gone, a file in its
+    place: the export is refused, and no temp file is left beside it."""
+    env = _env(tmp_path)
+    _cann_folder(tmp_path)
+    target = tmp_path / "out" / "cache.tar"
+    target.parent.mkdir()
+    keep = tmp_path / "kept"
+    keep.write_text("not an archive")
+    if kind == "link":
+        target.symlink_to(keep)
+    elif kind == "device":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to make a device node")
+        os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 7))  # (as /dev/full)
+    else:
+        target.mkdir()
+    done = _cli("cann", "export", str(target), "--op_compiler_cache_dir", str(tmp_path), env=env)
+    assert done.returncode == 4 and "not a regular file" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in target.parent.iterdir()) == ["cache.tar"]
+    made = {"link": target.is_symlink(), "device": target.is_char_device()}
+    assert made.get(kind, target.is_dir()) and keep.read_text() == "not an archive"
+
+
+def test_an_export_that_cannot_be_put_in_place_leaves_no_temp_file(tmp_path, monkeypatch):
+    def refused(*args: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    from opcache.storage.entry import make_manifest
+
+    key, files = "0" * 32, {"k.o": b"\x7fELF"}
+    writer = archive.ArchiveWriter(tmp_path / "cache.tar", archive.OPCACHE)
+    monkeypatch.setattr(archive.os, "replace", refused)
+    with pytest.raises(PermissionError), writer:
+        writer.add("Ascend910B1", key, make_manifest(key, files, 1.0, {}, 0.0), files, 0.0)
+    assert list(tmp_path.iterdir()) == []
