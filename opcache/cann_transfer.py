@@ -20,7 +20,8 @@ archive holds the chip only under other versions, the pull is refused
 (binary, header, a mix-core entry's sub-jsons and their binaries), taken
 only if CANN's hit check passes (``cann_format``'s: the json parses, the
 binaries are there, sha256 equal, ``kernelName`` for ``.o``) and every file
-is named after its kernel.  Files are read without moving their access time.
+is named after its kernel, and none written before ``op_cache.ini`` last
+changed (``IniMark``).  Files are read without moving their access time.
 
 **Writing** (pull, import), as CANN's ``CopyFileToCacheDir`` writes:
 ``<kernel>.lock`` taken (``F_SETLK``, non-blocking: an entry whose lock a
@@ -178,8 +179,8 @@ def local_namespace(
     ``taking`` (pull, import): a missing ini is fine when the toolkit's
     versions are known (the caller creates it); one that names other versions
     than the installed toolkit is refused (CANN wipes the folder at its next
-    compile).  Giving (push, export) needs the ini, and its versions are the
-    entries' (CANN wiped the folder when they last changed).  Refused when the
+    compile).  Giving (push, export) needs the ini, and its versions are those of
+    the entries written since it last changed (``IniMark``).  Refused when the
     ini is invalid.
     """
     driver = driver_version(environ) or "none"
@@ -201,6 +202,57 @@ def local_namespace(
             f"{installed[0]}, {installed[1]}: CANN wipes this folder at its next compile"
         )
     return Namespace(soc, *in_ini, driver), False
+
+
+class IniMark:
+    """op_cache.ini as a giving side read it: which file, last changed when.
+
+    CANN rewrites the ini, shared by every chip folder, only when it finds it
+    missing or naming other versions than its own (and in ``force`` mode): it
+    then wipes its own chip folder alone, so the other chip folders keep
+    entries of the old toolkit under the new versions.  An entry written
+    before the ini's last change may be such a one: it is never given.
+    """
+
+    def __init__(self, path: Path, stamp: tuple[int, int, int, int]) -> None:
+        self.path = path
+        self.stamp = stamp
+
+    @property
+    def mtime_ns(self) -> int:
+        return self.stamp[2]
+
+    def predates(self, st: os.stat_result) -> bool:
+        return st.st_mtime_ns < self.mtime_ns
+
+    def changed(self) -> bool:
+        return _stamp(self.path) != self.stamp
+
+
+PREDATES = "it may predate the last toolkit change: written before op_cache.ini last changed"
+INI_CHANGED = "op_cache.ini changed meanwhile (a toolkit change?): run it again"
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def giving_namespace(
+    root: Path, soc: str, environ: Mapping[str, str], shared_group: int | None
+) -> tuple[Namespace, IniMark]:
+    """The namespace of a chip folder that gives entries (push, export), and the mark
+    of the op_cache.ini its versions come from; Refused when the ini changed while
+    read (its versions then may not be the ones of its time)."""
+    path = root / INI_NAME
+    before = _stamp(path)
+    ns, _ = local_namespace(root, soc, environ, shared_group, taking=False)
+    if before is None or _stamp(path) != before:
+        raise Refused(f"{path} changed while it was read (a toolkit change?): run it again")
+    return ns, IniMark(path, before)
 
 
 def create_ini(path: Path, ns: Namespace) -> None:
@@ -254,10 +306,12 @@ def _own_name(kernel: str, name: str) -> bool:
 
 
 class _Reader:
-    """The sound entries of a chip folder open as ``fd``, most recently used first."""
+    """The sound entries of a chip folder open as ``fd``, most recently used first; none
+    written before ``ini``'s last change."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, ini: IniMark) -> None:
         self.fd = fd
+        self.ini = ini
         scan = scan_chip(fd)
         self.files = scan.files
         self.entries: dict[str, tuple[int, CannEntry]] = {}
@@ -273,6 +327,8 @@ class _Reader:
                 problem = "not a kernel name"
             if problem is None:
                 problem = _reserved(entry.kernel)
+            if problem is None and any(ini.predates(self.files[f]) for f in entry.owned):
+                problem = PREDATES
             if problem is not None:
                 self.skipped.append({"entry": entry.kernel, "why": problem})
                 continue
@@ -289,9 +345,14 @@ class _Reader:
             files = {}
             for name in sorted(entry.owned):
                 with os.fdopen(open_quietly(self.fd, name), "rb") as f:
+                    if self.ini.predates(os.fstat(f.fileno())):  # replaced since the scan
+                        return PREDATES
                     files[name] = f.read()
         except OSError as e:
             return f"cannot read it: {e.strerror or e}"
+        # Read while the ini still names the versions it is filed under.
+        if self.ini.changed():
+            return INI_CHANGED
         return problem or Bundle(kernel, atime, files)
 
 
@@ -643,10 +704,10 @@ def _push_chip(
     dry_run: bool,
     progress: Callable[[int], None] | None,
 ) -> dict:
-    ns, _ = local_namespace(root, soc, environ, settings.shared_group, taking=False)
+    ns, ini_mark = giving_namespace(root, soc, environ, settings.shared_group)
     chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
     try:
-        reader = _Reader(chip.fd)
+        reader = _Reader(chip.fd, ini_mark)
         kernels = list(reader.entries)
         there = _have(client, ns.remote_chip, kernels)
         missing = [k for k in kernels if k not in there]
@@ -892,13 +953,13 @@ def export_archive(
     with ArchiveWriter(Path(path), CANN) as out:
         for soc in socs:
             try:
-                ns, _ = local_namespace(root, soc, env, settings.shared_group, taking=False)
+                ns, ini_mark = giving_namespace(root, soc, env, settings.shared_group)
                 chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
             except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
                 continue
             try:
-                reader = _Reader(chip.fd)
+                reader = _Reader(chip.fd, ini_mark)
                 report = {"namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
                           "entries": 0, "bytes": 0, "skipped": reader.skipped}  # fmt: skip
                 for done, kernel in enumerate(reader.entries, 1):

@@ -23,6 +23,7 @@ from helpers_cann import (
     held_by_other_process,
     kernel_name,
     set_access,
+    set_times,
     store_entry,
     store_mix_entry,
     store_prebuild,
@@ -613,3 +614,48 @@ def test_an_entry_named_as_cann_aging_lock_is_not_pushed(machines):
     report = a.push()
     assert report["sent"] == 1
     assert [s["entry"] for s in report["skipped"]] == ["op_cache_file_del"]
+
+
+def _toolkit_change(root: Path, adk: str = "8.0.RC1") -> None:
+    """What CANN's first compile under another toolkit does to the shared ini: its
+    versions rewritten in place (its own chip folder wiped, the others kept)."""
+    ini = root / "op_cache.ini"
+    ini.write_text(ini.read_text().replace("7.0.RC1", adk))
+
+
+def test_entries_older_than_the_last_toolkit_change_are_not_given(machines, tmp_path):
+    a, b = machines
+    old = kernel_name("Add", "310p under 7.0")
+    set_times(store_entry(a.root / "Ascend310P3", old, b"\x7fELF by 7.0"), NOW - 60)
+    _toolkit_change(a.root)  # an 8.0 compile on the 910B1 wiped only its own folder
+    new = kernel_name("Add", "910b under 8.0")
+    store_entry(a.chip, new, b"\x7fELF by 8.0")
+
+    pushed = cann_transfer.push(settings=a.settings(), environ=a.env)["chips"]
+    assert pushed["Ascend310P3"]["sent"] == 0
+    assert [s["entry"] for s in pushed["Ascend310P3"]["skipped"]] == [old]
+    assert "predate the last toolkit change" in pushed["Ascend310P3"]["skipped"][0]["why"]
+    assert (pushed[SOC]["sent"], pushed[SOC]["namespace"]["adk_version"]) == (1, "8.0.RC1")
+    exported = cann_transfer.export_archive(
+        tmp_path / "a.tar", settings=a.settings(), environ=a.env
+    )["chips"]
+    assert exported["Ascend310P3"]["entries"] == 0 and exported[SOC]["entries"] == 1
+
+    b.toolkit(adk="8.0.RC1", ops="8.0.RC1")
+    pulled = cann_transfer.pull("Ascend310P3", settings=b.settings(), environ=b.env)
+    assert pulled["chips"]["Ascend310P3"].get("written", 0) == 0
+    assert not (b.root / "Ascend310P3" / f"{old}.json").exists()
+
+
+def test_an_ini_changed_during_a_push_stops_what_is_read_after(machines):
+    a, _ = machines
+    kernels = _fill(a, 3)
+
+    def progress(percent: int) -> None:
+        if percent < 50:  # after the first entry read
+            _toolkit_change(a.root)
+
+    report = a.push(progress=progress)
+    assert report["sent"] == 1
+    assert [s["entry"] for s in report["skipped"]] == kernels[1:]
+    assert {s["why"] for s in report["skipped"]} == {cann_transfer.INI_CHANGED}
