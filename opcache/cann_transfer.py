@@ -35,7 +35,8 @@ CANN's aging still removes the least recently used first.  Entries go most
 recently used first, and the transfer stops before the chip folder's used
 size (counted as CANN counts it) would reach its limit.  A missing
 ``op_cache.ini`` is created as CANN creates it (the two versions, 0640):
-without it CANN's first compile would wipe the folder.
+without it CANN's first compile would wipe the folder; never while a chip
+folder holds files (of unknown versions: the ini would make CANN keep them).
 
 **The remote's keys.**  Per chip, ``cann:<soc>`` / ``#index``: the
 namespaces pushed and, per namespace, each kernel's last access and size
@@ -53,6 +54,7 @@ import fcntl
 import os
 import random
 import re
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -76,6 +78,7 @@ from .cann_format import (
     open_quietly,
     scan_chip,
     try_lock,
+    walk_chip,
 )
 from .compilers.cann import HOME_VARIABLES, driver_version
 from .errors import ConfigError
@@ -195,6 +198,13 @@ def local_namespace(
                 f"no {path}, and no toolkit found to tell the versions it takes (set "
                 "ASCEND_HOME_PATH and ASCEND_OPP_PATH, or run one compile first)"
             )
+        holding = _holding_files(root)
+        if holding is not None:
+            # An ini made now would tell CANN they are the installed toolkit's: kept.
+            raise Refused(
+                f"no {path}, and {holding} holds files of unknown versions that CANN's "
+                "first compile there wipes: run one compile first"
+            )
         return Namespace(soc, *installed, driver), True
     if taking and installed is not None and installed != in_ini:
         raise Refused(
@@ -253,6 +263,42 @@ def giving_namespace(
     if before is None or _stamp(path) != before:
         raise Refused(f"{path} changed while it was read (a toolkit change?): run it again")
     return ns, IniMark(path, before)
+
+
+def _holding_files(root: Path) -> Path | None:
+    """A chip folder of ``root`` holding a file other than a lock (or that may: a link,
+    a folder that cannot be read); None when there is none."""
+    try:
+        with os.scandir(root) as listing:
+            found = sorted(e.name for e in listing if not e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return root
+    for name in found:
+        try:
+            kind = stat.S_IFMT(os.lstat(root / name).st_mode)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return root / name
+        if kind != stat.S_IFDIR and kind != stat.S_IFLNK:
+            continue  # neither a chip folder nor a link CANN would follow as one
+        try:
+            fd = os.open(root / name, fsutil.DIR_FLAGS)
+        except OSError:
+            return root / name
+        try:
+            if any(
+                stat.S_ISREG(st.st_mode) and not file.endswith(".lock")
+                for file, st, _ in walk_chip(fd)
+            ):
+                return root / name
+        except OSError:
+            return root / name
+        finally:
+            os.close(fd)
+    return None
 
 
 def create_ini(path: Path, ns: Namespace) -> None:

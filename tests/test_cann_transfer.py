@@ -659,3 +659,39 @@ def test_an_ini_changed_during_a_push_stops_what_is_read_after(machines):
     assert report["sent"] == 1
     assert [s["entry"] for s in report["skipped"]] == kernels[1:]
     assert {s["why"] for s in report["skipped"]} == {cann_transfer.INI_CHANGED}
+
+
+@pytest.mark.parametrize("chip", [SOC, "Ascend310P3"])
+def test_no_ini_is_made_over_entries_of_unknown_versions(machines, tmp_path, chip):
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    exported = cann_transfer.export_archive(
+        tmp_path / "a.tar", SOC, settings=a.settings(), environ=a.env
+    )
+    assert exported["chips"][SOC]["entries"] == 1
+    # B's folder is left from another toolkit, its ini gone: CANN's first compile
+    # there wipes the chip folder; an ini made now would keep these under 7.0.RC1.
+    old = kernel_name("Mul", "old toolkit")
+    store_entry(b.root / chip, old, b"\x7fELF by 6.0")
+    b.toolkit()
+    for report in (
+        b.pull(),
+        cann_transfer.import_archive(tmp_path / "a.tar", settings=b.settings(), environ=b.env)[
+            "chips"
+        ][SOC],
+    ):
+        assert "run one compile first" in report["refused"]
+        assert chip in report["refused"]
+    assert not (b.root / "op_cache.ini").exists()
+
+
+def test_an_ini_is_made_beside_locks_alone(machines):
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    b.chip.mkdir(parents=True)
+    (b.chip / "op_cache_file_del.lock").touch()
+    b.toolkit()
+    report = b.pull()
+    assert report["ini_created"] and report["written"] == 1
