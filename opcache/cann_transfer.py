@@ -624,38 +624,62 @@ def _index_chip(soc: str) -> str:
     return f"cann:{soc}"
 
 
-def _read_index(remote: Remote, soc: str) -> dict:
-    """The chip's index on the remote ({} when there is none or it is damaged)."""
+_VERSION_KEYS = ("adk_version", "ops_version", "driver")
+
+
+def _read_index(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
+    """(the chip's namespaces in the remote's index, whether any part of it was
+    damaged); the parts that are not as ``_write_index`` writes them are dropped,
+    so a push writes back a sound index."""
     got = remote.get_many(_index_chip(soc), [INDEX]).get(INDEX)
     if got is None:
-        return {}
+        return {}, False
     if isinstance(got, RemoteCorrupt):
         log.warning("the remote's index of %s is damaged (%s): starting a new one", soc, got)
-        return {}
+        return {}, True
     try:
         index = _json.loads(got[0].files.get(INDEX_FILE, b""))
     except ValueError:
         index = None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         log.warning("the remote's index of %s is not one this opcache reads: starting anew", soc)
-        return {}
-    return index
+        return {}, True
+    found = index.get("namespaces")
+    spaces = {}
+    damaged = not isinstance(found, dict)
+    for ident, space in (found if isinstance(found, dict) else {}).items():
+        if not isinstance(space, dict) or not all(
+            isinstance(space.get(k), str) for k in _VERSION_KEYS
+        ):
+            damaged = True
+            continue
+        rows = space.get("entries")
+        entries = {k: list(row) for k, row in _sound_rows(rows).items()}
+        damaged |= not isinstance(rows, dict) or len(entries) != len(rows)
+        spaces[ident] = {**{k: space[k] for k in _VERSION_KEYS}, "entries": entries}
+    if damaged:
+        log.warning("the remote's index of %s is damaged in part: those parts dropped", soc)
+    return spaces, damaged
 
 
-def _index_entries(index: dict, ns: Namespace) -> dict[str, tuple[int, int]]:
-    """{kernel: (last access, size)} of ``ns`` in an index, bad rows dropped."""
-    space = index.get("namespaces", {}).get(ns.ident)
-    rows = space.get("entries") if isinstance(space, dict) else None
+def _sound_rows(rows: object) -> dict[str, tuple[int, int]]:
+    """{kernel: (last access, size)} of an index's rows, bad rows dropped."""
     out = {}
     for kernel, row in (rows if isinstance(rows, dict) else {}).items():
         if (
             is_plain_name(kernel)
             and isinstance(row, list)
             and len(row) == 2
-            and all(isinstance(v, int) for v in row)
+            and all(type(v) is int for v in row)
         ):
             out[kernel] = (row[0], row[1])
     return out
+
+
+def _index_entries(spaces: dict[str, dict], ns: Namespace) -> dict[str, tuple[int, int]]:
+    """{kernel: (last access, size)} of ``ns`` in an index's namespaces."""
+    space = spaces.get(ns.ident)
+    return {k: (v[0], v[1]) for k, v in space["entries"].items()} if space else {}
 
 
 def _have(remote: Remote, chip: str, keys: list[str]) -> set[str]:
@@ -814,14 +838,13 @@ def _write_index(
     the entries a pull found ``gone`` (evicted)."""
     if client.read_only:
         return
-    index = _read_index(client, ns.soc)
-    spaces = index.get("namespaces") if isinstance(index.get("namespaces"), dict) else {}
-    before = _index_entries(index, ns)
+    spaces, damaged = _read_index(client, ns.soc)
+    before = _index_entries(spaces, ns)
     entries = {k: v for k, v in before.items() if k not in gone}
     for kernel, (atime, size) in rows.items():
         old = entries.get(kernel, (0, 0))
         entries[kernel] = (max(atime, old[0]), size)
-    if ns.ident in spaces and entries == before:
+    if ns.ident in spaces and entries == before and not damaged:
         return  # nothing new: a cron push of an unchanged folder writes nothing
     spaces[ns.ident] = {
         **ns.versions(),
@@ -870,20 +893,18 @@ def _pull_chip(
     progress: Callable[[int], None] | None,
 ) -> dict:
     ns, ini_missing = local_namespace(root, soc, environ, settings.shared_group, taking=True)
-    index = _read_index(client, soc)
-    spaces = index.get("namespaces") if isinstance(index.get("namespaces"), dict) else {}
+    spaces, _ = _read_index(client, soc)
     if ns.ident not in spaces:
         others = [
-            f"{s.get('adk_version')}, {s.get('ops_version')}, driver {str(s.get('driver'))[:12]}"
+            f"{s['adk_version']}, {s['ops_version']}, driver {s['driver'][:12]}"
             for s in spaces.values()
-            if isinstance(s, dict)
         ]
         if others:
             raise Refused(
                 f"the remote holds {soc} entries only for other versions ({'; '.join(others)}), "
                 f"not for this folder's {ns.describe()}: nothing pulled"
             )
-    rows = _index_entries(index, ns)
+    rows = _index_entries(spaces, ns)
     report, chip = _taking(root, soc, settings, ns, ini_missing, dry_run)
     if chip is None:
         present = _present_names(root, soc, settings)

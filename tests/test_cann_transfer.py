@@ -695,3 +695,43 @@ def test_an_ini_is_made_beside_locks_alone(machines):
     b.toolkit()
     report = b.pull()
     assert report["ini_created"] and report["written"] == 1
+
+
+def _put_index(a: Machine, index: object) -> None:
+    from opcache.storage.entry import make_manifest
+
+    data = json.dumps(index).encode()
+    files = {cann_transfer.INDEX_FILE: data}
+    manifest = make_manifest(cann_transfer.INDEX, files, 0.0, {"soc": SOC}, time.time())
+    client = cann_transfer._connect(a.settings())
+    try:
+        client.put(f"cann:{SOC}", cann_transfer.INDEX, manifest, files)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "spaces",
+    [
+        ["oops"],
+        {"x": "oops"},
+        {"x": {"adk_version": 7, "ops_version": "7", "driver": "d", "entries": {}}},
+        {"x": {"adk_version": "7", "ops_version": "7", "driver": "d", "entries": ["oops"]}},
+        {"x": {"adk_version": "7", "ops_version": "7", "driver": "d", "entries": {"k": [1]}}},
+    ],
+)
+def test_a_damaged_remote_index_is_read_as_empty_and_mended_by_a_push(machines, spaces):
+    a, b = machines
+    _fill(a, 2)
+    _put_index(a, {"format": 1, "soc": SOC, "namespaces": spaces})
+    write_ini(b.root)
+    assert b.pull().get("written", 0) == 0  # nothing of its namespace, and no traceback
+    pushed = a.push()
+    assert pushed["sent"] == 2
+    assert b.pull()["written"] == 2
+    client = cann_transfer._connect(a.settings())
+    try:
+        read, damaged = cann_transfer._read_index(client, SOC)
+    finally:
+        client.close()
+    assert not damaged and len(read[pushed["namespace"]["id"]]["entries"]) == 2
