@@ -64,7 +64,7 @@ from pathlib import Path
 from . import _json, fsutil, ini, trust
 from ._log import get_logger
 from ._record import Record
-from .archive import CANN, TOO_BIG, ArchiveReader, ArchiveWriter, BadArchive
+from .archive import CANN, MAX_MEMBER_BYTES, TOO_BIG, ArchiveReader, ArchiveWriter, BadArchive
 from .cann_cache import Limits, cann_root, read_limits
 from .cann_format import (
     DEL_LOCK,
@@ -353,11 +353,14 @@ def _own_name(kernel: str, name: str) -> bool:
 
 class _Reader:
     """The sound entries of a chip folder open as ``fd``, most recently used first; none
-    written before ``ini``'s last change."""
+    written before ``ini``'s last change, none read whole when its files are over
+    ``cap`` bytes (``too_big`` says so)."""
 
-    def __init__(self, fd: int, ini: IniMark) -> None:
+    def __init__(self, fd: int, ini: IniMark, cap: int, too_big: str) -> None:
         self.fd = fd
         self.ini = ini
+        self.cap = cap
+        self.too_big = too_big
         scan = scan_chip(fd)
         self.files = scan.files
         self.entries: dict[str, tuple[int, CannEntry]] = {}
@@ -386,14 +389,23 @@ class _Reader:
     def read(self, kernel: str) -> Bundle | str:
         """The entry's bundle, or why it cannot be sent (CANN's hit check failed)."""
         atime, entry = self.entries[kernel]
+        if self.size(kernel) > self.cap:
+            return self.too_big
         try:
             problem = hash_problem(self.fd, entry)
             files = {}
+            room = self.cap
             for name in sorted(entry.owned):
                 with os.fdopen(open_quietly(self.fd, name), "rb") as f:
-                    if self.ini.predates(os.fstat(f.fileno())):  # replaced since the scan
+                    st = os.fstat(f.fileno())
+                    if self.ini.predates(st):  # replaced since the scan
                         return PREDATES
-                    files[name] = f.read()
+                    if st.st_size > room:  # (grown or replaced since the scan)
+                        return self.too_big
+                    files[name] = f.read(st.st_size + 1)  # (one more: it grew)
+                room -= len(files[name])
+                if room < 0:
+                    return self.too_big
         except OSError as e:
             return f"cannot read it: {e.strerror or e}"
         # Read while the ini still names the versions it is filed under.
@@ -777,7 +789,8 @@ def _push_chip(
     ns, ini_mark = giving_namespace(root, soc, environ, settings.shared_group)
     chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
     try:
-        reader = _Reader(chip.fd, ini_mark)
+        cap = client.max_entry_bytes
+        reader = _Reader(chip.fd, ini_mark, cap, f"over its size cap ({cap} bytes)")
         kernels = list(reader.entries)
         there = _have(client, ns.remote_chip, kernels)
         missing = [k for k in kernels if k not in there]
@@ -810,7 +823,9 @@ def _push_chip(
             for done, kernel in enumerate(missing, 1):
                 bundle = reader.read(kernel)
                 if isinstance(bundle, str):
-                    report["skipped"].append({"entry": kernel, "why": bundle})
+                    # (what the remote would refuse is not sent, as when it refuses)
+                    kind = "not_sent" if bundle == reader.too_big else "skipped"
+                    report[kind].append({"entry": kernel, "why": bundle})
                 else:
                     batch.append((kernel, _manifest(ns, bundle), bundle.files))
                     batch_bytes += bundle.size
@@ -1026,7 +1041,7 @@ def export_archive(
                 chips[soc] = {"refused": str(e)}
                 continue
             try:
-                reader = _Reader(chip.fd, ini_mark)
+                reader = _Reader(chip.fd, ini_mark, MAX_MEMBER_BYTES, TOO_BIG)
                 report = {"namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
                           "entries": 0, "bytes": 0, "skipped": reader.skipped}  # fmt: skip
                 for done, kernel in enumerate(reader.entries, 1):

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -735,3 +736,28 @@ def test_a_damaged_remote_index_is_read_as_empty_and_mended_by_a_push(machines, 
     finally:
         client.close()
     assert not damaged and len(read[pushed["namespace"]["id"]]["entries"]) == 2
+
+
+@pytest.mark.parametrize("how", ["push", "export"])
+def test_an_entry_over_the_cap_is_left_out_without_being_read(machines, tmp_path, how):
+    a, _ = machines
+    _fill(a, 1)
+    big = kernel_name("Big", "header")
+    store_entry(a.chip, big, b"\x7fELF small", header=b"// h\n")
+    os.truncate(a.chip / f"{big}.h", 256 << 20)  # sparse: a quarter GiB on no disk
+    tracemalloc.start()
+    try:
+        if how == "push":
+            report = a.push()
+            left_out = report["not_sent"]
+        else:
+            report = cann_transfer.export_archive(
+                tmp_path / "a.tar", SOC, settings=a.settings(), environ=a.env
+            )["chips"][SOC]
+            left_out = report["skipped"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [s["entry"] for s in left_out] == [big]
+    assert report.get("sent", report.get("entries")) == 1
+    assert peak < 128 << 20  # (a json is read into a buffer of 64 MiB, untouched)
