@@ -340,6 +340,11 @@ def _reserved(kernel: str) -> str | None:
     if f"{kernel}.lock" == DEL_LOCK:
         # Its lock would be the aging lock a pull holds, and closing it releases that.
         return f"a name CANN reserves: its lock would be the aging lock {DEL_LOCK}"
+    if not is_entry_json(f"{kernel}.json"):
+        # Its json would be another entry's prebuild results or mix-core part.
+        return "a name CANN gives other files (_pre, _mix_aic, _mix_aiv)"
+    if "." in kernel:
+        return "not a kernel name: CANN's ends at the first dot of its json's name"
     return None
 
 

@@ -761,3 +761,39 @@ def test_an_entry_over_the_cap_is_left_out_without_being_read(machines, tmp_path
     assert [s["entry"] for s in left_out] == [big]
     assert report.get("sent", report.get("entries")) == 1
     assert peak < 128 << 20  # (a json is read into a buffer of 64 MiB, untouched)
+
+
+RESERVED = ["te_add_abc_pre", "te_mm_abc_mix_aic", "te_mm_abc_mix_aiv", "te_x.json"]
+
+
+def test_pulled_or_imported_entries_named_as_cann_other_files_are_refused(machines, tmp_path):
+    a, b = machines
+    bundles = [_bundle_of(tmp_path / "src", k, int(NOW)) for k in [*RESERVED, "te_add_ok"]]
+    _pushed_by_hand(a, bundles)
+    write_ini(b.root)
+    report = b.pull()
+    assert report["written"] == 1
+    assert sorted(r["entry"] for r in report["rejected"]) == sorted(RESERVED)
+    assert sorted(p.name for p in b.chip.glob("*.json")) == ["te_add_ok.json"]
+
+    from opcache.archive import CANN, ArchiveWriter
+
+    ns = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", _driver_digest(a))
+    with ArchiveWriter(tmp_path / "e.tar", CANN) as out:
+        for bundle in bundles:
+            out.add(SOC, bundle.kernel, cann_transfer._manifest(ns, bundle), bundle.files, NOW)
+    shutil.rmtree(b.chip)
+    imported = cann_transfer.import_archive(
+        tmp_path / "e.tar", settings=b.settings(), environ=b.env
+    )
+    assert sorted(r["entry"] for r in imported["chips"][SOC]["rejected"]) == sorted(RESERVED)
+    assert sorted(p.name for p in b.chip.glob("*.json")) == ["te_add_ok.json"]
+
+
+def test_an_entry_with_a_dot_in_its_kernel_name_is_not_pushed(machines):
+    a, _ = machines
+    _fill(a, 1)
+    store_entry(a.chip, "te_x.y", os.urandom(100))
+    report = a.push()
+    assert report["sent"] == 1
+    assert [s["entry"] for s in report["skipped"]] == ["te_x.y"]
