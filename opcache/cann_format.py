@@ -48,6 +48,9 @@ _NOATIME = getattr(os, "O_NOATIME", 0)
 _MAX_SUB_DEPTH = 256
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INT_MAX = 2**31 - 1
+# Lock files kept open while ``del_lock`` holds the aging lock (``kernel_lock``);
+# None while it holds none.
+_parked: list[int] | None = None
 
 
 # -- a chip folder's files ------------------------------------------------------
@@ -487,15 +490,29 @@ def kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
     and makes a writer that comes while we delete skip its store, as CANN's
     writers do when the lock is taken.  A missing lock file is no writer; a
     link, FIFO, device or folder in its place is no lock either, and keeps
-    the entry, as a held one does.
+    the entry, as a held one does; so do the aging lock's own name
+    (``op_cache_file_del``) and a lock file of more than one name.
     """
+    if f"{kernel}.lock" == DEL_LOCK:
+        yield False  # the aging lock, which this process may hold: closing it releases it
+        return
     try:
-        lock_fd, _ = fsutil.open_regular(f"{kernel}.lock", dir_fd=fd)
+        lock_fd, st = fsutil.open_regular(f"{kernel}.lock", dir_fd=fd)
     except FileNotFoundError:
         yield True
         return
     except OSError:
         yield False  # not a lock file we can open, but it is named as one
+        return
+    if st.st_nlink != 1:
+        # Maybe another name of the aging lock this process holds: fcntl locks are
+        # the process's, and any close of the file releases them.  Kept open until
+        # the aging lock is let go.
+        if _parked is None:
+            os.close(lock_fd)
+        else:
+            _parked.append(lock_fd)
+        yield False
         return
     try:
         yield try_lock(lock_fd, fcntl.LOCK_SH)
@@ -522,6 +539,8 @@ def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
         why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
         yield f"cannot open {DEL_LOCK}: {why}"
         return
+    global _parked
+    _parked = []
     try:
         # Not a file with other names: a member of a shared cache may link one of
         # ours from elsewhere as the lock, for our chmod to narrow it.
@@ -532,6 +551,9 @@ def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
         yield None if free else f"another process holds {DEL_LOCK}: it is aging this folder"
     finally:
         os.close(lock_fd)
+        for parked in _parked:
+            os.close(parked)
+        _parked = None
 
 
 def try_lock(lock_fd: int, how: int) -> bool:

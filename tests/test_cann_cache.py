@@ -639,3 +639,40 @@ def test_a_json_report_with_stdout_closed_ends_quietly(base) -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert (done.returncode, done.stderr) == (0, "")
+
+
+_PROBE = (
+    "import fcntl, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+    "try:\n"
+    "    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+    "    print('free')\n"
+    "except OSError:\n"
+    "    print('held')\n"
+)
+
+
+def test_age_keeps_its_aging_lock_past_entries_whose_lock_is_that_file(base, monkeypatch):
+    f = Folder(base)
+    write_ini(f.root, max_mb=1, ratio=10)
+    aging_lock = f.chip / cann_format.DEL_LOCK
+    named = store_entry(f.chip, "op_cache_file_del", os.urandom(ENTRY))  # its lock is aging's
+    set_access(named, f.now - 6 * HOUR)
+    linked = f.entry("linked", 5)
+    os.unlink(f.chip / f"{linked}.lock")
+    os.link(aging_lock, f.chip / f"{linked}.lock")  # a hard link to the aging lock
+    after = f.entry("after", 4)
+    f.entry("fresh", 0)
+    seen = []
+    remove = cann_cache._remove
+
+    def probing(fd, names, errors):  # type: ignore[no-untyped-def]
+        probe = [sys.executable, "-c", _PROBE, str(aging_lock)]
+        seen.append(subprocess.run(probe, capture_output=True, text=True).stdout.strip())
+        return remove(fd, names, errors)
+
+    monkeypatch.setattr(cann_cache, "_remove", probing)
+    chip = open_cache(base).age(SOC)["chips"][SOC]
+    assert chip["removed"] == [after] and seen == ["held"]
+    assert chip["kept_locked"] == ["op_cache_file_del", linked]
+    assert (f.chip / "op_cache_file_del.json").exists() and (f.chip / f"{linked}.json").exists()
