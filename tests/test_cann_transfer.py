@@ -160,6 +160,20 @@ def test_a_second_push_checks_existence_in_batches_and_sends_only_what_is_new(ma
     assert b.pull()["written"] == 41
 
 
+def test_a_folder_remote_s_index_takes_every_push(machines, tmp_path):
+    """A folder remote keeps the first value of a key: the index the first push wrote
+    stood for good, and B never pulled what later pushes sent."""
+    a, b = machines
+    a.url = b.url = f"file://{tmp_path / 'share'}"
+    (tmp_path / "share").mkdir()
+    _fill(a, 2)
+    assert a.push()["sent"] == 2
+    store_entry(a.chip, kernel_name("Sub", "new"), b"new")
+    assert a.push()["sent"] == 1
+    b.toolkit()
+    assert b.pull()["written"] == 3
+
+
 def test_another_adk_version_in_b_pulls_nothing_and_says_why(machines):
     a, b = machines
     _fill(a, 2)
