@@ -575,6 +575,7 @@ def _serve(
     fsutil.UMASK = umask  # read once at import: the server's, not the client's
     os.environb.clear()
     os.environb.update(_as_python_starts(given))
+    time.tzset()  # (local time is read from TZ only here: __DATE__'s key is the client's)
     for number, fd in enumerate(fds):
         os.dup2(fd, number)  # (the client's terminal decides colour, as for opcache)
     sys.argv = [os.fsdecode(word) for word in argv]
@@ -662,14 +663,36 @@ def _as_python_starts(env: dict[bytes, bytes]) -> dict[bytes, bytes]:
     In a C or POSIX locale CPython sets LC_CTYPE to a UTF-8 one as it starts (PEP
     538), and opcache keys that, as the compiler it runs sees it.  Taken only where
     it is plain: no LC_ALL, no PYTHONCOERCECLOCALE, LC_CTYPE (else LANG) unset, empty,
-    C or POSIX.  Elsewhere the environment stays as it is (a key that differs from the
-    Python path's is a call not served, never another hit).
+    C or POSIX, or a locale this machine lacks (which leaves C: ``LANG=en_US.UTF-8``
+    sent by ssh into a container of C.UTF-8 alone).  Elsewhere the environment stays
+    as it is (a key that differs from the Python path's is a call not served, never
+    another hit).
     """
     ctype = env.get(b"LC_CTYPE") or env.get(b"LANG") or b""
     target = _coerced_to[0] if _coerced_to else None
     if target is None or env.get(b"LC_ALL") or b"PYTHONCOERCECLOCALE" in env:
         return env
-    return {**env, b"LC_CTYPE": target} if ctype in (b"", b"C", b"POSIX") else env
+    plain = ctype in (b"", b"C", b"POSIX") or not _installed_locale(ctype)
+    return {**env, b"LC_CTYPE": target} if plain else env
+
+
+def _installed_locale(name: bytes) -> bool:
+    """Whether ``setlocale`` takes ``name`` (as CPython's start-up tries it)."""
+    import locale
+
+    if name not in _locales:
+        before = locale.setlocale(locale.LC_CTYPE)
+        try:
+            locale.setlocale(locale.LC_CTYPE, os.fsdecode(name))
+            _locales[name] = True
+        except (locale.Error, ValueError):
+            _locales[name] = False
+        finally:
+            locale.setlocale(locale.LC_CTYPE, before)
+    return _locales[name]
+
+
+_locales: dict[bytes, bool] = {}  # (a machine's locales do not change while a server runs)
 
 
 def _environment(env: list[bytes]) -> dict[bytes, bytes]:

@@ -219,6 +219,66 @@ def test_a_hit_is_served_with_the_python_hit_s_bytes_and_counts(served):
     assert (host["misses"], host["hits"]) == (1, 2)
 
 
+def _other_day_zone() -> str:
+    """A POSIX TZ whose local date is not UTC's now, and whose midnight is hours away."""
+    hour = time.gmtime().tm_hour
+    ahead = 12 - hour + (24 if hour >= 12 else -24)  # (local noon of the next or last day)
+    return f"XYZ{-ahead:+d}"  # (POSIX counts west: XYZ-13 is 13 hours ahead of UTC)
+
+
+def test_a_served_date_macro_is_keyed_by_the_client_s_time_zone(served):
+    """A worker read the date in its server's zone (TZ is read at tzset, never called):
+    where the client's TZ has another day (Asia/Shanghai from 00:00 to 08:00 beside a
+    UTC system), it looked for another key than the Python path's: yesterday's entry,
+    stale, once it crossed its own midnight; a miss, handed back, until then."""
+    warmed(served, *COMPILE)
+    (served.src / "d.c").write_text("const char *built = __DATE__;\n")
+    env = {**served.env, "TZ": _other_day_zone()}
+    args = ["-c", "d.c", "-o", "d.o"]
+    assert served.gcc(*args, env=env).returncode == 0  # a miss: opcache stores it
+    stored = (served.src / "d.o").read_bytes()
+    before = served.fallbacks()
+    (served.src / "d.o").unlink()
+    assert served.gcc(*args, env=env).returncode == 0
+    assert served.fallbacks() == before, "the hit was not served"
+    assert (served.src / "d.o").read_bytes() == stored
+    local = time.strftime("%b %e %Y", time.gmtime(time.time() - _hours(env["TZ"]) * 3600))
+    assert local.encode() in stored
+
+
+def _hours(zone: str) -> int:
+    return int(zone[3:])
+
+
+def test_a_served_hit_whose_reader_left_ends_with_1_as_the_python_path(served):
+    """stderr a pipe nobody reads: the client died of SIGPIPE replaying the server's
+    reply (status -13), where the Python path and the client's own memo hit end with 1."""
+    (served.src / "k.c").write_text(K_C + "int unused(void) { int x; return 0; }\n")
+    args = ["-Wall", *COMPILE]
+    warmed(served, *args)
+    before = served.fallbacks()
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            ["gcc", *args], env=served.env, cwd=served.src, stderr=write, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert served.fallbacks() == before, "the hit was not served"
+    assert done.returncode == 1
+
+
+def test_a_runtime_folder_whose_base_is_gone_starts_no_server(served):
+    """XDG_RUNTIME_DIR naming a folder that is not there (after su, or a logout): each
+    compile started a server that could not make its folder, beside opcache itself."""
+    env = {**served.env, "XDG_RUNTIME_DIR": str(served.tmp / "gone")}
+    for _ in range(2):
+        assert served.gcc(*COMPILE, env=env).returncode == 0
+    assert lines(served.starts).count("server") == 0
+    assert served.fallbacks() == 2
+
+
 def test_calls_at_once_are_each_served_once(served):
     warmed(served, *COMPILE)
     made = (served.src / "k.o").read_bytes()
@@ -860,11 +920,15 @@ def test_a_served_full_hit_leaves_a_memo_for_the_next_call(served):
     assert len(appended.read_bytes().splitlines()) == 1
 
 
-def test_a_client_without_locale_variables_is_served(served):
-    """No LANG, LC_ALL or LC_CTYPE (as in many containers): CPython sets LC_CTYPE to a
-    UTF-8 locale as ``opcache`` starts (PEP 538), and opcache keys it; the worker takes
-    the client's environment as that ``opcache`` would see it, so its hit is served."""
+@pytest.mark.parametrize("lang", [None, "xx_YY.UTF-8"])
+def test_a_client_without_locale_variables_is_served(served, lang):
+    """No LANG, LC_ALL or LC_CTYPE (as in many containers), or a LANG naming a locale the
+    machine lacks (ssh's, in a container): CPython sets LC_CTYPE to a UTF-8 locale as
+    ``opcache`` starts (PEP 538), and opcache keys it; the worker takes the client's
+    environment as that ``opcache`` would see it, so its hit is served."""
     env = {k: v for k, v in served.env.items() if k not in ("LANG", "LC_ALL", "LC_CTYPE")}
+    if lang is not None:
+        env["LANG"] = lang
     assert served.gcc(*COMPILE, env=env).returncode == 0
     served.wait_for_server()
     before = served.fallbacks()

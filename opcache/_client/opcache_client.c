@@ -248,6 +248,17 @@ static int servers_up(int dir) {
     return up;
 }
 
+/* Whether the folder holding ``folder`` (its path up to the last '/') is there. */
+static int base_exists(const char *folder) {
+    char base[PATH_MAX];
+    const char *slash = strrchr(folder, '/');
+    struct stat st;
+    if (slash == NULL || (size_t)(slash - folder) >= sizeof base) return 0;
+    memcpy(base, folder, (size_t)(slash - folder));
+    base[slash - folder] = '\0';
+    return base[0] == '\0' || (stat(base, &st) == 0 && S_ISDIR(st.st_mode));
+}
+
 /* Connect to this user's server of this start-up environment (name: its socket's):
  * the socket, or -1 (*start: no server to talk to).
  * *server: the server's pid as this process sees it (0: not in its pid namespace). */
@@ -257,8 +268,11 @@ static int connect_server(int *start, char *folder, size_t size, const char *nam
     int dir = open_folder(folder, size);
     if (dir < 0) {
         struct stat st;
-        /* Missing: a server makes it.  There but not ours: left alone, no server. */
-        *start = folder[0] != '\0' && lstat(folder, &st) != 0 && errno == ENOENT;
+        /* Missing: a server makes it, in a base folder that is there (XDG_RUNTIME_DIR
+         * may name one gone, after su or a logout: a server could not start).  There
+         * but not ours: left alone, no server. */
+        *start = folder[0] != '\0' && lstat(folder, &st) != 0 && errno == ENOENT &&
+                 base_exists(folder);
         return -1;
     }
     struct stat st;
@@ -419,14 +433,15 @@ static int read_reply(int sock, struct buf *reply, int pidfd) {
     }
 }
 
-static void write_all(int fd, const char *data, size_t len) {
+static int write_all(int fd, const char *data, size_t len) {
     while (len > 0) {
         ssize_t n = write(fd, data, len);
         if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return;
+        if (n <= 0) return -1;
         data += n;
         len -= (size_t)n;
     }
+    return 0;
 }
 
 /* A served reply: "S", the exit status, then (stream, length, bytes) records and
@@ -445,9 +460,15 @@ static int replay(const struct buf *r) {
             return -1;
         scan += 1 + sizeof len + len;
     }
+    /* A reader that left (of the streams, or of an error line): 1, as the Python path's,
+     * not a death by SIGPIPE. */
+    signal(SIGPIPE, SIG_IGN);
     while (r->data[at] != 0) {
         memcpy(&len, r->data + at + 1, sizeof len);
-        write_all(r->data[at], r->data + at + 1 + sizeof len, len);
+        if (write_all(r->data[at], r->data + at + 1 + sizeof len, len) != 0) {
+            if (errno != EPIPE) fprintf(stderr, "opcache: error: %s\n", strerror(errno));
+            return 1;
+        }
         at += 1 + sizeof len + len;
     }
     return status & 0xff;
