@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HOW_TO_GET_ONE = (
@@ -110,3 +111,26 @@ class RedisServer(ServerProcess):
                 self.proc.kill()
                 self.proc.wait(5)
         self.proc = None
+
+
+def run_in_child(body: Callable[[], bool], timeout: float = 120) -> bool:
+    """Whether ``body``, run in a child forked from this process, returned True; a child
+    still running after ``timeout`` seconds is killed (False): a hang fails a test, never
+    hangs it."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if body() else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    done, status = os.waitpid(pid, os.WNOHANG)
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+        done, status = os.waitpid(pid, os.WNOHANG)
+    if not done:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return False
+    return os.waitstatus_to_exitcode(status) == 0

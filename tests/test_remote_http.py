@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from helpers_cache import SOC, ToyCompiler, expected_files, machine, make_request, read_dir
 from helpers_nginx import BASIC, TOKEN, Nginx
+from helpers_redis import run_in_child
 
 import opcache
 from opcache.settings import RemoteSettings
@@ -69,6 +70,29 @@ def test_a_batch_is_fetched_on_a_bounded_number_of_kept_connections(nginx: Nginx
     assert r.have_many(SOC, keys) == set(keys[::2])  # HEADs: no value sent
     r.close()
     assert not r._open
+
+
+def test_a_forked_child_uses_connections_and_threads_of_its_own(nginx: Nginx) -> None:
+    """The child's batch ran on the parent's pool, whose threads it has not got (it waited
+    forever), and its requests on the parent's kept socket (each read the other's answers)."""
+    r = connect(settings(nginx.url()))
+    keys = [f"{i:032x}" for i in range(64)]
+    for key in keys[::2]:
+        r.put(SOC, key, *entry(key))
+    assert sorted(r.get_many(SOC, keys)) == sorted(keys[::2])  # every pool thread idle now
+    parents = r._local.conn.sock.getsockname()
+
+    def child() -> bool:
+        found = r.get_many(SOC, keys)
+        one = r.get(SOC, keys[0])
+        ours = r._local.conn.sock.getsockname()
+        r.close()
+        return sorted(found) == sorted(keys[::2]) and one is not None and ours != parents
+
+    assert run_in_child(child)
+    assert sorted(r.get_many(SOC, keys)) == sorted(keys[::2])  # the parent's go on
+    assert r._local.conn.sock.getsockname() == parents
+    r.close()
 
 
 def test_damaged_and_truncated_objects_are_never_served(nginx: Nginx) -> None:

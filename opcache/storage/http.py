@@ -25,7 +25,8 @@ write turns the client read-only with one warning (the server allows this
 client reads only).
 
 Connections are kept open and reused, one per thread; a batch of look-ups
-runs on at most ``_THREADS`` threads at once.  Each request has a deadline:
+runs on at most ``_THREADS`` threads at once.  A forked child opens its own
+connections and threads, never using its parent's.  Each request has a deadline:
 the timeout, plus a second per MiB of value sent or received (``_MIN_RATE``),
 from connecting to the answer's last byte; a request past it is cut off
 (``RemoteError``), so a server that sends a byte a second costs a miss.
@@ -46,6 +47,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote, urlsplit
 
@@ -70,6 +72,17 @@ _MIN_RATE = 1 << 20  # bytes a second a value moves at least, beyond the timeout
 def connect(settings: RemoteSettings) -> HttpRemote:
     """A client of the HTTP cache ``settings.url`` names (nothing is sent yet)."""
     return HttpRemote(settings)
+
+
+_CLIENTS: weakref.WeakSet[HttpRemote] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_CLIENTS):
+        client._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class HttpRemote(Remote):
@@ -100,6 +113,18 @@ class HttpRemote(Remote):
         self._open: set[http.client.HTTPConnection] = set()  # every thread's, for close
         self._deadlines = _Deadlines()
         self._corrupt: set[tuple[str, str]] = set()  # keys whose object failed its checks
+        _CLIENTS.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """Start afresh in a forked child, never touching what the parent's are: its kept
+        sockets are the parent's too (each process would read the other's answers), its
+        pool counts threads the child has not got (a batch waited for them forever), and
+        its locks may have been held by a thread of the parent's at the fork."""
+        self._local = threading.local()
+        self._pool = None
+        self._pool_lock = threading.Lock()
+        self._open = set()
+        self._deadlines = _Deadlines()
 
     def _path(self, soc: str, key: str) -> str:
         name = hashlib.sha256(f"{self._prefix}{soc}:{key}".encode()).hexdigest()
@@ -323,25 +348,22 @@ class _Deadlines:
 
     A socket's timeout bounds each read and write alone: a server sending a
     byte a second would hold a request forever.  Shutting the socket down
-    wakes whatever read or write blocks on it, in whichever thread.
+    wakes whatever read or write blocks on it, in whichever thread.  A forked
+    child's client makes a new one: the watching thread is the parent's.
     """
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._due: dict[http.client.HTTPConnection, float] = {}
         self._cut: set[http.client.HTTPConnection] = set()
-        self._pid = 0  # the process whose thread watches (a forked child has none)
         self._watching = False
         self._number = 0  # the watching thread's: a new number ends it
 
     def watch(self, conn: http.client.HTTPConnection, deadline: float) -> None:
         """Cut ``conn`` off at ``deadline``, unless forgotten before."""
         with self._changed:
-            if self._pid != os.getpid() or not self._watching:
-                if self._pid != os.getpid():  # a forked child: the parent's requests are not ours
-                    self._due.clear()
-                    self._cut.clear()
-                self._pid, self._watching, self._number = os.getpid(), True, self._number + 1
+            if not self._watching:
+                self._watching, self._number = True, self._number + 1
                 thread = threading.Thread(
                     target=self._run,
                     args=(self._number,),
