@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import xxhash
 from helpers_cache import TESTS_DIR
+from helpers_redis import run_in_child
 
 import opcache
 from opcache.storage import RemoteCorrupt, RemoteError, open_remote
@@ -230,6 +231,26 @@ def test_a_claim_lives_while_its_holder_works(redis_url: str) -> None:
     assert b.claim(SOC, KEY, 0.6) is None
     held.release()
     assert b.claim(SOC, KEY, 0.6) is not None
+
+
+def test_a_forked_child_renews_its_claims_and_leaves_its_parents_alone(redis_url: str) -> None:
+    """The child's claims were never renewed (its renewer was the parent's thread, absent
+    in the child): they expired under its compiles.  And its close released the parent's."""
+    a, b = remote(redis_url), remote(redis_url)
+    parents = a.claim(SOC, KEY, 0.6)  # the parent's renewer runs
+
+    def child() -> bool:
+        held = a.claim(SOC, OTHER, 0.6)
+        time.sleep(1.5)  # more than twice the claim's own life: renewed meanwhile
+        alive = remote(redis_url).claim(SOC, OTHER, 0.6) is None
+        a.close()
+        return held is not None and alive
+
+    assert run_in_child(child)
+    assert not b.claimed(SOC, OTHER)  # released at the child's close
+    assert b.claimed(SOC, KEY)  # the parent's, still held
+    parents.release()
+    assert not b.claimed(SOC, KEY)
 
 
 CLAIM_AND_HANG = """

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from urllib.parse import urlsplit
 
 from .._log import get_logger
@@ -84,6 +85,17 @@ def connect(settings: RemoteSettings) -> RedisRemote:
     return RedisRemote(client, settings)
 
 
+_CLIENTS: weakref.WeakSet[RedisRemote] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_CLIENTS):
+        client._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class RedisRemote(Remote):
     """The remote tier on one Redis server (see the module's docstring)."""
 
@@ -105,6 +117,19 @@ class RedisRemote(Remote):
         self._claims_lock = threading.Lock()
         self._renewer: threading.Thread | None = None
         self._closed = threading.Event()
+        _CLIENTS.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the claims held are the parent's (the child's close must not
+        release them), and the renewer is the parent's thread, absent here (the child's own
+        claims were never renewed, and expired under its compiles).  Its lock may have been
+        held at the fork.  (redis-py opens the child's connections itself.)"""
+        self._claims = {}
+        self._claims_lock = threading.Lock()
+        self._renewer = None
+        closed, self._closed = self._closed.is_set(), threading.Event()
+        if closed:
+            self._closed.set()
 
     def _name(self, soc: str, key: str) -> str:
         return f"{self._prefix}{soc}:{key}"
