@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from helpers_cache import TESTS_DIR
+from helpers_cache import TESTS_DIR, ToyCompiler, expected_files, machine, make_request, read_dir
 from helpers_redis import run_in_child
 
 import opcache
@@ -198,6 +198,35 @@ def test_a_value_that_inflates_past_the_entry_cap_is_corrupt(redis_url: str, red
     with pytest.raises(RemoteCorrupt, match="inflates past"):
         r.get(SOC, KEY)
     assert "inflates past" in str(r.get_many(SOC, [KEY])[KEY])
+
+
+def _unpacked_value(key: str, files: dict[str, bytes]) -> bytes:
+    """A value of ``files`` as pack writes one it does not compress, built here: pack
+    refuses the names these tests need."""
+    manifest = make_manifest(key, files, 1.0, {}, 1000.0)
+    body = b"OPCR\x01\x00" + len(manifest).to_bytes(4, "big") + manifest
+    body += b"".join(data for _, data in sorted(files.items()))
+    return body + xxhash.xxh3_128_digest(body)
+
+
+def test_an_artifact_name_no_file_can_have_is_corrupt_never_a_failed_compile(
+    tmp_path: Path, redis_url: str, redis_server
+) -> None:
+    """A value whose names passed every check but were too long for a file (or held a lone
+    surrogate) failed the compile writing them out (ENAMETOOLONG from the delivery)."""
+    assert unpack(KEY, _unpacked_value(KEY, {"x" * 255: b"ok"}), 1 << 20)[0].files
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(machine(tmp_path, "probe", redis_url, read_only=True)) as probe:
+        key = probe.compile(make_request(0), compiler, tmp_path / "o").key
+    for i, name in enumerate(("x" * 256, "\u00e9" * 128, "a\ud800.o")):
+        value = _unpacked_value(key, {name: b"evil"})
+        with pytest.raises(RemoteCorrupt, match="bad artifact"):
+            unpack(key, value, 1 << 20)
+        redis_server.client().set(f"opcache:1:{SOC}:{key}", value)
+        with opcache.OpCache(machine(tmp_path, f"m{i}", redis_url, read_only=True)) as cache:
+            result = cache.compile(make_request(0), compiler, tmp_path / f"out{i}")
+            assert result.status == "miss" and cache.stats()["remote_corrupt"] == 1
+        assert read_dir(tmp_path / f"out{i}") == expected_files(make_request(0))
 
 
 def test_pack_refuses_files_that_are_not_the_manifests() -> None:

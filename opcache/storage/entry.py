@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 from .._record import Record
 from ..key import canonical_json, digest
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 FORMAT = 1
 MANIFEST = "MANIFEST"
 MAX_MANIFEST = 16 << 20
+NAME_MAX = 255  # bytes of a file name, on Linux's file systems
 
 
 class CorruptEntry(Exception):
@@ -82,10 +84,12 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
 
     Raises CorruptEntry where the checksum fails, or where a field a hit uses
     (the format, the key, the compile time, each artifact's name, size and
-    digest) is missing or not of its exact type.  A manifest laid out as
-    make_manifest writes it is read without parsing the key's inputs between
-    those fields and its key (``_before_inputs``): whatever that span holds,
-    the checksum vouches for every byte, and a hit uses none of it.
+    digest) is missing or not of its exact type, or where an artifact's name is
+    not one a file can have here (a folder part, over 255 bytes, a lone
+    surrogate).  A manifest laid out as make_manifest writes it is read
+    without parsing the key's inputs between those fields and its key
+    (``_before_inputs``): whatever that span holds, the checksum vouches for
+    every byte, and a hit uses none of it.
     """
     check, newline, body = raw.partition(b"\n")
     if not newline or check.decode("ascii", "replace") != digest(body):
@@ -120,6 +124,7 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
         if (
             not is_plain_name(name)
             or name == MANIFEST
+            or not _fits_a_folder(name)
             or type(size) is not int
             or size < 0
             or type(want) is not str
@@ -128,6 +133,15 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
             raise CorruptEntry(f"the manifest names a bad artifact: {shown}")
         out.append((name, size, want))
     return {"artifacts": out, "compile_seconds": seconds}
+
+
+def _fits_a_folder(name: str) -> bool:
+    """Whether ``name`` can be a file's: a remote's manifest naming one too long, or with a
+    lone surrogate, passed every check and then failed the compile writing it out."""
+    try:
+        return len(os.fsencode(name)) <= NAME_MAX
+    except UnicodeError:
+        return False
 
 
 # make_manifest's canonical JSON: its fields in this order, "inputs" then "key" last.
