@@ -229,6 +229,14 @@ def test_an_artifact_name_no_file_can_have_is_corrupt_never_a_failed_compile(
         assert read_dir(tmp_path / f"out{i}") == expected_files(make_request(0))
 
 
+def test_a_value_stored_as_it_is_past_the_entry_cap_is_corrupt() -> None:
+    """Only a zlib payload was held to the cap: one stored as it is was served whole."""
+    value = _unpacked_value(KEY, {"k.o": os.urandom(1 << 20)})  # (random: kept as it is)
+    assert unpack(KEY, value, 2 << 20)[0].files
+    with pytest.raises(RemoteCorrupt, match="past"):
+        unpack(KEY, value, 1 << 20)
+
+
 def test_pack_refuses_files_that_are_not_the_manifests() -> None:
     manifest, files = entry()
     with pytest.raises(ValueError):

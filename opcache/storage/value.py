@@ -165,6 +165,8 @@ def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
     payload: bytes | memoryview = view[_HEAD.size : -_CHECK]
     if flags & _ZLIB:
         payload = _inflated(payload, limit + _LENGTH.size)
+    elif len(payload) > limit + _LENGTH.size:
+        raise RemoteCorrupt(f"{len(payload) - _LENGTH.size} bytes, past {limit}")
     if len(payload) < _LENGTH.size:
         raise RemoteCorrupt("no manifest")
     (length,) = _LENGTH.unpack_from(payload)
