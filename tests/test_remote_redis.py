@@ -9,12 +9,16 @@ comes back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -432,3 +436,76 @@ def test_a_server_that_wants_a_password_says_which_setting_gives_it(
         assert says in message and "OPCACHE_REMOTE_PASSWORD" in message, message
         assert "HELLO" not in message and "sesame" not in message
     r.close()
+
+
+@pytest.fixture
+def dripping() -> Iterator[str]:
+    """The host:port of a server speaking enough of Redis's protocol (and of a cluster's)
+    to be connected to, that
+    answers a GET or MGET with a value of 100,000 bytes sent a byte every 0.1 s, until the
+    client hangs up or the test ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    ended = threading.Event()
+
+    def answer(conn: socket.socket) -> None:
+        commands = conn.makefile("rb")
+        while not ended.is_set() and (line := commands.readline()):
+            words = [commands.read(int(commands.readline()[1:]) + 2)[:-2]
+                     for _ in range(int(line[1:]))]  # fmt: skip
+            name = words[0].upper()
+            if name == b"HELLO":
+                conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+            elif name == b"CLUSTER":  # (SLOTS: every slot is this server's)
+                here = b"$9\r\n127.0.0.1\r\n:%d\r\n" % port
+                conn.sendall(b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n" + here)
+            elif name == b"COMMAND":  # (the cluster client's table of commands: none)
+                conn.sendall(b"*0\r\n")
+            elif name in (b"GET", b"MGET"):
+                conn.sendall((b"*1\r\n" if name == b"MGET" else b"") + b"$100000\r\n")
+                while not ended.wait(0.1):
+                    conn.sendall(b"x")
+            else:
+                conn.sendall(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
+
+    def serve() -> None:
+        while not ended.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn, contextlib.suppress(OSError):  # (the client hung up)
+                answer(conn)
+
+    port = listener.getsockname()[1]
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{port}"
+    ended.set()
+    thread.join(10)
+    listener.close()
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_a_server_that_drips_its_answer_costs_a_miss_within_the_deadline(
+    tmp_path: Path, dripping: str, scheme: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The timeout bounds a whole answer, not each read: each read got the whole timeout
+    anew, so the compile waited for every byte of the value."""
+    compiler = ToyCompiler(tmp_path / "calls")
+    done = []
+
+    def compile_one() -> None:
+        url = f"{scheme}://{dripping}"
+        with opcache.OpCache(machine(tmp_path, "a", url, timeout=0.5)) as a:
+            done.append((a.compile(make_request(0), compiler, tmp_path / "o"), a.stats()))
+
+    with caplog.at_level(logging.WARNING, logger="opcache"):
+        worker = threading.Thread(target=compile_one, daemon=True)
+        worker.start()
+        worker.join(60)  # the answer's last byte would come in 10,000 s
+        assert done, "the compile still waits on the server's drip"
+    result, stats = done[0]
+    assert result.status == "miss" and stats["remote_errors"] == 1
+    assert read_dir(tmp_path / "o") == expected_files(make_request(0))
+    assert "not used for" in caplog.text

@@ -27,7 +27,7 @@ client reads only).
 Connections are kept open and reused, one per thread; a batch of look-ups
 runs on at most ``_THREADS`` threads at once.  A forked child opens its own
 connections and threads, never using its parent's.  Each request has a deadline:
-the timeout, plus a second per MiB of value sent or received (``_MIN_RATE``),
+the timeout, plus a second per MiB of value sent or received (``MIN_RATE``),
 from connecting to the answer's last byte; a request past it is cut off
 (``RemoteError``), so a server that sends a byte a second costs a miss.
 
@@ -53,6 +53,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._log import get_logger
 from . import Remote, RemoteCorrupt, RemoteError
+from .remote import MIN_RATE
 from .value import checked, pack
 
 TYPE_CHECKING = False
@@ -66,7 +67,6 @@ _THREADS = 8  # look-ups of one batch in flight at once
 _SLACK = 1 << 20  # bytes a value may hold beyond the entry cap (header, manifest)
 _ANSWER_BYTES = 64 << 10  # of an answer that is not a value (a 404's page)
 _CHUNK = 64 << 10  # a value is read this much at a time, each earning its time
-_MIN_RATE = 1 << 20  # bytes a second a value moves at least, beyond the timeout
 
 
 def connect(settings: RemoteSettings) -> HttpRemote:
@@ -161,7 +161,7 @@ class HttpRemote(Remote):
         for attempt in (1, 2):
             conn = self._connection()
             reused = self._local.used
-            deadline = time.monotonic() + self._timeout + len(body or b"") / _MIN_RATE
+            deadline = time.monotonic() + self._timeout + len(body or b"") / MIN_RATE
             try:
                 try:
                     status, data, whole = self._exchange(conn, method, path, body, deadline)
@@ -235,7 +235,7 @@ class HttpRemote(Remote):
         while got <= limit and (chunk := response.read(_CHUNK)):
             chunks.append(chunk)
             got += len(chunk)
-            self._deadlines.watch(conn, deadline + got / _MIN_RATE)
+            self._deadlines.watch(conn, deadline + got / MIN_RATE)
         if got > limit:
             error = RemoteCorrupt("an object over the entry cap")
             error.size = got

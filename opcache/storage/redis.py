@@ -9,8 +9,11 @@ A value is an entry packed whole and checked whole on every read
 (``value.py``).
 
 The client waits a fraction of a second to connect and ``timeout`` seconds
-for an answer, and never retries: a cache must not hold up a compile for the
-sake of a remote (redis-py's defaults wait 5 s and retry ten times).  Every
+for an answer, plus a second per MiB of it received (``MIN_RATE``), from
+sending the command to the answer's last byte (``_TimedSocket``: a server
+sending a byte at a time no longer holds a compile for as long as it likes),
+and never retries: a cache must not hold up a compile for the sake of a
+remote (redis-py's defaults wait 5 s and retry ten times).  Every
 failure is a ``RemoteError``: redis-py's own errors, and the others it lets
 through (a host label over 63 characters is a UnicodeError from the idna
 codec); a server that wants a password, or refuses the one given, is told
@@ -30,12 +33,14 @@ winning a claim: ``Claim.marks_stored``).
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 import weakref
 from urllib.parse import urlsplit
 
 from .._log import get_logger
-from .remote import Claim, Remote, RemoteCorrupt, RemoteError
+from .remote import MIN_RATE, Claim, Remote, RemoteCorrupt, RemoteError
 from .value import checked, pack, unpack
 
 TYPE_CHECKING = False
@@ -78,6 +83,7 @@ def connect(settings: RemoteSettings) -> RedisRemote:
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
             health_check_interval=0,
+            redis_connect_func=_connected,
             **extra,
         )
     except Exception as e:  # ValueError for a bad port, and whatever else redis-py finds
@@ -94,6 +100,73 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def timed(connection: redis_py.connection.AbstractConnection) -> None:
+    """Hold the answers on a connection just made to their deadline (before its
+    handshake, whose answers are held too)."""
+    connection._sock = _TimedSocket(connection._sock, connection.socket_timeout)
+
+
+def _connected(connection: redis_py.connection.AbstractConnection) -> None:
+    timed(connection)
+    connection.on_connect()
+
+
+class _TimedSocket:
+    """A connection's socket whose reads of an answer end at a deadline: the timeout
+    from the command's last byte sent, plus a second per MiB received since.
+
+    redis-py's socket timeout bounds each read alone: a server sending a byte
+    within each held a command forever (an answer of 200 bytes at 0.2 s a byte
+    took 40 s with a timeout of 2 s).  redis-py reads through ``recv`` on this
+    thread, so each read waits no longer than what is left; past the deadline
+    it is a timeout, as any other.  Everything else is the socket's.
+    """
+
+    def __init__(self, sock: socket.socket, timeout: float | None) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._wanted = sock.gettimeout()  # redis-py's own, which it changes for a poll
+        self._due = float("inf")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+    def settimeout(self, value: float | None) -> None:
+        self._wanted = value
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._wanted
+
+    def sendall(self, data: bytes, *flags: int) -> None:
+        self._sock.sendall(data, *flags)
+        if self._timeout is not None:
+            self._due = time.monotonic() + self._timeout
+
+    def recv(self, size: int, *flags: int) -> bytes:
+        data = self._read(self._sock.recv, size, *flags)
+        self._due += len(data) / MIN_RATE
+        return data
+
+    def recv_into(self, buffer: bytearray, *args: int) -> int:  # (hiredis's parser's)
+        got = self._read(self._sock.recv_into, buffer, *args)
+        self._due += got / MIN_RATE
+        return got
+
+    def _read(self, read, *args):  # type: ignore[no-untyped-def]
+        wanted = self._wanted
+        left = self._due - time.monotonic()
+        if wanted == 0 or (wanted is not None and left >= wanted):  # a poll, or time enough
+            return read(*args)
+        if left <= 0:
+            raise TimeoutError("no whole answer within the timeout (and 1 s a MiB)")
+        self._sock.settimeout(left)
+        try:
+            return read(*args)
+        finally:
+            self._sock.settimeout(wanted)
 
 
 class RedisRemote(Remote):

@@ -16,8 +16,8 @@ is grouped by slot, one pipeline per primary (``mget_nonatomic``), never one
 A primary that dies is, for its slots, a failure like a dead server's: a
 ``RemoteError``, so misses and a pause, never a failed compile; once its
 replica took over (or it came back) the client finds the new slot map on
-its next use.  The client waits as briefly as the single server's and
-never retries on its own.
+its next use.  The client waits as briefly as the single server's, each
+answer held to the same deadline, and never retries on its own.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from . import RemoteError
-from .redis import CLAIM_SUFFIX, RedisRemote
+from .redis import CLAIM_SUFFIX, RedisRemote, timed
 from .value import checked
 
 TYPE_CHECKING = False
@@ -44,6 +44,12 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
         raise RemoteError(
             "a Redis Cluster remote needs redis-py: pip install 'opcache[redis]' (or redis)"
         ) from None
+
+    class TimedCluster(RedisCluster):
+        def on_connect(self, connection):  # type: ignore[no-untyped-def]
+            timed(connection)  # (the node's connections are made with this as theirs)
+            super().on_connect(connection)
+
     parts = urlsplit(settings.url)
     _, _, hosts = parts.netloc.rpartition("@")
     options: dict[str, object] = dict(parse_qsl(parts.query))
@@ -59,7 +65,7 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
         options["password"] = password
     try:
         nodes = [_node(ClusterNode, hostport) for hostport in hosts.split(",")]
-        client = RedisCluster(
+        client = TimedCluster(
             startup_nodes=nodes,
             retry=Retry(NoBackoff(), 0),
             socket_connect_timeout=min(0.5, settings.timeout / 4),

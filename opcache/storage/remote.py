@@ -30,6 +30,10 @@ log = get_logger(__name__)
 FIRST_PAUSE = 10.0
 LAST_PAUSE = 300.0
 
+# Bytes a second an answer moves at least: one may take the timeout plus a second
+# per MiB of it (a big entry on a slow link), never longer.
+MIN_RATE = 1 << 20
+
 
 class Backoff:
     """How long a failing remote is left alone: ``FIRST_PAUSE`` after a failure,
