@@ -87,6 +87,16 @@ def test_damaged_and_truncated_files_are_corrupt_never_served(share: Path) -> No
         r.get(SOC, KEY)
 
 
+def test_an_entry_over_the_readers_cap_is_corrupt_its_files_never_read(share: Path) -> None:
+    """The cap was never applied to a folder's entries: a manifest saying 3 GB (a sparse
+    file beside it) was read whole, 5.7 GB of memory, before its digest failed."""
+    big = {"k.o": os.urandom(2 << 20)}
+    assert connect(settings(share)).put(SOC, KEY, *entry(**big)) > 0
+    assert connect(settings(share)).get(SOC, KEY)[0].files == big
+    with pytest.raises(RemoteCorrupt, match="over"):
+        connect(settings(share, max_entry_mb=1)).get(SOC, KEY)
+
+
 def test_links_and_fifos_planted_in_the_folder_are_never_followed(
     share: Path, tmp_path: Path
 ) -> None:

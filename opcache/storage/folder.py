@@ -73,6 +73,7 @@ class FolderRemote(Remote):
     def __init__(self, settings: RemoteSettings, store: LocalStore) -> None:
         super().__init__(settings)
         self._store = store
+        store.max_entry_bytes = self.max_entry_bytes  # (others' entries: read no bigger)
 
     def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
         found: dict[str, Fetched | RemoteCorrupt] = {}

@@ -104,6 +104,9 @@ class LocalStore:
         # Resolved once: the root may be a link; nothing below it may be.
         self.root = Path(os.path.realpath(root))
         self.modes = modes
+        # An entry whose manifest says more is corrupt, its artifacts never read
+        # (a shared folder's remote sets it: held to its size cap as any remote is).
+        self.max_entry_bytes: int | None = None
         book = self.root / BOOKKEEPING
         self.tmp_dir = book / "tmp"
         self.trash_dir = book / "trash"
@@ -421,6 +424,10 @@ class LocalStore:
     def _read_entry(self, key: str, entry_fd: int) -> tuple[Entry, bytes]:
         raw, mtime = self._read_file(entry_fd, MANIFEST, MAX_MANIFEST)
         manifest = parse_manifest(raw, key)
+        if self.max_entry_bytes is not None:
+            size = len(raw) + sum(size for _, size, _ in manifest["artifacts"])
+            if size > self.max_entry_bytes:
+                raise CorruptEntry(f"the manifest says {size} bytes, over {self.max_entry_bytes}")
         files = {}
         for name, size, want in manifest["artifacts"]:
             # One byte more than the manifest says: a longer file is caught too.
