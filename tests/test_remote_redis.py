@@ -364,6 +364,25 @@ def test_usage_and_clear_touch_only_this_caches_keys(redis_url: str, redis_serve
     assert sorted(client.keys("*")) == [b"opcache:2:Ascend910B1:" + KEY.encode(), b"someone:else"]
 
 
+def test_clear_leaves_a_cache_whose_prefix_begins_with_this_ones(
+    redis_url: str, redis_server
+) -> None:
+    """``opcache:1:teamB:``'s names are under ``opcache:1:`` too: clear deleted them."""
+    ours, theirs = remote(redis_url), remote(redis_url, prefix="opcache:1:teamB:")
+    for r in (ours, theirs):
+        r.put(SOC, KEY, *entry())
+        r.put("cann:" + SOC, "#index", *entry("#index"))  # (cann_transfer.py's names)
+        r.put(f"cann:{SOC}:0123456789abcdef", "te_add_1", *entry("te_add_1"))
+    held = [ours.claim(SOC, OTHER, 60), theirs.claim(SOC, OTHER, 60)]
+    theirs_before = sorted(redis_server.client().keys("opcache:1:teamB:*"))
+    assert len(theirs_before) == 4
+    assert sum(row["entries"] for row in ours.usage()["chips"].values()) == 3
+    assert ours.clear() == 3
+    assert sorted(redis_server.client().keys("*")) == theirs_before
+    for claim in held:
+        claim.release()
+
+
 def test_a_prefix_with_glob_characters_matches_only_itself(redis_url: str, redis_server) -> None:
     client = redis_server.client()
     odd = remote(redis_url, prefix="team[a]*:")

@@ -33,6 +33,7 @@ winning a claim: ``Claim.marks_stored``).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -411,8 +412,11 @@ class RedisRemote(Remote):
     # -- maintenance -----------------------------------------------------------------
 
     def _scan(self, soc: str | None) -> list[bytes]:
+        """This cache's names (of one chip): another cache's prefix may begin with ours."""
         pattern = _glob_escape(self._prefix) + (f"{_glob_escape(soc)}:*" if soc else "*")
-        return self._call("SCAN", lambda: list(self._redis.scan_iter(match=pattern, count=1000)))
+        names = self._call("SCAN", lambda: list(self._redis.scan_iter(match=pattern, count=1000)))
+        start = len(self._prefix.encode())
+        return [name for name in names if _ours(name[start:])]
 
     def usage(self, soc: str | None = None) -> dict[str, object]:
         """Entries and bytes per chip under the prefix, and the server's memory settings."""
@@ -484,6 +488,22 @@ class _Claim(Claim):
         if not self._released:
             self._released = True
             self._remote._drop(self, stored=True)
+
+
+_NAMESPACE = re.compile(rb"[0-9a-f]{16}")
+
+
+def _ours(name: bytes) -> bool:
+    """Whether ``name``, the prefix taken off, is one this cache writes: ``<soc>:<key>``,
+    CANN's ``cann:<soc>:#index`` and ``cann:<soc>:<namespace>:<kernel>``
+    (``cann_transfer.py``), each maybe with its claim's suffix.  Another cache's
+    prefix beginning with ours (``opcache:1:teamB:`` under ``opcache:1:``) gives its
+    names a part more: ``opcache remote clear`` deleted them."""
+    parts = name.split(b":")
+    if parts[0] == b"cann" and len(parts) >= 3:
+        return parts[2] == b"#index" or (len(parts) >= 4 and bool(_NAMESPACE.fullmatch(parts[2])))
+    soc, _, key = name.removesuffix(CLAIM_SUFFIX.encode()).partition(b":")
+    return bool(soc) and bool(key) and b":" not in key
 
 
 def _glob_escape(text: str) -> str:
