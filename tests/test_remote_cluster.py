@@ -194,6 +194,17 @@ def test_the_url_is_checked_and_its_password_masked(tmp_path: Path) -> None:
     assert good.remote.shown_url == "rediss+cluster://u:***@h1:7000,[::1]:7001?ssl_cert_reqs=none"
 
 
+def test_tls_options_are_read_as_rediss_reads_them() -> None:
+    """They were passed on as strings: ssl_check_hostname=false, the string "false", was
+    true (the host name checked), ssl_min_version a string TLS could not use."""
+    from opcache.storage.redis_cluster import query_options
+
+    got = query_options("ssl_check_hostname=false&ssl_cert_reqs=none&ssl_min_version=3")
+    assert got == {"ssl_check_hostname": False, "ssl_cert_reqs": "none", "ssl_min_version": 3}
+    with pytest.raises(ValueError, match="ssl_min_version"):
+        query_options("ssl_min_version=tls1.3")
+
+
 def test_the_password_variable_is_sent_as_written(
     tmp_path: Path, url: str, cluster: Cluster
 ) -> None:

@@ -52,7 +52,10 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
 
     parts = urlsplit(settings.url)
     _, _, hosts = parts.netloc.rpartition("@")
-    options: dict[str, object] = dict(parse_qsl(parts.query))
+    try:
+        options = query_options(parts.query)
+    except ValueError as e:
+        raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
     if parts.scheme == "rediss+cluster":
         options["ssl"] = True
     if parts.username:
@@ -76,6 +79,21 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
     except Exception as e:  # no node answered, a slot not served, a bad option
         raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
     return RedisClusterRemote(client, settings)
+
+
+def query_options(query: str) -> dict[str, object]:
+    """The URL's query options as ``rediss://``'s are read (redis-py's parsers): given
+    as they are, ``ssl_check_hostname=false`` was the string "false", true."""
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    options: dict[str, object] = {}
+    for name, value in parse_qsl(query):
+        parse = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        try:
+            options[name] = value if parse is None else parse(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}={value!r} is not a value it takes") from None
+    return options
 
 
 def _node(kind: type, hostport: str) -> object:
