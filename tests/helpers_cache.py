@@ -13,11 +13,13 @@ import logging
 import multiprocessing
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,23 @@ def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Se
     """The settings of one machine: its own cache folder (``tmp_path/name``), the shared
     remote at ``url`` (with ``remote``'s options)."""
     return make_settings(tmp_path / name, tmp_path, remote={"url": url, **remote})
+
+
+def compile_within(tmp_path: Path, url: str, wait: float = 60, **remote: object) -> tuple:
+    """(result, stats) of machine a's compile of request 0 with the remote ``url``, run
+    in a thread waited for ``wait`` seconds: a compile still waiting fails the test."""
+    done = []
+
+    def compile_one() -> None:
+        with opcache.OpCache(machine(tmp_path, "a", url, **remote)) as a:
+            result = a.compile(make_request(0), ToyCompiler(tmp_path / "calls"), tmp_path / "o")
+            done.append((result, a.stats()))
+
+    worker = threading.Thread(target=compile_one, daemon=True)
+    worker.start()
+    worker.join(wait)
+    assert done, f"the compile still waits on {url} after {wait} s"
+    return done[0]
 
 
 def write_size_ini(root: Path, max_mb: int, ratio: int) -> Path:
@@ -399,3 +418,30 @@ def trash_emptied(root: Path, timeout: float = 60.0) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def fake_server(answer: Callable[[socket.socket, threading.Event], None]) -> Iterator[int]:
+    """The port of a loopback server that gives each connection to ``answer`` (with an
+    event set once the test ends) until then; a client hanging up ends its call."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    ended = threading.Event()
+
+    def serve() -> None:
+        while not ended.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn, contextlib.suppress(OSError):  # (the client hung up)
+                answer(conn, ended)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        ended.set()
+        thread.join(10)
+        listener.close()

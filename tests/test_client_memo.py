@@ -144,19 +144,7 @@ def test_a_warning_is_replayed_and_a_reader_that_left_ends_the_run_with_1(served
     assert (served.fallbacks(), appended(served)) == (before, 1)
     (served.src / "k.o").unlink()
 
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        done = subprocess.run(
-            ["gcc", *args],
-            env=served.env,
-            cwd=served.src,
-            stdout=subprocess.DEVNULL,
-            stderr=write,
-            timeout=120,
-        )
-    finally:
-        os.close(write)
+    done = served.gcc_unread(*args)
     assert done.returncode == 1
     assert (served.fallbacks(), appended(served)) == (before, 2)
     assert (served.src / "k.o").read_bytes() == made
@@ -569,14 +557,7 @@ def test_an_error_after_the_count_to_a_closed_stderr_ends_with_1(served):
     memoized(served, *args)
     shutil.rmtree(served.src / "deps")
     starts = served.starts.read_text()
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        done = subprocess.run(
-            ["gcc", *args], env=served.env, cwd=served.src, stderr=write, timeout=120
-        )
-    finally:
-        os.close(write)
+    done = served.gcc_unread(*args)
     assert done.returncode == 1
     assert served.starts.read_text() == starts
     assert appended(served) == 1

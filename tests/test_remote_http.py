@@ -16,7 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, ToyCompiler, expected_files, machine, make_request, read_dir
+from helpers_cache import (
+    SOC,
+    ToyCompiler,
+    compile_within,
+    expected_files,
+    fake_server,
+    machine,
+    make_request,
+    read_dir,
+)
 from helpers_nginx import BASIC, TOKEN, Nginx
 from helpers_redis import run_in_child
 
@@ -287,31 +296,15 @@ def test_a_token_with_a_control_character_is_never_in_an_error(nginx: Nginx) -> 
 def dripping() -> Iterator[str]:
     """The URL of a server that answers a 200 of 100,000 bytes and sends them a byte every
     0.1 s, until the client hangs up or the test ends."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.1)
-    ended = threading.Event()
 
-    def serve() -> None:
-        while not ended.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.recv(65536)
-                try:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
-                    while not ended.wait(0.1):
-                        conn.sendall(b"x")
-                except OSError:
-                    pass  # the client hung up
+    def answer(conn: socket.socket, ended: threading.Event) -> None:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while not ended.wait(0.1):
+            conn.sendall(b"x")
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}/c"
-    ended.set()
-    thread.join(10)
-    listener.close()
+    with fake_server(answer) as port:
+        yield f"http://127.0.0.1:{port}/c"
 
 
 def test_a_server_that_drips_its_answer_costs_a_miss_within_the_deadline(
@@ -319,19 +312,8 @@ def test_a_server_that_drips_its_answer_costs_a_miss_within_the_deadline(
 ) -> None:
     """The timeout bounds a whole request, not each read: a byte a second never holds a
     compile (each read got the whole timeout anew, so the compile waited for every byte)."""
-    compiler = ToyCompiler(tmp_path / "calls")
-    done = []
-
-    def compile_one() -> None:
-        with opcache.OpCache(machine(tmp_path, "a", dripping, timeout=0.5)) as a:
-            done.append((a.compile(make_request(0), compiler, tmp_path / "o"), a.stats()))
-
     with caplog.at_level(logging.WARNING, logger="opcache"):
-        worker = threading.Thread(target=compile_one, daemon=True)
-        worker.start()
-        worker.join(60)  # the answer's last byte would come in 10,000 s
-        assert done, "the compile still waits on the server's drip"
-    result, stats = done[0]
+        result, stats = compile_within(tmp_path, dripping, timeout=0.5)
     assert result.status == "miss" and stats["remote_errors"] == 1
     assert read_dir(tmp_path / "o") == expected_files(make_request(0))
     assert "no whole answer within the timeout" in caplog.text

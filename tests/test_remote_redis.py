@@ -9,7 +9,6 @@ comes back.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -23,7 +22,16 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from helpers_cache import TESTS_DIR, ToyCompiler, expected_files, machine, make_request, read_dir
+from helpers_cache import (
+    TESTS_DIR,
+    ToyCompiler,
+    compile_within,
+    expected_files,
+    fake_server,
+    machine,
+    make_request,
+    read_dir,
+)
 from helpers_redis import run_in_child
 
 import opcache
@@ -463,11 +471,8 @@ def dripping() -> Iterator[str]:
     to be connected to, that
     answers a GET or MGET with a value of 100,000 bytes sent a byte every 0.1 s, until the
     client hangs up or the test ends."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.1)
-    ended = threading.Event()
 
-    def answer(conn: socket.socket) -> None:
+    def answer(conn: socket.socket, ended: threading.Event) -> None:
         commands = conn.makefile("rb")
         while not ended.is_set() and (line := commands.readline()):
             words = [commands.read(int(commands.readline()[1:]) + 2)[:-2]
@@ -487,22 +492,8 @@ def dripping() -> Iterator[str]:
             else:
                 conn.sendall(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
 
-    def serve() -> None:
-        while not ended.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn, contextlib.suppress(OSError):  # (the client hung up)
-                answer(conn)
-
-    port = listener.getsockname()[1]
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{port}"
-    ended.set()
-    thread.join(10)
-    listener.close()
+    with fake_server(answer) as port:
+        yield f"127.0.0.1:{port}"
 
 
 @pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
@@ -510,21 +501,9 @@ def test_a_server_that_drips_its_answer_costs_a_miss_within_the_deadline(
     tmp_path: Path, dripping: str, scheme: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The timeout bounds a whole answer, not each read: each read got the whole timeout
-    anew, so the compile waited for every byte of the value."""
-    compiler = ToyCompiler(tmp_path / "calls")
-    done = []
-
-    def compile_one() -> None:
-        url = f"{scheme}://{dripping}"
-        with opcache.OpCache(machine(tmp_path, "a", url, timeout=0.5)) as a:
-            done.append((a.compile(make_request(0), compiler, tmp_path / "o"), a.stats()))
-
+    anew, so the compile waited for every byte of the value (10,000 s of them)."""
     with caplog.at_level(logging.WARNING, logger="opcache"):
-        worker = threading.Thread(target=compile_one, daemon=True)
-        worker.start()
-        worker.join(60)  # the answer's last byte would come in 10,000 s
-        assert done, "the compile still waits on the server's drip"
-    result, stats = done[0]
+        result, stats = compile_within(tmp_path, f"{scheme}://{dripping}", timeout=0.5)
     assert result.status == "miss" and stats["remote_errors"] == 1
     assert read_dir(tmp_path / "o") == expected_files(make_request(0))
     assert "not used for" in caplog.text

@@ -84,6 +84,22 @@ class Served:
             timeout=120,
         )
 
+    def gcc_unread(self, *args: str) -> subprocess.CompletedProcess:
+        """``gcc`` with its stderr a pipe nobody reads any more."""
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            return subprocess.run(
+                ["gcc", *args],
+                env=self.env,
+                cwd=self.src,
+                stdout=subprocess.DEVNULL,
+                stderr=write,
+                timeout=120,
+            )
+        finally:
+            os.close(write)
+
     def by_hand(self, socket: Path | None = None, **kwargs) -> subprocess.Popen:  # type: ignore[no-untyped-def]
         """``opcache server`` started by hand on ``socket`` (this one's by default)."""
         return subprocess.Popen(
@@ -257,14 +273,7 @@ def test_a_served_hit_whose_reader_left_ends_with_1_as_the_python_path(served):
     args = ["-Wall", *COMPILE]
     warmed(served, *args)
     before = served.fallbacks()
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        done = subprocess.run(
-            ["gcc", *args], env=served.env, cwd=served.src, stderr=write, timeout=120
-        )
-    finally:
-        os.close(write)
+    done = served.gcc_unread(*args)
     assert served.fallbacks() == before, "the hit was not served"
     assert done.returncode == 1
 
