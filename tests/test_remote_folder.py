@@ -9,13 +9,22 @@ killed mid-store leaves nothing visible, read-only clients never write.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers_cache import MP, SOC, ToyCompiler, expected_files, make_request, read_dir
+from helpers_cache import (
+    MP,
+    SOC,
+    ToyCompiler,
+    expected_files,
+    machine,
+    make_request,
+    read_dir,
+)
 
 import opcache
 from opcache.settings import RemoteSettings
@@ -199,6 +208,39 @@ def test_two_machines_share_compiles_through_the_folder(share: Path, tmp_path: P
         assert b.compile(request, compiler, tmp_path / "out-b2").tier == "local"
     assert compiler.calls() == 1
     assert read_dir(tmp_path / "out-b") == expected_files(request)
+
+
+@pytest.mark.parametrize("damage", ["a byte flipped", "a link in its place"])
+def test_a_damaged_entry_is_replaced_by_the_next_compile(
+    share: Path, tmp_path: Path, damage: str
+) -> None:
+    """A damaged entry stood for good (the next store's rename found the name taken), so
+    every machine compiled the key again; a link planted in an entry's place made the
+    store fail as 'the chip folder keeps disappearing', which paused the remote.  The
+    next compile's entry replaces either; the link goes, never what it points to."""
+    compiler = ToyCompiler(tmp_path / "calls")
+    request = make_request(0)
+    with opcache.OpCache(machine(tmp_path, "a", f"file://{share}")) as a:
+        key = a.compile(request, compiler, tmp_path / "out-a").key
+    stored = share / SOC / key[:2] / key
+    kept = tmp_path / "elsewhere"
+    if damage == "a link in its place":
+        shutil.move(stored, kept)  # (out of the share's mount)
+        stored.symlink_to(kept)
+    else:
+        (artifact,) = [p for p in stored.iterdir() if p.suffix == ".o"]
+        artifact.write_bytes(bytes([artifact.read_bytes()[0] ^ 1]) + artifact.read_bytes()[1:])
+    with opcache.OpCache(machine(tmp_path, "b", f"file://{share}")) as b:
+        result = b.compile(request, compiler, tmp_path / "out-b")
+        stats = b.stats()
+    assert (result.status, stats["remote_corrupt"], stats["remote_errors"]) == ("miss", 1, 0)
+    assert stats["remote_stores"] == 1 and not stored.is_symlink()
+    with opcache.OpCache(machine(tmp_path, "c", f"file://{share}")) as c:
+        result = c.compile(request, compiler, tmp_path / "out-c")
+    assert (result.status, result.tier, compiler.calls()) == ("hit", "remote", 2)
+    assert read_dir(tmp_path / "out-c") == expected_files(request)
+    if damage == "a link in its place":
+        assert (kept / "MANIFEST").is_file()
 
 
 def test_remote_stats_and_clear_commands_on_a_folder(share: Path, tmp_path: Path) -> None:

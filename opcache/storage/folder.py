@@ -74,6 +74,7 @@ class FolderRemote(Remote):
         super().__init__(settings)
         self._store = store
         store.max_entry_bytes = self.max_entry_bytes  # (others' entries: read no bigger)
+        self._corrupt: set[tuple[str, str]] = set()  # keys whose entry failed its checks
 
     def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
         found: dict[str, Fetched | RemoteCorrupt] = {}
@@ -82,6 +83,7 @@ class FolderRemote(Remote):
                 got = self._store.get_with_manifest(soc, key)
             except CorruptEntry as e:
                 found[key] = RemoteCorrupt(str(e))
+                self._corrupt.add((soc, key))
                 continue
             except OSError as e:  # unreadable, untrusted, the mount gone
                 raise RemoteError(f"{self.where}: {sentence(e)}") from None
@@ -105,6 +107,11 @@ class FolderRemote(Remote):
         if self.read_only or size > self.max_entry_bytes:
             return 0
         try:
+            if (soc, key) in self._corrupt:
+                # A damaged entry stands in the name for good: it goes (to the folder's
+                # trash), so that the compile's own replaces it, as on the other remotes.
+                self._store.discard(soc, key)
+                self._corrupt.discard((soc, key))
             stored = self._store.put(soc, key, manifest, files, now=time.time())
         except OSError as e:
             raise RemoteError(f"{self.where}: cannot store {soc}/{key}: {e}") from None

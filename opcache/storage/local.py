@@ -742,7 +742,7 @@ class LocalStore:
                         try:
                             os.rename(key, key, src_dir_fd=workdir.fd, dst_dir_fd=bucket_fd)
                         except OSError as e:
-                            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                            if not _taken(e, key, bucket_fd):
                                 raise
                             stored[key] = None
                             continue
@@ -788,7 +788,7 @@ class LocalStore:
                     )
                 except OSError as e:
                     self._uncount(chip_fd, soc, size)
-                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    if _taken(e, key, bucket_fd):
                         return False
                     raise
             finally:
@@ -1115,6 +1115,15 @@ class LocalStore:
             removed += clean(partial(self._open_sizes, soc, None, create=False), stale)
         removed += clean(partial(self.open_folder, "stats", create=False), each_chip_stats)
         return removed
+
+
+def _taken(error: OSError, key: str, bucket_fd: int) -> bool:
+    """Whether a rename of an entry to ``key`` failed because the name is taken: by
+    another writer's entry, or by a file or link planted there (ENOTDIR, not a
+    chip folder gone: that one is another's to remove, or verify's)."""
+    if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
+        return True
+    return error.errno == errno.ENOTDIR and fsutil.lexists(key, bucket_fd)
 
 
 def _check_names(files: dict[str, bytes], key: str) -> None:
