@@ -66,6 +66,11 @@ http {{
             dav_methods PUT DELETE;
             create_full_put_path on;
         }}
+        location /small/ {{
+            client_max_body_size 1k;
+            dav_methods PUT DELETE;
+            create_full_put_path on;
+        }}
         location /ro/ {{
             alias {folder}/data/cache/;
             limit_except GET HEAD {{ deny all; }}

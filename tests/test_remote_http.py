@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -101,6 +102,23 @@ def test_a_forked_child_uses_connections_and_threads_of_its_own(nginx: Nginx) ->
     assert run_in_child(child)
     assert sorted(r.get_many(SOC, keys)) == sorted(keys[::2])  # the parent's go on
     assert r._local.conn.sock.getsockname() == parents
+    r.close()
+
+
+def test_a_value_over_the_server_s_body_limit_stays_local_said_once(
+    nginx: Nginx, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An nginx left at its default body limit (1 MB) answers a big PUT 413: that was a
+    RemoteError, which paused the remote's reads too; now the value is not sent."""
+    r = connect(settings(nginx.url("small")))
+    big = entry(**{"k.o": os.urandom(4096)})
+    with caplog.at_level(logging.WARNING, logger="opcache"):
+        assert r.put(SOC, KEY, *big) == 0
+        assert r.put(SOC, OTHER, *entry(OTHER, **{"k.o": os.urandom(4096)})) == 0
+    assert caplog.text.count("HTTP 413") == 1, caplog.text
+    small = "00" * 16
+    assert r.put(SOC, small, *entry(small)) > 0 and r.get(SOC, small) is not None
+    assert r.get_many(SOC, [KEY, OTHER]) == {}
     r.close()
 
 

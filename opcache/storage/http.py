@@ -113,6 +113,7 @@ class HttpRemote(Remote):
         self._open: set[http.client.HTTPConnection] = set()  # every thread's, for close
         self._deadlines = _Deadlines()
         self._corrupt: set[tuple[str, str]] = set()  # keys whose object failed its checks
+        self._told_too_big = False  # (a 413 said once: every big entry would say it)
         _CLIENTS.add(self)
 
     def _forget_after_fork(self) -> None:
@@ -312,6 +313,16 @@ class HttpRemote(Remote):
             return len(value)
         if status in (403, 405):
             self._refused_writes(status)
+            return 0
+        if status == 413:  # (nginx's default body limit is 1 MB: a big kernel stays local)
+            if not self._told_too_big:
+                self._told_too_big = True
+                log.warning(
+                    "%s refuses a value of %d bytes as too big (HTTP 413): such entries stay "
+                    "local (raise its body limit, nginx's client_max_body_size)",
+                    self.where,
+                    len(value),
+                )
             return 0
         raise self._failure("PUT", status)
 
