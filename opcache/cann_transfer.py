@@ -80,7 +80,7 @@ from .cann_format import (
     try_lock,
     walk_chip,
 )
-from .compilers.cann import HOME_VARIABLES, driver_version
+from .compilers.cann import HOME_VARIABLES, custom_opp_digest, driver_version
 from .errors import ConfigError
 from .key import canonical_json, digest
 from .request import is_plain_name
@@ -103,15 +103,19 @@ class Refused(Exception):
 
 
 class Namespace(Record):
-    """What makes CANN's entries interchangeable: chip, toolkit, operator package, driver."""
+    """What makes CANN's entries interchangeable: chip, toolkit, operator package, driver,
+    and the custom operator packages (``custom``: their digest, "" when there are none)."""
 
-    __slots__ = _fields = ("soc", "adk_version", "ops_version", "driver")
+    __slots__ = _fields = ("soc", "adk_version", "ops_version", "driver", "custom")
     soc: str
     adk_version: str
     ops_version: str
     driver: str
+    custom: str
 
-    def __init__(self, soc: str, adk_version: str, ops_version: str, driver: str) -> None:
+    def __init__(
+        self, soc: str, adk_version: str, ops_version: str, driver: str, custom: str = ""
+    ) -> None:
         self._init(locals())
 
     @property
@@ -123,14 +127,22 @@ class Namespace(Record):
         return f"cann:{self.soc}:{self.ident}"
 
     def versions(self) -> dict[str, str]:
+        # (no custom packages: the namespace of a folder is what it was before they counted)
+        custom = {"custom": self.custom} if self.custom else {}
         return {"adk_version": self.adk_version, "ops_version": self.ops_version,
-                "driver": self.driver}  # fmt: skip
+                "driver": self.driver, **custom}  # fmt: skip
 
     def describe(self) -> str:
-        return (
-            f"adk_version {self.adk_version}, ops_version {self.ops_version}, "
-            f"driver {self.driver[:12]}"
-        )
+        return _described(self.versions())
+
+
+def _described(versions: dict[str, str]) -> str:
+    custom = versions.get("custom")
+    return (
+        f"adk_version {versions['adk_version']}, ops_version {versions['ops_version']}, "
+        f"driver {versions['driver'][:12]}"
+        + (f", custom operator packages {custom[:12]}" if custom else "")
+    )
 
 
 # -- versions ---------------------------------------------------------------------------
@@ -187,6 +199,7 @@ def local_namespace(
     ini is invalid.
     """
     driver = driver_version(environ) or "none"
+    custom = custom_opp_digest(environ) or ""
     path = root / INI_NAME
     in_ini = ini_versions(path, shared_group)
     installed = toolkit_versions(environ)
@@ -205,13 +218,13 @@ def local_namespace(
                 f"no {path}, and {holding} holds files of unknown versions that CANN's "
                 "first compile there wipes: run one compile first"
             )
-        return Namespace(soc, *installed, driver), True
+        return Namespace(soc, *installed, driver, custom), True
     if taking and installed is not None and installed != in_ini:
         raise Refused(
             f"{path} says adk_version {in_ini[0]}, ops_version {in_ini[1]}, the installed toolkit "
             f"{installed[0]}, {installed[1]}: CANN wipes this folder at its next compile"
         )
-    return Namespace(soc, *in_ini, driver), False
+    return Namespace(soc, *in_ini, driver, custom), False
 
 
 class IniMark:
@@ -673,7 +686,11 @@ def _read_index(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
         rows = space.get("entries")
         entries = {k: list(row) for k, row in _sound_rows(rows).items()}
         damaged |= not isinstance(rows, dict) or len(entries) != len(rows)
-        spaces[ident] = {**{k: space[k] for k in _VERSION_KEYS}, "entries": entries}
+        custom = space.get("custom")
+        custom_part = {"custom": custom} if isinstance(custom, str) and custom else {}
+        damaged |= "custom" in space and not custom_part
+        versions = {k: space[k] for k in _VERSION_KEYS}
+        spaces[ident] = {**versions, **custom_part, "entries": entries}
     if damaged:
         log.warning("the remote's index of %s is damaged in part: those parts dropped", soc)
     return spaces, damaged
@@ -922,10 +939,7 @@ def _pull_chip(
     ns, ini_missing = local_namespace(root, soc, environ, settings.shared_group, taking=True)
     spaces, _ = _read_index(client, soc)
     if ns.ident not in spaces:
-        others = [
-            f"{s['adk_version']}, {s['ops_version']}, driver {s['driver'][:12]}"
-            for s in spaces.values()
-        ]
+        others = [_described(s) for s in spaces.values()]
         if others:
             raise Refused(
                 f"the remote holds {soc} entries only for other versions ({'; '.join(others)}), "

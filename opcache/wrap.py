@@ -740,7 +740,7 @@ def _opc_trace_folders(opc: object, env: Mapping[str, str]) -> tuple[list[str], 
     """
     import glob
 
-    from .compilers.cann import script_interpreter, version_files
+    from .compilers.cann import custom_opp_folders, script_interpreter, version_files
 
     home = getattr(opc, "home", None)
     # Only a toolkit's own folder, with its own version files (not the operator
@@ -754,13 +754,7 @@ def _opc_trace_folders(opc: object, env: Mapping[str, str]) -> tuple[list[str], 
         for path in {interpreter, os.path.realpath(interpreter)}:
             prefix = os.path.dirname(os.path.dirname(path))
             exclude += glob.glob(os.path.join(glob.escape(prefix), "lib*", "python3*"))
-    keep = [p for p in env.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep) if p]
-    if home is not None:
-        keep.append(str(Path(home) / "opp" / "vendors"))
-    opp = env.get("ASCEND_OPP_PATH")
-    if opp:
-        keep.append(os.path.join(opp, "vendors"))
-    return exclude, keep
+    return exclude, custom_opp_folders(env, None if home is None else Path(home))
 
 
 class _Done(Exception):

@@ -174,6 +174,37 @@ def test_a_folder_remote_s_index_takes_every_push(machines, tmp_path):
     assert b.pull()["written"] == 3
 
 
+def _custom_package(machine: Machine, tiling: bytes) -> None:
+    """A custom operator package in the machine's own folder (ASCEND_CUSTOM_OPP_PATH)."""
+    package = machine.base / "custom_opp"
+    (package / "op_impl" / "ai_core" / "tbe").mkdir(parents=True, exist_ok=True)
+    (package / "op_impl" / "ai_core" / "tbe" / "my_add.py").write_text("def my_add(): pass\n")
+    (package / "op_impl" / "liboptiling.so").write_bytes(tiling)
+    (package / "op_impl" / "current").symlink_to("ai_core")
+    machine.env["ASCEND_CUSTOM_OPP_PATH"] = str(package)
+
+
+@pytest.mark.parametrize("b_package", [b"same tiling", b"other tiling", None])
+def test_custom_operator_packages_must_be_the_same_to_share(machines, b_package):
+    """CANN names a custom operator's kernel by its description, not its implementation:
+    a machine whose custom package differs (or that has none) took the other's kernels,
+    built from another implementation.  Where the packages' files are the same (at
+    other paths), the entries move."""
+    a, b = machines
+    _custom_package(a, b"same tiling")
+    _fill(a, 2)
+    assert a.push()["sent"] == 2
+    if b_package is not None:
+        _custom_package(b, b_package)
+    b.toolkit()
+    report = b.pull()
+    if b_package == b"same tiling":
+        assert report["written"] == 2
+    else:
+        assert "custom operator packages" in report["refused"], report
+        assert not b.chip.exists()
+
+
 def test_another_adk_version_in_b_pulls_nothing_and_says_why(machines):
     a, b = machines
     _fill(a, 2)

@@ -176,6 +176,43 @@ def driver_version(environ: Mapping[str, str]) -> str | None:
         return None
 
 
+def custom_opp_folders(environ: Mapping[str, str], home: Path | None = None) -> list[str]:
+    """The folders of the custom operator packages CANN loads: ``ASCEND_CUSTOM_OPP_PATH``'s,
+    and the ``vendors`` folder of the operator package (``ASCEND_OPP_PATH``'s, and that
+    of the toolkit at ``home``)."""
+    folders = [p for p in environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep) if p]
+    if home is not None:
+        folders.append(str(Path(home) / "opp" / "vendors"))
+    opp = environ.get("ASCEND_OPP_PATH")
+    if opp:
+        folders.append(os.path.join(opp, "vendors"))
+    return folders
+
+
+def custom_opp_digest(environ: Mapping[str, str]) -> str | None:
+    """Digest of the custom operator packages' files (each one's path in its package
+    folder and contents; a link by its target), or None when there is none.
+
+    CANN names a custom operator's kernel by the operator's description, not its
+    implementation: two machines' kernels are the same only with the same packages.
+    """
+    lines = []
+    for place, folder in enumerate(custom_opp_folders(environ)):
+        for top, folders, files in os.walk(folder):  # (links to folders not followed)
+            folders.sort()
+            for name in sorted(files + [f for f in folders if os.path.islink(f"{top}/{f}")]):
+                path = os.path.join(top, name)
+                try:
+                    if os.path.islink(path):
+                        what = "-> " + os.readlink(path)
+                    else:
+                        what = digest(read_input(path))  # (a FIFO or device: an error)
+                except OSError as e:
+                    what = f"unreadable: {e.strerror or e}"
+                lines.append(f"{place}/{os.path.relpath(path, folder)}\0{what}")
+    return digest("\n".join(lines).encode()) if lines else None
+
+
 def tune_bank_digest(environ: Mapping[str, str], notes: LocalStore | None = None) -> str:
     """Digest of the tuning knowledge base's files (names and contents), or "none"."""
     bank = environ.get("TUNE_BANK_PATH")
