@@ -10,8 +10,11 @@ those entries, whole, between such folders: through a remote tier
 toolkit and operator package (its ``op_cache.ini`` check: ``adk_version``,
 ``ops_version``) and driver.  Every entry is filed under a namespace of
 exactly those: the chip, the two versions from the folder's
-``op_cache.ini`` and the digest of the driver's ``version.info``
-(``compilers.cann.driver_version``; ``none`` without a driver).  An entry
+``op_cache.ini``, the digest of the driver's ``version.info``
+(``compilers.cann.driver_version``; ``none`` without a driver) and, when
+there are any, the digest of the custom operator packages' files
+(``compilers.cann.custom_opp_digest``: CANN names a custom operator's kernel
+by its description, not its implementation).  An entry
 of another namespace is never written into a folder; when the remote or the
 archive holds the chip only under other versions, the pull is refused
 (``Refused``) and says which.
