@@ -48,9 +48,11 @@ _NOATIME = getattr(os, "O_NOATIME", 0)
 _MAX_SUB_DEPTH = 256
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INT_MAX = 2**31 - 1
-# Lock files kept open while ``del_lock`` holds the aging lock (``kernel_lock``);
-# None while it holds none.
-_parked: list[int] | None = None
+# Lock files of more than one name, kept open while any ``del_lock`` is held (how many
+# are: ``_del_locks``): maybe other names of an aging lock this process holds, which
+# any close of the file releases (fcntl locks are the process's).
+_parked: list[int] = []
+_del_locks = 0
 
 
 # -- a chip folder's files ------------------------------------------------------
@@ -508,10 +510,7 @@ def kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
         # Maybe another name of the aging lock this process holds: fcntl locks are
         # the process's, and any close of the file releases them.  Kept open until
         # the aging lock is let go.
-        if _parked is None:
-            os.close(lock_fd)
-        else:
-            _parked.append(lock_fd)
+        _park_or_close(lock_fd)
         yield False
         return
     try:
@@ -539,21 +538,35 @@ def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
         why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
         yield f"cannot open {DEL_LOCK}: {why}"
         return
-    global _parked
-    _parked = []
+    global _del_locks
+    _del_locks += 1
+    single = os.fstat(lock_fd).st_nlink == 1
     try:
         # Not a file with other names: a member of a shared cache may link one of
         # ours from elsewhere as the lock, for our chmod to narrow it.
-        if not dry_run and os.fstat(lock_fd).st_nlink == 1:
+        if not dry_run and single:
             with contextlib.suppress(OSError):  # someone else's file: CANN goes on too
                 os.fchmod(lock_fd, LOCK_MODE)
         free = try_lock(lock_fd, fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX)
         yield None if free else f"another process holds {DEL_LOCK}: it is aging this folder"
     finally:
+        _del_locks -= 1
+        if single:
+            os.close(lock_fd)
+        else:
+            _park_or_close(lock_fd)  # (another chip's aging lock, linked here, may be held)
+        if not _del_locks:
+            while _parked:
+                os.close(_parked.pop())
+
+
+def _park_or_close(lock_fd: int) -> None:
+    """Close a lock file of more than one name now, or, while an aging lock is held,
+    once none is."""
+    if _del_locks:
+        _parked.append(lock_fd)
+    else:
         os.close(lock_fd)
-        for parked in _parked:
-            os.close(parked)
-        _parked = None
 
 
 def try_lock(lock_fd: int, how: int) -> bool:

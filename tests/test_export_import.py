@@ -81,6 +81,22 @@ def test_a_cann_archive_fills_another_folder_byte_identical(tmp_path, name):
     assert _import(tmp_path, path)["chips"][SOC]["present"] == 4  # never over an entry
 
 
+def test_an_archive_of_two_chips_fills_both(tmp_path):
+    """Each chip's aging lock is held while its entries go in, all at once: the second
+    one let go found the first one's parked lock files gone (a TypeError traceback,
+    the report lost, exit 1)."""
+    a = tmp_path / "a"
+    _cann_folder(a)
+    other = "Ascend310P3"
+    for i in range(2):
+        store_entry(a / "kernel_cache" / other, kernel_name("Mul", f"y{i}"), os.urandom(500))
+    path = tmp_path / "both.tar"
+    env = _env(tmp_path)
+    cann_transfer.export_archive(path, None, settings=_settings(a), environ=env)
+    report = _import(tmp_path, path)["chips"]
+    assert (report[SOC]["written"], report[other]["written"]) == (4, 2)
+
+
 def test_an_archive_of_other_versions_is_refused(tmp_path):
     path = _export(tmp_path)
     b = tmp_path / "b" / "kernel_cache"
