@@ -528,13 +528,26 @@ _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _at_past_the_host(scheme: str, rest: str) -> bool:
-    """Whether an ``@`` follows the first ``/`` or ``?`` after ``scheme://``: a password
-    holding one of those as it is (``redis://u:ab/cd@host``), which would be read as
-    the host, port or path, and quoted so in a message."""
-    if scheme in ("file", "unix"):  # (no host part: an @ in a path is a name)
+    """Whether the URL after ``scheme://`` (``rest``) holds a password cut short by a
+    ``/`` or ``?`` in it, as it is: the host part has no ``@``, and one comes in the
+    first query word before any ``=`` (``redis://u:pa?ss@host``), or in the path of
+    a Redis URL (a db number: ``redis://u:ab/cd@host``) or of an http one whose host
+    part has a ``:`` (a port, or a password's).  Read as it is, the password's pieces
+    would be the host, port or path, and quoted so in a message.  An ``@`` elsewhere
+    (``?ssl_ca_certs=/home/john@corp/ca.pem``, ``https://h/opcache@team/``) is a name.
+    """
+    if scheme in ("file", "unix"):
         return False
     end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    return "@" not in rest[:end] and "@" in rest[end:]
+    authority, after = rest[:end], rest[end:]
+    if "@" in authority or "@" not in after:
+        return False
+    path, _, query = after.partition("?")
+    if "@" in query.split("&", 1)[0].split("=", 1)[0] and not path:
+        return True
+    if "@" in path:
+        return scheme not in ("http", "https") or ":" in authority
+    return False
 
 
 def _url_problem(url: str) -> str | None:

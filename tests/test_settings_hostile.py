@@ -348,6 +348,15 @@ def test_a_password_holding_a_slash_or_question_mark_is_never_quoted(url, caplog
         assert not [p for p in pieces if p in said.replace("percent-encode", "")], said
 
 
-def test_an_at_sign_in_a_file_remote_s_path_is_a_name():
-    settings = resolve_settings(environ={"OPCACHE_REMOTE": "file:///mnt/a@b/c", "HOME": "/x"})
-    assert settings.remote is not None and settings.remote.shown_url == "file:///mnt/a@b/c"
+@pytest.mark.parametrize(
+    "url",
+    [
+        "file:///mnt/a@b/c",
+        "rediss://cache.corp:6380?ssl_ca_certs=/home/john@corp.example.com/ca.pem",  # (SSSD)
+        "rediss+cluster://h1:7000?ssl_ca_certs=/etc/ssl/team@x/ca.pem",
+        "https://cache.example.com/artifactory/opcache@team/",
+    ],
+)
+def test_an_at_sign_in_a_path_or_an_option_s_value_is_a_name(url):
+    settings = resolve_settings(environ={"OPCACHE_REMOTE": url, "HOME": "/x"})
+    assert settings.remote is not None and settings.remote.shown_url == url
