@@ -257,16 +257,13 @@ class Memo:
             streams = [(number, self.artifact(entry, *rest)) for number, *rest in self.streams]
             if any(b"\x1b[" in data for _, data in streams):
                 raise Miss  # (colour taken out where it cannot show: the full path's work)
-            euid = os.geteuid()
             for target, _ in outputs:
                 try:
                     st = os.lstat(target)
                 except FileNotFoundError:
                     continue
-                # Not a regular file, or another user's (which a sticky folder keeps from
-                # being replaced, though the compiler may write into it): the full path's.
-                if not stat.S_ISREG(st.st_mode) or (st.st_uid != euid and euid != 0):
-                    raise Miss
+                if not stat.S_ISREG(st.st_mode) or unreplaceable(target, st):
+                    raise Miss  # (the full path says why)
             self._count()
             return _finish(self._stamp, entry, outputs, streams)
         finally:
@@ -377,6 +374,20 @@ def _finish(
             pass  # (stderr itself failed)
         return 1
     return 0
+
+
+def unreplaceable(path: bytes | str, st: os.stat_result) -> bool:
+    """Whether this user may not rename over the file ``path`` (``st``: its lstat),
+    though the compiler may write into it: another user's, in a sticky folder (as
+    /tmp) that is not this user's either.  Never for root."""
+    euid = os.geteuid()
+    if st.st_uid == euid or not euid:
+        return False
+    try:
+        folder = os.stat(os.path.dirname(path) or ".")
+    except OSError:
+        return False  # (the rename says why)
+    return bool(folder.st_mode & stat.S_ISVTX) and folder.st_uid != euid
 
 
 def identity(path: bytes, follow: bool, folder_only: bool) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from . import _json, _log, fsutil, quickmemo
+from . import _json, _log, fsutil, quickhit, quickmemo
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
 from .compilers.toolchain import file_identity, read_input, which
@@ -275,6 +275,12 @@ def run(
         reason = f"cannot read what the key needs: {sentence(e)}"
         log.warning("%s: running the command uncached", reason)
         return _run_uncacheable(argv, run_env, base, reason)
+    for target in plan.outputs.values():
+        with contextlib.suppress(OSError):
+            if quickhit.unreplaceable(target, os.lstat(target)):
+                # A hit could not rename over it; the command writes into it.
+                reason = "an output is another user's file in a sticky folder"
+                return _run_uncacheable(argv, run_env, base, reason)
     settings: Settings | None = base
     if plan.debug_level is not None or plan.debug_config is not None:
         try:

@@ -23,6 +23,7 @@ from helpers_wrap import GCC, opcache
 
 from opcache import quickhit, quickmemo
 from opcache.cli import main
+from opcache.counters import QUICK_COUNTS
 
 needs_gcc = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
 
@@ -226,7 +227,7 @@ os.environ["ASCEND_CACHE_PATH"] = os.path.join(base, "cache")
 pid = os.fork()
 if pid == 0:  # (the program leaves at once when done: a child of its own)
     os.dup2(os.open("err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-    sys.argv = ["opcache", "wrap", "--", {gcc!r}, "-c", "b.c", "-o", "out/b.o"]
+    sys.argv = ["opcache", "wrap", "--", {gcc!r}, "-c", "b.c", "-o", {target!r}]
     from opcache.cli import main
     main()
     os._exit(99)
@@ -237,13 +238,13 @@ with open("err") as err:
 
 
 @pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
-def test_an_output_another_user_owns_in_a_sticky_folder_is_written_as_the_compiler_writes_it(
-    tmp_path,
-):
-    # out/ is sticky (as /tmp) and b.o another user's, writable by all: gcc writes into it,
-    # but no one else may rename over it.  A miss, a hit and a quick hit (from the memo
-    # a hit leaves) each ended in 'opcache: error: ... -> out/b.o: Operation not
-    # permitted', exit 1, where gcc alone succeeds.  The command runs instead.
+@pytest.mark.parametrize("sticky", [True, False])
+def test_an_output_another_user_owns_is_written_as_the_compiler_writes_it(tmp_path, sticky):
+    # In a sticky folder (as /tmp), another user's b.o, writable by all: gcc writes into
+    # it, but no one else may rename over it.  A miss, a hit and a quick hit (from the
+    # memo a hit leaves) each ended in 'opcache: error: ... -> out/b.o: Operation not
+    # permitted', exit 1, where gcc alone succeeds: the command runs, uncached.  In a
+    # folder that is not sticky a rename over it is allowed: the quick hit serves it.
     from helpers_faults import MEMBER_B, NOBODY, open_folder, run_as
 
     if os.geteuid() != 0:
@@ -253,12 +254,12 @@ def test_an_output_another_user_owns_in_a_sticky_folder_is_written_as_the_compil
         (base / "run").mkdir(mode=0o700)
         os.chown(base / "run", NOBODY, NOBODY)
         (base / "out").mkdir()
-        os.chmod(base / "out", 0o1777)
+        os.chmod(base / "out", 0o1777 if sticky else 0o777)
         os.chown(base, NOBODY, NOBODY)
         subprocess.run([GCC, "-c", "b.c", "-o", "made.o"], cwd=base, check=True)
         made = (base / "made.o").read_bytes()
         target = base / "out" / "b.o"
-        code = STICKY_CODE.format(base=str(base), gcc=GCC)
+        code = STICKY_CODE.format(base=str(base), gcc=GCC, target=str(target))
 
         def planted() -> None:
             target.unlink(missing_ok=True)
@@ -266,19 +267,28 @@ def test_an_output_another_user_owns_in_a_sticky_folder_is_written_as_the_compil
             os.chown(target, MEMBER_B, MEMBER_B)
             target.chmod(0o666)
 
-        def run() -> str:
+        def run() -> None:
             status, err = run_as(NOBODY, NOBODY, code)
             assert (status, target.read_bytes()) == (0, made), err
-            assert "opcache: error" not in err and "running the command" in err, err
-            return err
+            assert "opcache: error" not in err, err
 
-        for _ in ("miss", "hit"):
+        if sticky:
             planted()
-            run()
+            run()  # (nothing stored: the command ran as it is)
+        target.unlink(missing_ok=True)
+        run()  # a miss
         time.sleep(quickmemo.RACY_SECONDS + 0.3)  # (a memo only of files older than this)
         target.unlink()
-        status, err = run_as(NOBODY, NOBODY, code)  # a hit that leaves a memo
-        assert status == 0 and target.read_bytes() == made, err
+        run()  # a hit that leaves a memo
         assert list((base / "run").glob(f"opcache-{NOBODY}/{quickhit.FOLDER}/*")), "no memo"
         planted()
-        run()  # the memo's quick hit: left to the full path, which runs the command
+        run()  # the memo's quick hit, or (sticky) the command itself
+        (root,) = (base / "cache").glob("kernel_cache*")
+        quick = root / ".opcache" / "stats" / "host" / QUICK_COUNTS
+        quick_hits = len(quick.read_bytes().splitlines()) if quick.exists() else 0
+        assert quick_hits == (0 if sticky else 1)
+        said = json.loads(opcache("stats", "--json", env=base_env(base), cwd=base).stdout)
+        host = said["chips"]["host"]
+        assert (host["hits"], host["misses"]) == (1 if sticky else 2, 1), host
+        reasons = host.get("uncacheable_reasons", {})
+        assert sum(reasons.values()) == (2 if sticky else 0), reasons

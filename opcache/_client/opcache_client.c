@@ -770,6 +770,20 @@ static _Noreturn void fail(const char *path, const char *other) {
     exit(1);
 }
 
+/* quickhit.unreplaceable's: another user's file (``st``: its lstat), though the
+ * compiler may write into it, in a sticky folder (as /tmp) that is not ours either. */
+static int unreplaceable(const char *path, const struct stat *st) {
+    char folder[PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    struct stat in;
+    if (st->st_uid == geteuid() || geteuid() == 0) return 0;
+    if (slash == NULL) snprintf(folder, sizeof folder, ".");
+    else if ((size_t)(slash - path) < sizeof folder)
+        snprintf(folder, sizeof folder, "%.*s", (int)(slash == path ? 1 : slash - path), path);
+    else return 1; /* (no room to look: the full path's) */
+    return stat(folder, &in) == 0 && (in.st_mode & S_ISVTX) && in.st_uid != geteuid();
+}
+
 /* Each output as the full path writes it: a new file (0666 less the umask) renamed
  * over the target.  A Ctrl-C waits until none is half made. */
 static void write_outputs(struct artifact *outputs, size_t count_of) {
@@ -898,11 +912,10 @@ static void serve_memo(const char *name) {
         if (read_artifact(folder_fd, &streams[i]) != 0 ||
             memmem(streams[i].data, streams[i].len, "\x1b[", 2) != NULL)
             goto miss; /* (colour taken out where it cannot show: the full path's work) */
-    /* Not a regular file, or another user's (which a sticky folder keeps from being
-     * replaced, though the compiler may write into it): the full path's work. */
+    /* Not a regular file, or one this user may not rename over: the full path's work. */
     for (size_t i = 0; i < no; i++)
         if (lstat(outputs[i].at[0], &st) == 0
-                ? !S_ISREG(st.st_mode) || (st.st_uid != geteuid() && geteuid() != 0)
+                ? !S_ISREG(st.st_mode) || unreplaceable(outputs[i].at[0], &st)
                 : errno != ENOENT)
             goto miss;
     if (count(counts) != 0) goto miss;
