@@ -83,7 +83,7 @@ from .cann_format import (
     try_lock,
     walk_chip,
 )
-from .compilers.cann import HOME_VARIABLES, custom_opp_digest, driver_version
+from .compilers.cann import custom_opp_digest, driver_version
 from .errors import ConfigError
 from .key import canonical_json, digest
 from .request import is_plain_name
@@ -164,31 +164,6 @@ def ini_versions(path: Path, shared_group: int | None = None) -> tuple[str, str]
         raise Refused(f"{path} cannot be read ({why})") from None
 
 
-def toolkit_versions(environ: Mapping[str, str]) -> tuple[str, str] | None:
-    """(adk_version, ops_version) of the installed toolkit, as CANN finds them
-    (``InitAdkAndOppVersion``): the ``Version=`` line of the compiler's
-    ``version.info`` and of ``$ASCEND_OPP_PATH/version.info``; None unless both
-    are found."""
-    homes = [Path(environ[n]) for n in HOME_VARIABLES[:2] if environ.get(n)]
-    adk = next((v for h in homes for p in ("compiler", ".") if (v := _version_line(h / p))), None)
-    opp = environ.get("ASCEND_OPP_PATH")
-    ops = _version_line(Path(opp)) if opp else None
-    return (adk, ops) if adk and ops else None
-
-
-def _version_line(folder: Path) -> str | None:
-    try:
-        fd, _ = fsutil.open_regular(folder / "version.info")
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        text = f.read(1 << 16).decode("latin-1")
-    for line in text.splitlines():
-        if line.startswith("Version="):
-            return line[len("Version=") :].strip() or None
-    return None
-
-
 def local_namespace(
     root: Path, soc: str, environ: Mapping[str, str], shared_group: int | None, *, taking: bool
 ) -> tuple[Namespace, bool]:
@@ -205,7 +180,7 @@ def local_namespace(
     custom = custom_opp_digest(environ) or ""
     path = root / INI_NAME
     in_ini = ini_versions(path, shared_group)
-    installed = toolkit_versions(environ)
+    installed = ini.toolkit_versions(environ)
     if in_ini is None:
         if not taking:
             raise Refused(f"no {path}: CANN's next compile there wipes the folder")
@@ -1174,5 +1149,4 @@ __all__ = [
     "ini_versions",
     "pull",
     "push",
-    "toolkit_versions",
 ]

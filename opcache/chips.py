@@ -16,13 +16,14 @@ goes on.  The aging rule itself is ``aging.py``'s.
 from __future__ import annotations
 
 import _thread  # threading's primitives, without importing threading on wrap's start-up
+import os
 import time
 from collections.abc import Callable
 
 from . import fsutil
 from ._log import get_logger
 from .aging import MIN_IDLE_SECONDS, ChipAging, age_chip
-from .ini import ensure_ini_file
+from .ini import TOOLKIT_VARIABLES, ensure_ini_file, toolkit_versions
 from .settings import INI_NAME
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -95,7 +96,7 @@ class ChipFolders:
                 if not self._ready:
                     # The root gets the cache's folder mode (0750), not mkdir's default.
                     fsutil.makedirs(self._store.root, self._store.modes)
-                    ensure_ini_file(self._settings.root / INI_NAME, self._store.modes)
+                    self._ensure_ini()
                 if self._settings.mode == "force" and self._force_clear(soc):
                     log.info("force: cleared the cache of %s", soc)
             except OSError as e:
@@ -130,6 +131,21 @@ class ChipFolders:
 
         explain.forget(self._store, soc)
         return self._store.clear_chip(soc)
+
+    def _ensure_ini(self) -> None:
+        """op_cache.ini where CANN keeps it, when missing: with the installed toolkit's
+        versions, as CANN writes them.  Where a toolkit is set up but its versions
+        cannot be read, none is made (CANN makes its own): without its versions CANN
+        would take the file for one it must not touch, and never again wipe a chip
+        folder when the toolkit changes."""
+        path = self._settings.root / INI_NAME
+        if os.path.lexists(path):
+            return
+        versions = toolkit_versions(os.environ)
+        if versions is None and any(os.environ.get(name) for name in TOOLKIT_VARIABLES):
+            log.debug("no %s made: the toolkit's versions cannot be read", path)
+            return
+        ensure_ini_file(path, self._store.modes, versions)
 
     def _force_clear(self, soc: str) -> bool:
         """``force``'s clear of a chip, once per session; True if there was one to clear."""

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from . import fsutil, trust
@@ -37,7 +38,7 @@ _MAX_FILE_BYTES = 1 << 20
 _TEMPLATE = f"""\
 # Operator compile cache settings (CANN's op_cache.ini format), created by opcache.
 [{SECTION}]
-# Size limit of each chip folder in MB (1 MB = 1048576 bytes): -1 turns aging
+VERSIONS# Size limit of each chip folder in MB (1 MB = 1048576 bytes): -1 turns aging
 # off, otherwise 1..{MAX_SIZE_LIMIT}.  The two keys below take effect only when
 # both are set and valid; until then ASCEND_MAX_OP_CACHE_SIZE and
 # ASCEND_REMAIN_CACHE_SIZE_RATIO apply, then the defaults shown.
@@ -292,21 +293,30 @@ def stoi(text: bytes) -> int | None:
     return value if -(2**31) <= value < 2**31 else None
 
 
-def ensure_ini_file(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> bool:
+def ensure_ini_file(
+    path: Path,
+    modes: fsutil.Modes = fsutil.PRIVATE,
+    versions: tuple[str, str] | None = None,
+) -> bool:
     """Create op_cache.ini at ``path`` when it is missing; True if this call made it.
 
-    The file gets the section header and the size keys commented out with their
-    defaults.  It appears whole or not at all (written aside, then linked into
-    place), and a file that already exists, whoever wrote it, is never replaced.
+    The file gets the section header, the toolkit's ``versions`` (adk, ops) as
+    CANN writes them, and the size keys commented out with their defaults.
+    CANN takes an ini without both versions for one it must not touch: it
+    would never again wipe a chip folder when its toolkit changes.  It appears
+    whole or not at all (written aside, then linked into place), and a file
+    that already exists, whoever wrote it, is never replaced.
     """
     if os.path.lexists(path):  # (a link too: never written through)
         return False
+    lines = f"adk_version={versions[0]}\nops_version={versions[1]}\n" if versions else ""
+    text = _TEMPLATE.replace("VERSIONS", lines)
     fsutil.makedirs(path.parent, modes)
     tmp = path.parent / fsutil.unique_name(f".{path.name}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(_TEMPLATE)
+            f.write(text)
             os.fchmod(f.fileno(), modes.file_bits)  # (by name, a link put there is followed)
         try:
             # link() fails if the name exists: the no-overwrite rename POSIX lacks.
@@ -316,18 +326,47 @@ def ensure_ini_file(path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> bool:
         except OSError:
             # Filesystems without hard links: O_EXCL still never overwrites, at
             # the price of a short window where the file exists but is empty.
-            return _create_exclusive(path)
+            return _create_exclusive(path, text)
         return True
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
 
 
-def _create_exclusive(path: Path) -> bool:
+def _create_exclusive(path: Path, text: str) -> bool:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
     except FileExistsError:
         return False
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(_TEMPLATE)
+        f.write(text)
     return True
+
+
+# Where CANN's toolkit is (its home, or the operator package's folder).
+TOOLKIT_VARIABLES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
+
+
+def toolkit_versions(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(adk_version, ops_version) of the installed toolkit, as CANN finds them
+    (``InitAdkAndOppVersion``): the ``Version=`` line of the compiler's
+    ``version.info`` and of ``$ASCEND_OPP_PATH/version.info``; None unless both
+    are found."""
+    homes = [Path(environ[n]) for n in TOOLKIT_VARIABLES[:2] if environ.get(n)]
+    adk = next((v for h in homes for p in ("compiler", ".") if (v := _version_line(h / p))), None)
+    opp = environ.get("ASCEND_OPP_PATH")
+    ops = _version_line(Path(opp)) if opp else None
+    return (adk, ops) if adk and ops else None
+
+
+def _version_line(folder: Path) -> str | None:
+    try:
+        fd, _ = fsutil.open_regular(folder / "version.info")
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(1 << 16).decode("latin-1")
+    for line in text.splitlines():
+        if line.startswith("Version="):
+            return line[len("Version=") :].strip() or None
+    return None

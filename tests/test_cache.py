@@ -32,6 +32,7 @@ from helpers_cache import (
 )
 
 import opcache
+from opcache import ini
 from opcache.storage.local import LocalStore
 
 BYPASS_LEVEL = "op_debug_level is 1"
@@ -143,6 +144,39 @@ def test_op_cache_ini_is_created_in_force_mode(
     with opcache.OpCache(settings_for(tmp_path, "force")) as cache:
         cache.compile(make_request(), compiler, tmp_path / "out")
     assert (root / "op_cache.ini").is_file()
+
+
+def _toolkit(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CANN toolkit set up as set_env.sh does: its compiler's and operator package's
+    version.info, 8.0.RC1 both."""
+    home = base / "toolkit"
+    for folder in (home / "compiler", home / "opp"):
+        folder.mkdir(parents=True)
+        (folder / "version.info").write_text("Version=8.0.RC1\n")
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(home))
+    monkeypatch.setenv("ASCEND_OPP_PATH", str(home / "opp"))
+
+
+def test_op_cache_ini_holds_the_toolkit_s_versions_as_cann_writes_them(
+    tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without both versions CANN takes the file for one it must neither check nor
+    repair: once opcache had made it, CANN never wiped a chip folder again when its
+    toolkit changed, and served the old toolkit's kernels."""
+    _toolkit(tmp_path, monkeypatch)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(), compiler, tmp_path / "out")
+    assert ini.read_cann_versions(root / "op_cache.ini") == ("8.0.RC1", "8.0.RC1")
+    assert settings_for(tmp_path).sources["max_op_cache_size_mb"] == "default"
+
+
+def test_no_op_cache_ini_is_made_where_the_toolkit_s_versions_are_not_known(
+    tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "no-version-info-here"))
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
+    assert not (root / "op_cache.ini").exists()  # (CANN makes its own, with them)
 
 
 def test_existing_op_cache_ini_is_kept(tmp_path: Path, root: Path, compiler: ToyCompiler) -> None:

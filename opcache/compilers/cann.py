@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import CompileError, ConfigError
+from ..ini import TOOLKIT_VARIABLES
 from ..key import digest
 from ..request import OpRequest
 from .toolchain import file_identity, kernel_name, read_input, run_tool, which
@@ -25,7 +26,7 @@ TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s 
 if TYPE_CHECKING:
     from ..storage.local import LocalStore
 
-HOME_VARIABLES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
+HOME_VARIABLES = TOOLKIT_VARIABLES
 DRIVER_VARIABLE = "ASCEND_DRIVER_PATH"
 INSTALL_INFO = "/etc/ascend_install.info"
 # Options that are opc's own arguments, not flags passed through.
