@@ -1,9 +1,10 @@
 """Debug options that turn the cache off, for every operator or for some.
 
 CANN's rules: ``op_debug_level`` other than 0 bypasses the cache for every
-operator; an ``op_debug_config`` file without an ``op_debug_list`` line bypasses
-it for every operator; with ``op_debug_list`` only the listed operators (by
-operator name, or by type as ``OpType::Name``) are bypassed; and
+operator; an ``op_debug_config`` file without an ``op_debug_list`` line, or with
+an empty one, bypasses it for every operator; with ``op_debug_list`` only the
+listed operators (by operator name, or by type as ``OpType::Name``: any item
+with ``::``) are bypassed; and
 ``NPU_COLLECT_PATH`` forces debug options on, so it bypasses every operator.
 """
 
@@ -16,7 +17,6 @@ from .errors import ConfigError
 
 OPTIONS_KEY = "op_debug_config"
 LIST_KEY = "op_debug_list"
-_TYPE_PREFIX = "optype::"
 # A .cfg is a few lines; a larger file is a wrong path, not a config.
 _MAX_FILE_BYTES = 1 << 20
 
@@ -37,10 +37,13 @@ def _split_list(value: str) -> tuple[str, ...]:
 
 
 def read_debug_config(path: Path) -> DebugConfig:
-    """Parse an op_debug_config file; raise ConfigError if it cannot be used.
+    """Parse an op_debug_config file as CANN's parser does; ConfigError if it cannot
+    be read.
 
-    Lines are ``key = value``; blank lines and lines starting with ``#`` are
-    skipped; keys other than op_debug_config and op_debug_list are ignored.
+    Lines are trimmed; blank ones and those starting with ``#`` are skipped; the
+    line holding ``op_debug_list`` is the list, the one holding
+    ``op_debug_config`` the options, each the text after its first ``=``, split
+    on commas; other lines are ignored (a ``[debug]`` header too).
     """
 
     def bad(why: str) -> ConfigError:
@@ -66,18 +69,15 @@ def read_debug_config(path: Path) -> DebugConfig:
         raise bad("not UTF-8 text") from None
     options: tuple[str, ...] = ()
     op_list: tuple[str, ...] | None = None
-    for number, line in enumerate(text.splitlines(), 1):
+    for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        name, sep, value = line.partition("=")
-        if not sep:
-            raise bad(f"line {number} is not 'key = value': {line[:60]!r}")
-        name = name.strip()
-        if name == OPTIONS_KEY:
-            options = _split_list(value)
-        elif name == LIST_KEY:
+        value = line.partition("=")[2]
+        if LIST_KEY in line:
             op_list = _split_list(value)
+        elif OPTIONS_KEY in line:
+            options = _split_list(value)
     return DebugConfig(options, op_list)
 
 
@@ -102,9 +102,12 @@ def bypass_reason(
         return None
     if config.op_list is None:
         return "op_debug_config is set without op_debug_list"
+    if not config.op_list:  # (CANN gives every operator the debug options then)
+        return "op_debug_list is empty"
     for entry in config.op_list:
-        if entry.lower().startswith(_TYPE_PREFIX):
-            if entry[len(_TYPE_PREFIX) :] == op_type:
+        _, sep, name = entry.partition("::")
+        if sep:  # (any prefix: OpType::ReduceSum, optype::, Type::)
+            if name == op_type:
                 return "op_debug_list names the operator type"
         elif entry == op_name:
             return "op_debug_list names the operator"

@@ -901,21 +901,31 @@ def test_debug_config_that_is_a_folder_raises(fs, env):
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "options", "op_list"),
     [
-        "op_debug_config = ccec_g\nthis line has no equals sign\n",
-        "garbage\n",
-        "op_debug_config ccec_O0,oom\n",
+        ("[debug]\nop_debug_config = ccec_g\nno equals sign here\n", ["ccec_g"], None),
+        ("garbage\n", [], None),
+        ("op_debug_config ccec_O0,oom\n", [], None),  # (the value is after an '=')
+        ("op_debug_config = oom\nop_debug_list =\n", ["oom"], []),
+        ("# op_debug_list = X\n  op_debug_list=Type::Add\n", [], ["Type::Add"]),
     ],
 )
-def test_unparsable_debug_config_raises(env, text):
+def test_a_debug_config_file_is_read_as_cann_reads_it(env, text, options, op_list):
+    """CANN's parser takes the line holding op_debug_list or op_debug_config and skips
+    every other line: a '[debug]' header, or any line without '=', was a ConfigError
+    (exit 2 on the command line, and wrap ran every compile uncached)."""
     path = write_cfg(Path("/cfg/debug.cfg"), text)
-    with pytest.raises(ConfigError) as info:
-        resolve_settings(op_debug_config=str(path), environ=env)
-    message = str(info.value)
-    assert "op_debug_config" in message
-    assert str(path) in message
-    assert "key = value" in message
+    settings = resolve_settings(op_debug_config=str(path), environ=env)
+    assert (settings.debug_options, settings.debug_list) == (options, op_list)
+    assert settings.bypass_reason("any_name", "Add") is not None  # (each bypasses Add)
+
+
+def test_an_empty_debug_list_bypasses_every_operator(env):
+    """CANN gives every operator the debug options when the list is empty; it was read
+    as a list naming none, and every operator was cached with debug options on."""
+    path = write_cfg(Path("/cfg/debug.cfg"), "op_debug_config = oom\nop_debug_list =\n")
+    settings = resolve_settings(op_debug_config=str(path), environ=env)
+    assert settings.bypass_reason("GatherV2_1", "GatherV2") == "op_debug_list is empty"
 
 
 def test_debug_config_that_is_not_utf8_raises(fs, env):
