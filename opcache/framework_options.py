@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import ConfigError
-from .settings import Settings, resolve_settings
+from .settings import ENV_ACL_DIR, ENV_ACL_MODE, Settings, resolve_settings
 
 FRAMEWORKS = {
     "atc": "disable",
@@ -78,13 +78,16 @@ def settings_from_options(
         if not isinstance(options, Mapping):
             raise ConfigError(f"framework={framework!r} takes a mapping of option names to values")
         found = {name: _plain(name, options[name]) for name in OPTIONS if name in options}
+    env = os.environ if environ is None else environ
+    if framework != "torch_npu":  # (its own variables: ATC and the TF adapter never read them)
+        env = {k: v for k, v in env.items() if k not in (ENV_ACL_MODE, ENV_ACL_DIR)}
     return resolve_settings(
         op_compiler_cache_mode=found.get("op_compiler_cache_mode"),
         op_compiler_cache_dir=found.get("op_compiler_cache_dir"),
         op_debug_level=found.get("op_debug_level"),
         op_debug_config=found.get("op_debug_config"),
         debug_dir=found.get("debug_dir"),
-        environ=environ,
+        environ=env,
         default_mode=FRAMEWORKS[framework],
     )
 

@@ -189,6 +189,26 @@ def test_atc_default_follows_ascend_cache_path(env, tmp_path):
     assert given.root == tmp_path / "mine" / "kernel_cache"  # the option wins
 
 
+@pytest.mark.parametrize("framework", ["atc", "npu_run_config", "tf_session"])
+def test_torch_npu_s_variables_are_torch_npu_s_alone(framework, env, tmp_path):
+    """ATC and the TF adapter never read ACL_OP_COMPILER_CACHE_MODE or _DIR (torch_npu
+    hands them to CANN): they turned ATC's cache on, or the session's off, and moved
+    the folder away from ASCEND_CACHE_PATH's."""
+    mode = "disable" if framework != "atc" else "enable"
+    environ = {
+        **env,
+        "ACL_OP_COMPILER_CACHE_MODE": mode,
+        "ACL_OP_COMPILER_CACHE_DIR": str(tmp_path / "torch"),
+        "ASCEND_CACHE_PATH": str(tmp_path / "shared"),
+    }
+    options: list[str] | dict[str, str] = [] if framework == "atc" else {}
+    settings = settings_from_options(options, framework=framework, environ=environ)
+    assert settings.mode == ("disable" if framework == "atc" else "enable")
+    assert settings.root.parent == tmp_path / "shared"
+    torch = settings_from_options({}, framework="torch_npu", environ=environ)
+    assert (torch.mode, torch.root) == (mode, tmp_path / "torch" / "kernel_cache")
+
+
 def test_npu_run_config_keyword_options(env, tmp_path):
     options = {
         "graph_run_mode": 1,
