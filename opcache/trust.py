@@ -4,7 +4,10 @@ A cache folder that others can write to is a place where someone can plant a
 kernel (rapidsai/cudf#4857).  Below the configured root, every folder down to
 an entry, and every file of an entry, must be owned by the current user or
 root and not writable by others; in a group-shared cache, group-writable
-folders and files of the configured group are trusted too.
+folders and files of the configured group are trusted too, and so is a
+group-writable one whose group is its owner's own (a user private group, of
+its name and no other member: where each user has one, as on Debian, Ubuntu
+and Fedora, the umask is 002 and a file a person makes is 0664).
 """
 
 from __future__ import annotations
@@ -32,11 +35,34 @@ def problem(st: os.stat_result, modes: Modes) -> str | None:
         return f"owned by uid {st.st_uid}, not by you or root"
     if st.st_mode & stat.S_IWOTH:
         return "writable by others"
-    if st.st_mode & stat.S_IWGRP and not group_ok:
+    if st.st_mode & stat.S_IWGRP and not group_ok and not _private_group(st.st_uid, st.st_gid):
         if modes.group is None:
             return "writable by its group (set OPCACHE_SHARED_GROUP for a group-shared cache)"
         return f"writable by group {st.st_gid}, not the cache's group {modes.group}"
     return None
+
+
+def _private_group(uid: int, gid: int) -> bool:
+    """Whether ``gid`` is the user private group of ``uid``: its primary group, of its
+    name, with no other member listed."""
+    if (uid, gid) not in _private:
+        import grp
+        import pwd
+
+        try:
+            user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+        except (KeyError, OSError):
+            _private[uid, gid] = False
+        else:
+            _private[uid, gid] = (
+                user.pw_gid == gid
+                and group.gr_name == user.pw_name
+                and set(group.gr_mem) <= {user.pw_name}
+            )
+    return _private[uid, gid]
+
+
+_private: dict[tuple[int, int], bool] = {}  # (asked only of group-writable things: rare)
 
 
 def check(st: os.stat_result, modes: Modes, what: object) -> None:

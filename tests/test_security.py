@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import shutil
 import stat
 from pathlib import Path
@@ -132,12 +133,38 @@ def test_group_writable_is_untrusted_in_a_private_cache(
 ) -> None:
     _key, entry = store_and_plant(tmp_path, compiler)
     target = target_of(level, entry)
+    if trust._private_group(os.geteuid(), target.stat().st_gid):
+        os.chown(target, -1, OTHER_GROUP)  # (not the owner's own group, which is trusted)
     os.chmod(target, file_mode(target) | stat.S_IWGRP)
     results, warnings, _stats = compile_again(tmp_path, compiler, caplog)
     assert_not_served(tmp_path, compiler, results, calls_before=1)
     assert len(warnings) == 1, warnings
     assert "writable by its group" in warnings[0]
     assert "OPCACHE_SHARED_GROUP" in warnings[0]  # says how to share it on purpose
+
+
+def test_writable_by_its_owner_s_own_group_is_trusted(tmp_path: Path) -> None:
+    """Where each user has a group of its own (Debian, Ubuntu, Fedora), the umask is
+    002: an op_cache.ini a person writes is 0664, and its size keys were ignored, with
+    a warning, as 'writable by its group'."""
+    me = os.geteuid()
+    mine = pwd.getpwuid(me).pw_gid
+    if not trust._private_group(me, mine):
+        pytest.skip("this user's group is not a group of its own here")
+    ini = tmp_path / "cache" / "op_cache.ini"
+    ini.parent.mkdir()
+    ini.write_text("[op_compiler_cache]\nmax_op_cache_size=7\nremain_cache_size_ratio=30\n")
+    os.chown(ini, me, mine)
+    ini.chmod(0o664)
+    settings = opcache.resolve_settings(
+        op_compiler_cache_dir=str(tmp_path / "cache"), environ={"HOME": str(tmp_path)}
+    )
+    assert (settings.max_op_cache_size_mb, settings.remain_cache_size_ratio) == (7, 30)
+    os.chown(ini, me, OTHER_GROUP)  # (a group of others: still refused)
+    settings = opcache.resolve_settings(
+        op_compiler_cache_dir=str(tmp_path / "cache"), environ={"HOME": str(tmp_path)}
+    )
+    assert settings.max_op_cache_size_mb == 500
 
 
 def make_group_writable(root: Path) -> None:
@@ -302,7 +329,7 @@ REG = stat.S_IFREG
         (REG | 0o666, OTHER_UID, GROUP, SHARED, "writable by others"),
         # Writable by the group: only in a group-shared cache, and only its group.
         (DIR | 0o770, ME, GROUP, PRIVATE, "writable by its group"),
-        (REG | 0o660, 0, 0, PRIVATE, "OPCACHE_SHARED_GROUP"),
+        (REG | 0o660, 0, OTHER_GROUP, PRIVATE, "OPCACHE_SHARED_GROUP"),
         (DIR | 0o2770, ME, GROUP, SHARED, None),
         (REG | 0o660, ME, GROUP, SHARED, None),
         (DIR | 0o2770, ME, OTHER_GROUP, SHARED, f"writable by group {OTHER_GROUP}"),
