@@ -931,14 +931,16 @@ def _absolute_dir(
     env: Mapping[str, str],
     variable: str | None = None,
 ) -> Path:
-    path = _expand(os.fspath(value), env)
-    if not _valid_dir(str(path)):
+    text = os.fspath(value)
+    # The text given is checked, as CANN checks it: not the folder a relative one is
+    # in, nor the home a leading ~ stands for (CANN takes $HOME as it is too).
+    given = text.partition("/")[2] if text.startswith("~") else text
+    if not text or (given and not _valid_dir(given)):
         raise ConfigError(
-            f"{option}={_shown(os.fspath(value))} is not valid: the path "
-            f"{_shown(str(path))} may contain only {_VALID_DIR_TEXT}",
+            f"{option}={_shown(text)} is not valid: a path may contain only {_VALID_DIR_TEXT}",
             variable=variable,
         )
-    return path
+    return _expand(text, env)
 
 
 def _resolve_size_limits(

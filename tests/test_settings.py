@@ -1167,3 +1167,18 @@ def test_settings_are_read_only_picklable_and_equal_whatever_the_sources(tmp_pat
     assert pickle.loads(pickle.dumps(a)) == a
     with pytest.raises(AttributeError):
         a.mode = "force"  # type: ignore[misc]
+
+
+def test_a_relative_or_home_folder_is_checked_as_given(tmp_path, monkeypatch):
+    """CANN checks the text given: 'cache' run from a folder with a space in its path
+    was refused (the absolute path was checked), and '~/cache' under such a HOME."""
+    spaced = tmp_path / "dir with space"
+    spaced.mkdir()
+    monkeypatch.chdir(spaced)
+    env = {"HOME": str(spaced)}
+    settings = resolve_settings(op_compiler_cache_dir="cache", environ=env)
+    assert settings.root == spaced / "cache" / "kernel_cache"
+    settings = resolve_settings(op_compiler_cache_dir="~/cache", environ=env)
+    assert settings.root == spaced / "cache" / "kernel_cache"
+    with pytest.raises(ConfigError, match="may contain only"):
+        resolve_settings(op_compiler_cache_dir="my cache", environ=env)
