@@ -132,8 +132,9 @@ def _parse(raw: bytes) -> tuple[str | None, SizeLimits | None]:
     Read as CANN reads it (``_cann_sections``, ``_cann_limits``): opcache's own
     cache and CANN share the file under ``op_compiler_cache_dir``, and a line
     means the same to both.  Without CANN's rule that the file also name
-    ``adk_version`` and ``ops_version``: CANN writes those itself, opcache's
-    own file has none (its key holds the toolkit's identity instead).
+    ``adk_version`` and ``ops_version``: a file a person wrote with the size keys
+    alone (as CANN's documents say to) applies, and opcache's key holds the
+    toolkit's identity, whatever versions the file names.
     """
     if len(raw) > _MAX_FILE_BYTES:
         return f"larger than {_MAX_FILE_BYTES} bytes", None
