@@ -99,6 +99,10 @@ class _ToolFailed(CompileError):
         self.stderr = stderr
 
 
+class _AsIs(Exception):
+    """The command ran, but made what a hit could not give back: it runs as it is."""
+
+
 class Plan:
     """How to cache one command line.
 
@@ -125,6 +129,7 @@ class Plan:
         trace: _OpcTrace | None = None,
         settled: Callable[[], str | None] | None = None,
         explain_names: dict[str, list[str]] | None = None,
+        flat_outputs: bool = False,
     ) -> None:
         self.request = request
         self.fingerprint = fingerprint
@@ -137,6 +142,7 @@ class Plan:
         self.trace = trace  # how the command is traced, its read set joining the key
         self.settled = settled
         self.explain_names = explain_names
+        self.flat_outputs = flat_outputs  # (a folder in output_dir: the command runs as it is)
 
 
 class Uncacheable(Exception):
@@ -213,6 +219,10 @@ class _WrappedCommand:
             raise _ToolFailed(127, b"", f"opcache: cannot run {argv[0]}: {e}\n".encode()) from None
         if status != 0:
             raise _ToolFailed(exit_status(status), stdout, stderr)
+        if self._plan.flat_outputs:
+            for entry in os.scandir(workdir):
+                if not entry.is_file(follow_symlinks=False):
+                    raise _AsIs(f"it made {entry.name}, not a file, in its output folder")
         (workdir / STDOUT).write_bytes(stdout)
         (workdir / STDERR).write_bytes(stderr)
         unsettled = self._plan.settled() if self._plan.settled is not None else None
@@ -344,7 +354,7 @@ def _run_planned(
     compiler = _WrappedCommand(plan, kind, env)
     # One wrap per compile command: force clears once per build, not per command.
     session = settings.session or BUILD_SESSION
-    failed = None
+    failed = as_is = None
     # The remote is opened, and the chip folder's upkeep done, at the first local
     # miss: a hit must not import the remote's client nor read the size counters.
     with (
@@ -362,6 +372,12 @@ def _run_planned(
             failed = e
         except _Unproven as e:
             result = _unstored(cache, plan.request.soc_version, str(e), e, staging, 0.0)
+        except _AsIs as e:
+            cache.record_uncacheable(plan.request.soc_version, f"{kind}: {e}")
+            as_is = e
+    if as_is is not None:
+        log.info("not stored (%s): running the command as it is", as_is)
+        return _run_plain(argv, env)
     if failed is not None:
         log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
         _replay(failed.stdout, sys.stdout)
@@ -977,7 +993,7 @@ def _op_compiler_flags(args: Sequence[str]) -> dict[str, tuple[str | None, list[
 
 
 def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Settings) -> Plan:
-    from .compilers.cann import find_toolkit, toolkit_fingerprint
+    from .compilers.cann import custom_opp_digest, find_toolkit, toolkit_fingerprint
 
     given = _op_compiler_flags(argv[1:])
     flags = {name: value for name, (value, _) in given.items()}
@@ -987,25 +1003,30 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
     params = Path(flags["op_params_dir"] or "")
     if not params.is_dir():
         raise Uncacheable(f"op_compiler: {params} is not a folder")
-    # Every op-info file, by name and contents: the names are the op list's order.
-    op_info = []
-    for path in sorted(params.rglob("*")):
-        if path.is_file():
-            data = _read(str(path))
-            op_info.append([path.relative_to(params).as_posix(), len(data), digest(data)])
-    keyed = {n: v for n, v in flags.items() if n not in _OP_COMPILER_UNKEYED}
-    try:
-        request = OpRequest(
-            op_type="static_kernel",
-            soc_version=flags["soc_version"] or "",
-            attrs={"flags": sorted(keyed.items()), "op_info": op_info},
-        )
-    except ValueError as e:
-        raise Uncacheable(f"op_compiler: {e}") from None
+    op_info = _op_info(params)
     tool = _which(argv[0], env)
     home, found, _ = find_toolkit(env, "op_compiler")
     if found is None or os.path.realpath(found) != os.path.realpath(tool):
         home = Path(os.path.realpath(tool)).parent.parent  # <toolkit>/bin/op_compiler
+    keyed = {n: v for n, v in flags.items() if n not in _OP_COMPILER_UNKEYED}
+    user_env = [n for n in re.split(r"[\s,:]+", env.get(ENV_KEY_ENV, "")) if n]
+    attrs: dict[str, object] = {
+        "flags": sorted(keyed.items()),
+        "op_info": op_info,
+        # What its operators' implementations read: the environment opc's key holds,
+        # and the custom operator packages (their tiling libraries, their sources).
+        "env": repr([[n, env.get(n)] for n in (*OPC_KEY_ENVIRONMENT, *user_env)]),
+        "custom_opp": custom_opp_digest(env, home) or "none",
+    }
+    extra = _extra_files(env)
+    if extra is not None:
+        attrs["extra_files"] = extra
+    try:
+        request = OpRequest(
+            op_type="static_kernel", soc_version=flags["soc_version"] or "", attrs=attrs
+        )
+    except ValueError as e:
+        raise Uncacheable(f"op_compiler: {e}") from None
     notes = None
     if base.mode != "disable":
         notes = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
@@ -1015,13 +1036,38 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
         words = [w for name, (_, spelled) in given.items() if name != "output" for w in spelled]
         return [argv[0], *words, "-o", str(workdir)]
 
+    def settled() -> str | None:
+        try:
+            same = _op_info(params) == op_info
+        except (Uncacheable, OSError):
+            same = False
+        return None if same else f"op_compiler: {params} changed while it ran"
+
     return Plan(
         request=request,
         fingerprint=fingerprint,
         command=command,
         output_dir=Path(os.path.abspath(flags["output"] or ".")),
         executables=(".run",),
+        settled=settled,
+        flat_outputs=True,
     )
+
+
+def _op_info(params: Path) -> list[list[object]]:
+    """Every op-info file under ``params``, by name and contents (the names are the op
+    list's order).  Uncacheable for anything else there that op_compiler may read
+    and the key could not hold: a link to a folder, a FIFO, a device, a dangling link."""
+    found: list[list[object]] = []
+    for top, folders, files in os.walk(params):
+        folders.sort()
+        for name in sorted(files + [f for f in folders if os.path.islink(f"{top}/{f}")]):
+            path = os.path.join(top, name)
+            if not os.path.isfile(path):  # (a link to a file is keyed by its contents)
+                raise Uncacheable(f"op_compiler: {path} is not a file (a link to a folder?)")
+            data = _read(path)
+            found.append([os.path.relpath(path, params), len(data), digest(data)])
+    return found
 
 
 # -- C compilers ------------------------------------------------------------------

@@ -8,7 +8,11 @@ of ``-p`` as op-info, and writes ``static_kernel_<datetime>_<pid>.run`` into
 on the op-info contents, the soc and the output-changing flags.  Run, the
 package prints ``installed <its name> <digest>``.  It prints a line on stdout
 and on stderr, and appends one JSON line per invocation (its arguments) to
-``$FAKE_OP_COMPILER_LOG``; ``FAKE_OP_COMPILER_FAIL`` makes it fail with that message.
+``$FAKE_OP_COMPILER_LOG``; ``FAKE_OP_COMPILER_FAIL`` makes it fail with that message,
+``FAKE_OP_COMPILER_SUBDIR`` write ``kernel_meta/k.o`` beside the package, and
+``FAKE_OP_COMPILER_EDIT`` append a line to that file once it has read the op-info.
+Files under ``$ASCEND_CUSTOM_OPP_PATH`` join the package's digest, as a custom
+operator's implementation would.
 """
 
 from __future__ import annotations
@@ -68,6 +72,11 @@ h = hashlib.sha256()
 for name in ops:
     with open(os.path.join(flags["op_params_dir"], name), "rb") as f:
         h.update(name.encode() + b"\0" + f.read() + b"\0")
+for folder in filter(None, os.environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(":")):
+    for top, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            with open(os.path.join(top, name), "rb") as f:
+                h.update(f.read())
 for name in ("soc_version", "enable_super_kernel", "super_kernel_options", "follow_op_params_jit"):
     h.update(f"{name}={flags.get(name)}\0".encode())
 stamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S%f")
@@ -78,6 +87,13 @@ body = f"# {package}: {len(ops)} static kernels\necho installed {package} {h.hex
 with open(path, "w") as f:
     f.write("#!/bin/sh\n" + body)
 os.chmod(path, 0o755)
+if os.environ.get("FAKE_OP_COMPILER_SUBDIR"):  # (a folder of its own in the output)
+    os.makedirs(os.path.join(flags["output"], "kernel_meta"), exist_ok=True)
+    with open(os.path.join(flags["output"], "kernel_meta", "k.o"), "w") as f:
+        f.write("kernel\n")
+if os.environ.get("FAKE_OP_COMPILER_EDIT"):  # (another process edits an op-info file)
+    with open(os.environ["FAKE_OP_COMPILER_EDIT"], "a") as f:
+        f.write("\n")
 sys.stdout.write(f"op_compiler: compiled {len(ops)} operators into {package}.run\n")
 sys.stderr.write(f"op_compiler: warning: {flags['soc_version']} is a stand-in\n")
 """

@@ -218,3 +218,67 @@ def test_masquerade_through_a_link_named_op_compiler(toolkit, tmp_path):
         done = subprocess.run(job(tmp_path, n).argv(), env=env, capture_output=True)
         assert done.returncode == 0, done.stderr.decode()
     assert compiles(toolkit) == 1
+
+
+def _uncacheable(env: dict[str, str], tmp_path: Path) -> dict[str, int]:
+    chips = json.loads(opcache("stats", "--json", env=env, cwd=tmp_path).stdout)["chips"]
+    return {**chips.get(SOC, {}), **chips.get("host", {})}.get("uncacheable_reasons", {})
+
+
+def test_a_changed_custom_operator_package_misses(toolkit, tmp_path):
+    """op_compiler builds custom operators from their packages (tiling libraries,
+    implementations): a changed package, or another one named, was a hit of the old."""
+    package = tmp_path / "custom" / "vendors" / "mine"
+    (package / "op_impl").mkdir(parents=True)
+    (package / "op_impl" / "liboptiling.so").write_bytes(b"tiling v1")
+    env = {**toolkit, "ASCEND_CUSTOM_OPP_PATH": str(package)}
+    wrap(env, job(tmp_path, 1).argv(), tmp_path)
+    (package / "op_impl" / "liboptiling.so").write_bytes(b"tiling v2")
+    second = job(tmp_path, 2)
+    wrap(env, second.argv(), tmp_path)
+    assert compiles(toolkit) == 2
+    plain = job(tmp_path, 3)
+    subprocess.run(plain.argv(), env=env, check=True, capture_output=True)
+    installed = [
+        subprocess.run([str(p)], capture_output=True, text=True).stdout.split()[-1]
+        for p in (*second.root.glob("*.run"), *plain.root.glob("*.run"))
+    ]
+    assert installed[0] == installed[1]  # what op_compiler itself makes now
+
+
+def test_an_op_info_file_changed_while_it_runs_is_not_stored(toolkit, tmp_path):
+    first = job(tmp_path, 1)
+    [info] = first.ops.iterdir()
+    wrap({**toolkit, "FAKE_OP_COMPILER_EDIT": str(info)}, first.argv(), tmp_path)
+    assert first.runs()  # (delivered)
+    wrap(toolkit, job(tmp_path, 2).argv(), tmp_path)
+    assert compiles(toolkit) == 2  # nothing was stored under the old contents' key
+    assert any("changed while it ran" in r for r in _uncacheable(toolkit, tmp_path))
+
+
+def test_a_link_to_a_folder_among_the_op_info_runs_uncached(toolkit, tmp_path):
+    """A folder op_compiler may read through a link was left out of the key."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "Add_float_ND_8_0.json").write_text(json.dumps({"op_type": "Add"}))
+    for n in (1, 2):
+        one = job(tmp_path, n)
+        (one.ops / "gathered").symlink_to(shared)
+        wrap(toolkit, one.argv(), tmp_path)
+        (shared / "Add_float_ND_8_0.json").write_text(json.dumps({"op_type": "Add", "n": n}))
+    assert compiles(toolkit) == 2
+    assert any("not a file" in r for r in _uncacheable(toolkit, tmp_path))
+
+
+def test_a_folder_it_writes_into_the_output_is_delivered_as_op_compiler_writes_it(
+    toolkit, tmp_path
+):
+    """A folder the tool made in -o was dropped (a hit or a miss gave the package
+    alone), and the package stored as if whole."""
+    env = {**toolkit, "FAKE_OP_COMPILER_SUBDIR": "1"}
+    for n in (1, 2):
+        one = job(tmp_path, n)
+        wrap(env, one.argv(), tmp_path)
+        assert (one.root / "kernel_meta" / "k.o").read_text() == "kernel\n"
+        assert len(one.runs()) == 1 and not list(one.root.glob(".opcache*"))
+    assert any("not a file" in r for r in _uncacheable(toolkit, tmp_path))

@@ -190,7 +190,7 @@ def custom_opp_folders(environ: Mapping[str, str], home: Path | None = None) -> 
     return folders
 
 
-def custom_opp_digest(environ: Mapping[str, str]) -> str | None:
+def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> str | None:
     """Digest of the custom operator packages' files (each one's path in its package
     folder and contents; a link by its target), or None when there is none.
 
@@ -198,7 +198,7 @@ def custom_opp_digest(environ: Mapping[str, str]) -> str | None:
     implementation: two machines' kernels are the same only with the same packages.
     """
     lines = []
-    for place, folder in enumerate(custom_opp_folders(environ)):
+    for place, folder in enumerate(custom_opp_folders(environ, home)):
         for top, folders, files in os.walk(folder):  # (links to folders not followed)
             folders.sort()
             for name in sorted(files + [f for f in folders if os.path.islink(f"{top}/{f}")]):
