@@ -842,3 +842,29 @@ def test_an_entry_with_a_dot_in_its_kernel_name_is_not_pushed(machines):
     report = a.push()
     assert report["sent"] == 1
     assert [s["entry"] for s in report["skipped"]] == ["te_x.y"]
+
+
+def test_custom_packages_compare_by_their_files_not_bytecode_nor_link_text(machines, tmp_path):
+    """Python writes __pycache__ beside an implementation CANN imports: A's namespace
+    changed after its first compile, and no machine shared with another.  A link in a
+    package was taken by its target's path: two machines whose links lead to other
+    implementations shared entries."""
+    a, b = machines
+    _custom_package(a, b"same tiling")
+    _custom_package(b, b"same tiling")
+    cache = a.base / "custom_opp" / "op_impl" / "ai_core" / "tbe" / "__pycache__"
+    cache.mkdir()
+    (cache / "my_add.cpython-311.pyc").write_bytes(os.urandom(64))
+    _fill(a, 2)
+    assert a.push()["sent"] == 2
+    b.toolkit()
+    assert b.pull()["written"] == 2
+    for machine, code in ((a, "def my_add(): return 1\n"), (b, "def my_add(): return 2\n")):
+        impl = machine.base / "impl"
+        impl.mkdir()
+        (impl / "my_add.py").write_text(code)
+        (machine.base / "custom_opp" / "op_impl" / "linked").symlink_to(impl)
+    c_entry = kernel_name("Mul", "after")
+    store_entry(a.chip, c_entry, b"x")
+    a.push()
+    assert "custom operator packages" in b.pull()["refused"]

@@ -192,22 +192,32 @@ def custom_opp_folders(environ: Mapping[str, str], home: Path | None = None) -> 
 
 def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> str | None:
     """Digest of the custom operator packages' files (each one's path in its package
-    folder and contents; a link by its target), or None when there is none.
+    folder and contents, through links), or None when there is none.
 
     CANN names a custom operator's kernel by the operator's description, not its
     implementation: two machines' kernels are the same only with the same packages.
+    The bytecode Python writes beside an implementation it imports (``__pycache__``)
+    is left out: it differs from machine to machine and after every first import.
     """
     lines = []
-    for place, folder in enumerate(custom_opp_folders(environ, home)):
-        for top, folders, files in os.walk(folder):  # (links to folders not followed)
-            folders.sort()
-            for name in sorted(files + [f for f in folders if os.path.islink(f"{top}/{f}")]):
+    folders = [f for f in custom_opp_folders(environ, home) if os.path.isdir(f)]
+    for place, folder in enumerate(folders):
+        seen = set()
+        for top, subfolders, files in os.walk(folder, followlinks=True):
+            try:
+                st = os.stat(top)
+            except OSError as e:
+                lines.append(f"{place}/{os.path.relpath(top, folder)}\0{e.strerror or e}")
+                continue
+            if (st.st_dev, st.st_ino) in seen or len(lines) > _MAX_BANK_FILES:
+                subfolders.clear()  # (a link back up: walked once; a link to / : cut)
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            subfolders[:] = sorted(f for f in subfolders if f != "__pycache__")
+            for name in sorted(f for f in files if not f.endswith((".pyc", ".pyo"))):
                 path = os.path.join(top, name)
                 try:
-                    if os.path.islink(path):
-                        what = "-> " + os.readlink(path)
-                    else:
-                        what = digest(read_input(path))  # (a FIFO or device: an error)
+                    what = digest(read_input(path))  # (a FIFO or device: an error, no wait)
                 except OSError as e:
                     what = f"unreadable: {e.strerror or e}"
                 lines.append(f"{place}/{os.path.relpath(path, folder)}\0{what}")
