@@ -40,10 +40,10 @@ def read_debug_config(path: Path) -> DebugConfig:
     """Parse an op_debug_config file as CANN's parser does; ConfigError if it cannot
     be read.
 
-    Lines are trimmed; blank ones and those starting with ``#`` are skipped; the
-    line holding ``op_debug_list`` is the list, the one holding
-    ``op_debug_config`` the options, each the text after its first ``=``, split
-    on commas; other lines are ignored (a ``[debug]`` header too).
+    Lines are trimmed; blank ones and those starting with ``#`` are skipped; a
+    line holding ``op_debug_config`` gives the options, else one holding
+    ``op_debug_list`` the list, each the text after its first ``=``, split on
+    commas; other lines are ignored (a ``[debug]`` header too).
     """
 
     def bad(why: str) -> ConfigError:
@@ -74,10 +74,10 @@ def read_debug_config(path: Path) -> DebugConfig:
         if not line or line.startswith("#"):
             continue
         value = line.partition("=")[2]
-        if LIST_KEY in line:
-            op_list = _split_list(value)
-        elif OPTIONS_KEY in line:
+        if OPTIONS_KEY in line:  # (first, as CANN's parser asks: a line naming both is this)
             options = _split_list(value)
+        elif LIST_KEY in line:
+            op_list = _split_list(value)
     return DebugConfig(options, op_list)
 
 
