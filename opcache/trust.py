@@ -44,7 +44,7 @@ def problem(st: os.stat_result, modes: Modes) -> str | None:
 
 def _private_group(uid: int, gid: int) -> bool:
     """Whether ``gid`` is the user private group of ``uid``: its primary group, of its
-    name, with no other member listed."""
+    name, with no other member, listed or by primary group."""
     if (uid, gid) not in _private:
         import grp
         import pwd
@@ -58,6 +58,8 @@ def _private_group(uid: int, gid: int) -> bool:
                 user.pw_gid == gid
                 and group.gr_name == user.pw_name
                 and set(group.gr_mem) <= {user.pw_name}
+                # (a group's members by their primary group are not in gr_mem)
+                and not any(u.pw_gid == gid and u.pw_uid != uid for u in pwd.getpwall())
             )
     return _private[uid, gid]
 

@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -634,3 +635,25 @@ def test_two_members_of_the_group_share_one_cache() -> None:
             len(walked),
             sum(tree_bytes(p) for p in walked.values()),
         )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("useradd"), reason="needs root and useradd"
+)
+def test_a_group_another_user_has_as_primary_group_is_no_private_group() -> None:
+    """'useradd -g alice mallory' makes mallory a member of alice's group without
+    listing her in it: a 0664 file of alice's was trusted, and mallory could write it."""
+    tag = f"{os.getpid() % 100000}"
+    owner, other = f"opcpriv{tag}", f"opcmal{tag}"
+    subprocess.run(["useradd", "-M", "-U", owner], check=True, capture_output=True)
+    try:
+        user = pwd.getpwnam(owner)
+        assert trust._private_group(user.pw_uid, user.pw_gid)
+        trust._private.clear()
+        subprocess.run(["useradd", "-M", "-g", owner, other], check=True, capture_output=True)
+        assert not trust._private_group(user.pw_uid, user.pw_gid)
+    finally:
+        trust._private.clear()
+        subprocess.run(["userdel", other], capture_output=True)
+        subprocess.run(["userdel", owner], capture_output=True)
+        subprocess.run(["groupdel", owner], capture_output=True)
