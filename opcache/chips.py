@@ -23,7 +23,7 @@ from collections.abc import Callable
 from . import fsutil
 from ._log import get_logger
 from .aging import MIN_IDLE_SECONDS, ChipAging, age_chip
-from .ini import TOOLKIT_VARIABLES, ensure_ini_file, toolkit_versions
+from .ini import TOOLKIT_VARIABLES, ensure_ini_file, holds_cann_files, toolkit_versions
 from .settings import INI_NAME
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -137,13 +137,18 @@ class ChipFolders:
         versions, as CANN writes them.  Where a toolkit is set up but its versions
         cannot be read, none is made (CANN makes its own): without its versions CANN
         would take the file for one it must not touch, and never again wipe a chip
-        folder when the toolkit changes."""
+        folder when the toolkit changes.  Nor where CANN's files of unknown versions
+        are (which its first compile wipes: an ini would tell it they are these)."""
         path = self._settings.root / INI_NAME
         if os.path.lexists(path):
             return
         versions = toolkit_versions(os.environ)
         if versions is None and any(os.environ.get(name) for name in TOOLKIT_VARIABLES):
             log.debug("no %s made: the toolkit's versions cannot be read", path)
+            return
+        if versions is not None and holds_cann_files(self._settings.root):
+            # CANN's first compile wipes files of unknown versions: an ini would keep them.
+            log.debug("no %s made: CANN's files of unknown versions are there", path)
             return
         ensure_ini_file(path, self._store.modes, versions)
 

@@ -371,3 +371,27 @@ def _version_line(folder: Path) -> str | None:
         if line.startswith("Version="):
             return line[len("Version=") :].strip() or None
     return None
+
+
+def holds_cann_files(root: Path) -> bool:
+    """Whether a chip folder of ``root`` holds a file of CANN's (one beside its chip
+    folders' subfolders, other than a lock), or may (one that cannot be read)."""
+    try:
+        chips = [e for e in os.scandir(root) if not e.name.startswith(".")]
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    for chip in chips:
+        if not chip.is_dir(follow_symlinks=False):
+            continue
+        try:
+            with os.scandir(chip.path) as listing:
+                if any(
+                    e.is_file(follow_symlinks=False) and not e.name.endswith(".lock")
+                    for e in listing
+                ):
+                    return True
+        except OSError:
+            return True
+    return False

@@ -170,6 +170,19 @@ def test_op_cache_ini_holds_the_toolkit_s_versions_as_cann_writes_them(
     assert settings_for(tmp_path).sources["max_op_cache_size_mb"] == "default"
 
 
+def test_no_op_cache_ini_is_made_over_cann_s_files_of_unknown_versions(
+    tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel an older toolkit left, and no ini: CANN's first compile would wipe it;
+    an ini naming the installed versions told CANN to keep it."""
+    _toolkit(tmp_path, monkeypatch)
+    (root / "Ascend310P3").mkdir(parents=True)
+    (root / "Ascend310P3" / "te_add_1.json").write_text("{}")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
+    assert not (root / "op_cache.ini").exists()
+
+
 def test_no_op_cache_ini_is_made_where_the_toolkit_s_versions_are_not_known(
     tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
