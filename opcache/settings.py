@@ -433,11 +433,11 @@ def _masked_url(url: str) -> str:
     if _at_past_the_host(scheme, rest):
         return f"{scheme}{sep}***"  # (where the password ends is not known: none of it)
     url, mark, query = url.partition("?")
-    rest = rest.partition("?")[0]
-    credentials, at, host = rest.rpartition("@")
+    authority, slash, path = rest.partition("?")[0].partition("/")
+    credentials, at, host = authority.rpartition("@")  # (an @ in the path is a name)
     if at:
         user, colon, _ = credentials.partition(":")
-        url = f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
+        url = f"{scheme}{sep}{user}{':***' if colon else ''}@{host}{slash}{path}"
     options = []
     for option in query.split("&") if query else ():
         name, equals, _ = option.partition("=")
@@ -532,7 +532,7 @@ def _at_past_the_host(scheme: str, rest: str) -> bool:
     ``/`` or ``?`` in it, as it is: the host part has no ``@``, and one comes in the
     first query word before any ``=`` (``redis://u:pa?ss@host``), or in the path of
     a Redis URL (a db number: ``redis://u:ab/cd@host``) or of an http one whose host
-    part has a ``:`` (a port, or a password's).  Read as it is, the password's pieces
+    part has a ``:`` and no port after it (a password's).  Read as it is, the password's pieces
     would be the host, port or path, and quoted so in a message.  An ``@`` elsewhere
     (``?ssl_ca_certs=/home/john@corp/ca.pem``, ``https://h/opcache@team/``) is a name.
     """
@@ -546,7 +546,8 @@ def _at_past_the_host(scheme: str, rest: str) -> bool:
     if "@" in query.split("&", 1)[0].split("=", 1)[0] and not path:
         return True
     if "@" in path:
-        return scheme not in ("http", "https") or ":" in authority
+        port = authority.rpartition(":")[2] if ":" in authority else ""
+        return scheme not in ("http", "https") or (":" in authority and not port.isdigit())
     return False
 
 
@@ -934,7 +935,7 @@ def _absolute_dir(
     text = os.fspath(value)
     # The text given is checked, as CANN checks it: not the folder a relative one is
     # in, nor the home a leading ~ stands for (CANN takes $HOME as it is too).
-    given = text.partition("/")[2] if text.startswith("~") else text
+    given = text[2:] if text.startswith("~/") else "" if text == "~" else text
     if not text or (given and not _valid_dir(given)):
         raise ConfigError(
             f"{option}={_shown(text)} is not valid: a path may contain only {_VALID_DIR_TEXT}",

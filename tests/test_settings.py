@@ -1185,5 +1185,6 @@ def test_a_relative_or_home_folder_is_checked_as_given(tmp_path, monkeypatch):
     assert settings.root == spaced / "cache" / "kernel_cache"
     settings = resolve_settings(op_compiler_cache_dir="~/cache", environ=env)
     assert settings.root == spaced / "cache" / "kernel_cache"
-    with pytest.raises(ConfigError, match="may contain only"):
-        resolve_settings(op_compiler_cache_dir="my cache", environ=env)
+    for bad in ("my cache", "~ x/cache", "~x;y/c"):  # (~name is checked too)
+        with pytest.raises(ConfigError, match="may contain only"):
+            resolve_settings(op_compiler_cache_dir=bad, environ=env)

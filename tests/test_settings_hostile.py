@@ -355,6 +355,7 @@ def test_a_password_holding_a_slash_or_question_mark_is_never_quoted(url, caplog
         "rediss://cache.corp:6380?ssl_ca_certs=/home/john@corp.example.com/ca.pem",  # (SSSD)
         "rediss+cluster://h1:7000?ssl_ca_certs=/etc/ssl/team@x/ca.pem",
         "https://cache.example.com/artifactory/opcache@team/",
+        "https://cache.example.com:8443/artifactory/opcache@team/",
     ],
 )
 def test_an_at_sign_in_a_path_or_an_option_s_value_is_a_name(url):
