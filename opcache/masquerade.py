@@ -81,12 +81,17 @@ def find_compiler(executable: str, environ: Mapping[str, str]) -> str | None:
     path = environ.get("PATH", os.defpath).split(os.pathsep)
     places = [os.path.abspath(p or ".") for p in path]
     folder = os.path.abspath(os.path.dirname(executable))
+    name = os.path.basename(executable)
     if folder in places:
-        path = path[places.index(folder) + 1 :]
-        if not path:
-            return None
-    later = {"PATH": os.pathsep.join(path)}
-    return which(os.path.basename(executable), later, skip=passed_over)
+        # After the link's folder first; else before it (CC=~/bin/gcc with that
+        # folder at PATH's end): never the link's own folder again.
+        at = places.index(folder)
+        for part in (path[at + 1 :], path[:at]):
+            found = which(name, {"PATH": os.pathsep.join(part)}, skip=passed_over)
+            if found is not None:
+                return found
+        return None
+    return which(name, {"PATH": os.pathsep.join(path)}, skip=passed_over)
 
 
 def compiler_environ(environ: Mapping[str, str], compiler: str) -> dict[str, str]:
@@ -129,6 +134,16 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
         raise FileExistsError(f"{folder} is there and is not a folder") from None
     except OSError as e:
         raise OSError(f"cannot make the folder {folder}: {e.strerror or e}") from None
+    import stat
+
+    from . import fsutil, trust
+
+    # A build runs whatever is in it first on PATH: a folder others can write, or a
+    # link that someone can point elsewhere, is never one to put there.
+    st = os.lstat(folder)
+    why = "a link" if stat.S_ISLNK(st.st_mode) else trust.problem(st, fsutil.PRIVATE)
+    if why is not None:
+        raise OSError(f"{folder} is {why}: the compilers on PATH must be yours alone")
     found: dict[str, str] = {}
     for place in environ.get("PATH", os.defpath).split(os.pathsep):
         try:

@@ -649,6 +649,42 @@ def test_cc_masquerade_through_a_link_named_gcc(csrc, tmp_path):
     assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
 
 
+def test_a_link_called_by_its_path_finds_the_compiler_before_its_folder_on_path(csrc, tmp_path):
+    """CC=~/opcache-bin/gcc with that folder at PATH's end: only the folders after it
+    were searched, and the compile failed with 127."""
+    env, src = csrc
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "gcc").symlink_to(opcache_script())
+    env = {**env, "PATH": f"{env['PATH']}{os.pathsep}{links}"}
+    done = subprocess.run(
+        [str(links / "gcc"), "-DOFFSET=4", "-c", "k.c", "-o", "k.o"],
+        env=env,
+        cwd=src,
+        capture_output=True,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    plain_gcc(src, "-DOFFSET=4", "-c", "k.c", "-o", "plain.o")
+    assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["others may write it", "a link"])
+def test_masquerade_refuses_a_folder_others_may_change(tmp_path, kind):
+    """The folder goes first on PATH: one anyone may write (mkdir -m 777), or a link
+    someone may point elsewhere, was taken, and its links recommended."""
+    folder = tmp_path / "bin"
+    if kind == "a link":
+        (tmp_path / "real").mkdir()
+        folder.symlink_to(tmp_path / "real")
+    else:
+        folder.mkdir()
+        folder.chmod(0o777)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    done = opcache("masquerade", str(folder), env=env, cwd=tmp_path, status=None)
+    assert done.returncode != 0 and b"yours alone" in done.stderr, done.stderr
+    assert list((tmp_path / "real" if kind == "a link" else folder).iterdir()) == []
+
+
 # -- the command line itself -------------------------------------------------------------
 
 
