@@ -285,7 +285,7 @@ def run(
         reason = f"cannot read what the key needs: {sentence(e)}"
         log.warning("%s: running the command uncached", reason)
         return _run_uncacheable(argv, run_env, base, reason)
-    for target in plan.outputs.values():
+    for target in plan.outputs.values() if os.geteuid() else ():  # (root renames anything)
         with contextlib.suppress(OSError):
             if quickhit.unreplaceable(target, os.lstat(target)):
                 # A hit could not rename over it; the command writes into it.
