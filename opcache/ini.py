@@ -121,7 +121,8 @@ def _read(path: Path, shared_group: int | None) -> tuple[bytes, str | None]:
     fd, st = fsutil.open_regular(path)
     try:
         with open(fd, "rb", closefd=False) as f:
-            return f.read(_MAX_FILE_BYTES + 1), trust.problem(st, fsutil.modes_for(shared_group))
+            modes = fsutil.modes_for(shared_group)
+            return f.read(_MAX_FILE_BYTES + 1), trust.problem(st, modes, own_group=True)
     finally:
         os.close(fd)
 

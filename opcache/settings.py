@@ -532,8 +532,9 @@ def _at_past_the_host(scheme: str, rest: str) -> bool:
     ``/`` or ``?`` in it, as it is: the host part has no ``@``, and one comes in the
     first query word before any ``=`` (``redis://u:pa?ss@host``), or in the path of
     a Redis URL (a db number: ``redis://u:ab/cd@host``) or of an http one whose host
-    part has a ``:`` and no port after it (a password's).  Read as it is, the password's pieces
-    would be the host, port or path, and quoted so in a message.  An ``@`` elsewhere
+    part has a ``:`` (a password's, or a port: the two cannot be told apart).  Read as
+    it is, the password's pieces would be the host, port or path, and quoted so in a
+    message.  An ``@`` elsewhere
     (``?ssl_ca_certs=/home/john@corp/ca.pem``, ``https://h/opcache@team/``) is a name.
     """
     if scheme in ("file", "unix"):
@@ -545,9 +546,8 @@ def _at_past_the_host(scheme: str, rest: str) -> bool:
     path, _, query = after.partition("?")
     if "@" in query.split("&", 1)[0].split("=", 1)[0] and not path:
         return True
-    if "@" in path:
-        port = authority.rpartition(":")[2] if ":" in authority else ""
-        return scheme not in ("http", "https") or (":" in authority and not port.isdigit())
+    if "@" in path:  # (https://u:2024/pw@h/ and https://h:8443/a@b/ look alike: refused)
+        return scheme not in ("http", "https") or ":" in authority
     return False
 
 

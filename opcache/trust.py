@@ -4,10 +4,10 @@ A cache folder that others can write to is a place where someone can plant a
 kernel (rapidsai/cudf#4857).  Below the configured root, every folder down to
 an entry, and every file of an entry, must be owned by the current user or
 root and not writable by others; in a group-shared cache, group-writable
-folders and files of the configured group are trusted too, and so is a
-group-writable one whose group is its owner's own (a user private group, of
-its name and no other member: where each user has one, as on Debian, Ubuntu
-and Fedora, the umask is 002 and a file a person makes is 0664).
+folders and files of the configured group are trusted too.  A file a person
+writes (op_cache.ini) may also be writable by its owner's own group (a user
+private group, of its name and no other member: where each user has one, as
+on Debian, Ubuntu and Fedora, the umask is 002 and such a file is 0664).
 """
 
 from __future__ import annotations
@@ -28,14 +28,22 @@ class UntrustedFolder(OSError):
     """
 
 
-def problem(st: os.stat_result, modes: Modes) -> str | None:
-    """Why something with this ``lstat``/``fstat`` result may not be trusted, or None."""
+def problem(st: os.stat_result, modes: Modes, *, own_group: bool = False) -> str | None:
+    """Why something with this ``lstat``/``fstat`` result may not be trusted, or None.
+
+    ``own_group``: its owner's private group may write it too (a file a person
+    wrote; never asked on a hit's way: it lists every user).
+    """
     group_ok = modes.group is not None and st.st_gid == modes.group
     if st.st_uid not in (_UID, 0) and not group_ok:
         return f"owned by uid {st.st_uid}, not by you or root"
     if st.st_mode & stat.S_IWOTH:
         return "writable by others"
-    if st.st_mode & stat.S_IWGRP and not group_ok and not _private_group(st.st_uid, st.st_gid):
+    if (
+        st.st_mode & stat.S_IWGRP
+        and not group_ok
+        and not (own_group and _private_group(st.st_uid, st.st_gid))
+    ):
         if modes.group is None:
             return "writable by its group (set OPCACHE_SHARED_GROUP for a group-shared cache)"
         return f"writable by group {st.st_gid}, not the cache's group {modes.group}"
@@ -64,7 +72,7 @@ def _private_group(uid: int, gid: int) -> bool:
     return _private[uid, gid]
 
 
-_private: dict[tuple[int, int], bool] = {}  # (asked only of group-writable things: rare)
+_private: dict[tuple[int, int], bool] = {}
 
 
 def check(st: os.stat_result, modes: Modes, what: object) -> None:

@@ -1037,11 +1037,18 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
         return [argv[0], *words, "-o", str(workdir)]
 
     def settled() -> str | None:
+        """What of the key changed while it ran: the op-info, the custom packages,
+        the extra files (an install or an edit meanwhile)."""
         try:
-            same = _op_info(params) == op_info
-        except (Uncacheable, OSError):
-            same = False
-        return None if same else f"op_compiler: {params} changed while it ran"
+            if _op_info(params) != op_info:
+                return f"op_compiler: {params} changed while it ran"
+            if (custom_opp_digest(env, home) or "none") != attrs["custom_opp"]:
+                return "op_compiler: a custom operator package changed while it ran"
+            if _extra_files(env) != extra:
+                return f"op_compiler: a file of {ENV_EXTRA_FILES} changed while it ran"
+        except (Uncacheable, OSError) as e:
+            return f"op_compiler: what it read cannot be read again ({e})"
+        return None
 
     return Plan(
         request=request,

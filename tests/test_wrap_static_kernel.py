@@ -282,3 +282,41 @@ def test_a_folder_it_writes_into_the_output_is_delivered_as_op_compiler_writes_i
         assert (one.root / "kernel_meta" / "k.o").read_text() == "kernel\n"
         assert len(one.runs()) == 1 and not list(one.root.glob(".opcache*"))
     assert any("not a file" in r for r in _uncacheable(toolkit, tmp_path))
+
+
+def test_a_custom_package_changed_while_it_runs_is_not_stored(toolkit, tmp_path):
+    """An install into the package while op_compiler ran: the package it built was
+    stored under the key of the files before (the key's part not checked again)."""
+    package = tmp_path / "custom" / "mine"
+    (package / "op_impl").mkdir(parents=True)
+    (package / "op_impl" / "my_add.pyc").write_bytes(b"impl v1")  # (shipped without source)
+    env = {**toolkit, "ASCEND_CUSTOM_OPP_PATH": str(package)}
+    edit = {**env, "FAKE_OP_COMPILER_EDIT": str(package / "op_impl" / "my_add.pyc")}
+    wrap(edit, job(tmp_path, 1).argv(), tmp_path)
+    assert any("custom operator package changed" in r for r in _uncacheable(env, tmp_path))
+    wrap(env, job(tmp_path, 2).argv(), tmp_path)
+    (package / "op_impl" / "my_add.pyc").write_bytes(b"impl v2")  # (a .pyc is a module too)
+    wrap(env, job(tmp_path, 3).argv(), tmp_path)
+    assert compiles(toolkit) == 3
+
+
+def test_a_custom_package_digest_reads_no_endless_file_and_has_bounds(tmp_path, monkeypatch):
+    from opcache.compilers import cann
+
+    package = tmp_path / "mine"
+    package.mkdir()
+    (package / "pagemap").symlink_to("/proc/self/pagemap")  # (regular, and never ends)
+    (package / "kernel.py").write_text("def k(): pass\n")
+    env = {"ASCEND_CUSTOM_OPP_PATH": str(package)}
+    assert cann.custom_opp_digest(env) is not None  # (returned: the file was not read through)
+    monkeypatch.setattr(cann, "_MAX_PACKAGE_FILES", 1)
+    with pytest.raises(OSError, match="over 1 files"):
+        cann.custom_opp_digest(env)
+
+
+def test_the_vendors_folder_of_the_toolkit_is_read_once(tmp_path):
+    from opcache.compilers import cann
+
+    home = tmp_path / "toolkit"
+    env = {"ASCEND_HOME_PATH": str(home), "ASCEND_OPP_PATH": str(home / "opp")}
+    assert cann.custom_opp_folders(env, home) == [str(home / "opp" / "vendors")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -180,14 +181,19 @@ def driver_version(environ: Mapping[str, str]) -> str | None:
 def custom_opp_folders(environ: Mapping[str, str], home: Path | None = None) -> list[str]:
     """The folders of the custom operator packages CANN loads: ``ASCEND_CUSTOM_OPP_PATH``'s,
     and the ``vendors`` folder of the operator package (``ASCEND_OPP_PATH``'s, and that
-    of the toolkit at ``home``)."""
+    of the toolkit at ``home``), each once."""
     folders = [p for p in environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep) if p]
     if home is not None:
         folders.append(str(Path(home) / "opp" / "vendors"))
     opp = environ.get("ASCEND_OPP_PATH")
     if opp:
         folders.append(os.path.join(opp, "vendors"))
-    return folders
+    return list({os.path.realpath(f): f for f in folders}.values())
+
+
+# What a digest of custom packages reads at most; past it, it is no key (OSError).
+_MAX_PACKAGE_FILES = 100_000
+_MAX_PACKAGE_BYTES = 4 << 30
 
 
 def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> str | None:
@@ -197,9 +203,12 @@ def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> s
     CANN names a custom operator's kernel by the operator's description, not its
     implementation: two machines' kernels are the same only with the same packages.
     The bytecode Python writes beside an implementation it imports (``__pycache__``)
-    is left out: it differs from machine to machine and after every first import.
+    is left out: it differs from machine to machine and after every first import
+    (a ``.pyc`` elsewhere is a module shipped without its source, and counts).
+    OSError when the packages are more than a key can read (a link to /).
     """
     lines = []
+    budget = [_MAX_PACKAGE_BYTES]
     folders = [f for f in custom_opp_folders(environ, home) if os.path.isdir(f)]
     for place, folder in enumerate(folders):
         seen = set()
@@ -209,19 +218,49 @@ def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> s
             except OSError as e:
                 lines.append(f"{place}/{os.path.relpath(top, folder)}\0{e.strerror or e}")
                 continue
-            if (st.st_dev, st.st_ino) in seen or len(lines) > _MAX_BANK_FILES:
-                subfolders.clear()  # (a link back up: walked once; a link to / : cut)
+            if (st.st_dev, st.st_ino) in seen:  # (a link back up: walked once)
+                subfolders.clear()
                 continue
             seen.add((st.st_dev, st.st_ino))
             subfolders[:] = sorted(f for f in subfolders if f != "__pycache__")
-            for name in sorted(f for f in files if not f.endswith((".pyc", ".pyo"))):
+            for name in sorted(files):
+                if len(lines) >= _MAX_PACKAGE_FILES:
+                    raise OSError(f"the custom operator packages hold over {len(lines)} files")
                 path = os.path.join(top, name)
-                try:
-                    what = digest(read_input(path))  # (a FIFO or device: an error, no wait)
-                except OSError as e:
-                    what = f"unreadable: {e.strerror or e}"
-                lines.append(f"{place}/{os.path.relpath(path, folder)}\0{what}")
+                lines.append(f"{place}/{os.path.relpath(path, folder)}\0{_contents(path, budget)}")
     return digest("\n".join(lines).encode()) if lines else None
+
+
+def _contents(path: str, budget: list[int]) -> str:
+    """The XXH3 of a regular file's bytes, read as its size says (a FIFO, a device or
+    a /proc file that never ends is not read through), or what kept it from being
+    read; OSError once ``budget`` bytes in all are spent."""
+    import xxhash
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        budget[0] -= st.st_size
+        if budget[0] < 0:
+            raise OSError(f"the custom operator packages hold over {_MAX_PACKAGE_BYTES} bytes")
+        hasher, left = xxhash.xxh3_128(), st.st_size + 1
+        try:
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                hasher.update(chunk)
+                left -= len(chunk)
+        except OSError as e:  # (a /proc file that takes no such read)
+            return f"unreadable: {e.strerror or e}"
+        return hasher.hexdigest() if left == 1 else "its size is not what it reads"
+    finally:
+        os.close(fd)
 
 
 def tune_bank_digest(environ: Mapping[str, str], notes: LocalStore | None = None) -> str:
