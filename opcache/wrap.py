@@ -218,6 +218,8 @@ class _WrappedCommand:
         except OSError as e:
             raise _ToolFailed(127, b"", f"opcache: cannot run {argv[0]}: {e}\n".encode()) from None
         if status != 0:
+            if self._plan.flat_outputs and self._plan.output_dir is not None:
+                _leave_as_made(workdir, self._plan.output_dir)
             raise _ToolFailed(exit_status(status), stdout, stderr)
         if self._plan.flat_outputs:
             for entry in os.scandir(workdir):
@@ -230,6 +232,17 @@ class _WrappedCommand:
             unsettled = f"{outlived} (what it reads after is not known)"
         if unsettled is not None:
             raise _Unproven(unsettled, _read_outputs(workdir))
+
+
+def _leave_as_made(workdir: Path, output_dir: Path) -> None:
+    """What a failed run wrote (its error log, a half package), where it writes it: it
+    tells the user why.  Never through a link, and best effort: the failure is the news."""
+    import shutil
+
+    try:
+        shutil.copytree(workdir, output_dir, symlinks=True, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as e:
+        log.debug("cannot leave what the failed run made in %s: %s", output_dir, e)
 
 
 def run(

@@ -8,7 +8,8 @@ of ``-p`` as op-info, and writes ``static_kernel_<datetime>_<pid>.run`` into
 on the op-info contents, the soc and the output-changing flags.  Run, the
 package prints ``installed <its name> <digest>``.  It prints a line on stdout
 and on stderr, and appends one JSON line per invocation (its arguments) to
-``$FAKE_OP_COMPILER_LOG``; ``FAKE_OP_COMPILER_FAIL`` makes it fail with that message,
+``$FAKE_OP_COMPILER_LOG``; ``FAKE_OP_COMPILER_FAIL`` makes it fail with that message
+(written into ``op_compiler_error.log`` in ``-o`` too),
 ``FAKE_OP_COMPILER_SUBDIR`` write ``kernel_meta/k.o`` beside the package, and
 ``FAKE_OP_COMPILER_EDIT`` append a line to that file once it has read the op-info.
 Files under ``$ASCEND_CUSTOM_OPP_PATH`` join the package's digest, as a custom
@@ -66,6 +67,9 @@ for needed in ("op_params_dir", "soc_version", "output"):
     if needed not in flags:
         die(f"--{needed} is required")
 if os.environ.get("FAKE_OP_COMPILER_FAIL"):
+    os.makedirs(flags["output"], exist_ok=True)
+    with open(os.path.join(flags["output"], "op_compiler_error.log"), "w") as f:
+        f.write(os.environ["FAKE_OP_COMPILER_FAIL"] + "\n")
     die(os.environ["FAKE_OP_COMPILER_FAIL"])
 ops = sorted(n for n in os.listdir(flags["op_params_dir"]) if n.endswith(".json"))
 h = hashlib.sha256()

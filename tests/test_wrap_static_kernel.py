@@ -188,8 +188,13 @@ def test_a_line_it_does_not_understand_runs_uncached_with_its_reason(
 
 def test_a_failed_build_keeps_its_status_and_output_and_is_not_cached(toolkit, tmp_path):
     failing = {**toolkit, "FAKE_OP_COMPILER_FAIL": "MatMulV2: tiling failed"}
-    done = wrap(failing, job(tmp_path, 1).argv(), tmp_path, status=2)
+    first = job(tmp_path, 1)
+    done = wrap(failing, first.argv(), tmp_path, status=2)
     assert b"MatMulV2: tiling failed" in done.stderr
+    # What it wrote before failing stays where it writes it (it was deleted with the
+    # build folder): its error log tells why.
+    assert (first.root / "op_compiler_error.log").read_text() == "MatMulV2: tiling failed\n"
+    assert not list(first.root.glob(".opcache*"))
     wrap(toolkit, job(tmp_path, 2).argv(), tmp_path)
     assert compiles(toolkit) == 2
 
