@@ -235,8 +235,9 @@ class _WrappedCommand:
 
 
 def _leave_as_made(workdir: Path, output_dir: Path) -> None:
-    """What a failed run wrote (its error log, a half package), where it writes it: it
-    tells the user why.  Never through a link, and best effort: the failure is the news."""
+    """What a failed run wrote (its error log, a half package), where it writes it, as
+    it would have written it there: it tells the user why.  Best effort: the failure
+    is the news."""
     import shutil
 
     try:
