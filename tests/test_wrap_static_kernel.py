@@ -319,9 +319,17 @@ def test_a_custom_package_digest_reads_no_endless_file_and_has_bounds(tmp_path, 
         cann.custom_opp_digest(env)
 
 
-def test_the_vendors_folder_of_the_toolkit_is_read_once(tmp_path):
+def test_the_vendors_folder_is_named_as_given_and_read_once(tmp_path):
+    """Named twice (the toolkit's home and ASCEND_OPP_PATH, through a 'latest' link),
+    the folder is read once for a digest, but each name is kept: opc's traced reads
+    are matched by their path."""
     from opcache.compilers import cann
 
-    home = tmp_path / "toolkit"
-    env = {"ASCEND_HOME_PATH": str(home), "ASCEND_OPP_PATH": str(home / "opp")}
-    assert cann.custom_opp_folders(env, home) == [str(home / "opp" / "vendors")]
+    (tmp_path / "8.0" / "opp" / "vendors" / "mine").mkdir(parents=True)
+    (tmp_path / "8.0" / "opp" / "vendors" / "mine" / "add.py").write_text("x = 1\n")
+    (tmp_path / "latest").symlink_to(tmp_path / "8.0")
+    env = {"ASCEND_OPP_PATH": str(tmp_path / "latest" / "opp")}
+    named = cann.custom_opp_folders(env, tmp_path / "8.0")
+    assert named == [str(tmp_path / "8.0" / "opp" / "vendors"), f"{tmp_path}/latest/opp/vendors"]
+    once = cann.custom_opp_digest({"ASCEND_OPP_PATH": str(tmp_path / "8.0" / "opp")})
+    assert cann.custom_opp_digest(env, tmp_path / "8.0") == once

@@ -181,14 +181,14 @@ def driver_version(environ: Mapping[str, str]) -> str | None:
 def custom_opp_folders(environ: Mapping[str, str], home: Path | None = None) -> list[str]:
     """The folders of the custom operator packages CANN loads: ``ASCEND_CUSTOM_OPP_PATH``'s,
     and the ``vendors`` folder of the operator package (``ASCEND_OPP_PATH``'s, and that
-    of the toolkit at ``home``), each once."""
+    of the toolkit at ``home``), each as named (a read is matched by its path)."""
     folders = [p for p in environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep) if p]
     if home is not None:
         folders.append(str(Path(home) / "opp" / "vendors"))
     opp = environ.get("ASCEND_OPP_PATH")
     if opp:
         folders.append(os.path.join(opp, "vendors"))
-    return list({os.path.realpath(f): f for f in folders}.values())
+    return folders
 
 
 # What a digest of custom packages reads at most; past it, it is no key (OSError).
@@ -209,9 +209,10 @@ def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> s
     """
     lines = []
     budget = [_MAX_PACKAGE_BYTES]
-    folders = [f for f in custom_opp_folders(environ, home) if os.path.isdir(f)]
+    named = [f for f in custom_opp_folders(environ, home) if os.path.isdir(f)]
+    folders = list({os.path.realpath(f): f for f in named}.values())  # (each once)
+    seen = set()  # (every folder walked once, whatever names lead to it)
     for place, folder in enumerate(folders):
-        seen = set()
         for top, subfolders, files in os.walk(folder, followlinks=True):
             try:
                 st = os.stat(top)
@@ -238,12 +239,14 @@ def _contents(path: str, budget: list[int]) -> str:
     import xxhash
 
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return "not a regular file"  # (a FIFO or a device is never opened)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode):  # (swapped in meanwhile)
             return "not a regular file"
         budget[0] -= st.st_size
         if budget[0] < 0:
