@@ -764,7 +764,7 @@ class _Batch:
         except OSError as e:
             flow.cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
             return None
-        if fresh:
+        if not job.since:  # (once: a retry the watch sends back is taken as fresh)
             job.since = now
         return False
 

@@ -164,6 +164,38 @@ def test_a_holder_killed_mid_compile_loses_nothing(tmp_path: Path) -> None:
     assert len(entry_dirs(settings_for(tmp_path).root)) == 6
 
 
+def test_a_holder_that_hangs_is_waited_for_lock_timeout_then_compiled_here(
+    tmp_path: Path,
+) -> None:
+    """Each retry of a held key (every second, from the watch) was taken as a fresh
+    look, which set the wait's start anew: with a lock_timeout over a second (the
+    default is 600 s) a rank waited for a hung holder forever."""
+    marker = tmp_path / "hanging"
+    holder = MP.Process(target=_hang_child, args=(str(tmp_path), str(marker)))
+    holder.start()
+    try:
+        wait_for(marker)
+        requests = [make_request(i) for i in range(6)]
+        outs = [tmp_path / "alive" / r.op_name for r in requests]
+        done: list = []
+
+        def batch() -> None:
+            with opcache.OpCache(settings_for(tmp_path), lock_timeout=2) as cache:
+                done.append(cache.compile_many(requests, ToyCompiler(tmp_path / "c"), outs))
+
+        waiter = threading.Thread(target=batch, daemon=True)
+        waiter.start()
+        waiter.join(120)
+        assert done, "the batch still waits for the hung holder"
+        assert done[0][3].status == "miss"  # (the hung key, compiled here after 2 s)
+        for request, out, result in zip(requests, outs, done[0], strict=True):
+            assert result.status in ("hit", "miss")
+            assert read_dir(out) == expected_files(request)
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join()
+
+
 def test_a_failing_operator_is_reported_alone(tmp_path: Path) -> None:
     requests = [make_request(i) for i in range(5)]
     compiler = FailOn(tmp_path / "calls", "add_2")
