@@ -134,14 +134,19 @@ class KeyLock:
         return True
 
     def release(self) -> None:
-        """Delete the lock file and let the next waiter in."""
+        """Delete the lock file (if it is still the one held) and let the next waiter in."""
         dir_fd, self._dir_fd = self._dir_fd, None
         try:
             if self._fd is None or self._fd not in _held:
                 self._fd = None  # never held, or dropped in a forked child
                 return
             with contextlib.suppress(OSError):
-                os.unlink(self.path.name, dir_fd=dir_fd)
+                # Only the file held: one removed under us may have been made anew by a
+                # waiter, which holds it now (deleting it let a third process in).
+                mine = os.fstat(self._fd)
+                there = os.stat(self.path.name, dir_fd=dir_fd, follow_symlinks=False)
+                if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.unlink(self.path.name, dir_fd=dir_fd)
             _held.discard(self._fd)
             os.close(self._fd)
             self._fd = None

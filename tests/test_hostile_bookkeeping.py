@@ -307,6 +307,25 @@ def test_a_lock_folder_swapped_for_a_link_while_held_is_not_followed_at_release(
     assert os.listdir(tmp_path / "moved") == []  # its own lock file went
 
 
+def test_a_lock_file_made_anew_under_its_holder_is_left_to_its_new_holder(
+    tmp_path: Path,
+) -> None:
+    """Removed under its holder (a clean-up), the lock file was made anew by a waiter,
+    who holds it; the first holder's release deleted the waiter's file, and a third
+    process compiled the key too."""
+    folder = tmp_path / "locks" / SOC
+    folder.mkdir(parents=True)
+    first, second = locks.KeyLock(folder / "k"), locks.KeyLock(folder / "k")
+    assert first.acquire(5)
+    (folder / "k").unlink()
+    assert second.acquire(5)
+    first.release()
+    third = locks.KeyLock(folder / "k")
+    assert (folder / "k").exists() and not third.acquire(0.2)
+    second.release()
+    assert not (folder / "k").exists()
+
+
 # ---------------------------------------------------- FIFOs and devices: no hang
 
 
