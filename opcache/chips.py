@@ -23,7 +23,7 @@ from collections.abc import Callable
 from . import fsutil
 from ._log import get_logger
 from .aging import MIN_IDLE_SECONDS, ChipAging, age_chip
-from .ini import TOOLKIT_VARIABLES, ensure_ini_file, holds_cann_files, toolkit_versions
+from .ini import ensure_ini_file, holds_cann_files, toolkit_versions
 from .settings import INI_NAME
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -142,8 +142,9 @@ class ChipFolders:
         path = self._settings.root / INI_NAME
         if os.path.lexists(path):
             return
-        versions = toolkit_versions(os.environ)
-        if versions is None and any(os.environ.get(name) for name in TOOLKIT_VARIABLES):
+        toolkit = self._settings.toolkit_env  # (the given environment's, not os.environ's)
+        versions = toolkit_versions(dict(toolkit))
+        if versions is None and toolkit:
             log.debug("no %s made: the toolkit's versions cannot be read", path)
             return
         if versions is not None and holds_cann_files(self._settings.root):

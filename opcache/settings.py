@@ -118,6 +118,7 @@ class Settings(Record):
         "remote",
         "base_dir",
         "remote_error",
+        "toolkit_env",
     )
     _compared = tuple(f for f in _fields if f != "sources")
     mode: str
@@ -136,6 +137,9 @@ class Settings(Record):
     remote: RemoteSettings | None  # the remote tier behind the cache folder
     base_dir: Path | None  # wrapped C compiles key paths under it relative to their folder
     remote_error: str | None  # why the remote the environment names is not used
+    # The toolkit's variables (ini.TOOLKIT_VARIABLES) the environment sets: op_cache.ini
+    # is written with that toolkit's versions, not with those of this process's own.
+    toolkit_env: tuple[tuple[str, str], ...]
 
     def __init__(
         self,
@@ -156,6 +160,7 @@ class Settings(Record):
         remote: RemoteSettings | None = None,
         base_dir: Path | None = None,
         remote_error: str | None = None,
+        toolkit_env: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._init(locals())
 
@@ -325,6 +330,7 @@ def resolve_settings(
         remote=remote_settings,
         base_dir=_resolve_base_dir(base_dir, env, sources),
         remote_error=remote_error,
+        toolkit_env=tuple((name, env[name]) for name in ini.TOOLKIT_VARIABLES if env.get(name)),
     )
 
 

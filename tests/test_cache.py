@@ -146,15 +146,14 @@ def test_op_cache_ini_is_created_in_force_mode(
     assert (root / "op_cache.ini").is_file()
 
 
-def _toolkit(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CANN toolkit set up as set_env.sh does: its compiler's and operator package's
-    version.info, 8.0.RC1 both."""
+def _toolkit(base: Path) -> dict[str, str]:
+    """A CANN toolkit set up as set_env.sh does (its compiler's and operator package's
+    version.info, 8.0.RC1 both): the variables that name it."""
     home = base / "toolkit"
     for folder in (home / "compiler", home / "opp"):
         folder.mkdir(parents=True)
         (folder / "version.info").write_text("Version=8.0.RC1\n")
-    monkeypatch.setenv("ASCEND_HOME_PATH", str(home))
-    monkeypatch.setenv("ASCEND_OPP_PATH", str(home / "opp"))
+    return {"ASCEND_HOME_PATH": str(home), "ASCEND_OPP_PATH": str(home / "opp")}
 
 
 def test_op_cache_ini_holds_the_toolkit_s_versions_as_cann_writes_them(
@@ -162,9 +161,10 @@ def test_op_cache_ini_holds_the_toolkit_s_versions_as_cann_writes_them(
 ) -> None:
     """Without both versions CANN takes the file for one it must neither check nor
     repair: once opcache had made it, CANN never wiped a chip folder again when its
-    toolkit changed, and served the old toolkit's kernels."""
-    _toolkit(tmp_path, monkeypatch)
-    with opcache.OpCache(settings_for(tmp_path)) as cache:
+    toolkit changed, and served the old toolkit's kernels.  The toolkit is the one the
+    environment given to resolve_settings names, not this process's own."""
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "this-process-s-toolkit"))
+    with opcache.OpCache(settings_for(tmp_path, env=_toolkit(tmp_path))) as cache:
         cache.compile(make_request(), compiler, tmp_path / "out")
     assert ini.read_cann_versions(root / "op_cache.ini") == ("8.0.RC1", "8.0.RC1")
     assert settings_for(tmp_path).sources["max_op_cache_size_mb"] == "default"
@@ -175,10 +175,9 @@ def test_no_op_cache_ini_is_made_over_cann_s_files_of_unknown_versions(
 ) -> None:
     """A kernel an older toolkit left, and no ini: CANN's first compile would wipe it;
     an ini naming the installed versions told CANN to keep it."""
-    _toolkit(tmp_path, monkeypatch)
     (root / "Ascend310P3").mkdir(parents=True)
     (root / "Ascend310P3" / "te_add_1.json").write_text("{}")
-    with opcache.OpCache(settings_for(tmp_path)) as cache:
+    with opcache.OpCache(settings_for(tmp_path, env=_toolkit(tmp_path))) as cache:
         assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
     assert not (root / "op_cache.ini").exists()
 
@@ -186,8 +185,12 @@ def test_no_op_cache_ini_is_made_over_cann_s_files_of_unknown_versions(
 def test_no_op_cache_ini_is_made_where_the_toolkit_s_versions_are_not_known(
     tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "no-version-info-here"))
-    with opcache.OpCache(settings_for(tmp_path)) as cache:
+    """Read from the environment given, where this process's own names a toolkit whose
+    versions are known."""
+    for name, value in _toolkit(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    env = {"ASCEND_HOME_PATH": str(tmp_path / "no-version-info-here")}
+    with opcache.OpCache(settings_for(tmp_path, env=env)) as cache:
         assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
     assert not (root / "op_cache.ini").exists()  # (CANN makes its own, with them)
 
