@@ -57,7 +57,6 @@ import fcntl
 import os
 import random
 import re
-import stat
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -81,7 +80,6 @@ from .cann_format import (
     open_quietly,
     scan_chip,
     try_lock,
-    walk_chip,
 )
 from .compilers.cann import custom_opp_digest, driver_version
 from .errors import ConfigError
@@ -189,7 +187,7 @@ def local_namespace(
                 f"no {path}, and no toolkit found to tell the versions it takes (set "
                 "ASCEND_HOME_PATH and ASCEND_OPP_PATH, or run one compile first)"
             )
-        holding = _holding_files(root)
+        holding = ini.folder_with_cann_files(root)
         if holding is not None:
             # An ini made now would tell CANN they are the installed toolkit's: kept.
             raise Refused(
@@ -254,42 +252,6 @@ def giving_namespace(
     if before is None or _stamp(path) != before:
         raise Refused(f"{path} changed while it was read (a toolkit change?): run it again")
     return ns, IniMark(path, before)
-
-
-def _holding_files(root: Path) -> Path | None:
-    """A chip folder of ``root`` holding a file other than a lock (or that may: a link,
-    a folder that cannot be read); None when there is none."""
-    try:
-        with os.scandir(root) as listing:
-            found = sorted(e.name for e in listing if not e.name.startswith("."))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError:
-        return root
-    for name in found:
-        try:
-            kind = stat.S_IFMT(os.lstat(root / name).st_mode)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return root / name
-        if kind != stat.S_IFDIR and kind != stat.S_IFLNK:
-            continue  # neither a chip folder nor a link CANN would follow as one
-        try:
-            fd = os.open(root / name, fsutil.DIR_FLAGS)
-        except OSError:
-            return root / name
-        try:
-            if any(
-                stat.S_ISREG(st.st_mode) and not file.endswith(".lock")
-                for file, st, _ in walk_chip(fd)
-            ):
-                return root / name
-        except OSError:
-            return root / name
-        finally:
-            os.close(fd)
-    return None
 
 
 def create_ini(path: Path, ns: Namespace) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from . import fsutil
 from ._log import get_logger
 from .aging import MIN_IDLE_SECONDS, ChipAging, age_chip
-from .ini import ensure_ini_file, holds_cann_files, toolkit_versions
+from .ini import ensure_ini_file, folder_with_cann_files, toolkit_versions
 from .settings import INI_NAME
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -147,7 +147,7 @@ class ChipFolders:
         if versions is None and toolkit:
             log.debug("no %s made: the toolkit's versions cannot be read", path)
             return
-        if versions is not None and holds_cann_files(self._settings.root):
+        if versions is not None and folder_with_cann_files(self._settings.root) is not None:
             # CANN's first compile wipes files of unknown versions: an ini would keep them.
             log.debug("no %s made: CANN's files of unknown versions are there", path)
             return

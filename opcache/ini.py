@@ -374,25 +374,38 @@ def _version_line(folder: Path) -> str | None:
     return None
 
 
-def holds_cann_files(root: Path) -> bool:
-    """Whether a chip folder of ``root`` holds a file of CANN's (one beside its chip
-    folders' subfolders, other than a lock), or may (one that cannot be read)."""
+def folder_with_cann_files(root: Path) -> Path | None:
+    """A chip folder of ``root`` that holds a file of CANN's, or may: None when none does.
+
+    Asked before an op_cache.ini is made where there was none: CANN's first
+    compile wipes such files, and an ini naming the installed toolkit would
+    tell CANN they are that toolkit's.  CANN reads its kernels from the chip
+    folder itself and makes no subfolders (opcache's entries are in its
+    buckets, keyed by their toolkit): a regular file there other than a lock
+    is CANN's.  A chip folder that is a link (CANN follows it) or that cannot
+    be read may hold some, as may a ``root`` that cannot be listed.
+    """
     try:
-        chips = [e for e in os.scandir(root) if not e.name.startswith(".")]
-    except FileNotFoundError:
-        return False
+        with os.scandir(root) as listing:
+            chips = sorted((e.name, e) for e in listing if not e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
     except OSError:
-        return True
-    for chip in chips:
-        if not chip.is_dir(follow_symlinks=False):
-            continue
+        return root
+    for _, chip in chips:
         try:
+            if chip.is_symlink():
+                return Path(chip.path)
+            if not chip.is_dir(follow_symlinks=False):
+                continue
             with os.scandir(chip.path) as listing:
                 if any(
                     e.is_file(follow_symlinks=False) and not e.name.endswith(".lock")
                     for e in listing
                 ):
-                    return True
+                    return Path(chip.path)
+        except FileNotFoundError:
+            continue
         except OSError:
-            return True
-    return False
+            return Path(chip.path)
+    return None

@@ -182,6 +182,20 @@ def test_no_op_cache_ini_is_made_over_cann_s_files_of_unknown_versions(
     assert not (root / "op_cache.ini").exists()
 
 
+def test_no_op_cache_ini_is_made_over_a_chip_folder_that_is_a_link(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    """CANN follows the link to the files behind it; an ini would vouch for them."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "te_add_1.json").write_text("{}")
+    root.mkdir(parents=True)
+    (root / "Ascend310P3").symlink_to(elsewhere)
+    with opcache.OpCache(settings_for(tmp_path, env=_toolkit(tmp_path))) as cache:
+        assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
+    assert not (root / "op_cache.ini").exists()
+
+
 def test_no_op_cache_ini_is_made_where_the_toolkit_s_versions_are_not_known(
     tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
 ) -> None:

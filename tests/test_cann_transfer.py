@@ -31,6 +31,7 @@ from helpers_cann import (
     write_ini,
 )
 
+import opcache
 from opcache import cann_transfer
 from opcache.cann_cache import CannCache, read_limits
 from opcache.settings import resolve_settings
@@ -729,6 +730,38 @@ def test_no_ini_is_made_over_entries_of_unknown_versions(machines, tmp_path, chi
     ):
         assert "run one compile first" in report["refused"]
         assert chip in report["refused"]
+    assert not (b.root / "op_cache.ini").exists()
+
+
+def test_an_ini_is_made_beside_opcache_s_own_entries(machines, tmp_path):
+    """opcache's entries, in its buckets of the chip folder, are keyed by their toolkit
+    and never read by CANN: a pull made no ini over them, and was refused."""
+    from helpers_cache import ToyCompiler, make_request, make_settings
+
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    with opcache.OpCache(make_settings(b.base, tmp_path)) as cache:
+        request = make_request(soc_version=SOC)
+        assert cache.compile(request, ToyCompiler(tmp_path / "t"), tmp_path / "o").status == "miss"
+    (b.root / "op_cache.ini").unlink()
+    b.toolkit()
+    report = b.pull()
+    assert report["ini_created"] and report["written"] == 1
+
+
+def test_no_ini_is_made_over_a_chip_folder_that_is_a_link(machines):
+    """CANN follows the link, and would take the files behind it for the installed
+    toolkit's."""
+    a, b = machines
+    _fill(a, 1)
+    a.push()
+    elsewhere = b.base / "elsewhere"
+    store_entry(elsewhere, kernel_name("Mul", "old toolkit"), b"\x7fELF by 6.0")
+    b.root.mkdir(parents=True)
+    (b.root / "Ascend310P3").symlink_to(elsewhere)
+    b.toolkit()
+    assert "run one compile first" in b.pull()["refused"]
     assert not (b.root / "op_cache.ini").exists()
 
 
