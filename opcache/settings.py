@@ -516,6 +516,10 @@ def _remote_settings(
 # Query options a remote URL may hold: what redis-py takes from a URL and
 # opcache does not set itself (its timeouts and retries stay opcache's).
 _URL_OPTIONS = ("db",)
+# The values redis-py takes for two TLS options; any other fails only at connect, or
+# (ssl_check_hostname) is read as true.
+_CERT_REQS = ("none", "optional", "required")
+_TLS_BOOLEANS = ("1", "0", "true", "false", "t", "f", "yes", "no", "y", "n")
 _TLS_OPTIONS = (
     "ssl_ca_certs",
     "ssl_ca_path",
@@ -681,6 +685,11 @@ def _query_problem(query: str, also: tuple[str, ...]) -> str | None:
             return f"db={_shown(value)} is not a number"
         if name == TIER_READ_ONLY and value.lower() not in (*_TRUE, *_FALSE):
             return f"{TIER_READ_ONLY}={_shown(value)} is not true or false"
+        if name == "ssl_cert_reqs" and value not in _CERT_REQS:
+            return f"ssl_cert_reqs={_shown(value)} is not one of {', '.join(_CERT_REQS)}"
+        # redis-py reads any word but these as true: "off" checked the host name.
+        if name == "ssl_check_hostname" and value.lower() not in _TLS_BOOLEANS:
+            return f"ssl_check_hostname={_shown(value)} is not true or false (1/0, yes/no, t/f)"
     return None
 
 

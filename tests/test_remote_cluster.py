@@ -187,6 +187,10 @@ def test_the_url_is_checked_and_its_password_masked(tmp_path: Path) -> None:
         ("redis+cluster://h1:7000/1", "one database"),
         ("redis+cluster://h1:7000,", "name the server's host"),
         ("redis+cluster://h1:7000?db=2", "query may hold"),
+        # redis-py refused these only when connecting, or read "off" as true.
+        ("rediss+cluster://h1:7000?ssl_cert_reqs=never", "ssl_cert_reqs='never'"),
+        ("rediss+cluster://h1:7000?ssl_check_hostname=off", "ssl_check_hostname='off'"),
+        ("rediss://h1:7000/0?ssl_check_hostname=maybe", "is not true or false"),
     ):
         with pytest.raises(opcache.ConfigError, match=problem):
             machine(tmp_path, "a", bad)
