@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import ConfigError
-from .settings import ENV_ACL_DIR, ENV_ACL_MODE, Settings, resolve_settings
+from .settings import ENV_ACL_DIR, ENV_ACL_MODE, MODES, Settings, resolve_settings
 
 FRAMEWORKS = {
     "atc": "disable",
@@ -74,6 +74,13 @@ def settings_from_options(
             for acl, name in TORCH_NPU_OPTIONS.items()
             if acl in options
         }
+        mode = found.get("op_compiler_cache_mode")
+        if mode and mode not in MODES:
+            # set_option hands it to aclSetCompileopt as it is: CANN takes the three
+            # modes as spelled ("Force" too is refused), where opcache's own take any case.
+            raise ConfigError(
+                f"ACL_OP_COMPILER_CACHE_MODE={mode!r} is not valid; use one of {', '.join(MODES)}"
+            )
     else:
         if not isinstance(options, Mapping):
             raise ConfigError(f"framework={framework!r} takes a mapping of option names to values")

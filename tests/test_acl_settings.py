@@ -110,11 +110,13 @@ def test_what_the_dict_leaves_unset_comes_from_the_variables(env, tmp_path):
         assert settings.root == tmp_path / "from-env" / "kernel_cache"
 
 
-def test_a_bad_mode_in_the_dict_is_a_config_error(env):
-    # (set_option hands it to aclSetCompileopt, which refuses it)
-    with pytest.raises(ConfigError, match="op_compiler_cache_mode"):
+@pytest.mark.parametrize("value", ["sometimes", "Force", "ENABLE"])
+def test_a_bad_mode_in_the_dict_is_a_config_error(env, value):
+    # (set_option hands it to aclSetCompileopt as it is, and CANN takes the three modes
+    # as spelled: "Force" was taken as force, where CANN refuses it)
+    with pytest.raises(ConfigError, match="ACL_OP_COMPILER_CACHE_MODE"):
         settings_from_options(
-            {"ACL_OP_COMPILER_CACHE_MODE": "sometimes"}, framework="torch_npu", environ=env
+            {"ACL_OP_COMPILER_CACHE_MODE": value}, framework="torch_npu", environ=env
         )
     with pytest.raises(ConfigError, match="set_option"):
         settings_from_options(["--x"], framework="torch_npu", environ=env)
