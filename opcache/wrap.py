@@ -1152,8 +1152,9 @@ def _plan_cc(
         if env.get(name):
             raise Uncacheable(f"cc: {name} is set (the programs gcc runs from it are not keyed)")
     cwd = os.getcwd()
+    apparent = _apparent_folder(env, cwd)
     # The folder as the compiler names it in debug info, when it lies under base_dir.
-    relative_to = _under_base_dir(base_dir, env, cwd) if base_dir is not None else None
+    relative_to = _under_base_dir(apparent, base_dir, cwd) if base_dir is not None else None
     if relative_to is not None:
         args = _relative_args(args, base_dir, cwd)  # type: ignore[arg-type]
     compile_only = False
@@ -1162,7 +1163,7 @@ def _plan_cc(
     key_args: list[str] = []
     pass_args: list[str] = []  # what the -M run and the real compile both need
     dep_file: str | None = None
-    want_deps = debug = False
+    want_deps = debug = lto = False
     has_target = False
     mllvm_before = ""  # the last -mllvm value: the option a bare value is given to
     flag_files: list[list[str]] = []  # [flag, the digest of the file it names]
@@ -1244,6 +1245,8 @@ def _plan_cc(
                 _mllvm_reads_no_file(value or "", mllvm_before)
                 mllvm_before = value or ""
             debug = debug or (arg.startswith("-g") and arg != "-g0")
+            # (gcc's LTO objects name the folder and the headers' paths as debug info does)
+            lto = lto or (arg.startswith("-flto") and arg != "-fno-lto")
             words = [arg, value] if value is not None else [arg]
             key_args += words
             pass_args += words
@@ -1310,19 +1313,20 @@ def _plan_cc(
     attrs |= _clock_key(argv[0], macros, env, [source, *inputs.paths])
     extra = []  # flags the key decides without holding them
     sanitized = any(a.startswith("-fsanitize=") for a in key_args)
-    if debug or want_deps or sanitized or not macros.isdisjoint(_PATH_MACROS):
-        # Debug info, dependency files, __FILE__ and a sanitizer's source locations
-        # name the headers where they were found (the same contents in another
-        # folder is another object).
+    if debug or lto or want_deps or sanitized or not macros.isdisjoint(_PATH_MACROS):
+        # Debug info, LTO objects, dependency files, __FILE__ and a sanitizer's source
+        # locations name the headers where they were found (the same contents in
+        # another folder is another object).
         attrs["header_paths"] = inputs.paths
     if want_deps and not has_target:
         # The dependency file names the object as its target (-MT output below):
         # another -o of the same compile is another file (ccache keys it too).
         attrs["dep_target"] = output
-    if debug or want_deps:
-        # Debug info and dependency files name folders: the key must too.  Under
-        # base_dir the paths are relative, and debug info names the folder ".".
-        attrs["cwd"] = cwd if relative_to is None else "."
+    if debug or lto or want_deps:
+        # Debug info, LTO objects and dependency files name folders: the key must
+        # too, as the compiler names them.  Under base_dir the paths are relative,
+        # and debug info names the folder "." (gcc's LTO objects name it whole).
+        attrs["cwd"] = apparent if relative_to is None or lto else "."
         attrs["include_args"] = pass_args
         if debug and relative_to is not None:
             extra.append(f"-fdebug-prefix-map={relative_to}=.")  # first: the user's maps win
@@ -1549,15 +1553,21 @@ _COLOUR_FLAGS = ("-fdiagnostics-color", "-fno-diagnostics-color", "-fcolor-diagn
 _COLOUR_FLAGS += ("-fno-color-diagnostics",)
 
 
-def _under_base_dir(base_dir: Path, env: Mapping[str, str], cwd: str) -> str | None:
-    """The working folder as the compiler names it ($PWD, as gcc's getpwd) if under base_dir."""
-    apparent = cwd
+def _apparent_folder(env: Mapping[str, str], cwd: str) -> str:
+    """The working folder as gcc and clang name it (in debug info, LTO objects): $PWD
+    when it is this folder under another name (a link on the way), as gcc's getpwd
+    and LLVM's current_path take it; else ``cwd``."""
     pwd = env.get("PWD", "")
     try:
         if pwd.startswith("/") and os.path.samestat(os.stat(pwd), os.stat(cwd)):
-            apparent = pwd
+            return pwd
     except OSError:
         pass
+    return cwd
+
+
+def _under_base_dir(apparent: str, base_dir: Path, cwd: str) -> str | None:
+    """The working folder as the compiler names it (``apparent``) if under base_dir."""
     if _is_under(cwd, os.path.realpath(base_dir)) or _is_under(apparent, str(base_dir)):
         return apparent
     return None

@@ -924,3 +924,33 @@ def test_a_gcc_installed_beside_clang_later_is_seen(env, src, tmp_path):
     same_as_gcc(src, env, "-c", "k.cpp", cc="clang++")
     header.write_text("namespace std { typedef short size_t; }\n")  # (its header edited)
     same_as_gcc(src, env, "-c", "k.cpp", cc="clang++")
+
+
+@pytest.mark.parametrize("cc", ["gcc", pytest.param("clang", marks=needs_clang)])
+def test_debug_info_names_the_folder_as_pwd_names_it(env, src, cc):
+    """gcc and clang write $PWD into debug info when it names the working folder (a link
+    on the way): the key held getcwd's name, and a build through the link was given
+    the object naming the real folder, or the other way round."""
+    real = src / "real"
+    real.mkdir()
+    (real / "k.c").write_text("int f(int x) { return x + 1; }\n")
+    (src / "link").symlink_to(real)
+    for folder in (src / "link", real):
+        same_as_gcc(folder, {**env, "PWD": str(folder)}, "-g", "-c", "k.c", cc=cc)
+
+
+def test_an_lto_object_is_keyed_by_the_header_paths_and_folder_it_names(env, src):
+    """gcc's LTO objects name the headers' paths and the working folder, with no -g."""
+    for name in ("A", "B"):
+        (src / name).mkdir()
+        (src / name / "h.h").write_text("static inline int g(int x) { return x * 3; }\n")
+    (src / "k.c").write_text('#include "h.h"\nint f(int x) { return g(x); }\n')
+    flags = ["-O2", "-flto", "-frandom-seed=1"]  # (else each object holds a random name)
+    for name in ("A", "B"):
+        same_as_gcc(src, env, *flags, f"-I{name}", "-c", "k.c")
+    for name in ("X", "Y"):
+        folder = src / name
+        folder.mkdir()
+        shutil.copytree(src / "A", folder / "A")
+        shutil.copy(src / "k.c", folder)
+        same_as_gcc(folder, env, *flags, "-IA", "-c", "k.c")
