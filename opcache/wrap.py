@@ -1100,6 +1100,8 @@ _CC_INCLUDE_DIRS = ("-I", "-isystem", "-iquote", "-idirafter")
 _CC_KEY_PREFIXES = ("-D", "-U", "-O", "-std=", "-f", "-m", "-W", "-g", "-x", "-pedantic")
 _CC_KEY_EXACT = {"-w", "-pipe", "-ansi", "-pthread"}
 _CC_UNPREDICTABLE = ("-fprofile-", "-fauto-profile", "-save-temps", "-Wp,", "-Wa,", "-Wl,")
+# (gcc reads <object>.gcda with these, named after -o: a private folder's finds none)
+_CC_UNPREDICTABLE += ("-fbranch-probabilities", "-fvpt")
 # Flags that make gcc write a file beside the object (.dwo, .su, .gcno, .ci,
 # dumps, reports, SARIF/JSON diagnostics): the compile runs in a private folder
 # and a hit restores the object alone, so the file would be missing.

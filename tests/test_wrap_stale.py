@@ -954,3 +954,27 @@ def test_an_lto_object_is_keyed_by_the_header_paths_and_folder_it_names(env, src
         shutil.copytree(src / "A", folder / "A")
         shutil.copy(src / "k.c", folder)
         same_as_gcc(folder, env, *flags, "-IA", "-c", "k.c")
+
+
+@pytest.mark.parametrize("flag", ["-fbranch-probabilities", "-fvpt"])
+def test_a_flag_reading_the_object_s_profile_runs_as_gcc_alone(env, src, flag):
+    """gcc reads <object>.gcda with -fbranch-probabilities (and -fvpt with it), named
+    after -o: compiled in a private folder it found none, and the object stored was
+    the one without the profile."""
+    (src / "k.c").write_text(
+        "int f(int x) { if (x > 5) return x * 3; return x + 1; }\n"
+        "int main(int c, char **v) { int s = 0; for (int i = 0; i < 1000; i++) s += f(i);"
+        " return s == c; }\n"
+    )
+    subprocess.run(
+        ["gcc", "-O2", "-fprofile-arcs", "-c", "k.c", "-o", "plain.o"], cwd=src, check=True
+    )
+    subprocess.run(["gcc", "-fprofile-arcs", "plain.o", "-o", "k"], cwd=src, check=True)
+    subprocess.run(["./k"], cwd=src, check=False)
+    (src / "plain.gcda").rename(src / "k.gcda")
+    shutil.copy(src / "k.gcda", src / "plain.gcda")  # (gcc_alone's -o plain.o reads this)
+    flags = ["-O2", "-fbranch-probabilities", "-fvpt"][: 3 if flag == "-fvpt" else 2]
+    for _ in range(2):
+        same_as_gcc(src, env, *flags, "-c", "k.c")
+    (reason,) = stats(env)["uncacheable_reasons"]
+    assert reason == f"cc: {flags[1]} makes the output unpredictable"
