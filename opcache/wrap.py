@@ -1308,7 +1308,8 @@ def _plan_cc(
     if keyed_env:
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
     macros = {*inputs.macros, *_macros_in(source_data), *_directives_in(source_data)}
-    macros.update(_macros_in(os.fsencode(" ".join(args))))
+    joined = os.fsencode(" ".join(args))
+    macros.update(_macros_in(joined), _directives_in(joined))
     for directive in _FILE_DIRECTIVES:
         if directive in macros:
             raise Uncacheable(f"cc: a {directive} directive reads a file the key does not hold")
@@ -1786,17 +1787,20 @@ class _Found:
 
 
 # Macros whose expansion is not in the files' contents: the time, a file's
-# time, a file's path.  Found as text (a name pasted together by ## is not).
-_PATH_MACROS = ("__FILE__", "__FILE_NAME__", "__builtin_FILE")
+# time, a file's path (C++20's source_location too).  Found as text (a name
+# pasted together by ## is not).
+_PATH_MACROS = ("__FILE__", "__FILE_NAME__", "__builtin_FILE", "__builtin_source_location")
 _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", *_PATH_MACROS)
 
 
 # Assembler directives that read a file (in an asm statement): the preprocessor
 # does not list it, so its contents are in no key (ccache's rule too).  Found as
-# text in the directive's form (its name, then a quoted file name, escaped in a
-# C string), and kept with the macros: a remembered header list carries them.
+# text, in any case (gas takes .INCBIN): the name, then a quoted file name
+# (escaped in a C string), or a quote or the line's end right after it (a macro
+# holding the name alone, in a string or not); kept with the macros: a
+# remembered header list carries them.
 _FILE_DIRECTIVES = (".incbin", ".include")
-_FILE_DIRECTIVE = rb'\.(incbin|include)[ \t]+\\?"'
+_FILE_DIRECTIVE = rb'(?m)\.(incbin|include)[ \t]*(?:\\?"|\r?$)'
 
 
 def _macros_in(data: bytes) -> list[str]:
@@ -1804,9 +1808,10 @@ def _macros_in(data: bytes) -> list[str]:
 
 
 def _directives_in(data: bytes) -> list[str]:
-    if b".inc" not in data:  # (no pattern compiled for most files)
+    lowered = data.lower()
+    if b".inc" not in lowered:  # (no pattern compiled for most files)
         return []
-    return sorted({"." + found.decode() for found in re.findall(_FILE_DIRECTIVE, data)})
+    return sorted({"." + found.decode() for found in re.findall(_FILE_DIRECTIVE, lowered)})
 
 
 def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:

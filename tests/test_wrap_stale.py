@@ -978,3 +978,40 @@ def test_a_flag_reading_the_object_s_profile_runs_as_gcc_alone(env, src, flag):
         same_as_gcc(src, env, *flags, "-c", "k.c")
     (reason,) = stats(env)["uncacheable_reasons"]
     assert reason == f"cc: {flags[1]} makes the output unpredictable"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '#define INCBIN ".incbin"\n'
+        '__asm__(".section .rodata\\n" INCBIN " \\"d.bin\\"\\n.previous");\n',
+        '__asm__(".section .rodata\\n.INCBIN \\"d.bin\\"\\n.previous");\n',
+    ],
+    ids=["name in a macro", "upper case"],
+)
+def test_an_asm_directive_spelt_otherwise_is_seen_when_its_file_changes(env, src, text):
+    """The text check wanted .incbin in lower case, then a quoted name: a macro holding
+    the directive's name, or .INCBIN (gas takes any case), hit with the old file."""
+    (src / "d.bin").write_text("AAAA")
+    (src / "k.c").write_text(text + "int f(void) { return 1; }\n")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    (src / "d.bin").write_text("BBBB")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 0
+
+
+def test_a_header_using_the_source_location_builtin_is_keyed_by_its_path(env, src):
+    """C++20's std::source_location::current() is __builtin_source_location, which names
+    the header where it was found: the same header in another folder is another object."""
+    header = (
+        "namespace std { struct source_location { struct __impl {\n"
+        "  const char *_M_file_name; const char *_M_function_name;\n"
+        "  unsigned _M_line; unsigned _M_column; }; }; }\n"
+        "inline const void *where() { return __builtin_source_location(); }\n"
+    )
+    for name in ("A", "B"):
+        (src / name).mkdir()
+        (src / name / "h.h").write_text(header)
+    (src / "k.cc").write_text('#include "h.h"\nconst void *f() { return where(); }\n')
+    for name in ("A", "B"):
+        same_as_gcc(src, env, "-std=c++20", "-O2", f"-I{name}", "-c", "k.cc", cc="g++")
