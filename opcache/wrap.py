@@ -1309,6 +1309,8 @@ def _plan_cc(
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
     macros = {*inputs.macros, *_macros_in(source_data), *_directives_in(source_data)}
     joined = os.fsencode(" ".join(args))
+    if b"__has_include" in joined:
+        raise Uncacheable("cc: __has_include in a flag: the places it looks are not known")
     macros.update(_macros_in(joined), _directives_in(joined))
     for directive in _FILE_DIRECTIVES:
         if directive in macros:
@@ -1855,6 +1857,14 @@ _HAS_INCLUDE_WRAPPER = (
     rb"(?m)^[ \t]*#[ \t]*define[ \t]+(\w+)\([ \t]*(\w+)[ \t]*\)[ \t]*"
     rb"__has_include(_next)?[ \t]*\([ \t]*\2[ \t]*\)[ \t]*$"
 )
+# (#define HAS __has_include: its uses are looked up as a wrapper's)
+_HAS_INCLUDE_ALIAS = rb"(?m)^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+__has_include(_next)?[ \t]*$"
+# What may name __has_include without asking for a header: a comment, a test of
+# whether the compiler has it, a definition for one that has not.
+_NOT_ASKING = (
+    rb"/\*.*?\*/|//[^\n]*|\bdefined\s*\(?\s*__has_include(?:_next)?\b"
+    rb"|(?m:^[ \t]*#[ \t]*(?:ifdef|ifndef|undef|define)[ \t]+__has_include(?:_next)?\b[^\n]*$)"
+)
 
 
 def _negative_lookups(
@@ -1898,7 +1908,10 @@ def _negative_lookups(
         name: next_
         for data in reads.values()
         if b"__has_include" in data
-        for name, _, next_ in re.findall(_HAS_INCLUDE_WRAPPER, data)
+        for name, next_ in [
+            *((name, next_) for name, _, next_ in re.findall(_HAS_INCLUDE_WRAPPER, data)),
+            *re.findall(_HAS_INCLUDE_ALIAS, data),
+        ]
     }
     for path, data in reads.items():
         beside = os.path.dirname(path)
@@ -1934,9 +1947,15 @@ def _has_include_names(
     where it looked is not in the text."""
     if b"__has_include" not in data and not wrappers:
         return []
-    text = re.sub(_HAS_INCLUDE_WRAPPER, b"", data)  # (the wrappers' own definitions)
+    # (the wrappers' own definitions, comments, tests of whether the compiler has it)
+    text = re.sub(_HAS_INCLUDE_ALIAS, b"", re.sub(_HAS_INCLUDE_WRAPPER, b"", data))
+    text = re.sub(_NOT_ASKING, b"", text, flags=re.S)
     asked = re.findall(_HAS_INCLUDE, text)
     computed = re.search(_COMPUTED_HAS_INCLUDE, text) is not None
+    if not computed and b"__has_include" in re.sub(_HAS_INCLUDE, b"", text):
+        # Asked in a way the text does not show (through a macro, its name pasted): the
+        # places it looked are not known.
+        raise Uncacheable("cc: __has_include used where the header it asks for is not written")
     for name, next_ in wrappers.items():
         if name not in text:
             continue

@@ -1015,3 +1015,21 @@ def test_a_header_using_the_source_location_builtin_is_keyed_by_its_path(env, sr
     (src / "k.cc").write_text('#include "h.h"\nconst void *f() { return where(); }\n')
     for name in ("A", "B"):
         same_as_gcc(src, env, "-std=c++20", "-O2", f"-I{name}", "-c", "k.cc", cc="g++")
+
+
+@pytest.mark.parametrize(
+    ("flags", "text"),
+    [
+        (['-DHAS=__has_include("x.h")'], "#if HAS\n"),
+        ([], '#define HI __has_include\n#if HI("x.h")\n'),
+        ([], '#define HAS __has_include("x.h")\n#if HAS\n'),
+    ],
+    ids=["in a -D value", "through an alias", "in a macro's body"],
+)
+def test_has_include_out_of_its_literal_form_sees_the_header_appear(env, src, flags, text):
+    """The lookups were read from __has_include("...") as written in a file: asked from a
+    -D value or through an alias of it, none was recorded, and a header made later hit."""
+    (src / "k.c").write_text(text + "int v = 1;\n#else\nint v = 2;\n#endif\n")
+    same_as_gcc(src, env, "-O2", *flags, "-c", "k.c")
+    (src / "x.h").write_text("int d;\n")
+    same_as_gcc(src, env, "-O2", *flags, "-c", "k.c")
