@@ -1215,10 +1215,7 @@ def _plan_cc(
         elif arg.startswith(_CC_INCLUDE_DIRS):
             flag = next(f for f in _CC_INCLUDE_DIRS if arg.startswith(f))
             place = value if value is not None else arg[len(flag) :]
-            if place and os.path.isfile(place):
-                # (clang reads a file there as a header map: the headers it names are
-                # in no listing)
-                raise Uncacheable(f"cc: {flag} {place} is a file, not a folder")
+            _an_include_folder(flag, place)
             pass_args += [arg, value] if value is not None else [arg]
         elif arg == "-include":
             pass_args += [arg, value or ""]
@@ -1254,6 +1251,9 @@ def _plan_cc(
             pass_args += words
         else:
             raise Uncacheable(f"cc: unsupported flag {arg}")
+    for name in _INCLUDE_VARIABLES:
+        for place in env.get(name, "").split(":"):
+            _an_include_folder(name, place)
     if not compile_only:
         raise Uncacheable("cc: not a compile to an object (-c missing)")
     if len(sources) != 1:
@@ -1556,6 +1556,23 @@ _PATH_PREFIXES = ("-I", "-isystem", "-iquote", "-idirafter", "-include", "-MF", 
 _PATH_PREFIXES += ("",)
 _COLOUR_FLAGS = ("-fdiagnostics-color", "-fno-diagnostics-color", "-fcolor-diagnostics")
 _COLOUR_FLAGS += ("-fno-color-diagnostics",)
+
+
+_INCLUDE_VARIABLES = (
+    "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "OBJCPLUS_INCLUDE_PATH",
+)  # fmt: skip
+
+
+def _an_include_folder(flag: str, place: str) -> None:
+    """Uncacheable where an include folder given by ``flag`` is there but no folder.
+
+    gcc drops such a place from its search list without a word, where it says
+    it drops a missing one (which a hit checks is still missing): a FIFO or a
+    file there that later becomes a folder of headers was never seen.  (clang
+    reads a file there as a header map: the headers it names are in no listing.)
+    """
+    if place and os.path.exists(place) and not os.path.isdir(place):
+        raise Uncacheable(f"cc: {flag} {place} is there but is not a folder")
 
 
 def _apparent_folder(env: Mapping[str, str], cwd: str) -> str:

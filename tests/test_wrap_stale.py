@@ -1033,3 +1033,24 @@ def test_has_include_out_of_its_literal_form_sees_the_header_appear(env, src, fl
     same_as_gcc(src, env, "-O2", *flags, "-c", "k.c")
     (src / "x.h").write_text("int d;\n")
     same_as_gcc(src, env, "-O2", *flags, "-c", "k.c")
+
+
+@pytest.mark.parametrize("how", ["-I FIFO", "CPATH file"])
+def test_an_include_folder_that_is_no_folder_yet_is_seen_once_it_is(env, src, how):
+    """gcc drops a -I or CPATH place that is there but no folder without a word (a
+    missing one it names, and a hit checks it is still missing): once it became a
+    folder holding the header, the old object was served."""
+    (src / "x.h").write_text("#define V 1\n")
+    (src / "k.c").write_text("#include <x.h>\nint f(void) { return V; }\n")
+    place = src / "P"
+    if how == "-I FIFO":
+        os.mkfifo(place)
+        flags, env = ["-IP", "-I."], env
+    else:
+        place.write_text("not a folder\n")
+        flags, env = ["-I."], {**env, "CPATH": str(place)}
+    same_as_gcc(src, env, "-O2", *flags, "-c", "k.c")
+    place.unlink()
+    place.mkdir()
+    (place / "x.h").write_text("#define V 2\n")
+    same_as_gcc(src, env, "-O2", *flags, "-c", "k.c")
