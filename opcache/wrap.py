@@ -2011,13 +2011,24 @@ def _name_under(header: str, folder: str) -> str | None:
     """``header``'s name relative to ``folder`` if it lies there (None if not).
 
     ``cc -M`` drops a leading ``./`` and doubled slashes from a header's name
-    while ``-v`` prints the folder as given (``-I./C``): both are normalised.
+    while ``-v`` prints the folder as given (``-I./C``): both are tidied.  A
+    ``..`` stays: ``<sub/../x.h>`` is looked for through ``sub`` in each
+    folder, and found only where ``sub`` is there (normalised, its name was
+    ``x.h``, and a folder holding ``x.h`` but no ``sub`` was taken for one it
+    passed over, where making ``sub`` later gives another header).
     """
-    path, place = os.path.normpath(header), os.path.normpath(folder)
-    if place == "." and not os.path.isabs(path):
+    path, place = _tidy(header), _tidy(folder)
+    if place == "." and not path.startswith("/"):
         return path
     prefix = place if place.endswith("/") else place + "/"
     return path[len(prefix) :] if path.startswith(prefix) else None
+
+
+def _tidy(path: str) -> str:
+    """``path`` without doubled slashes, ``.`` parts or a trailing slash (``..`` kept)."""
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    root = "/" if path.startswith("/") else ""
+    return root + "/".join(parts) or root or "."
 
 
 def _first_missing(folder: str, name: str) -> str | None:

@@ -1054,3 +1054,16 @@ def test_an_include_folder_that_is_no_folder_yet_is_seen_once_it_is(env, src, ho
     place.mkdir()
     (place / "x.h").write_text("#define V 2\n")
     same_as_gcc(src, env, "-O2", *flags, "-c", "k.c")
+
+
+def test_a_header_named_through_a_folder_made_later_is_seen(env, src):
+    """<sub/../x.h> is looked for through sub in each folder of the list: F holds x.h
+    but no sub, so A's is taken, until F/sub is made."""
+    for folder, value in (("F", 1), ("A", 2)):
+        (src / folder).mkdir()
+        (src / folder / "x.h").write_text(f"#define V {value}\n")
+    (src / "A" / "sub").mkdir()
+    (src / "k.c").write_text("#include <sub/../x.h>\nint f(void) { return V; }\n")
+    same_as_gcc(src, env, "-O2", "-IF", "-IA", "-c", "k.c")
+    (src / "F" / "sub").mkdir()
+    same_as_gcc(src, env, "-O2", "-IF", "-IA", "-c", "k.c")
