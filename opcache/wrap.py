@@ -1301,6 +1301,10 @@ def _plan_cc(
         attrs["flag_files"] = flag_files
     if after_source:
         attrs["after_source"] = after_source
+    if not config_places:  # (gcc; clang reads no specs file)
+        for place in _specs_places(argv[0], compiler_identity, env, memo.store):
+            if not _absent(place):
+                raise Uncacheable(f"cc: gcc may read the specs file {place} (not keyed)")
     assembler = _path_assembler(argv[0], compiler_identity, env, memo.store)
     if assembler is not None:
         attrs["assembler"] = assembler
@@ -1433,6 +1437,51 @@ def _names(folder: str) -> list[str]:
         return os.listdir(folder)
     except OSError:
         return []
+
+
+def _specs_places(
+    cc: str, identity: str, env: Mapping[str, str], store: LocalStore | None
+) -> list[str]:
+    """Where gcc looks for a ``specs`` file, which rewrites its command lines.
+
+    gcc's driver looks in its start-file folders (``LIBRARY_PATH``'s first,
+    each bare and with ``<machine>/<version>/``, then its own): each folder
+    ``-print-search-dirs`` lists, and each with those last parts taken off, is
+    taken (more places than gcc looks in: one made there costs a miss, never a
+    wrong object).  What the compiler says is remembered per compiler and
+    ``LIBRARY_PATH``.
+    """
+    asked = [identity, env.get("LIBRARY_PATH", "")]
+    memo_key = digest(canonical_json(["specs", *asked]))
+    said = store.read_note("specs", memo_key[:2], memo_key) if store else None
+    if said is None:
+        import subprocess  # (not on a hit: a hit's start-up is its cost)
+
+        try:
+            done = subprocess.run(
+                [cc, "-print-search-dirs"], capture_output=True, env=env, check=False, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Uncacheable(f"cc: cannot ask {cc} where it looks for specs ({e})") from None
+        if done.returncode != 0:
+            raise Uncacheable(f"cc: cannot ask {cc} where it looks for specs")
+        said = done.stdout
+        if store is not None:
+            with contextlib.suppress(OSError):
+                store.write_note(said, "specs", memo_key[:2], memo_key)
+    lines = dict(line.partition(": ")[::2] for line in os.fsdecode(said).splitlines())
+    # (install: <prefix>/gcc/<machine>/<version>/)
+    machine_version = lines.get("install", "").rstrip("/").split("/")[-2:]
+    places: dict[str, None] = {}
+    for kind in ("libraries", "programs"):
+        for folder in filter(None, lines.get(kind, "").removeprefix("=").split(":")):
+            parts = folder.rstrip("/").split("/")
+            while True:
+                places[("/".join(parts) or ".") + "/specs"] = None
+                if not parts or parts[-1] not in machine_version:
+                    break
+                parts.pop()
+    return list(places)
 
 
 def _path_assembler(

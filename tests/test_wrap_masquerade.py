@@ -134,11 +134,11 @@ def test_a_wrapper_script_after_opcache_runs_the_compiler_directly(project, tmp_
     env, src, starts = project
     wrapper_log = tmp_path / "wrapper.log"
     env = with_path(env, tmp_path / "links", script_wrapper(tmp_path / "wrapper", wrapper_log))
-    # The miss runs the script three times (its assembler's name, asked once per
-    # compiler; the header list; the compile), each starting opcache once more;
-    # the hit runs nothing.
-    check_build_twice(env, src, starts, most=4)
-    assert len(lines(wrapper_log)) == 3
+    # The miss runs the script four times (its assembler's name and where it looks
+    # for a specs file, each asked once per compiler; the header list; the
+    # compile), each starting opcache once more; the hit runs nothing.
+    check_build_twice(env, src, starts, most=5)
+    assert len(lines(wrapper_log)) == 4
 
 
 def test_a_wrapper_script_before_opcache(project, tmp_path):

@@ -1067,3 +1067,17 @@ def test_a_header_named_through_a_folder_made_later_is_seen(env, src):
     same_as_gcc(src, env, "-O2", "-IF", "-IA", "-c", "k.c")
     (src / "F" / "sub").mkdir()
     same_as_gcc(src, env, "-O2", "-IF", "-IA", "-c", "k.c")
+
+
+def test_a_specs_file_gcc_finds_later_is_used_as_gcc_uses_it(env, src):
+    """gcc's driver looks for a specs file in LIBRARY_PATH's folders (and its own): one
+    made there rewrites the compile's flags, and the object from before was served."""
+    (src / "lib").mkdir()
+    env = {**env, "LIBRARY_PATH": str(src / "lib")}
+    (src / "k.c").write_text("int v = FOO;\n")
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-DFOO=1", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1  # (none there: hits as before)
+    (src / "lib" / "specs").write_text("*cc1_options:\n+ -DFOO=2\n\n")
+    same_as_gcc(src, env, "-O2", "-DFOO=1", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1

@@ -29,6 +29,8 @@ log = Path(os.environ["STANDIN_LOG"])
 if "-print-prog-name=as" in sys.argv:  # opcache asks which assembler it runs
     print("/usr/bin/as")
     sys.exit(0)
+if "-print-search-dirs" in sys.argv:  # and where it looks for a specs file
+    sys.exit(0)
 if "-M" in sys.argv:  # and for the header list
     print("k.o: " + next(a for a in sys.argv if a.endswith(".c")))
     sys.exit(0)
