@@ -1792,10 +1792,13 @@ class HeaderMemo:
         except ValueError:
             return []
         fields = ("headers", "digests", "absent", "passed", "macros")
+        # (a path holding a NUL, which no system call takes, is a damaged note's)
         ok = isinstance(variants, list) and all(
             isinstance(v, dict)
             and all(
-                isinstance(v.get(f), list) and all(isinstance(x, str) for x in v[f]) for f in fields
+                isinstance(v.get(f), list)
+                and all(isinstance(x, str) and "\0" not in x for x in v[f])
+                for f in fields
             )
             and len(v["headers"]) == len(v["digests"])
             for v in variants

@@ -95,3 +95,24 @@ def test_a_header_that_starts_including_another_is_followed(tmp_path, logged_gcc
     assert wrap(tmp_path, bin_dir, "-c", "k.c", "-o", "k.o").returncode == 0
     assert (src / "k.o").read_bytes() == expected
     assert len(calls(log)) == before
+
+
+def test_a_remembered_header_list_with_a_nul_in_a_path_is_passed_over(tmp_path, logged_gcc):
+    """A damaged note (a path holding a NUL, which no system call takes) failed the
+    compile with 'embedded null byte': the cache never fails a compile."""
+    import json
+
+    bin_dir, _ = logged_gcc
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text('#include "a.h"\nint f(void) { return A; }\n')
+    (src / "a.h").write_text("#define A 1\n")
+    assert wrap(tmp_path, bin_dir, "-c", "k.c", "-o", "k.o").returncode == 0
+    (note,) = [p for p in (tmp_path / "c").rglob("*") if p.is_file() and "direct" in p.parts]
+    variants = json.loads(note.read_text())
+    variants[0]["absent"].append("a\0b")
+    note.write_text(json.dumps(variants))
+    (src / "k.o").unlink()
+    done = wrap(tmp_path, bin_dir, "-c", "k.c", "-o", "k.o")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert (src / "k.o").read_bytes() == plain(tmp_path)
