@@ -41,8 +41,8 @@ TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-FORMAT = b"opcache-quick 3"
-CLIENT_FORMAT = b"opcache-client 3"  # a memo the C client reads (opcache_client.c's)
+FORMAT = b"opcache-quick 4"
+CLIENT_FORMAT = b"opcache-client 4"  # a memo the C client reads (opcache_client.c's)
 FOLDER = "quick"
 MAX_MEMO = 1 << 20
 # Variables no compiler and no part of opcache reads, that change from one build

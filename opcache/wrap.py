@@ -1740,7 +1740,7 @@ class HeaderMemo:
         memo_key = digest(
             canonical_json(
                 {
-                    "format": 3,  # variants with negative lookups, macros and directives
+                    "format": 4,  # variants with negative lookups, macros and directives
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
