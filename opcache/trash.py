@@ -44,7 +44,10 @@ def new_folder(trash_fd: int, label: str, modes: fsutil.Modes) -> tuple[str, int
     """
     for _ in range(_ATTEMPTS):
         name = fsutil.unique_name(label)
-        os.mkdir(name, modes.dir_bits, dir_fd=trash_fd)
+        try:
+            os.mkdir(name, modes.dir_bits, dir_fd=trash_fd)
+        except FileExistsError:
+            continue  # not ours
         # A group-shared cache's members sweep each other's.
         fsutil.fix_new_dir(name, modes, dir_fd=trash_fd)
         try:
@@ -52,7 +55,13 @@ def new_folder(trash_fd: int, label: str, modes: fsutil.Modes) -> tuple[str, int
         except FileNotFoundError:
             continue  # a sweep took it before we could lock it
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            # Never waited for: another member may open and lock a folder the
+            # moment it exists, and hold it as long as it likes.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # Someone else's now: a sweep deletes it once they let it go.
+            os.close(fd)
+            continue
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,9 +157,11 @@ def test_a_trash_folder_swept_before_its_lock_is_replaced(
     trash_fd = store.open_folder("trash")
     real_flock = trash.fcntl.flock
     swept: list[int] = []
+    sweeping: list[bool] = []
 
     def flock(fd: int, operation: int) -> None:
-        if not swept and operation == trash.fcntl.LOCK_EX:  # new_folder's, not the sweep's
+        if not swept and not sweeping:  # new_folder's, not the sweep's
+            sweeping.append(True)
             swept.append(trash.sweep(trash_fd))
         real_flock(fd, operation)
 
@@ -173,6 +177,70 @@ def test_a_trash_folder_swept_before_its_lock_is_replaced(
         assert (trash_dir / name).is_dir() and os.listdir(trash_dir) == [name]
     finally:
         os.close(fd)
+
+
+def test_a_trash_folder_another_locks_before_we_do_is_left_to_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a group-shared cache another member may open and lock a new trash folder
+    between its mkdir and our lock, and hold it: clear, trims and upkeep must not
+    wait for them."""
+    store = LocalStore(tmp_path / "cache")
+    trash_dir = store.folder("trash")
+    trash_fd = store.open_folder("trash")
+    ready = tmp_path / "ready"
+    real_fix = trash.fsutil.fix_new_dir
+    holders: list[subprocess.Popen[bytes]] = []
+    first: list[str] = []
+
+    def fix_new_dir(name: str, modes: fsutil.Modes, dir_fd: int | None = None) -> None:
+        real_fix(name, modes, dir_fd=dir_fd)
+        if holders:
+            return
+        first.append(name)
+        holders.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import fcntl, os, sys, time\n"
+                    "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+                    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                    "open(sys.argv[2], 'w').close()\n"
+                    "time.sleep(15)\n",
+                    str(trash_dir / name),
+                    str(ready),
+                ]
+            )
+        )
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the holder never took its lock"
+            time.sleep(0.01)
+
+    monkeypatch.setattr(trash.fsutil, "fix_new_dir", fix_new_dir)
+    try:
+        started = time.monotonic()
+        made = trash.new_folder(trash_fd, "batch", store.modes)
+        took = time.monotonic() - started
+    finally:
+        os.close(trash_fd)
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert made is not None
+    name, fd = made
+    try:
+        assert took < 10, f"new_folder waited {took:.1f}s for another's lock"
+        assert name != first[0]
+        assert sorted(os.listdir(trash_dir)) == sorted([first[0], name])
+    finally:
+        os.close(fd)
+    trash_fd = os.open(trash_dir, fsutil.DIR_FLAGS)
+    try:
+        assert trash.sweep(trash_fd) == 2  # nobody holds either now
+    finally:
+        os.close(trash_fd)
 
 
 def _planted(folder: Path, owner: int, group: int) -> None:
