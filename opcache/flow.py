@@ -285,7 +285,7 @@ class KeyFlow:
         ``checked``: its folder was made and checked by this caller a moment ago."""
         store = self._store
         path = store.locks_dir / soc / key if checked else store.lock_path(soc, key)
-        return locks.KeyLock(path, store.modes)
+        return locks.KeyLock(path, store.modes, open_dir=lambda: store.open_folder("locks", soc))
 
     def acquire(self, soc: str, key: str) -> locks.KeyLock | None:
         """The key's single-flight lock, held; None to compile without it."""

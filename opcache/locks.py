@@ -49,11 +49,24 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class KeyLock:
-    """An exclusive, deletable lock file.  Not reentrant."""
+    """An exclusive, deletable lock file.  Not reentrant.
 
-    def __init__(self, path: Path, modes: fsutil.Modes = fsutil.PRIVATE) -> None:
+    ``open_dir``, when given, opens the lock file's folder (made if missing)
+    one level at a time from a trusted handle, never through a link, and
+    trusts it; each try calls it.  Without it the folder is opened by path,
+    which guards its last level alone.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        modes: fsutil.Modes = fsutil.PRIVATE,
+        *,
+        open_dir: Callable[[], int] | None = None,
+    ) -> None:
         self.path = path
         self._modes = modes
+        self._open_dir = open_dir
         self._fd: int | None = None
         self._dir_fd: int | None = None  # the lock file's folder, while held
         self.waited = False  # True once acquire() found it held by someone else
@@ -63,7 +76,8 @@ class KeyLock:
 
     def acquire(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lock; True if it is now held."""
-        fsutil.makedirs(self.path.parent, self._modes)
+        if self._open_dir is None:
+            fsutil.makedirs(self.path.parent, self._modes)
 
         def attempt() -> bool:
             if self._try_once():
@@ -85,7 +99,15 @@ class KeyLock:
     def _try_once(self) -> bool:
         # Everything through one handle on the folder, opened without following
         # a link: a folder swapped for a link meanwhile cannot lead the lock
-        # file, or its deletion at release, anywhere else.
+        # file, or its deletion at release, anywhere else.  Opened anew at each
+        # try: a wait may last minutes, and a folder above may be swapped for a
+        # link in the meantime.
+        if self._open_dir is not None:
+            try:
+                dir_fd = self._open_dir()
+            except FileNotFoundError:
+                return False  # (deleted just as it was made: the next try makes it again)
+            return self._lock_or_close(dir_fd)
         try:
             dir_fd = os.open(self.path.parent, fsutil.DIR_FLAGS)
         except FileNotFoundError:
@@ -97,6 +119,13 @@ class KeyLock:
             raise
         try:
             trust.check(os.fstat(dir_fd), self._modes, self.path.parent)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        return self._lock_or_close(dir_fd)
+
+    def _lock_or_close(self, dir_fd: int) -> bool:
+        try:
             if self._lock_in(dir_fd):
                 self._dir_fd = dir_fd
                 return True

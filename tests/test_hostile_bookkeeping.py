@@ -690,6 +690,61 @@ def test_a_locks_folder_swapped_after_a_long_lived_process_checked_it_is_not_fol
     assert snapshot(victim) == before
 
 
+HOLD_THEN_SWAP_CODE = """
+import fcntl, os, sys, time
+locks, outside, lock = sys.argv[1:]
+fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("holding", flush=True)
+time.sleep(1.0)  # the waiter is waiting by now
+os.rename(locks, locks + "-moved")
+os.symlink(outside, locks)
+time.sleep(1.0)
+os.close(fd)
+"""
+
+
+def test_a_locks_folder_swapped_for_a_link_while_a_waiter_waits_is_not_followed(
+    tmp_path: Path,
+) -> None:
+    """A member renames ``.opcache/locks`` and puts a link to another folder in its
+    place while a compile waits for a key another process compiles: nothing is made
+    in that folder, and the compile still ends with the right files."""
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(make_settings(tmp_path / "scratch", tmp_path)) as scratch:
+        key = scratch.compile(make_request(0), compiler, tmp_path / "scratch-out").key
+    store = LocalStore(settings.root)
+    os.close(store.open_folder("locks", SOC))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            HOLD_THEN_SWAP_CODE,
+            str(store.locks_dir),
+            str(outside),
+            str(store.locks_dir / SOC / key),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        started = time.monotonic()
+        with opcache.OpCache(settings, lock_timeout=30) as cache:
+            cache.compile(make_request(0), compiler, tmp_path / "o")
+        waited = time.monotonic() - started
+        assert holder.wait(timeout=30) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert waited >= 0.9  # (it was waiting when the folder was swapped)
+    assert read_dir(tmp_path / "o") == expected_files(make_request(0))
+    assert os.listdir(outside) == []
+
+
 def test_a_file_linked_in_as_a_lock_file_keeps_its_mode(tmp_path: Path) -> None:
     """In a group-shared cache a member may hard-link a file of another member's
     from elsewhere in as a lock file: taking the lock does not chmod that file."""
