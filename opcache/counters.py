@@ -283,7 +283,8 @@ def _lock_name(index: int) -> str:
 
 
 def _overwrite(name: str, data: bytes, dir_fd: int) -> bool:
-    """Write ``data`` over the shard ``name`` in the blocks it has; False if they are too few."""
+    """Write ``data`` over the shard ``name`` in the blocks it has; False if they are
+    too few, or the shard is not a regular file with no other name."""
     try:
         fd = os.open(
             name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
@@ -292,7 +293,10 @@ def _overwrite(name: str, data: bytes, dir_fd: int) -> bool:
         return False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or len(data) > st.st_blocks * 512:
+        # A hard link another member of a shared cache made to a file elsewhere
+        # would be written through: a replace (what a disk with room does) only
+        # ever drops the name.
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or len(data) > st.st_blocks * 512:
             return False
         # Spaces after the JSON (which its parser skips) cover a longer old text.
         os.pwrite(fd, data.ljust(st.st_size), 0)

@@ -11,6 +11,7 @@ the disk is full, or a store races ``verify``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -446,6 +447,45 @@ def test_stats_counted_while_the_disk_is_full_are_kept(tmp_path: Path) -> None:
         with opcache.OpCache(settings) as cache:
             stats = cache.stats()
     assert (stats["hits"], stats["misses"], stats["stores"]) == (2, 2, 2)
+
+
+def test_a_full_disk_never_writes_through_a_counter_hard_linked_to_a_file_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk a shard is rewritten in place; a member of a shared cache may
+    have made it a hard link to a file outside the cache, which must stay as it is."""
+    settings = make_settings(tmp_path / "ops", tmp_path)
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(settings) as cache:  # this process's shards exist
+        cache.compile(make_request(0), compiler, tmp_path / "warm")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's private data\n" * 40)
+    victim.chmod(0o600)
+    before = victim.read_bytes()
+    shard = f"{os.getpid() % 16:02d}.json"
+    linked = [
+        settings.root / SOC / "_size" / shard,
+        settings.root / ".opcache" / "stats" / SOC / shard,
+    ]
+    for path in linked:
+        assert path.is_file()
+        path.unlink()
+        os.link(victim, path)
+    real_write_atomic = fsutil.write_atomic
+
+    def full_disk(name, data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.path.basename(os.fspath(name)) == shard:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_atomic(name, data, *args, **kwargs)
+
+    monkeypatch.setattr(fsutil, "write_atomic", full_disk)
+    with opcache.OpCache(settings) as cache:
+        result = cache.compile(make_request(1), compiler, tmp_path / "o")
+        cache.verify()
+        cache.stats()
+    assert result.status == "miss"
+    assert read_dir(tmp_path / "o") == expected_files(make_request(1))
+    assert victim.read_bytes() == before
 
 
 def test_a_store_just_before_verify_takes_its_lock_is_not_reported_as_a_wrong_count(
