@@ -379,7 +379,9 @@ def _parsed(raw: bytes | None) -> list[dict[str, Any]]:
         n
         for n in (notes if isinstance(notes, list) else [])
         if isinstance(n, dict)
-        and isinstance(n.get("key"), str)
+        # Notes are files others may write: a key goes into paths (an entry's
+        # stamp), so only one of the shape key.digest makes is taken.
+        and _is_digest(n.get("key"))
         and isinstance(n.get("parts"), dict)
         and isinstance(n.get("created"), int | float)
     ]

@@ -29,6 +29,7 @@ from test_wrap_opc_reads import edit
 from test_wrap_opc_reads import project as opc_project
 
 from opcache import OpCache
+from opcache.cli import main
 from opcache.keyed_env import CC_KEY_ENVIRONMENT, CC_PROGRAM_ENVIRONMENT, OPC_KEY_ENVIRONMENT
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
@@ -298,6 +299,41 @@ def test_explanations_of_aged_entries_go(tmp_path):
             n["key"] for f in explanation_notes(settings.root) for n in json.loads(f.read_text())
         }
         assert noted == set(kept)
+
+
+def _plant_odd_keys(root: Path) -> None:
+    """Before each note's explanations, ones whose keys no digest makes: a NUL
+    (which os calls refuse with ValueError), a path, upper case."""
+    odd = ["ab\u0000c", "../../../../etc/passwd", "0123456789ABCDEF0123456789ABCDEF"]
+    for note in explanation_notes(root):
+        kept = json.loads(note.read_text())
+        planted = [{"key": key, "created": 1.0, "parts": {}} for key in odd]
+        note.write_text(json.dumps([*planted, *kept]))
+
+
+def test_explanations_with_keys_no_digest_makes_are_dropped(tmp_path, capsys):
+    """Notes are files others may write: a key not of key.digest's shape is left
+    out, and ``opcache age``, a compile and ``explain`` go on as without it."""
+    compiler = ToyCompiler(tmp_path / "calls", size=400_000)
+    clock = FakeClock()
+    write_size_ini(tmp_path / "cache" / "kernel_cache", 1, 50)
+    settings = make_settings(tmp_path / "cache", tmp_path)
+    with OpCache(settings, clock=clock) as cache:
+        for index in range(3):
+            cache.compile(make_request(index), compiler, tmp_path / f"out{index}")
+    _plant_odd_keys(settings.root)
+    assert main(["age", "--op_compiler_cache_dir", str(tmp_path / "cache")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert 0 < len(entry_dirs(settings.root)) < 3  # (it aged, so it pruned the notes)
+    noted = {n["key"] for f in explanation_notes(settings.root) for n in json.loads(f.read_text())}
+    assert noted == set(entry_dirs(settings.root))
+
+    _plant_odd_keys(settings.root)
+    with OpCache(settings, clock=clock) as cache:
+        result = cache.compile(make_request(5), compiler, tmp_path / "out5")
+        found = cache.explain(make_request(6), compiler)
+    assert result.status == "miss"
+    assert found.seen and found.nearest in entry_dirs(settings.root)
 
 
 def test_planted_links_and_fifos_in_the_explanations_are_left_alone(csrc, tmp_path):
