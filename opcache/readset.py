@@ -288,6 +288,10 @@ class ReadSet:
         for item in data:
             if type(item) is not list or list(map(type, item)) != _ITEM_TYPES:
                 return None
+            # Notes are files others may write: a NUL anywhere but as the mark of a
+            # followed link is no path, and os calls raise ValueError on it.
+            if "\0" in item[0][:-1]:
+                return None
         return cls(data)
 
 

@@ -231,6 +231,18 @@ def test_notes_too_deep_or_too_large_are_forgotten(data: bytes) -> None:
     assert HeaderMemo(store)._recall(KEY) == []
 
 
+def test_a_read_set_naming_a_path_with_a_nul_is_forgotten(tmp_path: Path) -> None:
+    """A path holding a NUL (other than the mark of a followed link) is no path: os
+    calls raise ValueError on it.  The set is not one, and the compile reads anew."""
+    store = LocalStore(tmp_path / "cache")
+    there = tmp_path / "there"
+    there.mkdir()
+    items = [[str(there / "a\0b"), "missing", 0, 0, 0, 0, ""]]
+    store.write_note(json.dumps([items]).encode(), "reads", KEY[:2], KEY)
+    assert Memo(store).recall(KEY) == []
+    assert Memo(store).matching(KEY) is None
+
+
 @HOSTILE_FUZZ
 @given(hostile_json)
 def test_explain_notes_too_deep_or_too_large_are_forgotten(data: bytes) -> None:
