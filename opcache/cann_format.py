@@ -241,6 +241,10 @@ class CannEntry:
             )
             return
         assert isinstance(data, dict)
+        if "\0" in binary:
+            # (os calls raise ValueError on it; CANN's C string ends at the NUL.)
+            self.problem = f"its binary {binary!r} holds a NUL: no file has that name"
+            return
         self.binary = binary
         if is_plain_name(binary) and binary in files:
             self.owned.add(binary)

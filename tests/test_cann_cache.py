@@ -376,6 +376,39 @@ def test_stats_without_check_reads_no_file(base, capsys, monkeypatch):
     assert (status, report["chips"][SOC]["broken_entries"]) == (0, 1)
 
 
+def test_a_file_name_holding_a_nul_is_a_damaged_entry_never_a_traceback(base, capsys):
+    """A json whose binFileName (or a sub-json's, or a jsonFileName) holds a NUL names
+    no file: os calls raise ValueError on it.  The entry is damaged, as CANN's hit
+    check finds it; verify, stats --check and age go on."""
+    f = Folder(base)
+    f.entry("good", 1)
+    f.chip.joinpath("k.json").write_text(
+        json.dumps({"binFileName": "k\0", "binFileSuffix": ".o", "kernelName": "k", "sha256": "00"})
+    )
+    f.chip.joinpath("k.o").write_bytes(b"k" * 10)
+    f.chip.joinpath("m.json").write_text(
+        json.dumps(
+            {
+                "jsonList": [{"jsonFileName": "m\0.json"}, {"jsonFileName": "s.json"}],
+                **{"binFileName": "m", "binFileSuffix": ".o", "kernelName": "m", "sha256": "00"},
+            }
+        )
+    )
+    f.chip.joinpath("s.json").write_text(json.dumps({"binFileName": "s\0", "binFileSuffix": ".o"}))
+    f.chip.joinpath("m.o").write_bytes(b"m" * 10)
+    status, report = cann_json(capsys, base, "verify")
+    assert status == 1
+    why = {x["name"]: x["why"] for x in report["chips"][SOC]["faults"] if x["kind"] == "corrupt"}
+    assert "NUL" in why["k"] and "NUL" in why["s"]
+    assert "m" in why  # (its sha256)
+    status, report = cann_json(capsys, base, "stats", "--check")
+    assert (status, report["chips"][SOC]["broken_entries"]) == (0, 2)  # (not m: its sha256)
+    assert cann(capsys, base, "age")[0] == 0
+    status, report = cann_json(capsys, base, "verify", "--fix")
+    assert not f.chip.joinpath("k.json").exists()
+    assert all(p.exists() for p in f.entries["good"])
+
+
 def test_stats_never_follows_opens_or_waits_on_planted_files(base, tmp_path):
     """A link, a FIFO named as an entry json or as a binary, another user's entry: counted
     by lstat, never followed nor opened (a FIFO's open would wait for a writer forever);
