@@ -596,6 +596,9 @@ def _url_problem(url: str) -> str | None:
     if scheme == "file":
         if netloc or not path:
             return "use file:///path/to/the/shared/folder (an absolute path, no host)"
+        if any(ord(c) < 32 or c == "\x7f" for c in unquote(path)):
+            # (a NUL no path can hold: os calls raise ValueError on it)
+            return "a folder's path holds no control characters (%00-%1F, %7F)"
         return _query_problem(query, ())
     if scheme.endswith("+cluster"):
         if slash and path:

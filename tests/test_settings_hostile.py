@@ -19,6 +19,7 @@ import pytest
 from helpers_wrap import opcache, wrap
 
 from opcache import ConfigError, resolve_settings
+from opcache.cli import main
 from opcache.settings import check_soc_version
 
 GCC = shutil.which("gcc")
@@ -207,6 +208,9 @@ def test_a_remote_value_no_client_takes_never_fails_a_wrapped_compile(
         ("redis://ca che/0", "spaces"),
         ("redis://cache/0#x", "'#'"),
         ("unix://cache/redis.sock", "unix:///"),
+        ("file:///mnt/a%00b", "control characters"),  # (os calls raise ValueError on it)
+        ("file:///mnt/a%0Ab", "control characters"),
+        ("file:///mnt/a%09b", "control characters"),
     ],
 )
 def test_a_remote_url_with_a_typo_is_refused_when_read(tmp_path, url, why, caplog):
@@ -218,6 +222,16 @@ def test_a_remote_url_with_a_typo_is_refused_when_read(tmp_path, url, why, caplo
     assert settings.remote is None and why in settings.remote_error
     assert settings.remote_error.startswith("OPCACHE_REMOTE=")
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_a_nul_in_a_remote_folder_s_path_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """``opcache remote stats`` with such a URL ended in os.stat's ValueError."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("OPCACHE_REMOTE", "file:///tmp/a%00b")
+    status = main(["remote", "stats", "--op_compiler_cache_dir", str(tmp_path / "ops")])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("opcache: error: OPCACHE_REMOTE='file:///tmp/a%00b'")
 
 
 @pytest.mark.parametrize(
