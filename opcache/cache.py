@@ -11,7 +11,6 @@ are here.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import time
@@ -379,8 +378,7 @@ class OpCache:
         self._stats.flush()
         socs = set(self._chips(soc_version))
         if soc_version is None:
-            with contextlib.suppress(OSError):
-                socs.update(n for n in os.listdir(self._store.stats_dir) if not n.startswith("."))
+            socs.update(self._store.stats_chips())
         chips = {}
         for soc in sorted(socs):
             entries, size = self._store.used(soc)

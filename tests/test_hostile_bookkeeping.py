@@ -56,6 +56,7 @@ from helpers_wrap import opcache as run_opcache
 
 import opcache
 from opcache import fsutil, locks
+from opcache.cli import main
 from opcache.storage import local
 from opcache.storage.local import LocalStore, new_build_folder
 
@@ -783,6 +784,23 @@ def test_a_locks_folder_swapped_for_a_link_while_a_waiter_waits_is_not_followed(
     assert waited >= 0.9  # (it was waiting when the folder was swapped)
     assert read_dir(tmp_path / "o") == expected_files(make_request(0))
     assert os.listdir(outside) == []
+
+
+def test_stats_never_shows_the_names_a_link_in_place_of_the_stats_folder_leads_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings, _compiler = stored_cache(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "private-project-name").write_text("mine\n")
+    replace_by_link(settings.root, ".opcache/stats", outside, tmp_path / "aside")
+    for flags in ((), ("--json",)):
+        status = main(["stats", *flags, "--op_compiler_cache_dir", str(tmp_path / "ops")])
+        out, err = capsys.readouterr()
+        assert status == 0
+        assert "private-project-name" not in out + err
+        assert SOC in out
+    assert os.listdir(outside) == ["private-project-name"]
 
 
 def test_a_file_linked_in_as_a_lock_file_keeps_its_mode(tmp_path: Path) -> None:

@@ -145,6 +145,22 @@ class LocalStore:
 
         return CounterFiles(self.stats_dir / soc, modes=self.modes, open_folder=open_folder)
 
+    def stats_chips(self) -> list[str]:
+        """The chips ``.opcache/stats`` holds counters of (none if it cannot be listed).
+
+        Read without the trust rule, as ``stats_files`` reads, but listed
+        through a handle opened without following a link at any level: a
+        link there would show another folder's names.
+        """
+        try:
+            fd = self.open_folder("stats", create=False, trusted=False)
+        except OSError:
+            return []
+        try:
+            return [n for n in _names(fd) if not n.startswith(".")]
+        finally:
+            os.close(fd)
+
     def sizes(self, soc: str, chip_fd: int | None = None) -> CounterFiles:
         """The chip's entry and byte counters (in its folder, or the one open as ``chip_fd``)."""
 
