@@ -138,6 +138,28 @@ def test_clear_one_chip_and_on_a_missing_cache(cache_dir, tmp_path, capsys) -> N
     assert entry_dirs(cache_dir / "kernel_cache") == {}
 
 
+def test_folders_named_as_no_chip_are_left_alone(cache_dir, tmp_path, capsys) -> None:
+    """A cache root on its own file system holds ``lost+found``; people keep notes beside
+    the chips.  No soc_version has such a name: clear, age, verify and stats leave them."""
+    keys = fill(cache_dir, tmp_path, 2)
+    root = cache_dir / "kernel_cache"
+    others = [root / "lost+found", root / "notes by alice"]
+    for folder in others:
+        (folder / keys[0][:2] / keys[0]).mkdir(parents=True)
+        (folder / "keep.txt").write_text("mine\n")
+    flags = ("--op_compiler_cache_dir", str(cache_dir))
+    for command in ("stats", "verify", "age"):
+        status, out, err = run(capsys, command, *flags)
+        assert status == 0, err
+        assert "lost+found" not in out + err and "alice" not in out + err
+    status, out, _ = run(capsys, "clear", *flags)
+    assert (status, out) == (0, f"cleared {SOC}\n")
+    assert entry_dirs(root) == {}
+    for folder in others:
+        assert (folder / "keep.txt").read_text() == "mine\n"
+        assert (folder / keys[0][:2] / keys[0]).is_dir()
+
+
 def test_a_cache_folder_that_is_a_file_is_one_error_line_exit_1(tmp_path, capsys) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("not a folder")

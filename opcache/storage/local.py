@@ -41,7 +41,7 @@ from .. import fsutil, locks, trust
 from .._log import get_logger
 from .._record import Record
 from ..counters import CounterFiles
-from ..request import is_plain_name
+from ..request import check_soc_version, is_plain_name
 from .entry import (
     MANIFEST,
     MAX_MANIFEST,
@@ -157,7 +157,7 @@ class LocalStore:
         except OSError:
             return []
         try:
-            return [n for n in _names(fd) if not n.startswith(".")]
+            return [n for n in _names(fd) if _is_chip_name(n)]
         finally:
             os.close(fd)
 
@@ -274,12 +274,22 @@ class LocalStore:
             os.close(dir_fd)
 
     def chips(self) -> list[str]:
-        """The chip folders present under the root (real folders, not links)."""
+        """The chip folders present under the root (real folders, not links, named as
+        a soc_version may be: ``lost+found`` or ``notes by alice`` is no chip)."""
         try:
             names = os.listdir(self.root)
         except OSError:
             return []
-        return sorted(n for n in names if not n.startswith(".") and _is_real_dir(self.root / n))
+        chips = []
+        for name in sorted(names):
+            if name.startswith(".") or not _is_real_dir(self.root / name):
+                continue
+            if _is_chip_name(name):
+                chips.append(name)
+            else:
+                # Someone else's: maintenance clears, ages and counts chips only.
+                log.debug("%s is named as no chip: left alone", self.root / name)
+        return chips
 
     # -- reading -------------------------------------------------------------
 
@@ -1313,6 +1323,15 @@ def _names(folder_fd: int) -> list[str]:
         return os.listdir(folder_fd)
     except OSError:
         return []
+
+
+def _is_chip_name(name: str) -> bool:
+    """Whether ``name`` is one a soc_version may have (``check_soc_version``)."""
+    try:
+        check_soc_version(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_real_dir(path: Path) -> bool:
