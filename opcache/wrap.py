@@ -1100,8 +1100,8 @@ _CC_INCLUDE_DIRS = ("-I", "-isystem", "-iquote", "-idirafter")
 _CC_KEY_PREFIXES = ("-D", "-U", "-O", "-std=", "-f", "-m", "-W", "-g", "-x", "-pedantic")
 _CC_KEY_EXACT = {"-w", "-pipe", "-ansi", "-pthread"}
 _CC_UNPREDICTABLE = ("-fprofile-", "-fauto-profile", "-save-temps", "-Wp,", "-Wa,", "-Wl,")
-# (gcc reads <object>.gcda with these, named after -o: a private folder's finds none)
-_CC_UNPREDICTABLE += ("-fbranch-probabilities", "-fvpt")
+# (gcc reads <object>.gcda with it, named after -o: a private folder's finds none)
+_CC_UNPREDICTABLE += ("-fbranch-probabilities",)
 # Flags that make gcc write a file beside the object (.dwo, .su, .gcno, .ci,
 # dumps, reports, SARIF/JSON diagnostics): the compile runs in a private folder
 # and a hit restores the object alone, so the file would be missing.
@@ -1244,7 +1244,8 @@ def _plan_cc(
                 _mllvm_reads_no_file(value or "", mllvm_before)
                 mllvm_before = value or ""
             debug = debug or (arg.startswith("-g") and arg != "-g0")
-            # (gcc's LTO objects name the folder and the headers' paths as debug info does)
+            # (gcc's LTO objects name the folder and the headers' paths as debug info
+            # does; clang's bitcode does not: kept only for gcc, below)
             lto = lto or (arg.startswith("-flto") and arg != "-fno-lto")
             words = [arg, value] if value is not None else [arg]
             key_args += words
@@ -1274,6 +1275,7 @@ def _plan_cc(
     for place in config_places:
         if not _absent(place):
             raise Uncacheable(f"cc: clang reads its configuration file {place} (not keyed)")
+    lto = lto and not config_places
     # (gcc takes <place>.gch, clang <place>.pch first: a clang has config places)
     pch_suffixes = (".gch", ".pch") if config_places else (".gch",)
     for arg in args:
@@ -1866,12 +1868,15 @@ _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", *_PATH_MACROS)
 
 # Assembler directives that read a file (in an asm statement): the preprocessor
 # does not list it, so its contents are in no key (ccache's rule too).  Found as
-# text, in any case (gas takes .INCBIN): the name, then a quoted file name
-# (escaped in a C string), or a quote or the line's end right after it (a macro
-# holding the name alone, in a string or not); kept with the macros: a
+# text, in any case (gas takes .INCBIN): the name, standing apart, then a quote
+# (a quoted file name, escaped in a C string, or the end of a string holding the
+# name alone), or a macro defined as the name alone; kept with the macros: a
 # remembered header list carries them.
 _FILE_DIRECTIVES = (".incbin", ".include")
-_FILE_DIRECTIVE = rb'(?m)\.(incbin|include)[ \t]*(?:\\?"|\r?$)'
+_FILE_DIRECTIVE = (
+    rb'(?m)(?:^|[\s"]|\\[nt])\.(incbin|include)[ \t]*\\?"'
+    rb"|^[ \t]*#[ \t]*define[ \t]+\w+[ \t]+\.(incbin|include)[ \t]*\r?$"
+)
 
 
 def _macros_in(data: bytes) -> list[str]:
@@ -1882,7 +1887,8 @@ def _directives_in(data: bytes) -> list[str]:
     lowered = data.lower()
     if b".inc" not in lowered:  # (no pattern compiled for most files)
         return []
-    return sorted({"." + found.decode() for found in re.findall(_FILE_DIRECTIVE, lowered)})
+    found = re.findall(_FILE_DIRECTIVE, lowered)
+    return sorted({"." + (quoted or defined).decode() for quoted, defined in found})
 
 
 def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:
@@ -1927,13 +1933,18 @@ _HAS_INCLUDE_WRAPPER = (
     rb"__has_include(_next)?[ \t]*\([ \t]*\2[ \t]*\)[ \t]*$"
 )
 # (#define HAS __has_include: its uses are looked up as a wrapper's)
-_HAS_INCLUDE_ALIAS = rb"(?m)^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+__has_include(_next)?[ \t]*$"
-# What may name __has_include without asking for a header: a comment, a test of
-# whether the compiler has it, a definition for one that has not.
+_HAS_INCLUDE_ALIAS = (
+    rb"(?m)^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+__has_include(_next)?[ \t]*(?://[^\n]*)?$"
+)
+# What may name __has_include without asking for a header: a test of whether the
+# compiler has it, a definition for one that has not.
 _NOT_ASKING = (
-    rb"/\*.*?\*/|//[^\n]*|\bdefined\s*\(?\s*__has_include(?:_next)?\b"
+    rb"\bdefined\s*\(?\s*__has_include(?:_next)?\b"
     rb"|(?m:^[ \t]*#[ \t]*(?:ifdef|ifndef|undef|define)[ \t]+__has_include(?:_next)?\b[^\n]*$)"
 )
+_HAS_INCLUDE_WORD = rb"(?<![A-Za-z0-9_])__has_include(?:_next)?(?![A-Za-z0-9_])"
+# A string or character literal, or a comment (one scan: "logs/*.txt" opens none).
+_LITERAL_OR_COMMENT = rb'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/\*.*?\*/|//[^\n]*'
 
 
 def _negative_lookups(
@@ -2016,12 +2027,12 @@ def _has_include_names(
     where it looked is not in the text."""
     if b"__has_include" not in data and not wrappers:
         return []
-    # (the wrappers' own definitions, comments, tests of whether the compiler has it)
+    # (the wrappers' own definitions, tests of whether the compiler has it)
     text = re.sub(_HAS_INCLUDE_ALIAS, b"", re.sub(_HAS_INCLUDE_WRAPPER, b"", data))
-    text = re.sub(_NOT_ASKING, b"", text, flags=re.S)
-    asked = re.findall(_HAS_INCLUDE, text)
+    text = re.sub(_NOT_ASKING, b"", text)
+    asked = re.findall(_HAS_INCLUDE, text)  # (in comments too: a look more, never one less)
     computed = re.search(_COMPUTED_HAS_INCLUDE, text) is not None
-    if not computed and b"__has_include" in re.sub(_HAS_INCLUDE, b"", text):
+    if not computed and re.search(_HAS_INCLUDE_WORD, _code_only(re.sub(_HAS_INCLUDE, b"", text))):
         # Asked in a way the text does not show (through a macro, its name pasted): the
         # places it looked are not known.
         raise Uncacheable("cc: __has_include used where the header it asks for is not written")
@@ -2037,6 +2048,14 @@ def _has_include_names(
     if computed:
         raise Uncacheable("cc: __has_include of a name a macro gives")
     return asked
+
+
+def _code_only(data: bytes) -> bytes:
+    """``data`` with its comments taken out and its string and character literals
+    emptied (a name there is no use of it)."""
+    return re.sub(
+        _LITERAL_OR_COMMENT, lambda m: b'""' if m[0][:1] in b"\"'" else b" ", data, flags=re.S
+    )
 
 
 def _earlier_place(folder: str, name: str, passed: set[str]) -> str | None:

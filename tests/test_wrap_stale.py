@@ -956,11 +956,10 @@ def test_an_lto_object_is_keyed_by_the_header_paths_and_folder_it_names(env, src
         same_as_gcc(folder, env, *flags, "-IA", "-c", "k.c")
 
 
-@pytest.mark.parametrize("flag", ["-fbranch-probabilities", "-fvpt"])
-def test_a_flag_reading_the_object_s_profile_runs_as_gcc_alone(env, src, flag):
-    """gcc reads <object>.gcda with -fbranch-probabilities (and -fvpt with it), named
-    after -o: compiled in a private folder it found none, and the object stored was
-    the one without the profile."""
+def test_a_flag_reading_the_object_s_profile_runs_as_gcc_alone(env, src):
+    """gcc reads <object>.gcda with -fbranch-probabilities, named after -o: compiled in
+    a private folder it found none, and the object stored was the one without the
+    profile."""
     (src / "k.c").write_text(
         "int f(int x) { if (x > 5) return x * 3; return x + 1; }\n"
         "int main(int c, char **v) { int s = 0; for (int i = 0; i < 1000; i++) s += f(i);"
@@ -973,7 +972,7 @@ def test_a_flag_reading_the_object_s_profile_runs_as_gcc_alone(env, src, flag):
     subprocess.run(["./k"], cwd=src, check=False)
     (src / "plain.gcda").rename(src / "k.gcda")
     shutil.copy(src / "k.gcda", src / "plain.gcda")  # (gcc_alone's -o plain.o reads this)
-    flags = ["-O2", "-fbranch-probabilities", "-fvpt"][: 3 if flag == "-fvpt" else 2]
+    flags = ["-O2", "-fbranch-probabilities"]
     for _ in range(2):
         same_as_gcc(src, env, *flags, "-c", "k.c")
     (reason,) = stats(env)["uncacheable_reasons"]
@@ -1080,4 +1079,45 @@ def test_a_specs_file_gcc_finds_later_is_used_as_gcc_uses_it(env, src):
     assert stats(env, "host")["hits"] == 1  # (none there: hits as before)
     (src / "lib" / "specs").write_text("*cc1_options:\n+ -DFOO=2\n\n")
     same_as_gcc(src, env, "-O2", "-DFOO=1", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
+
+
+def test_has_include_after_a_string_holding_a_comment_opener_is_seen(env, src):
+    """A "/*" in a string ("logs/*.txt") is no comment: a check that read it as one
+    passed over the __has_include after it, and a header made later hit."""
+    (src / "k.c").write_text(
+        'static const char *pattern = "logs/*.txt";\n'
+        "#if __has_include(<opt.h>)\n#include <opt.h>\n#else\n#define OPTV 0\n#endif\n"
+        "const char *p(void) { return pattern; }\n"
+        "int v(void) { return OPTV; } /* the option's value */\n"
+    )
+    (src / "A").mkdir()
+    same_as_gcc(src, env, "-O1", "-IA", "-c", "k.c")
+    (src / "A" / "opt.h").write_text("#define OPTV 7\n")
+    same_as_gcc(src, env, "-O1", "-IA", "-c", "k.c")
+
+
+def test_names_in_strings_and_comments_keep_their_hits(env, src):
+    """The name __has_include in a string or an identifier, and .include ending a
+    comment's line, ask for no file: the compile is cached as any other."""
+    (src / "k.c").write_text(
+        'static const char *names[] = {"__has_include", "config.include"};\n'
+        "int Ident__has_include;\n"
+        "// the rules come through .include\n"
+        "const char *f(int i) { return names[i]; }\n"
+    )
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
+
+
+@needs_clang
+def test_clang_lto_objects_are_shared_between_folders(env, src):
+    """clang's LTO bitcode names no folder (gcc's does): keying the folder for it kept
+    every checkout from the others' objects."""
+    for name in ("X", "Y"):
+        (src / name / "inc").mkdir(parents=True)
+        (src / name / "inc" / "h.h").write_text("static inline int g(int x) { return x; }\n")
+        (src / name / "k.c").write_text('#include "h.h"\nint f(int x) { return g(x); }\n')
+        same_as_gcc(src / name, env, "-O2", "-flto", "-Iinc", "-c", "k.c", cc="clang")
     assert stats(env, "host")["hits"] == 1
