@@ -1454,23 +1454,11 @@ def _specs_places(
     ``LIBRARY_PATH``.
     """
     asked = [identity, env.get("LIBRARY_PATH", "")]
-    memo_key = digest(canonical_json(["specs", *asked]))
-    said = store.read_note("specs", memo_key[:2], memo_key) if store else None
+    said = _compiler_says(cc, "-print-search-dirs", asked, env, store)
     if said is None:
-        import subprocess  # (not on a hit: a hit's start-up is its cost)
-
-        try:
-            done = subprocess.run(
-                [cc, "-print-search-dirs"], capture_output=True, env=env, check=False, timeout=60
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise Uncacheable(f"cc: cannot ask {cc} where it looks for specs ({e})") from None
-        if done.returncode != 0:
-            raise Uncacheable(f"cc: cannot ask {cc} where it looks for specs")
-        said = done.stdout
-        if store is not None:
-            with contextlib.suppress(OSError):
-                store.write_note(said, "specs", memo_key[:2], memo_key)
+        raise Uncacheable(
+            f"cc: {cc} -print-search-dirs failed: where it looks for specs is unknown"
+        )
     lines = dict(line.partition(": ")[::2] for line in os.fsdecode(said).splitlines())
     # (install: <prefix>/gcc/<machine>/<version>/)
     machine_version = lines.get("install", "").rstrip("/").split("/")[-2:]
@@ -1486,6 +1474,30 @@ def _specs_places(
     return list(places)
 
 
+def _compiler_says(
+    cc: str, flag: str, asked: list[str], env: Mapping[str, str], store: LocalStore | None
+) -> bytes | None:
+    """What ``cc flag`` prints (None if it fails), asked once per ``asked`` (the
+    compiler's identity and what else moves the answer) and remembered in the
+    cache's notes: a hit runs no compiler."""
+    memo_key = digest(canonical_json([flag, *asked]))
+    said = store.read_note("asked", memo_key[:2], memo_key) if store else None
+    if said is not None:
+        return said
+    import subprocess  # (not on a hit: a hit's start-up is its cost)
+
+    try:
+        done = subprocess.run([cc, flag], capture_output=True, env=env, check=False, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Uncacheable(f"cc: cannot run {cc} {flag} ({e})") from None
+    if done.returncode != 0:
+        return None
+    if store is not None:
+        with contextlib.suppress(OSError):
+            store.write_note(done.stdout, "asked", memo_key[:2], memo_key)
+    return done.stdout
+
+
 def _path_assembler(
     cc: str, identity: str, env: Mapping[str, str], store: LocalStore | None
 ) -> str | None:
@@ -1498,21 +1510,7 @@ def _path_assembler(
     """
     # (COMPILER_PATH and GCC_EXEC_PREFIX move where gcc looks for its own)
     asked = [identity, *(env.get(n, "") for n in ("COMPILER_PATH", "GCC_EXEC_PREFIX"))]
-    memo_key = digest(canonical_json(asked))
-    name = store.read_note("prog-as", memo_key[:2], memo_key) if store else None
-    if name is None:
-        import subprocess  # (not on a hit: a hit's start-up is its cost)
-
-        try:
-            done = subprocess.run(
-                [cc, "-print-prog-name=as"], capture_output=True, env=env, check=False, timeout=60
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise Uncacheable(f"cc: cannot ask {cc} for its assembler ({e})") from None
-        name = done.stdout.strip() if done.returncode == 0 else b""
-        if store is not None:
-            with contextlib.suppress(OSError):
-                store.write_note(name, "prog-as", memo_key[:2], memo_key)
+    name = (_compiler_says(cc, "-print-prog-name=as", asked, env, store) or b"").strip()
     if not name:
         return None
     if b"/" in name:
