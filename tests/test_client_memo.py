@@ -158,6 +158,7 @@ STALE = [
     "cleared",
     "artifact_corrupted_same_size",
     "ini_changed",
+    "specs_file_made",
 ]
 
 
@@ -180,6 +181,10 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
         served.env["PATH"] = served.env["PATH"].replace(
             f"{served.links}{os.pathsep}", f"{served.links}{os.pathsep}{extra}{os.pathsep}"
         )
+        env = dict(served.env)
+    if case == "specs_file_made":
+        (served.tmp / "lib").mkdir()
+        served.env["LIBRARY_PATH"] = str(served.tmp / "lib")  # (gcc looks there for specs)
         env = dict(served.env)
     memoized(served, *args)
     before = served.fallbacks()
@@ -209,6 +214,8 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
     elif case == "ini_changed":
         ini = root / "op_cache.ini"
         ini.write_text(ini.read_text() + "\n")
+    elif case == "specs_file_made":
+        (served.tmp / "lib" / "specs").write_text("*cc1_options:\n+ -DSPECS_READ\n\n")
 
     done = served.gcc(*args, env=env)
     assert done.returncode == 0, done.stderr
