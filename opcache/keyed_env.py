@@ -65,7 +65,7 @@ CC_KEY_ENVIRONMENT = (
 # headers or device libraries through them would make another object.
 ASCEND_CC_KEY_ENVIRONMENT = (
     "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH", "ASCEND_AICPU_PATH",
-    "TOOLCHAIN_HOME",
+    "TOOLCHAIN_HOME", "BISHENG_REAL_PATH",
 )  # fmt: skip
 # Variables that make gcc run its programs (cc1, as, collect2) from folders they
 # name: which programs those are is not keyed, so a compile with one set is not cached.

@@ -13,7 +13,7 @@ a search path is seen).  Left out: what the compile wrote, made, renamed or
 deleted itself without looking at it first (its outputs and temporary files),
 Python's bytecode caches (checked against their sources by Python), and the
 folders ``exclude`` names (the toolkit and Python's standard library, which
-the toolkit fingerprint covers, and ``/proc``, ``/sys``, ``/dev``, ``/run``).
+the toolkit fingerprint covers, and ``/proc``, ``/sys``, ``/dev``).
 A path the compile looked for and then made is recorded as missing (what it
 found), one it found and then changed or deleted without reading it as there;
 one it read (or moved) and then changed, or a folder whose names changed after
@@ -47,12 +47,15 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 ENV_TRACE = "OPCACHE_TRACE"  # "off": do not trace (as where strace is missing)
-SYSTEM_FOLDERS = ("/proc", "/sys", "/dev", "/run")
+SYSTEM_FOLDERS = ("/proc", "/sys", "/dev")
 # ... where users keep files too (tmpfs): those stay in a read set.
-USER_FOLDERS = ("/dev/shm", "/run/user")
+USER_FOLDERS = ("/dev/shm",)
 # A path through a process's own folder or root names another path, which the
 # read set would not hold (``cat /proc/self/cwd/k.cpp``).
-_THROUGH_PROC = r"/proc/(?:self|thread-self|\d+)/(?:cwd|root)/."
+# (or through one of its open folders: /proc/self/fd/N/x, /dev/fd/N/x)
+_THROUGH_PROC = (
+    r"(?:/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/(?:cwd|root|fd/\d+)|/dev/fd/\d+)/."
+)
 TRACE_PREFIX = "trace"
 # opcache's own folders beside a compile's outputs (staging, builds): not in a listing.
 OWN_NAMES = ".opcache-"
@@ -63,7 +66,8 @@ _VARIANTS = 8  # read sets remembered per command (e.g. a kernel edited back and
 # is read: compiling them costs a hit, which reads none, half a millisecond.
 _HEX = r"(?:\\x[0-9a-f]{2})*"
 _TIME = r"(?:(\d+)\.(\d{6}) )?"
-_CALL = r"^" + _TIME + r"(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<" + _HEX + r">)?(?:\s+(E[A-Z0-9]+))?"
+# (the path after a result: what the descriptor an open returned is, as the kernel found it)
+_CALL = r"^" + _TIME + r"(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(?:<(" + _HEX + r")>)?(?:\s+(E[A-Z0-9]+))?"
 _PATH_ARG = r"(?:(?:AT_FDCWD|-?\d+)<(" + _HEX + r")>,\s*)?\"(" + _HEX + r")\""
 _FD_ARG = r"^-?\d+<(" + _HEX + r")>"
 _DIRENT_NAME = r"d_name=\"(" + _HEX + r")\""
@@ -341,6 +345,11 @@ def record(
             if found is not None:
                 items.append(found)
             continue
+        opened = trace.opened.get(norm)
+        if opened and opened != {os.path.realpath(norm)}:
+            # A link on the way moved while it ran, or ".." after a link led elsewhere
+            # than the name says: what it read is not what the name holds now.
+            raise Unprovable(f"{path} led to another file when the compile opened it")
         for item in _facts_with_link(path, listed=norm in trace.listed):
             # (a file kept as it was by its contents: its mode, owner and so its ctime
             # may be the compile's, as CANN's lock files are chmodded when opened)
@@ -524,6 +533,8 @@ class _Trace:
         self.changed: dict[str, int] = {}  # (written, made, renamed or deleted)
         # Each folder's listings (getdents): (read to its end, the names found).
         self.listings: dict[str, list[tuple[bool, set[str]]]] = {}
+        # The files each path opened to read was, as the kernel found them (strace -y).
+        self.opened: dict[str, set[str]] = {}
 
     def read_then_changed(self, path: str) -> bool:
         """Whether the compile read ``path`` and then changed it (a path it changed)."""
@@ -576,7 +587,7 @@ def _parse(trace_dir: str) -> _Trace:
         # before the first note ran where it started (its parent's folder at the fork).
         here = _start_folder(calls, cwd_re)
         reading: dict[str, set[str]] = {}  # this process's listings under way, by folder
-        for seconds, micros, call, args, result, error in calls:
+        for seconds, micros, call, args, result, opened, error in calls:
             when = int(seconds) * 1_000_000 + int(micros) if seconds else 0
             ok = result not in ("-1", "?")
             if call in ("getdents", "getdents64"):
@@ -634,15 +645,46 @@ def _parse(trace_dir: str) -> _Trace:
                     if ok and call.startswith("open"):
                         first = trace.first_read.get(paths[0], when)
                         trace.first_read[paths[0]] = min(first, when)
+                        if opened:
+                            real = os.path.normpath(_unhex(opened))
+                            trace.opened.setdefault(paths[0], set()).add(real)
                         # A folder opened to read is listed, O_DIRECTORY or not
                         # (os.fwalk's opens): its names are taken when it is one.
                         if "O_PATH" not in args:
                             trace.listed.add(paths[0])
+                    if ok and call in ("execve", "execveat"):
+                        # The kernel runs a script's #! interpreter with no call of its own.
+                        for interpreter in _interpreters(paths[0]):
+                            trace.look(interpreter, when, True)
+                            trace.first_read.setdefault(interpreter, when)
             for path in done:
                 trace.change(path, when)
         for folder, found in reading.items():  # (stopped before the end: a part of it)
             trace.listings.setdefault(folder, []).append((False, found))
     return trace
+
+
+def _interpreters(path: str) -> list[str]:
+    """The ``#!`` interpreters the kernel runs for the script ``path`` (one may be a
+    script too: up to four, as Linux's own limit)."""
+    found: list[str] = []
+    for _ in range(4):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            break
+        try:
+            head = os.read(fd, 256) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
+        words = head[2:].split(b"\n", 1)[0].split() if head.startswith(b"#!") else []
+        if not words:
+            break
+        path = os.fsdecode(words[0])
+        if not os.path.isabs(path):  # (found from the folder of the process, not noted here)
+            raise Unprovable(f"a script's #! interpreter is a relative path: {path}")
+        found.append(os.path.normpath(path))
+    return found
 
 
 def _start_folder(calls: list[tuple], cwd_re: re.Pattern[str]) -> str | None:

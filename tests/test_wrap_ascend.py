@@ -233,9 +233,12 @@ def test_a_link_named_ccache_is_opcache_in_ccaches_place(kernel, tmp_path):
     assert (host(env)["misses"], host(env)["hits"]) == (1, 1)
 
 
-@pytest.mark.parametrize("variable", ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"])
+@pytest.mark.parametrize(
+    "variable", ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "BISHENG_REAL_PATH"]
+)
 def test_another_toolkit_root_is_a_miss(kernel, variable):
-    """The toolkit root variables join a device compile's key (and its header memo)."""
+    """The toolkit root variables join a device compile's key (and its header memo);
+    so does BISHENG_REAL_PATH, the compiler a bisheng wrapper script may run."""
     env, src = kernel
     for _ in range(2):
         wrap("bisheng", *LINE, env={**env, variable: "/toolkit/a"}, cwd=src)

@@ -1139,3 +1139,114 @@ def test_a_database_the_compile_reads_and_rewrites_leaves_each_compile_unstored(
     chip = stats(env, SOC)
     assert (chip.get("hits", 0), chip.get("stores", 0)) == (0, 0), chip
     assert any("opened read-write and changed" in r for r in chip["uncacheable_reasons"])
+
+
+# Stand-ins reading their input in ways a review found the read set missed.
+PROC_FD_OPC = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+folder = os.open("kernel", os.O_PATH | os.O_DIRECTORY)
+with open(f"/proc/self/fd/{folder}/k.cpp", "rb") as f:  # (through the open folder)
+    data = f.read()
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(data)
+"""
+
+PATH_OPC = r"""
+import os, sys, time
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+with open(os.environ["READ_PATH"], "rb") as f:
+    data = f.read()
+if os.environ.get("READ_MARK"):  # (read: the test may now move things, for a while)
+    open(os.environ["READ_MARK"], "w").close()
+    time.sleep(1.5)
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(data)
+"""
+
+SCRIPT_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+./gen.sh > "$out/k.o"
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("case", ["proc_fd", "run", "dotdot_after_a_link", "interpreter"])
+def test_an_input_a_review_found_unseen_changed_is_never_stale(tmp_path, case):
+    """Each was a hit with the old output: a file read through an open folder's
+    /proc/self/fd/N, one under /run (left out with /proc, /sys, /dev), one named
+    src/../x where src is a link (the name taken as text, the file read elsewhere),
+    a script's #! interpreter (run by the kernel with no call of its own)."""
+    env, root = project(tmp_path)
+    changed: Path
+    cleanup = None
+    if case == "proc_fd":
+        write_tool(tmp_path / "bin", "opc", PROC_FD_OPC)
+        changed = root / "kernel" / "k.cpp"
+    elif case == "interpreter":
+        if GCC is None:
+            pytest.skip("gcc is needed to build an interpreter")
+        (tmp_path / "bin" / "opc").write_text(SCRIPT_OPC)
+        interp = tmp_path / "interp"
+        (root / "gen.sh").write_text(f"#!{interp}\n")
+        (root / "gen.sh").chmod(0o755)
+        changed = interp
+    else:
+        write_tool(tmp_path / "bin", "opc", PATH_OPC)
+        if case == "run":
+            if not os.access("/run/lock", os.W_OK):
+                pytest.skip("no /run/lock to write here")
+            changed = Path(tempfile.mkdtemp(dir="/run/lock")) / "k.cpp"
+            cleanup = changed.parent
+        else:
+            (tmp_path / "real" / "src").mkdir(parents=True)
+            (root / "src").symlink_to(tmp_path / "real" / "src")
+            (root / "common.h").write_text("the name's file\n")  # (where text leads)
+            changed = tmp_path / "real" / "common.h"
+        env["READ_PATH"] = "src/../common.h" if case == "dotdot_after_a_link" else str(changed)
+
+    def write(version: int) -> None:
+        if case == "interpreter":
+            c_file = tmp_path / "interp.c"
+            c_file.write_text(f'#include <stdio.h>\nint main(void) {{ puts("v{version}"); }}\n')
+            subprocess.run([GCC, str(c_file), "-o", str(changed)], check=True)
+        else:
+            changed.write_text(f"int k = {version};\n")
+
+    try:
+        write(1)
+        for n in (1, 2):
+            assert compile_into(env, root, f"out{n}") == fresh(env, root, "opc", ARGS)
+        time.sleep(0.02)
+        write(2)
+        assert compile_into(env, root, "out3") == fresh(env, root, "opc", ARGS)
+    finally:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+
+
+@needs_strace
+def test_a_link_moved_while_the_compile_ran_leaves_it_unstored(tmp_path):
+    """opc read cfg -> a.txt; cfg was pointed at b.txt before it ended (both files
+    older than the compile): stored, the next run was a hit with a.txt's bytes."""
+    env, root = project(tmp_path)
+    write_tool(tmp_path / "bin", "opc", PATH_OPC)
+    for name, text in (("a.txt", "A\n"), ("b.txt", "B\n")):
+        (root / name).write_text(text)
+        os.utime(root / name, (1_600_000_000, 1_600_000_000))
+    (root / "cfg").symlink_to("a.txt")
+    mark = tmp_path / "read"
+    command = [sys.executable, "-m", "opcache", "wrap", "--", "opc", *ARGS, "--output=out1"]
+    env_marked = {**env, "READ_PATH": "cfg", "READ_MARK": str(mark)}
+    with subprocess.Popen(command, env=env_marked, cwd=root) as running:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (root / "cfg.new").symlink_to("b.txt")
+        (root / "cfg.new").rename(root / "cfg")
+        assert running.wait(timeout=120) == 0
+    env["READ_PATH"] = "cfg"
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS) == b"B\n"
