@@ -230,7 +230,9 @@ class ReadSet:
         rows = [[i[0], i[1], i[2], _size(i), i[6]] for i in self.items]
         # canonical_json's bytes for rows of strings and numbers (no mapping to check or
         # sort), without its walk over every value: a hit computes this for each path.
-        return digest(json.dumps(rows, ensure_ascii=False, separators=(",", ":")).encode())
+        # (a name that is not UTF-8 holds surrogates, written as JSON's escape of them)
+        text = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
+        return digest(text.encode("utf-8", "backslashreplace"))
 
     def unchanged(self) -> bool:
         """True while every path is as recorded (stat first, a digest only when it moved)."""
@@ -346,7 +348,7 @@ def record(
                 items.append(found)
             continue
         opened = trace.opened.get(norm)
-        if opened and opened != {os.path.realpath(norm)}:
+        if opened and opened - {os.path.realpath(norm), _real_folder(norm) + "\0"}:
             # A link on the way moved while it ran, or ".." after a link led elsewhere
             # than the name says: what it read is not what the name holds now.
             raise Unprovable(f"{path} led to another file when the compile opened it")
@@ -647,6 +649,8 @@ def _parse(trace_dir: str) -> _Trace:
                         trace.first_read[paths[0]] = min(first, when)
                         if opened:
                             real = os.path.normpath(_unhex(opened))
+                            if "O_NOFOLLOW" in args:  # (the descriptor is a link's own)
+                                real += "\0"
                             trace.opened.setdefault(paths[0], set()).add(real)
                         # A folder opened to read is listed, O_DIRECTORY or not
                         # (os.fwalk's opens): its names are taken when it is one.
@@ -662,6 +666,13 @@ def _parse(trace_dir: str) -> _Trace:
         for folder, found in reading.items():  # (stopped before the end: a part of it)
             trace.listings.setdefault(folder, []).append((False, found))
     return trace
+
+
+def _real_folder(path: str) -> str:
+    """``path`` with its folder's links resolved, its last part as it is (what an open
+    with O_NOFOLLOW names)."""
+    folder, name = os.path.split(path)
+    return os.path.join(os.path.realpath(folder), name)
 
 
 def _interpreters(path: str) -> list[str]:

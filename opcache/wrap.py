@@ -1872,7 +1872,7 @@ _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", *_PATH_MACROS)
 # remembered header list carries them.
 _FILE_DIRECTIVES = (".incbin", ".include")
 _FILE_DIRECTIVE = (
-    rb'(?m)(?:^|[\s"]|\\[nt])\.(incbin|include)[ \t]*\\?"'
+    rb'(?m)(?:^|[\s";:]|\\[nt])\.(incbin|include)[ \t]*\\?"'
     rb"|^[ \t]*#[ \t]*define[ \t]+\w+[ \t]+\.(incbin|include)[ \t]*\r?$"
 )
 

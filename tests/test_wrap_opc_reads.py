@@ -1250,3 +1250,37 @@ def test_a_link_moved_while_the_compile_ran_leaves_it_unstored(tmp_path):
         assert running.wait(timeout=120) == 0
     env["READ_PATH"] = "cfg"
     assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS) == b"B\n"
+
+
+NOFOLLOW_OPC = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+os.close(os.open("cfg", os.O_PATH | os.O_NOFOLLOW))  # (the link itself, as lstat-like tools do)
+with open(os.environ["READ_PATH"], "rb") as f:
+    data = f.read()
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(data)
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("case", ["a link opened itself", "a name not in UTF-8"])
+def test_a_compile_read_in_these_ways_is_stored_and_hits(tmp_path, case):
+    """A link opened with O_NOFOLLOW is the link's own descriptor (its folder's real
+    path and its own name): it was taken for a link that moved, and nothing was
+    stored.  A file whose name is not UTF-8 failed the compile with a traceback."""
+    env, root = project(tmp_path)
+    if case == "a link opened itself":
+        write_tool(tmp_path / "bin", "opc", NOFOLLOW_OPC)
+        (root / "a.txt").write_text("A\n")
+        (root / "cfg").symlink_to("a.txt")
+        env["READ_PATH"] = "a.txt"
+    else:
+        write_tool(tmp_path / "bin", "opc", PATH_OPC)
+        name = os.fsdecode(b"k\xff.cpp")
+        (root / name).write_text("int k = 1;\n")
+        env["READ_PATH"] = name
+    for n in (1, 2):
+        assert compile_into(env, root, f"out{n}") == fresh(env, root, "opc", ARGS)
+    assert (stats(env, SOC)["misses"], stats(env, SOC)["hits"]) == (1, 1)

@@ -985,8 +985,10 @@ def test_a_flag_reading_the_object_s_profile_runs_as_gcc_alone(env, src):
         '#define INCBIN ".incbin"\n'
         '__asm__(".section .rodata\\n" INCBIN " \\"d.bin\\"\\n.previous");\n',
         '__asm__(".section .rodata\\n.INCBIN \\"d.bin\\"\\n.previous");\n',
+        '__asm__(".section .rodata;.incbin \\"d.bin\\"\\n.previous");\n',
+        '__asm__(".section .rodata\\nblob:.incbin \\"d.bin\\"\\n.previous");\n',
     ],
-    ids=["name in a macro", "upper case"],
+    ids=["name in a macro", "upper case", "after a semicolon", "after a label"],
 )
 def test_an_asm_directive_spelt_otherwise_is_seen_when_its_file_changes(env, src, text):
     """The text check wanted .incbin in lower case, then a quoted name: a macro holding
