@@ -535,7 +535,8 @@ class _Trace:
         self.changed: dict[str, int] = {}  # (written, made, renamed or deleted)
         # Each folder's listings (getdents): (read to its end, the names found).
         self.listings: dict[str, list[tuple[bool, set[str]]]] = {}
-        # The files each path opened to read was, as the kernel found them (strace -y).
+        # What each path opened to read named when it was opened, as the kernel found
+        # it (strace -y); a link's own, with O_NOFOLLOW, marked with a NUL.
         self.opened: dict[str, set[str]] = {}
 
     def read_then_changed(self, path: str) -> bool:
