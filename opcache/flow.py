@@ -280,11 +280,11 @@ class KeyFlow:
         saved = entry.compile_seconds
         return CompileResult("hit", entry.key, files, seconds, saved_seconds=saved, tier=tier)
 
-    def key_lock(self, soc: str, key: str, *, checked: bool = False) -> locks.KeyLock:
-        """The key's single-flight lock, not taken (OSError if it cannot be made);
-        ``checked``: its folder was made and checked by this caller a moment ago."""
+    def key_lock(self, soc: str, key: str) -> locks.KeyLock:
+        """The key's single-flight lock, not taken.  Each try opens (and makes) its
+        folder one level at a time and trusts it: an OSError then, not here."""
         store = self._store
-        path = store.locks_dir / soc / key if checked else store.lock_path(soc, key)
+        path = store.locks_dir / soc / key
         return locks.KeyLock(path, store.modes, open_dir=lambda: store.open_folder("locks", soc))
 
     def acquire(self, soc: str, key: str) -> locks.KeyLock | None:

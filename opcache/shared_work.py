@@ -332,7 +332,6 @@ class _Batch:
         self._parked: dict[tuple[str, str], _Job] = {}
         self._parked_lock = threading.Lock()
         self._readers = threading.local()  # each thread's (when, ExitStack, reader) by chip
-        self._locks_checked: set[str] = set()  # chips whose locks folder this batch checked
         self._listed: dict[str, tuple[float, set[str]]] = {}  # lock folder: (when, names)
         # When each chip's fresh claims were last looked at, and whose.
         self._peeked: dict[str, tuple[float, frozenset[str]]] = {}
@@ -734,15 +733,8 @@ class _Batch:
         flow, soc = self.flow, job.request.soc_version
         now = time.monotonic()
         if job.lock is None:
-            try:
-                # The locks folder checked once per batch and chip, not at each key
-                # (each try still opens its own folder without a link, and trusts it).
-                job.lock = flow.key_lock(soc, job.key, checked=soc in self._locks_checked)
-                self._locks_checked.add(soc)
-                job.lock_dir = str(job.lock.path.parent)
-            except OSError as e:
-                flow.cache_error("lock", f"cannot lock {soc}/{job.key}: {e}", soc)
-                return None
+            job.lock = flow.key_lock(soc, job.key)
+            job.lock_dir = str(job.lock.path.parent)
             if job.key in self._held_now(job.lock_dir, now):
                 # Its lock file is there: another process holds it (or died holding
                 # it, which the watch's tries find).  Tried as if, for less.
