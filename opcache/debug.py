@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import fsutil
 from ._record import Record
 from .errors import ConfigError
 
@@ -53,8 +54,7 @@ def read_debug_config(path: Path) -> DebugConfig:
         )
 
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_FILE_BYTES + 1)
+        raw = fsutil.read_input(path, _MAX_FILE_BYTES)  # (a FIFO: refused, not waited on)
     except FileNotFoundError:
         raise bad("the file does not exist") from None
     except IsADirectoryError:
@@ -63,10 +63,9 @@ def read_debug_config(path: Path) -> DebugConfig:
         raise bad(f"cannot read it ({e.strerror or e})") from None
     if len(raw) > _MAX_FILE_BYTES:
         raise bad(f"larger than {_MAX_FILE_BYTES} bytes")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise bad("not UTF-8 text") from None
+    # CANN's parser reads bytes and looks for its ASCII keys: a comment or a name in
+    # another encoding (GBK) is read, kept byte for byte as os.fsdecode keeps them.
+    text = raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape")
     options: tuple[str, ...] = ()
     op_list: tuple[str, ...] | None = None
     for line in text.splitlines():

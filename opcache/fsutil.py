@@ -361,6 +361,33 @@ def shown_path(path: Path | str, dir_fd: int | None) -> str:
         return os.fspath(path)
 
 
+def read_input(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
+    """The bytes of a file a compile or a setting names, read as a program would read
+    them: through links (``limit``: at most that many and one more, to tell a
+    longer file).
+
+    OSError for anything but a regular file: a FIFO would hang the read (and
+    steal the compiler's input), a device such as /dev/zero never ends.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            folder = stat.S_ISDIR(st.st_mode)  # (IsADirectoryError, as open() gives)
+            why = (errno.EISDIR, "is a folder") if folder else (errno.EINVAL, "not a regular file")
+            raise OSError(*why, os.fspath(path))
+        left = float("inf") if limit is None else limit + 1
+        chunks = []
+        while left > 0 and (chunk := os.read(fd, int(min(left, max(st.st_size + 1, 1 << 16))))):
+            chunks.append(chunk)  # (one read, mostly)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except MemoryError:
+        raise OSError(errno.EFBIG, "too large to read", os.fspath(path)) from None
+    finally:
+        os.close(fd)
+
+
 def open_regular(
     path: Path | str, flags: int = os.O_RDONLY, mode: int = 0o666, *, dir_fd: int | None = None
 ) -> tuple[int, os.stat_result]:

@@ -34,8 +34,9 @@ import os
 import re
 import stat
 
+from . import fsutil
 from ._log import get_logger
-from .compilers.toolchain import read_input, which
+from .compilers.toolchain import which
 from .key import digest
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -502,7 +503,7 @@ def _facts(path: str, follow: bool, *, listed: bool, cheap: bool) -> list:
         content = ""
         if not cheap:
             try:
-                content = digest(read_input(path))
+                content = digest(fsutil.read_input(path))
             except OSError as e:
                 content = f"unreadable: {e.strerror or e}"
         return [name, "file", mode, *times, content]

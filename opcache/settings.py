@@ -291,8 +291,11 @@ def resolve_settings(
         # torch_npu passes it to CANN as op_compiler_cache_dir: above ASCEND_CACHE_PATH.
         cache_dir = _absolute_dir(ENV_ACL_DIR, env[ENV_ACL_DIR], env, variable=ENV_ACL_DIR)
         root, sources["root"] = cache_dir / KERNEL_CACHE, f"env:{ENV_ACL_DIR}"
-    elif env.get(ENV_CACHE_PATH):
-        base = _absolute_dir(ENV_CACHE_PATH, env[ENV_CACHE_PATH], env, variable=ENV_CACHE_PATH)
+    elif env.get(ENV_CACHE_PATH, "").strip():
+        # Trimmed, as CANN reads it (a line of a profile with a space at its end).
+        base = _absolute_dir(
+            ENV_CACHE_PATH, env[ENV_CACHE_PATH].strip(), env, variable=ENV_CACHE_PATH
+        )
         host = _HOST_UNSAFE.sub("_", hostname if hostname is not None else os.uname().nodename)
         root, sources["root"] = base / f"{KERNEL_CACHE}_{host}", f"env:{ENV_CACHE_PATH}"
     else:

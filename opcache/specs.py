@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import fsutil
 from .cache import OpCache
 from .compilers import get_compiler
-from .compilers.toolchain import kernel_name, read_input
+from .compilers.toolchain import kernel_name
 from .errors import ConfigError
 from .request import CompileResult, OpRequest
 from .settings import Settings
@@ -61,7 +62,7 @@ def load_specs(paths: Sequence[str | os.PathLike[str]]) -> Iterator[tuple[str, O
     for path in paths:
         path = Path(path)
         try:
-            data = json.loads(read_input(path))
+            data = json.loads(fsutil.read_input(path))
         except OSError as e:
             yield str(path), f"cannot read it: {e.strerror or e}"
             continue
@@ -95,7 +96,7 @@ def _request(item: Any, base: Path) -> OpRequest | str:
             return f"field 'sources.{name}': expected a path string"
         path = base / value
         try:
-            sources[name] = read_input(path)
+            sources[name] = fsutil.read_input(path)
         except OSError as e:
             return f"field 'sources.{name}': cannot read {path}: {e.strerror or e}"
     for tensor_field in ("inputs", "outputs"):

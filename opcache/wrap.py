@@ -51,7 +51,7 @@ from pathlib import Path
 from . import _json, _log, fsutil, quickhit, quickmemo
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
-from .compilers.toolchain import file_identity, read_input, which
+from .compilers.toolchain import file_identity, which
 from .errors import CompileError, ConfigError, sentence
 from .key import canonical_json, compute_key, digest
 from .keyed_env import (
@@ -600,7 +600,7 @@ def _run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
 
 def _read(path: str) -> bytes:
     try:
-        return read_input(path)
+        return fsutil.read_input(path)
     except OSError as e:
         raise Uncacheable(f"cannot read {path}: {e.strerror or e}") from None
 
@@ -1371,7 +1371,7 @@ def _plan_cc(
         # still writing): the object may hold other contents than the key says.
         for path, want in read.items():
             try:
-                if digest(read_input(path)) == want:
+                if digest(fsutil.read_input(path)) == want:
                     continue
             except OSError:
                 pass
@@ -1529,7 +1529,7 @@ def _flag_file_digest(arg: str) -> str:
     if flag == "-fpass-plugin" and "/" not in path:
         raise Uncacheable(f"cc: {arg} names a plugin the library path finds (not keyed)")
     try:
-        return digest(read_input(path))
+        return digest(fsutil.read_input(path))
     except OSError as e:
         raise Uncacheable(f"cc: cannot read the file of {flag}= ({e.strerror})") from None
 
@@ -1766,7 +1766,7 @@ class HeaderMemo:
         absent, present, passed, known = _negative_lookups(found, reads, forced)
         for path in present:
             with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
-                contents.setdefault(path, read_input(path))
+                contents.setdefault(path, fsutil.read_input(path))
         macros = sorted(
             {m for data in contents.values() for m in (*_macros_in(data), *_directives_in(data))}
         )
@@ -1900,7 +1900,7 @@ def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:
     digests = []
     for path, want in zip(variant["headers"], variant["digests"], strict=True):
         try:
-            now = digest(read_input(path))
+            now = digest(fsutil.read_input(path))
         except OSError:
             return None
         if now != want:

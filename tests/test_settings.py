@@ -11,6 +11,7 @@ import configparser
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -158,11 +159,19 @@ def test_host_id_replaces_unsafe_characters(env, hostname, host_id):
     assert settings.sources["root"] == "env:ASCEND_CACHE_PATH"
 
 
-def test_empty_ascend_cache_path_is_unset(env, fake_home):
-    env["ASCEND_CACHE_PATH"] = ""
+@pytest.mark.parametrize("value", ["", "  ", "\t"])
+def test_empty_ascend_cache_path_is_unset(env, fake_home, value):
+    env["ASCEND_CACHE_PATH"] = value
     settings = resolve_settings(environ=env, hostname="node1")
     assert settings.root == fake_home / "atc_data" / "kernel_cache"
     assert settings.sources["root"] == "default"
+
+
+def test_ascend_cache_path_is_trimmed_as_cann_trims_it(env):
+    """CANN trims the variable; a trailing space (a profile's line) was refused, exit 2."""
+    env["ASCEND_CACHE_PATH"] = " /shared/cache \t"
+    settings = resolve_settings(environ=env, hostname="node1")
+    assert settings.root == Path("/shared/cache/kernel_cache_node1")
 
 
 def test_tilde_in_op_compiler_cache_dir_uses_the_given_home(env, fake_home):
@@ -933,10 +942,39 @@ def test_an_empty_debug_list_bypasses_every_operator(env):
     assert settings.bypass_reason("GatherV2_1", "GatherV2") == "op_debug_list is empty"
 
 
-def test_debug_config_that_is_not_utf8_raises(fs, env):
-    fs.create_file("/cfg/debug.cfg", contents=b"op_debug_config = \xff\xfe\n")
-    with pytest.raises(ConfigError, match="op_debug_config"):
-        resolve_settings(op_debug_config="/cfg/debug.cfg", environ=env)
+def test_a_debug_config_not_in_utf8_is_read_as_cann_reads_its_bytes(fs, env):
+    """CANN's parser reads bytes and finds its ASCII keys: a comment saved in GBK was
+    refused (exit 2 on the command line), where CANN bypasses the cache for GatherV2."""
+    fs.create_file(
+        "/cfg/debug.cfg",
+        contents="# 调试配置\nop_debug_config = ccec_g,oom\nop_debug_list = GatherV2\n".encode(
+            "gbk"
+        ),
+    )
+    settings = resolve_settings(op_debug_config="/cfg/debug.cfg", environ=env)
+    assert (settings.debug_options, settings.debug_list) == (["ccec_g", "oom"], ["GatherV2"])
+    assert settings.bypass_reason("GatherV2", "GatherV2") is not None
+    assert settings.bypass_reason("Add_1", "Add") is None
+
+
+def test_a_debug_config_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    env = {"HOME": str(tmp_path)}  # (a real FIFO: no fake filesystem)
+    fifo = tmp_path / "debug.cfg"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def resolve() -> None:
+        try:
+            resolve_settings(op_debug_config=str(fifo), environ=env)
+        except BaseException as e:  # (handed to the test's thread)
+            outcome.append(e)
+
+    reader = threading.Thread(target=resolve, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "resolve_settings waits for a writer of the FIFO"
+    assert isinstance(outcome[0], ConfigError)
+    assert "not a regular file" in str(outcome[0])
 
 
 def test_debug_config_without_list_bypasses_every_operator(env):

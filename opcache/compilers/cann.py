@@ -17,11 +17,12 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from .. import fsutil
 from ..errors import CompileError, ConfigError
 from ..ini import TOOLKIT_VARIABLES
 from ..key import digest
 from ..request import OpRequest
-from .toolchain import file_identity, kernel_name, read_input, run_tool, which
+from .toolchain import file_identity, kernel_name, run_tool, which
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ def driver_version(environ: Mapping[str, str]) -> str | None:
     """The digest of the driver's ``version.info`` (CANN requires equal drivers for
     servers that share a cache); None when there is none."""
     try:
-        return digest(read_input(driver_folder(environ) / "version.info"))
+        return digest(fsutil.read_input(driver_folder(environ) / "version.info"))
     except OSError:
         return None
 

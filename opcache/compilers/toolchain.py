@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
-import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -75,28 +73,6 @@ def _digest_of(real: str, st: os.stat_result, notes: LocalStore | None) -> str:
         with contextlib.suppress(OSError):  # hashed again next time
             notes.write_note(found.encode(), "tools", stamp)
     return found
-
-
-def read_input(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a file a compile reads (a source, a header, a spec), as the compiler
-    would read them: through links.
-
-    OSError for anything but a regular file: a FIFO would hang the read (and
-    steal the compiler's input), a device such as /dev/zero never ends.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
-        chunks = []
-        while chunk := os.read(fd, max(st.st_size + 1, 1 << 16)):  # (one read, mostly)
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except MemoryError:
-        raise OSError(errno.EFBIG, "too large to read", os.fspath(path)) from None
-    finally:
-        os.close(fd)
 
 
 def which(
