@@ -134,20 +134,21 @@ class ChipFolders:
 
     def _ensure_ini(self) -> None:
         """op_cache.ini where CANN keeps it, when missing: with the installed toolkit's
-        versions, as CANN writes them.  Where a toolkit is set up but its versions
+        versions, as CANN writes them.  Where there is no toolkit, or its versions
         cannot be read, none is made (CANN makes its own): without its versions CANN
         would take the file for one it must not touch, and never again wipe a chip
-        folder when the toolkit changes.  Nor where CANN's files of unknown versions
-        are (which its first compile wipes: an ini would tell it they are these)."""
+        folder when the toolkit changes (nor read its size keys), should a toolkit be
+        installed later.  Nor where CANN's files of unknown versions are (which its
+        first compile wipes: an ini would tell it they are these)."""
         path = self._settings.root / INI_NAME
         if os.path.lexists(path):
             return
         toolkit = self._settings.toolkit_env  # (the given environment's, not os.environ's)
         versions = toolkit_versions(dict(toolkit))
-        if versions is None and toolkit:
-            log.debug("no %s made: the toolkit's versions cannot be read", path)
+        if versions is None:
+            log.debug("no %s made: no toolkit whose versions can be read", path)
             return
-        if versions is not None and folder_with_cann_files(self._settings.root) is not None:
+        if folder_with_cann_files(self._settings.root) is not None:
             # CANN's first compile wipes files of unknown versions: an ini would keep them.
             log.debug("no %s made: CANN's files of unknown versions are there", path)
             return

@@ -381,9 +381,10 @@ def folder_with_cann_files(root: Path) -> Path | None:
     compile wipes such files, and an ini naming the installed toolkit would
     tell CANN they are that toolkit's.  CANN reads its kernels from the chip
     folder itself and makes no subfolders (opcache's entries are in its
-    buckets, keyed by their toolkit): a regular file there other than a lock
-    is CANN's.  A chip folder that is a link (CANN follows it) or that cannot
-    be read may hold some, as may a ``root`` that cannot be listed.
+    buckets, keyed by their toolkit): anything there but a folder or a lock is
+    CANN's, or may be: a link to a kernel elsewhere too, which CANN follows.  A
+    chip folder that is a link (CANN follows it) or that cannot be read may
+    hold some, as may a ``root`` that cannot be listed.
     """
     try:
         with os.scandir(root) as listing:
@@ -400,7 +401,7 @@ def folder_with_cann_files(root: Path) -> Path | None:
                 continue
             with os.scandir(chip.path) as listing:
                 if any(
-                    e.is_file(follow_symlinks=False) and not e.name.endswith(".lock")
+                    not e.is_dir(follow_symlinks=False) and not e.name.endswith(".lock")
                     for e in listing
                 ):
                     return Path(chip.path)

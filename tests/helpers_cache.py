@@ -163,6 +163,16 @@ def make_settings(
     )
 
 
+def toolkit_env(base: Path) -> dict[str, str]:
+    """A CANN toolkit set up under ``base`` as set_env.sh does (its compiler's and
+    operator package's version.info, 8.0.RC1 both): the variables that name it."""
+    home = base / "toolkit"
+    for folder in (home / "compiler", home / "opp"):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "version.info").write_text("Version=8.0.RC1\n")
+    return {"ASCEND_HOME_PATH": str(home), "ASCEND_OPP_PATH": str(home / "opp")}
+
+
 def machine(tmp_path: Path, name: str, url: str, **remote: object) -> opcache.Settings:
     """The settings of one machine: its own cache folder (``tmp_path/name``), the shared
     remote at ``url`` (with ``remote``'s options)."""

@@ -26,6 +26,7 @@ from helpers_cache import (
     make_settings,
     read_dir,
     run_script,
+    toolkit_env,
     trash_emptied,
     tree_bytes,
     wait_for,
@@ -130,7 +131,7 @@ def test_different_requests_are_different_entries(
 def test_op_cache_ini_is_created_on_first_use(
     tmp_path: Path, root: Path, compiler: ToyCompiler
 ) -> None:
-    cache = opcache.OpCache(settings_for(tmp_path))
+    cache = opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path)))
     assert not (root / "op_cache.ini").exists()
     cache.compile(make_request(), compiler, tmp_path / "out")
     cache.close()
@@ -138,22 +139,24 @@ def test_op_cache_ini_is_created_on_first_use(
     assert "[op_compiler_cache]" in text
 
 
+def test_no_op_cache_ini_is_made_without_a_toolkit(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    """One without versions, in CANN's own folder (the default root), was a file CANN
+    neither checks nor repairs: a toolkit installed later never wiped the chip folders
+    when it changed, and ignored the size keys a person added to it."""
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
+        assert cache.compile(make_request(), compiler, tmp_path / "again").status == "hit"
+    assert not os.path.lexists(root / "op_cache.ini")
+
+
 def test_op_cache_ini_is_created_in_force_mode(
     tmp_path: Path, root: Path, compiler: ToyCompiler
 ) -> None:
-    with opcache.OpCache(settings_for(tmp_path, "force")) as cache:
+    with opcache.OpCache(settings_for(tmp_path, "force", env=toolkit_env(tmp_path))) as cache:
         cache.compile(make_request(), compiler, tmp_path / "out")
     assert (root / "op_cache.ini").is_file()
-
-
-def _toolkit(base: Path) -> dict[str, str]:
-    """A CANN toolkit set up as set_env.sh does (its compiler's and operator package's
-    version.info, 8.0.RC1 both): the variables that name it."""
-    home = base / "toolkit"
-    for folder in (home / "compiler", home / "opp"):
-        folder.mkdir(parents=True)
-        (folder / "version.info").write_text("Version=8.0.RC1\n")
-    return {"ASCEND_HOME_PATH": str(home), "ASCEND_OPP_PATH": str(home / "opp")}
 
 
 def test_op_cache_ini_holds_the_toolkit_s_versions_as_cann_writes_them(
@@ -164,7 +167,7 @@ def test_op_cache_ini_holds_the_toolkit_s_versions_as_cann_writes_them(
     toolkit changed, and served the old toolkit's kernels.  The toolkit is the one the
     environment given to resolve_settings names, not this process's own."""
     monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "this-process-s-toolkit"))
-    with opcache.OpCache(settings_for(tmp_path, env=_toolkit(tmp_path))) as cache:
+    with opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path))) as cache:
         cache.compile(make_request(), compiler, tmp_path / "out")
     assert ini.read_cann_versions(root / "op_cache.ini") == ("8.0.RC1", "8.0.RC1")
     assert settings_for(tmp_path).sources["max_op_cache_size_mb"] == "default"
@@ -177,7 +180,22 @@ def test_no_op_cache_ini_is_made_over_cann_s_files_of_unknown_versions(
     an ini naming the installed versions told CANN to keep it."""
     (root / "Ascend310P3").mkdir(parents=True)
     (root / "Ascend310P3" / "te_add_1.json").write_text("{}")
-    with opcache.OpCache(settings_for(tmp_path, env=_toolkit(tmp_path))) as cache:
+    with opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path))) as cache:
+        assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
+    assert not (root / "op_cache.ini").exists()
+
+
+def test_no_op_cache_ini_is_made_over_links_to_cann_s_kernels(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    """CANN reads its kernels through links in a chip folder (realpath); an ini naming
+    the installed versions told it to keep an old toolkit's, linked there."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "te_add_1.json").write_text("{}")
+    (root / "Ascend310P3").mkdir(parents=True)
+    (root / "Ascend310P3" / "te_add_1.json").symlink_to(old / "te_add_1.json")
+    with opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path))) as cache:
         assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
     assert not (root / "op_cache.ini").exists()
 
@@ -191,7 +209,7 @@ def test_no_op_cache_ini_is_made_over_a_chip_folder_that_is_a_link(
     (elsewhere / "te_add_1.json").write_text("{}")
     root.mkdir(parents=True)
     (root / "Ascend310P3").symlink_to(elsewhere)
-    with opcache.OpCache(settings_for(tmp_path, env=_toolkit(tmp_path))) as cache:
+    with opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path))) as cache:
         assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
     assert not (root / "op_cache.ini").exists()
 
@@ -201,7 +219,7 @@ def test_no_op_cache_ini_is_made_where_the_toolkit_s_versions_are_not_known(
 ) -> None:
     """Read from the environment given, where this process's own names a toolkit whose
     versions are known."""
-    for name, value in _toolkit(tmp_path).items():
+    for name, value in toolkit_env(tmp_path).items():
         monkeypatch.setenv(name, value)
     env = {"ASCEND_HOME_PATH": str(tmp_path / "no-version-info-here")}
     with opcache.OpCache(settings_for(tmp_path, env=env)) as cache:
@@ -718,7 +736,7 @@ with opcache.OpCache(h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r
 
 
 def test_clear_one_chip_then_all(tmp_path: Path, root: Path, compiler: ToyCompiler) -> None:
-    with opcache.OpCache(settings_for(tmp_path)) as cache:
+    with opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path))) as cache:
         for i in range(2):
             cache.compile(make_request(i), compiler, tmp_path / "o")
             cache.compile(make_request(i, soc_version=OTHER_SOC), compiler, tmp_path / "o")

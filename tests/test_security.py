@@ -27,6 +27,7 @@ from helpers_cache import (
     make_request,
     read_dir,
     run_script,
+    toolkit_env,
     trash_emptied,
     tree_bytes,
 )
@@ -364,9 +365,10 @@ def _group_shared_tree(tmp_path: Path, umask: int) -> dict:
     """Use a group-shared cache in a fresh process under ``umask``; every path's mode and gid."""
     gid = os.getegid()
     ops, home = str(tmp_path / "ops"), str(tmp_path)
+    toolkit = toolkit_env(tmp_path)  # (so that op_cache.ini is made)
     code = f"""
 import json, os, stat, helpers_cache as h, opcache
-settings = h.make_settings({ops!r}, {home!r}, shared_group={gid})
+settings = h.make_settings({ops!r}, {home!r}, env={toolkit!r}, shared_group={gid})
 comp = h.ToyCompiler({str(tmp_path / "calls")!r})
 with opcache.OpCache(settings) as c:
     for i in (0, 1, 0):
@@ -442,7 +444,7 @@ def test_the_root_may_be_a_link(tmp_path: Path, compiler: ToyCompiler, which: st
         (tmp_path / "ops").mkdir()
         os.symlink(real, tmp_path / "ops" / "kernel_cache")
         where = real
-    settings = settings_for(tmp_path)
+    settings = settings_for(tmp_path, env=toolkit_env(tmp_path))
     with opcache.OpCache(settings) as cache:
         first = cache.compile(make_request(), compiler, tmp_path / "a")
         second = cache.compile(make_request(), compiler, tmp_path / "b")
