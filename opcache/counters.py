@@ -1,6 +1,8 @@
 """Counters on disk that many processes update without a global lock.
 
-A counter folder holds ``SHARDS`` small JSON files; a process adds its deltas to
+A counter folder holds ``SHARDS`` small JSON files (``NN.count``: not ``.json``,
+as CANN's aging takes any ``*.json`` below a chip folder, where a chip's size
+counters are, for a kernel to age); a process adds its deltas to
 the shard of its pid under that shard's lock, so writers rarely meet, and a
 reader sums the shards.  Each shard is replaced by rename, so a writer killed
 mid-update leaves the old values, never a torn file.
@@ -77,7 +79,7 @@ class CounterFiles:
         fd = self._open_folder(True)
         try:
             with flocked(_lock_name(index), self._modes, dir_fd=fd):
-                counts = self._read(_shard_name(index), fd)
+                counts = self._take_legacy(index, fd)
                 if _size(QUICK_COUNTS, fd) >= FOLD_BYTES:
                     for name, value in self._take_appended(fd, give_back=True).items():
                         counts[name] = counts.get(name, 0) + value
@@ -98,7 +100,16 @@ class CounterFiles:
             return {}
         total: Counts = {}
         try:
-            shards = [self._read(_shard_name(index), fd) for index in range(SHARDS)]
+            # A shard before its legacy name: a writer renaming one into the other
+            # meanwhile is missed once (read as less), never counted twice.
+            names = [_shard_name(i) for i in range(SHARDS)] + [
+                _legacy_name(i) for i in range(SHARDS)
+            ]
+            try:  # (only those there opened: most folders hold few)
+                there = set(os.listdir(fd))
+            except OSError:
+                there = set(names)
+            shards = [self._read(name, fd) for name in names if name in there]
             for counts in [*shards, self._read_appended(QUICK_COUNTS, fd)]:
                 for name, value in counts.items():
                     total[name] = total.get(name, 0) + value
@@ -121,12 +132,16 @@ class CounterFiles:
             with contextlib.ExitStack() as held:
                 present = []
                 for index in range(SHARDS):
-                    if index and not fsutil.lexists(_shard_name(index), fd):
+                    if (
+                        index
+                        and not fsutil.lexists(_shard_name(index), fd)
+                        and not fsutil.lexists(_legacy_name(index), fd)
+                    ):
                         continue  # an add that creates it now lands after the reset: right
                     held.enter_context(flocked(_lock_name(index), self._modes, dir_fd=fd))
                     present.append(index)
                 kept = [
-                    {n: v for n, v in self._read(_shard_name(index), fd).items() if n in keep}
+                    {n: v for n, v in self._take_legacy(index, fd).items() if n in keep}
                     for index in present
                 ]
                 for n, v in self._take_appended(fd).items():
@@ -160,6 +175,38 @@ class CounterFiles:
             and math.isfinite(value)
             and abs(value) < _MAX_COUNT
         }
+
+    def _take_legacy(self, index: int, dir_fd: int) -> Counts:
+        """Shard ``index``'s counts, its legacy ``NN.json`` (made before 2026-11-28, or
+        by an older opcache sharing the folder) folded in and gone.  Under the
+        shard's lock, with ``totals`` reading a shard before its legacy name: the
+        legacy counts are renamed, not copied, so no reader sums them twice; a
+        writer killed before its write loses them, which ``verify`` recounts."""
+        legacy, shard = _legacy_name(index), _shard_name(index)
+        try:
+            planted = not stat.S_ISREG(
+                os.stat(legacy, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            )
+        except OSError:
+            return self._read(shard, dir_fd)  # (none: the common case)
+        if planted:
+            return self._read(shard, dir_fd)  # (a link or a folder: left, read as nothing)
+        try:
+            if not fsutil.lexists(shard, dir_fd):  # (made only under this lock)
+                os.rename(legacy, shard, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                return self._read(shard, dir_fd)
+            aside = fsutil.unique_name(f".{legacy}")
+            os.rename(legacy, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError:
+            return self._read(shard, dir_fd)
+        try:
+            counts = self._read(shard, dir_fd)
+            for name, value in self._read(aside, dir_fd).items():
+                counts[name] = counts.get(name, 0) + value
+            return counts
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(aside, dir_fd=dir_fd)
 
     def _take_appended(self, dir_fd: int, give_back: bool = False) -> Counts:
         """The quick hits' appended counts, taken out of the folder (the caller keeps them).
@@ -275,6 +322,10 @@ def _size(name: str, dir_fd: int) -> int:
 
 
 def _shard_name(index: int) -> str:
+    return f"{index:02d}.count"
+
+
+def _legacy_name(index: int) -> str:
     return f"{index:02d}.json"
 
 

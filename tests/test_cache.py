@@ -862,3 +862,42 @@ with opcache.OpCache(settings) as cache:
     print(sorted(m for m in set(sys.modules) - before if m.startswith("opcache")))
 """)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_no_counter_of_a_chip_folder_is_a_json_cann_s_aging_would_take(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    """CANN's aging takes every *.json below a chip folder for a kernel: the size
+    counters (_size/NN.json) were aged with CANN's entries, and opcache's counts then
+    said a chip folder held less than it did, so its own size limit was not kept."""
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        for i in range(3):
+            cache.compile(make_request(i), compiler, tmp_path / f"o{i}")
+    counters = list((root / SOC / "_size").iterdir())
+    assert counters
+    assert [p.name for p in counters if p.name.endswith(".json")] == []
+
+
+def test_counts_an_older_opcache_kept_as_json_are_counted_once_and_moved(
+    tmp_path: Path, root: Path, compiler: ToyCompiler
+) -> None:
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        for i in range(2):
+            cache.compile(make_request(i), compiler, tmp_path / f"o{i}")
+        entries, size = cache.stats()["chips"][SOC]["entries"], cache.stats()["chips"][SOC]["bytes"]
+    sizes = root / SOC / "_size"
+    (shard,) = sizes.glob("*.count")  # (this process's)
+    shard.rename(shard.with_suffix(".json"))  # as an older opcache kept it
+    other = sizes / f"{(int(shard.stem) + 1) % 16:02d}.json"  # and another process's
+    other.write_text('{"entries": 5, "bytes": 500}')
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        chip = cache.stats()["chips"][SOC]
+        assert (chip["entries"], chip["bytes"]) == (entries + 5, size + 500)
+        added = cache.compile(make_request(7), compiler, tmp_path / "o7")
+        chip = cache.stats()["chips"][SOC]
+    assert added.status == "miss"
+    one = tree_bytes(entry_dirs(root)[added.key])
+    assert (chip["entries"], chip["bytes"]) == (entries + 6, size + 500 + one)
+    # This process's shard took its legacy counts in: one name, counted once.
+    assert not shard.with_suffix(".json").exists() and shard.exists()
+    assert other.exists()  # (another process's, until it adds again)

@@ -344,9 +344,9 @@ def _plant_special(path: Path, kind: str) -> None:
 
 
 SPECIAL_PLACES = {
-    "size shards": lambda root: [root / SOC / "_size" / f"{i:02d}.json" for i in range(16)],
+    "size shards": lambda root: [root / SOC / "_size" / f"{i:02d}.count" for i in range(16)],
     "stats shards": lambda root: [
-        root / ".opcache" / "stats" / SOC / f"{i:02d}.json" for i in range(16)
+        root / ".opcache" / "stats" / SOC / f"{i:02d}.count" for i in range(16)
     ],
     "size locks": lambda root: [root / SOC / "_size" / f"{i:02d}.lock" for i in range(16)],
     "stats locks": lambda root: [
@@ -463,7 +463,7 @@ def test_a_full_disk_never_writes_through_a_counter_hard_linked_to_a_file_elsewh
     victim.write_bytes(b"the victim's private data\n" * 40)
     victim.chmod(0o600)
     before = victim.read_bytes()
-    shard = f"{os.getpid() % 16:02d}.json"
+    shard = f"{os.getpid() % 16:02d}.count"
     linked = [
         settings.root / SOC / "_size" / shard,
         settings.root / ".opcache" / "stats" / SOC / shard,
@@ -551,7 +551,7 @@ def test_a_link_at_the_trim_lock_is_never_followed(
     victim.chmod(0o600)
     # Over its limit: the next age trims, taking the chip's cleanup lock.
     write_size_ini(root, 1, 50)
-    (root / SOC / "_size" / "07.json").write_text('{"bytes": 5000000000}')
+    (root / SOC / "_size" / "07.count").write_text('{"bytes": 5000000000}')
     os.symlink(victim, root / ".opcache" / "locks" / f"{SOC}.cleanup")
 
     settings = make_settings(tmp_path / "ops", tmp_path)  # (reads the new limit)
@@ -986,15 +986,15 @@ def test_verify_sets_every_counter_or_none() -> None:
         code, fmt["closed"] = CHILD_PROLOGUE + UNREAD_BUCKET_CODE, ""  # (nothing closed)
         size = run_as(MEMBER_B, MEMBER_B, code.format(store=True, **fmt), groups=(TEAM_GID,))
         sizes = ops / "kernel_cache" / SOC / local.SIZE_FOLDER
-        (shard,) = sizes.glob("*.json")
-        last = "14" if shard.name == "15.json" else "15"
+        (shard,) = sizes.glob("*.count")
+        last = "14" if shard.name == "15.count" else "15"
         split = {"entries": 1, "bytes": 1}
         shard.write_text(json.dumps({"entries": 1, "bytes": size - 1}))
-        (sizes / f"{last}.json").write_text(json.dumps(split))
+        (sizes / f"{last}.count").write_text(json.dumps(split))
         (sizes / f"{last}.lock").touch(mode=0o600)
-        for made in (f"{last}.json", f"{last}.lock"):
+        for made in (f"{last}.count", f"{last}.lock"):
             os.chown(sizes / made, MEMBER_B, TEAM_GID)
-        os.chmod(sizes / f"{last}.json", 0o660)
+        os.chmod(sizes / f"{last}.count", 0o660)
         chip, entries, now, warnings = run_as(
             MEMBER_A, MEMBER_A, code.format(store=False, **fmt), groups=(TEAM_GID,)
         )

@@ -293,9 +293,11 @@ FILES = {
     "count-lock": [".opcache/locks/host.count"],
     "force-lock": [".opcache/locks/host.force"],
     "key-lock": [".opcache/locks/host/KEY"],
-    "size-shards": [f"host/_size/{i}.json" for i in SHARDS],
+    "size-shards": [f"host/_size/{i}.{kind}" for i in SHARDS for kind in ("count", "json")],
     "size-locks": [f"host/_size/{i}.lock" for i in SHARDS],
-    "stats-shards": [f".opcache/stats/host/{i}.json" for i in SHARDS],
+    "stats-shards": [
+        f".opcache/stats/host/{i}.{kind}" for i in SHARDS for kind in ("count", "json")
+    ],
     "stats-locks": [f".opcache/stats/host/{i}.lock" for i in SHARDS],
     "direct-note": [".opcache/direct/??/*"],
     "tool-note": [".opcache/tools/*"],

@@ -281,13 +281,13 @@ def test_planted_counter_shards_too_deep_or_too_large_fail_no_compile(tmp_path: 
     wrap(*cmd, env=env, cwd=src)
     (src / "k.o").unlink()
     shards = [
-        *tmp_path.glob("cache/**/_size/*.json"),
-        *tmp_path.glob("cache/**/.opcache/stats/host/*.json"),
+        *tmp_path.glob("cache/**/_size/*.count"),
+        *tmp_path.glob("cache/**/.opcache/stats/host/*.count"),
     ]
     assert {p.parent.name for p in shards} == {"_size", "host"}
     for folder in {p.parent for p in shards}:
-        (folder / "03.json").write_bytes(b'{"bytes":' + HUGE + b"}")
-        (folder / "05.json").write_bytes(b'{"entries":' + HUGE[:400] + b"}")
+        (folder / "03.count").write_bytes(b'{"bytes":' + HUGE + b"}")
+        (folder / "05.count").write_bytes(b'{"entries":' + HUGE[:400] + b"}")
         (folder / "07.json").write_bytes(DEEP)
     wrap(*cmd, env=env, cwd=src)  # a hit or a miss, but k.o made, no traceback
     assert (src / "k.o").stat().st_size > 0
