@@ -105,10 +105,7 @@ class CounterFiles:
             names = [_shard_name(i) for i in range(SHARDS)] + [
                 _legacy_name(i) for i in range(SHARDS)
             ]
-            try:  # (only those there opened: most folders hold few)
-                there = set(os.listdir(fd))
-            except OSError:
-                there = set(names)
+            there = _listed(fd)  # (only those there opened: most folders hold few)
             shards = [self._read(name, fd) for name in names if name in there]
             for counts in [*shards, self._read_appended(QUICK_COUNTS, fd)]:
                 for name, value in counts.items():
@@ -130,18 +127,15 @@ class CounterFiles:
         fd = self._open_folder(True)
         try:
             with contextlib.ExitStack() as held:
+                there = _listed(fd)
                 present = []
                 for index in range(SHARDS):
-                    if (
-                        index
-                        and not fsutil.lexists(_shard_name(index), fd)
-                        and not fsutil.lexists(_legacy_name(index), fd)
-                    ):
+                    if index and not {_shard_name(index), _legacy_name(index)} & there:
                         continue  # an add that creates it now lands after the reset: right
                     held.enter_context(flocked(_lock_name(index), self._modes, dir_fd=fd))
                     present.append(index)
                 kept = [
-                    {n: v for n, v in self._take_legacy(index, fd).items() if n in keep}
+                    {n: v for n, v in self._take_legacy(index, fd, there).items() if n in keep}
                     for index in present
                 ]
                 for n, v in self._take_appended(fd).items():
@@ -176,13 +170,15 @@ class CounterFiles:
             and abs(value) < _MAX_COUNT
         }
 
-    def _take_legacy(self, index: int, dir_fd: int) -> Counts:
+    def _take_legacy(self, index: int, dir_fd: int, there: set[str] | None = None) -> Counts:
         """Shard ``index``'s counts, its legacy ``NN.json`` (made before 2026-11-28, or
         by an older opcache sharing the folder) folded in and gone.  Under the
         shard's lock, with ``totals`` reading a shard before its legacy name: the
         legacy counts are renamed, not copied, so no reader sums them twice; a
         writer killed before its write loses them, which ``verify`` recounts."""
         legacy, shard = _legacy_name(index), _shard_name(index)
+        if there is not None and legacy not in there:  # (a listing under every lock)
+            return self._read(shard, dir_fd)
         try:
             planted = not stat.S_ISREG(
                 os.stat(legacy, dir_fd=dir_fd, follow_symlinks=False).st_mode
@@ -327,6 +323,15 @@ def _shard_name(index: int) -> str:
 
 def _legacy_name(index: int) -> str:
     return f"{index:02d}.json"
+
+
+def _listed(dir_fd: int) -> set[str]:
+    """The names in the folder open as ``dir_fd``; every shard's names when it
+    cannot be listed (each then looked for)."""
+    try:
+        return set(os.listdir(dir_fd))
+    except OSError:
+        return {f(i) for i in range(SHARDS) for f in (_shard_name, _legacy_name)}
 
 
 def _lock_name(index: int) -> str:

@@ -433,7 +433,7 @@ def count_then_hang_child(spec: dict[str, Any]) -> None:
     real_replace = os.replace
 
     def replace_or_hang(src, dst, *args, **kwargs):
-        if os.fspath(dst).endswith(".json") and os.path.basename(os.fspath(src)).startswith("."):
+        if os.fspath(dst).endswith(".count") and os.path.basename(os.fspath(src)).startswith("."):
             Path(spec["marker"]).touch()
             time.sleep(3600)
         return real_replace(src, dst, *args, **kwargs)

@@ -40,6 +40,7 @@ from helpers_cache import (
     read_json,
     run_script,
     store_forever_child,
+    toolkit_env,
     trash_emptied,
     tree_bytes,
     wait_for,
@@ -277,7 +278,7 @@ def test_permission_denied_compiles_uncached_with_one_warning(private_root: bool
         settings = opcache.resolve_settings(
             op_compiler_cache_mode="enable",
             op_compiler_cache_dir=str(ops),
-            environ={"HOME": str(base)},
+            environ={"HOME": str(base), **toolkit_env(base)},  # (op_cache.ini made)
         )
         with opcache.OpCache(settings) as cache:  # root's cache: folders 0750, files 0640
             cache.compile(make_request(0), ToyCompiler(base / "calls"), base / "root-out")

@@ -22,6 +22,7 @@ from helpers_cache import (
     make_settings,
     read_dir,
     run_script,
+    toolkit_env,
     tree_bytes,
 )
 
@@ -322,11 +323,13 @@ def test_verify_and_age_remove_leftovers_of_dead_writers(
 
 
 def _modes_script(tmp_path: Path, umask: int) -> dict:
+    toolkit = toolkit_env(tmp_path)  # (so that op_cache.ini is made)
     code = f"""
 import json, os, stat, helpers_cache as h, opcache
 root = h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r}).root
 comp = h.ToyCompiler({str(tmp_path / "calls")!r})
-with opcache.OpCache(h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r})) as c:
+settings = h.make_settings({str(tmp_path / "ops")!r}, {str(tmp_path)!r}, env={toolkit!r})
+with opcache.OpCache(settings) as c:
     for i in (0, 1, 0):
         c.compile(h.make_request(i), comp, {str(tmp_path / "out")!r})
     c.compile(h.make_request(0, soc_version="Ascend310P3"), comp, {str(tmp_path / "out")!r})
