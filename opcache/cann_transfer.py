@@ -24,7 +24,8 @@ archive holds the chip only under other versions, the pull is refused
 only if CANN's hit check passes (``cann_format``'s: the json parses, the
 binaries are there, sha256 equal, ``kernelName`` for ``.o``) and every file
 is named after its kernel, and none written before ``op_cache.ini`` last
-changed (``IniMark``).  Files are read without moving their access time.
+changed (``IniMark``) nor before the driver or a custom operator package last
+changed (``InputsMark``).  Files are read without moving their access time.
 
 **Writing** (pull, import), as CANN's ``CopyFileToCacheDir`` writes:
 ``<kernel>.lock`` taken (``F_SETLK``, non-blocking: an entry whose lock a
@@ -81,7 +82,15 @@ from .cann_format import (
     scan_chip,
     try_lock,
 )
-from .compilers.cann import custom_opp_digest, driver_version
+from .compilers.cann import (
+    _MAX_PACKAGE_FILES,
+    DRIVER_VARIABLE,
+    INSTALL_INFO,
+    custom_opp_digest,
+    custom_opp_folders,
+    driver_folder,
+    driver_version,
+)
 from .errors import ConfigError
 from .key import canonical_json, digest
 from .request import is_plain_name
@@ -230,6 +239,89 @@ class IniMark:
 
 PREDATES = "it may predate the last toolkit change: written before op_cache.ini last changed"
 INI_CHANGED = "op_cache.ini changed meanwhile (a toolkit change?): run it again"
+PREDATES_INPUT = (
+    "it may predate the last driver or custom operator package change: written before {} "
+    "last changed"
+)
+CHANGED = "it changed while this ran: the next run gives it"
+
+
+class InputsMark:
+    """The driver and the custom operator packages as a giving side found them: each
+    file and folder the namespace is digested from, with the time it last changed.
+
+    CANN wipes its folder only for other versions in op_cache.ini: after a new
+    driver or custom operator package the entries compiled before stay, and the
+    namespace, digested from what is installed now, would file them as built with
+    the new one.  An entry written before the newest change is never given.  A
+    file's change time counts as well as its modification time: a package
+    installed by tar or rpm gets its old modification times back, never an old
+    change time.
+    """
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+        self.stamps = _input_stamps(environ)
+        self.newest_ns, self.newest = max(
+            ((max(st[2], st[3]), path) for path, st in self.stamps.items()), default=(0, "")
+        )
+
+    def predates(self, st: os.stat_result) -> bool:
+        return st.st_mtime_ns < self.newest_ns
+
+    @property
+    def why(self) -> str:
+        return PREDATES_INPUT.format(self.newest)
+
+    def changed(self) -> bool:
+        return _input_stamps(self.environ) != self.stamps
+
+
+def _input_stamps(environ: Mapping[str, str]) -> dict[str, tuple[int, int, int, int, int]]:
+    """{path: (device, inode, mtime, ctime, size)} of what ``driver_version`` and
+    ``custom_opp_digest`` read (links followed, as they read), one stat each;
+    Refused past the files a digest reads."""
+    stamps: dict[str, tuple[int, int, int, int, int]] = {}
+
+    def mark(path: str) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            try:  # (a dangling link: its target, made later, is newer than it)
+                st = os.lstat(path)
+            except OSError:
+                return False
+        stamps[path] = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+        return True
+
+    def parent(path: str) -> str:
+        return os.path.dirname(os.path.normpath(os.path.abspath(path)))
+
+    # A folder that is not there may have been removed: its parent's times say when.
+    driver = str(driver_folder(environ))
+    if not environ.get(DRIVER_VARIABLE):
+        mark(INSTALL_INFO)  # (it says where the driver is)
+    if mark(driver):
+        mark(os.path.join(driver, "version.info"))
+    else:
+        mark(parent(driver))
+    seen = set()
+    for folder in custom_opp_folders(environ):
+        if not os.path.isdir(folder):
+            mark(parent(folder))
+            continue
+        for top, subfolders, files in os.walk(folder, followlinks=True):
+            if not mark(top) or stamps[top][:2] in seen:
+                subfolders.clear()
+                continue
+            seen.add(stamps[top][:2])
+            # (Python's bytecode is no part of the digest, and is written at first imports)
+            subfolders[:] = [f for f in subfolders if f != "__pycache__"]
+            for name in files:
+                mark(os.path.join(top, name))
+            if len(stamps) > _MAX_PACKAGE_FILES:
+                raise Refused(f"the custom operator packages hold over {len(stamps)} files")
+    return stamps
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int] | None:
@@ -242,16 +334,18 @@ def _stamp(path: Path) -> tuple[int, int, int, int] | None:
 
 def giving_namespace(
     root: Path, soc: str, environ: Mapping[str, str], shared_group: int | None
-) -> tuple[Namespace, IniMark]:
-    """The namespace of a chip folder that gives entries (push, export), and the mark
-    of the op_cache.ini its versions come from; Refused when the ini changed while
-    read (its versions then may not be the ones of its time)."""
+) -> tuple[Namespace, IniMark, InputsMark]:
+    """The namespace of a chip folder that gives entries (push, export), and the marks
+    of what it comes from; Refused when the ini changed while read (its versions then
+    may not be the ones of its time)."""
     path = root / INI_NAME
     before = _stamp(path)
+    # (marked before the digest: a change while it reads is seen by the reader's check)
+    inputs = InputsMark(environ)
     ns, _ = local_namespace(root, soc, environ, shared_group, taking=False)
     if before is None or _stamp(path) != before:
         raise Refused(f"{path} changed while it was read (a toolkit change?): run it again")
-    return ns, IniMark(path, before)
+    return ns, IniMark(path, before), inputs
 
 
 def create_ini(path: Path, ns: Namespace) -> None:
@@ -311,15 +405,22 @@ def _own_name(kernel: str, name: str) -> bool:
 
 class _Reader:
     """The sound entries of a chip folder open as ``fd``, most recently used first; none
-    written before ``ini``'s last change, none read whole when its files are over
-    ``cap`` bytes (``too_big`` says so)."""
+    written before ``ini``'s or ``inputs``' last change, none read whole when its files
+    are over ``cap`` bytes (``too_big`` says so).  Refused when ``inputs`` changed
+    since they were marked: an entry listed may be of the new ones."""
 
-    def __init__(self, fd: int, ini: IniMark, cap: int, too_big: str) -> None:
+    def __init__(self, fd: int, ini: IniMark, inputs: InputsMark, cap: int, too_big: str) -> None:
         self.fd = fd
         self.ini = ini
         self.cap = cap
         self.too_big = too_big
         scan = scan_chip(fd)
+        # Every entry listed was written by now: with the inputs unchanged since before
+        # the namespace was digested, none of them is of other ones than the digest's.
+        if inputs.changed():
+            raise Refused(
+                "the driver or a custom operator package changed while it was read: run it again"
+            )
         self.files = scan.files
         self.entries: dict[str, tuple[int, CannEntry]] = {}
         self.skipped: list[dict[str, str]] = []
@@ -336,6 +437,8 @@ class _Reader:
                 problem = _reserved(entry.kernel)
             if problem is None and any(ini.predates(self.files[f]) for f in entry.owned):
                 problem = PREDATES
+            if problem is None and any(inputs.predates(self.files[f]) for f in entry.owned):
+                problem = inputs.why
             if problem is not None:
                 self.skipped.append({"entry": entry.kernel, "why": problem})
                 continue
@@ -356,8 +459,10 @@ class _Reader:
             for name in sorted(entry.owned):
                 with os.fdopen(open_quietly(self.fd, name), "rb") as f:
                     st = os.fstat(f.fileno())
-                    if self.ini.predates(st):  # replaced since the scan
-                        return PREDATES
+                    listed = self.files[name]
+                    if (st.st_ino, st.st_mtime_ns) != (listed.st_ino, listed.st_mtime_ns):
+                        # Replaced since the scan: maybe compiled after the inputs changed.
+                        return CHANGED
                     if st.st_size > room:  # (grown or replaced since the scan)
                         return self.too_big
                     files[name] = f.read(st.st_size + 1)  # (one more: it grew)
@@ -748,11 +853,11 @@ def _push_chip(
     dry_run: bool,
     progress: Callable[[int], None] | None,
 ) -> dict:
-    ns, ini_mark = giving_namespace(root, soc, environ, settings.shared_group)
+    ns, ini_mark, inputs = giving_namespace(root, soc, environ, settings.shared_group)
     chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
     try:
         cap = client.max_entry_bytes
-        reader = _Reader(chip.fd, ini_mark, cap, f"over its size cap ({cap} bytes)")
+        reader = _Reader(chip.fd, ini_mark, inputs, cap, f"over its size cap ({cap} bytes)")
         kernels = list(reader.entries)
         there = _have(client, ns.remote_chip, kernels)
         missing = [k for k in kernels if k not in there]
@@ -1001,31 +1106,41 @@ def export_archive(
     with ArchiveWriter(Path(path), CANN) as out:
         for soc in socs:
             try:
-                ns, ini_mark = giving_namespace(root, soc, env, settings.shared_group)
-                chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
+                chips[soc] = _export_chip(out, root, soc, settings, env, progress)
             except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
-                continue
-            try:
-                reader = _Reader(chip.fd, ini_mark, MAX_MEMBER_BYTES, TOO_BIG)
-                report = {"namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
-                          "entries": 0, "bytes": 0, "skipped": reader.skipped}  # fmt: skip
-                for done, kernel in enumerate(reader.entries, 1):
-                    bundle = reader.read(kernel)
-                    if isinstance(bundle, str):
-                        report["skipped"].append({"entry": kernel, "why": bundle})
-                        continue
-                    if not out.add(soc, kernel, _manifest(ns, bundle), bundle.files, bundle.atime):
-                        report["skipped"].append({"entry": kernel, "why": TOO_BIG})
-                        continue
-                    report["entries"] += 1
-                    report["bytes"] += bundle.size
-                    if progress is not None:
-                        progress(done * 100 // len(reader.entries))
-            finally:
-                chip.close()
-            chips[soc] = report
     return {"file": str(path), "root": str(root), "chips": chips}
+
+
+def _export_chip(
+    out: ArchiveWriter,
+    root: Path,
+    soc: str,
+    settings: Settings,
+    environ: Mapping[str, str],
+    progress: Callable[[int], None] | None,
+) -> dict:
+    ns, ini_mark, inputs = giving_namespace(root, soc, environ, settings.shared_group)
+    chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
+    try:
+        reader = _Reader(chip.fd, ini_mark, inputs, MAX_MEMBER_BYTES, TOO_BIG)
+        report = {"namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
+                  "entries": 0, "bytes": 0, "skipped": reader.skipped}  # fmt: skip
+        for done, kernel in enumerate(reader.entries, 1):
+            bundle = reader.read(kernel)
+            if isinstance(bundle, str):
+                report["skipped"].append({"entry": kernel, "why": bundle})
+                continue
+            if not out.add(soc, kernel, _manifest(ns, bundle), bundle.files, bundle.atime):
+                report["skipped"].append({"entry": kernel, "why": TOO_BIG})
+                continue
+            report["entries"] += 1
+            report["bytes"] += bundle.size
+            if progress is not None:
+                progress(done * 100 // len(reader.entries))
+    finally:
+        chip.close()
+    return report
 
 
 def import_archive(

@@ -901,3 +901,86 @@ def test_custom_packages_compare_by_their_files_not_bytecode_nor_link_text(machi
     store_entry(a.chip, c_entry, b"x")
     a.push()
     assert "custom operator packages" in b.pull()["refused"]
+
+
+def _after(path: Path) -> None:
+    """Wait until a file written now gets a later time than ``path``'s (file times tick
+    with the kernel's clock, coarser than ``time.time``)."""
+    probe = path.parent / ".tick"
+    while True:
+        probe.write_bytes(b"")
+        if probe.stat().st_mtime_ns > path.stat().st_mtime_ns:
+            probe.unlink()
+            return
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("change", ["custom package", "package restored by tar", "driver"])
+def test_entries_compiled_before_a_driver_or_package_change_are_not_given(
+    machines, tmp_path, change
+):
+    """CANN keeps its folder when a driver or custom operator package changes: the old
+    kernels went to the remote filed under the new one's namespace, and a machine with
+    the new package pulled them.  A tar or rpm install restores old modification
+    times: the change time tells."""
+    a, b = machines
+    _custom_package(a, b"tiling v1")
+    old = _fill(a, 2)
+    assert a.push()["sent"] == 2
+    _after(a.chip / f"{old[0]}.json")
+    impl = a.base / "custom_opp" / "op_impl" / "ai_core" / "tbe" / "my_add.py"
+    changed = impl if change != "driver" else tmp_path / "driver" / "version.info"
+    before = changed.stat().st_mtime
+    changed.write_text("def my_add(): return 2\n" if change != "driver" else "Version=25.0\n")
+    if change != "custom package":
+        os.utime(changed, (before, before))  # as tar and rpm set it back
+    new = kernel_name("Mul", "after the change")
+    store_entry(a.chip, new, b"\x7fELF by v2")
+
+    report = a.push()
+    assert report["sent"] == 1
+    assert [s["entry"] for s in report["skipped"]] == old
+    assert "predate the last driver or custom operator package" in report["skipped"][0]["why"]
+    exported = cann_transfer.export_archive(
+        tmp_path / "a.tar", SOC, settings=a.settings(), environ=a.env
+    )["chips"][SOC]
+    assert exported["entries"] == 1 and len(exported["skipped"]) == 2
+
+    _custom_package(b, b"tiling v1")
+    (b.base / "custom_opp" / "op_impl" / "ai_core" / "tbe" / "my_add.py").write_text(
+        impl.read_text()
+    )
+    b.toolkit()
+    assert b.pull()["written"] == 1
+    assert sorted(p.stem for p in b.chip.glob("*.json")) == [new]
+
+
+def test_entries_compiled_with_a_package_since_removed_are_not_given(machines):
+    a, _ = machines
+    _custom_package(a, b"tiling v1")
+    old = _fill(a, 2)
+    _after(a.chip / f"{old[0]}.json")
+    shutil.rmtree(a.base / "custom_opp")  # its ASCEND_CUSTOM_OPP_PATH left set
+    report = a.push()
+    assert (report["sent"], len(report["skipped"])) == (0, 2)
+    assert report["namespace"].get("custom") is None
+
+
+def test_a_package_changed_while_a_push_lists_the_folder_refuses_it(machines, monkeypatch):
+    """An entry compiled with the new package before the folder is listed, the namespace
+    digested from the old one: it went to the old one's namespace."""
+    a, _ = machines
+    _custom_package(a, b"tiling v1")
+    _fill(a, 1)
+    real = cann_transfer.scan_chip
+
+    def package_changes_then_scan(fd: int):  # type: ignore[no-untyped-def]
+        impl = a.base / "custom_opp" / "op_impl" / "ai_core" / "tbe" / "my_add.py"
+        _after(impl)
+        impl.write_text("def my_add(): return 2\n")
+        store_entry(a.chip, kernel_name("Mul", "v2"), b"\x7fELF by v2")
+        return real(fd)
+
+    monkeypatch.setattr(cann_transfer, "scan_chip", package_changes_then_scan)
+    report = a.push()
+    assert "custom operator package changed" in report["refused"]

@@ -30,7 +30,8 @@ NOW = time.time()
 def _env(tmp_path: Path) -> dict[str, str]:
     driver = tmp_path / "driver"
     driver.mkdir(exist_ok=True)
-    (driver / "version.info").write_text("Version=24.1.rc2\n")
+    if not (driver / "version.info").exists():  # (installed once: entries written after it count)
+        (driver / "version.info").write_text("Version=24.1.rc2\n")
     return {"ASCEND_DRIVER_PATH": str(driver), "HOME": str(tmp_path)}
 
 
@@ -52,9 +53,10 @@ def _settings(base: Path):  # type: ignore[no-untyped-def]
 
 def _export(tmp_path: Path, name: str = "cache.tar") -> Path:
     a = tmp_path / "a"
+    env = _env(tmp_path)
     _cann_folder(a)
     path = tmp_path / name
-    report = cann_transfer.export_archive(path, SOC, settings=_settings(a), environ=_env(tmp_path))
+    report = cann_transfer.export_archive(path, SOC, settings=_settings(a), environ=env)
     assert report["chips"][SOC]["entries"] == 4
     return path
 
@@ -86,12 +88,12 @@ def test_an_archive_of_two_chips_fills_both(tmp_path):
     one let go found the first one's parked lock files gone (a TypeError traceback,
     the report lost, exit 1)."""
     a = tmp_path / "a"
+    env = _env(tmp_path)
     _cann_folder(a)
     other = "Ascend310P3"
     for i in range(2):
         store_entry(a / "kernel_cache" / other, kernel_name("Mul", f"y{i}"), os.urandom(500))
     path = tmp_path / "both.tar"
-    env = _env(tmp_path)
     cann_transfer.export_archive(path, None, settings=_settings(a), environ=env)
     report = _import(tmp_path, path)["chips"]
     assert (report[SOC]["written"], report[other]["written"]) == (4, 2)
@@ -573,9 +575,10 @@ def test_an_entry_over_the_member_cap_is_left_out_of_the_export_and_the_rest_imp
     # The three entries of a 2000-byte binary are over it (3031 bytes), the mix entry is not.
     monkeypatch.setattr(archive, "MAX_MEMBER_BYTES", 2900)
     a = tmp_path / "a"
+    env = _env(tmp_path)
     big = _cann_folder(a)
     path = tmp_path / "cache.tar"
-    report = cann_transfer.export_archive(path, SOC, settings=_settings(a), environ=_env(tmp_path))
+    report = cann_transfer.export_archive(path, SOC, settings=_settings(a), environ=env)
     chip = report["chips"][SOC]
     assert (chip["entries"], sorted(s["entry"] for s in chip["skipped"])) == (1, sorted(big))
     assert all("the most an archive holds" in s["why"] for s in chip["skipped"])
