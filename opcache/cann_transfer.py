@@ -1103,12 +1103,20 @@ def export_archive(
     root = cann_root(settings)
     chips: dict[str, object] = {}
     socs = _chips(root, soc_version)
-    with ArchiveWriter(Path(path), CANN) as out:
+    out = ArchiveWriter(Path(path), CANN)
+    try:
         for soc in socs:
             try:
                 chips[soc] = _export_chip(out, root, soc, settings, env, progress)
             except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
+    except BaseException:
+        out.abort()
+        raise
+    if all("refused" in chip for chip in chips.values()):
+        out.abort()  # nothing exported: an existing file of that name is left as it was
+    else:
+        out.close()
     return {"file": str(path), "root": str(root), "chips": chips}
 
 

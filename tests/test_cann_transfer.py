@@ -984,3 +984,18 @@ def test_a_package_changed_while_a_push_lists_the_folder_refuses_it(machines, mo
     monkeypatch.setattr(cann_transfer, "scan_chip", package_changes_then_scan)
     report = a.push()
     assert "custom operator package changed" in report["refused"]
+
+
+def test_a_refused_export_leaves_an_existing_file_as_it_was(machines, tmp_path, capsys):
+    from opcache.cli import main
+
+    a, _ = machines
+    _fill(a, 1)
+    mine = tmp_path / "notes.tar"
+    mine.write_bytes(b"the user's own file")
+    argv = ["cann", "export", str(mine), "--op_compiler_cache_dir", str(a.base)]
+    status = main([*argv, "--soc_version", "Ascend310P3"])  # no such chip folder here
+    err = capsys.readouterr().err
+    assert status == 3 and err.startswith("opcache: error: ") and err.count("\n") == 1
+    assert mine.read_bytes() == b"the user's own file"
+    assert sorted(p.name for p in tmp_path.iterdir() if "notes" in p.name) == ["notes.tar"]
