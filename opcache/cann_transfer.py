@@ -93,7 +93,7 @@ from .compilers.cann import (
 )
 from .errors import ConfigError
 from .key import canonical_json, digest
-from .request import is_plain_name
+from .request import check_soc_version, is_plain_name
 from .settings import INI_NAME, Settings, resolve_settings
 from .storage import Remote, RemoteCorrupt, open_remote
 from .storage.entry import make_manifest
@@ -652,21 +652,32 @@ class _Chip:
         os.close(self.fd)
 
 
-def _chips(root: Path, soc: str | None) -> list[str]:
+def _chips(root: Path, soc: str | None) -> tuple[list[str], list[str]]:
+    """(the chip folders to move, asked or each one of ``root``; the folders of root
+    left out, named as no chip is).  ConfigError for a ``soc`` no chip has."""
     if soc is not None:
-        return [soc]
+        return [check_soc_version(soc)], []
     try:
         with os.scandir(root) as listing:
-            names = sorted(
+            folders = sorted(
                 e.name
                 for e in listing
                 if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
             )
     except OSError:
-        names = []
+        folders = []
+    names, others = [], []
+    for name in folders:
+        try:
+            names.append(check_soc_version(name))
+        except ConfigError:
+            # lost+found, a copy (Ascend910B1.bak), notes: an archive naming one is refused
+            # whole, a remote would hold it as a chip.
+            log.info("%s/%s left out: not a chip's name", root, name)
+            others.append(name)
     if not names:
         raise ConfigError(f"no chip folder in {root}: say which chip with --soc_version")
-    return names
+    return names, others
 
 
 def _new_report(ns: Namespace) -> dict:
@@ -804,16 +815,18 @@ def _each_chip(
     env = os.environ if environ is None else environ
     root = cann_root(settings)
     chips: dict[str, object] = {}
+    socs, others = _chips(root, soc_version)
     client = _connect(settings)
     try:
-        for soc in _chips(root, soc_version):
+        for soc in socs:
             try:
                 chips[soc] = transfer(client, root, soc, settings, env, dry_run, progress)
             except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
     finally:
         client.close()
-    return {"remote": client.where, "root": str(root), "dry_run": dry_run, "chips": chips}
+    return {"remote": client.where, "root": str(root), "dry_run": dry_run, "chips": chips,
+            "not_chip_folders": others}  # fmt: skip
 
 
 def push(
@@ -1102,7 +1115,7 @@ def export_archive(
     env = os.environ if environ is None else environ
     root = cann_root(settings)
     chips: dict[str, object] = {}
-    socs = _chips(root, soc_version)
+    socs, others = _chips(root, soc_version)
     out = ArchiveWriter(Path(path), CANN)
     try:
         for soc in socs:
@@ -1117,7 +1130,7 @@ def export_archive(
         out.abort()  # nothing exported: an existing file of that name is left as it was
     else:
         out.close()
-    return {"file": str(path), "root": str(root), "chips": chips}
+    return {"file": str(path), "root": str(root), "chips": chips, "not_chip_folders": others}
 
 
 def _export_chip(

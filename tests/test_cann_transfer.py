@@ -999,3 +999,32 @@ def test_a_refused_export_leaves_an_existing_file_as_it_was(machines, tmp_path, 
     assert status == 3 and err.startswith("opcache: error: ") and err.count("\n") == 1
     assert mine.read_bytes() == b"the user's own file"
     assert sorted(p.name for p in tmp_path.iterdir() if "notes" in p.name) == ["notes.tar"]
+
+
+def test_folders_named_as_no_chip_is_are_neither_pushed_nor_exported(machines, tmp_path):
+    """lost+found, a copy kept by hand, notes: each was taken for a chip, exported (and the
+    archive then refused whole by import) or pushed as ``cann:notes by alice``."""
+    a, b = machines
+    kernels = _fill(a, 2)
+    (a.root / "lost+found").mkdir()
+    shutil.copytree(a.chip, a.root / f"{SOC}.bak")
+    store_entry(a.root / "notes by alice", kernel_name("Add", "notes"), b"\x7fELF")
+    others = sorted(["lost+found", f"{SOC}.bak", "notes by alice"])
+
+    pushed = cann_transfer.push(settings=a.settings(), environ=a.env)
+    assert list(pushed["chips"]) == [SOC] and pushed["not_chip_folders"] == others
+    assert pushed["chips"][SOC]["sent"] == 2
+    exported = cann_transfer.export_archive(
+        tmp_path / "a.tar", settings=a.settings(), environ=a.env
+    )
+    assert list(exported["chips"]) == [SOC] and exported["not_chip_folders"] == others
+
+    b.toolkit()
+    imported = cann_transfer.import_archive(
+        tmp_path / "a.tar", settings=b.settings(), environ=b.env
+    )
+    assert imported["chips"][SOC]["written"] == 2
+    assert sorted(p.stem for p in b.chip.glob("*.json")) == sorted(kernels)
+    with pytest.raises(opcache.ConfigError):
+        cann_transfer.pull("../elsewhere", settings=b.settings(), environ=b.env)
+    assert not (b.base / "elsewhere").exists()
