@@ -95,7 +95,7 @@ from .errors import ConfigError
 from .key import canonical_json, digest
 from .request import check_soc_version, is_plain_name
 from .settings import INI_NAME, Settings, resolve_settings
-from .storage import Remote, RemoteCorrupt, open_remote
+from .storage import Remote, RemoteCorrupt, RemoteError, open_remote
 from .storage.entry import make_manifest
 
 log = get_logger(__name__)
@@ -1033,9 +1033,35 @@ def _pull_chip(
                     break
                 if progress is not None:
                     progress((at + 1) * 100 // len(batches))
-    if report["gone"]:
-        _write_index(client, ns, {}, report["gone"])
+    report["discarded"] = _discard_damaged(client, ns, report["corrupt"])
+    if report["gone"] or report["discarded"]:
+        _write_index(client, ns, {}, [*report["gone"], *report["discarded"]])
     return report
+
+
+# What the remote says of a value of another format, or over this client's size cap
+# (``storage.value``, ``storage.local``): maybe another opcache's sound entry, left.
+_MAYBE_SOUND = re.compile(r"format|\b(over|past) \d")
+
+
+def _discard_damaged(client: Remote, ns: Namespace, corrupt: list[dict]) -> list[str]:
+    """Remove the entries of ``corrupt`` from the remote (not a read-only one): push asks
+    only whether a key is there, so a damaged value would stand for good, every pull
+    failing on it.  The kernels removed."""
+    removed: list[str] = []
+    for item in corrupt:
+        if client.read_only:  # (or turned so: the server refused a write)
+            break
+        if _MAYBE_SOUND.search(item["why"]):
+            continue
+        try:
+            client.discard(ns.remote_chip, item["entry"])
+        except RemoteError as e:
+            log.warning("%s: damaged entries left on the remote: %s", ns.soc, e)
+            break
+        if not client.read_only:
+            removed.append(item["entry"])
+    return removed
 
 
 def _fill_lock(held: contextlib.ExitStack, chip: _Chip, report: dict) -> bool:

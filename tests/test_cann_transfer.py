@@ -1028,3 +1028,67 @@ def test_folders_named_as_no_chip_is_are_neither_pushed_nor_exported(machines, t
     with pytest.raises(opcache.ConfigError):
         cann_transfer.pull("../elsewhere", settings=b.settings(), environ=b.env)
     assert not (b.base / "elsewhere").exists()
+
+
+def _damage_folder_value(share: Path, kernel: str) -> None:
+    (binary,) = [p for p in share.rglob(f"{kernel}.o")]
+    data = bytearray(binary.read_bytes())
+    data[0] ^= 0xFF
+    binary.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["redis", "folder"])
+def test_a_damaged_remote_entry_is_discarded_by_a_pull_and_sent_again_by_a_push(
+    machines, redis_server, tmp_path, kind
+):
+    """Push asks only whether a key is there: a damaged value stood for good, every pull
+    reporting it corrupt (exit 1) and every push saying it was already there."""
+    a, b = machines
+    if kind == "folder":
+        a.url = b.url = f"file://{tmp_path / 'share'}"
+        (tmp_path / "share").mkdir()
+    kernels = _fill(a, 3)
+    a.push()
+    if kind == "redis":
+        client, name = _in_redis(redis_server, kernels[0])
+        client.set(name, client.get(name)[:-20] + bytes(20))
+    else:
+        _damage_folder_value(tmp_path / "share", kernels[0])
+    write_ini(b.root)
+    first = b.pull()
+    assert [c["entry"] for c in first["corrupt"]] == [kernels[0]]
+    assert first["discarded"] == [kernels[0]]
+    assert (a.push()["sent"], b.pull()["written"]) == (1, 1)
+    assert sorted(p.stem for p in b.chip.glob("*.json")) == sorted(kernels)
+
+
+def test_a_read_only_pull_discards_nothing(machines, redis_server, monkeypatch):
+    a, b = machines
+    kernels = _fill(a, 2)
+    a.push()
+    client, name = _in_redis(redis_server, kernels[0])
+    damaged = client.get(name)[:-20] + bytes(20)
+    client.set(name, damaged)
+    write_ini(b.root)
+    monkeypatch.setenv("OPCACHE_REMOTE_READ_ONLY", "1")
+    report = b.pull()
+    assert (report["corrupt"][0]["entry"], report["discarded"]) == (kernels[0], [])
+    assert client.get(name) == damaged
+
+
+def test_a_value_of_another_format_is_left_on_the_remote(machines, redis_server):
+    """Another opcache's value, sound to it: a pull that cannot read it leaves it."""
+    import xxhash
+
+    a, b = machines
+    kernels = _fill(a, 2)
+    a.push()
+    client, name = _in_redis(redis_server, kernels[0])
+    value = bytearray(client.get(name)[:-16])
+    value[4] = 2  # (the format, after the magic)
+    newer = bytes(value) + xxhash.xxh3_128_digest(bytes(value))
+    client.set(name, newer)
+    write_ini(b.root)
+    report = b.pull()
+    assert "format" in report["corrupt"][0]["why"] and report["discarded"] == []
+    assert client.get(name) == newer
