@@ -89,7 +89,11 @@ class ArchiveWriter:
                 # (renamed over, a device node or a link would be gone, nothing written)
                 raise OSError(f"{path} is not a regular file: name a file for the archive")
         self._tmp = path.parent / fsutil.unique_name(f".{path.name}")
-        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            # (the temp file's name is ours: the user knows the archive's)
+            raise OSError(e.errno, e.strerror, str(path)) from None
         self._file = os.fdopen(fd, "wb")
         self._tar = tarfile.open(  # noqa: SIM115  (closed by close or abort)
             fileobj=self._file,

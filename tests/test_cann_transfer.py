@@ -1092,3 +1092,15 @@ def test_a_value_of_another_format_is_left_on_the_remote(machines, redis_server)
     report = b.pull()
     assert "format" in report["corrupt"][0]["why"] and report["discarded"] == []
     assert client.get(name) == newer
+
+
+def test_an_export_into_a_missing_folder_names_the_file_asked_for(machines, tmp_path, capsys):
+    from opcache.cli import main
+
+    a, _ = machines
+    _fill(a, 1)
+    wanted = tmp_path / "missing" / "a.tar"
+    status = main(["cann", "export", str(wanted), "--op_compiler_cache_dir", str(a.base)])
+    err = capsys.readouterr().err
+    assert status == 4 and err.startswith("opcache: error: ") and err.count("\n") == 1
+    assert f"'{wanted}'" in err and ".a.tar." not in err
