@@ -655,7 +655,7 @@ class _Chip:
 def _chips(root: Path, soc: str | None) -> tuple[list[str], list[str]]:
     """(the chip folders to move, asked or each one of ``root``; the folders of root
     left out, named as no chip is).  ConfigError for a ``soc`` no chip has."""
-    if soc is not None:
+    if soc:  # (empty is unset, as every setting)
         return [check_soc_version(soc)], []
     try:
         with os.scandir(root) as listing:
@@ -1212,7 +1212,7 @@ def import_archive(
         reader = held.enter_context(ArchiveReader(Path(path), CANN))
         found = reader.check(lambda manifest: digest(_versions_of(manifest)).encode())
         for soc, rows in found.items():
-            if soc_version is not None and soc != soc_version:
+            if soc_version and soc != soc_version:
                 continue
             try:
                 ns, ini_missing = local_namespace(

@@ -1104,3 +1104,26 @@ def test_an_export_into_a_missing_folder_names_the_file_asked_for(machines, tmp_
     err = capsys.readouterr().err
     assert status == 4 and err.startswith("opcache: error: ") and err.count("\n") == 1
     assert f"'{wanted}'" in err and ".a.tar." not in err
+
+
+def test_an_empty_soc_version_names_every_chip_in_the_library_too(machines, tmp_path):
+    """As on the command line (``--soc_version ''`` names no chip): an empty chip name is
+    unset, not a chip folder named ''."""
+    a, b = machines
+    _fill(a, 2)
+    pushed = cann_transfer.push("", settings=a.settings(), environ=a.env)["chips"]
+    assert list(pushed) == [SOC] and pushed[SOC]["sent"] == 2
+    exported = cann_transfer.export_archive(
+        tmp_path / "a.tar", "", settings=a.settings(), environ=a.env
+    )
+    assert list(exported["chips"]) == [SOC]
+    write_ini(b.root)
+    b.chip.mkdir(parents=True)
+    assert (
+        cann_transfer.pull("", settings=b.settings(), environ=b.env)["chips"][SOC]["written"] == 2
+    )
+    shutil.rmtree(b.chip)
+    imported = cann_transfer.import_archive(
+        tmp_path / "a.tar", "", settings=b.settings(), environ=b.env
+    )
+    assert imported["chips"][SOC]["written"] == 2
