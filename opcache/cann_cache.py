@@ -408,6 +408,8 @@ class CannCache:
                 now_st = None
             if now_st is not None and access_time(now_st) == atime:
                 entry = CannEntry(fd, name, present)
+                if entry.lock_file:  # planted: said (CANN never ages it either: no json)
+                    report["errors"].append(f"{kernel}: not aged: {entry.unchecked}")
                 if entry.aged is None:
                     continue  # CANN never ages a json it cannot parse (see CannEntry)
                 with kernel_lock(fd, kernel) as free:

@@ -48,11 +48,13 @@ _NOATIME = getattr(os, "O_NOATIME", 0)
 _MAX_SUB_DEPTH = 256
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INT_MAX = 2**31 - 1
-# Lock files of more than one name, kept open while any ``del_lock`` is held (how many
-# are: ``_del_locks``): maybe other names of an aging lock this process holds, which
-# any close of the file releases (fcntl locks are the process's).
+# The files of the locks this process holds ((st_dev, st_ino), and the lock's name),
+# once per hold: an fcntl lock is the process's, and closing ANY descriptor of its
+# file lets it go, so while one is held its file is never opened and closed again,
+# under whatever name (a hard link planted as an entry's json, binary or lock).
+_held: list[tuple[int, int, str]] = []
+# Descriptors found to be on a held lock's file, kept open until no lock is held.
 _parked: list[int] = []
-_del_locks = 0
 
 
 # -- a chip folder's files ------------------------------------------------------
@@ -199,6 +201,8 @@ class CannEntry:
     ``binFileSuffix``, maybe with folders) and ``sha256`` what its json says;
     ``owned``: its files in this folder (the aged ones, its binary, header,
     sub-jsons and their binaries).
+    ``lock_file``: its json or a sub-json is the file of a lock this process
+    holds (``HeldLockFile``): planted, not CANN's; unchecked, never aged.
     """
 
     def __init__(self, fd: int, name: str, files: Container[str]) -> None:
@@ -210,18 +214,20 @@ class CannEntry:
         self.unchecked: str | None = None
         self.binary: str | None = None
         self.sha256 = ""
+        self.lock_file = False
         try:
             data = read_json(fd, name)
+            aged, throws = _aged_files(fd, name, data, files)
         except (_Unread, ValueError) as e:
             if isinstance(e, _Unread):
                 self.unchecked = f"{name}: {e}"
+                self.lock_file = isinstance(e, _LockFile)
             else:
                 self.problem = f"{name} does not parse as CANN reads it ({e})"
             # What its writer would have named it, so a fix removes it too.
             guesses = (self.kernel + suffix for suffix in KERNEL_FILE_SUFFIXES)
             self.owned |= {name for name in guesses if name in files}
             return
-        aged, throws = _aged_files(fd, name, data, files)
         self.aged = None if throws else aged
         self.owned.update(aged)
         self._hit_check(fd, data, files)
@@ -293,6 +299,10 @@ class _Unread(Exception):
     """opcache does not read this file: CANN might, so nothing is concluded from it."""
 
 
+class _LockFile(_Unread):
+    """The json is the file of a lock this process holds (``HeldLockFile``)."""
+
+
 class _Throws(Exception):
     """CANN's code throws here (nlohmann's ``get<std::string>`` or ``operator[]`` on the
     wrong type): its aging pass deletes nothing at all and its hit check fails."""
@@ -343,7 +353,8 @@ def _aged_files(fd: int, name: str, data: object, files: Container[str]) -> tupl
     A plain entry: its binary.  A ``jsonList`` entry (a list, or an object's
     values): each sub-json and each sub-json's binary, not its own binary.
     Only regular files of this folder are listed: a name with a folder part,
-    ``..`` or ``\\`` CANN deletes wherever it leads; opcache does not.
+    ``..`` or ``\\`` CANN deletes wherever it leads; opcache does not.  _LockFile
+    when a sub-json is the file of a lock this process holds.
     """
     found = [name]
 
@@ -364,6 +375,8 @@ def _aged_files(fd: int, name: str, data: object, files: Container[str]) -> tupl
             add(sub)
             try:
                 add(_bin_of(read_json(fd, sub)))
+            except _LockFile as e:
+                raise _LockFile(f"its sub-json {sub}: {e}") from None
             except (_Unread, ValueError):
                 continue  # CANN skips a sub-json it cannot parse
     except _Throws:
@@ -416,14 +429,28 @@ def open_quietly(fd: int, name: str) -> int:
     allows it (never through a link, never waiting on a FIFO swapped in since the scan).
 
     O_NOATIME needs the file's owner (or CAP_FOWNER); for others' files a
-    plain read may move it, as any reader's would.
+    plain read may move it, as any reader's would.  HeldLockFile when it is
+    the file of a lock this process holds (``held_lock``): kept open, not read.
     """
+    file_fd = -1
     if _NOATIME:
-        try:
-            return fsutil.open_regular(name, os.O_RDONLY | _NOATIME, dir_fd=fd)[0]
-        except PermissionError:
-            pass
-    return fsutil.open_regular(name, dir_fd=fd)[0]
+        with contextlib.suppress(PermissionError):
+            file_fd, st = fsutil.open_regular(name, os.O_RDONLY | _NOATIME, dir_fd=fd)
+    if file_fd < 0:
+        file_fd, st = fsutil.open_regular(name, dir_fd=fd)
+    lock = held_lock(st)
+    if lock is not None:
+        _park_or_close(file_fd, st)  # (closing it would let go of that lock)
+        raise HeldLockFile(name, lock)
+    return file_fd
+
+
+class HeldLockFile(OSError):
+    """The file is that of a lock this process holds: another name of it (a hard link,
+    which CANN never makes), never CANN's entry, never read."""
+
+    def __init__(self, name: str, lock: str) -> None:
+        super().__init__(errno.EBUSY, f"it is the file of {lock}, which opcache holds locked", name)
 
 
 def read_json(fd: int, name: str) -> object:
@@ -431,6 +458,8 @@ def read_json(fd: int, name: str) -> object:
     CANN cannot parse it, _Unread when opcache cannot read it (or will not: too big)."""
     try:
         file_fd = open_quietly(fd, name)
+    except HeldLockFile as e:
+        raise _LockFile(f"not read: {e.strerror} (a hard link: not CANN's entry)") from None
     except OSError as e:
         raise _Unread(f"cannot read it ({e.strerror or e})") from None
     with os.fdopen(file_fd, "rb") as f:
@@ -497,7 +526,8 @@ def kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
     writers do when the lock is taken.  A missing lock file is no writer; a
     link, FIFO, device or folder in its place is no lock either, and keeps
     the entry, as a held one does; so do the aging lock's own name
-    (``op_cache_file_del``) and a lock file of more than one name.
+    (``op_cache_file_del``), a lock file of more than one name and the file
+    of a lock this process holds (``held_lock``).
     """
     if f"{kernel}.lock" == DEL_LOCK:
         yield False  # the aging lock, which this process may hold: closing it releases it
@@ -510,17 +540,14 @@ def kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
     except OSError:
         yield False  # not a lock file we can open, but it is named as one
         return
-    if st.st_nlink != 1:
-        # Maybe another name of the aging lock this process holds: fcntl locks are
-        # the process's, and any close of the file releases them.  Kept open until
-        # the aging lock is let go.
-        _park_or_close(lock_fd)
+    if st.st_nlink != 1 or held_lock(st) is not None:
+        # Maybe another name of the aging lock this process holds (locking it again
+        # would turn our write lock into a read lock, closing it would let it go).
+        _park_or_close(lock_fd, st)
         yield False
         return
-    try:
+    with _holding(lock_fd, st, f"{kernel}.lock"):
         yield try_lock(lock_fd, fcntl.LOCK_SH)
-    finally:
-        os.close(lock_fd)  # releases the lock
 
 
 @contextlib.contextmanager
@@ -534,7 +561,7 @@ def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
     """
     flags = os.O_RDONLY if dry_run else os.O_RDWR | os.O_CREAT | os.O_APPEND
     try:
-        lock_fd, _ = fsutil.open_regular(DEL_LOCK, flags, dir_fd=fd)
+        lock_fd, st = fsutil.open_regular(DEL_LOCK, flags, dir_fd=fd)
     except FileNotFoundError:
         yield None  # (dry run) no lock file: no one holds it
         return
@@ -542,35 +569,50 @@ def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
         why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
         yield f"cannot open {DEL_LOCK}: {why}"
         return
-    global _del_locks
-    _del_locks += 1
-    single = os.fstat(lock_fd).st_nlink == 1
-    try:
+    # (Another chip's aging lock, hard-linked here, may be one this process holds already:
+    # locking it again could only turn our write lock into a read lock.)
+    again = held_lock(st) is not None
+    with _holding(lock_fd, st, DEL_LOCK):
         # Not a file with other names: a member of a shared cache may link one of
         # ours from elsewhere as the lock, for our chmod to narrow it.
-        if not dry_run and single:
+        if not dry_run and st.st_nlink == 1:
             with contextlib.suppress(OSError):  # someone else's file: CANN goes on too
                 os.fchmod(lock_fd, LOCK_MODE)
-        free = try_lock(lock_fd, fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX)
+        free = again or try_lock(lock_fd, fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX)
         yield None if free else f"another process holds {DEL_LOCK}: it is aging this folder"
+
+
+def held_lock(st: os.stat_result) -> str | None:
+    """The name of a lock this process holds whose file is the one ``st`` describes, or
+    None: a descriptor of that file must not be closed while the lock is held."""
+    for dev, ino, name in _held:
+        if (dev, ino) == (st.st_dev, st.st_ino):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def _holding(lock_fd: int, st: os.stat_result, name: str) -> Iterator[None]:
+    """Count ``lock_fd``'s file among the held locks' (``held_lock``) while the block runs,
+    then close it, which lets go of any lock taken on it in the block."""
+    _held.append((st.st_dev, st.st_ino, name))
+    try:
+        yield
     finally:
-        _del_locks -= 1
-        if single:
-            os.close(lock_fd)
-        else:
-            _park_or_close(lock_fd)  # (another chip's aging lock, linked here, may be held)
-        if not _del_locks:
+        _held.remove((st.st_dev, st.st_ino, name))
+        _park_or_close(lock_fd, st)
+        if not _held:
             while _parked:
                 os.close(_parked.pop())
 
 
-def _park_or_close(lock_fd: int) -> None:
-    """Close a lock file of more than one name now, or, while an aging lock is held,
-    once none is."""
-    if _del_locks:
-        _parked.append(lock_fd)
+def _park_or_close(file_fd: int, st: os.stat_result) -> None:
+    """Close a descriptor now, or, when its file is that of a lock this process still
+    holds, once no lock is held."""
+    if held_lock(st) is not None:
+        _parked.append(file_fd)
     else:
-        os.close(lock_fd)
+        os.close(file_fd)
 
 
 def try_lock(lock_fd: int, how: int) -> bool:

@@ -709,3 +709,69 @@ def test_age_keeps_its_aging_lock_past_entries_whose_lock_is_that_file(base, mon
     assert chip["removed"] == [after] and seen == ["held"]
     assert chip["kept_locked"] == ["op_cache_file_del", linked]
     assert (f.chip / "op_cache_file_del.json").exists() and (f.chip / f"{linked}.json").exists()
+
+
+@pytest.mark.parametrize("linked", ["json", "sub-json"])
+def test_age_keeps_its_aging_lock_past_an_entry_json_that_is_that_file(base, monkeypatch, linked):
+    """A json (or a jsonList's sub-json) that is a hard link to op_cache_file_del.lock:
+    reading it and closing it would let go of the aging lock in the middle of the pass."""
+    f = Folder(base)
+    write_ini(f.root, max_mb=1, ratio=10)
+    aging_lock = f.chip / cann_format.DEL_LOCK
+    f.chip.mkdir(parents=True)
+    aging_lock.touch(0o640)
+    if linked == "json":
+        planted = f.chip / "te_aaa.json"
+        os.link(aging_lock, planted)
+        set_access([planted], f.now - 6 * HOUR)
+        kernel = "te_aaa"
+    else:
+        kernel = f.mix("mix", 6)
+        planted = f.chip / f"{kernel}_mix_aic.json"
+        planted.unlink()
+        os.link(aging_lock, planted)
+        set_access([f.chip / f"{kernel}.json", planted], f.now - 6 * HOUR)
+    after = f.entry("after", 4)
+    f.entry("fresh", 0)
+    f.entry("fresh2", 0)
+    f.entry("fresh3", 0)
+    before = f.names()
+    seen = []
+    remove = cann_cache._remove
+
+    def probing(fd, names, errors):  # type: ignore[no-untyped-def]
+        probe = [sys.executable, "-c", _PROBE, str(aging_lock)]
+        seen.append(subprocess.run(probe, capture_output=True, text=True).stdout.strip())
+        return remove(fd, names, errors)
+
+    monkeypatch.setattr(cann_cache, "_remove", probing)
+    chip = open_cache(base).age(SOC)["chips"][SOC]
+    assert chip["removed"] == [after] and seen == ["held"]
+    assert before - f.names() == {p.name for p in f.entries["after"]}  # the planted: kept
+    assert planted.exists() and aging_lock.exists()
+    (error,) = chip["errors"]
+    assert error.startswith(f"{kernel}: not aged: ") and "op_cache_file_del.lock" in error
+
+
+def test_no_file_read_or_locked_while_the_aging_lock_is_held_lets_go_of_it(base):
+    """Under the aging lock (held by age, pull, import), another name of its file is
+    neither read (a json, a binary hashed: open_quietly) nor locked again as an entry's
+    lock: closing it, or locking it shared, would let go of the aging lock."""
+    chip = base / "kernel_cache" / SOC
+    chip.mkdir(parents=True)
+    fd = os.open(chip, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with cann_format.del_lock(fd, False) as busy:
+            assert busy is None
+            os.link(chip / cann_format.DEL_LOCK, chip / "te_x.o")
+            with pytest.raises(OSError, match=r"op_cache_file_del\.lock, which opcache holds"):
+                cann_format.open_quietly(fd, "te_x.o")
+            os.unlink(chip / "te_x.o")
+            os.rename(chip / cann_format.DEL_LOCK, chip / "te_y.lock")  # its one name now
+            with cann_format.kernel_lock(fd, "te_y") as free:
+                assert not free
+            probe = [sys.executable, "-c", _PROBE, str(chip / "te_y.lock")]
+            assert subprocess.run(probe, capture_output=True, text=True).stdout == "held\n"
+        assert cann_format._held == [] and cann_format._parked == []
+    finally:
+        os.close(fd)
