@@ -36,6 +36,7 @@ from .cann_format import (
     MAX_JSON_BYTES,
     MIX_SUFFIXES,
     PRE_SUFFIX,
+    AgingLockDenied,
     CannEntry,
     PresentFiles,
     access_time,
@@ -382,13 +383,16 @@ class CannCache:
             return report
         if used < max_bytes:
             return report
-        with del_lock(fd, dry_run) as held_by:
-            if held_by is not None:
-                report["skipped"] = held_by
-                return report
-            to_free = used - max_bytes * ratio // 100
-            report["to_free"] = to_free
-            self._delete_oldest(fd, to_free, dry_run, report)
+        try:
+            with del_lock(fd, dry_run, aging=True) as held_by:
+                if held_by is not None:
+                    report["skipped"] = held_by
+                    return report
+                to_free = used - max_bytes * ratio // 100
+                report["to_free"] = to_free
+                self._delete_oldest(fd, to_free, dry_run, report)
+        except AgingLockDenied as e:
+            return {"error": str(e)}  # (not a pass skipped now and then: never, as this user)
         report["used_after"] = used - report["removed_bytes"]
         return report
 

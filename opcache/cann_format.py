@@ -29,6 +29,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import pwd
 import re
 import stat
 from collections.abc import Container, Iterator, Mapping
@@ -551,20 +552,36 @@ def kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
+def del_lock(fd: int, dry_run: bool, *, aging: bool = False) -> Iterator[str | None]:
     """Hold ``op_cache_file_del.lock`` as CANN takes it; yields None, or why not.
 
     CANN opens it with ``fopen("a+")``, chmods it 0640 and takes a
     non-blocking whole-file write lock; a process that cannot skips its pass.
     A dry run only tests it, creating nothing.  Anything but a regular file
     in its place (a link, FIFO, device, folder) skips the pass, untouched.
+
+    In a group's cache the file is often another member's, 0640: this user
+    may only read it.  Filling the folder (pull, import) then takes a read
+    lock on it, which keeps CANN's aging out as well (its write lock fails,
+    and it skips its pass); ``aging`` (deleting entries) needs the write lock
+    and raises AgingLockDenied instead.
     """
-    flags = os.O_RDONLY if dry_run else os.O_RDWR | os.O_CREAT | os.O_APPEND
+    flags = os.O_RDWR if dry_run else os.O_RDWR | os.O_CREAT | os.O_APPEND
+    how = fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX
     try:
-        lock_fd, st = fsutil.open_regular(DEL_LOCK, flags, dir_fd=fd)
+        lock_fd, st = fsutil.open_regular(DEL_LOCK, flags, LOCK_MODE, dir_fd=fd)
     except FileNotFoundError:
         yield None  # (dry run) no lock file: no one holds it
         return
+    except PermissionError as e:
+        if aging:
+            raise AgingLockDenied(_denied(fd, e)) from None
+        try:  # (nothing created: the file is there, or the folder refused it as well)
+            lock_fd, st = fsutil.open_regular(DEL_LOCK, dir_fd=fd)
+        except OSError:
+            yield f"cannot open {DEL_LOCK}: {e.strerror or e}"
+            return
+        how = fcntl.LOCK_SH
     except OSError as e:
         why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
         yield f"cannot open {DEL_LOCK}: {why}"
@@ -574,12 +591,35 @@ def del_lock(fd: int, dry_run: bool) -> Iterator[str | None]:
     again = held_lock(st) is not None
     with _holding(lock_fd, st, DEL_LOCK):
         # Not a file with other names: a member of a shared cache may link one of
-        # ours from elsewhere as the lock, for our chmod to narrow it.
-        if not dry_run and st.st_nlink == 1:
+        # ours from elsewhere as the lock, for our chmod to narrow it.  Nor one opened
+        # only to read, which CANN would not have opened at all.
+        if how == fcntl.LOCK_EX and st.st_nlink == 1:
             with contextlib.suppress(OSError):  # someone else's file: CANN goes on too
                 os.fchmod(lock_fd, LOCK_MODE)
-        free = again or try_lock(lock_fd, fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX)
+        free = again or try_lock(lock_fd, how)
         yield None if free else f"another process holds {DEL_LOCK}: it is aging this folder"
+
+
+class AgingLockDenied(Exception):
+    """This user may not open ``op_cache_file_del.lock`` for writing, which CANN's write
+    lock, the one an aging pass takes, needs."""
+
+
+def _denied(fd: int, e: OSError) -> str:
+    """Why an aging pass cannot take CANN's aging lock (``e``: opening it to write)."""
+    try:
+        st = os.stat(DEL_LOCK, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return f"cannot take CANN's aging lock: cannot create {DEL_LOCK} ({e.strerror or e})"
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    return (
+        f"cannot take CANN's aging lock: {DEL_LOCK} is {owner}'s, mode "
+        f"{stat.S_IMODE(st.st_mode):04o} (CANN's chmod), and this user may not open it "
+        f"to write, as CANN's write lock needs: run the aging as {owner}"
+    )
 
 
 def held_lock(st: os.stat_result) -> str | None:
