@@ -547,7 +547,7 @@ def kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
         _park_or_close(lock_fd, st)
         yield False
         return
-    with _holding(lock_fd, st, f"{kernel}.lock"):
+    with holding(lock_fd, st, f"{kernel}.lock"):
         yield try_lock(lock_fd, fcntl.LOCK_SH)
 
 
@@ -589,7 +589,7 @@ def del_lock(fd: int, dry_run: bool, *, aging: bool = False) -> Iterator[str | N
     # (Another chip's aging lock, hard-linked here, may be one this process holds already:
     # locking it again could only turn our write lock into a read lock.)
     again = held_lock(st) is not None
-    with _holding(lock_fd, st, DEL_LOCK):
+    with holding(lock_fd, st, DEL_LOCK):
         # Not a file with other names: a member of a shared cache may link one of
         # ours from elsewhere as the lock, for our chmod to narrow it.  Nor one opened
         # only to read, which CANN would not have opened at all.
@@ -632,9 +632,14 @@ def held_lock(st: os.stat_result) -> str | None:
 
 
 @contextlib.contextmanager
-def _holding(lock_fd: int, st: os.stat_result, name: str) -> Iterator[None]:
+def holding(lock_fd: int, st: os.stat_result, name: str) -> Iterator[None]:
     """Count ``lock_fd``'s file among the held locks' (``held_lock``) while the block runs,
-    then close it, which lets go of any lock taken on it in the block."""
+    then close it, which lets go of any lock taken on it in the block.
+
+    A lock taken on a file of a chip folder goes through it (``kernel_lock``,
+    ``del_lock``, and whoever else locks one), so that no file read meanwhile
+    under another name (``open_quietly``) closes a held lock's file.
+    """
     _held.append((st.st_dev, st.st_ino, name))
     try:
         yield
