@@ -76,6 +76,8 @@ from .cann_format import (
     access_time,
     del_lock,
     hash_problem,
+    held_lock,
+    holding,
     is_entry_json,
     open_chip_folder,
     open_quietly,
@@ -558,17 +560,17 @@ class _Writer:
         except OSError:
             yield False
             return
-        if st.st_nlink != 1:
+        if st.st_nlink != 1 or held_lock(st) is not None:
             # Any close of the aging lock's file releases it: kept open until close().
             self._parked.append(lock_fd)
             yield False
             return
-        try:
+        # Held as a lock of this process's: a file of the entry swapped meanwhile for
+        # another name of it is refused by the checks' reads, not closed under it.
+        with holding(lock_fd, st, f"{kernel}.lock"):
             with contextlib.suppress(OSError):  # another user's lock file: CANN goes on too
                 os.fchmod(lock_fd, LOCK_MODE)
             yield try_lock(lock_fd, fcntl.LOCK_EX)
-        finally:
-            os.close(lock_fd)
 
     def _store(self, bundle: Bundle, main: str) -> str | None:
         """Write the files (json last), check them on disk, then show the json;
@@ -1009,11 +1011,13 @@ def _pull_chip(
         present = _present_names(root, soc, settings)
         report["would_pull"] = sum(1 for k in rows if f"{k}.json" not in present)
         return report
+    # (Read before the aging lock is taken: see import_archive.)
+    limits = read_limits(root, environ, settings.shared_group)
     with contextlib.ExitStack() as held:
         held.callback(chip.close)
         if not _fill_lock(held, chip, report):
             return report
-        writer = _Writer(chip.fd, read_limits(root, environ, settings.shared_group), report)
+        writer = _Writer(chip.fd, limits, report)
         held.callback(writer.close)
         wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
         report["present"] = len(rows) - len(wanted)
@@ -1207,6 +1211,7 @@ def import_archive(
     env = os.environ if environ is None else environ
     root = cann_root(settings)
     chips: dict[str, object] = {}
+    taking: dict[str, tuple[_Chip, dict, bytes]] = {}
     writers: dict[str, tuple[_Writer, bytes]] = {}
     with contextlib.ExitStack() as held:
         reader = held.enter_context(ArchiveReader(Path(path), CANN))
@@ -1234,9 +1239,15 @@ def import_archive(
                 report["would_import"] = len(rows)
                 continue
             held.callback(chip.close)
+            taking[soc] = chip, report, canonical_json(ns.versions())
+        # Every chip's ini read (namespaces, limits) before any aging lock is taken: a
+        # file opened and closed while one is held may be a hard link to it, which
+        # the close would let go of.
+        limits = read_limits(root, env, settings.shared_group) if taking else None
+        for soc, (chip, report, versions) in taking.items():
             if _fill_lock(held, chip, report):
-                limits = read_limits(root, env, settings.shared_group)
-                writers[soc] = (_Writer(chip.fd, limits, report), canonical_json(ns.versions()))
+                assert limits is not None
+                writers[soc] = (_Writer(chip.fd, limits, report), versions)
                 held.callback(writers[soc][0].close)
         total = sum(len(found[s]) for s in writers)
         # The same open file again, each entry the one checked above.

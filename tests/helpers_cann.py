@@ -202,6 +202,24 @@ def write_ini(root: Path, max_mb: int | None = None, ratio: int | None = None) -
     return path
 
 
+_PROBE = (
+    "import fcntl, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+    "try:\n"
+    "    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+    "    print('free')\n"
+    "except OSError:\n"
+    "    print('held')\n"
+)
+
+
+def lock_probe(lock: Path) -> str:
+    """ "held" when a process holds an fcntl lock on ``lock``, else "free" (asked from
+    a new process: this one's own locks never stop its own tries)."""
+    probe = [sys.executable, "-c", _PROBE, str(lock)]
+    return subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+
+
 @contextmanager
 def held_by_other_process(lock: Path) -> Iterator[int]:
     """Another process holds CANN's fcntl write lock on ``lock`` for the block; yields its pid."""

@@ -23,6 +23,7 @@ from helpers_cann import (
     cann_json,
     held_by_other_process,
     kernel_name,
+    lock_probe,
     set_access,
     set_times,
     store_entry,
@@ -674,17 +675,6 @@ def test_a_json_report_with_stdout_closed_ends_quietly(base) -> None:
     assert (done.returncode, done.stderr) == (0, "")
 
 
-_PROBE = (
-    "import fcntl, os, sys\n"
-    "fd = os.open(sys.argv[1], os.O_RDWR)\n"
-    "try:\n"
-    "    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
-    "    print('free')\n"
-    "except OSError:\n"
-    "    print('held')\n"
-)
-
-
 def test_age_keeps_its_aging_lock_past_entries_whose_lock_is_that_file(base, monkeypatch):
     f = Folder(base)
     write_ini(f.root, max_mb=1, ratio=10)
@@ -700,8 +690,7 @@ def test_age_keeps_its_aging_lock_past_entries_whose_lock_is_that_file(base, mon
     remove = cann_cache._remove
 
     def probing(fd, names, errors):  # type: ignore[no-untyped-def]
-        probe = [sys.executable, "-c", _PROBE, str(aging_lock)]
-        seen.append(subprocess.run(probe, capture_output=True, text=True).stdout.strip())
+        seen.append(lock_probe(aging_lock))
         return remove(fd, names, errors)
 
     monkeypatch.setattr(cann_cache, "_remove", probing)
@@ -740,8 +729,7 @@ def test_age_keeps_its_aging_lock_past_an_entry_json_that_is_that_file(base, mon
     remove = cann_cache._remove
 
     def probing(fd, names, errors):  # type: ignore[no-untyped-def]
-        probe = [sys.executable, "-c", _PROBE, str(aging_lock)]
-        seen.append(subprocess.run(probe, capture_output=True, text=True).stdout.strip())
+        seen.append(lock_probe(aging_lock))
         return remove(fd, names, errors)
 
     monkeypatch.setattr(cann_cache, "_remove", probing)
@@ -770,8 +758,7 @@ def test_no_file_read_or_locked_while_the_aging_lock_is_held_lets_go_of_it(base)
             os.rename(chip / cann_format.DEL_LOCK, chip / "te_y.lock")  # its one name now
             with cann_format.kernel_lock(fd, "te_y") as free:
                 assert not free
-            probe = [sys.executable, "-c", _PROBE, str(chip / "te_y.lock")]
-            assert subprocess.run(probe, capture_output=True, text=True).stdout == "held\n"
+            assert lock_probe(chip / "te_y.lock") == "held"
         assert cann_format._held == [] and cann_format._parked == []
     finally:
         os.close(fd)

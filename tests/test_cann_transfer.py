@@ -23,6 +23,7 @@ from helpers_cann import (
     SOC,
     held_by_other_process,
     kernel_name,
+    lock_probe,
     set_access,
     set_times,
     store_entry,
@@ -1127,3 +1128,28 @@ def test_an_empty_soc_version_names_every_chip_in_the_library_too(machines, tmp_
         tmp_path / "a.tar", "", settings=b.settings(), environ=b.env
     )
     assert imported["chips"][SOC]["written"] == 2
+
+
+def test_pull_keeps_the_aging_lock_when_op_cache_ini_is_another_name_of_it(machines, monkeypatch):
+    """The ini was read after the aging lock was taken: one that is a hard link to the
+    lock's file (a member of a group cache can make it) let go of the lock when closed,
+    and CANN's aging could run while the entries went in."""
+    a, b = machines
+    _fill(a, 2)
+    a.push()
+    b.toolkit()
+    b.chip.mkdir(parents=True)
+    aging_lock = b.chip / "op_cache_file_del.lock"
+    aging_lock.write_text("[op_compiler_cache]\nadk_version=7.0.RC1\nops_version=7.0.RC1\n")
+    os.link(aging_lock, b.root / "op_cache.ini")
+    seen = []
+    store = cann_transfer._Writer._store
+
+    def probing(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(lock_probe(aging_lock))
+        return store(self, *args, **kwargs)
+
+    monkeypatch.setattr(cann_transfer._Writer, "_store", probing)
+    report = b.pull()
+    assert report["written"] == 2
+    assert seen == ["held", "held"]
