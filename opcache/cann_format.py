@@ -551,6 +551,10 @@ def kernel_lock(fd: int, kernel: str) -> Iterator[bool]:
         yield try_lock(lock_fd, fcntl.LOCK_SH)
 
 
+# What ``del_lock`` yields when the lock is only busy: any other reason is lasting.
+AGING_NOW = f"another process holds {DEL_LOCK}: it is aging this folder"
+
+
 @contextlib.contextmanager
 def del_lock(fd: int, dry_run: bool, *, aging: bool = False) -> Iterator[str | None]:
     """Hold ``op_cache_file_del.lock`` as CANN takes it; yields None, or why not.
@@ -597,7 +601,7 @@ def del_lock(fd: int, dry_run: bool, *, aging: bool = False) -> Iterator[str | N
             with contextlib.suppress(OSError):  # someone else's file: CANN goes on too
                 os.fchmod(lock_fd, LOCK_MODE)
         free = again or try_lock(lock_fd, how)
-        yield None if free else f"another process holds {DEL_LOCK}: it is aging this folder"
+        yield None if free else AGING_NOW
 
 
 class AgingLockDenied(Exception):

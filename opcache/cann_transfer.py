@@ -70,6 +70,7 @@ from ._record import Record
 from .archive import CANN, MAX_MEMBER_BYTES, TOO_BIG, ArchiveReader, ArchiveWriter, BadArchive
 from .cann_cache import Limits, cann_root, read_limits
 from .cann_format import (
+    AGING_NOW,
     DEL_LOCK,
     LOCK_MODE,
     CannEntry,
@@ -1070,16 +1071,20 @@ def _discard_damaged(client: Remote, ns: Namespace, corrupt: list[dict]) -> list
 
 def _fill_lock(held: contextlib.ExitStack, chip: _Chip, report: dict) -> bool:
     """Hold the chip folder's ``op_cache_file_del.lock`` in ``held`` while entries go in;
-    False (and why, in the report) when another process holds it.
+    False (and why, in the report) when another process holds it (``busy``), or it
+    cannot be taken at all (a link or a folder in its place: ``errors``, which a
+    cron job's exit status shows, where a busy lock is tried again next time).
 
     It is CANN's aging lock: with it, two pulls (or imports) never fill one folder
     at once, each counting only its own entries against the limit, and CANN's
     aging skips its pass meanwhile, as it does while another process ages.
     """
-    busy = held.enter_context(del_lock(chip.fd, False))
-    if busy is not None:
-        report["busy"] = busy
-    return busy is None
+    why = held.enter_context(del_lock(chip.fd, False))
+    if why == AGING_NOW:
+        report["busy"] = why
+    elif why is not None:
+        report["errors"] = [f"nothing written: {why}"]
+    return why is None
 
 
 def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> bool:

@@ -447,6 +447,26 @@ def test_a_pull_while_another_fills_or_ages_the_folder_writes_nothing(machines):
     assert b.pull()["written"] == 2
 
 
+def test_a_pull_that_can_never_take_the_aging_lock_says_so_in_its_exit_status(machines, tmp_path):
+    """A link planted in place of op_cache_file_del.lock was reported as a busy lock,
+    exit 0, on every run: a cron job never learnt that nothing was ever written."""
+    a, b = machines
+    _fill(a, 2)
+    a.push()
+    write_ini(b.root)
+    b.chip.mkdir(parents=True)
+    (tmp_path / "elsewhere").touch()
+    (b.chip / "op_cache_file_del.lock").symlink_to(tmp_path / "elsewhere")
+    env = {**os.environ, **b.env, "OPCACHE_REMOTE": b.url}
+    argv = [sys.executable, "-m", "opcache", "cann", "pull", "--soc_version", SOC]
+    done = subprocess.run(
+        [*argv, "--op_compiler_cache_dir", str(b.base)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1, done
+    assert "op_cache_file_del.lock: it is a link" in done.stdout
+    assert sorted(p.name for p in b.chip.iterdir()) == ["op_cache_file_del.lock"]
+
+
 def test_two_pulls_at_once_stay_under_the_limit(machines):
     a, b = machines
     _fill(a, 20, size=100_000)
