@@ -86,9 +86,9 @@ from .cann_format import (
     try_lock,
 )
 from .compilers.cann import (
-    _MAX_PACKAGE_FILES,
     DRIVER_VARIABLE,
     INSTALL_INFO,
+    MAX_PACKAGE_FILES,
     custom_opp_digest,
     custom_opp_folders,
     driver_folder,
@@ -322,7 +322,7 @@ def _input_stamps(environ: Mapping[str, str]) -> dict[str, tuple[int, int, int, 
             subfolders[:] = [f for f in subfolders if f != "__pycache__"]
             for name in files:
                 mark(os.path.join(top, name))
-            if len(stamps) > _MAX_PACKAGE_FILES:
+            if len(stamps) > MAX_PACKAGE_FILES:
                 raise Refused(f"the custom operator packages hold over {len(stamps)} files")
     return stamps
 

@@ -314,7 +314,7 @@ def test_a_custom_package_digest_reads_no_endless_file_and_has_bounds(tmp_path, 
     (package / "kernel.py").write_text("def k(): pass\n")
     env = {"ASCEND_CUSTOM_OPP_PATH": str(package)}
     assert cann.custom_opp_digest(env) is not None  # (returned: the file was not read through)
-    monkeypatch.setattr(cann, "_MAX_PACKAGE_FILES", 1)
+    monkeypatch.setattr(cann, "MAX_PACKAGE_FILES", 1)
     with pytest.raises(OSError, match="over 1 files"):
         cann.custom_opp_digest(env)
 

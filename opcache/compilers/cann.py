@@ -193,7 +193,7 @@ def custom_opp_folders(environ: Mapping[str, str], home: Path | None = None) -> 
 
 
 # What a digest of custom packages reads at most; past it, it is no key (OSError).
-_MAX_PACKAGE_FILES = 100_000
+MAX_PACKAGE_FILES = 100_000
 _MAX_PACKAGE_BYTES = 4 << 30
 
 
@@ -226,7 +226,7 @@ def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> s
             seen.add((st.st_dev, st.st_ino))
             subfolders[:] = sorted(f for f in subfolders if f != "__pycache__")
             for name in sorted(files):
-                if len(lines) >= _MAX_PACKAGE_FILES:
+                if len(lines) >= MAX_PACKAGE_FILES:
                     raise OSError(f"the custom operator packages hold over {len(lines)} files")
                 path = os.path.join(top, name)
                 lines.append(f"{place}/{os.path.relpath(path, folder)}\0{_contents(path, budget)}")
