@@ -507,3 +507,13 @@ def test_a_server_that_drips_its_answer_costs_a_miss_within_the_deadline(
     assert result.status == "miss" and stats["remote_errors"] == 1
     assert read_dir(tmp_path / "o") == expected_files(make_request(0))
     assert "not used for" in caplog.text
+
+
+def test_usage_names_chips_under_a_prefix_that_is_not_ascii(redis_url: str) -> None:
+    """The prefix's length in characters was cut off the names' bytes: ``é`` is two
+    bytes, so each chip was named with the prefix's last byte before it."""
+    r = remote(redis_url, prefix="opcaché:")
+    r.put(SOC, KEY, *entry())
+    assert list(r.usage()["chips"]) == [SOC]
+    assert r.clear() == 1
+    r.close()

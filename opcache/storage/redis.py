@@ -422,6 +422,7 @@ class RedisRemote(Remote):
         """Entries and bytes per chip under the prefix, and the server's memory settings."""
         chips: dict[str, dict[str, int]] = {}
         names = [n for n in self._scan(soc) if not n.endswith(CLAIM_SUFFIX.encode())]
+        cut = len(self._prefix.encode())  # (bytes, not characters: a prefix may be é)
         for start in range(0, len(names), 1000):
             batch = names[start : start + 1000]
             pipe = self._redis.pipeline(transaction=False)
@@ -429,7 +430,7 @@ class RedisRemote(Remote):
                 pipe.strlen(name)
             sizes = self._call("STRLEN", pipe.execute)
             for name, size in zip(batch, sizes, strict=True):
-                chip = name[len(self._prefix) :].decode(errors="replace").rpartition(":")[0]
+                chip = name[cut:].decode(errors="replace").rpartition(":")[0]
                 row = chips.setdefault(chip, {"entries": 0, "bytes": 0})
                 row["entries"] += 1
                 row["bytes"] += int(size)
