@@ -572,6 +572,11 @@ def _url_problem(url: str) -> str | None:
     client would quietly use db 0), a host name no resolver takes (a label
     over 63 characters), a query option redis-py would pass on blindly.
     """
+    return _form_problem(url) or _split_problem(url)
+
+
+def _form_problem(url: str) -> str | None:
+    """``_url_problem``'s checks of each part, as opcache reads them."""
     scheme, sep, rest = url.partition("://")
     valid = " or ".join(s + "://..." for s in sorted(REMOTE_KINDS))
     if not sep or scheme not in REMOTE_KINDS:
@@ -592,6 +597,8 @@ def _url_problem(url: str) -> str | None:
     credentials, _, hostport = netloc.rpartition("@")
     if _CONTROL.search(unquote(credentials)):
         return "a user name or password holds no control characters (%00-%1F, %7F)"
+    if "[" in credentials or "]" in credentials:  # (urlsplit reads them as an IPv6 host's)
+        return "percent-encode '[' and ']' in a user name or password (%5B, %5D)"
     if scheme == "unix":
         if hostport or not path:
             return "use unix:///path/to/redis.sock[?db=N]"
@@ -621,9 +628,25 @@ def _url_problem(url: str) -> str | None:
     return _query_problem(query, (*_URL_OPTIONS, *(_TLS_OPTIONS if scheme == "rediss" else ())))
 
 
+def _split_problem(url: str) -> str | None:
+    """What urlsplit, which every kind reads its URL with, refuses in ``url``: a
+    backstop for what the checks before let through (its ValueError was a traceback)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        if not parts.scheme.endswith("+cluster"):  # (a cluster's nodes are no one port)
+            parts.port  # noqa: B018 (it raises for a port urlsplit cannot read)
+    except ValueError as e:
+        return f"{e} (an IPv6 host is written [::1]:6379)"
+    return None
+
+
 def _host_port_problem(hostport: str) -> str | None:
     host, port = hostport, ""
     if hostport.startswith("["):  # an IPv6 address: [::1]:6379
+        if "]" not in hostport:
+            return f"the IPv6 host {_shown(hostport)} needs its ']' ([::1]:6379)"
         host, _, port = hostport[1:].partition("]")
         if port and not port.startswith(":"):
             return f"{hostport!r} is not host:port"
