@@ -53,7 +53,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._log import get_logger
 from . import Remote, RemoteCorrupt, RemoteError
-from .remote import MIN_RATE
+from .remote import MIN_RATE, said, secrets_of
 from .value import checked, pack
 
 TYPE_CHECKING = False
@@ -107,6 +107,10 @@ class HttpRemote(Remote):
             self._headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
         elif password:
             self._headers["Authorization"] = f"Bearer {password}"
+        # (the header's credentials too, base64 for basic auth: a server may quote them)
+        self.secrets = secrets_of(
+            settings, self._headers.get("Authorization", "").partition(" ")[2]
+        )
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -216,7 +220,7 @@ class HttpRemote(Remote):
             # http.client's text quotes the header it refused (an SSL error is not one)
             why = f"{type(e).__name__}: a header or the path cannot be sent"
         else:
-            why = str(e) or type(e).__name__
+            why = said(e, self.secrets)
         return RemoteError(f"{self.where}: {method}: {why}")
 
     def _read_body(

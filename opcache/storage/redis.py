@@ -41,7 +41,7 @@ import weakref
 from urllib.parse import urlsplit
 
 from .._log import get_logger
-from .remote import MIN_RATE, Claim, Remote, RemoteCorrupt, RemoteError
+from .remote import MIN_RATE, Claim, Remote, RemoteCorrupt, RemoteError, said, secrets_of
 from .value import checked, pack, unpack
 
 TYPE_CHECKING = False
@@ -85,10 +85,14 @@ def connect(settings: RemoteSettings) -> RedisRemote:
             retry_on_timeout=False,
             health_check_interval=0,
             redis_connect_func=_connected,
+            # RESP3's HELLO carries the password, which a server without HELLO (Redis 5,
+            # or one that renamed it away) quotes back refusing it; and refuses us.
+            protocol=2,
             **extra,
         )
     except Exception as e:  # ValueError for a bad port, and whatever else redis-py finds
-        raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
+        why = said(e, secrets_of(settings))
+        raise RemoteError(f"cannot use {settings.shown_url}: {why}") from None
     return RedisRemote(client, settings)
 
 
@@ -215,10 +219,11 @@ class RedisRemote(Remote):
             raise self._failure(what, e) from None
 
     def _failure(self, what: str, error: Exception) -> RemoteError:
-        """The RemoteError for ``error``; a refused login says which setting to look at
-        (redis-py's words for it, "HELLO must be called...", name none)."""
+        """The RemoteError for ``error``, in the server's words made fit for a message
+        (``said``); a refused login says which setting to look at (redis-py's words for
+        it name none)."""
         if not isinstance(error, self._refused):
-            return RemoteError(f"{self.where}: {what}: {error}")
+            return RemoteError(f"{self.where}: {what}: {said(error, self.secrets)}")
         if self._password_given:
             why = "the server refused the user name or password"
             why += " (from OPCACHE_REMOTE_PASSWORD or the URL)"
@@ -336,7 +341,9 @@ class RedisRemote(Remote):
             if not self.read_only:
                 self.read_only = True
                 log.warning(
-                    "%s refuses our writes (%s): only reading it from now on", self.where, e
+                    "%s refuses our writes (%s): only reading it from now on",
+                    self.where,
+                    said(e, self.secrets),
                 )
             return False
         except Exception as e:
@@ -394,7 +401,7 @@ class RedisRemote(Remote):
                 try:
                     self._renew(keys=[claim.name], args=[claim.token, claim.millis])
                 except Exception as e:  # it expires, and another client compiles it too
-                    log.debug("cannot renew the claim %s: %s", claim.name, e)
+                    log.debug("cannot renew the claim %s: %s", claim.name, said(e, self.secrets))
 
     def _drop(self, claim: _Claim, *, stored: bool) -> None:
         with self._claims_lock:
@@ -407,7 +414,7 @@ class RedisRemote(Remote):
             else:
                 self._release(keys=[claim.name], args=[claim.token])
         except Exception as e:  # it expires by itself
-            log.debug("cannot release the claim %s: %s", claim.name, e)
+            log.debug("cannot release the claim %s: %s", claim.name, said(e, self.secrets))
 
     # -- maintenance -----------------------------------------------------------------
 
@@ -464,7 +471,7 @@ class RedisRemote(Remote):
         try:
             self._redis.close()
         except Exception as e:  # a connection that never was, or is gone already
-            log.debug("cannot close the connection to %s: %s", self.where, e)
+            log.debug("cannot close the connection to %s: %s", self.where, said(e, self.secrets))
 
 
 class _Claim(Claim):

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from . import RemoteError
 from .redis import CLAIM_SUFFIX, RedisRemote, timed
+from .remote import RemoteError, said, secrets_of
 from .value import checked
 
 TYPE_CHECKING = False
@@ -74,10 +74,12 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
             socket_connect_timeout=min(0.5, settings.timeout / 4),
             socket_timeout=settings.timeout,
             health_check_interval=0,
+            protocol=2,  # (as the single server's: see redis.py's connect)
             **options,
         )
     except Exception as e:  # no node answered, a slot not served, a bad option
-        raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
+        why = said(e, secrets_of(settings))
+        raise RemoteError(f"cannot use {settings.shown_url}: {why}") from None
     return RedisClusterRemote(client, settings)
 
 

@@ -8,6 +8,7 @@ with the first remote.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 
@@ -60,12 +61,53 @@ class Backoff:
         self._pause = FIRST_PAUSE
 
 
+_SECRET_HEAD = 8  # characters of a password that, followed by more of it, are masked
+
+
 class RemoteError(Exception):
     """The remote failed: down, too slow, refused the credentials or a command.
 
     A remote raises nothing else for a failure of its server, network or client
     library (the cache still treats anything else as one, never failing a compile).
     """
+
+
+def said(error: object, secrets: frozenset[str]) -> str:
+    """What a server or a client library said (an exception's text) for a message:
+    each of ``secrets`` masked.
+
+    A server quotes the commands it refuses, passwords and all (Redis without
+    HELLO: "unknown command `HELLO`, with args beginning with: `3`, `AUTH`,
+    `default`, `<password>`"), and cuts what it quotes (Redis at 128
+    characters): a secret's first ``_SECRET_HEAD`` characters, and as much of
+    the rest as follows them, are masked.
+    """
+    text = str(error) or type(error).__name__
+    for secret in sorted(secrets, key=len, reverse=True):
+        head = secret[:_SECRET_HEAD]
+        at = text.find(head)
+        while at >= 0:
+            end = at + len(head)
+            while end - at < len(secret) and text[end : end + 1] == secret[end - at]:
+                end += 1
+            text = f"{text[:at]}***{text[end:]}"
+            at = text.find(head, at + 3)
+    return text
+
+
+def secrets_of(settings: RemoteSettings, *more: str) -> frozenset[str]:
+    """The remote's password in each form a message may quote it in: as set, as its
+    URL writes it (percent-encoded) and decoded, and percent-encoded; and ``more``."""
+    from urllib.parse import quote, unquote, urlsplit
+
+    given = [settings.password or "", *more]
+    for url in settings.url.split(" "):
+        with contextlib.suppress(ValueError):  # (a URL the settings' checks refuse)
+            given.append(urlsplit(url).password or "")
+    forms = set()
+    for secret in given:
+        forms.update((secret, unquote(secret), quote(secret, safe=""), quote(secret)))
+    return frozenset(form for form in forms if form)
 
 
 class RemoteCorrupt(Exception):
@@ -118,14 +160,17 @@ class Remote:
     raises ``RemoteError`` for a failure of the server or the network.
 
     ``read_only`` (a client that never writes), ``max_entry_bytes`` (the
-    largest entry ``put`` sends) and ``where`` (the URL with its password
-    masked, for messages) come from the settings.
+    largest entry ``put`` sends), ``where`` (the URL with its password
+    masked, for messages) and ``secrets`` (the password's forms: a message
+    quoting what a server or a library said passes it through ``said``) come
+    from the settings.
     """
 
     def __init__(self, settings: RemoteSettings) -> None:
         self.read_only = settings.read_only
         self.max_entry_bytes = settings.max_entry_mb * MB
         self.where = settings.shown_url
+        self.secrets = secrets_of(settings)  # (masked in whatever a message quotes: ``said``)
 
     # -- what every kind provides ------------------------------------------------------
 
