@@ -1,17 +1,21 @@
 """Remote URLs and servers that try opcache's promises: a URL urlsplit refuses is a
 setting's error, never a traceback; a server without HELLO is used, and never
-shown the password it quotes back.
+shown the password it quotes back; a server's own words never reach the terminal
+raw.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, compile_within
+from helpers_cache import SOC, compile_within, fake_server
 from helpers_cluster import _CLUSTER_ARGS, _cluster_port
 from helpers_redis import RedisServer, find_server
 
@@ -190,3 +194,97 @@ def test_a_password_the_server_quotes_back_is_never_shown(
     assert shown[-1].startswith("opcache: error: ")
     for text in shown:
         assert sent[:8] not in text and "se%5Bsa" not in text, text
+
+
+# -- a server's own words ---------------------------------------------------------------------
+
+# A status line, or an error, that clears the screen and writes a line of opcache's own.
+FAKE = b"\x1b[2J\x1b[31mFAKE: opcache: error: all good\x1b[0m\rX"
+
+
+@contextlib.contextmanager
+def fake_redis(reply: Callable[[list[bytes]], bytes | None]) -> Iterator[int]:
+    """The port of a server speaking enough of Redis's protocol to be connected to (and of
+    RESP3's, for the code before RESP2 was asked for), that answers each command
+    ``reply`` gives an answer to with it, and any other with ``+OK``."""
+
+    def answer(conn: socket.socket, ended: threading.Event) -> None:
+        commands = conn.makefile("rb")
+        while not ended.is_set() and (line := commands.readline()):
+            words = [commands.read(int(commands.readline()[1:]) + 2)[:-2]
+                     for _ in range(int(line[1:]))]  # fmt: skip
+            given = reply(words)
+            if given is not None:
+                conn.sendall(given)
+            elif words[0].upper() == b"HELLO":
+                conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+            else:
+                conn.sendall(b"+OK\r\n")
+
+    with fake_server(answer) as port:
+        yield port
+
+
+def _no_control_character(text: str) -> None:
+    assert not any(c in text for c in "\x1b\r\x07"), repr(text)
+
+
+def test_a_redis_server_s_error_never_reaches_the_terminal_raw(
+    tmp_path: Path, monkeypatch, capsys, caplog
+) -> None:
+    """The server's error text went into the warning and the ``opcache: error:`` line
+    as it was: a ``\\x1b[2J`` cleared the screen, a ``\\r`` wrote a fake line over ours."""
+
+    def reply(words: list[bytes]) -> bytes | None:
+        if words[0].upper() in (b"GET", b"SCAN"):
+            return b"-" + FAKE + b" " + b"y" * 100_000 + b"\r\n"
+        return None
+
+    with fake_redis(reply) as port:
+        url = f"redis://127.0.0.1:{port}/0"
+        with caplog.at_level(logging.WARNING, logger="opcache"):
+            result, _ = compile_within(tmp_path, url)
+        assert result.status == "miss" and "FAKE" in caplog.text
+        monkeypatch.setenv("HOME", str(tmp_path))
+        argv = ["remote", "stats", "--remote", url, "--op_compiler_cache_dir", str(tmp_path / "o")]
+        assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("opcache: error: ") and err.count("\n") == 1 and "FAKE" in err
+    for text in (caplog.text, err):
+        _no_control_character(text)
+        assert "\\x1b[2J" in text  # (escaped, as repr writes it: still legible)
+    assert len(err) < 2000  # (the server's 100,000 bytes of it: cut short)
+
+
+def test_an_http_server_s_status_line_never_reaches_the_terminal_raw(
+    tmp_path: Path, caplog
+) -> None:
+    """http.client's BadStatusLine holds the server's status line, which went into the
+    warning as it was."""
+
+    def answer(conn: socket.socket, ended: threading.Event) -> None:
+        conn.recv(65536)
+        conn.sendall(FAKE + b"\r\n\r\n")
+
+    with fake_server(answer) as port:
+        url = f"http://127.0.0.1:{port}/c"
+        with caplog.at_level(logging.WARNING, logger="opcache"):
+            result, _ = compile_within(tmp_path, url)
+        with pytest.raises(RemoteError) as raised:
+            open_remote(resolve_settings(remote=url, environ={"HOME": "/nowhere"}).remote).get(
+                SOC, KEY
+            )
+    assert result.status == "miss" and "FAKE" in caplog.text
+    for text in (caplog.text, str(raised.value)):
+        _no_control_character(text)
+
+
+def test_a_chip_named_with_control_characters_is_shown_escaped(redis_url: str) -> None:
+    """A chip's name in ``opcache remote stats`` is part of a key name on the server,
+    which anyone who may write there chooses."""
+    r = _open(redis_url)
+    r.put(SOC, KEY, *_entry())
+    r._redis.set(f"opcache:1:\x1b[2J\rFAKE:{KEY}", b"x")
+    chips = r.usage()["chips"]
+    assert sorted(chips) == [SOC, "\\x1b[2J\\rFAKE"], chips
+    r.close()

@@ -219,7 +219,7 @@ class HttpRemote(Remote):
         elif isinstance(e, ValueError) and not isinstance(e, OSError):
             # http.client's text quotes the header it refused (an SSL error is not one)
             why = f"{type(e).__name__}: a header or the path cannot be sent"
-        else:
+        else:  # (BadStatusLine's text is the server's status line: its bytes)
             why = said(e, self.secrets)
         return RemoteError(f"{self.where}: {method}: {why}")
 

@@ -41,7 +41,16 @@ import weakref
 from urllib.parse import urlsplit
 
 from .._log import get_logger
-from .remote import MIN_RATE, Claim, Remote, RemoteCorrupt, RemoteError, said, secrets_of
+from .remote import (
+    MIN_RATE,
+    Claim,
+    Remote,
+    RemoteCorrupt,
+    RemoteError,
+    printable,
+    said,
+    secrets_of,
+)
 from .value import checked, pack, unpack
 
 TYPE_CHECKING = False
@@ -437,7 +446,8 @@ class RedisRemote(Remote):
                 pipe.strlen(name)
             sizes = self._call("STRLEN", pipe.execute)
             for name, size in zip(batch, sizes, strict=True):
-                chip = name[cut:].decode(errors="replace").rpartition(":")[0]
+                # (a name anyone with write access chose: printed by `opcache remote stats`)
+                chip = printable(name[cut:].decode(errors="replace").rpartition(":")[0], 100)
                 row = chips.setdefault(chip, {"entries": 0, "bytes": 0})
                 row["entries"] += 1
                 row["bytes"] += int(size)

@@ -61,6 +61,10 @@ class Backoff:
         self._pause = FIRST_PAUSE
 
 
+# Characters of a message that says what a server or a client library said: a
+# server chooses that text, and may make it as long as it likes.
+_SAID_CHARACTERS = 300
+_MESSAGE_CHARACTERS = 1000
 _SECRET_HEAD = 8  # characters of a password that, followed by more of it, are masked
 
 
@@ -69,12 +73,33 @@ class RemoteError(Exception):
 
     A remote raises nothing else for a failure of its server, network or client
     library (the cache still treats anything else as one, never failing a compile).
+    Its message goes to the terminal, in a warning or an ``opcache: error:`` line,
+    so it is made fit for one here, whichever kind raised it: each control
+    character escaped (a server's ``\x1b[2J`` cleared the screen, its ``\r``
+    wrote a line of its own over ours), at most ``_MESSAGE_CHARACTERS``.
     """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(printable(message, _MESSAGE_CHARACTERS))
+
+
+def printable(text: str, most: int) -> str:
+    """``text`` with each character a terminal would act on escaped as ``repr`` escapes
+    it, and cut to ``most`` characters.
+
+    (Not ``errors.shown``, a setting's value quoted and cut at 80: a TLS error's
+    reason comes past that.)
+    """
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    if len(text) > most:
+        text = f"{text[: most - 40]}... ({len(text)} characters)"
+    return text
 
 
 def said(error: object, secrets: frozenset[str]) -> str:
     """What a server or a client library said (an exception's text) for a message:
-    each of ``secrets`` masked.
+    each of ``secrets`` masked, then escaped and cut short by ``printable``.
 
     A server quotes the commands it refuses, passwords and all (Redis without
     HELLO: "unknown command `HELLO`, with args beginning with: `3`, `AUTH`,
@@ -92,7 +117,7 @@ def said(error: object, secrets: frozenset[str]) -> str:
                 end += 1
             text = f"{text[:at]}***{text[end:]}"
             at = text.find(head, at + 3)
-    return text
+    return printable(text, _SAID_CHARACTERS)
 
 
 def secrets_of(settings: RemoteSettings, *more: str) -> frozenset[str]:
