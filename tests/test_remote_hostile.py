@@ -21,7 +21,7 @@ from helpers_redis import RedisServer, find_server
 
 from opcache import ConfigError, resolve_settings
 from opcache.cli import main
-from opcache.storage import RemoteError, open_remote
+from opcache.storage import RemoteCorrupt, RemoteError, open_remote
 from opcache.storage.entry import make_manifest
 
 KEY = "0123456789abcdef" * 2
@@ -287,4 +287,91 @@ def test_a_chip_named_with_control_characters_is_shown_escaped(redis_url: str) -
     r._redis.set(f"opcache:1:\x1b[2J\rFAKE:{KEY}", b"x")
     chips = r.usage()["chips"]
     assert sorted(chips) == [SOC, "\\x1b[2J\\rFAKE"], chips
+    r.close()
+
+
+# -- an answer past what its command asked for --------------------------------------------------
+
+
+@pytest.fixture
+def flooding() -> Iterator[tuple[str, list[int]]]:
+    """(host:port, [bytes sent]) of a server speaking enough of Redis's protocol (and a
+    cluster's) that answers its first GET or MGET with a value announced at 4 GB and
+    sends 128 MiB of it as fast as it can, until the client hangs up; every later
+    one, that no key is there."""
+    sent: list[int] = []
+
+    def answer(conn: socket.socket, ended: threading.Event) -> None:
+        conn.settimeout(5)  # (a client that neither reads nor hangs up: the test fails)
+        commands = conn.makefile("rb")
+        while not ended.is_set() and (line := commands.readline()):
+            words = [commands.read(int(commands.readline()[1:]) + 2)[:-2]
+                     for _ in range(int(line[1:]))]  # fmt: skip
+            name = words[0].upper()
+            if name == b"HELLO":  # (the code before asked for RESP3)
+                conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+            elif name == b"CLUSTER":  # (SLOTS: every slot is this server's)
+                here = b"$9\r\n127.0.0.1\r\n:%d\r\n" % port
+                conn.sendall(b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n" + here)
+            elif name == b"COMMAND":
+                conn.sendall(b"*0\r\n")
+            elif name in (b"GET", b"MGET") and not sent:
+                sent.append(0)
+                count = len(words) - 1
+                conn.sendall((b"*%d\r\n" % count if name == b"MGET" else b"") + b"$4000000000\r\n")
+                chunk = bytes(1 << 20)
+                while sent[0] < 128 << 20 and not ended.is_set():
+                    conn.sendall(chunk)
+                    sent[0] += len(chunk)
+                ended.wait()
+            elif name == b"GET":
+                conn.sendall(b"$-1\r\n")
+            elif name == b"MGET":
+                conn.sendall(b"*%d\r\n" % (len(words) - 1) + b"$-1\r\n" * (len(words) - 1))
+            else:
+                conn.sendall(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
+
+    with fake_server(answer) as port:
+        yield f"127.0.0.1:{port}", sent
+
+
+def _within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s answer (or exception, returned), in a thread given ``seconds``."""
+    done: list[object] = []
+
+    def run() -> None:
+        try:
+            done.append(call())
+        except Exception as e:
+            done.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert done, f"still reading after {seconds} s"
+    return done[0]
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+@pytest.mark.parametrize("keys", [1, 3])
+def test_an_answer_past_the_entry_cap_is_cut_off_and_its_connection_dropped(
+    flooding, scheme: str, keys: int
+) -> None:
+    """A GET answered ``$4000000000`` and zeros as fast as they go was read on (a
+    second a MiB more each MiB): a compile held 131 s with a timeout of 2 s, 11.7 GB
+    of memory.  Now a GET's value or an MGET's answer is cut off past the entry cap
+    for each value asked (here 1 MB), well within the timeout."""
+    hostport, sent = flooding
+    env = {"HOME": "/nowhere"}
+    url = f"{scheme}://{hostport}"
+    settings = resolve_settings(remote={"url": url, "max_entry_mb": 1, "timeout": 2}, environ=env)
+    r = open_remote(settings.remote)
+    wanted = [f"{i:032x}" for i in range(keys)]
+    got = _within(20, lambda: r.get_many(SOC, wanted))
+    if isinstance(got, RemoteError):
+        assert "an answer past" in str(got) and hostport in str(got), got
+    else:  # (one key, a GET: its value is corrupt, and stored over once compiled)
+        assert isinstance(got, dict) and isinstance(got[wanted[0]], RemoteCorrupt), got
+    assert sent[0] < 32 << 20  # (read up to the cap and a little, in the sockets' buffers)
+    assert r.get_many(SOC, wanted) == {}  # (a new connection: not the answer's rest)
     r.close()

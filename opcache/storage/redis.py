@@ -11,8 +11,12 @@ A value is an entry packed whole and checked whole on every read
 The client waits a fraction of a second to connect and ``timeout`` seconds
 for an answer, plus a second per MiB of it received (``MIN_RATE``), from
 sending the command to the answer's last byte (``_TimedSocket``: a server
-sending a byte at a time no longer holds a compile for as long as it likes),
-and never retries: a cache must not hold up a compile for the sake of a
+sending a byte at a time no longer holds a compile for as long as it likes).
+An answer holds at most the entry cap for each value asked, plus a little
+(``_room``): a server sending more (a junk value of 500 MB under a key, a
+bulk string announced at 4 GB) is cut off there, the connection dropped, a
+GET's value as corrupt and any other command's as a ``RemoteError``.  It
+never retries: a cache must not hold up a compile for the sake of a
 remote (redis-py's defaults wait 5 s and retry ten times).  Every
 failure is a ``RemoteError``: redis-py's own errors, and the others it lets
 through (a host label over 63 characters is a UnicodeError from the idna
@@ -64,6 +68,12 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 _MGET_KEYS = 64  # keys per MGET: a batch of big kernels stays a bounded answer
+# What an answer may hold beyond its values' entry caps: each key's framing, a
+# claim's token, and a command's answer that holds no value (INFO, a SCAN page,
+# a cluster's slot map).
+_KEY_BYTES = 4 << 10
+_ANSWER_BYTES = 8 << 20
+_asked = threading.local()  # .room: the bytes this thread's next answers may hold
 CLAIM_SUFFIX = ":claim"
 _STORED = b"stored"  # a claim's value once its entry is stored
 
@@ -127,15 +137,29 @@ def _connected(connection: redis_py.connection.AbstractConnection) -> None:
     connection.on_connect()
 
 
+class _TooBig(Exception):
+    """An answer past the bytes its command's values may hold (``_asked.room``)."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__(f"an answer past {room} bytes, more than the entries asked can be")
+        self.size = room
+
+
 class _TimedSocket:
     """A connection's socket whose reads of an answer end at a deadline: the timeout
-    from the command's last byte sent, plus a second per MiB received since.
+    from the command's last byte sent, plus a second per MiB received since; and
+    at the bytes the thread sending the command gave it room for (``_asked``).
 
     redis-py's socket timeout bounds each read alone: a server sending a byte
     within each held a command forever (an answer of 200 bytes at 0.2 s a byte
     took 40 s with a timeout of 2 s).  redis-py reads through ``recv`` on this
     thread, so each read waits no longer than what is left; past the deadline
-    it is a timeout, as any other.  Everything else is the socket's.
+    it is a timeout, as any other.  A second a MiB let a fast server's answer
+    run on: a GET answered ``$4000000000`` and zeros held a compile 131 s with
+    a timeout of 2 s, its memory grown to 11.7 GB.  Past its room a read is
+    ``_TooBig``, which redis-py lets through after dropping the connection (a
+    cluster's pipeline drops those of the other nodes it has not read yet).
+    Everything else is the socket's.
     """
 
     def __init__(self, sock: socket.socket, timeout: float | None) -> None:
@@ -143,6 +167,7 @@ class _TimedSocket:
         self._timeout = timeout
         self._wanted = sock.gettimeout()  # redis-py's own, which it changes for a poll
         self._due = float("inf")
+        self._room = self._left = _ANSWER_BYTES
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._sock, name)
@@ -158,16 +183,23 @@ class _TimedSocket:
         self._sock.sendall(data, *flags)
         if self._timeout is not None:
             self._due = time.monotonic() + self._timeout
+        self._room = self._left = getattr(_asked, "room", _ANSWER_BYTES)
 
     def recv(self, size: int, *flags: int) -> bytes:
         data = self._read(self._sock.recv, size, *flags)
-        self._due += len(data) / MIN_RATE
+        self._got(len(data))
         return data
 
     def recv_into(self, buffer: bytearray, *args: int) -> int:  # (hiredis's parser's)
         got = self._read(self._sock.recv_into, buffer, *args)
-        self._due += got / MIN_RATE
+        self._got(got)
         return got
+
+    def _got(self, size: int) -> None:
+        self._due += size / MIN_RATE
+        self._left -= size
+        if self._left < 0:
+            raise _TooBig(self._room)
 
     def _read(self, read, *args):  # type: ignore[no-untyped-def]
         wanted = self._wanted
@@ -227,6 +259,34 @@ class RedisRemote(Remote):
         except Exception as e:  # (not only redis-py's own: see the module's docstring)
             raise self._failure(what, e) from None
 
+    def _room(self, values: int, keys: int = 0) -> int:
+        """The bytes the answers to commands asking ``values`` values (and ``keys`` keys'
+        that are no values: claims) may hold."""
+        return values * self.max_entry_bytes + (values + keys) * _KEY_BYTES + _ANSWER_BYTES
+
+    def _fetch(self, what: str, room: int, func, *args):  # type: ignore[no-untyped-def]
+        """``_call``, its answers given ``room`` bytes."""
+        _asked.room = room
+        try:
+            return self._call(what, func, *args)
+        finally:
+            _asked.room = _ANSWER_BYTES
+
+    def _get(self, name: str) -> bytes | RemoteCorrupt | None:
+        """The value of ``name``: one over the entry cap is a RemoteCorrupt, cut off
+        before it is read whole (as a bad value is, it is then stored over)."""
+        _asked.room = self._room(1)
+        try:
+            return self._redis.get(name)
+        except _TooBig as e:
+            corrupt = RemoteCorrupt(f"a value over the entry cap: {e}")
+            corrupt.size = e.size
+            return corrupt
+        except Exception as e:
+            raise self._failure("GET", e) from None
+        finally:
+            _asked.room = _ANSWER_BYTES
+
     def _failure(self, what: str, error: Exception) -> RemoteError:
         """The RemoteError for ``error``, in the server's words made fit for a message
         (``said``); a refused login says which setting to look at (redis-py's words for
@@ -243,7 +303,9 @@ class RedisRemote(Remote):
     # -- entries ---------------------------------------------------------------------
 
     def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
-        value = self._call("GET", self._redis.get, self._name(soc, key))
+        value = self._get(self._name(soc, key))
+        if isinstance(value, RemoteCorrupt):
+            raise value
         return None if value is None else unpack(key, value, self.max_entry_bytes)
 
     def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
@@ -263,10 +325,12 @@ class RedisRemote(Remote):
     ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
         """(the entries of ``keys`` that are there, the keys claimed), in one round trip."""
         if len(keys) == 1 and not claims:  # a plain GET: a pipeline costs a hit 0.1 ms more
-            value = self._call("GET", self._redis.get, self._name(soc, keys[0]))
-            return (
-                {} if value is None else {keys[0]: checked(keys[0], value, self.max_entry_bytes)}
-            ), set()
+            value = self._get(self._name(soc, keys[0]))
+            if value is None:
+                return {}, set()
+            if isinstance(value, RemoteCorrupt):
+                return {keys[0]: value}, set()
+            return {keys[0]: checked(keys[0], value, self.max_entry_bytes)}, set()
         pipe = self._redis.pipeline(transaction=False)
         batches = [keys[start : start + _MGET_KEYS] for start in range(0, len(keys), _MGET_KEYS)]
         prefix = self._name(soc, "")
@@ -274,7 +338,8 @@ class RedisRemote(Remote):
             names = [prefix + key for key in batch]
             # A batch's claims in its values' MGET: one command a poll, not two.
             pipe.mget(names + [name + CLAIM_SUFFIX for name in names] if claims else names)
-        answers = self._call("MGET", pipe.execute)
+        room = self._room(len(keys), len(keys) if claims else 0)
+        answers = self._fetch("MGET", room, pipe.execute)
         found: dict[str, Fetched | RemoteCorrupt] = {}
         claimed = set()
         for batch, values in zip(batches, answers, strict=True):
@@ -397,7 +462,8 @@ class RedisRemote(Remote):
         pipe = self._redis.pipeline(transaction=False)
         for start in range(0, len(names), _MGET_KEYS):
             pipe.mget(names[start : start + _MGET_KEYS])
-        return [value for values in self._call(what, pipe.execute) for value in values]
+        answers = self._fetch(what, self._room(0, len(names)), pipe.execute)
+        return [value for values in answers for value in values]
 
     def claimed(self, soc: str, key: str) -> bool:
         return bool(self._call("EXISTS", self._redis.exists, self._name(soc, key) + CLAIM_SUFFIX))

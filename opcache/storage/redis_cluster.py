@@ -118,7 +118,8 @@ class RedisClusterRemote(RedisRemote):
         names = [self._name(soc, key) for key in keys]
         if claims:
             names += [name + CLAIM_SUFFIX for name in names[: len(keys)]]
-        values = self._call("MGET", self._redis.mget_nonatomic, names)
+        room = self._room(len(keys), len(names) - len(keys))
+        values = self._fetch("MGET", room, self._redis.mget_nonatomic, names)
         found: dict[str, Fetched | RemoteCorrupt] = {}
         for at, key in enumerate(keys):
             value = values[at]
@@ -133,7 +134,7 @@ class RedisClusterRemote(RedisRemote):
     def peek_claims(self, soc: str, keys: list[str]) -> set[str]:
         """The keys a claim is held on, their claims grouped by slot."""
         names = [self._name(soc, key) + CLAIM_SUFFIX for key in keys]
-        tokens = self._call("MGET", self._redis.mget_nonatomic, names)
+        tokens = self._fetch("MGET", self._room(0, len(names)), self._redis.mget_nonatomic, names)
         return {key for key, token in zip(keys, tokens, strict=True) if token}
 
     def _memory(self) -> dict[str, object]:
