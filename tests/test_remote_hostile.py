@@ -375,3 +375,40 @@ def test_an_answer_past_the_entry_cap_is_cut_off_and_its_connection_dropped(
     assert sent[0] < 32 << 20  # (read up to the cap and a little, in the sockets' buffers)
     assert r.get_many(SOC, wanted) == {}  # (a new connection: not the answer's rest)
     r.close()
+
+
+# -- a host name of many addresses, none answering ----------------------------------------------
+
+
+@pytest.fixture
+def unreachable(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A host name whose 40 addresses all let a connect hang: a loopback port whose
+    listener's queue is full (the kernel drops the SYNs, as a blackholed address)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))  # (the queue's one place)
+    resolve = socket.getaddrinfo
+
+    def addresses(host, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host != "blackholed.test":
+            return resolve(host, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))] * 40
+
+    monkeypatch.setattr(socket, "getaddrinfo", addresses)
+    yield f"blackholed.test:{port}"
+    filler.close()
+    listener.close()
+
+
+def test_connecting_to_an_http_server_is_within_the_request_s_deadline(unreachable) -> None:
+    """Each address got the whole timeout: a name with 3 unreachable addresses held a
+    request 3 times as long (40 here: 40 times)."""
+    timeout = 0.25
+    settings = resolve_settings(
+        remote={"url": f"http://{unreachable}/c", "timeout": timeout}, environ={"HOME": "/x"}
+    )
+    r = open_remote(settings.remote)
+    start = time.monotonic()
+    got = _within(60, lambda: r.get(SOC, KEY))
+    assert isinstance(got, RemoteError), got
+    assert time.monotonic() - start < 10 * timeout
