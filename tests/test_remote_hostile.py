@@ -1,7 +1,8 @@
 """Remote URLs and servers that try opcache's promises: a URL urlsplit refuses is a
 setting's error, never a traceback; a server without HELLO is used, and never
 shown the password it quotes back; a server's own words never reach the terminal
-raw.
+raw; an answer past the entry cap is cut off; connecting is within the deadline
+however many addresses a name has; an answer that is no value is a corrupt one.
 """
 
 from __future__ import annotations
@@ -412,3 +413,33 @@ def test_connecting_to_an_http_server_is_within_the_request_s_deadline(unreachab
     got = _within(60, lambda: r.get(SOC, KEY))
     assert isinstance(got, RemoteError), got
     assert time.monotonic() - start < 10 * timeout
+
+
+@pytest.mark.parametrize(
+    ("get", "mget", "one", "two"),
+    [
+        (b":5\r\n", b"*2\r\n:5\r\n:6\r\n", RemoteCorrupt, RemoteCorrupt),
+        (b"*0\r\n", b":5\r\n", RemoteCorrupt, RemoteError),
+    ],
+    ids=["numbers", "no-list"],
+)
+def test_an_answer_that_is_no_value_is_a_corrupt_value_or_a_remote_error(
+    get: bytes, mget: bytes, one: type, two: type
+) -> None:
+    """A GET answered with a number was a TypeError out of the value's checks: not a
+    remote's failure, so the warning named no remote."""
+
+    def reply(words: list[bytes]) -> bytes | None:
+        return {b"GET": get, b"MGET": mget}.get(words[0].upper())
+
+    with fake_redis(reply) as port:
+        r = _open(f"redis://127.0.0.1:{port}/0")
+        with pytest.raises(RemoteCorrupt, match="not a value"):
+            r.get(SOC, KEY)
+        assert isinstance(r.get_many(SOC, [KEY])[KEY], one)
+        if two is RemoteError:
+            with pytest.raises(RemoteError, match=f"127.0.0.1:{port}"):
+                r.get_many(SOC, [KEY, "f" * 32])
+        else:
+            assert all(isinstance(v, two) for v in r.get_many(SOC, [KEY, "f" * 32]).values())
+        r.close()

@@ -55,7 +55,7 @@ from .remote import (
     said,
     secrets_of,
 )
-from .value import checked, pack, unpack
+from .value import checked, pack
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -304,9 +304,14 @@ class RedisRemote(Remote):
 
     def get(self, soc: str, key: str) -> tuple[Entry, bytes] | None:
         value = self._get(self._name(soc, key))
-        if isinstance(value, RemoteCorrupt):
-            raise value
-        return None if value is None else unpack(key, value, self.max_entry_bytes)
+        if value is None:
+            return None
+        got = (
+            value if isinstance(value, RemoteCorrupt) else checked(key, value, self.max_entry_bytes)
+        )
+        if isinstance(got, RemoteCorrupt):
+            raise got
+        return got[0], got[1]
 
     def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
         """The entries of ``keys`` that are there, by key (a bad value as its RemoteCorrupt)."""
@@ -343,6 +348,8 @@ class RedisRemote(Remote):
         found: dict[str, Fetched | RemoteCorrupt] = {}
         claimed = set()
         for batch, values in zip(batches, answers, strict=True):
+            if not isinstance(values, list):  # (a server answering an MGET with no list)
+                raise RemoteError(f"{self.where}: MGET: the server's answer is no list")
             for key, value in zip(batch, values, strict=False):
                 if value is not None:
                     found[key] = checked(key, value, self.max_entry_bytes)

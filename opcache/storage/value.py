@@ -217,7 +217,10 @@ def _inflated(stream: memoryview, limit: int) -> bytes:
 
 
 def checked(key: str, value: bytes, limit: int) -> Fetched | RemoteCorrupt:
-    """``unpack``'s answer with the value's size on the wire, or its RemoteCorrupt."""
+    """``unpack``'s answer with the value's size on the wire, or its RemoteCorrupt (a
+    server's answer that is no string too: Redis answering a GET with ``:5``)."""
+    if not isinstance(value, bytes):
+        return RemoteCorrupt(f"not a value: the server answered {type(value).__name__}")
     try:
         return (*unpack(key, value, limit), len(value))
     except RemoteCorrupt as e:
