@@ -25,7 +25,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from . import _json, fsutil
@@ -78,8 +78,10 @@ class CounterFiles:
         index = os.getpid() % SHARDS
         fd = self._open_folder(True)
         try:
-            with flocked(_lock_name(index), self._modes, dir_fd=fd):
-                counts = self._take_legacy(index, fd)
+            with (
+                flocked(_lock_name(index), self._modes, dir_fd=fd),
+                self._with_legacy(index, fd) as counts,
+            ):
                 if _size(QUICK_COUNTS, fd) >= FOLD_BYTES:
                     for name, value in self._take_appended(fd, give_back=True).items():
                         counts[name] = counts.get(name, 0) + value
@@ -135,8 +137,12 @@ class CounterFiles:
                     held.enter_context(flocked(_lock_name(index), self._modes, dir_fd=fd))
                     present.append(index)
                 kept = [
-                    {n: v for n, v in self._take_legacy(index, fd, there).items() if n in keep}
-                    for index in present
+                    {
+                        n: v
+                        for n, v in held.enter_context(self._with_legacy(i, fd, there)).items()
+                        if n in keep
+                    }
+                    for i in present
                 ]
                 for n, v in self._take_appended(fd).items():
                     if n in keep:
@@ -170,37 +176,40 @@ class CounterFiles:
             and abs(value) < _MAX_COUNT
         }
 
-    def _take_legacy(self, index: int, dir_fd: int, there: set[str] | None = None) -> Counts:
-        """Shard ``index``'s counts, its legacy ``NN.json`` (made before 2026-11-28, or
-        by an older opcache sharing the folder) folded in and gone.  Under the
-        shard's lock, with ``totals`` reading a shard before its legacy name: the
-        legacy counts are renamed, not copied, so no reader sums them twice; a
-        writer killed before its write loses them, which ``verify`` recounts."""
+    @contextlib.contextmanager
+    def _with_legacy(
+        self, index: int, dir_fd: int, there: set[str] | None = None
+    ) -> Iterator[Counts]:
+        """Shard ``index``'s counts, with its legacy ``NN.json`` (made before 2026-11-28,
+        or by an older opcache sharing the folder) folded in, for the block to write
+        back under the shard's lock.  ``totals`` reads a shard before its legacy
+        name, and the legacy file is renamed (into the shard's name, or aside until
+        the block is done), never copied: no reader sums it twice.  A block that
+        fails (a full disk) gives it its name back; a writer killed in the block
+        loses it, which ``verify`` recounts.  ``there``: the folder's names."""
         legacy, shard = _legacy_name(index), _shard_name(index)
-        if there is not None and legacy not in there:  # (a listing under every lock)
-            return self._read(shard, dir_fd)
-        try:
-            planted = not stat.S_ISREG(
-                os.stat(legacy, dir_fd=dir_fd, follow_symlinks=False).st_mode
-            )
-        except OSError:
-            return self._read(shard, dir_fd)  # (none: the common case)
-        if planted:
-            return self._read(shard, dir_fd)  # (a link or a folder: left, read as nothing)
-        try:
-            if not fsutil.lexists(shard, dir_fd):  # (made only under this lock)
-                os.rename(legacy, shard, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                return self._read(shard, dir_fd)
-            aside = fsutil.unique_name(f".{legacy}")
-            os.rename(legacy, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except OSError:
-            return self._read(shard, dir_fd)
-        try:
-            counts = self._read(shard, dir_fd)
+        aside = None
+        if (there is None or legacy in there) and _regular(legacy, dir_fd):
+            try:
+                if not fsutil.lexists(shard, dir_fd):  # (made only under this lock)
+                    os.rename(legacy, shard, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                else:
+                    aside = fsutil.unique_name(f".{legacy}")
+                    os.rename(legacy, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError:
+                aside = None
+        counts = self._read(shard, dir_fd)
+        if aside is not None:
             for name, value in self._read(aside, dir_fd).items():
                 counts[name] = counts.get(name, 0) + value
-            return counts
-        finally:
+        try:
+            yield counts
+        except BaseException:
+            if aside is not None:
+                with contextlib.suppress(OSError):
+                    os.rename(aside, legacy, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            raise
+        if aside is not None:
             with contextlib.suppress(OSError):
                 os.unlink(aside, dir_fd=dir_fd)
 
@@ -323,6 +332,14 @@ def _shard_name(index: int) -> str:
 
 def _legacy_name(index: int) -> str:
     return f"{index:02d}.json"
+
+
+def _regular(name: str, dir_fd: int) -> bool:
+    """Whether ``name`` is a regular file (a link or a folder planted there: left as it is)."""
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _listed(dir_fd: int) -> set[str]:

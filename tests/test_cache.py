@@ -7,6 +7,7 @@ holds only HOME.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -901,3 +902,31 @@ def test_counts_an_older_opcache_kept_as_json_are_counted_once_and_moved(
     # This process's shard took its legacy counts in: one name, counted once.
     assert not shard.with_suffix(".json").exists() and shard.exists()
     assert other.exists()  # (another process's, until it adds again)
+
+
+def test_legacy_counts_outlive_a_write_that_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both an NN.json an older opcache wrote and an NN.count: folding one into the
+    other and then failing to write (a full disk) lost the legacy counts for good."""
+    from opcache.counters import SHARDS, CounterFiles
+
+    counters = CounterFiles(tmp_path / "counts")
+    counters.add({"entries": 1, "bytes": 5})
+    index = os.getpid() % SHARDS
+    (tmp_path / "counts" / f"{index:02d}.json").write_text('{"entries": 10, "bytes": 1000}')
+    assert counters.totals() == {"entries": 11, "bytes": 1005}
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CounterFiles, "_write", full)
+    with pytest.raises(OSError):
+        counters.add({"entries": 1, "bytes": 7})
+    monkeypatch.undo()
+    assert counters.totals() == {"entries": 11, "bytes": 1005}
+    counters.add({"entries": 1, "bytes": 7})
+    assert counters.totals() == {"entries": 12, "bytes": 1012}
+    assert sorted(p.name for p in (tmp_path / "counts").iterdir() if p.suffix != ".lock") == [
+        f"{index:02d}.count"
+    ]
