@@ -587,9 +587,16 @@ def del_lock(fd: int, dry_run: bool, *, aging: bool = False) -> Iterator[str | N
             return
         how = fcntl.LOCK_SH
     except OSError as e:
-        why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
-        yield f"cannot open {DEL_LOCK}: {why}"
-        return
+        try:
+            if not (dry_run and e.errno == errno.EROFS):
+                raise
+            # A dry run over a read-only mount (a backup, a snapshot) still says what a
+            # pass would remove: the lock tested as the read lock it can take.
+            lock_fd, st = fsutil.open_regular(DEL_LOCK, dir_fd=fd)
+        except OSError as e:
+            why = "it is a link" if e.errno == errno.ELOOP else e.strerror or e
+            yield f"cannot open {DEL_LOCK}: {why}"
+            return
     # (Another chip's aging lock, hard-linked here, may be one this process holds already:
     # locking it again could only turn our write lock into a read lock.)
     again = held_lock(st) is not None

@@ -8,6 +8,7 @@ processes with CANN's fcntl locks; one writer is really killed half way.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ from helpers_cann import (
 )
 
 import opcache
-from opcache import cann_cache, cann_format
+from opcache import cann_cache, cann_format, fsutil
 from opcache.cli import main
 
 __all__ = ["base"]  # the fixture, from helpers_cann
@@ -264,6 +265,25 @@ def test_age_dry_run_removes_nothing_and_reports_what_it_would(base, capsys):
     assert (status, err) == (0, "") and f.names() == before
     assert out.startswith(f"{SOC}: would remove 6 entries, ")  # "locked" is free here
     assert cann_json(capsys, base, "age", "--dry-run")[1]["chips"][SOC]["dry_run"] is True
+
+
+def test_age_dry_run_on_a_read_only_mount_says_what_a_pass_would_remove(base, capsys, monkeypatch):
+    """A folder mounted read-only (a backup, a snapshot): the dry run opened the aging
+    lock to write, failed with EROFS, and said "would remove 0 entries"."""
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    (f.chip / cann_format.DEL_LOCK).touch()  # (left by CANN before the mount)
+    real_open = fsutil.open_regular
+
+    def read_only(path, flags=os.O_RDONLY, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(fsutil, "open_regular", read_only)
+    status, out, err = cann(capsys, base, "age", "--dry-run")
+    assert (status, err) == (0, "")
+    assert out.startswith(f"{SOC}: would remove 6 entries, ")
 
 
 # -- reading without disturbing -------------------------------------------------------------
