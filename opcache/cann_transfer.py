@@ -251,7 +251,7 @@ CHANGED = "it changed while this ran: the next run gives it"
 
 class InputsMark:
     """The driver and the custom operator packages as a giving side found them: each
-    file and folder the namespace is digested from, with the time it last changed.
+    file the namespace is digested from, with the time it last changed.
 
     CANN wipes its folder only for other versions in op_cache.ini: after a new
     driver or custom operator package the entries compiled before stay, and the
@@ -314,10 +314,18 @@ def _input_stamps(environ: Mapping[str, str]) -> dict[str, tuple[int, int, int, 
             mark(parent(folder))
             continue
         for top, subfolders, files in os.walk(folder, followlinks=True):
-            if not mark(top) or stamps[top][:2] in seen:
+            # A package's own folders are walked, not stamped: Python's first import
+            # makes a __pycache__ in one, and a clean step deletes it, which would move
+            # its times and hold back every entry before for good.  (So a file only
+            # deleted from a package, nothing else changed, is not seen: docs/cann.md.)
+            try:
+                identity = os.stat(top)[1:3]  # (inode, device)
+            except OSError:
+                identity = None
+            if identity is None or identity in seen:
                 subfolders.clear()
                 continue
-            seen.add(stamps[top][:2])
+            seen.add(identity)
             # (Python's bytecode is no part of the digest, and is written at first imports)
             subfolders[:] = [f for f in subfolders if f != "__pycache__"]
             for name in files:

@@ -977,6 +977,27 @@ def test_entries_compiled_before_a_driver_or_package_change_are_not_given(
     assert sorted(p.stem for p in b.chip.glob("*.json")) == [new]
 
 
+@pytest.mark.parametrize("step", ["first import", "clean"])
+def test_bytecode_python_writes_or_a_clean_step_deletes_holds_back_no_entry(machines, step):
+    """A package folder's own times were stamped: the __pycache__ Python makes at its
+    first import, or a clean step's deleting it, kept every entry before from being
+    given for good, though the namespace's files were unchanged."""
+    a, _ = machines
+    _custom_package(a, b"tiling v1")
+    tbe = a.base / "custom_opp" / "op_impl" / "ai_core" / "tbe"
+    if step == "clean":
+        (tbe / "__pycache__").mkdir()
+    old = _fill(a, 2)
+    _after(a.chip / f"{old[0]}.json")
+    if step == "clean":
+        (tbe / "__pycache__").rmdir()
+    else:
+        (tbe / "__pycache__").mkdir()
+        (tbe / "__pycache__" / "my_add.cpython-311.pyc").write_bytes(os.urandom(64))
+    report = a.push()
+    assert (report["sent"], report["skipped"]) == (2, [])
+
+
 def test_entries_compiled_with_a_package_since_removed_are_not_given(machines):
     a, _ = machines
     _custom_package(a, b"tiling v1")
