@@ -482,9 +482,12 @@ def test_cann_fingerprint_follows_the_tuning_bank(toolkit, tmp_path):
     assert _status_after(tmp_path, env, "d") == "hit"
 
 
-def test_cann_tuning_bank_defaults_to_aoe_data_under_ascend_cache_path(toolkit, tmp_path):
+@pytest.mark.parametrize("spaces", ["", " "], ids=["plain", "with_a_space_after"])
+def test_cann_tuning_bank_defaults_to_aoe_data_under_ascend_cache_path(toolkit, tmp_path, spaces):
+    """A space after the variable (which CANN trims, as opcache does for the cache) left
+    the bank under the trimmed path out of the key: a tuning change still hit."""
     _, env = toolkit
-    env = {**env, "ASCEND_CACHE_PATH": str(tmp_path / "ascend_cache")}
+    env = {**env, "ASCEND_CACHE_PATH": str(tmp_path / "ascend_cache") + spaces}
     before = CannCompiler(environ=env).fingerprint()
     bank = tmp_path / "ascend_cache" / "aoe_data"
     bank.mkdir(parents=True)

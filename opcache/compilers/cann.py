@@ -269,17 +269,22 @@ def _contents(path: str, budget: list[int]) -> str:
 
 def tune_bank_digest(environ: Mapping[str, str], notes: LocalStore | None = None) -> str:
     """Digest of the tuning knowledge base's files (names and contents), or "none"."""
-    bank = environ.get("TUNE_BANK_PATH")
-    if not bank and environ.get("ASCEND_CACHE_PATH"):
-        bank = os.path.join(environ["ASCEND_CACHE_PATH"], "aoe_data")
-    if not bank or not os.path.isdir(bank):
+    banks = [environ["TUNE_BANK_PATH"]] if environ.get("TUNE_BANK_PATH") else []
+    if not banks and environ.get("ASCEND_CACHE_PATH", "").strip():
+        # CANN trims the variable for its kernel cache; whether its tuning does too is
+        # not known here: a bank under either spelling is keyed (a miss, never stale).
+        given = environ["ASCEND_CACHE_PATH"]
+        banks = [os.path.join(path, "aoe_data") for path in dict.fromkeys((given.strip(), given))]
+    banks = [bank for bank in banks if os.path.isdir(bank)]
+    if not banks:
         return "none"
     listing = []
-    for count, path in enumerate(sorted(Path(bank).rglob("*"))):
-        if count > _MAX_BANK_FILES:
-            break
-        if path.is_file():
-            listing.append(f"{path.relative_to(bank)}:{file_identity(path, notes)}")
+    for bank in banks:
+        for count, path in enumerate(sorted(Path(bank).rglob("*"))):
+            if count > _MAX_BANK_FILES:
+                break
+            if path.is_file():
+                listing.append(f"{path.relative_to(bank)}:{file_identity(path, notes)}")
     return digest("\n".join(listing).encode())
 
 
