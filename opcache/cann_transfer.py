@@ -1052,11 +1052,6 @@ def _pull_chip(
     return report
 
 
-# What the remote says of a value of another format, or over this client's size cap
-# (``storage.value``, ``storage.local``): maybe another opcache's sound entry, left.
-_MAYBE_SOUND = re.compile(r"format|\b(over|past) \d")
-
-
 def _discard_damaged(client: Remote, ns: Namespace, corrupt: list[dict]) -> list[str]:
     """Remove the entries of ``corrupt`` from the remote (not a read-only one): push asks
     only whether a key is there, so a damaged value would stand for good, every pull
@@ -1065,7 +1060,7 @@ def _discard_damaged(client: Remote, ns: Namespace, corrupt: list[dict]) -> list
     for item in corrupt:
         if client.read_only:  # (or turned so: the server refused a write)
             break
-        if _MAYBE_SOUND.search(item["why"]):
+        if item.get("maybe_sound"):  # (another opcache's, of another format or size cap)
             continue
         try:
             client.discard(ns.remote_chip, item["entry"])
@@ -1103,7 +1098,10 @@ def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> 
             report["gone"].append(kernel)  # evicted since it was indexed
             continue
         if isinstance(value, RemoteCorrupt):
-            report["corrupt"].append({"entry": kernel, "why": str(value)})
+            item = {"entry": kernel, "why": str(value)}
+            if value.maybe_sound:
+                item["maybe_sound"] = True
+            report["corrupt"].append(item)
             log.warning("%s not written: the remote's value is damaged (%s)", kernel, value)
             continue
         entry, manifest = value[0], value[1]

@@ -1137,6 +1137,25 @@ def test_a_value_of_another_format_is_left_on_the_remote(machines, redis_server)
     assert client.get(name) == newer
 
 
+def test_an_entry_over_a_pulling_machine_s_cap_is_left_on_an_http_remote(
+    machines, nginx, monkeypatch
+):
+    """The HTTP cache words an object over the cap without a number after "over": a
+    pull with a smaller cap than the pusher's took it for damage and deleted it, for
+    every machine."""
+    a, b = machines
+    a.url = b.url = nginx.url()
+    kernels = _fill(a, 2, size=1_500_000)
+    assert a.push()["sent"] == 2
+    write_ini(b.root)
+    monkeypatch.setenv("OPCACHE_REMOTE_MAX_ENTRY_MB", "1")
+    report = b.pull()
+    assert sorted(c["entry"] for c in report["corrupt"]) == sorted(kernels)
+    assert all(c["maybe_sound"] for c in report["corrupt"]) and report["discarded"] == []
+    monkeypatch.delenv("OPCACHE_REMOTE_MAX_ENTRY_MB")
+    assert b.pull()["written"] == 2
+
+
 def test_an_export_into_a_missing_folder_names_the_file_asked_for(machines, tmp_path, capsys):
     from opcache.cli import main
 

@@ -28,7 +28,14 @@ NAME_MAX = 255  # bytes of a file name, on Linux's file systems
 
 
 class CorruptEntry(Exception):
-    """An entry exists but cannot be trusted; the message says why."""
+    """An entry exists but cannot be trusted; the message says why.
+
+    ``maybe_sound``: it may be sound to another opcache, one of another format
+    or with a bigger size cap sharing a remote: not this one's to delete."""
+
+    def __init__(self, message: str, *, maybe_sound: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_sound = maybe_sound
 
 
 class Entry(Record):
@@ -106,7 +113,8 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         raise CorruptEntry("the manifest is not JSON") from None
     if type(data) is not dict or data.get("format") != FORMAT or data.get("key") != key:
-        raise CorruptEntry("the manifest is of another entry or format")
+        other_format = type(data) is dict and data.get("format") != FORMAT
+        raise CorruptEntry("the manifest is of another entry or format", maybe_sound=other_format)
     artifacts = data.get("artifacts")
     seconds = data.get("compile_seconds")
     try:  # (a 400-digit integer overflows a float)

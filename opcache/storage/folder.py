@@ -82,7 +82,7 @@ class FolderRemote(Remote):
             try:
                 got = self._store.get_with_manifest(soc, key)
             except CorruptEntry as e:
-                found[key] = RemoteCorrupt(str(e))
+                found[key] = RemoteCorrupt(str(e), maybe_sound=e.maybe_sound)
                 self._corrupt.add((soc, key))
                 continue
             except OSError as e:  # unreadable, untrusted, the mount gone

@@ -237,7 +237,9 @@ class HttpRemote(Remote):
         limit = self.max_entry_bytes + _SLACK
         length = response.getheader("Content-Length")
         if length is not None and length.isdigit() and int(length) > limit:
-            error = RemoteCorrupt(f"an object of {length} bytes, over the entry cap")
+            error = RemoteCorrupt(
+                f"an object of {length} bytes, over the entry cap", maybe_sound=True
+            )
             error.size = 0
             raise error
         chunks, got = [], 0
@@ -246,7 +248,7 @@ class HttpRemote(Remote):
             got += len(chunk)
             self._deadlines.watch(conn, deadline + got / MIN_RATE)
         if got > limit:
-            error = RemoteCorrupt("an object over the entry cap")
+            error = RemoteCorrupt("an object over the entry cap", maybe_sound=True)
             error.size = got
             raise error
         return b"".join(chunks)

@@ -453,7 +453,9 @@ class LocalStore:
         if self.max_entry_bytes is not None:
             size = len(raw) + sum(size for _, size, _ in manifest["artifacts"])
             if size > self.max_entry_bytes:
-                raise CorruptEntry(f"the manifest says {size} bytes, over {self.max_entry_bytes}")
+                raise CorruptEntry(
+                    f"the manifest says {size} bytes, over {self.max_entry_bytes}", maybe_sound=True
+                )
         files = {}
         for name, size, want in manifest["artifacts"]:
             # One byte more than the manifest says: a longer file is caught too.

@@ -279,7 +279,7 @@ class RedisRemote(Remote):
         try:
             return self._redis.get(name)
         except _TooBig as e:
-            corrupt = RemoteCorrupt(f"a value over the entry cap: {e}")
+            corrupt = RemoteCorrupt(f"a value over the entry cap: {e}", maybe_sound=True)
             corrupt.size = e.size
             return corrupt
         except Exception as e:

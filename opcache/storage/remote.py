@@ -136,9 +136,16 @@ def secrets_of(settings: RemoteSettings, *more: str) -> frozenset[str]:
 
 
 class RemoteCorrupt(Exception):
-    """A value fetched from the remote is not a whole, valid entry of its key."""
+    """A value fetched from the remote is not a whole, valid entry of its key.
+
+    ``maybe_sound``: it may be sound to another opcache sharing the remote (a value
+    of another format, or over this one's size cap): never this one's to delete."""
 
     size = 0  # the value's bytes on the wire
+
+    def __init__(self, message: str, *, maybe_sound: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_sound = maybe_sound
 
 
 class Claim:

@@ -161,12 +161,12 @@ def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
         raise RemoteCorrupt("the value is damaged (checksum)")
     _, version, flags = _HEAD.unpack_from(value)
     if version != FORMAT:
-        raise RemoteCorrupt(f"value format {version}, not {FORMAT}")
+        raise RemoteCorrupt(f"value format {version}, not {FORMAT}", maybe_sound=True)
     payload: bytes | memoryview = view[_HEAD.size : -_CHECK]
     if flags & _ZLIB:
         payload = _inflated(payload, limit + _LENGTH.size)
     elif len(payload) > limit + _LENGTH.size:
-        raise RemoteCorrupt(f"{len(payload) - _LENGTH.size} bytes, past {limit}")
+        raise RemoteCorrupt(f"{len(payload) - _LENGTH.size} bytes, past {limit}", maybe_sound=True)
     if len(payload) < _LENGTH.size:
         raise RemoteCorrupt("no manifest")
     (length,) = _LENGTH.unpack_from(payload)
@@ -179,7 +179,7 @@ def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
             files[name] = check_artifact(name, size, want, bytes(payload[at : at + size]))
             at += size
     except CorruptEntry as e:
-        raise RemoteCorrupt(str(e)) from None
+        raise RemoteCorrupt(str(e), maybe_sound=e.maybe_sound) from None
     if at != len(payload):
         raise RemoteCorrupt(f"{len(payload) - at} bytes past the last artifact")
     return Entry(key, files, described["compile_seconds"], 0.0), manifest
@@ -210,7 +210,7 @@ def _inflated(stream: memoryview, limit: int) -> bytes:
     except zlib.error as e:
         raise RemoteCorrupt(f"cannot decompress: {e}") from None
     if inflate.unconsumed_tail:
-        raise RemoteCorrupt(f"it inflates past {limit - _LENGTH.size} bytes")
+        raise RemoteCorrupt(f"it inflates past {limit - _LENGTH.size} bytes", maybe_sound=True)
     if not inflate.eof or len(inflate.unused_data) != _ADLER.size:
         raise RemoteCorrupt("cannot decompress: the stream is cut short or runs on")
     return inflated
