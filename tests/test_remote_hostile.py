@@ -443,3 +443,16 @@ def test_an_answer_that_is_no_value_is_a_corrupt_value_or_a_remote_error(
         else:
             assert all(isinstance(v, two) for v in r.get_many(SOC, [KEY, "f" * 32]).values())
         r.close()
+
+
+def test_a_short_password_is_masked_where_quoted_not_in_every_word() -> None:
+    """Every "e" of a message was masked for the password "e": the words mangled
+    ("Conn***ction r***fus***d"), and where the masks fell said what it was."""
+    from opcache.storage.remote import said
+
+    secrets = frozenset({"e"})
+    assert said(OSError("Connection refused"), secrets) == "Connection refused"
+    quoted = "unknown command `AUTH`, with args beginning with: `e`, "
+    assert said(Exception(quoted), secrets) == (
+        "unknown command `AUTH`, with args beginning with: `***`, "
+    )

@@ -66,6 +66,8 @@ class Backoff:
 _SAID_CHARACTERS = 300
 _MESSAGE_CHARACTERS = 1000
 _SECRET_HEAD = 8  # characters of a password that, followed by more of it, are masked
+# How servers and URLs quote what they were sent: a short password is masked there only.
+_QUOTES = (("`", "`"), ("'", "'"), ('"', '"'), (":", "@"), ("=", "&"), ("=", " "))
 
 
 class RemoteError(Exception):
@@ -105,10 +107,17 @@ def said(error: object, secrets: frozenset[str]) -> str:
     HELLO: "unknown command `HELLO`, with args beginning with: `3`, `AUTH`,
     `default`, `<password>`"), and cuts what it quotes (Redis at 128
     characters): a secret's first ``_SECRET_HEAD`` characters, and as much of
-    the rest as follows them, are masked.
+    the rest as follows them, are masked; a shorter secret only where quoted.
     """
     text = str(error) or type(error).__name__
     for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) < _SECRET_HEAD:
+            # A short one matches words by chance ("e" in "refused"): masked each time,
+            # the words were mangled and the masks showed it.  Only as a server or a
+            # URL quotes it.
+            for left, right in _QUOTES:
+                text = text.replace(f"{left}{secret}{right}", f"{left}***{right}")
+            continue
         head = secret[:_SECRET_HEAD]
         at = text.find(head)
         while at >= 0:
