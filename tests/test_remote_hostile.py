@@ -2,7 +2,8 @@
 setting's error, never a traceback; a server without HELLO is used, and never
 shown the password it quotes back; a server's own words never reach the terminal
 raw; an answer past the entry cap is cut off; connecting is within the deadline
-however many addresses a name has; an answer that is no value is a corrupt one.
+(Redis's: the connect limit) however many addresses a name has, TLS still spoken;
+an answer that is no value is a corrupt one.
 """
 
 from __future__ import annotations
@@ -413,6 +414,67 @@ def test_connecting_to_an_http_server_is_within_the_request_s_deadline(unreachab
     got = _within(60, lambda: r.get(SOC, KEY))
     assert isinstance(got, RemoteError), got
     assert time.monotonic() - start < 10 * timeout
+
+
+@pytest.mark.parametrize("scheme", ["redis", "rediss", "redis+cluster", "rediss+cluster"])
+def test_connecting_to_a_redis_server_is_bounded(unreachable, scheme: str) -> None:
+    """redis-py gave each address the whole connect limit (a quarter of the timeout, at
+    most 0.5 s): 40 addresses held a compile 40 times as long, 10 s here.  Now the limit
+    is for all of a name's addresses together (a cluster's nodes' too, and with TLS)."""
+    timeout = 1.0
+    url = f"{scheme}://{unreachable}"
+    settings = resolve_settings(remote={"url": url, "timeout": timeout}, environ={"HOME": "/x"})
+    got = _within(3 * timeout, lambda: open_remote(settings.remote).get(SOC, KEY))
+    assert isinstance(got, RemoteError), got
+
+
+def _listen_elsewhere(monkeypatch: pytest.MonkeyPatch, port: int) -> str:
+    """A host name whose first address refuses a connect, its second listening at ``port``
+    (of 127.0.0.1)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refusing = closed.getsockname()[1]
+    resolve = socket.getaddrinfo
+
+    def addresses(host, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host != "twofold.test":
+            return resolve(host, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", p))
+                for p in (refusing, port)]  # fmt: skip
+
+    monkeypatch.setattr(socket, "getaddrinfo", addresses)
+    return f"twofold.test:{port}"
+
+
+def test_a_redis_server_is_reached_at_a_name_s_next_address(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The addresses are tried in turn, as redis-py's own connect tried them."""
+    port = int(redis_url.rpartition(":")[2].partition("/")[0])
+    r = _open(f"redis://{_listen_elsewhere(monkeypatch, port)}/0")
+    assert r.put(SOC, KEY, *_entry()) > 0
+    assert r.get(SOC, KEY) is not None
+    r.close()
+
+
+@pytest.mark.parametrize("scheme", ["rediss", "rediss+cluster"])
+def test_a_tls_remote_still_speaks_tls_over_the_bounded_connect(
+    scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The TLS connection's class wraps the bounded connect's socket, never sends in
+    the clear: the server's first bytes are a TLS ClientHello (which it cannot answer)."""
+    first: list[bytes] = []
+
+    def answer(conn: socket.socket, ended: threading.Event) -> None:
+        first.append(conn.recv(5))
+
+    with fake_server(answer) as port:
+        hostport = _listen_elsewhere(monkeypatch, port)
+        url = f"{scheme}://{hostport}?ssl_cert_reqs=none"
+        settings = resolve_settings(remote={"url": url}, environ={"HOME": "/x"})
+        got = _within(10, lambda: open_remote(settings.remote).get(SOC, KEY))
+    assert isinstance(got, RemoteError), got
+    assert first and first[0][:2] == b"\x16\x03", first  # a TLS handshake record
 
 
 @pytest.mark.parametrize(

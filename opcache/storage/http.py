@@ -53,7 +53,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._log import get_logger
 from . import Remote, RemoteCorrupt, RemoteError
-from .remote import MIN_RATE, said, secrets_of
+from .remote import MIN_RATE, connect_in_turn, said, secrets_of
 from .value import checked, pack
 
 TYPE_CHECKING = False
@@ -202,9 +202,15 @@ class HttpRemote(Remote):
         """(status, body of a 200 GET, whether the connection can be used again)."""
         self._deadlines.watch(conn, deadline)
         if conn.sock is None:  # connected here, then watched again: cut off if late meanwhile
-            timeout = self._timeout  # (each address within the deadline: ``_connect``)
+            # Each of the name's addresses within the deadline, not the whole timeout
+            # each (the deadline's thread cannot cut off a connect: it has no socket of
+            # the connection's yet); then the timeout for each read and write, as
+            # http.client's own.
+            timeout = self._timeout
             conn._create_connection = (  # type: ignore[method-assign]
-                lambda address, *_: _connect(address, deadline, timeout)
+                lambda address, *_: connect_in_turn(
+                    socket.getaddrinfo(*address, type=socket.SOCK_STREAM), deadline, timeout
+                )
             )
             conn.connect()
             self._deadlines.watch(conn, deadline)
@@ -362,35 +368,6 @@ class HttpRemote(Remote):
             conns, self._open = self._open, set()
         for conn in conns:
             conn.close()
-
-
-def _connect(address: tuple[str, int], deadline: float, timeout: float) -> socket.socket:
-    """A socket connected to the first of ``address``'s addresses that answers by
-    ``deadline``, each tried in turn with the time left.
-
-    http.client (``socket.create_connection``) gives each address the whole
-    timeout, and the deadline's thread cannot cut off a connection it has no
-    socket of yet: a name with three unreachable addresses (a blackholed AAAA)
-    held a request three times the timeout.  (The name's look-up is the
-    resolver's, not bounded here.)
-    """
-    host, port = address
-    error: OSError = TimeoutError("no address of the host answered within the timeout")
-    for family, kind, proto, _, where in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(left)
-            sock.connect(where)
-        except OSError as e:
-            sock.close()
-            error = e
-            continue
-        sock.settimeout(timeout)  # (each read and write's, as http.client's own)
-        return sock
-    raise error
 
 
 class _Deadlines:

@@ -16,15 +16,16 @@ is grouped by slot, one pipeline per primary (``mget_nonatomic``), never one
 A primary that dies is, for its slots, a failure like a dead server's: a
 ``RemoteError``, so misses and a pause, never a failed compile; once its
 replica took over (or it came back) the client finds the new slot map on
-its next use.  The client waits as briefly as the single server's, each
-answer held to the same deadline, and never retries on its own.
+its next use.  The client waits as briefly as the single server's (its
+connections are the single server's kind: ``connection_kind``), each answer
+held to the same deadline, and never retries on its own.
 """
 
 from __future__ import annotations
 
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from .redis import CLAIM_SUFFIX, RedisRemote, timed
+from .redis import CLAIM_SUFFIX, RedisRemote, connection_kind, timed
 from .remote import RemoteError, said, secrets_of
 from .value import checked
 
@@ -56,8 +57,13 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
         options = query_options(parts.query)
     except ValueError as e:
         raise RemoteError(f"cannot use {settings.shown_url}: {e}") from None
-    if parts.scheme == "rediss+cluster":
-        options["ssl"] = True
+    # The nodes' connections are ours (each connect bounded as a whole: redis.py's
+    # connection_kind), TLS or not.  RedisCluster hands a connection class on only to
+    # the pools of a cluster given by URL (else its nodes' Redis refuses the
+    # argument), so the first node is given as one too: redis://, as the class brings
+    # the TLS (rediss:// would put redis-py's own class back, and ssl=True is not a
+    # connection's argument).
+    options["connection_class"] = connection_kind(tls=parts.scheme == "rediss+cluster")
     if parts.username:
         options["username"] = unquote(parts.username)
     # A password in the URL is percent-encoded; OPCACHE_REMOTE_PASSWORD is as it is.
@@ -68,7 +74,10 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
         options["password"] = password
     try:
         nodes = [_node(ClusterNode, hostport) for hostport in hosts.split(",")]
+        # (the node's host as ClusterNode made it: "localhost" looked up once, not twice)
+        first = nodes[0].host if ":" not in nodes[0].host else f"[{nodes[0].host}]"
         client = TimedCluster(
+            url=f"redis://{first}:{nodes[0].port}",
             startup_nodes=nodes,
             retry=Retry(NoBackoff(), 0),
             socket_connect_timeout=min(0.5, settings.timeout / 4),
