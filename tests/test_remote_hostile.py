@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -518,3 +519,30 @@ def test_a_short_password_is_masked_where_quoted_not_in_every_word() -> None:
     assert said(Exception(quoted), secrets) == (
         "unknown command `AUTH`, with args beginning with: `***`, "
     )
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_a_value_over_this_client_s_cap_among_others_is_corrupt_not_a_remote_error(
+    started, scheme
+) -> None:
+    """Another client with a bigger cap stored a 12 MB entry: a poll of it among others
+    (an MGET) went past the answer's room and was a remote error, which pauses the
+    remote for every key, and the value was never stored over."""
+    server = started(*(_CLUSTER_ARGS if scheme == "redis+cluster" else ()))
+    url = _one_node_clusters([server])[0] if scheme == "redis+cluster" else server.url
+    small = "fedcba9876543210" * 2
+    big_files = {"k.o": b"\x7fELF" + os.urandom(12 << 20)}  # (past 8 MiB of slack too)
+    big = open_remote(
+        resolve_settings(remote={"url": url, "max_entry_mb": 16}, environ={"HOME": "/x"}).remote
+    )
+    big.put(SOC, KEY, make_manifest(KEY, big_files, 1.0, {"op_type": "Add"}, 1000.0), big_files)
+    _, files = _entry()
+    big.put(SOC, small, make_manifest(small, files, 1.0, {"op_type": "Add"}, 1000.0), files)
+    mine = open_remote(
+        resolve_settings(remote={"url": url, "max_entry_mb": 1}, environ={"HOME": "/x"}).remote
+    )
+    found, _claimed = mine.watch(SOC, [KEY, small])
+    assert isinstance(found[KEY], RemoteCorrupt) and found[KEY].maybe_sound
+    assert found[small][0].files == files
+    big.close()
+    mine.close()

@@ -316,11 +316,18 @@ class RedisRemote(Remote):
         that are no values: claims) may hold."""
         return values * self.max_entry_bytes + (values + keys) * _KEY_BYTES + _ANSWER_BYTES
 
-    def _fetch(self, what: str, room: int, func, *args):  # type: ignore[no-untyped-def]
-        """``_call``, its answers given ``room`` bytes."""
+    def _fetch(self, what: str, room: int, func, *args, too_big: bool = False):  # type: ignore[no-untyped-def]
+        """``_call``, its answers given ``room`` bytes (``too_big``: past them, _TooBig
+        for the caller, not a RemoteError)."""
         _asked.room = room
         try:
-            return self._call(what, func, *args)
+            return func(*args)
+        except _TooBig as e:
+            if too_big:
+                raise
+            raise self._failure(what, e) from None
+        except Exception as e:  # (not only redis-py's own: see the module's docstring)
+            raise self._failure(what, e) from None
         finally:
             _asked.room = _ANSWER_BYTES
 
@@ -380,7 +387,49 @@ class RedisRemote(Remote):
     def watch(
         self, soc: str, keys: list[str], *, claims: bool = True
     ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
-        """(the entries of ``keys`` that are there, the keys claimed), in one round trip."""
+        """(the entries of ``keys`` that are there, the keys claimed), in one round trip.
+
+        An answer past what the entry cap allows its values (``_TooBig``) holds a
+        value another client with a bigger cap may have stored, sound to it: such
+        values are found by their length (STRLEN) and are this client's corrupt
+        ones (never read, stored over by its compile), the others asked again;
+        not a remote error, which would pause the remote for every key."""
+        try:
+            return self._watch(soc, keys, claims, too_big=True)
+        except _TooBig as e:
+            cut = e
+        lengths = self._lengths([self._name(soc, key) for key in keys])
+        if lengths is None:  # (a server that cannot say: the answer past its room it is)
+            raise self._failure("MGET", cut) from None
+        big = {k for k, n in zip(keys, lengths, strict=True) if n > self._room(1) - _ANSWER_BYTES}
+        found: dict[str, Fetched | RemoteCorrupt] = {}
+        for key in big:
+            found[key] = RemoteCorrupt("a value over the entry cap", maybe_sound=True)
+        rest = [key for key in keys if key not in big]
+        claimed: set[str] = set()
+        if rest:  # (none big any more, a value replaced meanwhile: a remote error)
+            more, claimed = self._watch(soc, rest, claims)
+            found.update(more)
+        return found, claimed
+
+    def _lengths(self, names: list[str]) -> list[int] | None:
+        """Each value's length (STRLEN, one pipeline), or None when the server will not
+        say (an error, an answer that is no list of numbers)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for name in names:
+            pipe.strlen(name)
+        try:
+            lengths = pipe.execute()
+        except Exception as e:  # (as _call's: any failure is the remote's)
+            log.debug("%s: STRLEN: %s", self.where, e)
+            return None
+        ok = len(lengths) == len(names) and all(type(n) is int for n in lengths)
+        return lengths if ok else None
+
+    def _watch(
+        self, soc: str, keys: list[str], claims: bool, *, too_big: bool = False
+    ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
+        """``watch``, in one round trip (``too_big``: ``_fetch``'s)."""
         if len(keys) == 1 and not claims:  # a plain GET: a pipeline costs a hit 0.1 ms more
             value = self._get(self._name(soc, keys[0]))
             if value is None:
@@ -396,7 +445,7 @@ class RedisRemote(Remote):
             # A batch's claims in its values' MGET: one command a poll, not two.
             pipe.mget(names + [name + CLAIM_SUFFIX for name in names] if claims else names)
         room = self._room(len(keys), len(keys) if claims else 0)
-        answers = self._fetch("MGET", room, pipe.execute)
+        answers = self._fetch("MGET", room, pipe.execute, too_big=too_big)
         found: dict[str, Fetched | RemoteCorrupt] = {}
         claimed = set()
         for batch, values in zip(batches, answers, strict=True):

@@ -119,8 +119,8 @@ def _node(kind: type, hostport: str) -> object:
 class RedisClusterRemote(RedisRemote):
     """The remote tier on a Redis Cluster (see the module's docstring)."""
 
-    def watch(
-        self, soc: str, keys: list[str], *, claims: bool = True
+    def _watch(
+        self, soc: str, keys: list[str], claims: bool, *, too_big: bool = False
     ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
         """The entries of ``keys`` (and the keys claimed), grouped by slot: one
         pipeline per primary."""
@@ -128,7 +128,7 @@ class RedisClusterRemote(RedisRemote):
         if claims:
             names += [name + CLAIM_SUFFIX for name in names[: len(keys)]]
         room = self._room(len(keys), len(names) - len(keys))
-        values = self._fetch("MGET", room, self._redis.mget_nonatomic, names)
+        values = self._fetch("MGET", room, self._redis.mget_nonatomic, names, too_big=too_big)
         found: dict[str, Fetched | RemoteCorrupt] = {}
         for at, key in enumerate(keys):
             value = values[at]
