@@ -174,28 +174,21 @@ def test_op_cache_ini_holds_the_toolkit_s_versions_as_cann_writes_them(
     assert settings_for(tmp_path).sources["max_op_cache_size_mb"] == "default"
 
 
-def test_no_op_cache_ini_is_made_over_cann_s_files_of_unknown_versions(
-    tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("planted", ["file", "link"])
+def test_no_op_cache_ini_is_made_over_cann_s_kernels_of_unknown_versions(
+    tmp_path: Path, root: Path, compiler: ToyCompiler, planted: str
 ) -> None:
     """A kernel an older toolkit left, and no ini: CANN's first compile would wipe it;
-    an ini naming the installed versions told CANN to keep it."""
+    an ini naming the installed versions told CANN to keep it.  CANN reads kernels
+    through links in a chip folder too (realpath): one linked there was not seen."""
     (root / "Ascend310P3").mkdir(parents=True)
-    (root / "Ascend310P3" / "te_add_1.json").write_text("{}")
-    with opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path))) as cache:
-        assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
-    assert not (root / "op_cache.ini").exists()
-
-
-def test_no_op_cache_ini_is_made_over_links_to_cann_s_kernels(
-    tmp_path: Path, root: Path, compiler: ToyCompiler
-) -> None:
-    """CANN reads its kernels through links in a chip folder (realpath); an ini naming
-    the installed versions told it to keep an old toolkit's, linked there."""
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "te_add_1.json").write_text("{}")
-    (root / "Ascend310P3").mkdir(parents=True)
-    (root / "Ascend310P3" / "te_add_1.json").symlink_to(old / "te_add_1.json")
+    kernel = root / "Ascend310P3" / "te_add_1.json"
+    if planted == "file":
+        kernel.write_text("{}")
+    else:
+        (tmp_path / "old").mkdir()
+        (tmp_path / "old" / "te_add_1.json").write_text("{}")
+        kernel.symlink_to(tmp_path / "old" / "te_add_1.json")
     with opcache.OpCache(settings_for(tmp_path, env=toolkit_env(tmp_path))) as cache:
         assert cache.compile(make_request(), compiler, tmp_path / "out").status == "miss"
     assert not (root / "op_cache.ini").exists()

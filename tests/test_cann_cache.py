@@ -695,6 +695,20 @@ def test_a_json_report_with_stdout_closed_ends_quietly(base) -> None:
     assert (done.returncode, done.stderr) == (0, "")
 
 
+def _age_asking_for_the_lock(base, monkeypatch, aging_lock):  # type: ignore[no-untyped-def]
+    """One ``cann age`` of the chip, another process asked before each removal whether
+    ``aging_lock`` is held: (the chip's report, each answer)."""
+    seen = []
+    remove = cann_cache._remove
+
+    def probing(fd, names, errors):  # type: ignore[no-untyped-def]
+        seen.append(lock_probe(aging_lock))
+        return remove(fd, names, errors)
+
+    monkeypatch.setattr(cann_cache, "_remove", probing)
+    return open_cache(base).age(SOC)["chips"][SOC], seen
+
+
 def test_age_keeps_its_aging_lock_past_entries_whose_lock_is_that_file(base, monkeypatch):
     f = Folder(base)
     write_ini(f.root, max_mb=1, ratio=10)
@@ -706,15 +720,7 @@ def test_age_keeps_its_aging_lock_past_entries_whose_lock_is_that_file(base, mon
     os.link(aging_lock, f.chip / f"{linked}.lock")  # a hard link to the aging lock
     after = f.entry("after", 4)
     f.entry("fresh", 0)
-    seen = []
-    remove = cann_cache._remove
-
-    def probing(fd, names, errors):  # type: ignore[no-untyped-def]
-        seen.append(lock_probe(aging_lock))
-        return remove(fd, names, errors)
-
-    monkeypatch.setattr(cann_cache, "_remove", probing)
-    chip = open_cache(base).age(SOC)["chips"][SOC]
+    chip, seen = _age_asking_for_the_lock(base, monkeypatch, aging_lock)
     assert chip["removed"] == [after] and seen == ["held"]
     assert chip["kept_locked"] == ["op_cache_file_del", linked]
     assert (f.chip / "op_cache_file_del.json").exists() and (f.chip / f"{linked}.json").exists()
@@ -745,15 +751,7 @@ def test_age_keeps_its_aging_lock_past_an_entry_json_that_is_that_file(base, mon
     f.entry("fresh2", 0)
     f.entry("fresh3", 0)
     before = f.names()
-    seen = []
-    remove = cann_cache._remove
-
-    def probing(fd, names, errors):  # type: ignore[no-untyped-def]
-        seen.append(lock_probe(aging_lock))
-        return remove(fd, names, errors)
-
-    monkeypatch.setattr(cann_cache, "_remove", probing)
-    chip = open_cache(base).age(SOC)["chips"][SOC]
+    chip, seen = _age_asking_for_the_lock(base, monkeypatch, aging_lock)
     assert chip["removed"] == [after] and seen == ["held"]
     assert before - f.names() == {p.name for p in f.entries["after"]}  # the planted: kept
     assert planted.exists() and aging_lock.exists()
