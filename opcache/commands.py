@@ -695,7 +695,7 @@ def _transfer_line(soc: str, chip: dict) -> str:
         ]
     else:
         parts = [f"{_count(chip['entries'], 'entry', 'entries')} exported ({_size(chip['bytes'])})"]
-    for key in ("corrupt", "rejected", "not_sent", "skipped", "errors"):
+    for key in ("corrupt", "discarded", "rejected", "not_sent", "skipped", "errors"):
         for item in chip.get(key) or []:
             what = item if isinstance(item, str) else f"{item['entry']} ({item['why']})"
             parts.append(f"{key.replace('_', ' ')}: {what}")

@@ -1105,6 +1105,23 @@ def test_a_damaged_remote_entry_is_discarded_by_a_pull_and_sent_again_by_a_push(
     assert sorted(p.stem for p in b.chip.glob("*.json")) == sorted(kernels)
 
 
+def test_a_pull_says_what_it_discarded_without_json(machines, redis_server, monkeypatch, capsys):
+    """Only --json listed the damaged entries a pull removed from the remote."""
+    from opcache.cli import main
+
+    a, b = machines
+    kernels = _fill(a, 2)
+    a.push()
+    client, name = _in_redis(redis_server, kernels[0])
+    client.set(name, client.get(name)[:-20] + bytes(20))
+    write_ini(b.root)
+    for variable, value in {**b.env, "OPCACHE_REMOTE": b.url}.items():
+        monkeypatch.setenv(variable, value)
+    argv = ["cann", "pull", "--soc_version", SOC, "--op_compiler_cache_dir", str(b.base)]
+    assert main(argv) == 1  # (a damaged entry: some not moved)
+    assert f"discarded: {kernels[0]}" in capsys.readouterr().out
+
+
 def test_a_read_only_pull_discards_nothing(machines, redis_server, monkeypatch):
     a, b = machines
     kernels = _fill(a, 2)
