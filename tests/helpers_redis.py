@@ -134,3 +134,83 @@ def run_in_child(body: Callable[[], bool], timeout: float = 120) -> bool:
         os.waitpid(pid, 0)
         return False
     return os.waitstatus_to_exitcode(status) == 0
+
+
+_DELAYING_PROXY = """
+import asyncio, sys
+
+delay, port, target = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+
+
+async def carry(reader, writer):
+    # Each chunk is sent on ``delay`` after it came, in order, while later ones are
+    # read: a distance, not a slow link.
+    loop = asyncio.get_running_loop()
+    chunks = asyncio.Queue()
+
+    async def send():
+        while (chunk := await chunks.get()) is not None:
+            await asyncio.sleep(max(0.0, chunk[0] - loop.time()))
+            writer.write(chunk[1])
+            await writer.drain()
+
+    sender = asyncio.create_task(send())
+    try:
+        while data := await reader.read(1 << 16):
+            chunks.put_nowait((loop.time() + delay, data))
+    except OSError:
+        pass
+    chunks.put_nowait(None)
+    try:
+        await sender
+    except OSError:
+        pass
+    writer.close()
+
+
+async def connection(client_reader, client_writer):
+    try:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
+    except OSError:
+        client_writer.close()
+        return
+    await asyncio.gather(
+        carry(client_reader, server_writer), carry(server_reader, client_writer)
+    )
+
+
+async def main():
+    server = await asyncio.start_server(connection, "127.0.0.1", port)
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+asyncio.run(main())
+"""
+
+
+class DelayingProxy:
+    """A TCP proxy in a process of its own in front of the server on ``target`` (a
+    port): what goes through it each way arrives ``delay`` seconds later, as from a
+    server that far away (a round trip of twice ``delay``)."""
+
+    def __init__(self, target: int, delay: float) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _DELAYING_PROXY, str(delay), str(self.port), str(target)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RuntimeError("the delaying proxy did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)

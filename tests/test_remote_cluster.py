@@ -9,6 +9,7 @@ killed mid-run costs misses, never a compile, until it is back.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -68,11 +69,14 @@ def test_two_machines_share_a_batch_spread_over_every_primary(
 
 
 def test_claims_hold_across_the_cluster(url: str) -> None:
+    """Claims on every primary are exclusive, and renewed together (a pipeline per
+    primary, where a cluster refuses EVALSHA)."""
     settings = machine(Path("/nowhere"), "x", url).remote
     one, other = open_remote(settings), open_remote(settings)
     keys = [f"{i:032x}" for i in range(12)]
-    held = [one.claim(SOC, key, 5) for key in keys]
+    held = [one.claim(SOC, key, 1.0) for key in keys]
     assert all(claim is not None and claim.owned for claim in held)
+    time.sleep(2.5)  # more than twice the claims' own life: renewed meanwhile
     assert all(other.claim(SOC, key, 5) is None for key in keys)
     found, claimed = other.watch(SOC, keys)
     assert found == {} and claimed == set(keys)

@@ -1,5 +1,6 @@
 """Races of the remote tier: machines that park keys for each other, a worker
-thread that dies, remotes that fail in ways redis-py does not name.
+thread that dies, remotes that fail in ways redis-py does not name, claims
+of many compiles far from the remote.
 
 Every wait here is bounded: a machine runs in a forked process joined with a
 timeout (killed, and the test failed, when it hangs), never a timed assertion.
@@ -23,6 +24,7 @@ from helpers_cache import (
     wait_for,
     write_json,
 )
+from helpers_redis import DelayingProxy
 
 import opcache
 from opcache import remote_tier, shared_work
@@ -177,3 +179,82 @@ def test_a_worker_that_dies_ends_the_batch_with_errors(
         assert status == "miss" or "injected failure of a poll" in error
     assert report["again"][:claimed] == ["miss"] * claimed
     assert set(report["again"]) <= {"hit", "miss"}
+
+
+def _joined(procs: list, specs: list[dict]) -> list[dict]:  # type: ignore[type-arg]
+    """The reports of the machines ``procs`` ran ``specs`` in, once all are done (one
+    still running after ``_HUNG`` seconds fails the test)."""
+    hung = []
+    for proc, spec in zip(procs, specs, strict=True):
+        proc.join(_HUNG)
+        if proc.is_alive():
+            hung.append(spec["name"])
+            proc.kill()
+            proc.join()
+    assert not hung, f"machine(s) {hung} still running after {_HUNG:.0f} s: hung"
+    reports = [read_json(spec["result"]) for spec in specs]
+    for report in reports:
+        assert report["error"] is None, report["error"]
+    return reports
+
+
+def _busy_machine(spec: dict) -> None:
+    """A machine compiling ``ops`` keys at once, each for ``sleep`` s (its compiles
+    noted in ``<name>-calls``)."""
+    report: dict = {"error": None}
+    try:
+        remote_tier.CLAIM_SECONDS = spec["claim_seconds"]  # (in a forked child)
+        tmp = Path(spec["tmp"])
+        compiler = ToyCompiler(tmp / f"{spec['name']}-calls", sleep=spec["sleep"])
+        requests = [make_request(i) for i in range(spec["ops"])]
+        outs = [tmp / "out" / spec["name"] / r.op_name for r in requests]
+        with opcache.OpCache(_machine_settings(tmp, spec["name"], spec["url"])) as cache:
+            results = cache.compile_many(requests, compiler, outs, jobs=spec["ops"])
+        report["results"] = [[r.status, r.tier] for r in results]
+    except BaseException:
+        report["error"] = traceback.format_exc()
+    write_json(spec["result"], report)
+
+
+def test_the_claims_of_many_compiles_far_from_the_remote_live_while_they_run(
+    tmp_path: Path, redis_url: str, redis_server
+) -> None:
+    """A machine 0.1 s (a round trip) from the remote compiles 32 keys at once; a
+    second machine asks for them once their claims would have expired unrenewed:
+    it waits for the first's entries and compiles none.  (Renewed one round trip
+    each, a pass over 32 claims took 3.2 s, twice their life here: most expired
+    under their live compiles, and the second machine compiled those again.)"""
+    ops, life = 32, 1.5
+
+    def spec(name: str, url: str, sleep: float) -> dict:
+        return {
+            "tmp": str(tmp_path),
+            "name": name,
+            "url": url,
+            "ops": ops,
+            "sleep": sleep,
+            "claim_seconds": life,
+            "result": str(tmp_path / f"{name}.json"),
+        }
+
+    proxy = DelayingProxy(redis_server.port, 0.05)
+    try:
+        far_spec = spec("far", proxy.url, 6.0)
+        far = MP.Process(target=_busy_machine, args=(far_spec,))
+        far.start()
+        calls = ToyCompiler(tmp_path / "far-calls")
+        deadline = time.monotonic() + _HUNG
+        while calls.calls() < ops and far.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls.calls() == ops, "the far machine never compiled all its keys at once"
+        time.sleep(life + 1)  # past the life of a claim no one renewed
+        near_spec = spec("near", redis_url, 0.0)
+        near = MP.Process(target=_busy_machine, args=(near_spec,))
+        near.start()
+        far_report, near_report = _joined([far, near], [far_spec, near_spec])
+    finally:
+        proxy.stop()
+    assert ToyCompiler(tmp_path / "near-calls").calls() == 0
+    assert near_report["results"] == [["hit", "remote"]] * ops
+    assert far_report["results"] == [["miss", ""]] * ops
+    assert calls.calls() == ops

@@ -7,7 +7,8 @@ for the slot map and then talks to every primary itself (redis-py's
 
 Keys and values are the single server's (``redis.py``): the same names, the
 same checked value, the same claims (``SET NX PX`` on the claim's own key,
-renewed and released by a script on that one key).  Names carry no hash tag:
+renewed and released by a script on that one key; the claims held renewed
+together, one pipeline per primary).  Names carry no hash tag:
 entries spread over every primary by their own slot, and a batched look-up
 is grouped by slot, one pipeline per primary (``mget_nonatomic``), never one
 ``MGET`` across slots (which a cluster refuses with ``CROSSSLOT``).
