@@ -156,12 +156,8 @@ class RemoteTier:
         at just before it."""
         deadline = time.monotonic() + self._lock_timeout
         delay = 0.02
-        looked = True
-        while True:
-            entry, claim = self.step(soc, key, look_first=not looked)
-            looked = False
-            if entry is not None or claim is not None:
-                return entry, claim or UNCLAIMED
+        entry, claim = self.step(soc, key, look_first=False)
+        while entry is None and claim is None:
             if time.monotonic() >= deadline:
                 log.warning(
                     "waited %.3g s for another machine compiling %s/%s; compiling it here too",
@@ -172,6 +168,16 @@ class RemoteTier:
                 return None, UNCLAIMED
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
+            # The entry and its claim in one look: a key still claimed costs no claim
+            # refused, and one whose compile failed (no longer claimed, though its
+            # claim's key refuses a claim for a while) is compiled here at once.
+            found, claimed = self.poll(soc, [key])
+            got = found.get(key)
+            if got is not None:
+                return self.backfill(soc, key, got[0], got[1]), UNCLAIMED
+            if key not in claimed:
+                entry, claim = self.step(soc, key, look_first=False)
+        return entry, claim or UNCLAIMED
 
     def step(self, soc: str, key: str, *, look_first: bool) -> tuple[Entry | None, Claim | None]:
         """One turn at the remote for a key missing here: (its entry, backfilled),
@@ -196,7 +202,7 @@ class RemoteTier:
             got = self.fetch(soc, key, again=True)
             if got is None:
                 return None, claim
-            claim.release()
+            claim.stored()  # (released, it would tell the waiters its compile failed)
         return self.backfill(soc, key, got[0], got[1]), None
 
     def backfill(self, soc: str, key: str, entry: Entry, manifest: bytes) -> Entry:

@@ -69,8 +69,9 @@ def test_two_machines_share_a_batch_spread_over_every_primary(
 
 
 def test_claims_hold_across_the_cluster(url: str) -> None:
-    """Claims on every primary are exclusive, and renewed together (a pipeline per
-    primary, where a cluster refuses EVALSHA)."""
+    """Claims on every primary are exclusive, renewed together (a pipeline per
+    primary, where a cluster refuses EVALSHA), and once let go unstored (their
+    compiles failed) are held by no one: the keys are compiled unclaimed."""
     settings = machine(Path("/nowhere"), "x", url).remote
     one, other = open_remote(settings), open_remote(settings)
     keys = [f"{i:032x}" for i in range(12)]
@@ -85,6 +86,7 @@ def test_claims_hold_across_the_cluster(url: str) -> None:
         claim.release()
     assert other.watch(SOC, keys)[1] == set()
     assert other.peek_claims(SOC, keys) == set()
+    assert not any(other.claim(SOC, key, 5).owned for key in keys)
     one.close()
     other.close()
 

@@ -1,6 +1,6 @@
 """Races of the remote tier: machines that park keys for each other, a worker
 thread that dies, remotes that fail in ways redis-py does not name, claims
-of many compiles far from the remote.
+of many compiles far from the remote, a compile that fails while others wait.
 
 Every wait here is bounded: a machine runs in a forked process joined with a
 timeout (killed, and the test failed, when it hangs), never a timed assertion.
@@ -8,6 +8,7 @@ timeout (killed, and the test failed, when it hangs), never a timed assertion.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from pathlib import Path
@@ -258,3 +259,73 @@ def test_the_claims_of_many_compiles_far_from_the_remote_live_while_they_run(
     assert near_report["results"] == [["hit", "remote"]] * ops
     assert far_report["results"] == [["miss", ""]] * ops
     assert calls.calls() == ops
+
+
+class _SlowFailing(ToyCompiler):
+    """Fails each compile after ``sleep`` seconds; notes when each began and ended."""
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        with open(self.calls_file, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()} start {time.time()}\n")
+        time.sleep(self.sleep)
+        with open(self.calls_file, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()} end {time.time()}\n")
+        raise opcache.CompileError("this operator does not compile")
+
+
+def _failing_machine(spec: dict) -> None:
+    """A machine compiling one key that fails, through ``compile`` or ``compile_many``."""
+    report: dict = {"error": None}
+    try:
+        tmp = Path(spec["tmp"])
+        compiler = _SlowFailing(tmp / "calls", sleep=spec["sleep"])
+        out = tmp / "out" / spec["name"]
+        wait_for(tmp / "go")
+        with opcache.OpCache(_machine_settings(tmp, spec["name"], spec["url"])) as cache:
+            if spec["api"] == "compile":
+                try:
+                    cache.compile(make_request(0), compiler, out)
+                    report["status"] = "compiled"
+                except opcache.CompileError:
+                    report["status"] = "error"
+            else:
+                report["status"] = cache.compile_many([make_request(0)], compiler, [out])[0].status
+    except BaseException:
+        report["error"] = traceback.format_exc()
+    write_json(spec["result"], report)
+
+
+@pytest.mark.parametrize("api", ["compile", "compile_many"])
+def test_the_machines_waiting_for_a_compile_that_fails_compile_it_side_by_side(
+    tmp_path: Path, redis_url: str, api: str
+) -> None:
+    """Three machines want a key whose compile fails: one compiles it while the
+    others wait, then those two compile it at once, side by side, as the ranks
+    waiting on a local lock do.  (The claim deleted at the failure, the next
+    machine claimed the key and the last waited for that one's failure too: one
+    after another.)"""
+    specs = [
+        {
+            "tmp": str(tmp_path),
+            "name": name,
+            "url": redis_url,
+            "api": api,
+            "sleep": 1.5,
+            "result": str(tmp_path / f"{name}.json"),
+        }
+        for name in ("a", "b", "c")
+    ]
+    procs = [MP.Process(target=_failing_machine, args=(spec,)) for spec in specs]
+    for proc in procs:
+        proc.start()
+    (tmp_path / "go").touch()
+    reports = _joined(procs, specs)
+    assert [report["status"] for report in reports] == ["error"] * 3
+    spans: dict[str, list[float]] = {}
+    for line in (tmp_path / "calls").read_text(encoding="utf-8").splitlines():
+        pid, _, when = line.split()
+        spans.setdefault(pid, []).append(float(when))
+    assert len(spans) == 3 and all(len(span) == 2 for span in spans.values()), spans
+    first, *others = sorted(spans.values())
+    assert all(start >= first[1] for start, _ in others), spans  # they waited for it
+    assert all(start < end for start, _ in others for _, end in others), spans  # side by side

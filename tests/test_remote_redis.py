@@ -36,6 +36,7 @@ from helpers_redis import run_in_child
 
 import opcache
 from opcache.storage import RemoteCorrupt, RemoteError, open_remote
+from opcache.storage import redis as redis_storage
 from opcache.storage.entry import make_manifest
 from opcache.storage.value import pack, unpack
 
@@ -140,7 +141,7 @@ def test_a_read_only_client_never_writes(redis_url: str, redis_server) -> None:
     assert reader.put(SOC, KEY, *entry()) == 0
     reader.discard(SOC, OTHER)
     claim = reader.claim(SOC, KEY, 5)
-    assert claim is not None and not claim.owned  # it compiles unclaimed
+    assert claim is not None and not claim.owned and not claim.failed_before  # unclaimed
     assert redis_server.client().keys("*") == [f"opcache:1:{SOC}:{OTHER}".encode()]
     assert reader.get(SOC, OTHER) is not None
     with pytest.raises(RemoteError, match="read-only"):
@@ -149,6 +150,8 @@ def test_a_read_only_client_never_writes(redis_url: str, redis_server) -> None:
     held = writer.claim(SOC, KEY, 5)
     assert reader.claim(SOC, KEY, 5) is None
     held.release()
+    claim = reader.claim(SOC, KEY, 5)  # a compile that failed is none
+    assert claim is not None and not claim.owned and claim.failed_before
 
 
 def test_an_acl_user_without_write_permission_is_read_only_with_one_warning(
@@ -268,9 +271,55 @@ def test_claims_are_exclusive_and_released(redis_url: str) -> None:
     first.release()
     first.release()  # twice is harmless
     assert not b.claimed(SOC, KEY)
-    second = b.claim(SOC, KEY, 5)
-    assert second is not None and second.owned
-    second.release()
+    second = b.claim(SOC, KEY, 5)  # its compile failed: compiled here too, at once
+    assert second is not None and not second.owned
+    held = b.claim(SOC, OTHER, 5)
+    b.close()  # a compile left running: deleted, for one client to take over
+    third = a.claim(SOC, OTHER, 5)
+    assert held.owned and third is not None and third.owned
+    a.close()
+
+
+def test_a_compile_that_failed_leaves_a_mark_its_waiters_compile_past(
+    redis_url: str, redis_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim let go unstored is overwritten with ``failed`` for a few seconds: a
+    client that looks at it (watch, peek_claims) finds it held by no one, and then
+    compiles the key unclaimed at once; after the mark a claim is owned again.
+    An older opcache takes any value of a claim's key for a claim held: it waits
+    the mark out, and never takes it for an entry."""
+    monkeypatch.setattr(redis_storage, "_FAILED_SECONDS", 0.5)
+    client = redis_server.client()
+    name = f"opcache:1:{SOC}:{KEY}:claim"
+    a, b, c = remote(redis_url), remote(redis_url), remote(redis_url)
+    a.claim(SOC, KEY, 5).release()
+    assert client.get(name) == b"failed" and 0 < client.pttl(name) <= 500
+    assert client.exists(f"opcache:1:{SOC}:{KEY}") == 0
+    assert b.claim(SOC, KEY, 5) is None  # refused, not yet looked at
+    assert b.watch(SOC, [KEY]) == ({}, set())
+    unclaimed = b.claim(SOC, KEY, 5)
+    assert unclaimed is not None and not unclaimed.owned and unclaimed.failed_before
+    assert c.peek_claims(SOC, [KEY, OTHER]) == set()
+    assert c.claim(SOC, KEY, 5).failed_before
+    time.sleep(0.7)  # past the mark
+    again = c.claim(SOC, KEY, 5)
+    assert again is not None and again.owned and not again.failed_before
+    again.release()
+    for r in (a, b, c):
+        r.close()
+
+
+def test_a_failed_compile_marks_only_its_own_claim(redis_url: str, redis_server) -> None:
+    """A holder whose claim expired and was taken over leaves the new holder's claim
+    as it is: that compile may yet store the entry."""
+    client = redis_server.client()
+    name = f"opcache:1:{SOC}:{KEY}:claim"
+    a = remote(redis_url)
+    held = a.claim(SOC, KEY, 5)
+    client.set(name, "another-machine", px=5000)
+    held.release()
+    assert client.get(name) == b"another-machine"
+    a.close()
 
 
 def test_a_claim_lives_while_its_holder_works(redis_url: str) -> None:
@@ -279,7 +328,7 @@ def test_a_claim_lives_while_its_holder_works(redis_url: str) -> None:
     time.sleep(1.5)  # more than twice the claim's own life: renewed meanwhile
     assert b.claim(SOC, KEY, 0.6) is None
     held.release()
-    assert b.claim(SOC, KEY, 0.6) is not None
+    assert not b.claimed(SOC, KEY)
 
 
 def test_a_forked_child_renews_its_claims_and_leaves_its_parents_alone(redis_url: str) -> None:

@@ -29,14 +29,21 @@ Claims are ``SET NX PX`` with a random token.  A thread renews all the claims
 this process holds in one round trip a pass (a pipeline; on a cluster, one
 per primary), a pass every third of their ``seconds`` from the last one's
 start: renewed one round trip each, 64 claims 150 ms away took longer than
-their life, and expired under their live compiles.  Releasing deletes a claim
-only if it is still ours.  A claim whose holder died expires within its
-``seconds``.  A claim whose entry
-was stored is not deleted but overwritten, after the entry, with ``stored``
-for its ``seconds``: a client that looked before the store and claims the
-key after it is refused, and fetches the entry instead of compiling it again
-(so a client that looked less than that ago need not look again after
-winning a claim: ``Claim.marks_stored``).
+their life, and expired under their live compiles.  A claim whose holder died
+expires within its ``seconds``, and one client takes the key over.  A claim
+whose entry was stored is not deleted but overwritten, after the entry, with
+``stored`` for its ``seconds``: a client that looked before the store and
+claims the key after it is refused, and fetches the entry instead of
+compiling it again (so a client that looked less than that ago need not look
+again after winning a claim: ``Claim.marks_stored``).  A claim let go without
+its entry stored (its compile failed) is overwritten, if still ours, with
+``failed`` for ``_FAILED_SECONDS``: a client that sees it (``watch``,
+``peek_claims``) takes it for no claim held, and its ``claim`` of the key
+then gives the unowned claim, so the clients waiting compile it at once,
+side by side, as a local lock's waiters do (deleted, each claimed it in turn
+and the next waited for its failure).  An older opcache takes ``failed`` for
+a claim held (any value of a claim's key is one) and waits it out.  Only a
+client closing with claims still held deletes them.
 """
 
 from __future__ import annotations
@@ -83,10 +90,17 @@ _ANSWER_BYTES = 8 << 20
 _asked = threading.local()  # .room: the bytes this thread's next answers may hold
 CLAIM_SUFFIX = ":claim"
 _STORED = b"stored"  # a claim's value once its entry is stored
+_FAILED = b"failed"  # a claim's value once its compile failed
+# How long ``failed`` stays: past the next look of every client waiting (they
+# look every 0.1-0.2 s), and short, as a compile asked for later claims the key.
+_FAILED_SECONDS = 3.0
+_FAILED_SEEN_KEPT = 10_000  # claims seen failed remembered at most (then forgotten)
 
-# Renew a claim, or delete it, only while it holds our token.
+# Renew a claim, mark it, or delete it, only while it holds our token.
 _RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then
   return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"""
+_MARK = """if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('set', KEYS[1], ARGV[2], 'px', ARGV[3]) end return 0"""
 _RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then
   return redis.call('del', KEYS[1]) end return 0"""
 
@@ -286,8 +300,12 @@ class RedisRemote(Remote):
         )
         self._prefix = settings.prefix
         self._ttl = settings.ttl
+        self._mark = client.register_script(_MARK)
         self._release = client.register_script(_RELEASE)
         self._claims: dict[str, _Claim] = {}
+        # Claims seen marked failed (their names), when (``time.monotonic``): ``claim``
+        # gives the unowned claim for those, the mark being what refused it.
+        self._failed_seen: dict[str, float] = {}
         self._claims_lock = threading.Lock()
         self._renewer: threading.Thread | None = None
         self._closed = threading.Event()
@@ -450,16 +468,17 @@ class RedisRemote(Remote):
         room = self._room(len(keys), len(keys) if claims else 0)
         answers = self._fetch("MGET", room, pipe.execute, too_big=too_big)
         found: dict[str, Fetched | RemoteCorrupt] = {}
-        claimed = set()
+        claimed: set[str] = set()
         for batch, values in zip(batches, answers, strict=True):
             if not isinstance(values, list):  # (a server answering an MGET with no list)
                 raise RemoteError(f"{self.where}: MGET: the server's answer is no list")
+            names = [prefix + key for key in batch]
             for key, value in zip(batch, values, strict=False):
                 if value is not None:
                     found[key] = checked(key, value, self.max_entry_bytes)
             if claims:
-                tokens = values[len(batch) :]
-                claimed.update(key for key, token in zip(batch, tokens, strict=True) if token)
+                claim_names = [name + CLAIM_SUFFIX for name in names]
+                claimed |= self._held(batch, claim_names, values[len(batch) :])
             # The batch's values let go once checked: the next batch's entries then
             # take their memory, where every value kept to the end grew the heap by
             # as much (a page fault per 4 KB: 2,000 4 KB hits made 5,100, 2,000 now).
@@ -537,8 +556,14 @@ class RedisRemote(Remote):
     # -- claims ----------------------------------------------------------------------
 
     def claim(self, soc: str, key: str, seconds: float) -> _Claim | None:
-        """The key for one compile in the cluster, or None when another client holds it."""
+        """The key for one compile in the cluster, or None when another client holds it;
+        the unowned claim (compile it unclaimed) when its last compile failed."""
         name = self._name(soc, key) + CLAIM_SUFFIX
+        unowned = _Claim(self, name, "", 0, owned=False)
+        seen = self._failed_seen.pop(name, None)
+        if seen is not None and time.monotonic() - seen < _FAILED_SECONDS:
+            unowned.failed_before = True
+            return unowned  # (the mark refuses a claim: not asked for one)
         token = f"{os.uname().nodename}:{os.getpid()}:{os.urandom(8).hex()}"
         millis = max(int(seconds * 1000), 1)
         if not self.read_only:
@@ -546,10 +571,14 @@ class RedisRemote(Remote):
             if taken:
                 return self._hold(_Claim(self, name, token, millis, owned=True), seconds)
             if not self.read_only:
-                return None  # another client holds it
+                # Another client holds it, or its compile failed: a look at it
+                # (``watch``, ``peek_claims``) says which.
+                return None
         # Read-only: wait for a writer's claim; with none, compile unclaimed.
-        held = self._call("EXISTS", self._redis.exists, name)
-        return None if held else _Claim(self, name, "", 0, owned=False)
+        if self._held([key], [name], [self._call("GET", self._redis.get, name)]):
+            return None
+        unowned.failed_before = self._failed_seen.pop(name, None) is not None
+        return unowned
 
     def _hold(self, claim: _Claim, seconds: float) -> _Claim:
         with self._claims_lock:
@@ -562,11 +591,24 @@ class RedisRemote(Remote):
                 self._renewer.start()
         return claim
 
+    def _held(self, keys: list[str], names: list[str], values: list[bytes | None]) -> set[str]:
+        """Of ``keys``, those whose claim (named ``names``, holding ``values``) is held.
+        One marked failed is not, and is remembered for ``claim``."""
+        held = set()
+        for key, name, value in zip(keys, names, values, strict=True):
+            if value == _FAILED:
+                seen = self._failed_seen
+                if len(seen) > _FAILED_SEEN_KEPT:
+                    seen.clear()  # (the keys of batches gone: a mark lasts seconds)
+                seen[name] = time.monotonic()
+            elif value:
+                held.add(key)
+        return held
+
     def peek_claims(self, soc: str, keys: list[str]) -> set[str]:
         """The keys a claim is held on: one MGET of their claims (in batches, one pipeline)."""
         names = [self._name(soc, key) + CLAIM_SUFFIX for key in keys]
-        tokens = self._mget("MGET", names)
-        return {key for key, token in zip(keys, tokens, strict=True) if token}
+        return self._held(keys, names, self._mget("MGET", names))
 
     def _mget(self, what: str, names: list[str]) -> list[bytes | None]:
         """The values of ``names``, ``_MGET_KEYS`` a command in one pipeline."""
@@ -577,7 +619,8 @@ class RedisRemote(Remote):
         return [value for values in answers for value in values]
 
     def claimed(self, soc: str, key: str) -> bool:
-        return bool(self._call("EXISTS", self._redis.exists, self._name(soc, key) + CLAIM_SUFFIX))
+        name = self._name(soc, key) + CLAIM_SUFFIX
+        return bool(self._held([key], [name], [self._call("GET", self._redis.get, name)]))
 
     def _renew_claims(self, every: float) -> None:
         """The renewer: a pass over the claims held every ``every`` seconds, counted from
@@ -604,14 +647,21 @@ class RedisRemote(Remote):
         except Exception as e:  # they expire, and other clients compile their keys too
             log.debug("cannot renew %d claims: %s", len(held), said(e, self.secrets))
 
-    def _drop(self, claim: _Claim, *, stored: bool) -> None:
+    def _drop(self, claim: _Claim, mark: bytes | None) -> None:
+        """Let go of ``claim``: overwritten with ``mark`` (``_STORED``, ``_FAILED``), or
+        deleted (None)."""
         with self._claims_lock:
             self._claims.pop(claim.token, None)
         try:
-            if stored:
+            if mark == _STORED:
                 # Whoever holds the name now (us, or another client after ours
                 # expired), the entry is there to fetch.
                 self._redis.set(claim.name, _STORED, px=claim.millis)
+            elif mark == _FAILED:
+                # Only ours: another client's live compile, after ours expired, may
+                # yet store the entry.
+                millis = int(_FAILED_SECONDS * 1000)
+                self._mark(keys=[claim.name], args=[claim.token, _FAILED, millis])
             else:
                 self._release(keys=[claim.name], args=[claim.token])
         except Exception as e:  # it expires by itself
@@ -669,7 +719,9 @@ class RedisRemote(Remote):
         with self._claims_lock:
             held = list(self._claims.values())
         for claim in held:
-            claim.release()
+            # Compiles still running (or left) at the close, not failed: one client
+            # takes each over, as after a holder's death.
+            claim._let_go(None)
         try:
             self._redis.close()
         except Exception as e:  # a connection that never was, or is gone already
@@ -690,14 +742,15 @@ class _Claim(Claim):
         self._released = not owned
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._remote._drop(self, stored=False)
+        self._let_go(_FAILED)
 
     def stored(self) -> None:
+        self._let_go(_STORED)
+
+    def _let_go(self, mark: bytes | None) -> None:
         if not self._released:
             self._released = True
-            self._remote._drop(self, stored=True)
+            self._remote._drop(self, mark)
 
 
 _NAMESPACE = re.compile(rb"[0-9a-f]{16}")

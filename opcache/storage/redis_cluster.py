@@ -7,8 +7,8 @@ for the slot map and then talks to every primary itself (redis-py's
 
 Keys and values are the single server's (``redis.py``): the same names, the
 same checked value, the same claims (``SET NX PX`` on the claim's own key,
-renewed and released by a script on that one key; the claims held renewed
-together, one pipeline per primary).  Names carry no hash tag:
+renewed, marked and released by a script on that one key; the claims held
+renewed together, one pipeline per primary).  Names carry no hash tag:
 entries spread over every primary by their own slot, and a batched look-up
 is grouped by slot, one pipeline per primary (``mget_nonatomic``), never one
 ``MGET`` across slots (which a cluster refuses with ``CROSSSLOT``).
@@ -136,16 +136,15 @@ class RedisClusterRemote(RedisRemote):
             if value is not None:
                 values[at] = None  # (let go once checked, as RedisRemote.watch does)
                 found[key] = checked(key, value, self.max_entry_bytes)
-        claimed = set()
-        if claims:
-            claimed = {key for key, token in zip(keys, values[len(keys) :], strict=True) if token}
-        return found, claimed
+        if not claims:
+            return found, set()
+        return found, self._held(keys, names[len(keys) :], values[len(keys) :])
 
     def peek_claims(self, soc: str, keys: list[str]) -> set[str]:
         """The keys a claim is held on, their claims grouped by slot."""
         names = [self._name(soc, key) + CLAIM_SUFFIX for key in keys]
         tokens = self._fetch("MGET", self._room(0, len(names)), self._redis.mget_nonatomic, names)
-        return {key for key, token in zip(keys, tokens, strict=True) if token}
+        return self._held(keys, names, tokens)
 
     def _memory(self) -> dict[str, object]:
         """Every primary's memory, summed; the eviction policy if they all share one."""

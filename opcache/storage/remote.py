@@ -195,22 +195,32 @@ class RemoteCorrupt(Exception):
 
 
 class Claim:
-    """A key taken for one compile in the cluster, until ``release``.
+    """A key taken for one compile in the cluster, until ``release`` or ``stored``.
 
     ``owned`` is False for a claim that could not be taken but need not be
     waited for (a read-only client, a remote with no claims, one that is
-    down): the compile goes on unclaimed.  This base class is that unowned
-    claim; a kind with claims subclasses it with ``owned`` True.
+    down, a key whose last compile failed): the compile goes on unclaimed.
+    This base class is that unowned claim; a kind with claims subclasses it
+    with ``owned`` True.
     """
 
     owned = False
+    # Unowned as the key's last compile, elsewhere, failed a moment ago: the clients
+    # waiting for it compile it side by side, and so may this one's own waiters
+    # (a local lock held for the key can go before the compile, as after a local
+    # failure).
+    failed_before = False
     # Whether ``stored`` leaves the key refused to other claims for the claim's
     # seconds: then a client that looked at it less than that ago and wins a
     # claim need not look again (the entry cannot have come meanwhile).
     marks_stored = False
 
     def release(self) -> None:
-        """Let the key go; a second call does nothing."""
+        """Let the key go, its entry not stored (the compile failed, or its entry was
+        not sent): a kind that can tells the clients waiting for it to compile it at
+        once, each unclaimed, as a local lock's waiters do (a holder that died lets
+        its claim expire instead: then one client takes the key over).  A second
+        call does nothing."""
 
     def stored(self) -> None:
         """Let the key go, its entry stored in the remote: a kind that can, tells a
@@ -296,8 +306,10 @@ class Remote:
 
     def claim(self, soc: str, key: str, seconds: float) -> Claim | None:
         """The key for one compile in the cluster, or None when another client
-        holds it.  A claim lasts ``seconds`` past its holder's death.  By
-        default there are no claims: the compile goes on unclaimed."""
+        holds it (or its compile just failed, until a look, ``watch`` or
+        ``peek_claims``, saw that: then an unowned claim).  A claim lasts
+        ``seconds`` past its holder's death.  By default there are no claims:
+        the compile goes on unclaimed."""
         return UNCLAIMED
 
     def claimed(self, soc: str, key: str) -> bool:
@@ -308,7 +320,8 @@ class Remote:
         self, soc: str, keys: list[str]
     ) -> tuple[dict[str, Fetched | RemoteCorrupt], set[str]]:
         """(``get_many``'s answer, the keys a claim is held on), in one round trip:
-        how a client waits for keys others compile."""
+        how a client waits for keys others compile.  A key whose compile just
+        failed is held by no claim."""
         return self.get_many(soc, keys), set()
 
     def discard(self, soc: str, key: str) -> None:
