@@ -1318,9 +1318,9 @@ def _plan_cc(
     if b"__has_include" in joined:
         raise Uncacheable("cc: __has_include in a flag: the places it looks are not known")
     macros.update(_macros_in(joined), _directives_in(joined))
-    for directive in _FILE_DIRECTIVES:
+    for directive, why in _FILE_DIRECTIVES.items():
         if directive in macros:
-            raise Uncacheable(f"cc: a {directive} directive reads a file the key does not hold")
+            raise Uncacheable(f"cc: a {directive} directive {why}")
     attrs |= _clock_key(argv[0], macros, env, [source, *inputs.paths])
     extra = []  # flags the key decides without holding them
     sanitized = any(a.startswith("-fsanitize=") for a in key_args)
@@ -1740,7 +1740,7 @@ class HeaderMemo:
         memo_key = digest(
             canonical_json(
                 {
-                    "format": 4,  # variants with negative lookups, macros and directives
+                    "format": 5,  # variants with negative lookups, macros and directives
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
@@ -1870,11 +1870,21 @@ _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", *_PATH_MACROS)
 # (a quoted file name, escaped in a C string, or the end of a string holding the
 # name alone), or a macro defined as the name alone; kept with the macros: a
 # remembered header list carries them.
-_FILE_DIRECTIVES = (".incbin", ".include")
+#
+# `#pragma GCC dependency "parse.y"` (clang's `#pragma clang dependency` too, or
+# either through _Pragma) compares that file's time with the current file's and
+# warns (an error with -Werror); cc -M does not name it.  Found as the words alone,
+# wherever they are: through a macro (`_Pragma(#x)`) no pragma is written out.
+_FILE_DIRECTIVES = {
+    ".incbin": "reads a file the key does not hold",
+    ".include": "reads a file the key does not hold",
+    "#pragma GCC dependency": "compares the time of a file the key does not hold",
+}
 _FILE_DIRECTIVE = (
     rb'(?m)(?:^|[\s";:]|\\[nt])\.(incbin|include)[ \t]*\\?"'
     rb"|^[ \t]*#[ \t]*define[ \t]+\w+[ \t]+\.(incbin|include)[ \t]*\r?$"
 )
+_PRAGMA_DEPENDENCY = rb"\b(?:GCC|clang)(?:\s|\\\r?\n)+dependency\b"
 
 
 def _macros_in(data: bytes) -> list[str]:
@@ -1882,11 +1892,14 @@ def _macros_in(data: bytes) -> list[str]:
 
 
 def _directives_in(data: bytes) -> list[str]:
+    # (no pattern compiled for most files)
+    pragma = b"dependency" in data and re.search(_PRAGMA_DEPENDENCY, data) is not None
     lowered = data.lower()
-    if b".inc" not in lowered:  # (no pattern compiled for most files)
-        return []
+    if b".inc" not in lowered:
+        return ["#pragma GCC dependency"] if pragma else []
     found = re.findall(_FILE_DIRECTIVE, lowered)
-    return sorted({"." + (quoted or defined).decode() for quoted, defined in found})
+    named = {"." + (quoted or defined).decode() for quoted, defined in found}
+    return sorted(named | {"#pragma GCC dependency"} if pragma else named)
 
 
 def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:

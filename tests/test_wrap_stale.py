@@ -1123,3 +1123,35 @@ def test_clang_lto_objects_are_shared_between_folders(env, src):
         (src / name / "k.c").write_text('#include "h.h"\nint f(int x) { return g(x); }\n')
         same_as_gcc(src / name, env, "-O2", "-flto", "-Iinc", "-c", "k.c", cc="clang")
     assert stats(env, "host")["hits"] == 1
+
+
+@pytest.mark.parametrize(
+    ("where", "pragma"),
+    [
+        ("source", '#pragma GCC dependency "parse.y"'),
+        ("header", '#pragma GCC dependency "parse.y"'),
+        ("source", '_Pragma("GCC dependency \\"parse.y\\"")'),
+    ],
+    ids=["source", "header", "_Pragma"],
+)
+def test_a_pragma_dependency_on_a_file_made_newer_warns_as_gcc_does(env, src, where, pragma):
+    """gcc compares the time of the file a `#pragma GCC dependency` names with the
+    current file's and warns (an error with -Werror); cc -M does not name it, so a
+    hit gave no warning (and a success where gcc fails)."""
+    (src / "parse.y").write_text("grammar\n")
+    including = src / ("d.h" if where == "header" else "k.c")
+    including.write_text(f"{pragma}\nint a;\n")
+    if where == "header":
+        (src / "k.c").write_text('#include "d.h"\n')
+    os.utime(src / "parse.y", (86400, 86400))
+    os.utime(including, (2 * 86400, 2 * 86400))
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c")
+    (src / "parse.y").write_text("grammar 2\n")  # now newer than the file naming it
+    done = same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert b"parse.y" in done.stderr
+    (src / "k.o").unlink()
+    failed = wrap("gcc", "-Werror", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src, status=1)
+    assert b"parse.y" in failed.stderr
+    why = "compares the time of a file the key does not hold"
+    assert stats(env)["uncacheable_reasons"] == {f"cc: a #pragma GCC dependency directive {why}": 4}
