@@ -1740,7 +1740,7 @@ class HeaderMemo:
         memo_key = digest(
             canonical_json(
                 {
-                    "format": 5,  # variants with negative lookups, macros and directives
+                    "format": 6,  # variants with negative lookups, macros and directives
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
@@ -1973,8 +1973,9 @@ def _negative_lookups(
     folder when one is (``A/sys`` stands for every ``A/sys/*.h``).
     """
     passed: set[str] = set()
-    # (an -include file is looked for in the working folder first)
-    absent = {*found.absent, *filter(None, (_earlier_place("", n, passed) for n in forced))}
+    absent = set(found.absent)
+    for name in forced:  # (an -include file is looked for in the working folder first)
+        _earlier_place("", name, absent, passed)
     chain = found.quote + found.bracket
     names = {os.path.basename(header) for header in found.headers}
     places = [*chain, *{os.path.dirname(path) for path in reads}]
@@ -1988,7 +1989,8 @@ def _negative_lookups(
             placed = True
             if k < len(chain):
                 names.add(name)
-                absent.update(filter(None, (_earlier_place(f, name, passed) for f in chain[:k])))
+                for earlier in chain[:k]:
+                    _earlier_place(earlier, name, absent, passed)
         if not placed:
             log.debug("%s lies in no folder searched: its earlier places are not known", header)
             known = False
@@ -2012,21 +2014,16 @@ def _negative_lookups(
             quoted_names += names
         asked = _has_include_names(data, wrappers)
         for name in quoted_names:
-            missing = _earlier_place(beside, name, passed)
-            if missing:
-                absent.add(missing)
+            _earlier_place(beside, name, absent, passed)
         for next_, quoted, angled in asked:
             name = os.fsdecode(quoted or angled)
             for folder in [beside, *chain] if quoted else found.bracket:
-                missing = _earlier_place(folder, name, passed)
-                if missing is None:
+                if _earlier_place(folder, name, absent, passed) is not None:
                     present.append(os.path.join(folder, name))
                     # _next searches after the includer's folder, which holds
                     # its own copy: every place of the list is taken.
                     if not next_:
                         break
-                else:
-                    absent.add(missing)
     return sorted(absent), present, sorted(passed), known
 
 
@@ -2069,22 +2066,41 @@ def _code_only(data: bytes) -> bytes:
     )
 
 
-def _earlier_place(folder: str, name: str, passed: set[str]) -> str | None:
-    """``_first_missing`` of a place the preprocessor looked at; one that is there but
-    holds no file it takes (a folder named as the header, a link to nothing) joins
-    ``passed``: it may take it once that changes (``_no_file``)."""
+def _earlier_place(
+    folder: str, name: str, absent: set[str], passed: set[str]
+) -> os.stat_result | None:
+    """Note a place the preprocessor looked at: its ``_first_missing`` part joins
+    ``absent``; a place that is there but holds no file it opens (a folder named as
+    the header, a link to nothing) joins ``passed``: it may open it once that changes
+    (``_no_file``).  The place's stat when it holds a regular file.
+
+    Uncacheable when it holds another file: gcc and clang open a FIFO, a device or a
+    link to /dev/null as a header (/dev/null an empty one), which opcache does not
+    read (it may block) and a hit could not check.
+    """
     missing = _first_missing(folder, name)
-    if missing is None:
-        path = os.path.join(folder, name) if folder else name
-        if _no_file(path):
-            passed.add(path)
-    return missing
+    if missing is not None:
+        absent.add(missing)
+        return None
+    path = os.path.join(folder, name) if folder else name
+    try:
+        st = os.stat(path)
+    except OSError:
+        passed.add(path)  # (a link to nothing)
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        passed.add(path)
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise Uncacheable(f"cc: {path} is no regular file (the preprocessor would open it)")
+    return st
 
 
 def _no_file(path: str) -> bool:
-    """Whether ``path`` holds no file the preprocessor would read (links followed)."""
+    """Whether ``path`` holds no file the preprocessor would open (links followed): it
+    passes over nothing and a folder, and opens anything else, /dev/null too."""
     try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
+        return stat.S_ISDIR(os.stat(path).st_mode)
     except OSError:
         return True
 

@@ -1155,3 +1155,44 @@ def test_a_pragma_dependency_on_a_file_made_newer_warns_as_gcc_does(env, src, wh
     assert b"parse.y" in failed.stderr
     why = "compares the time of a file the key does not hold"
     assert stats(env)["uncacheable_reasons"] == {f"cc: a #pragma GCC dependency directive {why}": 4}
+
+
+def test_a_place_passed_over_that_becomes_a_link_to_dev_null_is_read_as_gcc_reads_it(env, src):
+    """gcc passes over a link to nothing earlier on the path and opens a link to
+    /dev/null there as an empty header: a hit took any file not regular for none."""
+    (src / "A").mkdir()
+    (src / "B").mkdir()
+    (src / "B" / "x.h").write_text("#define V 2\n")
+    (src / "A" / "x.h").symlink_to("x.h.disabled")
+    (src / "k.c").write_text("#include <x.h>\n#ifndef V\n#define V 7\n#endif\nint v = V;\n")
+    for _ in range(2):
+        same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    (src / "A" / "x.h").unlink()
+    (src / "A" / "x.h").symlink_to("/dev/null")  # the header stubbed out
+    same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    assert b"\x07\x00\x00\x00" in (src / "k.o").read_bytes()
+    assert stats(env, "host")["hits"] == 1
+
+
+@pytest.mark.parametrize("there", ["a link to /dev/null", "a folder"])
+def test_has_include_of_a_place_that_is_no_regular_file_is_as_gcc_sees_it(env, src, there):
+    """__has_include finds a link to /dev/null (an empty header: the compile is not
+    cached) and passes over a folder to look further (that lookup was not recorded:
+    a header made after it hit)."""
+    (src / "C").mkdir()
+    (src / "D").mkdir()
+    if there == "a folder":
+        (src / "C" / "y.h").mkdir()
+    else:
+        (src / "C" / "y.h").symlink_to("/dev/null")
+    (src / "k.c").write_text("#if __has_include(<y.h>)\nint w = 1;\n#else\nint w = 2;\n#endif\n")
+    for _ in range(2):
+        same_as_gcc(src, env, "-IC", "-ID", "-O2", "-c", "k.c")
+    if there != "a folder":
+        reason = "cc: C/y.h is no regular file (the preprocessor would open it)"
+        assert stats(env)["uncacheable_reasons"] == {reason: 2}
+    if there == "a folder":
+        (src / "D" / "y.h").write_text("\n")
+    else:
+        (src / "C" / "y.h").unlink()
+    same_as_gcc(src, env, "-IC", "-ID", "-O2", "-c", "k.c")
