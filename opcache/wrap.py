@@ -1301,6 +1301,10 @@ def _plan_cc(
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
     if flag_files:
         attrs["flag_files"] = flag_files
+    if inputs.twins:
+        read_as = [digest(source_data), *inputs.digests]
+        hashes = dict(zip([source, *inputs.paths], read_as, strict=True))
+        attrs["twins"] = _twin_classes(inputs.twins, hashes)
     if after_source:
         attrs["after_source"] = after_source
     if not config_places:  # (gcc; clang reads no specs file)
@@ -1740,7 +1744,7 @@ class HeaderMemo:
         memo_key = digest(
             canonical_json(
                 {
-                    "format": 6,  # variants with negative lookups, macros and directives
+                    "format": 7,  # variants with negative lookups, macros, directives, twins
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
@@ -1756,14 +1760,14 @@ class HeaderMemo:
             if digests is not None:
                 return CcInputs(
                     variant["headers"], digests, variant["macros"], variant["absent"],
-                    variant["passed"],
+                    variant["passed"], variant["twins"],
                 )  # fmt: skip
         found = _cc_headers(cc, pass_args, source, env)
         headers = [h for h in found.headers if h != source]
         contents = {h: _read(h) for h in headers}
         forced = [pass_args[i + 1] for i, a in enumerate(pass_args[:-1]) if a == "-include"]
         reads = {source: source_data, **contents}
-        absent, present, passed, known = _negative_lookups(found, reads, forced)
+        absent, present, passed, twins, known = _negative_lookups(found, reads, forced)
         for path in present:
             with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
                 contents.setdefault(path, fsutil.read_input(path))
@@ -1781,9 +1785,10 @@ class HeaderMemo:
                 "absent": absent,
                 "passed": passed,
                 "macros": macros,
+                "twins": twins,
             }
             self._remember(memo_key, [variant, *variants][: self._VARIANTS])
-        return CcInputs(paths, digests, macros, absent, passed)
+        return CcInputs(paths, digests, macros, absent, passed, twins)
 
     def _recall(self, memo_key: str) -> list[dict[str, list[str]]]:
         raw = self.store.read_note("direct", memo_key[:2], memo_key) if self.store else None
@@ -1791,7 +1796,7 @@ class HeaderMemo:
             variants = _json.loads(raw) if raw else []
         except ValueError:
             return []
-        fields = ("headers", "digests", "absent", "passed", "macros")
+        fields = ("headers", "digests", "absent", "passed", "macros", "twins")
         # (a path holding a NUL, which no system call takes, is a damaged note's)
         ok = isinstance(variants, list) and all(
             isinstance(v, dict)
@@ -1818,8 +1823,9 @@ class HeaderMemo:
 class CcInputs:
     """The headers a C compile reads, their digests, the macros in them that
     make the output depend on more than their contents (``_KEY_MACROS``), the
-    places the include search found empty (``absent``) and those it passed over
-    holding no file (``passed``)."""
+    places the include search found empty (``absent``), those it passed over
+    holding no file (``passed``), and the once-only files read (the source too)
+    whose contents another of them has (``twins``, ``_negative_lookups``)."""
 
     def __init__(
         self,
@@ -1828,12 +1834,14 @@ class CcInputs:
         macros: list[str],
         absent: list[str],
         passed: list[str],
+        twins: list[str],
     ) -> None:
         self.paths = paths
         self.digests = digests
         self.macros = macros
         self.absent = absent
         self.passed = passed
+        self.twins = twins
 
 
 class _Found:
@@ -1960,10 +1968,13 @@ _LITERAL_OR_COMMENT = rb'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/\*.*?\*/|//
 
 def _negative_lookups(
     found: _Found, reads: dict[str, bytes], forced: list[str]
-) -> tuple[list[str], list[str], list[str], bool]:
+) -> tuple[list[str], list[str], list[str], list[str], bool]:
     """(places looked up and empty, files ``__has_include`` found, places looked up
-    that hold no file (``_earlier_place``), whether every header lies in a folder
-    of the search list or beside a file read) for a compile.
+    that hold no file (``_earlier_place``), the once-only files read that have the
+    same contents as another (``_once_only``), whether a hit may go by the header
+    list: every header lies in a folder of the search list or beside a file read,
+    and no file an ``#include`` names may have been skipped as a once-only file's
+    twin (``_skipped_twin``)) for a compile.
 
     A header found in folder k of the search list was first looked for in
     folders 0..k-1 (all of them: a quoted include, ``#include_next`` and a
@@ -2024,7 +2035,91 @@ def _negative_lookups(
                     # its own copy: every place of the list is taken.
                     if not next_:
                         break
-    return sorted(absent), present, sorted(passed), known
+    once = _once_only(reads)
+    if once:
+        twin = _skipped_twin(found, reads, forced, {len(reads[path]) for path in once})
+        if twin is not None:
+            log.debug("%s may be a once-only file's twin, skipped: cc -M runs each time", twin)
+            known = False
+    alike: dict[bytes, list[str]] = {}
+    for path in once:
+        alike.setdefault(reads[path], []).append(path)
+    twins = [path for group in alike.values() if len(group) > 1 for path in group]
+    return sorted(absent), present, sorted(passed), twins, known
+
+
+def _twin_classes(twins: list[str], digests: dict[str, str]) -> list[list[int]]:
+    """Which of ``twins`` (once-only files read that have the same contents as another:
+    ``CcInputs.twins``) the compilers take for one file, the second skipped: for each,
+    the first of them with its contents and inode (clang's rule) and the first with
+    its contents and mtime second (gcc's).  Their times and inodes are no key's: the
+    same files in another checkout are the same compile."""
+    firsts: dict[tuple[object, ...], int] = {}
+    classes = []
+    for i, path in enumerate(twins):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise Uncacheable(f"cannot read {path}: {e.strerror or e}") from None
+        same_file = firsts.setdefault((digests[path], "inode", st.st_dev, st.st_ino), i)
+        same_time = firsts.setdefault((digests[path], "mtime", st.st_mtime_ns // 10**9), i)
+        classes.append([same_file, same_time])
+    return classes
+
+
+# A once-only file (#pragma once; any file, where an #import is read) is skipped
+# where the preprocessor meets it again as another file: gcc takes a file of the
+# same size, mtime (in seconds) and contents for the same, and cc -M does not name
+# the second; clang takes a file of the same inode (a hard link) for the same, and
+# names it.  Neither is in the contents the key holds.
+_ONCE = rb'pragma\s+once\b|_Pragma\s*\(\s*"\s*once\b'
+_IMPORT = rb"(?m)^[ \t]*#[ \t]*import\b"
+_INCLUDE_NAME = rb'(?m)^[ \t]*#[ \t]*(include_next|include|import)[ \t]*(?:"([^"\n]+)"|<([^>\n]+)>)'
+
+
+def _once_only(reads: dict[str, bytes]) -> list[str]:
+    """The files read that may be once-only: those naming ``#pragma once``; every one,
+    where an ``#import`` is read (gcc then compares a file it imports with every file
+    read before)."""
+    if any(b"import" in data and re.search(_IMPORT, data) for data in reads.values()):
+        return list(reads)
+    return [path for path, data in reads.items() if b"once" in data and re.search(_ONCE, data)]
+
+
+def _skipped_twin(
+    found: _Found, reads: dict[str, bytes], forced: list[str], sizes: set[int]
+) -> str | None:
+    """A file that an ``#include`` written in a file read (or an ``-include``) finds
+    first where the preprocessor looks, that ``cc -M`` does not name, and that has
+    the size of a once-only file read (``sizes``): gcc may have skipped it as that
+    file's twin, and a hit would not see it edited (or the twin's mtime moved), which
+    makes gcc read it.  Most such files are named by an ``#include`` in a branch not
+    taken (``#ifdef _WIN32``) and have another size: their changes make no other
+    object, and their header lists are remembered as any other.
+    """
+    listed = {_tidy(path) for path in reads}
+    chain = found.quote + found.bracket
+    wanted = [("", False, True, name) for name in forced]  # (the working folder first)
+    for path, data in reads.items():
+        wanted += [
+            (os.path.dirname(path), directive == b"include_next", bool(quoted), name)
+            for directive, quoted, angled in re.findall(_INCLUDE_NAME, data)
+            for name in [os.fsdecode(quoted or angled)]
+        ]
+    for beside, next_, quoted, name in dict.fromkeys(wanted):
+        for folder in [beside, *chain] if quoted else found.bracket:
+            place = os.path.join(folder, name) if folder else name
+            try:
+                st = os.stat(place)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if st.st_size in sizes and _tidy(place) not in listed:
+                return place
+            if not next_:  # (_next looks on past its includer's own folder: every one)
+                break
+    return None
 
 
 def _has_include_names(

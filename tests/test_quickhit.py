@@ -739,3 +739,35 @@ def test_a_memo_that_misses_at_its_first_check_parses_none_of_the_rest(tmp_path:
     rest += [b"n", os.fsencode(tmp_path), b"1", b"2", b"384", b"0.5", QUICK_COUNTS.encode()]
     with pytest.raises(quickhit.Miss):
         quickhit.Memo([*moved, *unread, *rest]).serve()
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+def test_a_once_only_twin_changed_is_no_quick_hit(tmp_path: Path, cc: str) -> None:
+    """b/x.h holds a/x.h's #pragma once contents: gcc skips it (same mtime), clang too
+    (a hard link). Edited (gcc) or made a copy (clang: another inode), it is read."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"needs {cc}")
+    env, src = _env(tmp_path), tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    a, b = src / "a" / "x.h", src / "b" / "x.h"
+    a.write_text("#pragma once\nn++;\n")
+    if cc == "clang":
+        os.link(a, b)
+    else:
+        shutil.copy2(a, b)
+    (src / "k.c").write_text(
+        'int f(void) { int n = 0;\n#include "a/x.h"\n#include "b/x.h"\nreturn n; }\n'
+    )
+    cmd = [cc, "-O2", "-c", "k.c", "-o", "k.o"]
+    _memoized(tmp_path, env, src, cmd)
+    b.unlink()
+    if cc == "clang":
+        shutil.copy2(a, b)
+    else:
+        b.write_text("#pragma once\nn += 5;\n")
+
+    wrap(*cmd, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    subprocess.run([cc, "-O2", "-c", "k.c", "-o", "plain.o"], cwd=src, check=True)
+    assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()

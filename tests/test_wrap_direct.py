@@ -116,3 +116,23 @@ def test_a_remembered_header_list_with_a_nul_in_a_path_is_passed_over(tmp_path, 
     done = wrap(tmp_path, bin_dir, "-c", "k.c", "-o", "k.o")
     assert (done.returncode, done.stderr) == (0, "")
     assert (src / "k.o").read_bytes() == plain(tmp_path)
+
+
+def test_once_only_headers_and_an_include_not_taken_keep_direct_mode(tmp_path, logged_gcc):
+    """A header named by an #include in a branch not taken is there and not read; with
+    #pragma once headers read, only one that could be their twin (their size) makes
+    each compile ask cc -M: this one does not."""
+    bin_dir, log = logged_gcc
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text(
+        '#include "a.h"\n#ifdef _WIN32\n#include "win.h"\n#endif\nint f(void) { return A; }\n'
+    )
+    (src / "a.h").write_text("#pragma once\n#define A 1\n")
+    (src / "win.h").write_text("#pragma once\n#include <windows.h>\n")
+    assert wrap(tmp_path, bin_dir, "-c", "k.c", "-o", "k.o").returncode == 0
+    first = calls(log)
+    (src / "k.o").unlink()
+    assert wrap(tmp_path, bin_dir, "-c", "k.c", "-o", "k.o").returncode == 0
+    assert calls(log) == first
+    assert (src / "k.o").read_bytes() == plain(tmp_path)

@@ -1196,3 +1196,66 @@ def test_has_include_of_a_place_that_is_no_regular_file_is_as_gcc_sees_it(env, s
     else:
         (src / "C" / "y.h").unlink()
     same_as_gcc(src, env, "-IC", "-ID", "-O2", "-c", "k.c")
+
+
+# -- review of the lookups, 2026-11-28: once-only twins cc -M does not tell apart ------
+
+ONCE_H = "#pragma once\nn++;\n"
+TWICE_C = 'int f(void) { int n = 0;\n#include "a/x.h"\n#include "b/x.h"\nreturn n; }\n'
+
+
+def once_only_twins(src: Path, *, link: bool) -> tuple[Path, Path]:
+    """a/x.h, #pragma once, and b/x.h: a hard link of it or a copy with its mtime
+    (cp -p, tar, a checkout); k.c includes both (f returns how many were read)."""
+    a, b = src / "a" / "x.h", src / "b" / "x.h"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    a.write_text(ONCE_H)
+    if link:
+        os.link(a, b)
+    else:
+        shutil.copy2(a, b)
+    (src / "k.c").write_text(TWICE_C)
+    return a, b
+
+
+@pytest.mark.parametrize("change", ["edited", "its mtime moved"])
+def test_a_once_only_twin_gcc_skipped_is_read_once_it_differs(env, src, change):
+    """gcc skips a file of the same size, mtime and contents as a #pragma once file it
+    read, and cc -M does not name it: a remembered header list did not see it edited,
+    or its mtime moved, either of which makes gcc read it."""
+    _, b = once_only_twins(src, link=False)
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c")
+    if change == "edited":
+        b.write_text("#pragma once\nn += 5;\n")
+    else:
+        os.utime(b, (b.stat().st_mtime + 10,) * 2)
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+
+
+def test_once_only_copies_gcc_reads_both_of_are_one_once_their_mtimes_match(env, src):
+    """Two #pragma once files of the same contents and other mtimes are both read;
+    given the same mtime (cp -p over one), gcc reads the first alone."""
+    a, b = once_only_twins(src, link=False)
+    os.utime(b, (10**9, 10**9))
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c")
+    os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+
+
+@needs_clang
+@pytest.mark.parametrize("link_first", [True, False], ids=["link to copy", "copy to link"])
+def test_clang_takes_a_hard_link_of_a_once_only_file_for_it_as_a_hit_does(env, src, link_first):
+    """clang takes a #pragma once file's hard link for the file itself (and names
+    both in cc -M): the same bytes as a copy, or a copy made a link, hit."""
+    a, b = once_only_twins(src, link=link_first)
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c", cc="clang")
+    b.unlink()
+    if link_first:
+        shutil.copy2(a, b)
+    else:
+        os.link(a, b)
+    same_as_gcc(src, env, "-O2", "-c", "k.c", cc="clang")
