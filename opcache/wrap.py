@@ -1991,6 +1991,12 @@ def _negative_lookups(
     names = {os.path.basename(header) for header in found.headers}
     places = [*chain, *{os.path.dirname(path) for path in reads}]
     known = True
+    once = _once_only(reads)
+    sizes = {len(reads[path]) for path in once}
+    listed = {_tidy(path) for path in reads}
+    # header -> for each folder k of the list it lies in, the files cc -M did not
+    # name in the folders before k (their indexes, their places)
+    ways: dict[str, list[tuple[int, list[tuple[int, str]]]]] = {}
     for header in found.headers:
         placed = False
         for k, folder in enumerate(places):
@@ -2000,8 +2006,18 @@ def _negative_lookups(
             placed = True
             if k < len(chain):
                 names.add(name)
-                for earlier in chain[:k]:
-                    _earlier_place(earlier, name, absent, passed)
+                before = []
+                for j, earlier in enumerate(chain[:k]):
+                    place = os.path.join(earlier, name)
+                    there = _earlier_place(earlier, name, absent, passed)
+                    if there is None or _tidy(place) in listed:
+                        continue
+                    if there.st_size in sizes:
+                        log.debug("%s may be a once-only file's twin, skipped", place)
+                        known = False  # (_skipped_twin's case: cc -M runs each time)
+                    else:
+                        before.append((j, place))
+                ways.setdefault(header, []).append((k, before))
         if not placed:
             log.debug("%s lies in no folder searched: its earlier places are not known", header)
             known = False
@@ -2017,12 +2033,17 @@ def _negative_lookups(
             *re.findall(_HAS_INCLUDE_ALIAS, data),
         ]
     }
+    reached = {_tidy(name) for name in forced}  # (found beside a file, not on the list)
     for path, data in reads.items():
         beside = os.path.dirname(path)
         quoted_names = [os.fsdecode(raw) for raw in re.findall(_QUOTED_INCLUDE, data)]
         if re.search(_COMPUTED_INCLUDE, data):
             # A name a macro gives is not in the text: every name found, beside it.
             quoted_names += names
+            reached.update(
+                h for h in map(_tidy, found.headers) if _name_under(h, beside) is not None
+            )
+        reached.update(_tidy(os.path.join(beside, name)) for name in quoted_names)
         asked = _has_include_names(data, wrappers)
         for name in quoted_names:
             _earlier_place(beside, name, absent, passed)
@@ -2035,9 +2056,9 @@ def _negative_lookups(
                     # its own copy: every place of the list is taken.
                     if not next_:
                         break
-    once = _once_only(reads)
+    _search_changed(found, reads, ways, reached)
     if once:
-        twin = _skipped_twin(found, reads, forced, {len(reads[path]) for path in once})
+        twin = _skipped_twin(found, reads, forced, sizes, listed)
         if twin is not None:
             log.debug("%s may be a once-only file's twin, skipped: cc -M runs each time", twin)
             known = False
@@ -2046,6 +2067,50 @@ def _negative_lookups(
         alike.setdefault(reads[path], []).append(path)
     twins = [path for group in alike.values() if len(group) > 1 for path in group]
     return sorted(absent), present, sorted(passed), twins, known
+
+
+def _search_changed(
+    found: _Found,
+    reads: dict[str, bytes],
+    ways: dict[str, list[tuple[int, list[tuple[int, str]]]]],
+    reached: set[str],
+) -> None:
+    """Uncacheable when a header cc -M found in folder k of the search list has, in a
+    folder before k where the preprocessor looked for it first, a regular file cc -M
+    did not name (``ways``, by ``_negative_lookups``): made after cc -M ran, it is
+    what the compile reads, and its object would be kept under the other header's
+    key (and served once it is gone).
+
+    Not when the header may have been reached otherwise: beside a file read
+    (``reached``), under another name in a folder with nothing before it, by an
+    ``#include_next`` of a file read in a folder from that one on (libstdc++'s
+    ``<cstdlib>`` passes over its own ``stdlib.h``), or by an ``#include <...>``,
+    where the place is an ``-iquote`` folder.
+    """
+    quote = len(found.quote)
+    # (the folders of the files read that hold an #include_next: it looks past them)
+    next_from = {
+        k for header, at in ways.items() if b"include_next" in reads.get(header, b"") for k, _ in at
+    }
+    for header, at in ways.items():
+        if _tidy(header) in reached:
+            continue
+        passed_over = []
+        for k, before in at:
+            unexplained = [
+                place
+                for j, place in before
+                if not j < quote <= k and not any(j <= i < k for i in next_from)
+            ]
+            if not unexplained:
+                break
+            passed_over.append(unexplained[0])
+        else:
+            if passed_over:
+                raise Uncacheable(
+                    f"cc: {passed_over[0]} is before {header} on the include path, which cc -M"
+                    " named (made meanwhile?)"
+                )
 
 
 def _twin_classes(twins: list[str], digests: dict[str, str]) -> list[list[int]]:
@@ -2087,17 +2152,17 @@ def _once_only(reads: dict[str, bytes]) -> list[str]:
 
 
 def _skipped_twin(
-    found: _Found, reads: dict[str, bytes], forced: list[str], sizes: set[int]
+    found: _Found, reads: dict[str, bytes], forced: list[str], sizes: set[int], listed: set[str]
 ) -> str | None:
     """A file that an ``#include`` written in a file read (or an ``-include``) finds
-    first where the preprocessor looks, that ``cc -M`` does not name, and that has
-    the size of a once-only file read (``sizes``): gcc may have skipped it as that
-    file's twin, and a hit would not see it edited (or the twin's mtime moved), which
-    makes gcc read it.  Most such files are named by an ``#include`` in a branch not
-    taken (``#ifdef _WIN32``) and have another size: their changes make no other
-    object, and their header lists are remembered as any other.
+    first where the preprocessor looks, that ``cc -M`` does not name (``listed``: the
+    files read, tidied), and that has the size of a once-only file read (``sizes``):
+    gcc may have skipped it as that file's twin, and a hit would not see it edited
+    (or the twin's mtime moved), which makes gcc read it.  Most such files are named
+    by an ``#include`` in a branch not taken (``#ifdef _WIN32``) and have another
+    size: their changes make no other object, and their header lists are remembered
+    as any other.
     """
-    listed = {_tidy(path) for path in reads}
     chain = found.quote + found.bracket
     wanted = [("", False, True, name) for name in forced]  # (the working folder first)
     for path, data in reads.items():

@@ -1259,3 +1259,49 @@ def test_clang_takes_a_hard_link_of_a_once_only_file_for_it_as_a_hit_does(env, s
     else:
         os.link(a, b)
     same_as_gcc(src, env, "-O2", "-c", "k.c", cc="clang")
+
+
+def test_a_header_made_earlier_on_the_path_after_cc_m_ran_is_not_stored(env, src, tmp_path):
+    """A generator writes gen/x.h (earlier on the path) after opcache's cc -M named
+    inc/x.h and before it looked at the places before it: the compile reads gen/x.h,
+    and its object was kept under inc/x.h's key, served once gen/x.h was gone."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    once = tmp_path / "written"
+    (bin_dir / "gcc").write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -M "*) {GCC} "$@"; status=$?; [ -e {once} ] || {{ touch {once}; '
+        f"echo '#define V 2' > {src / 'gen' / 'x.h'}; }}; exit $status;; esac\n"
+        f'exec {GCC} "$@"\n'
+    )
+    (bin_dir / "gcc").chmod(0o755)
+    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    (src / "gen").mkdir()
+    (src / "inc").mkdir()
+    (src / "inc" / "x.h").write_text("#define V 1\n")
+    (src / "k.c").write_text("#include <x.h>\nint v = V;\n")
+    same_as_gcc(src, env, "-Igen", "-Iinc", "-O2", "-c", "k.c")
+    (src / "gen" / "x.h").unlink()  # (make clean)
+    same_as_gcc(src, env, "-Igen", "-Iinc", "-O2", "-c", "k.c")
+    reason = "cc: gen/x.h is before inc/x.h on the include path, which cc -M named"
+    assert stats(env)["uncacheable_reasons"] == {f"{reason} (made meanwhile?)": 1}
+
+
+@pytest.mark.parametrize("how", ["beside its includer", "by include_next"])
+def test_a_header_found_past_another_of_its_name_keeps_its_hits(env, src, how):
+    """A/x.h is there, and the preprocessor rightly takes B/x.h: found beside the file
+    including it, or by an #include_next in A (libstdc++'s <cstdlib> passes over its
+    own stdlib.h so): the compile is cached, as any other."""
+    for folder in ("A", "B"):
+        (src / folder).mkdir()
+    (src / "A" / "x.h").write_text("#error not this one\n")
+    (src / "B" / "x.h").write_text("#define V 2\n")
+    if how == "beside its includer":
+        (src / "B" / "w.h").write_text('#include "x.h"\n')
+        (src / "k.c").write_text('#include "B/w.h"\nint v = V;\n')
+    else:
+        (src / "A" / "w.h").write_text("#include_next <x.h>\n")
+        (src / "k.c").write_text("#include <w.h>\nint v = V;\n")
+    for _ in range(2):
+        same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
