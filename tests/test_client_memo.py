@@ -159,6 +159,7 @@ STALE = [
     "artifact_corrupted_same_size",
     "ini_written",
     "specs_file_made",
+    "once_only_twin_edited",
 ]
 
 
@@ -186,8 +187,20 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
         (served.tmp / "lib").mkdir()
         served.env["LIBRARY_PATH"] = str(served.tmp / "lib")  # (gcc looks there for specs)
         env = dict(served.env)
+    if case == "once_only_twin_edited":
+        # (b/x.h: a/x.h's #pragma once contents and mtime, which gcc skips unnamed)
+        for name in ("a", "b"):
+            (served.src / name).mkdir()
+        (served.src / "a" / "x.h").write_text("#pragma once\nn++;\n")
+        shutil.copy2(served.src / "a" / "x.h", served.src / "b" / "x.h")
+        (served.src / "k.c").write_text(
+            '#include "h.h"\nint scale(int x) { int n = 0;\n#include "a/x.h"\n'
+            '#include "b/x.h"\nreturn x * FACTOR + OFFSET + n; }\n'
+        )
     memoized(served, *args)
-    before = served.fallbacks()
+    # (a header list not remembered takes cc -M, which no server runs: the client's memo
+    # may then come from a Python memo a server served, a quick hit counted)
+    before, counted = served.fallbacks(), appended(served)
     (root,) = (served.tmp / "cache").glob("kernel_cache*")
 
     if case == "header_edited_same_size_and_mtime":
@@ -216,11 +229,13 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
         ini.write_text("[op_compiler_cache]\nmax_op_cache_size=-1\nremain_cache_size_ratio=50\n")
     elif case == "specs_file_made":
         (served.tmp / "lib" / "specs").write_text("*cc1_options:\n+ -DSPECS_READ\n\n")
+    elif case == "once_only_twin_edited":
+        (served.src / "b" / "x.h").write_text("#pragma once\nn += 5;\n")
 
     done = served.gcc(*args, env=env)
     assert done.returncode == 0, done.stderr
     assert served.fallbacks() == before + 1, "the client served a memo that does not hold"
-    assert appended(served) == 0
+    assert appended(served) == counted
     if case != "compiler_earlier_on_path":
         compile_only = [arg for arg in args if arg not in ("-o", "k.o")]
         assert (served.src / "k.o").read_bytes() == plain(served, *compile_only)
