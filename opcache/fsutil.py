@@ -369,6 +369,14 @@ def read_input(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
     OSError for anything but a regular file: a FIFO would hang the read (and
     steal the compiler's input), a device such as /dev/zero never ends.
     """
+    return read_input_stat(path, limit)[0]
+
+
+def read_input_stat(
+    path: str | os.PathLike[str], limit: int | None = None
+) -> tuple[bytes, os.stat_result]:
+    """``read_input``'s bytes, and the file's fstat taken before they were read: a
+    write after it, even of the same bytes, moves its ctime (``written_since``)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
     try:
         st = os.fstat(fd)
@@ -381,11 +389,28 @@ def read_input(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
         while left > 0 and (chunk := os.read(fd, int(min(left, max(st.st_size + 1, 1 << 16))))):
             chunks.append(chunk)  # (one read, mostly)
             left -= len(chunk)
-        return b"".join(chunks)
+        return b"".join(chunks), st
     except MemoryError:
         raise OSError(errno.EFBIG, "too large to read", os.fspath(path)) from None
     finally:
         os.close(fd)
+
+
+# File times come from the kernel's coarse clock, up to a tick (10 ms at HZ=100)
+# behind time.time_ns(); some file systems keep whole seconds (FAT's mtime: even ones).
+CLOCK_LAG_NS = 10_000_000
+_SECONDS_LAG_NS = 2_000_000_000
+
+
+def written_since(st: os.stat_result, started_ns: int) -> bool:
+    """Whether the file ``st`` describes may have been written (or renamed, or its
+    mode changed) at or after ``started_ns`` (``time.time_ns()``): its mtime or
+    ctime is that late, give or take what the file system's times can tell
+    apart."""
+    second = 1_000_000_000
+    whole = not st.st_mtime_ns % second and not st.st_ctime_ns % second
+    lag = _SECONDS_LAG_NS if whole else CLOCK_LAG_NS
+    return max(st.st_mtime_ns, st.st_ctime_ns) >= started_ns - lag
 
 
 def open_regular(

@@ -90,9 +90,6 @@ _MAKES = frozenset(("mkdir", "mkdirat", "mknod", "mknodat"))  # (only where noth
 _RETIMES = frozenset(("utime", "utimes", "utimensat", "futimesat", "truncate"))
 _WRITE_FLAGS = r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC"
 _MISSING = ("ENOENT", "ENOTDIR")
-# File times come from the kernel's coarse clock, up to a tick (10 ms at HZ=100)
-# behind time.time_ns(): a file changed that close to the start counts as changed during it.
-_CLOCK_LAG_NS = 10_000_000
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir"}  # (the kinds whose times are kept)
 _ITEM_TYPES = [str, str, int, int, int, int, str]  # a ReadSet item's, as JSON gives them
 
@@ -357,7 +354,7 @@ def record(
             # (a file kept as it was by its contents: its mode, owner and so its ctime
             # may be the compile's, as CANN's lock files are chmodded when opened)
             when = item[4] if as_it_was else max(item[4], item[5])
-            if item[1] == "file" and when >= started_ns - _CLOCK_LAG_NS:
+            if item[1] == "file" and when >= started_ns - fsutil.CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
             if item[1] == "missing" and norm in trace.first_read:
                 # Read, then deleted by another process before this record: "missing"
@@ -442,7 +439,7 @@ def _kept_as_it_was(norm: str, trace: _Trace, started_ns: int) -> bool:
         st = os.lstat(norm)
     except OSError:
         return False
-    return stat.S_ISREG(st.st_mode) and st.st_mtime_ns < started_ns - _CLOCK_LAG_NS
+    return stat.S_ISREG(st.st_mode) and st.st_mtime_ns < started_ns - fsutil.CLOCK_LAG_NS
 
 
 def _folder(path: str) -> str:

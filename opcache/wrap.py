@@ -599,10 +599,36 @@ def _run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
 
 
 def _read(path: str) -> bytes:
+    return _read_seen(path)[0]
+
+
+def _read_seen(path: str) -> tuple[bytes, tuple[int, ...]]:
+    """A file's bytes and its ``_identity`` as they were read."""
     try:
-        return fsutil.read_input(path)
+        data, st = fsutil.read_input_stat(path)
     except OSError as e:
         raise Uncacheable(f"cannot read {path}: {e.strerror or e}") from None
+    return data, _identity(st)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells a file from itself rewritten, even with the same bytes: every write
+    moves its ctime (which nothing sets back), a rename puts another inode there."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _unchanged_since(seen: Mapping[str, tuple[int, ...]], started_ns: int) -> bool:
+    """Whether every file of ``seen`` (path: its ``_identity`` when it was read) is
+    still that file, not written since ``started_ns``, taken before any was read:
+    a write in the same clock tick as the one before keeps its identity."""
+    for path, was in seen.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        if _identity(st) != was or fsutil.written_since(st, started_ns):
+            return False
+    return True
 
 
 # -- opc --------------------------------------------------------------------------
@@ -1265,7 +1291,13 @@ def _plan_cc(
     out_path = Path(os.path.abspath(output))
     if not out_path.parent.is_dir():
         raise Uncacheable("cc: the output folder does not exist")
-    source_data = _read(source)
+    import time
+
+    # Before anything of the key is read: a file written since may have been read
+    # half written (a generator truncating and writing it again) by cc -M or the
+    # compiler, though its bytes are the same when opcache reads them.
+    started = time.time_ns()
+    source_data, source_seen = _read_seen(source)
     # The binary, and the name it is run by: clang++ compiles a .c as C++, and a
     # cross name (aarch64-linux-gnu-clang) picks another target (ccache keys it too).
     found = _which(argv[0], env)
@@ -1368,20 +1400,16 @@ def _plan_cc(
             out += _target_args(key_args)
         return out
 
-    read = dict(zip([source, *inputs.paths], [digest(source_data), *inputs.digests], strict=True))
+    read = dict(zip([source, *inputs.paths], [source_seen, *inputs.seen], strict=True))
 
     def settled() -> str | None:
         # A file rewritten or a header made while the compiler ran (a generator
-        # still writing): the object may hold other contents than the key says.
-        for path, want in read.items():
-            try:
-                if digest(fsutil.read_input(path)) == want:
-                    continue
-            except OSError:
-                pass
-            return "cc: a file it read changed during the compile"
-        if not all(_absent(path) for path in inputs.absent) or not all(
-            _no_file(path) for path in inputs.passed
+        # still writing, the same bytes or others): the object may hold other
+        # contents than the key says.
+        if (
+            not _unchanged_since(read, started)
+            or not all(_absent(path) for path in inputs.absent)
+            or not all(_no_file(path) for path in inputs.passed)
         ):
             return "cc: a file it read changed during the compile"
         return None
@@ -1756,21 +1784,26 @@ class HeaderMemo:
         )
         variants = self._recall(memo_key)
         for variant in variants:
-            digests = _current_digests(variant)
-            if digests is not None:
+            current = _current_digests(variant)
+            if current is not None:
                 return CcInputs(
-                    variant["headers"], digests, variant["macros"], variant["absent"],
+                    variant["headers"], *current, variant["macros"], variant["absent"],
                     variant["passed"], variant["twins"],
                 )  # fmt: skip
         found = _cc_headers(cc, pass_args, source, env)
         headers = [h for h in found.headers if h != source]
-        contents = {h: _read(h) for h in headers}
+        seen: dict[str, tuple[int, ...]] = {}
+        contents: dict[str, bytes] = {}
+        for header in headers:
+            contents[header], seen[header] = _read_seen(header)
         forced = [pass_args[i + 1] for i, a in enumerate(pass_args[:-1]) if a == "-include"]
         reads = {source: source_data, **contents}
         absent, present, passed, twins, known = _negative_lookups(found, reads, forced)
         for path in present:
             with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
-                contents.setdefault(path, fsutil.read_input(path))
+                if path not in contents:
+                    contents[path], st = fsutil.read_input_stat(path)
+                    seen[path] = _identity(st)
         macros = sorted(
             {m for data in contents.values() for m in (*_macros_in(data), *_directives_in(data))}
         )
@@ -1788,7 +1821,7 @@ class HeaderMemo:
                 "twins": twins,
             }
             self._remember(memo_key, [variant, *variants][: self._VARIANTS])
-        return CcInputs(paths, digests, macros, absent, passed, twins)
+        return CcInputs(paths, digests, [seen[p] for p in paths], macros, absent, passed, twins)
 
     def _recall(self, memo_key: str) -> list[dict[str, list[str]]]:
         raw = self.store.read_note("direct", memo_key[:2], memo_key) if self.store else None
@@ -1821,16 +1854,18 @@ class HeaderMemo:
 
 
 class CcInputs:
-    """The headers a C compile reads, their digests, the macros in them that
-    make the output depend on more than their contents (``_KEY_MACROS``), the
-    places the include search found empty (``absent``), those it passed over
-    holding no file (``passed``), and the once-only files read (the source too)
-    whose contents another of them has (``twins``, ``_negative_lookups``)."""
+    """The headers a C compile reads, their digests and identities as read
+    (``_identity``), the macros in them that make the output depend on more
+    than their contents (``_KEY_MACROS``), the places the include search found
+    empty (``absent``), those it passed over holding no file (``passed``), and
+    the once-only files read (the source too) whose contents another of them
+    has (``twins``, ``_negative_lookups``)."""
 
     def __init__(
         self,
         paths: list[str],
         digests: list[str],
+        seen: list[tuple[int, ...]],
         macros: list[str],
         absent: list[str],
         passed: list[str],
@@ -1838,6 +1873,7 @@ class CcInputs:
     ) -> None:
         self.paths = paths
         self.digests = digests
+        self.seen = seen
         self.macros = macros
         self.absent = absent
         self.passed = passed
@@ -1910,24 +1946,29 @@ def _directives_in(data: bytes) -> list[str]:
     return sorted(named | {"#pragma GCC dependency"} if pragma else named)
 
 
-def _current_digests(variant: dict[str, list[str]]) -> list[str] | None:
-    """The headers' digests if every one still has the recorded contents and every
-    recorded negative lookup still finds nothing, else None."""
+def _current_digests(
+    variant: dict[str, list[str]],
+) -> tuple[list[str], list[tuple[int, ...]]] | None:
+    """The headers' digests and identities (``_identity``) if every one still has the
+    recorded contents and every recorded negative lookup still finds nothing, else
+    None."""
     for path in variant["absent"]:
         if not _absent(path):
             return None
     if not all(_no_file(path) for path in variant["passed"]):
         return None
-    digests = []
+    digests, seen = [], []
     for path, want in zip(variant["headers"], variant["digests"], strict=True):
         try:
-            now = digest(fsutil.read_input(path))
+            data, st = fsutil.read_input_stat(path)
         except OSError:
             return None
+        now = digest(data)
         if now != want:
             return None
         digests.append(now)
-    return digests
+        seen.append(_identity(st))
+    return digests, seen
 
 
 def _absent(path: str) -> bool:

@@ -377,6 +377,32 @@ def test_a_header_created_earlier_on_the_path_while_the_compiler_runs_is_not_sto
     assert stats(env)["uncacheable_reasons"] == {reason: 1}
 
 
+def test_a_header_rewritten_with_the_same_bytes_while_the_compiler_runs_is_not_stored(
+    env, src, tmp_path
+):
+    # A generator's FORCE rule truncates q.h and writes the same bytes again while gcc
+    # compiles: gcc read it empty, and q.h holds the bytes opcache keyed once it is done.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    once = tmp_path / "rewritten"
+    header = src / "q.h"
+    (bin_dir / "gcc").write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -c "*) [ -e {once} ] || {{ touch {once}; saved=$(cat {header}); '
+        f': > {header}; {GCC} "$@"; status=$?; echo "$saved" > {header}; exit $status; }};; esac\n'
+        f'exec {GCC} "$@"\n'
+    )
+    (bin_dir / "gcc").chmod(0o755)
+    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    (src / "k.c").write_text('#include "q.h"\n#ifndef Q\n#define Q 5\n#endif\nint v = Q;\n')
+    header.write_text("#define Q 1\n")
+    wrap("gcc", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+    assert once.exists()
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    reason = "cc: a file it read changed during the compile"
+    assert stats(env)["uncacheable_reasons"] == {reason: 1}
+
+
 # -- issue 16 (review 17): gcc's staleness findings ----------------------------------
 
 
