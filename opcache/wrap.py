@@ -1320,8 +1320,9 @@ def _plan_cc(
         compiler_identity += "\0" + "\0".join(_gcc_installations(found))
     keyed_names = CC_KEY_ENVIRONMENT + ASCEND_CC_KEY_ENVIRONMENT if ascend else CC_KEY_ENVIRONMENT
     inputs = memo.header_digests(
-        argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names
-    )
+        argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names,
+        source_seen, started,
+    )  # fmt: skip
     for place in [*inputs.paths, *inputs.absent, *inputs.passed]:
         # gcc takes <place>.gch, clang <place>.pch first, where it exists, for the
         # header it looks for there; cc -M names the header alone, so the key would
@@ -1766,13 +1767,18 @@ class HeaderMemo:
         source_data: bytes,
         env: Mapping[str, str],
         keyed: Sequence[str],
+        source_seen: tuple[int, ...],
+        started: int,
     ) -> CcInputs:
         """The headers ``source`` includes (in the order first read), with their digests;
-        ``keyed``: the names of the environment variables that join the key."""
+        ``keyed``: the names of the environment variables that join the key;
+        ``source_seen``: the source's ``_identity`` as read, after ``started``."""
         memo_key = digest(
             canonical_json(
                 {
-                    "format": 7,  # variants with negative lookups, macros, directives, twins
+                    # 7: variants with negative lookups, macros, directives and twins;
+                    # 8: none remembered from a file written as cc -M ran
+                    "format": 8,
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
@@ -1810,8 +1816,10 @@ class HeaderMemo:
         paths = list(contents)
         digests = [digest(data) for data in contents.values()]
         # Only when the search list is known and every header was placed in it
-        # can a hit check that no header has been created earlier on it.
-        if found.searched and known:
+        # can a hit check that no header has been created earlier on it.  And
+        # only when no file was written since before cc -M ran: a header it read
+        # may since include others (ccache's "too new" files).
+        if found.searched and known and _unchanged_since({source: source_seen, **seen}, started):
             variant = {
                 "headers": paths,
                 "digests": digests,

@@ -403,6 +403,31 @@ def test_a_header_rewritten_with_the_same_bytes_while_the_compiler_runs_is_not_s
     assert stats(env)["uncacheable_reasons"] == {reason: 1}
 
 
+def test_a_header_edited_after_cc_m_listed_the_headers_is_not_remembered(env, src, tmp_path):
+    # q.h starts including new.h just after opcache's cc -M read it: the list cc -M
+    # gave has no new.h, and q.h's digest is the new one's.  Remembered, an edit of
+    # new.h hit the object of its first contents.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    once = tmp_path / "edited"
+    (bin_dir / "gcc").write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -M "*) [ -e {once} ] || {{ touch {once}; {GCC} "$@"; status=$?; '
+        f"echo '#define Q 2' > {src / 'new.h'}; echo '#include \"new.h\"' > {src / 'q.h'}; "
+        "exit $status; };; esac\n"
+        f'exec {GCC} "$@"\n'
+    )
+    (bin_dir / "gcc").chmod(0o755)
+    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    (src / "k.c").write_text(Q_C)
+    (src / "q.h").write_text("#define Q 1\n")
+    wrap("gcc", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
+    assert once.exists()
+    for value in (3, 4):
+        (src / "new.h").write_text(f"#define Q {value}\n")
+        same_as_gcc(src, env, "-O2", "-c", "k.c")
+
+
 # -- issue 16 (review 17): gcc's staleness findings ----------------------------------
 
 
