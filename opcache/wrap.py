@@ -1340,11 +1340,17 @@ def _plan_cc(
         attrs["twins"] = _twin_classes(inputs.twins, hashes)
     if after_source:
         attrs["after_source"] = after_source
+    search_dirs = _search_dirs(argv[0], compiler_identity, env, memo.store)
     if not config_places:  # (gcc; clang reads no specs file)
-        for place in _specs_places(argv[0], compiler_identity, env, memo.store):
+        if search_dirs is None:
+            raise Uncacheable(
+                f"cc: {argv[0]} -print-search-dirs failed: where it looks for specs is unknown"
+            )
+        for place in _specs_places(search_dirs):
             if not _absent(place):
                 raise Uncacheable(f"cc: gcc may read the specs file {place} (not keyed)")
-    assembler = _path_assembler(argv[0], compiler_identity, env, memo.store)
+    programs = _search_folders(search_dirs or {}, "programs")
+    assembler = _path_assembler(argv[0], compiler_identity, programs, env, memo.store)
     if assembler is not None:
         attrs["assembler"] = assembler
     keyed_env = [(name, env[name]) for name in keyed_names if name in env]
@@ -1474,30 +1480,38 @@ def _names(folder: str) -> list[str]:
         return []
 
 
-def _specs_places(
+def _search_dirs(
     cc: str, identity: str, env: Mapping[str, str], store: LocalStore | None
-) -> list[str]:
+) -> dict[str, str] | None:
+    """What ``cc -print-search-dirs`` says, by line (``install``, ``programs``,
+    ``libraries``); None if it fails.  Asked once per compiler and
+    ``LIBRARY_PATH`` (which the start-file folders begin with)."""
+    asked = [identity, env.get("LIBRARY_PATH", "")]
+    said = _compiler_says(cc, "-print-search-dirs", asked, env, store)
+    if said is None:
+        return None
+    return dict(line.partition(": ")[::2] for line in os.fsdecode(said).splitlines())
+
+
+def _search_folders(search_dirs: dict[str, str], kind: str) -> list[str]:
+    """The folders of a ``-print-search-dirs`` line (``programs``, ``libraries``), in order."""
+    return list(dict.fromkeys(filter(None, search_dirs.get(kind, "").removeprefix("=").split(":"))))
+
+
+def _specs_places(search_dirs: dict[str, str]) -> list[str]:
     """Where gcc looks for a ``specs`` file, which rewrites its command lines.
 
     gcc's driver looks in its start-file folders (``LIBRARY_PATH``'s first,
     each bare and with ``<machine>/<version>/``, then its own): each folder
     ``-print-search-dirs`` lists, and each with those last parts taken off, is
     taken (more places than gcc looks in: one made there costs a miss, never a
-    wrong object).  What the compiler says is remembered per compiler and
-    ``LIBRARY_PATH``.
+    wrong object).
     """
-    asked = [identity, env.get("LIBRARY_PATH", "")]
-    said = _compiler_says(cc, "-print-search-dirs", asked, env, store)
-    if said is None:
-        raise Uncacheable(
-            f"cc: {cc} -print-search-dirs failed: where it looks for specs is unknown"
-        )
-    lines = dict(line.partition(": ")[::2] for line in os.fsdecode(said).splitlines())
     # (install: <prefix>/gcc/<machine>/<version>/)
-    machine_version = lines.get("install", "").rstrip("/").split("/")[-2:]
+    machine_version = search_dirs.get("install", "").rstrip("/").split("/")[-2:]
     places: dict[str, None] = {}
     for kind in ("libraries", "programs"):
-        for folder in filter(None, lines.get(kind, "").removeprefix("=").split(":")):
+        for folder in _search_folders(search_dirs, kind):
             parts = folder.rstrip("/").split("/")
             while True:
                 places[("/".join(parts) or ".") + "/specs"] = None
@@ -1532,17 +1546,22 @@ def _compiler_says(
 
 
 def _path_assembler(
-    cc: str, identity: str, env: Mapping[str, str], store: LocalStore | None
+    cc: str, identity: str, programs: list[str], env: Mapping[str, str], store: LocalStore | None
 ) -> str | None:
     """The identity of the assembler gcc runs: the one PATH picks, or its own.
 
     ``cc -print-prog-name=as`` names a bare ``as`` when the compiler has none
     of its own (a distribution's gcc): then PATH picks it, and another one
     earlier on PATH (binutils of a module or a conda environment) makes
-    another object.  What the compiler says is remembered per compiler.
+    another object.  The compiler looks in its own ``programs`` folders
+    (``-print-search-dirs``) first: what the ``as`` of each holds, one
+    ``stat`` each, joins what the answer is remembered by with the compiler,
+    so an ``as`` installed there later (binutils put in the compiler's own
+    prefix) is asked about again.
     """
     # (COMPILER_PATH and GCC_EXEC_PREFIX move where gcc looks for its own)
     asked = [identity, *(env.get(n, "") for n in ("COMPILER_PATH", "GCC_EXEC_PREFIX"))]
+    asked += filter(None, (_program_held(os.path.join(folder, "as")) for folder in programs))
     name = (_compiler_says(cc, "-print-prog-name=as", asked, env, store) or b"").strip()
     if not name:
         return None
@@ -1551,6 +1570,19 @@ def _path_assembler(
         # binutils upgraded on their own make another object.
         return file_identity(os.fsdecode(name), store)
     return file_identity(_which(os.fsdecode(name), env), store)
+
+
+def _program_held(place: str) -> str:
+    """What a compiler looking for a program at ``place`` may find there, links followed:
+    "" for nothing, else the place and what tells its file apart (any change moves
+    the ctime) or the error."""
+    try:
+        st = os.stat(place)
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    except OSError as e:
+        return f"{place}: error {e.errno}"
+    return f"{place}: {st.st_dev} {st.st_ino} {st.st_mode} {st.st_ctime_ns}"
 
 
 def _flag_file_digest(arg: str) -> str:

@@ -131,3 +131,51 @@ def link_compilers(folder: Path, target: Path | str, *names: str) -> Path:
 
 def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+def tailing_assembler(folder: Path, real_as: str) -> Path:
+    """``folder`` holding an ``as`` that runs ``real_as``, then appends ``tail`` to its object."""
+    folder.mkdir(parents=True)
+    script = folder / "as"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for a; do case "$prev" in -o) out=$a;; esac; prev=$a; done\n'
+        f'{real_as} "$@" && printf tail >> "$out"\n'
+    )
+    script.chmod(0o755)
+    return folder
+
+
+def relocated_gcc(prefix: Path) -> Path:
+    """This gcc's driver copied into ``prefix/bin``, its own folders (``lib/gcc/...``,
+    ``libexec/gcc/...``) linked under ``prefix`` as under its own: a gcc installed
+    in a prefix of its own, which looks for its programs there first.  Skips the
+    test where gcc names an assembler of its own (it looks for none then)."""
+    named = subprocess.run([GCC, "-print-prog-name=as"], capture_output=True, text=True)
+    if "/" in named.stdout:
+        pytest.skip("this gcc has an assembler of its own")
+    real = Path(os.path.realpath(GCC))
+    (prefix / "bin").mkdir(parents=True)
+    shutil.copy(real, prefix / "bin" / "gcc")
+    for flag in ("-print-libgcc-file-name", "-print-prog-name=cc1"):
+        said = subprocess.run([GCC, flag], capture_output=True, text=True, check=True)
+        own = Path(os.path.realpath(said.stdout.strip())).parent
+        mirror = prefix / own.relative_to(real.parent.parent)
+        mirror.mkdir(parents=True, exist_ok=True)
+        for entry in own.iterdir():
+            if not (mirror / entry.name).exists():
+                (mirror / entry.name).symlink_to(entry)
+    return prefix / "bin" / "gcc"
+
+
+def assembler_in_its_prefix(gcc: Path) -> Path:
+    """binutils installed into the prefix of ``relocated_gcc``'s ``gcc``: a
+    ``tailing_assembler`` in ``<prefix>/<machine>/bin``, one of gcc's program
+    folders, which gcc now runs before PATH's ``as``.  Its folder."""
+    real_as = shutil.which("as")
+    assert real_as is not None
+    machine = subprocess.run([gcc, "-dumpmachine"], capture_output=True, text=True, check=True)
+    tools = tailing_assembler(gcc.parent.parent / machine.stdout.strip() / "bin", real_as)
+    said = subprocess.run([gcc, "-print-prog-name=as"], capture_output=True, text=True)
+    assert os.path.samefile(said.stdout.strip(), tools / "as")  # (gcc runs it now)
+    return tools

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import xxhash
 from helpers_faults import NOBODY, requires_root
-from helpers_wrap import GCC, opcache, stats
+from helpers_wrap import GCC, assembler_in_its_prefix, opcache, relocated_gcc, stats
 from test_server import (
     COMPILE,
     EXECVE_LIST,
@@ -160,6 +160,7 @@ STALE = [
     "ini_written",
     "specs_file_made",
     "once_only_twin_edited",
+    "assembler_put_in_the_compilers_prefix",
 ]
 
 
@@ -197,6 +198,13 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
             '#include "h.h"\nint scale(int x) { int n = 0;\n#include "a/x.h"\n'
             '#include "b/x.h"\nreturn x * FACTOR + OFFSET + n; }\n'
         )
+    elif case == "assembler_put_in_the_compilers_prefix":
+        gcc = relocated_gcc(served.tmp / "toolchain")
+        served.env["PATH"] = served.env["PATH"].replace(
+            f"{served.links}{os.pathsep}", f"{served.links}{os.pathsep}{gcc.parent}{os.pathsep}"
+        )
+        env = dict(served.env)
+        time.sleep(quickmemo.RACY_SECONDS + 0.3)  # (a compiler copied just now: noted after)
     memoized(served, *args)
     # (a header list not remembered takes cc -M, which no server runs: the client's memo
     # may then come from a Python memo a server served, a quick hit counted)
@@ -231,12 +239,16 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
         (served.tmp / "lib" / "specs").write_text("*cc1_options:\n+ -DSPECS_READ\n\n")
     elif case == "once_only_twin_edited":
         (served.src / "b" / "x.h").write_text("#pragma once\nn += 5;\n")
+    elif case == "assembler_put_in_the_compilers_prefix":
+        assembler_in_its_prefix(gcc)
 
     done = served.gcc(*args, env=env)
     assert done.returncode == 0, done.stderr
     assert served.fallbacks() == before + 1, "the client served a memo that does not hold"
     assert appended(served) == counted
-    if case != "compiler_earlier_on_path":
+    if case == "assembler_put_in_the_compilers_prefix":
+        assert (served.src / "k.o").read_bytes().endswith(b"tail")
+    elif case != "compiler_earlier_on_path":
         compile_only = [arg for arg in args if arg not in ("-o", "k.o")]
         assert (served.src / "k.o").read_bytes() == plain(served, *compile_only)
 

@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 from fake_opc import base_env
-from helpers_wrap import GCC, opcache, stats, wrap, write_project
+from helpers_wrap import (
+    GCC,
+    assembler_in_its_prefix,
+    opcache,
+    relocated_gcc,
+    stats,
+    wrap,
+    write_project,
+)
 
 from opcache import quickhit, quickmemo
 from opcache.counters import FOLD_BYTES, QUICK_COUNTS, CounterFiles
@@ -137,6 +145,21 @@ def test_a_compiler_put_earlier_on_path_is_no_quick_hit(tmp_path: Path) -> None:
     wrap(*CMD, env=env, cwd=src)
     assert _quick_hits(tmp_path) == 0
     assert stats(env, "host")["misses"] == 2
+
+
+def test_an_assembler_installed_in_the_compilers_own_prefix_is_no_quick_hit(
+    tmp_path: Path,
+) -> None:
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    gcc = relocated_gcc(tmp_path / "toolchain")
+    env["PATH"] = f"{gcc.parent}:{env['PATH']}"
+    _age()  # (a compiler copied just now: its digest is noted once it is past the window)
+    _memoized(tmp_path, env, src)
+    assembler_in_its_prefix(gcc)
+
+    wrap(*CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes().endswith(b"tail")
 
 
 def test_a_keyed_variable_changed_is_no_quick_hit(tmp_path: Path) -> None:

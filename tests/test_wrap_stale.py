@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 from fake_opc import base_env
-from helpers_wrap import GCC, stats, wrap
+from helpers_wrap import (
+    GCC,
+    assembler_in_its_prefix,
+    relocated_gcc,
+    stats,
+    tailing_assembler,
+    wrap,
+)
 
 from opcache import OpRequest
 from opcache.compilers.cc import CcCompiler
@@ -243,19 +250,6 @@ def test_the_locale_decides_the_replayed_messages(env, src):
     for locale in ("C.UTF-8", "C"):
         done = same_as_gcc(src, {**env, "LC_ALL": locale}, "-O2", "-Wall", "-c", "k.c")
         assert b"x" in done.stderr
-
-
-def tailing_assembler(folder: Path, real_as: str) -> Path:
-    """``folder`` holding an ``as`` that runs ``real_as``, then appends ``tail`` to its object."""
-    folder.mkdir()
-    script = folder / "as"
-    script.write_text(
-        "#!/bin/sh\n"
-        'for a; do case "$prev" in -o) out=$a;; esac; prev=$a; done\n'
-        f'{real_as} "$@" && printf tail >> "$out"\n'
-    )
-    script.chmod(0o755)
-    return folder
 
 
 def test_a_compiler_path_assembler_is_used(env, src, tmp_path):
@@ -564,6 +558,18 @@ def test_an_assembler_earlier_on_path_is_used(env, src, tmp_path):
     assert (src / "k.o").read_bytes().endswith(b"tail")
 
 
+def test_an_assembler_installed_in_the_compilers_own_prefix_is_used(env, src, tmp_path):
+    # binutils installed into the prefix of a gcc of its own: gcc runs
+    # <prefix>/<machine>/bin/as, one of its program folders, before PATH's.
+    gcc = relocated_gcc(tmp_path / "toolchain")
+    env["PATH"] = f"{gcc.parent}:{env['PATH']}"
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assembler_in_its_prefix(gcc)
+    same_as_gcc(src, env, "-O2", "-c", "k.c")
+    assert (src / "k.o").read_bytes().endswith(b"tail")
+
+
 # -- review 2, finding 4: -x after the source ---------------------------------------
 
 
@@ -823,9 +829,9 @@ def test_an_assembler_of_the_compilers_own_is_keyed_by_its_contents(tmp_path):
     cc.write_text(f"#!/bin/sh\necho {assembler}\n")  # (its -print-prog-name=as)
     cc.chmod(0o755)
     env = {"PATH": os.environ["PATH"]}
-    before = wrap_module._path_assembler(str(cc), "cross-gcc 1", env, None)
+    before = wrap_module._path_assembler(str(cc), "cross-gcc 1", [], env, None)
     assembler.write_text("#!/bin/sh\n# binutils 2.41, upgraded\n")
-    after = wrap_module._path_assembler(str(cc), "cross-gcc 1", env, None)
+    after = wrap_module._path_assembler(str(cc), "cross-gcc 1", [], env, None)
     assert before is not None and after is not None and before != after
 
 
