@@ -1303,17 +1303,18 @@ def _plan_cc(
     found = _which(argv[0], env)
     compiler_identity = file_identity(found, memo.store)
     compiler_identity += "\0" + os.path.basename(argv[0])
-    config_places = _config_places(argv[0], found)
-    for place in config_places:
-        if not _absent(place):
-            raise Uncacheable(f"cc: clang reads its configuration file {place} (not keyed)")
-    lto = lto and not config_places
-    # (gcc takes <place>.gch, clang <place>.pch first: a clang has config places)
-    pch_suffixes = (".gch", ".pch") if config_places else (".gch",)
+    config_folders = _config_folders(argv[0], found)
+    config_files = _config_files(config_folders)
+    if config_files:
+        reason = f"clang may read the configuration file {config_files[0]} (not keyed)"
+        raise Uncacheable(f"cc: {reason}")
+    lto = lto and not config_folders
+    # (gcc takes <place>.gch, clang <place>.pch first: a clang has config folders)
+    pch_suffixes = (".gch", ".pch") if config_folders else (".gch",)
     for arg in args:
-        if config_places and arg in _CLANG_RECORDS_ITS_COMMAND:
+        if config_folders and arg in _CLANG_RECORDS_ITS_COMMAND:
             raise Uncacheable(f"cc: {arg} writes the compile's own command line into the object")
-    if config_places:
+    if config_folders:
         # clang takes C++ headers and start files from the newest GCC it finds: one
         # installed beside it later is another header list (direct mode's memo is
         # keyed by the identity too) and another object.
@@ -1341,7 +1342,7 @@ def _plan_cc(
     if after_source:
         attrs["after_source"] = after_source
     search_dirs = _search_dirs(argv[0], compiler_identity, env, memo.store)
-    if not config_places:  # (gcc; clang reads no specs file)
+    if not config_folders:  # (gcc; clang reads no specs file)
         if search_dirs is None:
             raise Uncacheable(
                 f"cc: {argv[0]} -print-search-dirs failed: where it looks for specs is unknown"
@@ -1434,22 +1435,33 @@ def _plan_cc(
     )
 
 
-def _config_places(invoked: str, found: str) -> list[str]:
-    """Where a clang-based driver looks for its configuration file (flags it adds to
-    every compile): ``<name>.cfg`` and ``<prefix>.cfg`` for a name such as
-    ``x86_64-linux-gnu-clang`` (clang 14, beside its real binary), and from clang
-    16 ``clang.cfg`` / ``clang++.cfg``, in the binary's folder and the folder of
-    the name it is run by.  None for gcc, which reads no such file."""
+def _config_folders(invoked: str, found: str) -> list[str]:
+    """Where a clang-based driver looks for its configuration files (flags it adds to
+    every compile): the folder of its real binary and of the name it is run by.
+    Empty for gcc, which reads no such file."""
     real = os.path.realpath(found)
-    name = os.path.basename(invoked)
-    if "clang" not in os.path.basename(real) and name not in ASCEND_CC_NAMES:
+    if "clang" not in os.path.basename(real) and os.path.basename(invoked) not in ASCEND_CC_NAMES:
         return []
-    names = [name, "clang", "clang++"]
-    prefix = re.match(r"(.+)-(?:clang|clang\+\+|bisheng)(?:-[\d.]+)?$", name)
-    if prefix:
-        names.append(prefix[1])
-    folders = dict.fromkeys((os.path.dirname(real), os.path.dirname(os.path.abspath(found))))
-    return [os.path.join(f, f"{n}.cfg") for f in folders for n in dict.fromkeys(names)]
+    return list(dict.fromkeys((os.path.dirname(real), os.path.dirname(os.path.abspath(found)))))
+
+
+def _config_files(folders: list[str]) -> list[str]:
+    """Every ``*.cfg`` in ``folders``: each may be one clang reads.  Which names it
+    reads depends on its version, the name it is run by and the target its flags
+    give (clang 14 run as ``x86_64-linux-gnu-clang-14 -m32``:
+    ``i386-linux-gnu-clang.cfg``, ``i386.cfg``, ``x86_64-linux-gnu-clang.cfg``,
+    ``x86_64-linux-gnu.cfg``; clang 16 ``<triple>-clang.cfg``, ``clang.cfg``,
+    ``<triple>.cfg``), so any is taken as read: one listing per folder."""
+    files = []
+    for folder in folders:
+        try:
+            names = os.listdir(folder)
+        except OSError as e:
+            raise Uncacheable(
+                f"cc: cannot list {folder} for clang's configuration files ({e.strerror or e})"
+            ) from None
+        files += [os.path.join(folder, name) for name in sorted(names) if name.endswith(".cfg")]
+    return files
 
 
 def _gcc_installations(found: str) -> list[str]:

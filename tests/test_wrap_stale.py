@@ -962,6 +962,31 @@ def test_a_clang_configuration_file_is_never_stale(env, src, tmp_path, made_late
 
 
 @needs_clang
+@pytest.mark.parametrize(
+    ("name", "flags", "config"),
+    [
+        # (clang 14 takes the version off the name it is run by: <prefix>-clang.cfg)
+        ("x86_64-linux-gnu-clang-14", [], "x86_64-linux-gnu-clang.cfg"),
+        # (with -m32 it looks for the name of the target's architecture first)
+        ("x86_64-linux-gnu-clang", ["-m32"], "i386-linux-gnu-clang.cfg"),
+        ("x86_64-linux-gnu-clang", ["-m32"], "i386.cfg"),
+    ],
+)
+def test_a_clang_configuration_file_of_any_name_clang_reads_is_seen(
+    env, src, tmp_path, name, flags, config
+):
+    bin_dir = tmp_path / "llvm" / "bin"
+    bin_dir.mkdir(parents=True)
+    shutil.copy(os.path.realpath(CLANG), bin_dir / "clang")
+    (bin_dir / name).symlink_to("clang")
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    (src / "k.c").write_text("#ifndef VAL\n#define VAL 1\n#endif\nint v = VAL;\n")
+    same_as_gcc(src, env, *flags, "-c", "k.c", cc=name)
+    (bin_dir / config).write_text("-DVAL=2\n")
+    same_as_gcc(src, env, *flags, "-c", "k.c", cc=name)
+
+
+@needs_clang
 def test_a_gcc_installed_beside_clang_later_is_seen(env, src, tmp_path):
     # clang++ takes its C++ headers from the newest GCC it finds (here beside the folder
     # it is run from, as apt install g++-13 adds one to /usr): every header it read
