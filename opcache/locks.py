@@ -214,24 +214,9 @@ def flocked(
     BlockingIOError.  The operating system releases the lock of a process
     that dies.
     """
-    wait = LOCK_WAIT_SECONDS if timeout is None else timeout
-    operation = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
     fd = _open_lock_file(path, modes, dir_fd)
-
-    def attempt() -> bool:
-        try:
-            fcntl.flock(fd, operation)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return False
-            raise
-        return True
-
     try:
-        if not _poll(attempt, wait):
-            raise BlockingIOError(
-                errno.EWOULDBLOCK, f"another process held the lock {path} for over {wait:g} s"
-            )
+        flock_within(fd, path, shared=shared, timeout=timeout)
     except BaseException:
         os.close(fd)
         raise
@@ -242,6 +227,30 @@ def flocked(
         if fd in _held:  # (a forked child has closed it already)
             _held.discard(fd)
             os.close(fd)
+
+
+def flock_within(
+    fd: int, path: Path | str, *, shared: bool = False, timeout: float | None = None
+) -> None:
+    """``flock`` the open file ``fd`` (named ``path``, for the error), exclusive or
+    ``shared``, waiting up to ``timeout`` seconds (by default ``LOCK_WAIT_SECONDS``,
+    read at each call) for other holders, then raising BlockingIOError."""
+    wait = LOCK_WAIT_SECONDS if timeout is None else timeout
+    operation = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+
+    def attempt() -> bool:
+        try:
+            fcntl.flock(fd, operation)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    if not _poll(attempt, wait):
+        raise BlockingIOError(
+            errno.EWOULDBLOCK, f"another process held the lock {path} for over {wait:g} s"
+        )
 
 
 def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = None) -> int:

@@ -8,6 +8,7 @@ leaves no out_dir it made.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 from pathlib import Path
@@ -87,6 +88,54 @@ def test_a_failed_compile_leaves_none_of_the_folders_it_made(tmp_path: Path) -> 
             make_request(0), ToyCompiler(tmp_path / "calls", fail=True), tmp_path / "kept" / "op"
         )
     assert (tmp_path / "kept").is_dir()  # it was there before
+
+
+def probed_as_its_writer_locks_it(monkeypatch: pytest.MonkeyPatch, folder: Path) -> list[Path]:
+    """Each new folder made in ``folder`` is probed by a clean-up looking for dead
+    writers (``_abandoned``: an open and a flock of its own, held for its look)
+    just as its writer first tries to lock it, between the writer's mkdir and its
+    lock; the probe lets go after that try.  Returns the folders probed."""
+    real = fcntl.flock
+    probed: list[Path] = []
+
+    def flock(fd: int, operation: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if path.parent != folder or path in probed or not path.is_dir():
+            return real(fd, operation)
+        probed.append(path)
+        probe = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            real(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return real(fd, operation)
+        finally:
+            os.close(probe)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    return probed
+
+
+@pytest.mark.parametrize("where", ["out_dir", "cache tmp"])
+def test_a_clean_up_probing_a_new_build_folder_does_not_fail_its_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """Another compile into the same out_dir looks for dead writers' build folders
+    there (``clean_leftovers`` does the same in the cache's tmp): its probe may
+    hold a new folder's lock at the moment the folder's writer first tries it.
+    (That try failed the compile, or its store, with BlockingIOError.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    settings = settings_for(tmp_path)
+    folder = out if where == "out_dir" else settings.root / ".opcache" / "tmp"
+    folder.mkdir(parents=True, exist_ok=True)
+    probed = probed_as_its_writer_locks_it(monkeypatch, folder)
+    with opcache.OpCache(settings) as cache:
+        result = cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), out)
+        again = cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), tmp_path / "o2")
+    assert len(probed) == 1  # the race's window was opened
+    assert (result.status, result.reason) == ("miss", None)
+    assert again.status == "hit"  # stored
+    assert read_dir(out) == expected_files(make_request(0))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
 _HALF_WRITTEN = r"""

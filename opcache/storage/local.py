@@ -1222,7 +1222,10 @@ def new_build_folder(
         os.close(parent_fd)
         raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Waited for, not tried once: a clean-up looking for dead writers' folders
+        # (remove_abandoned, clean_leftovers) may hold this one's lock for the
+        # microseconds of its look, between our mkdir and this flock.
+        locks.flock_within(fd, parent / name)
     except BaseException:
         os.close(fd)
         os.close(parent_fd)
