@@ -60,6 +60,9 @@ _make_out_first = False
 _files_there = False
 # Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>, locked while they run.
 _BUILD_LABEL = ".opcache-build"
+# Tries to make a build folder in an out_dir that vanishes meanwhile: each compile
+# failing into it removes the out folder it made, which another just found there.
+_OUT_TRIES = 8
 # The pathlib of 3.10 and 3.11 parses a name joined to a path again, in Python (a
 # tenth of delivering a 4 KB hit); its own maker of the children it lists takes
 # a plain name as it is.  (3.12 on join without parsing.)
@@ -585,12 +588,7 @@ def _compile_into(
     Build folders that killed compiles left in ``out`` go first; a failed
     compile leaves no ``out`` it created.
     """
-    made = _missing_folders(out)
-    if made:
-        out.mkdir(parents=True, exist_ok=True)
-    else:
-        remove_abandoned(out, time.time(), _BUILD_LABEL)
-    build = new_build_folder(out, _BUILD_LABEL, 0o700)
+    build, made = _build_folder_in(out)
     try:
         compiler.compile(request, build.path)
         files, artifacts = {}, {}
@@ -610,6 +608,28 @@ def _compile_into(
         raise
     build.close()
     return files, artifacts
+
+
+def _build_folder_in(out: Path) -> tuple[Workdir, list[Path]]:
+    """A new build folder in ``out``, and the folders made for it (``out`` and its
+    parents that were missing, deepest first)."""
+    made: list[Path] = []
+    tries = _OUT_TRIES
+    while True:
+        missing = _missing_folders(out)
+        try:
+            if missing:
+                out.mkdir(parents=True, exist_ok=True)
+                made = max(made, missing, key=len)
+            else:
+                remove_abandoned(out, time.time(), _BUILD_LABEL)
+            return new_build_folder(out, _BUILD_LABEL, 0o700), made
+        except FileNotFoundError:
+            # A failed compile into the same out_dir removed the folder it had
+            # made, the moment this one found it there (or made it too).
+            tries -= 1
+            if not tries:
+                raise
 
 
 def _read_artifact(build_fd: int, name: str) -> bytes:

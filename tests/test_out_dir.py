@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from helpers_cache import ToyCompiler, compiling_half_way, expected_files, make_
 from helpers_faults import open_folder, settings_for
 
 import opcache
+from opcache import flow
 
 
 def build_folders(out: Path) -> list[Path]:
@@ -136,6 +138,72 @@ def test_a_clean_up_probing_a_new_build_folder_does_not_fail_its_writer(
     assert again.status == "hit"  # stored
     assert read_dir(out) == expected_files(make_request(0))
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+
+
+class FailsFirstOnceTheOtherComes(ToyCompiler):
+    """The toy compiler; its first compile fails, once ``other_comes`` is set."""
+
+    def __init__(self, calls_file: Path, other_comes: threading.Event) -> None:
+        super().__init__(calls_file)
+        self.compiling = threading.Event()
+        self.other_comes = other_comes
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        if not self.compiling.is_set():
+            self.compiling.set()
+            self.other_comes.wait(30)
+            raise opcache.CompileError("the first compile fails")
+        super().compile(request, workdir)
+
+
+def test_a_failed_compile_removing_the_out_dir_it_made_does_not_fail_another_into_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two compiles into one new out_dir: the first makes it, the second finds it
+    there; the first fails and removes it just as the second makes its build
+    folder there.  (The second failed with FileNotFoundError.)"""
+    out = tmp_path / "new" / "out"
+    at_build, removed = threading.Event(), threading.Event()
+    compiler = FailsFirstOnceTheOtherComes(tmp_path / "calls", at_build)
+    real_missing, real_build, real_rmdir = (
+        flow._missing_folders, flow.new_build_folder, Path.rmdir
+    )  # fmt: skip
+    looked: list[int] = []  # the threads that looked for the out folder, in turn
+    mutex = threading.Lock()
+
+    def missing_folders(folder: Path) -> list[Path]:
+        me = threading.get_ident()
+        with mutex:
+            second = me not in looked and len(looked) == 1
+            if me not in looked:
+                looked.append(me)
+        if second:
+            compiler.compiling.wait(30)  # (looks once the first compiles there)
+        return real_missing(folder)
+
+    def new_build_folder(parent: Path, *args: object) -> object:
+        if looked[1:] == [threading.get_ident()] and not at_build.is_set():
+            at_build.set()
+            removed.wait(30)
+        return real_build(parent, *args)
+
+    def rmdir(folder: Path) -> None:
+        real_rmdir(folder)
+        if folder == out:
+            removed.set()
+
+    monkeypatch.setattr(flow, "_missing_folders", missing_folders)
+    monkeypatch.setattr(flow, "new_build_folder", new_build_folder)
+    monkeypatch.setattr(Path, "rmdir", rmdir)
+    requests = [make_request(0), make_request(1)]
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        results = cache.compile_many(requests, compiler, [out, out], jobs=2)
+    assert removed.is_set()  # the race's window was opened
+    failed, done = sorted(results, key=lambda r: r.status)
+    assert failed.status == "error" and isinstance(failed.error, opcache.CompileError)
+    assert done.status == "miss", done.error
+    (request,) = [r for r, result in zip(requests, results, strict=True) if result is done]
+    assert read_dir(out) == expected_files(request)
 
 
 _HALF_WRITTEN = r"""
