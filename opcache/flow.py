@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from .storage import Claim
     from .storage.local import LocalStore
 
+    # Given why no build folder could be made in an out_dir: another to compile into, or None.
+    NextOut = Callable[[OSError], Path | None]
+
 log = get_logger(__name__)
 
 UNUSABLE = "not stored: the cache is unusable"
@@ -345,6 +348,7 @@ class KeyFlow:
         inputs: dict,
         out: Path,
         claim: Claim | None = None,
+        next_out: NextOut | None = None,
     ) -> Filled:
         """With the key's lock held (or none to be had): the entry, if another process
         stored it meanwhile, else this process's compile.  Releases the lock.
@@ -352,6 +356,10 @@ class KeyFlow:
         With a remote, the compile is claimed in the whole cluster first (or
         ``claim`` was taken already): while another client of the remote
         compiles the key, this waits for its entry, up to ``lock_timeout``.
+
+        ``next_out``: where no build folder can be made in ``out`` (the compiler
+        not run yet), given the error, another out_dir to compile into instead
+        (a batch's next request of the key), or None to raise the error.
         """
         soc = request.soc_version
         stored = None
@@ -371,7 +379,7 @@ class KeyFlow:
                 # another.  (Its holder died instead: one compile, the lock kept.)
                 lock.release()
             files, note, stored, artifacts = self._compile_and_keep(
-                request, compiler, key, inputs, out, claim
+                request, compiler, key, inputs, out, claim, next_out
             )
         finally:
             if claim is not None:
@@ -417,9 +425,11 @@ class KeyFlow:
         inputs: dict,
         out: Path,
         claim: Claim | None,
+        next_out: NextOut | None,
     ) -> tuple[dict[str, Path], str | None, int | None, dict[str, bytes]]:
-        """(files in ``out``, why not stored, bytes stored, the files' bytes); the
-        remote's ``claim`` let go as stored once the remote has the entry.
+        """(files in ``out``, or the one ``next_out`` gave, why not stored, bytes
+        stored, the files' bytes); the remote's ``claim`` let go as stored once
+        the remote has the entry.
 
         The compiler works beside ``out_dir``, never in the cache: a full or
         broken cache disk can fail the store, not the compile.
@@ -427,7 +437,7 @@ class KeyFlow:
         soc = request.soc_version
         try:
             compile_started = time.perf_counter()
-            files, artifacts = _compile_into(request, compiler, out)
+            files, artifacts = _compile_into(request, compiler, out, next_out)
         except CompileError:
             self._stats.add(soc, "compile_errors")
             raise
@@ -579,16 +589,25 @@ def _move_out(build: Workdir, name: str, out: Path) -> Path:
 
 
 def _compile_into(
-    request: OpRequest, compiler: Compiler, out: Path
+    request: OpRequest, compiler: Compiler, out: Path, next_out: NextOut | None = None
 ) -> tuple[dict[str, Path], dict[str, bytes]]:
     """Compile in a private folder beside ``out`` and move the artifacts into ``out``.
 
     Returns (artifact paths in ``out``, their bytes).  The artifacts are the
     plain files the compiler wrote; folders and links it left are dropped.
     Build folders that killed compiles left in ``out`` go first; a failed
-    compile leaves no ``out`` it created.
+    compile leaves no ``out`` it created.  Where no build folder can be made
+    in ``out``, ``next_out`` (``KeyFlow.fill``) may give another out_dir.
     """
-    build, made = _build_folder_in(out)
+    while True:
+        try:
+            build, made = _build_folder_in(out)
+            break
+        except OSError as e:
+            other = None if next_out is None else next_out(e)
+            if other is None:
+                raise
+            out = other
     try:
         compiler.compile(request, build.path)
         files, artifacts = {}, {}

@@ -617,7 +617,23 @@ class _Batch:
             # The key's inputs, for the entry's manifest: made again for the few keys
             # compiled, not kept for every key of the batch since its first look.
             inputs = key_inputs(request, self.compiler.name, flow.fingerprint(self.compiler))
-            filled = flow.fill(job.held, request, self.compiler, job.key, inputs, out, claim)
+            skipped: list[tuple[int, OSError]] = []
+
+            def next_out(error: OSError) -> Path | None:
+                # The first request's out_dir failed: its failure alone, not the
+                # other requests' of the key, which get the compile.
+                if len(job.indices) == 1:
+                    return None
+                skipped.append((job.indices.pop(0), error))
+                return self.outs[job.indices[0]]
+
+            try:
+                filled = flow.fill(
+                    job.held, request, self.compiler, job.key, inputs, out, claim, next_out
+                )
+            finally:
+                for index, error in skipped:
+                    self._set(index, _failed(job.key, error, started))
         if filled.entry is not None:
             self._hits(soc, [(job, filled.entry)], started, filled.tier)
             return _DONE

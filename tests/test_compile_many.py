@@ -372,6 +372,34 @@ def test_a_request_whose_folder_fails_does_not_fail_the_others_of_its_key(
     assert read_dir(tmp_path / "good2") == expected_files(requests[0])
 
 
+def test_a_key_whose_first_requests_folders_fail_is_compiled_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """A key's compile goes into the out_dir of its first request: where that one
+    cannot be made, it goes into the next's.  (It failed every request of the
+    key with the first one's error, and compiled none.)"""
+    (tmp_path / "a-file").write_text("")
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(0, op_name=f"name_{n}") for n in range(4)]
+    bad = [tmp_path / "a-file" / "sub", tmp_path / "a-file" / "sub2"]
+    outs = [*bad, tmp_path / "good", tmp_path / "good2"]
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        results = cache.compile_many(requests, compiler, outs)
+        others = [make_request(1, op_name=f"name_{n}") for n in range(2)]
+        none = cache.compile_many(others, compiler, bad)
+        stored = cache.compile(requests[2], compiler, tmp_path / "later")
+    assert [r.status for r in results] == ["error", "error", "miss", "hit"]
+    # Each failed request has its own folder's error.
+    for result, out in zip(results[:2], bad, strict=True):
+        assert isinstance(result.error, NotADirectoryError) and result.error.filename == str(out)
+    assert compiler.calls() == 1
+    assert read_dir(outs[2]) == read_dir(outs[3]) == expected_files(requests[2])
+    assert stored.status == "hit"
+    # All of the key's folders failing: each request its own error, and no compile.
+    assert [(r.status, r.error.filename) for r in none] == [("error", str(out)) for out in bad]
+    assert compiler.calls() == 1
+
+
 def _waiting_rank(tmp: str, result: str) -> None:
     tmp_path = Path(tmp)
     requests = [make_request(i) for i in range(6)]
