@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import threading
 import time
 from collections import deque
@@ -300,13 +301,41 @@ def compile_many(
     ]
     for worker in workers:
         worker.start()
-    batch.work(schedule)  # this thread works too
-    for worker in workers:  # (after a stop, each ends with its current compile)
-        worker.join()
-    batch.end()
+    try:
+        batch.work(schedule)  # this thread works too
+    except BaseException as e:  # (a second Ctrl-C as its work ends: its first stopped it)
+        batch.stop(schedule, e)
+    _finish(batch, schedule, workers)
     if batch.stopped_by is not None and not isinstance(batch.stopped_by, Exception):
         raise batch.stopped_by  # Ctrl-C, an exit: the caller's, once every thread is done
     return batch.results  # type: ignore[return-value]  # every slot is filled by now
+
+
+def _finish(batch: _Batch, schedule: _Schedule, workers: list[threading.Thread]) -> None:
+    """Wait for the workers (after a stop, each ends with its current compile), then
+    let go of what the batch still holds (``_Batch.end``).
+
+    A Ctrl-C meanwhile (a second one, when the first seemed slow to act)
+    stops the batch and is held off until then: the process may go on (a
+    notebook, a framework that catches it), and the local locks of the keys
+    parked for other machines must not stay held there, nor a thread of the
+    batch call on_result once compile_many has raised.  SIGINT is blocked in
+    this thread meanwhile (as ``RemoteTier._stop_copier`` does), but a worker
+    thread may take it for the process: Python then raises it in this thread
+    once a join returns, and it stops the batch all the same.
+    """
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for worker in workers:
+            while True:
+                try:
+                    worker.join()
+                    break
+                except BaseException as e:
+                    batch.stop(schedule, e)
+        batch.end()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class _Batch:
@@ -453,9 +482,14 @@ class _Batch:
                         schedule.parked()
                         self._peek(schedule, job.request.soc_version)
         except BaseException as e:
-            schedule.stop()
-            if self.stopped_by is None:  # (the first of threads stopping at once)
-                self.stopped_by = e
+            self.stop(schedule, e)
+
+    def stop(self, schedule: _Schedule, error: BaseException) -> None:
+        """Stop every thread after its current job: ``error`` ends the batch (unless
+        another ended it first, the one kept)."""
+        schedule.stop()
+        if self.stopped_by is None:  # (the first of threads stopping at once)
+            self.stopped_by = error
 
     def end(self) -> None:
         """After every thread is done: if one stopped the batch, let go of the locks

@@ -31,7 +31,7 @@ from helpers_cache import (
 )
 
 import opcache
-from opcache.key import canonical_json
+from opcache.key import canonical_json, compute_key
 from opcache.storage.entry import MANIFEST
 
 
@@ -352,6 +352,114 @@ def test_a_ctrl_c_stops_every_worker_and_reaches_the_caller(tmp_path: Path) -> N
     with opcache.OpCache(settings_for(tmp_path), lock_timeout=5) as cache:
         results = cache.compile_many(requests, ToyCompiler(tmp_path / "calls"), [tmp_path] * 12)
     assert {r.status for r in results} <= {"hit", "miss"}
+
+
+class InterruptedTwice(ToyCompiler):
+    """The toy compiler, interrupted twice: once a key is parked, the compile in the
+    main thread is interrupted (a first Ctrl-C); the one in the worker sends SIGINT
+    (a second) once compile_many joins its worker, then ends."""
+
+    def __init__(self, calls_file: Path, parked: threading.Event, joining: threading.Event):
+        super().__init__(calls_file)
+        self.parked, self.joining = parked, joining
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.parked.wait(30)
+            raise KeyboardInterrupt
+        self.joining.wait(30)
+        os.kill(os.getpid(), signal.SIGINT)
+        super().compile(request, workdir)
+
+
+def _interrupted_twice(spec: dict) -> None:
+    """A process that goes on after compile_many raised (a notebook): what it holds then."""
+    from types import SimpleNamespace
+
+    from opcache import shared_work
+    from opcache.locks import KeyLock
+
+    report: dict = {"error": None}
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        parked, joining = threading.Event(), threading.Event()
+        real_park, real_join = shared_work._Batch._park, threading.Thread.join
+
+        def park(batch: shared_work._Batch, job: shared_work._Job) -> str:
+            state = real_park(batch, job)
+            parked.set()
+            return state
+
+        def join(thread: threading.Thread, timeout: float | None = None) -> None:
+            if thread.name.startswith("opcache-compile"):
+                joining.set()
+            real_join(thread, timeout)
+
+        # (In this child alone.)  The requests in their order: the key parked comes first.
+        shared_work._Batch._park = park  # type: ignore[method-assign]
+        threading.Thread.join = join  # type: ignore[method-assign]
+        shared_work.random = SimpleNamespace(  # type: ignore[attr-defined]
+            Random=lambda: SimpleNamespace(shuffle=lambda jobs: None)
+        )
+        tmp = Path(spec["tmp"])
+        settings = make_settings(tmp / "cache", tmp, remote={"url": spec["url"]})
+        requests = [make_request(i) for i in range(3)]
+        results: list[int] = []
+        cache = opcache.OpCache(settings)
+        try:
+            cache.compile_many(
+                requests,
+                InterruptedTwice(tmp / "calls", parked, joining),
+                [tmp / "out" / r.op_name for r in requests],
+                jobs=2,
+                on_result=lambda index, result: results.append(index),
+            )
+        except KeyboardInterrupt:
+            report["raised"] = "KeyboardInterrupt"
+        given = len(results)
+        report["second SIGINT sent"] = joining.is_set()
+        left = [t for t in threading.enumerate() if t.name.startswith("opcache-compile")]
+        report["threads left"] = [t.name for t in left]
+        for thread in left:
+            real_join(thread, 30)
+        report["results after it raised"] = len(results) - given
+        lock = KeyLock(settings.root / ".opcache" / "locks" / requests[0].soc_version / spec["key"])
+        report["parked key's lock free"] = lock.try_acquire()
+        cache.close()
+    except BaseException:
+        import traceback
+
+        report["error"] = traceback.format_exc()
+    write_json(spec["result"], report)
+
+
+def test_a_second_ctrl_c_while_compile_many_joins_leaves_no_lock_held(
+    tmp_path: Path, redis_server, redis_url: str
+) -> None:
+    """A Ctrl-C stops the batch; a second, while compile_many waits for its workers'
+    current compiles, must not skip letting go of the local locks of the keys
+    parked for another machine: the process goes on, and this machine's other
+    processes wait on those locks.  (They stayed held.)"""
+    request = make_request(0)
+    compiler = ToyCompiler(tmp_path / "calls")
+    key = compute_key(request, compiler.name, compiler.fingerprint())[0]
+    client = redis_server.client()  # another machine compiles the first key, for a minute
+    client.set(f"opcache:1:{request.soc_version}:{key}:claim", "another-machine", px=60_000)
+    spec = {"tmp": str(tmp_path), "url": redis_url, "key": key, "result": str(tmp_path / "r")}
+    child = MP.Process(target=_interrupted_twice, args=(spec,))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("compile_many hung")
+    report = read_json(tmp_path / "r")
+    assert report["error"] is None, report["error"]
+    assert report["raised"] == "KeyboardInterrupt"
+    assert report["second SIGINT sent"]  # (the race's window was opened)
+    assert report["threads left"] == []
+    assert report["parked key's lock free"]
+    assert report["results after it raised"] == 0
 
 
 def test_a_request_whose_folder_fails_does_not_fail_the_others_of_its_key(
