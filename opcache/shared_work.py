@@ -106,17 +106,14 @@ class _Job:
         self.since = 0.0  # when another process was first found holding it
 
 
-class _Poll:
-    """Taken from the schedule: look for every waiting job at once, at the remote
-    (parked jobs) or at the lock files of this machine (``remote`` False)."""
+class _Watch:
+    """Taken from the schedule: look at the lock files of this machine for every
+    job another process of it holds, at once."""
 
-    __slots__ = ("remote",)
-
-    def __init__(self, remote: bool) -> None:
-        self.remote = remote
+    __slots__ = ()
 
 
-POLL, WATCH = _Poll(remote=True), _Poll(remote=False)
+WATCH = _Watch()
 # Looks at the remote for parked jobs: often at first, then less and less.
 _FIRST_POLL = 0.01
 _LAST_POLL = 0.1
@@ -133,9 +130,15 @@ class _Schedule:
 
     A job whose key another process of this machine holds stays in hand
     (busy) while one ``WATCH`` now and then lists the lock files for all of
-    them; a job whose key another machine compiles is parked, and one
-    ``POLL`` now and then looks at the remote for all of them in one round
-    trip.  Either gives back the jobs worth another try, first of all.
+    them; a job whose key another machine compiles is parked, and a poller
+    thread (``next_poll``) looks at the remote for all of them in one round
+    trip now and then.  Either gives back the jobs worth another try, first
+    of all.
+
+    The poller is not one of the ``jobs`` threads: a parked job holds its
+    key's local lock, which this machine's other processes wait on, and its
+    entry must be taken as soon as the remote has it, not once a thread is
+    done compiling.
     """
 
     def __init__(self, fresh: list[_Job]) -> None:
@@ -147,23 +150,19 @@ class _Schedule:
         self._busy = 0  # jobs taken (held or parked) and not yet finished or put back
         self._poll_at: float | None = None  # when the parked jobs are next looked at
         self._poll_delay = _FIRST_POLL
-        self._polling = False  # a thread is looking at the parked jobs
+        self._poller = False  # whether the poller was started
         self._stopped = False
-        self._cond = threading.Condition()
+        mutex = threading.Lock()
+        self._cond = threading.Condition(mutex)  # (the workers wait on it)
+        self._poll_due = threading.Condition(mutex)  # (the poller waits on it)
 
-    def take(self) -> tuple[_Job | _Poll, bool] | None:
-        """(a job, whether it is fresh), or (POLL, False), or None when all is done."""
+    def take(self) -> tuple[_Job | _Watch, bool] | None:
+        """(a job, whether it is fresh), or (WATCH, False), or None when all is done."""
         with self._cond:
             while True:
                 if self._stopped:
                     return None
                 now = time.monotonic()
-                poll_at = None if self._polling else self._poll_at  # one poller at a time
-                if poll_at is not None and poll_at <= now:
-                    # Before fresh jobs: the parked ones hold local locks others wait on.
-                    self._poll_at = None
-                    self._polling = True
-                    return POLL, False
                 watch_at = None if self._watching else self._watch_at
                 if watch_at is not None and watch_at <= now:
                     self._watch_at = None
@@ -172,19 +171,32 @@ class _Schedule:
                 if self._fresh:
                     self._busy += 1
                     return self._fresh.popleft(), True
-                nexts = [t for t in (watch_at, poll_at) if t is not None]
-                if nexts:
-                    self._cond.wait(min(nexts) - now)
-                elif self._busy or self._polling or self._watching:
+                if watch_at is not None:
+                    self._cond.wait(watch_at - now)
+                elif self._busy or self._watching:
                     self._cond.wait()  # a job in hand may come back
                 else:
                     return None
 
+    def next_poll(self) -> bool:
+        """For the poller: wait until a look at the parked jobs is due (True), or
+        the batch ends (False: ``stop``)."""
+        with self._cond:
+            while not self._stopped:
+                now = time.monotonic()
+                if self._poll_at is not None and self._poll_at <= now:
+                    self._poll_at = None
+                    return True
+                self._poll_due.wait(None if self._poll_at is None else self._poll_at - now)
+            return False
+
     def stop(self) -> None:
-        """No more jobs for anyone (Ctrl-C): every ``take`` returns None."""
+        """No more jobs for anyone (Ctrl-C, or the batch is done): every ``take``
+        and ``next_poll`` returns at once."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+            self._poll_due.notify()
 
     def finished(self, jobs: int = 1) -> None:
         with self._cond:
@@ -234,19 +246,21 @@ class _Schedule:
                 self._watch_at = due if self._watch_at is None else min(self._watch_at, due)
             self._cond.notify_all()
 
-    def parked(self) -> None:
-        """A job was parked: a poll is due soon, if none is."""
+    def parked(self) -> bool:
+        """A job was parked: a poll is due soon, if none is.  True the first time:
+        the caller starts the poller."""
         with self._cond:
             if self._poll_at is None:
                 self._poll_delay = _FIRST_POLL
                 self._poll_at = time.monotonic() + self._poll_delay
-                self._cond.notify_all()
+                self._poll_due.notify()
+            start, self._poller = not self._poller, True
+            return start
 
     def polled(self, settled: int, again: list[_Job], parked: bool) -> None:
         """After a poll: ``settled`` jobs are done, ``again`` go back to be tried
         (first of all), and while jobs stay ``parked`` the next poll is due."""
         with self._cond:
-            self._polling = False
             self._busy -= settled + len(again)
             self._fresh.extendleft(again)
             if parked:
@@ -312,8 +326,8 @@ def compile_many(
 
 
 def _finish(batch: _Batch, schedule: _Schedule, workers: list[threading.Thread]) -> None:
-    """Wait for the workers (after a stop, each ends with its current compile), then
-    let go of what the batch still holds (``_Batch.end``).
+    """Wait for the workers (after a stop, each ends with its current compile), end
+    the poller, then let go of what the batch still holds (``_Batch.end``).
 
     A Ctrl-C meanwhile (a second one, when the first seemed slow to act)
     stops the batch and is held off until then: the process may go on (a
@@ -327,15 +341,22 @@ def _finish(batch: _Batch, schedule: _Schedule, workers: list[threading.Thread])
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         for worker in workers:
-            while True:
-                try:
-                    worker.join()
-                    break
-                except BaseException as e:
-                    batch.stop(schedule, e)
+            _join(worker, batch, schedule)
+        if batch.poller is not None:  # (started by a worker: all are done)
+            schedule.stop()  # (none is parked any more, unless the batch was stopped)
+            _join(batch.poller, batch, schedule)
         batch.end()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _join(thread: threading.Thread, batch: _Batch, schedule: _Schedule) -> None:
+    """Wait for ``thread`` to end; an interrupt meanwhile stops the batch (``_finish``)."""
+    while thread.is_alive():
+        try:
+            thread.join()
+        except BaseException as e:
+            batch.stop(schedule, e)
 
 
 class _Batch:
@@ -357,6 +378,7 @@ class _Batch:
         self.stopped_by: BaseException | None = None  # what stopped the batch, if anything
         self.jobs: list[_Job] = []  # the jobs left after the first look
         self.on_result = on_result
+        self.poller: threading.Thread | None = None  # started once a job is parked
         # Jobs whose key another machine compiles, by (chip, key); their local lock held.
         self._parked: dict[tuple[str, str], _Job] = {}
         self._parked_lock = threading.Lock()
@@ -462,11 +484,8 @@ class _Batch:
         try:
             while (taken := schedule.take()) is not None:
                 job, fresh = taken
-                if isinstance(job, _Poll):
-                    if job.remote:
-                        self._poll(schedule)
-                    else:
-                        self._watch(schedule)
+                if isinstance(job, _Watch):
+                    self._watch(schedule)
                     continue
                 state = _DONE
                 try:
@@ -479,7 +498,8 @@ class _Batch:
                     elif state is _LATER:
                         schedule.later(job)
                     else:
-                        schedule.parked()
+                        if schedule.parked():
+                            self._start_poller(schedule)
                         self._peek(schedule, job.request.soc_version)
         except BaseException as e:
             self.stop(schedule, e)
@@ -510,6 +530,20 @@ class _Batch:
         )  # fmt: skip
         for job in self.jobs:
             self._fail(job, error)
+
+    def _start_poller(self, schedule: _Schedule) -> None:
+        poller = threading.Thread(target=self._poll_parked, args=(schedule,), name="opcache-poll")
+        poller.start()
+        self.poller = poller
+
+    def _poll_parked(self, schedule: _Schedule) -> None:
+        """The poller: a look at the remote for the parked jobs whenever one is due
+        (``_poll``), until the batch ends; anything it does not catch stops the batch."""
+        try:
+            while schedule.next_poll():
+                self._poll(schedule)
+        except BaseException as e:
+            self.stop(schedule, e)
 
     def _park(self, job: _Job) -> _State:
         """Keep ``job`` (and its local lock) until another machine's compile of it is done."""

@@ -462,6 +462,76 @@ def test_a_second_ctrl_c_while_compile_many_joins_leaves_no_lock_held(
     assert report["results after it raised"] == 0
 
 
+class WaitsFor(ToyCompiler):
+    """The toy compiler; a compile first waits (30 s at most) for ``event``, and
+    notes whether it came."""
+
+    def __init__(self, calls_file: Path, event: threading.Event) -> None:
+        super().__init__(calls_file)
+        self.event = event
+        self.started = threading.Event()
+        self.came: bool | None = None
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        self.started.set()
+        self.came = self.event.wait(30)
+        super().compile(request, workdir)
+
+
+def test_a_key_parked_for_another_machine_is_taken_while_every_thread_compiles(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machine b parks a key machine a compiles, and its one thread compiles
+    another: once a stores the key, b takes it (and lets go of its local lock,
+    which b's other processes wait on) while that compile still runs.  (It
+    waited for the compile: nobody looked at the remote meanwhile.)"""
+    from types import SimpleNamespace
+
+    from opcache import shared_work
+    from opcache.locks import KeyLock
+
+    parked, delivered = threading.Event(), threading.Event()
+    real_park = shared_work._Batch._park
+
+    def park(batch: shared_work._Batch, job: shared_work._Job) -> str:
+        state = real_park(batch, job)
+        parked.set()
+        return state
+
+    monkeypatch.setattr(shared_work._Batch, "_park", park)
+    # The requests in their order: b takes the parked key first.
+    keep_order = SimpleNamespace(Random=lambda: SimpleNamespace(shuffle=lambda jobs: None))
+    monkeypatch.setattr(shared_work, "random", keep_order)
+    requests = [make_request(0), make_request(1)]
+    a_compiler = WaitsFor(tmp_path / "calls", parked)  # (stores once b parked it)
+    b_compiler = WaitsFor(tmp_path / "calls", delivered)
+    a_settings = make_settings(tmp_path / "a", tmp_path, remote={"url": redis_url})
+    b_settings = make_settings(tmp_path / "b", tmp_path, remote={"url": redis_url})
+    lock_free: list[bool] = []
+
+    def b_result(index: int, result: opcache.CompileResult) -> None:
+        if index == 0:
+            path = b_settings.root / ".opcache" / "locks" / requests[0].soc_version / result.key
+            lock = KeyLock(path)
+            lock_free.append(lock.try_acquire())
+            lock.release()
+            delivered.set()
+
+    with opcache.OpCache(a_settings) as a, opcache.OpCache(b_settings) as b:
+        machine_a = threading.Thread(
+            target=a.compile_many, args=(requests[:1], a_compiler, [tmp_path / "oa"])
+        )
+        machine_a.start()
+        assert a_compiler.started.wait(30)  # a has claimed the key
+        results = b.compile_many(
+            requests, b_compiler, [tmp_path / "ob0", tmp_path / "ob1"], jobs=1, on_result=b_result
+        )
+        machine_a.join()
+    assert b_compiler.came  # while b compiled the other key, not after
+    assert lock_free == [True]
+    assert [(r.status, r.tier) for r in results] == [("hit", "remote"), ("miss", "")]
+
+
 def test_a_request_whose_folder_fails_does_not_fail_the_others_of_its_key(
     tmp_path: Path,
 ) -> None:
