@@ -373,10 +373,12 @@ class KeyFlow:
                 entry, claim = self.remote.claim_or_wait(soc, key)
                 if entry is not None:
                     return Filled(entry, "remote")
-            if lock and lock.waited and not lock.inherited:
-                # Its compile failed (or could not be stored): compile here, but
-                # let the other waiters do the same at once instead of one after
-                # another.  (Its holder died instead: one compile, the lock kept.)
+            failed_before = claim is not None and claim.failed_before
+            if lock and ((lock.waited and not lock.inherited) or failed_before):
+                # Its compile failed (or could not be stored), here or on another
+                # machine: compile here, but let the other waiters do the same at
+                # once instead of one after another.  (Its holder died instead:
+                # one compile, the lock kept.)
                 lock.release()
             files, note, stored, artifacts = self._compile_and_keep(
                 request, compiler, key, inputs, out, claim, next_out

@@ -296,14 +296,16 @@ def _failing_machine(spec: dict) -> None:
 
 
 @pytest.mark.parametrize("api", ["compile", "compile_many"])
+@pytest.mark.parametrize("machines", [("a", "b", "c"), ("a", "a", "b", "b")])
 def test_the_machines_waiting_for_a_compile_that_fails_compile_it_side_by_side(
-    tmp_path: Path, redis_url: str, api: str
+    tmp_path: Path, redis_url: str, api: str, machines: tuple[str, ...]
 ) -> None:
-    """Three machines want a key whose compile fails: one compiles it while the
-    others wait, then those two compile it at once, side by side, as the ranks
-    waiting on a local lock do.  (The claim deleted at the failure, the next
-    machine claimed the key and the last waited for that one's failure too: one
-    after another.)"""
+    """Ranks of several machines want a key whose compile fails: one compiles it
+    while the others wait, then all of those compile it at once, side by side,
+    as the ranks waiting on a local lock do.  (The claim deleted at the failure,
+    the next machine claimed the key and the last waited for that one's failure
+    too: one after another.  And a rank that waited for the remote kept its
+    machine's lock through its own compile: the machine's other ranks after it.)"""
     specs = [
         {
             "tmp": str(tmp_path),
@@ -311,21 +313,21 @@ def test_the_machines_waiting_for_a_compile_that_fails_compile_it_side_by_side(
             "url": redis_url,
             "api": api,
             "sleep": 1.5,
-            "result": str(tmp_path / f"{name}.json"),
+            "result": str(tmp_path / f"{n}.json"),
         }
-        for name in ("a", "b", "c")
+        for n, name in enumerate(machines)
     ]
     procs = [MP.Process(target=_failing_machine, args=(spec,)) for spec in specs]
     for proc in procs:
         proc.start()
     (tmp_path / "go").touch()
     reports = _joined(procs, specs)
-    assert [report["status"] for report in reports] == ["error"] * 3
+    assert [report["status"] for report in reports] == ["error"] * len(specs)
     spans: dict[str, list[float]] = {}
     for line in (tmp_path / "calls").read_text(encoding="utf-8").splitlines():
         pid, _, when = line.split()
         spans.setdefault(pid, []).append(float(when))
-    assert len(spans) == 3 and all(len(span) == 2 for span in spans.values()), spans
+    assert len(spans) == len(specs) and all(len(span) == 2 for span in spans.values()), spans
     first, *others = sorted(spans.values())
     assert all(start >= first[1] for start, _ in others), spans  # they waited for it
     assert all(start < end for start, _ in others for _, end in others), spans  # side by side
