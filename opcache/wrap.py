@@ -1850,7 +1850,7 @@ class HeaderMemo:
         reads = {source: source_data, **contents}
         absent, present, passed, twins, known = _negative_lookups(found, reads, forced)
         for path in present:
-            with contextlib.suppress(OSError):  # (then it is no regular file: as gcc sees it)
+            with contextlib.suppress(OSError):  # (gone or unreadable since: as gcc then finds it)
                 if path not in contents:
                     contents[path], st = fsutil.read_input_stat(path)
                     seen[path] = _identity(st)
