@@ -769,8 +769,11 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     return plan
 
 
-def _extra_files(env: Mapping[str, str]) -> list[list[object]] | None:
-    """The files ``OPCACHE_EXTRA_FILES`` names (a folder: every file in it), with their digests."""
+def _extra_files(
+    env: Mapping[str, str], seen: dict[str, tuple[int, ...]] | None = None
+) -> list[list[object]] | None:
+    """The files ``OPCACHE_EXTRA_FILES`` names (a folder: every file in it), with their
+    digests; ``seen`` takes each one's ``_identity`` as read."""
     spec = env.get(ENV_EXTRA_FILES)
     if spec is None:
         return None
@@ -787,7 +790,9 @@ def _extra_files(env: Mapping[str, str]) -> list[list[object]] | None:
         if not paths:
             found.append([pattern, "no match"])
         for path in paths:
-            data = _read(path)
+            data, identity = _read_seen(path)
+            if seen is not None:
+                seen[path] = identity
             found.append([path, len(data), digest(data)])
     return found
 
@@ -1033,6 +1038,8 @@ def _op_compiler_flags(args: Sequence[str]) -> dict[str, tuple[str | None, list[
 
 
 def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Settings) -> Plan:
+    import time
+
     from .compilers.cann import custom_opp_digest, find_toolkit, toolkit_fingerprint
 
     given = _op_compiler_flags(argv[1:])
@@ -1043,22 +1050,30 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
     params = Path(flags["op_params_dir"] or "")
     if not params.is_dir():
         raise Uncacheable(f"op_compiler: {params} is not a folder")
-    op_info = _op_info(params)
+    # Before any file of the key is read: one written since (a generator's FORCE rule
+    # truncating it and writing the same bytes) may have been read empty by
+    # op_compiler, though its bytes are the same again when settled() looks.
+    started = time.time_ns()
+    info_seen: dict[str, tuple[int, ...]] = {}
+    op_info = _op_info(params, info_seen)
     tool = _which(argv[0], env)
     home, found, _ = find_toolkit(env, "op_compiler")
     if found is None or os.path.realpath(found) != os.path.realpath(tool):
         home = Path(os.path.realpath(tool)).parent.parent  # <toolkit>/bin/op_compiler
     keyed = {n: v for n, v in flags.items() if n not in _OP_COMPILER_UNKEYED}
     user_env = [n for n in re.split(r"[\s,:]+", env.get(ENV_KEY_ENV, "")) if n]
+    custom_stats: dict[str, os.stat_result] = {}
     attrs: dict[str, object] = {
         "flags": sorted(keyed.items()),
         "op_info": op_info,
         # What its operators' implementations read: the environment opc's key holds,
         # and the custom operator packages (their tiling libraries, their sources).
         "env": repr([[n, env.get(n)] for n in (*OPC_KEY_ENVIRONMENT, *user_env)]),
-        "custom_opp": custom_opp_digest(env, home) or "none",
+        "custom_opp": custom_opp_digest(env, home, custom_stats) or "none",
     }
-    extra = _extra_files(env)
+    custom_seen = {path: _identity(st) for path, st in custom_stats.items()}
+    extra_seen: dict[str, tuple[int, ...]] = {}
+    extra = _extra_files(env, extra_seen)
     if extra is not None:
         attrs["extra_files"] = extra
     try:
@@ -1078,13 +1093,17 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
 
     def settled() -> str | None:
         """What of the key changed while it ran: the op-info, the custom packages,
-        the extra files (an install or an edit meanwhile)."""
+        the extra files (an install or an edit meanwhile, the same bytes or others).
+        The files are walked and read again too: a file added is no file read."""
         try:
-            if _op_info(params) != op_info:
+            if not _unchanged_since(info_seen, started) or _op_info(params) != op_info:
                 return f"op_compiler: {params} changed while it ran"
-            if (custom_opp_digest(env, home) or "none") != attrs["custom_opp"]:
+            if (
+                not _unchanged_since(custom_seen, started)
+                or (custom_opp_digest(env, home) or "none") != attrs["custom_opp"]
+            ):
                 return "op_compiler: a custom operator package changed while it ran"
-            if _extra_files(env) != extra:
+            if not _unchanged_since(extra_seen, started) or _extra_files(env) != extra:
                 return f"op_compiler: a file of {ENV_EXTRA_FILES} changed while it ran"
         except (Uncacheable, OSError) as e:
             return f"op_compiler: what it read cannot be read again ({e})"
@@ -1101,10 +1120,11 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
     )
 
 
-def _op_info(params: Path) -> list[list[object]]:
+def _op_info(params: Path, seen: dict[str, tuple[int, ...]] | None = None) -> list[list[object]]:
     """Every op-info file under ``params``, by name and contents (the names are the op
-    list's order).  Uncacheable for anything else there that op_compiler may read
-    and the key could not hold: a link to a folder, a FIFO, a device, a dangling link."""
+    list's order); ``seen`` takes each one's ``_identity`` as read.  Uncacheable for
+    anything else there that op_compiler may read and the key could not hold: a link
+    to a folder, a FIFO, a device, a dangling link."""
     found: list[list[object]] = []
     for top, folders, files in os.walk(params):
         folders.sort()
@@ -1112,7 +1132,9 @@ def _op_info(params: Path) -> list[list[object]]:
             path = os.path.join(top, name)
             if not os.path.isfile(path):  # (a link to a file is keyed by its contents)
                 raise Uncacheable(f"op_compiler: {path} is not a file (a link to a folder?)")
-            data = _read(path)
+            data, identity = _read_seen(path)
+            if seen is not None:
+                seen[path] = identity
             found.append([os.path.relpath(path, params), len(data), digest(data)])
     return found
 

@@ -11,7 +11,9 @@ and on stderr, and appends one JSON line per invocation (its arguments) to
 ``$FAKE_OP_COMPILER_LOG``; ``FAKE_OP_COMPILER_FAIL`` makes it fail with that message
 (written into ``op_compiler_error.log`` in ``-o`` too),
 ``FAKE_OP_COMPILER_SUBDIR`` write ``kernel_meta/k.o`` beside the package, and
-``FAKE_OP_COMPILER_EDIT`` append a line to that file once it has read the op-info.
+``FAKE_OP_COMPILER_EDIT`` append a line to that file once it has read the op-info,
+and ``FAKE_OP_COMPILER_REWRITE`` empty that file before it reads the op-info and
+write its bytes back after (a generator's ``FORCE`` rule, while it runs).
 Files under ``$ASCEND_CUSTOM_OPP_PATH`` join the package's digest, as a custom
 operator's implementation would.
 """
@@ -71,6 +73,11 @@ if os.environ.get("FAKE_OP_COMPILER_FAIL"):
     with open(os.path.join(flags["output"], "op_compiler_error.log"), "w") as f:
         f.write(os.environ["FAKE_OP_COMPILER_FAIL"] + "\n")
     die(os.environ["FAKE_OP_COMPILER_FAIL"])
+rewritten = os.environ.get("FAKE_OP_COMPILER_REWRITE")
+if rewritten:  # (truncated, read empty, then the same bytes again)
+    with open(rewritten, "rb") as f:
+        saved = f.read()
+    open(rewritten, "wb").close()
 ops = sorted(n for n in os.listdir(flags["op_params_dir"]) if n.endswith(".json"))
 h = hashlib.sha256()
 for name in ops:
@@ -81,6 +88,9 @@ for folder in filter(None, os.environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(":
         for name in sorted(files):
             with open(os.path.join(top, name), "rb") as f:
                 h.update(f.read())
+if rewritten:
+    with open(rewritten, "wb") as f:
+        f.write(saved)
 for name in ("soc_version", "enable_super_kernel", "super_kernel_options", "follow_op_params_jit"):
     h.update(f"{name}={flags.get(name)}\0".encode())
 stamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S%f")

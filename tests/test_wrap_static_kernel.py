@@ -261,6 +261,29 @@ def test_an_op_info_file_changed_while_it_runs_is_not_stored(toolkit, tmp_path):
     assert any("changed while it ran" in r for r in _uncacheable(toolkit, tmp_path))
 
 
+@pytest.mark.parametrize("which", ["op-info", "custom package", "extra file"])
+def test_a_file_rewritten_with_the_same_bytes_while_it_runs_is_not_stored(toolkit, tmp_path, which):
+    """A generator's FORCE rule truncates a file of the key and writes its bytes again
+    while op_compiler runs: it read the file empty, and the package was stored under
+    the full file's key (settled() compared the contents alone) and served."""
+    package = tmp_path / "custom" / "mine"
+    (package / "op_impl").mkdir(parents=True)
+    (package / "op_impl" / "my_add.py").write_text("def my_add(): pass\n")
+    extra = tmp_path / "tiling.cfg"
+    extra.write_text("tile=8\n")
+    env = {**toolkit, "ASCEND_CUSTOM_OPP_PATH": str(package), "OPCACHE_EXTRA_FILES": str(extra)}
+    first = job(tmp_path, 1)
+    [info] = first.ops.iterdir()
+    rewritten = {"op-info": info, "custom package": package / "op_impl" / "my_add.py"}
+    rewritten["extra file"] = extra
+    before = rewritten[which].read_bytes()
+    wrap({**env, "FAKE_OP_COMPILER_REWRITE": str(rewritten[which])}, first.argv(), tmp_path)
+    assert rewritten[which].read_bytes() == before and first.runs()  # (delivered)
+    wrap(env, job(tmp_path, 2).argv(), tmp_path)
+    assert compiles(toolkit) == 2  # nothing was stored of the compile of the empty file
+    assert any("changed while it ran" in r for r in _uncacheable(toolkit, tmp_path))
+
+
 def test_a_link_to_a_folder_among_the_op_info_runs_uncached(toolkit, tmp_path):
     """A folder op_compiler may read through a link was left out of the key."""
     shared = tmp_path / "shared"

@@ -197,9 +197,14 @@ MAX_PACKAGE_FILES = 100_000
 _MAX_PACKAGE_BYTES = 4 << 30
 
 
-def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> str | None:
+def custom_opp_digest(
+    environ: Mapping[str, str],
+    home: Path | None = None,
+    stats: dict[str, os.stat_result] | None = None,
+) -> str | None:
     """Digest of the custom operator packages' files (each one's path in its package
-    folder and contents, through links), or None when there is none.
+    folder and contents, through links), or None when there is none; ``stats`` takes
+    the fstat of each file read, taken as it was read.
 
     CANN names a custom operator's kernel by the operator's description, not its
     implementation: two machines' kernels are the same only with the same packages.
@@ -229,14 +234,16 @@ def custom_opp_digest(environ: Mapping[str, str], home: Path | None = None) -> s
                 if len(lines) >= MAX_PACKAGE_FILES:
                     raise OSError(f"the custom operator packages hold over {len(lines)} files")
                 path = os.path.join(top, name)
-                lines.append(f"{place}/{os.path.relpath(path, folder)}\0{_contents(path, budget)}")
+                contents = _contents(path, budget, stats)
+                lines.append(f"{place}/{os.path.relpath(path, folder)}\0{contents}")
     return digest("\n".join(lines).encode()) if lines else None
 
 
-def _contents(path: str, budget: list[int]) -> str:
+def _contents(path: str, budget: list[int], stats: dict[str, os.stat_result] | None = None) -> str:
     """The XXH3 of a regular file's bytes, read as its size says (a FIFO, a device or
     a /proc file that never ends is not read through), or what kept it from being
-    read; OSError once ``budget`` bytes in all are spent."""
+    read; OSError once ``budget`` bytes in all are spent.  ``stats`` takes the
+    fstat of a file read."""
     import xxhash
 
     try:
@@ -252,6 +259,8 @@ def _contents(path: str, budget: list[int]) -> str:
         budget[0] -= st.st_size
         if budget[0] < 0:
             raise OSError(f"the custom operator packages hold over {_MAX_PACKAGE_BYTES} bytes")
+        if stats is not None:
+            stats[path] = st
         hasher, left = xxhash.xxh3_128(), st.st_size + 1
         try:
             while left > 0:
