@@ -28,6 +28,8 @@ from .storage.local import Workdir, new_build_folder, remove_abandoned
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
+    from typing import TypeVar
+
     from .chips import ChipFolders
     from .compilers.protocol import Compiler
     from .remote_tier import RemoteTier
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 
     # Given why no build folder could be made in an out_dir: another to compile into, or None.
     NextOut = Callable[[OSError], Path | None]
+    _T = TypeVar("_T")
 
 log = get_logger(__name__)
 
@@ -63,8 +66,9 @@ _make_out_first = False
 _files_there = False
 # Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>, locked while they run.
 _BUILD_LABEL = ".opcache-build"
-# Tries to make a build folder in an out_dir that vanishes meanwhile: each compile
-# failing into it removes the out folder it made, which another just found there.
+# Tries to make a build folder, or a hit's file, in an out_dir that vanishes
+# meanwhile: each compile failing into it removes the out folder it made, which
+# another just found there.
 _OUT_TRIES = 8
 # The pathlib of 3.10 and 3.11 parses a name joined to a path again, in Python (a
 # tenth of delivering a 4 KB hit); its own maker of the children it lists takes
@@ -545,9 +549,9 @@ def _open_own(out: Path, path: str) -> tuple[int, int] | None:
                 # A file made now is ours, plain and empty: nothing to check.
                 return os.open(path, _NEW_FLAGS, 0o666), 0
         except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
-            out.mkdir(parents=True, exist_ok=True)
+            fd = _made_again_if_it_vanishes(lambda: _new_file_in(out, path))
             _make_out_first, _files_there = True, False
-            return os.open(path, _NEW_FLAGS, 0o666), 0
+            return fd, 0
         except FileExistsError:
             fd = os.open(path, _OUT_FLAGS, 0o666)
             _files_there = True
@@ -566,10 +570,16 @@ def _open_own(out: Path, path: str) -> tuple[int, int] | None:
     return None
 
 
+def _new_file_in(out: Path, path: str) -> int:
+    """``path``, a file of ``out`` (made where it is missing), made now, open for writing."""
+    out.mkdir(parents=True, exist_ok=True)
+    return os.open(path, _NEW_FLAGS, 0o666)
+
+
 def _replace_into(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
     """Put ``files`` into ``out`` as a miss puts its compile's: written in a build
     folder of its own, then moved in (``_move_out``)."""
-    build = new_build_folder(out, _BUILD_LABEL, 0o700)
+    build, _ = _build_folder_in(out)
     try:
         for name, data in files.items():
             with open(os.open(name, _NEW_FLAGS, 0o666, dir_fd=build.fd), "wb") as f:
@@ -635,16 +645,28 @@ def _build_folder_in(out: Path) -> tuple[Workdir, list[Path]]:
     """A new build folder in ``out``, and the folders made for it (``out`` and its
     parents that were missing, deepest first)."""
     made: list[Path] = []
+
+    def make() -> Workdir:
+        missing = _missing_folders(out)
+        if missing:
+            out.mkdir(parents=True, exist_ok=True)
+            if len(missing) > len(made):
+                made[:] = missing
+        else:
+            remove_abandoned(out, time.time(), _BUILD_LABEL)
+        return new_build_folder(out, _BUILD_LABEL, 0o700)
+
+    return _made_again_if_it_vanishes(make), made
+
+
+def _made_again_if_it_vanishes(make: Callable[[], _T]) -> _T:
+    """``make()``, which makes an out folder where it is missing and then something
+    in it; tried again, a bounded number of times, where the folder vanished
+    meanwhile (FileNotFoundError)."""
     tries = _OUT_TRIES
     while True:
-        missing = _missing_folders(out)
         try:
-            if missing:
-                out.mkdir(parents=True, exist_ok=True)
-                made = max(made, missing, key=len)
-            else:
-                remove_abandoned(out, time.time(), _BUILD_LABEL)
-            return new_build_folder(out, _BUILD_LABEL, 0o700), made
+            return make()
         except FileNotFoundError:
             # A failed compile into the same out_dir removed the folder it had
             # made, the moment this one found it there (or made it too).

@@ -206,6 +206,91 @@ def test_a_failed_compile_removing_the_out_dir_it_made_does_not_fail_another_int
     assert read_dir(out) == expected_files(request)
 
 
+def test_a_failed_compile_removing_the_out_dir_it_made_does_not_fail_a_hit_into_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing compile finds a new out_dir missing; a hit into it finds it missing
+    too and makes it; the failure removes it (it made it too, as far as it knows)
+    before the hit opens its files there.  (The hit failed with FileNotFoundError.)"""
+    out = tmp_path / "new" / "out"
+    hit, failing = make_request(0), make_request(1)
+    looked, made, removed = threading.Event(), threading.Event(), threading.Event()
+    real_missing, real_mkdir, real_rmdir = flow._missing_folders, Path.mkdir, Path.rmdir
+    hitting = threading.get_ident()
+
+    def missing_folders(folder: Path) -> list[Path]:
+        found = real_missing(folder)
+        if threading.get_ident() != hitting and not looked.is_set():
+            looked.set()
+            made.wait(30)  # (then it makes the folder too, finding it there)
+        return found
+
+    def mkdir(folder: Path, *args: object, **kwargs: object) -> None:
+        real_mkdir(folder, *args, **kwargs)
+        if folder == out and threading.get_ident() == hitting and not made.is_set():
+            made.set()
+            removed.wait(30)
+
+    def rmdir(folder: Path) -> None:
+        real_rmdir(folder)
+        if folder == out:
+            removed.set()
+
+    errors: list[BaseException] = []
+
+    def fail(cache: opcache.OpCache) -> None:
+        try:
+            cache.compile(failing, ToyCompiler(tmp_path / "calls", fail=True), out)
+        except BaseException as e:  # (the thread's, for the test to see)
+            errors.append(e)
+
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        assert cache.compile(hit, compiler, tmp_path / "first").status == "miss"
+        monkeypatch.setattr(flow, "_missing_folders", missing_folders)
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        monkeypatch.setattr(Path, "rmdir", rmdir)
+        neighbour = threading.Thread(target=fail, args=(cache,))
+        neighbour.start()
+        try:
+            assert looked.wait(30)
+            result = cache.compile(hit, compiler, out)
+        finally:
+            made.set()  # (a neighbour still waiting goes on)
+            neighbour.join(30)
+    assert removed.is_set()  # the race's window was opened
+    assert [type(e) for e in errors] == [opcache.CompileError]
+    assert result.status == "hit"
+    assert read_dir(out) == expected_files(hit)
+
+
+def test_a_hit_replacing_a_link_in_an_out_dir_that_vanishes_makes_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit's file whose name holds a link is written in a build folder of its own
+    and moved in; the link's owner removes it and a failing compile into the
+    out_dir the folder it made, just before that build folder is made there.
+    (The hit failed with FileNotFoundError.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kernel.o").symlink_to(tmp_path / "elsewhere")
+    real_build = flow.new_build_folder
+    vanished: list[Path] = []
+
+    def new_build_folder(parent: Path, *args: object) -> object:
+        if parent == out and not vanished:
+            (out / "kernel.o").unlink()
+            out.rmdir()
+            vanished.append(out)
+        return real_build(parent, *args)
+
+    monkeypatch.setattr(flow, "new_build_folder", new_build_folder)
+    assert flow.deliver(out, {"kernel.o": b"new"}) == {"kernel.o": out / "kernel.o"}
+    assert vanished  # the race's window was opened
+    assert read_dir(out) == {"kernel.o": b"new"}
+    assert not build_folders(out)
+
+
 _HALF_WRITTEN = r"""
 import os, resource, signal, sys
 from pathlib import Path
