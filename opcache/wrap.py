@@ -1178,6 +1178,16 @@ _CC_UNLISTED_READS += ("-fbasic-block-sections=list=",)
 _CC_RECORDS_ITS_COMMAND = ("-frecord-command-line", "-grecord-command-line")
 # (clang's spellings of them; gcc's own records its switches without -o: kept)
 _CLANG_RECORDS_ITS_COMMAND = ("-frecord-gcc-switches", "-grecord-gcc-switches")
+# clang's switches between its own assembler and an external one (the last given
+# counts).  The external one is the first <triple>-as or as in its program folders,
+# then on PATH, for the target its flags give: more names and places than the key
+# can hold, so such a compile runs uncached.
+_CLANG_INTEGRATED_AS = {
+    "-fintegrated-as": True,
+    "-integrated-as": True,
+    "-fno-integrated-as": False,
+    "-no-integrated-as": False,
+}
 _CC_NOT_A_COMPILE = {"-E": "preprocess only", "-S": "assembly output", "-M": "dependencies only"}
 _CC_NOT_A_COMPILE |= {"-MM": "dependencies only", "-fsyntax-only": "no output"}
 # The flags of CANN's device compilers (bisheng, ccec), keyed and passed as
@@ -1333,9 +1343,16 @@ def _plan_cc(
     lto = lto and not config_folders
     # (gcc takes <place>.gch, clang <place>.pch first: a clang has config folders)
     pch_suffixes = (".gch", ".pch") if config_folders else (".gch",)
+    integrated_as = True
     for arg in args:
         if config_folders and arg in _CLANG_RECORDS_ITS_COMMAND:
             raise Uncacheable(f"cc: {arg} writes the compile's own command line into the object")
+        integrated_as = _CLANG_INTEGRATED_AS.get(arg, integrated_as)
+    if config_folders and not integrated_as:
+        raise Uncacheable(
+            "cc: clang runs an external assembler (-fno-integrated-as), looked for in places"
+            " and by names the key does not hold"
+        )
     if config_folders:
         # clang takes C++ headers and start files from the newest GCC it finds: one
         # installed beside it later is another header list (direct mode's memo is

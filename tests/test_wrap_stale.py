@@ -570,6 +570,39 @@ def test_an_assembler_installed_in_the_compilers_own_prefix_is_used(env, src, tm
     assert (src / "k.o").read_bytes().endswith(b"tail")
 
 
+@pytest.mark.parametrize("placed", ["as first on PATH", "<triple>-as last on PATH"])
+def test_clang_with_an_external_assembler_gives_the_object_of_the_one_it_runs(
+    env, src, tmp_path, placed
+):
+    # clang -fno-integrated-as runs the first of <triple>-as and as it finds in its
+    # program folders, then on PATH: an as put earlier on PATH, or a <triple>-as
+    # anywhere on it, is the one it runs (a module's binutils, a cross toolchain's).
+    clang = shutil.which("clang")
+    if clang is None:
+        pytest.skip("clang is needed (Debian: apt-get install clang)")
+    real_as = shutil.which("as", path=env["PATH"])
+    assert real_as is not None
+    tools = tmp_path / "newbin"
+    # (run from its own binary's folder, as Debian's /usr/lib/llvm-14/bin, which has no as)
+    env["PATH"] = f"{tools}:{Path(os.path.realpath(clang)).parent}:{env['PATH']}"
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    args = ["-O2", "-fno-integrated-as", "-c", "k.c"]
+    for external in ("-fno-integrated-as", "-no-integrated-as"):
+        same_as_gcc(src, env, "-O2", "-fintegrated-as", external, "-c", "k.c", cc="clang")
+        same_as_gcc(src, env, *args, cc="clang")
+    if placed == "as first on PATH":
+        tailing_assembler(tools, real_as)
+    else:
+        triple = subprocess.run(
+            ["clang", "-dumpmachine"], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        (tmp_path / "last").mkdir()
+        tailing_assembler(tools, real_as).joinpath("as").rename(tmp_path / "last" / f"{triple}-as")
+        env["PATH"] += f":{tmp_path / 'last'}"
+    same_as_gcc(src, env, *args, cc="clang")
+    assert (src / "k.o").read_bytes().endswith(b"tail")
+
+
 # -- review 2, finding 4: -x after the source ---------------------------------------
 
 
