@@ -683,14 +683,21 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     if not soc:
         raise Uncacheable("opc: no --soc_version")
     source = positional[0]
-    sources = {os.path.basename(source): _read(source)}
+    import time
+
+    # Before any file of the key is read: one written since (a generator truncating
+    # it and writing the same bytes) may have been read half written by opc.
+    started = time.time_ns()
+    seen: dict[str, tuple[int, ...]] = {}
+    source_data, seen[source] = _read_seen(source)
+    sources = {os.path.basename(source): source_data}
     op_type, op_name = "opc", ""
     key_flags = []
     for name, value in flags:
         if name in _OPC_NAMED_FLAGS:
             continue
         if value is not None and os.path.isfile(value):
-            data = _read(value)
+            data, seen[value] = _read_seen(value)
             key_flags.append([name, "file", json.dumps(len(data)), digest(data)])
             if name == "input_param":
                 op_type, op_name = _opc_names(data, values.get("main_func"))
@@ -698,7 +705,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
             key_flags.append([name, "value", value])
     output_dir = Path(os.path.abspath(values.get("output") or "."))
     user_env = [n for n in re.split(r"[\s,:]+", env.get(ENV_KEY_ENV, "")) if n]
-    extra = _extra_files(env)
+    extra = _extra_files(env, seen)
     attrs: dict[str, object] = {
         "flags": key_flags,
         # repr: text even for bytes of no encoding (os.environ's surrogates)
@@ -757,6 +764,17 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
             out.append(f"--{name}" if value is None else f"--{name}={value}")
         return [*out, f"--output={workdir}"]
 
+    def settled() -> str | None:
+        """Whether a file of the key changed while opc ran (the same bytes or others), or
+        one was added where ``OPCACHE_EXTRA_FILES`` names a folder or a pattern.
+        (A traced compile's other reads are the read set's to judge.)"""
+        try:
+            if _unchanged_since(seen, started) and _extra_files(env) == extra:
+                return None
+        except (Uncacheable, OSError):
+            pass
+        return "opc: a file it read changed while it ran"
+
     plan = Plan(
         request=request,
         fingerprint=fingerprint,
@@ -765,6 +783,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
         debug_level=values.get("op_debug_level"),
         debug_config=values.get("op_debug_config"),
         trace=trace,
+        settled=settled,
     )
     return plan
 

@@ -43,8 +43,16 @@ with open(os.environ["FAKE_OPC_LOG"], "a") as f:
 sys.path.insert(0, os.path.dirname(os.path.abspath(source)))
 spec = importlib.util.spec_from_file_location("op", source)
 op = importlib.util.module_from_spec(spec)
+rewritten = os.environ.get("STAND_IN_REWRITE")
+if rewritten:  # (truncated while it runs, read empty, then the same bytes again)
+    with open(rewritten, "rb") as f:
+        saved = f.read()
+    open(rewritten, "wb").close()
 spec.loader.exec_module(op)
 data = getattr(op, flags["main_func"])()
+if rewritten:
+    with open(rewritten, "wb") as f:
+        f.write(saved)
 os.makedirs(flags["output"], exist_ok=True)
 with open(os.path.join(flags["output"], "k.o"), "wb") as f:
     f.write(data)
@@ -281,6 +289,25 @@ def test_without_strace_the_listed_extra_inputs_join_the_key(tmp_path, case):
     env["SOME_SETTING"] = "x"
     compile_into(env, root, "out4")
     assert runs(env) == 3
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_a_file_rewritten_with_the_same_bytes_while_opc_runs_is_not_stored(tmp_path, traced):
+    """A generator truncating the kernel and writing the same bytes again while opc
+    runs: opc read it empty, and that object is not kept under the key of the
+    kernel's bytes, traced or listed in OPCACHE_EXTRA_FILES."""
+    if traced and shutil.which("strace") is None:
+        pytest.skip("strace is needed to trace opc (CI installs it)")
+    env, root = project(tmp_path)
+    if not traced:
+        env["OPCACHE_TRACE"] = "off"
+        env["OPCACHE_EXTRA_FILES"] = os.pathsep.join(
+            str(p) for p in (root / "kernel", root / "opp" / "*.txt", root / "op" / "*.py")
+        )
+    rewriting = {**env, "STAND_IN_REWRITE": str(root / "kernel" / "k.cpp")}
+    compile_into(rewriting, root, "out1")
+    assert compile_into(env, root, "out2") == fresh(env, root, "opc", ARGS)
+    assert runs(env) == 2
 
 
 @needs_strace
