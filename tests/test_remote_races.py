@@ -97,17 +97,7 @@ def test_machines_parking_keys_for_each_other_never_hang(tmp_path: Path, redis_u
     procs = [MP.Process(target=_rounds, args=(spec,)) for spec in specs]
     for proc in procs:
         proc.start()
-    hung = []
-    for proc, spec in zip(procs, specs, strict=True):
-        proc.join(_HUNG)
-        if proc.is_alive():
-            hung.append(spec["name"])
-            proc.kill()
-            proc.join()
-    assert not hung, f"compile_many hung on machine(s) {hung}"
-    for spec in specs:
-        report = read_json(spec["result"])
-        assert report["error"] is None, report["error"]
+    for report in _joined(procs, specs):
         assert report["bad"] == []
 
 

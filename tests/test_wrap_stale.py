@@ -328,20 +328,30 @@ def test_time_is_uncacheable_with_a_compiler_that_may_ignore_the_epoch(env, src,
     assert stats(env)["uncacheable_reasons"] == {reason: 2}
 
 
-def gcc_writing_while_it_runs(tmp_path: Path, env: dict, header: Path) -> dict:
-    """``env`` with a gcc first on PATH that writes ``#define Q 9`` into ``header``
-    during its first compile (as a generator racing the build would)."""
+def gcc_doing_once(
+    tmp_path: Path, env: dict, flag: str, before: str = ":", after: str = ":"
+) -> dict:
+    """``env`` with a gcc first on PATH that, in its first run with ``flag`` (``-c``:
+    the compile; ``-M``: opcache's listing of the headers), runs the shell commands
+    ``before`` and ``after`` around it, as a generator racing the build would (and
+    leaves ``tmp_path/once``)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    once = tmp_path / "written"
+    once = tmp_path / "once"
     (bin_dir / "gcc").write_text(
         "#!/bin/sh\n"
-        f'case " $* " in *" -c "*) [ -e {once} ] || {{ touch {once}; '
-        f"echo '#define Q 9' > {header}; }};; esac\n"
+        f'case " $* " in *" {flag} "*) [ -e {once} ] || {{ touch {once}; {before}; '
+        f'{GCC} "$@"; status=$?; {after}; exit $status; }};; esac\n'
         f'exec {GCC} "$@"\n'
     )
     (bin_dir / "gcc").chmod(0o755)
     return {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+
+
+def gcc_writing_while_it_runs(tmp_path: Path, env: dict, header: Path) -> dict:
+    """``env`` with a gcc that writes ``#define Q 9`` into ``header`` as its first
+    compile begins."""
+    return gcc_doing_once(tmp_path, env, "-c", before=f"echo '#define Q 9' > {header}")
 
 
 def test_a_header_changed_while_the_compiler_runs_is_not_stored(env, src, tmp_path):
@@ -376,22 +386,13 @@ def test_a_header_rewritten_with_the_same_bytes_while_the_compiler_runs_is_not_s
 ):
     # A generator's FORCE rule truncates q.h and writes the same bytes again while gcc
     # compiles: gcc read it empty, and q.h holds the bytes opcache keyed once it is done.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    once = tmp_path / "rewritten"
     header = src / "q.h"
-    (bin_dir / "gcc").write_text(
-        "#!/bin/sh\n"
-        f'case " $* " in *" -c "*) [ -e {once} ] || {{ touch {once}; saved=$(cat {header}); '
-        f': > {header}; {GCC} "$@"; status=$?; echo "$saved" > {header}; exit $status; }};; esac\n'
-        f'exec {GCC} "$@"\n'
-    )
-    (bin_dir / "gcc").chmod(0o755)
-    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    rewrite = f"saved=$(cat {header}); : > {header}"
+    env = gcc_doing_once(tmp_path, env, "-c", before=rewrite, after=f'echo "$saved" > {header}')
     (src / "k.c").write_text('#include "q.h"\n#ifndef Q\n#define Q 5\n#endif\nint v = Q;\n')
     header.write_text("#define Q 1\n")
     wrap("gcc", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
-    assert once.exists()
+    assert (tmp_path / "once").exists()
     same_as_gcc(src, env, "-O2", "-c", "k.c")
     reason = "cc: a file it read changed during the compile"
     assert stats(env)["uncacheable_reasons"] == {reason: 1}
@@ -401,22 +402,12 @@ def test_a_header_edited_after_cc_m_listed_the_headers_is_not_remembered(env, sr
     # q.h starts including new.h just after opcache's cc -M read it: the list cc -M
     # gave has no new.h, and q.h's digest is the new one's.  Remembered, an edit of
     # new.h hit the object of its first contents.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    once = tmp_path / "edited"
-    (bin_dir / "gcc").write_text(
-        "#!/bin/sh\n"
-        f'case " $* " in *" -M "*) [ -e {once} ] || {{ touch {once}; {GCC} "$@"; status=$?; '
-        f"echo '#define Q 2' > {src / 'new.h'}; echo '#include \"new.h\"' > {src / 'q.h'}; "
-        "exit $status; };; esac\n"
-        f'exec {GCC} "$@"\n'
-    )
-    (bin_dir / "gcc").chmod(0o755)
-    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    edit = f"echo '#define Q 2' > {src / 'new.h'}; echo '#include \"new.h\"' > {src / 'q.h'}"
+    env = gcc_doing_once(tmp_path, env, "-M", after=edit)
     (src / "k.c").write_text(Q_C)
     (src / "q.h").write_text("#define Q 1\n")
     wrap("gcc", "-O2", "-c", "k.c", "-o", "k.o", env=env, cwd=src)
-    assert once.exists()
+    assert (tmp_path / "once").exists()
     for value in (3, 4):
         (src / "new.h").write_text(f"#define Q {value}\n")
         same_as_gcc(src, env, "-O2", "-c", "k.c")
@@ -1380,17 +1371,7 @@ def test_a_header_made_earlier_on_the_path_after_cc_m_ran_is_not_stored(env, src
     """A generator writes gen/x.h (earlier on the path) after opcache's cc -M named
     inc/x.h and before it looked at the places before it: the compile reads gen/x.h,
     and its object was kept under inc/x.h's key, served once gen/x.h was gone."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    once = tmp_path / "written"
-    (bin_dir / "gcc").write_text(
-        "#!/bin/sh\n"
-        f'case " $* " in *" -M "*) {GCC} "$@"; status=$?; [ -e {once} ] || {{ touch {once}; '
-        f"echo '#define V 2' > {src / 'gen' / 'x.h'}; }}; exit $status;; esac\n"
-        f'exec {GCC} "$@"\n'
-    )
-    (bin_dir / "gcc").chmod(0o755)
-    env = {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
+    env = gcc_doing_once(tmp_path, env, "-M", after=f"echo '#define V 2' > {src / 'gen' / 'x.h'}")
     (src / "gen").mkdir()
     (src / "inc").mkdir()
     (src / "inc" / "x.h").write_text("#define V 1\n")
