@@ -336,27 +336,24 @@ def _finish(batch: _Batch, schedule: _Schedule, workers: list[threading.Thread])
     batch call on_result once compile_many has raised.  SIGINT is blocked in
     this thread meanwhile (as ``RemoteTier._stop_copier`` does), but a worker
     thread may take it for the process: Python then raises it in this thread
-    once a join returns, and it stops the batch all the same.
+    at its next instruction, wherever that is, and it stops the batch all the
+    same; the waits and the release are gone through again (each may be).
     """
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        for worker in workers:
-            _join(worker, batch, schedule)
-        if batch.poller is not None:  # (started by a worker: all are done)
-            schedule.stop()  # (none is parked any more, unless the batch was stopped)
-            _join(batch.poller, batch, schedule)
-        batch.end()
+        while True:
+            try:
+                for worker in workers:
+                    worker.join()
+                if batch.poller is not None:  # (started by a worker: all are done)
+                    schedule.stop()  # (none is parked any more, unless the batch was stopped)
+                    batch.poller.join()
+                batch.end()
+                return
+            except BaseException as e:
+                batch.stop(schedule, e)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def _join(thread: threading.Thread, batch: _Batch, schedule: _Schedule) -> None:
-    """Wait for ``thread`` to end; an interrupt meanwhile stops the batch (``_finish``)."""
-    while thread.is_alive():
-        try:
-            thread.join()
-        except BaseException as e:
-            batch.stop(schedule, e)
 
 
 class _Batch:

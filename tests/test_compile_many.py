@@ -359,16 +359,19 @@ class InterruptedTwice(ToyCompiler):
     main thread is interrupted (a first Ctrl-C); the one in the worker sends SIGINT
     (a second) once compile_many joins its worker, then ends."""
 
-    def __init__(self, calls_file: Path, parked: threading.Event, joining: threading.Event):
+    def __init__(
+        self, calls_file: Path, parked: threading.Event, joining: threading.Event, second: bool
+    ):
         super().__init__(calls_file)
-        self.parked, self.joining = parked, joining
+        self.parked, self.joining, self.second = parked, joining, second
 
     def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
         if threading.current_thread() is threading.main_thread():
             self.parked.wait(30)
             raise KeyboardInterrupt
         self.joining.wait(30)
-        os.kill(os.getpid(), signal.SIGINT)
+        if self.second:
+            os.kill(os.getpid(), signal.SIGINT)
         super().compile(request, workdir)
 
 
@@ -395,8 +398,18 @@ def _interrupted_twice(spec: dict) -> None:
                 joining.set()
             real_join(thread, timeout)
 
+        real_end = shared_work._Batch.end
+        ends: list[int] = []
+
+        def end(batch: shared_work._Batch) -> None:
+            ends.append(1)
+            if spec["where"] == "end" and len(ends) == 1:
+                raise KeyboardInterrupt  # (Python's, for a SIGINT a worker took, lands here)
+            real_end(batch)
+
         # (In this child alone.)  The requests in their order: the key parked comes first.
         shared_work._Batch._park = park  # type: ignore[method-assign]
+        shared_work._Batch.end = end  # type: ignore[method-assign]
         threading.Thread.join = join  # type: ignore[method-assign]
         shared_work.random = SimpleNamespace(  # type: ignore[attr-defined]
             Random=lambda: SimpleNamespace(shuffle=lambda jobs: None)
@@ -409,7 +422,7 @@ def _interrupted_twice(spec: dict) -> None:
         try:
             cache.compile_many(
                 requests,
-                InterruptedTwice(tmp / "calls", parked, joining),
+                InterruptedTwice(tmp / "calls", parked, joining, spec["where"] == "join"),
                 [tmp / "out" / r.op_name for r in requests],
                 jobs=2,
                 on_result=lambda index, result: results.append(index),
@@ -433,19 +446,22 @@ def _interrupted_twice(spec: dict) -> None:
     write_json(spec["result"], report)
 
 
+@pytest.mark.parametrize("where", ["join", "end"])
 def test_a_second_ctrl_c_while_compile_many_joins_leaves_no_lock_held(
-    tmp_path: Path, redis_server, redis_url: str
+    tmp_path: Path, redis_server, redis_url: str, where: str
 ) -> None:
     """A Ctrl-C stops the batch; a second, while compile_many waits for its workers'
-    current compiles, must not skip letting go of the local locks of the keys
-    parked for another machine: the process goes on, and this machine's other
-    processes wait on those locks.  (They stayed held.)"""
+    current compiles or lets go of what the batch holds, must not skip letting go
+    of the local locks of the keys parked for another machine: the process goes
+    on, and this machine's other processes wait on those locks.  (They stayed
+    held.)"""
     request = make_request(0)
     compiler = ToyCompiler(tmp_path / "calls")
     key = compute_key(request, compiler.name, compiler.fingerprint())[0]
     client = redis_server.client()  # another machine compiles the first key, for a minute
     client.set(f"opcache:1:{request.soc_version}:{key}:claim", "another-machine", px=60_000)
     spec = {"tmp": str(tmp_path), "url": redis_url, "key": key, "result": str(tmp_path / "r")}
+    spec["where"] = where
     child = MP.Process(target=_interrupted_twice, args=(spec,))
     child.start()
     child.join(60)
