@@ -2143,7 +2143,9 @@ def _negative_lookups(
     places = [*chain, *{os.path.dirname(path) for path in reads}]
     known = True
     once = _once_only(reads)
-    sizes = {len(reads[path]) for path in once}
+    twins_by_size: dict[int, set[bytes]] = {}
+    for path in once:
+        twins_by_size.setdefault(len(reads[path]), set()).add(reads[path])
     listed = {_tidy(path) for path in reads}
     # header -> for each folder k of the list it lies in, the files cc -M did not
     # name in the folders before k (their indexes, their places)
@@ -2163,7 +2165,7 @@ def _negative_lookups(
                     there = _earlier_place(earlier, name, absent, passed)
                     if there is None or _tidy(place) in listed:
                         continue
-                    if there.st_size in sizes:
+                    if _may_be_twin(place, there.st_size, twins_by_size):
                         log.debug("%s may be a once-only file's twin, skipped", place)
                         known = False  # (_skipped_twin's case: cc -M runs each time)
                     else:
@@ -2209,7 +2211,7 @@ def _negative_lookups(
                         break
     _search_changed(found, reads, ways, reached)
     if once:
-        twin = _skipped_twin(found, reads, forced, sizes, listed)
+        twin = _skipped_twin(found, reads, forced, twins_by_size, listed)
         if twin is not None:
             log.debug("%s may be a once-only file's twin, skipped: cc -M runs each time", twin)
             known = False
@@ -2303,16 +2305,20 @@ def _once_only(reads: dict[str, bytes]) -> list[str]:
 
 
 def _skipped_twin(
-    found: _Found, reads: dict[str, bytes], forced: list[str], sizes: set[int], listed: set[str]
+    found: _Found,
+    reads: dict[str, bytes],
+    forced: list[str],
+    twins_by_size: dict[int, set[bytes]],
+    listed: set[str],
 ) -> str | None:
     """A file that an ``#include`` written in a file read (or an ``-include``) finds
     first where the preprocessor looks, that ``cc -M`` does not name (``listed``: the
-    files read, tidied), and that has the size of a once-only file read (``sizes``):
-    gcc may have skipped it as that file's twin, and a hit would not see it edited
-    (or the twin's mtime moved), which makes gcc read it.  Most such files are named
-    by an ``#include`` in a branch not taken (``#ifdef _WIN32``) and have another
-    size: their changes make no other object, and their header lists are remembered
-    as any other.
+    files read, tidied), and that has the contents of a once-only file read
+    (``_may_be_twin``): gcc may have skipped it as that file's twin, and a hit would
+    not see it edited (or the twin's mtime moved), which makes gcc read it.  Most
+    such files are named by an ``#include`` in a branch not taken (``#ifdef _WIN32``)
+    or passed over by an ``#include_next``, and have other contents: their changes
+    make no other object, and their header lists are remembered as any other.
     """
     chain = found.quote + found.bracket
     wanted = [("", False, True, name) for name in forced]  # (the working folder first)
@@ -2331,11 +2337,25 @@ def _skipped_twin(
                 continue
             if stat.S_ISDIR(st.st_mode):
                 continue
-            if st.st_size in sizes and _tidy(place) not in listed:
+            if _tidy(place) not in listed and _may_be_twin(place, st.st_size, twins_by_size):
                 return place
             if not next_:  # (_next looks on past its includer's own folder: every one)
                 break
     return None
+
+
+def _may_be_twin(place: str, size: int, twins_by_size: dict[int, set[bytes]]) -> bool:
+    """Whether the file at ``place`` (of ``size`` bytes) may be one the compiler skipped
+    as a once-only file's twin: it has the contents of one (``twins_by_size``, by
+    their size: gcc compares the size first, then the bytes).  One that cannot be
+    read is taken for one."""
+    contents = twins_by_size.get(size)
+    if contents is None:
+        return False
+    try:
+        return fsutil.read_input(place, size) in contents
+    except OSError:
+        return True
 
 
 def _has_include_names(

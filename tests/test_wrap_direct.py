@@ -118,10 +118,13 @@ def test_a_remembered_header_list_with_a_nul_in_a_path_is_passed_over(tmp_path, 
     assert (src / "k.o").read_bytes() == plain(tmp_path)
 
 
-def test_once_only_headers_and_an_include_not_taken_keep_direct_mode(tmp_path, logged_gcc):
+@pytest.mark.parametrize("size", ["its own", "a.h's"])
+def test_once_only_headers_and_an_include_not_taken_keep_direct_mode(tmp_path, logged_gcc, size):
     """A header named by an #include in a branch not taken is there and not read; with
-    #pragma once headers read, only one that could be their twin (their size) makes
-    each compile ask cc -M: this one does not."""
+    #pragma once headers read, only one that could be their twin (their contents)
+    makes each compile ask cc -M: this one does not, even of the same size as one
+    (a size alone turned direct mode off, as for libstdc++'s math.h, which <cmath>
+    passes over, beside a header of its 4,573 bytes)."""
     bin_dir, log = logged_gcc
     src = tmp_path / "src"
     src.mkdir()
@@ -129,7 +132,11 @@ def test_once_only_headers_and_an_include_not_taken_keep_direct_mode(tmp_path, l
         '#include "a.h"\n#ifdef _WIN32\n#include "win.h"\n#endif\nint f(void) { return A; }\n'
     )
     (src / "a.h").write_text("#pragma once\n#define A 1\n")
-    (src / "win.h").write_text("#pragma once\n#include <windows.h>\n")
+    win = "#pragma once\n#include <windows.h>\n"
+    if size == "a.h's":
+        win = "#pragma once\n#define B 2\n"
+        assert len(win) == len((src / "a.h").read_text())
+    (src / "win.h").write_text(win)
     assert wrap(tmp_path, bin_dir, "-c", "k.c", "-o", "k.o").returncode == 0
     first = calls(log)
     (src / "k.o").unlink()
