@@ -613,8 +613,12 @@ def _read_seen(path: str) -> tuple[bytes, tuple[int, ...]]:
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     """What tells a file from itself rewritten, even with the same bytes: every write
-    moves its ctime (which nothing sets back), a rename puts another inode there."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    moves its ctime (which nothing sets back), and so does a rename onto its name.
+    Not its device and inode: taken from the open file as it is read (``fstat``)
+    and from its name after the compile (``stat``), they differ on overlayfs
+    before Linux 4.19 (a container image's lower layer), where every compile
+    would then seem to have met a file changed."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _unchanged_since(seen: Mapping[str, tuple[int, ...]], started_ns: int) -> bool:
