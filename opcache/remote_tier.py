@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import _thread  # threading's primitives, without importing threading on wrap's start-up
 import contextlib
-import hashlib
 import os
 import signal
 import time
@@ -55,8 +54,6 @@ Keep = Callable[[str, list[tuple[str, bytes, dict[str, bytes]]]], None]
 
 # How long a claim outlives its holder's death (renewed while it lives).
 CLAIM_SECONDS = 10.0
-_PAUSE_NOTE = "remote-pause-"  # + a digest of the URL
-_NOTE_FRESH_SECONDS = 1.0
 _LOOKED_KEPT = 10_000  # look times remembered before the stale ones are dropped
 # How long a key seen claimed by another client is waited for without a claim
 # of its own being tried (a poll looks at it meanwhile).
@@ -105,10 +102,7 @@ class RemoteTier:
         self._unwoken = False  # copies waiting for their caller's copy_pending
         self._copied: threading.Condition | None = None  # (on _mutex) no copy pending
         self._remote: Remote | None = None
-        self._backoff = Backoff("the remote cache")
-        self._noted, self._noted_at = 0.0, -_NOTE_FRESH_SECONDS  # another process's pause
-        url = settings.shown_url  # (the password masked: never in a file name or a count)
-        self._pause_note = _PAUSE_NOTE + hashlib.sha256(url.encode()).hexdigest()[:16]
+        self._backoff = Backoff("the remote cache", notes, settings.shown_url)
         self._corrupt: set[tuple[str, str]] = set()  # keys whose bad value was counted
         # When keys were last found missing, by (chip, key) (time.monotonic()).
         self._looked: dict[tuple[str, str], float] = {}
@@ -502,12 +496,11 @@ class RemoteTier:
         if self._uncounted and soc is not None:
             self._uncounted = False
             self._count_failure(soc)
-        now = time.time()
-        if now < self._backoff.until or now < self._pause_noted():
+        if self._backoff.paused():
             return None
         if self._remote is None:
             try:
-                self._remote = open_remote(self.settings)
+                self._remote = open_remote(self.settings, self._notes)
             except Exception as e:
                 self._failed(e, None)
                 return None
@@ -516,11 +509,7 @@ class RemoteTier:
     def _failed(self, error: Exception, soc: str | None) -> None:
         if soc is not None:
             self._count_failure(soc)
-        until = self._backoff.failed(error)
-        try:
-            self._notes.write_note(f"{until:.3f}".encode(), self._pause_note)
-        except OSError as e:
-            log.debug("cannot record the remote's pause: %s", e)
+        self._backoff.failed(error)
 
     def _count_failure(self, soc: str) -> None:
         self._stats.add(soc, "remote_errors")
@@ -528,17 +517,3 @@ class RemoteTier:
 
     def _recovered(self) -> None:
         self._backoff.recovered()
-
-    def _pause_noted(self) -> float:
-        """Until when another process found the remote failing (0.0: it did not)."""
-        if self._backoff.until:
-            return 0.0  # this process has its own record, and tried again since
-        now = time.monotonic()
-        if now - self._noted_at >= _NOTE_FRESH_SECONDS:  # a file read, not one per call
-            note = self._notes.read_note(self._pause_note)
-            try:
-                self._noted = float(note) if note else 0.0
-            except ValueError:
-                self._noted = 0.0
-            self._noted_at = now
-        return self._noted

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
+import threading
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, ToyCompiler, expected_files, machine, make_request, read_dir
+from helpers_cache import (
+    SOC,
+    ToyCompiler,
+    expected_files,
+    fake_server,
+    machine,
+    make_request,
+    read_dir,
+)
 from helpers_nginx import Nginx
 
 import opcache
@@ -101,6 +111,33 @@ def test_a_dead_tier_costs_only_itself(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert all(nginx.url() in w for w in warnings) and 1 <= len(warnings) <= 2
     assert compiler.calls() == 3
+
+
+def test_a_dead_tier_is_skipped_by_the_other_processes_of_the_cache_too(
+    tmp_path: Path, share: Path
+) -> None:
+    # A far tier that takes each connection and never answers: each compile
+    # command of a build (one `opcache wrap` process each) waited its timeout.
+    connections = []
+
+    def silent(conn: socket.socket, ended: threading.Event) -> None:
+        connections.append(conn)
+        while not ended.is_set() and conn.recv(4096):
+            pass  # (until the client gives up and hangs up)
+
+    compiler = ToyCompiler(tmp_path / "calls")
+    with fake_server(silent) as port:
+        url = f"file://{share} http://127.0.0.1:{port}/cache"
+        with opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as first:
+            assert first.compile(make_request(0), compiler, tmp_path / "o0").status == "miss"
+        tried = len(connections)
+        assert tried >= 1
+        # Another process of the same cache folder (a new OpCache: nothing of the
+        # first one's in memory) skips the dead tier; the folder still serves.
+        with opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as second:
+            key = second.compile(make_request(1), compiler, tmp_path / "o1").key
+        assert len(connections) == tried
+    assert in_folder(share, key).is_dir()
 
 
 def test_redis_first_gives_claims_and_the_folder_behind_it_keeps_entries(

@@ -27,6 +27,7 @@ from __future__ import annotations
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     from ..settings import RemoteSettings
+    from .local import LocalStore
     from .remote import (
         UNCLAIMED,
         Claim,
@@ -53,14 +54,15 @@ def __getattr__(name: str) -> object:
     return value
 
 
-def open_remote(settings: RemoteSettings) -> Remote:
+def open_remote(settings: RemoteSettings, notes: LocalStore | None = None) -> Remote:
     """The remote ``settings`` names (RemoteError when its library is missing):
-    one kind's, or the tiers several URLs name (``tiers.py``)."""
+    one kind's, or the tiers several URLs name (``tiers.py``), whose pauses are
+    shared through ``notes`` (the cache folder's bookkeeping) when given."""
     tiers = settings.tiers()
     if len(tiers) > 1:
         from .tiers import Tiers
 
-        return Tiers(settings, tiers)
+        return Tiers(settings, tiers, notes)
     from .remote import connect
 
     return connect(tiers[0])

@@ -9,6 +9,7 @@ with the first remote.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import socket
 import time
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
     from ..settings import RemoteSettings
     from .entry import Entry
+    from .local import LocalStore
 
     # A value fetched and checked: (the entry, its manifest's bytes, the value's
     # size on the wire, which is what ``remote_bytes_down`` counts).
@@ -33,6 +35,8 @@ log = get_logger(__name__)
 # A failing remote is left alone this long, doubled at each failure in a row.
 FIRST_PAUSE = 10.0
 LAST_PAUSE = 300.0
+_PAUSE_NOTE = "remote-pause-"  # + a digest of the URL
+_NOTE_FRESH_SECONDS = 1.0  # how long another process's pause note is taken as read
 
 # Bytes a second an answer moves at least: one may take the timeout plus a second
 # per MiB of it (a big entry on a slow link), never longer.
@@ -43,13 +47,28 @@ class Backoff:
     """How long a failing remote is left alone: ``FIRST_PAUSE`` after a failure,
     doubled up to ``LAST_PAUSE`` while failures go on, the first again after a
     success.  The first failure is a warning, the later ones debug lines (a
-    build of thousands of compiles says it once)."""
+    build of thousands of compiles says it once).
 
-    def __init__(self, what: str) -> None:
+    With ``notes`` (the cache folder's bookkeeping), a pause is written there too,
+    under a digest of ``url`` (as shown: never its password), and one another
+    process wrote is kept: the short processes of a build (``opcache wrap``, one
+    per compile command) skip a dead server instead of each waiting for it, while
+    a corrected URL is tried at once.
+    """
+
+    def __init__(self, what: str, notes: LocalStore | None = None, url: str = "") -> None:
         self.what = what  # "the remote cache", "the remote tier <url>"
         self.until = 0.0  # time.time() until which the remote is not asked
         self._pause = FIRST_PAUSE
         self._warned = False
+        self._notes = notes
+        self._note = _PAUSE_NOTE + hashlib.sha256(url.encode()).hexdigest()[:16]
+        self._noted, self._noted_at = 0.0, -_NOTE_FRESH_SECONDS  # another process's pause
+
+    def paused(self) -> bool:
+        """Whether the remote is not to be asked now (paused here or by another process)."""
+        now = time.time()
+        return now < self.until or now < self._noted_until()
 
     def failed(self, error: object) -> float:
         """Pause after ``error``; returns until when."""
@@ -58,10 +77,29 @@ class Backoff:
         self._pause = min(self._pause * 2, LAST_PAUSE)
         (log.debug if self._warned else log.warning)("%s", message)
         self._warned = True
+        if self._notes is not None:
+            try:
+                self._notes.write_note(f"{self.until:.3f}".encode(), self._note)
+            except OSError as e:
+                log.debug("cannot record the pause of %s: %s", self.what, e)
         return self.until
 
     def recovered(self) -> None:
         self._pause = FIRST_PAUSE
+
+    def _noted_until(self) -> float:
+        """Until when another process found the remote failing (0.0: it did not)."""
+        if self.until or self._notes is None:
+            return 0.0  # this process has its own record, and tried again since
+        now = time.monotonic()
+        if now - self._noted_at >= _NOTE_FRESH_SECONDS:  # a file read, not one per call
+            note = self._notes.read_note(self._note)
+            try:
+                self._noted = float(note) if note else 0.0
+            except ValueError:
+                self._noted = 0.0
+            self._noted_at = now
+        return self._noted
 
 
 # Characters of a message that says what a server or a client library said: a

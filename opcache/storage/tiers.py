@@ -11,8 +11,10 @@ sound one.
 
 A tier that fails is skipped for 10 s, then tried again (each failure in a
 row doubles the pause, up to 5 minutes), with one warning: the other tiers
-go on.  Only when every tier asked fails is it the remote's failure
-(``RemoteError``, which the cache counts and pauses on).
+go on.  The pause is written in the cache folder's bookkeeping as the whole
+remote's is (``Backoff``), so that the short processes of a build skip a dead
+tier too instead of each waiting for it.  Only when every tier asked fails is
+it the remote's failure (``RemoteError``, which the cache counts and pauses on).
 
 Claims, and waiting for a key another client compiles, are the nearest
 tier's (a team's Redis has them; with a shared folder or an HTTP server
@@ -21,14 +23,13 @@ first, there are none).
 
 from __future__ import annotations
 
-import time
-
 from .._log import get_logger
 from .remote import UNCLAIMED, Backoff, Claim, Remote, RemoteCorrupt, RemoteError, connect
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..settings import RemoteSettings
+    from .local import LocalStore
     from .remote import Fetched
 
 log = get_logger(__name__)
@@ -37,13 +38,14 @@ log = get_logger(__name__)
 class _Tier:
     """One tier: connected on first use, paused after a failure."""
 
-    def __init__(self, settings: RemoteSettings) -> None:
+    def __init__(self, settings: RemoteSettings, notes: LocalStore | None) -> None:
         self.settings = settings
         self.remote: Remote | None = None
-        self.backoff = Backoff(f"the remote tier {settings.shown_url}")
+        url = settings.shown_url
+        self.backoff = Backoff(f"the remote tier {url}", notes, url)
 
     def usable(self) -> Remote | None:
-        if time.time() < self.backoff.until:
+        if self.backoff.paused():
             return None
         if self.remote is None:
             try:
@@ -56,9 +58,14 @@ class _Tier:
 class Tiers(Remote):
     """Remotes in order, nearest first (see the module's docstring)."""
 
-    def __init__(self, settings: RemoteSettings, tiers: list[RemoteSettings]) -> None:
+    def __init__(
+        self,
+        settings: RemoteSettings,
+        tiers: list[RemoteSettings],
+        notes: LocalStore | None = None,
+    ) -> None:
         super().__init__(settings)
-        self._tiers = [_Tier(tier) for tier in tiers]
+        self._tiers = [_Tier(tier, notes) for tier in tiers]
         self.read_only = all(tier.read_only for tier in tiers)
 
     def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:
