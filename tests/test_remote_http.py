@@ -34,7 +34,7 @@ import opcache
 from opcache.settings import RemoteSettings
 from opcache.storage import RemoteCorrupt, RemoteError
 from opcache.storage.entry import make_manifest
-from opcache.storage.http import connect
+from opcache.storage.http import HttpRemote, connect
 from opcache.storage.value import pack
 
 KEY = "0123456789abcdef" * 2
@@ -335,3 +335,35 @@ def test_a_server_that_drips_its_answer_costs_a_miss_within_the_deadline(
     assert result.status == "miss" and stats["remote_errors"] == 1
     assert read_dir(tmp_path / "o") == expected_files(make_request(0))
     assert "no whole answer within the timeout" in caplog.text
+
+
+def test_a_retry_on_a_new_connection_keeps_the_request_s_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kept connection the server hangs up is tried again on a new one, within the
+    first try's deadline: a server that hung up just before the timeout each time made
+    one look last twice the timeout."""
+    requests = []
+
+    def answer(conn: socket.socket, ended: threading.Event) -> None:
+        while conn.recv(65536):
+            requests.append(1)
+            if len(requests) == 2:
+                return  # the kept connection hung up on the second request
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+    deadlines = []
+    exchange = HttpRemote._exchange
+
+    def watched(self, conn, method, path, body, deadline):  # type: ignore[no-untyped-def]
+        deadlines.append(deadline)
+        return exchange(self, conn, method, path, body, deadline)
+
+    monkeypatch.setattr(HttpRemote, "_exchange", watched)
+    with fake_server(answer) as port:
+        remote = connect(settings(f"http://127.0.0.1:{port}/c", timeout=5))
+        assert remote.get(SOC, KEY) is None
+        assert remote.get(SOC, KEY) is None  # tried again on a new connection
+        remote.close()
+    assert len(requests) == 3 and len(deadlines) == 3
+    assert deadlines[2] == deadlines[1]

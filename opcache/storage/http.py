@@ -161,12 +161,13 @@ class HttpRemote(Remote):
     ) -> tuple[int, bytes | None]:
         """(status, body of a 200 GET) over this thread's kept connection.
 
-        A kept connection the server closed meanwhile is opened again once.
+        A kept connection the server closed meanwhile is opened again once, within
+        the same deadline: the timeout bounds the request, however many tries.
         """
+        deadline = time.monotonic() + self._timeout + len(body or b"") / MIN_RATE
         for attempt in (1, 2):
             conn = self._connection()
             reused = self._local.used
-            deadline = time.monotonic() + self._timeout + len(body or b"") / MIN_RATE
             try:
                 try:
                     status, data, whole = self._exchange(conn, method, path, body, deadline)
