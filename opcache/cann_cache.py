@@ -271,6 +271,7 @@ class CannCache:
             raise NoCannCache(f"no CANN kernel cache at {self.root}: no such folder") from None
         try:
             trust.check(os.fstat(fd), self._modes, self.root)
+            trust.check_root(self.root, self._modes)
         except BaseException:
             os.close(fd)
             raise

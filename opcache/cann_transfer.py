@@ -649,6 +649,7 @@ class _Chip:
             raise Refused(f"no CANN kernel cache at {root}: no such folder") from None
         try:
             trust.check(os.fstat(root_fd), modes, root)
+            trust.check_root(root, modes)
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(soc, modes.dir_bits, dir_fd=root_fd)

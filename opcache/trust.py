@@ -8,6 +8,11 @@ folders and files of the configured group are trusted too.  A file a person
 writes (op_cache.ini) may also be writable by its owner's own group (a user
 private group, of its name and no other member: where each user has one, as
 on Debian, Ubuntu and Fedora, the umask is 002 and such a file is 0664).
+
+Trusting a group's folders by their group id assumes only members can give
+something that id.  A setgid folder of the group that others can write gives
+it to whatever anyone makes in it, so a group-shared cache's root must not be
+writable by others, nor lie below such a folder (``root_problem``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,46 @@ def problem(st: os.stat_result, modes: Modes, *, own_group: bool = False) -> str
             return "writable by its group (set OPCACHE_SHARED_GROUP for a group-shared cache)"
         return f"writable by group {st.st_gid}, not the cache's group {modes.group}"
     return None
+
+
+def root_problem(root: str | os.PathLike[str], modes: Modes) -> str | None:
+    """Why the root of a cache (it may be a link: judged where it leads) may not be
+    used, or None.  Only a group-shared cache's root is judged (a private cache trusts no one
+    else's folder below it, whatever its root): it may not be writable by others,
+    and no folder above it may be setgid of the cache's group and writable by
+    others, where anyone could have made the root or a folder on its way, with the
+    group's id (a member's name is no proof: a pod of a Kubernetes ``fsGroup`` runs
+    as any uid).  A root not made yet is judged by the folders above it.
+    """
+    if modes.group is None:
+        return None
+    path = os.path.realpath(root)
+    try:
+        st = os.stat(path)
+    except OSError:
+        pass  # (not made yet: made by us, 2770, in a folder judged below)
+    else:
+        if st.st_mode & stat.S_IWOTH:
+            return f"{path} is writable by others, so anyone could plant a kernel there"
+    while (parent := os.path.dirname(path)) != path:
+        path = parent
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # (then the root cannot be reached either)
+        if st.st_mode & stat.S_IWOTH and st.st_mode & stat.S_ISGID and st.st_gid == modes.group:
+            return (
+                f"{path} is setgid for the cache's group {modes.group} and writable by others, "
+                "so anyone could make a folder of the group's there and plant a kernel in it"
+            )
+    return None
+
+
+def check_root(root: str | os.PathLike[str], modes: Modes) -> None:
+    """Raise UntrustedFolder when ``root_problem`` finds one."""
+    reason = root_problem(root, modes)
+    if reason is not None:
+        raise UntrustedFolder(reason)
 
 
 def _private_group(uid: int, gid: int) -> bool:

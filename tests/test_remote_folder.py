@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers_cache import (
@@ -308,6 +309,46 @@ def test_a_group_shared_folder_is_shared_by_its_group_and_no_one_else() -> None:
         assert entry_dir.stat().st_gid == group and entry_dir.stat().st_uid == writer
     finally:
         shutil.rmtree(base)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as other users")
+@pytest.mark.parametrize("mode", [0o2777, 0o3777])
+def test_a_group_shared_folder_anyone_may_write_is_refused(mode: int) -> None:
+    """A setgid folder of the team that others can write gives the team's id to whatever
+    anyone makes in it: an outsider planted an entry there, and a member's read
+    served its kernel.  The same folder no outsider can write, held in /tmp (1777,
+    not setgid), is shared by members with no name (a pod of a Kubernetes fsGroup)."""
+    import tempfile
+
+    from helpers_faults import MEMBER_A, MEMBER_B, NOBODY, TEAM_GID, copy_as, open_folder, run_as
+
+    def member(uid: int, write: bool) -> Any:
+        code = _CHILD.format(write=write, key=KEY, share=share, soc=SOC)
+        return run_as(uid, uid, code, groups=(TEAM_GID,))
+
+    share = Path(tempfile.mkdtemp(dir="/tmp"))  # held in /tmp itself
+    try:
+        os.chown(share, 0, TEAM_GID)
+        os.chmod(share, mode)
+        with open_folder() as base:
+            manifest, files = entry(**{"k.o": b"planted kernel"})
+            for name, data in {"MANIFEST": manifest, **files}.items():
+                (base / name).write_bytes(data)
+                os.chmod(base / name, 0o644)
+            assert copy_as(NOBODY, base, share / SOC / KEY[:2] / KEY) == TEAM_GID
+        got = member(MEMBER_B, write=False)
+        assert got.startswith("error: "), got
+        assert f"{share} is writable by others, so anyone could plant" in got, got
+        # (nor stored: a member's entry there would be as open to the outsider)
+        got = member(MEMBER_A, write=True)
+        assert "writable by others" in got, got
+
+        shutil.rmtree(share / SOC)
+        os.chmod(share, 0o2770)
+        assert member(MEMBER_A, write=True) > 0
+        assert member(MEMBER_B, write=False) == "shared kernel"
+    finally:
+        shutil.rmtree(share)
 
 
 _UNREADABLE_SHARE = """

@@ -38,6 +38,7 @@ from helpers_faults import (
     MEMBER_B,
     NOBODY,
     TEAM_GID,
+    copy_as,
     evil,
     file_mode,
     listing,
@@ -350,6 +351,37 @@ def test_trust_problem(mode: int, uid: int, gid: int, modes: fsutil.Modes, probl
         assert problem in found
 
 
+@pytest.mark.parametrize(
+    ("parent_mode", "root_mode", "problem"),
+    [
+        (0o1777, 0o2770, None),  # a team's root in /tmp: 1777, not setgid
+        (0o2770, 0o2770, None),  # in a team folder only members write
+        (0o2777, None, "is setgid for the cache's group"),  # anyone could make the root
+        (0o3777, 0o2770, "is setgid for the cache's group"),  # ... or have made it
+        (0o755, 0o2777, "is writable by others, so anyone could plant a kernel there"),
+        (0o755, 0o3777, "is writable by others, so anyone could plant a kernel there"),
+    ],
+)
+def test_a_team_root_anyone_could_have_made_or_written_is_refused(
+    tmp_path: Path, parent_mode: int, root_mode: int | None, problem: str | None
+) -> None:
+    gid = os.getegid()  # (a group of ours: no root needed to give it)
+    shared, private = fsutil.group_shared(gid), fsutil.PRIVATE
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    os.chmod(parent, parent_mode)
+    root = parent / "kernel_cache"
+    if root_mode is not None:
+        root.mkdir()
+        os.chmod(root, root_mode)
+    (tmp_path / "link").symlink_to(root)
+    for path in (root, tmp_path / "link"):  # (a link is judged where it leads)
+        found = trust.root_problem(path, shared)
+        assert found == problem or (problem is not None and problem in str(found)), found
+    assert trust.root_problem(root, private) is None  # (no one else's is trusted in it)
+    os.chmod(parent, 0o755)  # (tmp_path's clean-up)
+
+
 def test_trust_check_raises_an_oserror_naming_the_thing() -> None:
     trust.check(fake_stat(DIR | 0o750, ME, 0), PRIVATE, "/cache/x")  # no exception
     with pytest.raises(trust.UntrustedFolder, match=r"^/cache/x is writable by others$") as info:
@@ -635,6 +667,51 @@ def test_two_members_of_the_group_share_one_cache() -> None:
             len(walked),
             sum(tree_bytes(p) for p in walked.values()),
         )
+
+
+@requires_root
+@pytest.mark.parametrize("mode", [0o2777, 0o3777])
+def test_an_outsider_cannot_plant_in_a_team_cache_held_by_a_folder_anyone_writes(
+    mode: int,
+) -> None:
+    """A setgid folder of the team that others can write gives the team's id to whatever
+    anyone makes in it: an outsider made ``kernel_cache`` there with a kernel for a
+    member's next compile, which that member's compile then served as a hit."""
+    with open_folder() as base:
+        ops, calls = team_cache(base)
+        os.chmod(ops, mode)
+        compiler = ToyCompiler(calls, size=400_000)  # (MEMBER_CODE's)
+        forge = settings_for(base / "forge")  # (a private cache of root's, to forge with)
+        with opcache.OpCache(forge) as cache:
+            key = cache.compile(make_request(0), compiler, base / "forge" / "out").key
+        forged = entry_dirs(forge.root)[key]
+        plant(forged, evil(expected_files(make_request(0), compiler.size)))
+        for dirpath, _dirs, files in os.walk(base / "forge"):
+            os.chmod(dirpath, 0o755)
+            for name in files:
+                os.chmod(os.path.join(dirpath, name), 0o644)
+        target = ops / "kernel_cache" / SOC / key[:2] / key
+        assert copy_as(NOBODY, forged, target) == TEAM_GID  # (the folder's gift)
+
+        code = MEMBER_CODE.format(
+            ops=str(ops), base=str(base), gid=TEAM_GID, env={}, calls=str(calls),
+            out=str(base / "a"), ahead=0, stores=[0], age=False,
+        )  # fmt: skip
+        member = run_as(MEMBER_A, MEMBER_A, CHILD_PROLOGUE + code, groups=(TEAM_GID,))
+        assert member["0"] == ["miss", True]  # compiled, the right bytes: never the plant
+        (warning,) = member["warnings"]
+        assert f"{ops} is setgid" in warning and "writable by others" in warning, warning
+        # The rule is the root's, not the members': a team folder no outsider can write
+        # is still shared by members with no name (a pod of a Kubernetes fsGroup).
+        shutil.rmtree(ops / "kernel_cache")
+        os.chmod(ops, 0o2770)
+        assert run_as(MEMBER_A, MEMBER_A, CHILD_PROLOGUE + code, groups=(TEAM_GID,)) == {
+            "0": ["miss", True], "warnings": []
+        }  # fmt: skip
+        code = code.replace(str(base / "a"), str(base / "b"))
+        assert run_as(MEMBER_B, MEMBER_B, CHILD_PROLOGUE + code, groups=(TEAM_GID,)) == {
+            "0": ["hit", True], "warnings": []
+        }  # fmt: skip
 
 
 @pytest.mark.skipif(

@@ -114,6 +114,7 @@ class LocalStore:
         self.stats_dir = book / "stats"
         self._verified: set[Path] = set()
         self._only_owner: bool | None = None  # (see _owner_only)
+        self._root_trusted = False  # (see _check_root)
 
     # -- paths ---------------------------------------------------------------
 
@@ -193,12 +194,12 @@ class LocalStore:
         when a level is missing and not ``create``.
         """
         try:
-            fd = os.open(self.root, _ROOT_FLAGS)
+            fd = self._open_root(trusted)
         except FileNotFoundError:
             if not create:
                 raise
             fsutil.makedirs(self.root, self.modes)
-            fd = os.open(self.root, _ROOT_FLAGS)
+            fd = self._open_root(trusted)
         where = self.root
         try:
             for part in (BOOKKEEPING, *parts):
@@ -927,17 +928,34 @@ class LocalStore:
                 return None
             raise
 
+    def _check_root(self) -> None:
+        """UntrustedFolder when the root itself may not be used (``trust.root_problem``:
+        a group-shared root anyone could have made or written in).  Judged until it
+        passes once: a root that passes is only ever replaced by whoever may write
+        where it is, which that rule has already judged."""
+        if not self._root_trusted:
+            trust.check_root(self.root, self.modes)
+            self._root_trusted = self.modes.group is None or os.path.isdir(self.root)
+
+    def _open_root(self, trusted: bool = True) -> int:
+        """A handle on the root, judged by ``_check_root`` first if ``trusted``."""
+        if trusted:
+            self._check_root()
+        return os.open(self.root, _ROOT_FLAGS)
+
     def _open_chip(self, soc: str, *, create: bool, trusted: bool = True) -> int:
         # Every hit comes here: one open in the common case.  The root is a
         # resolved path (it may have been a link; nothing below it may be),
         # and O_NOFOLLOW guards the chip folder itself.
+        if trusted:
+            self._check_root()
         try:
             fd = os.open(f"{self.root}/{soc}", fsutil.DIR_FLAGS)
         except OSError:
             pass  # missing, a link, a file...: the careful way below makes or names it
         else:
             return self._trusted(fd, self.root, soc) if trusted else fd
-        root_fd = os.open(self.root, _ROOT_FLAGS)
+        root_fd = self._open_root(trusted)
         try:
             return self._open_dir(soc, root_fd, self.root, create=create, trusted=trusted)
         finally:
@@ -1138,7 +1156,7 @@ class LocalStore:
         removed += clean(
             partial(self.open_folder, "tmp", create=False), partial(_remove_abandoned, now=now)
         )
-        removed += clean(partial(os.open, self.root, _ROOT_FLAGS), root_temps)
+        removed += clean(self._open_root, root_temps)
         for soc in self.chips():
             removed += clean(partial(self._open_sizes, soc, None, create=False), stale)
         removed += clean(partial(self.open_folder, "stats", create=False), each_chip_stats)
