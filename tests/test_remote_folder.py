@@ -8,6 +8,7 @@ killed mid-store leaves nothing visible, read-only clients never write.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -380,3 +381,55 @@ def test_a_shared_folder_this_user_cannot_read_is_an_error_not_an_empty_remote()
         for status, err in run_as(NOBODY, NOBODY, code):
             assert status != 0 and "Permission denied" in err, (status, err)
             assert "Traceback" not in err, err
+
+
+_READER = """
+base = Path({base!r})
+settings = h.machine(base, "reader", "file://{share}")
+compiler = h.ToyCompiler(base / "calls")
+report = {{}}
+with opcache.OpCache(settings) as cache:
+    for i in (9, 0, 1, 2):  # a key the share lacks, then three it holds
+        result = cache.compile(h.make_request(i), compiler, base / "reader" / str(i))
+        good = h.read_dir(base / "reader" / str(i)) == h.expected_files(h.make_request(i))
+        report[str(i)] = [result.status, result.tier, good]
+    report["stats"] = {{k: v for k, v in cache.stats().items() if k.startswith("remote_")}}
+report["warnings"] = keep.messages
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount and to run as another user")
+@pytest.mark.parametrize("where", ["a read-only mount", "a folder this user cannot write"])
+def test_a_folder_this_user_cannot_write_is_still_read(tmp_path: Path, where: str) -> None:
+    """A store refused (EROFS, EACCES) was a remote error: the remote paused, reads too,
+    and every entry the share held missed.  It turns read-only, with one warning."""
+    from helpers_faults import CHILD_PROLOGUE, NOBODY, open_folder, read_only, run_as
+
+    with open_folder() as base:
+        share = base / "share"
+        share.mkdir()
+        with opcache.OpCache(machine(tmp_path, "writer", f"file://{share}")) as writer:
+            for i in (0, 1, 2):
+                writer.compile(make_request(i), ToyCompiler(tmp_path / "calls"), tmp_path / "w")
+        for dirpath, _dirs, files in os.walk(share):  # (whatever this umask made them)
+            os.chmod(dirpath, 0o755)
+            for name in files:
+                os.chmod(os.path.join(dirpath, name), 0o644)
+        (base / "calls").touch()
+        os.chmod(base / "calls", 0o666)
+        (base / "reader").mkdir()
+        code = CHILD_PROLOGUE + _READER.format(base=str(base), share=share)
+        if where == "a read-only mount":
+            with read_only(share):
+                report = run_as(0, 0, code)
+        else:
+            os.chown(base / "reader", NOBODY, NOBODY)
+            report = run_as(NOBODY, NOBODY, code)  # the share: root's, 0755
+    assert report["9"] == ["miss", "", True]
+    for i in ("0", "1", "2"):
+        assert report[i] == ["hit", "remote", True], json.dumps(report)
+    (warning,) = report["warnings"]
+    assert warning.startswith(f"file://{share}: cannot write (") and "only reading" in warning
+    stats = report["stats"]
+    assert (stats["remote_hits"], stats["remote_errors"], stats["remote_stores"]) == (3, 0, 0)

@@ -18,6 +18,10 @@ team``), that group, as ``OPCACHE_SHARED_GROUP`` makes a local cache shared.
 A folder that is not there is an error, never created: an unmounted share
 would otherwise fill the local disk unseen.
 
+A folder this user may not write (a read-only mount, one it may only read) is
+read-only from its first refused store, with one warning, as an HTTP server's
+403 makes that remote: its entries are still read.
+
 No claims: each machine compiles the cold keys it misses (``flock`` on NFS
 holds across hosts on Linux, but a lock of a client that lost its lease is
 dropped by the server under it, and a claim must not be wrong quietly).
@@ -25,6 +29,7 @@ dropped by the server under it, and a claim must not be wrong quietly).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -44,6 +49,10 @@ if TYPE_CHECKING:
     from . import Fetched
 
 log = get_logger(__name__)
+
+# What a store meets where this user may not write: a read-only mount, a folder it
+# may read and not write, one whose owner alone may change it.
+_REFUSED = frozenset((errno.EROFS, errno.EACCES, errno.EPERM))
 
 
 def connect(settings: RemoteSettings) -> FolderRemote:
@@ -114,6 +123,8 @@ class FolderRemote(Remote):
                 self._corrupt.discard((soc, key))
             stored = self._store.put(soc, key, manifest, files, now=time.time())
         except OSError as e:
+            if self._refused_writes(e):
+                return 0
             raise RemoteError(f"{self.where}: cannot store {soc}/{key}: {e}") from None
         return size if stored is not None else 0  # None: another machine's stands
 
@@ -123,7 +134,20 @@ class FolderRemote(Remote):
         try:
             self._store.discard(soc, key)
         except OSError as e:
-            raise RemoteError(f"{self.where}: cannot remove {soc}/{key}: {e}") from None
+            if not self._refused_writes(e):
+                raise RemoteError(f"{self.where}: cannot remove {soc}/{key}: {e}") from None
+
+    def _refused_writes(self, error: OSError) -> bool:
+        """Whether ``error`` says that this user may not write the folder (a read-only
+        mount, a folder of someone else's): the remote turns read-only, with one
+        warning, as an HTTP server's 403 makes it, and its entries are still read.
+        (A RemoteError would pause it, reads too, for every process of the machine.)"""
+        if error.errno not in _REFUSED:
+            return False
+        if not self.read_only:
+            self.read_only = True
+            log.warning("%s: cannot write (%s): only reading it from now on", self.where, error)
+        return True
 
     def _chips(self, soc: str | None) -> list[str]:
         """``soc``, or every chip folder; OSError when the folder cannot be listed (the
