@@ -100,6 +100,7 @@ from .request import check_soc_version, is_plain_name
 from .settings import INI_NAME, Settings, resolve_settings
 from .storage import Remote, RemoteCorrupt, RemoteError, open_remote
 from .storage.entry import make_manifest
+from .storage.remote import cann_chip
 
 log = get_logger(__name__)
 
@@ -137,7 +138,7 @@ class Namespace(Record):
 
     @property
     def remote_chip(self) -> str:
-        return f"cann:{self.soc}:{self.ident}"
+        return cann_chip(self.soc, self.ident)
 
     def versions(self) -> dict[str, str]:
         # (no custom packages: the namespace of a folder is what it was before they counted)
@@ -719,7 +720,7 @@ def _taking(
 
 
 def _index_chip(soc: str) -> str:
-    return f"cann:{soc}"
+    return cann_chip(soc)
 
 
 _VERSION_KEYS = ("adk_version", "ops_version", "driver")

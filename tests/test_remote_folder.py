@@ -245,25 +245,59 @@ def test_a_damaged_entry_is_replaced_by_the_next_compile(
         assert (kept / "MANIFEST").is_file()
 
 
+def opcache_command(
+    tmp_path: Path, share: Path, *args: str, **more: str
+) -> subprocess.CompletedProcess[str]:
+    """``opcache <args>`` run in a process of its own, the share as its remote (and
+    ``more`` variables)."""
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"], "OPCACHE_REMOTE": f"file://{share}"}
+    env |= more
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", *args],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    return done
+
+
 def test_remote_stats_and_clear_commands_on_a_folder(share: Path, tmp_path: Path) -> None:
     r = connect(settings(share))
     r.put(SOC, KEY, *entry())
     r.put(SOC, OTHER, *entry(OTHER))
-    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"], "OPCACHE_REMOTE": f"file://{share}"}
-
-    def opcache_command(*args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [sys.executable, "-m", "opcache", *args],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-        return done
-
-    stats = opcache_command("remote", "stats")
+    stats = opcache_command(tmp_path, share, "remote", "stats")
     assert f"{SOC}" in stats.stdout and "2" in stats.stdout
     assert "memory" not in stats.stdout and stats.stderr == ""  # no Redis eviction advice
-    assert "removed 2 entries" in opcache_command("remote", "clear").stdout
+    assert "removed 2 entries" in opcache_command(tmp_path, share, "remote", "clear").stdout
     assert r.get(SOC, KEY) is None
+
+
+def test_remote_stats_and_clear_count_and_remove_what_cann_push_stored(
+    share: Path, tmp_path: Path
+) -> None:
+    """`opcache cann push` stores under the chips cann:<soc> (its index) and
+    cann:<soc>:<namespace>: a folder remote's stats left them out, and its clear
+    left them in the share, where Redis's counts and deletes them."""
+    from helpers_cann import kernel_name, store_entry, write_ini
+
+    (tmp_path / "driver").mkdir()
+    (tmp_path / "driver" / "version.info").write_text("Version=24.1.rc2\n")
+    env = {"ASCEND_DRIVER_PATH": str(tmp_path / "driver")}
+    base = tmp_path / "atc"  # a CANN cache built with that driver
+    write_ini(base / "kernel_cache")
+    for i in range(3):
+        store_entry(base / "kernel_cache" / SOC, kernel_name("Add", f"k{i}"), os.urandom(1000))
+    push = ["cann", "push", "--op_compiler_cache_dir", str(base), "--json"]
+    pushed = json.loads(opcache_command(tmp_path, share, *push, **env).stdout)
+    assert pushed["chips"][SOC]["sent"] == 3, json.dumps(pushed)
+    connect(settings(share)).put(SOC, KEY, *entry())  # and an entry of opcache's own
+    (share / f"cann:{SOC}:notes").mkdir()  # (named as no chip: someone else's)
+
+    chips = json.loads(opcache_command(tmp_path, share, "remote", "stats", "--json").stdout)
+    counted = {chip: row["entries"] for chip, row in chips["chips"].items()}
+    namespace = f"cann:{SOC}:{pushed['chips'][SOC]['namespace']['id']}"
+    assert counted == {SOC: 1, f"cann:{SOC}": 1, namespace: 3}, chips
+    assert "removed 5 entries" in opcache_command(tmp_path, share, "remote", "clear").stdout
+    assert sorted(p.name for p in share.iterdir()) == [".opcache", f"cann:{SOC}:notes"]
 
 
 _CHILD = """

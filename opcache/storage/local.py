@@ -107,6 +107,9 @@ class LocalStore:
         # An entry whose manifest says more is corrupt, its artifacts never read
         # (a shared folder's remote sets it: held to its size cap as any remote is).
         self.max_entry_bytes: int | None = None
+        # Chips of other names this root holds too, their entries named by any plain
+        # name (a shared folder's remote sets it: CANN's kernels, ``is_cann_chip``).
+        self.other_chips: Callable[[str], bool] | None = None
         book = self.root / BOOKKEEPING
         self.tmp_dir = book / "tmp"
         self.trash_dir = book / "trash"
@@ -276,7 +279,8 @@ class LocalStore:
 
     def chips(self) -> list[str]:
         """The chip folders present under the root (real folders, not links, named as
-        a soc_version may be: ``lost+found`` or ``notes by alice`` is no chip)."""
+        a soc_version may be, or as ``other_chips`` says: ``lost+found`` or ``notes by
+        alice`` is no chip)."""
         try:
             names = os.listdir(self.root)
         except OSError:
@@ -285,7 +289,7 @@ class LocalStore:
         for name in sorted(names):
             if name.startswith(".") or not _is_real_dir(self.root / name):
                 continue
-            if _is_chip_name(name):
+            if _is_chip_name(name) or self._other_chip(name):
                 chips.append(name)
             else:
                 # Someone else's: maintenance clears, ages and counts chips only.
@@ -608,8 +612,13 @@ class LocalStore:
         chip_fd = self._open_chip_if_there(soc)
         if chip_fd is None:
             return
+        any_key = self._other_chip(soc)  # (a CANN kernel's name, not a key)
         try:
-            buckets = sorted(n for n in os.listdir(chip_fd) if _BUCKET.fullmatch(n))
+            buckets = sorted(
+                n
+                for n in os.listdir(chip_fd)
+                if _BUCKET.fullmatch(n) or (any_key and len(n) == 2 and not n.startswith("."))
+            )
             for done, bucket in enumerate(buckets, 1):
                 try:
                     bucket_fd = self._open_dir(bucket, chip_fd, self.chip_dir(soc), create=False)
@@ -627,7 +636,7 @@ class LocalStore:
                     names = []
                 try:
                     for name in names:
-                        if is_key(name) and name.startswith(bucket):
+                        if (any_key or is_key(name)) and name.startswith(bucket):
                             yield bucket_fd, name
                 finally:
                     os.close(bucket_fd)
@@ -927,6 +936,9 @@ class LocalStore:
             if e.errno in fsutil.GONE:
                 return None
             raise
+
+    def _other_chip(self, name: str) -> bool:
+        return self.other_chips is not None and self.other_chips(name)
 
     def _check_root(self) -> None:
         """UntrustedFolder when the root itself may not be used (``trust.root_problem``:

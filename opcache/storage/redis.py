@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import socket
 import threading
 import time
@@ -65,6 +64,7 @@ from .remote import (
     RemoteCorrupt,
     RemoteError,
     connect_in_turn,
+    is_cann_chip,
     printable,
     said,
     secrets_of,
@@ -753,18 +753,20 @@ class _Claim(Claim):
             self._remote._drop(self, mark)
 
 
-_NAMESPACE = re.compile(rb"[0-9a-f]{16}")
-
-
 def _ours(name: bytes) -> bool:
     """Whether ``name``, the prefix taken off, is one this cache writes: ``<soc>:<key>``,
     CANN's ``cann:<soc>:#index`` and ``cann:<soc>:<namespace>:<kernel>``
-    (``cann_transfer.py``), each maybe with its claim's suffix.  Another cache's
-    prefix beginning with ours (``opcache:1:teamB:`` under ``opcache:1:``) gives its
-    names a part more: ``opcache remote clear`` deleted them."""
+    (``cann_transfer.py``; its chips are ``is_cann_chip``'s), each maybe with its
+    claim's suffix.  Another cache's prefix beginning with ours (``opcache:1:teamB:``
+    under ``opcache:1:``) gives its names a part more: ``opcache remote clear``
+    deleted them."""
     parts = name.split(b":")
     if parts[0] == b"cann" and len(parts) >= 3:
-        return parts[2] == b"#index" or (len(parts) >= 4 and bool(_NAMESPACE.fullmatch(parts[2])))
+        index = parts[2] == b"#index"
+        if not index and len(parts) < 4:
+            return False
+        chip = b":".join(parts[:2] if index else parts[:3])
+        return is_cann_chip(chip.decode(errors="replace"))
     soc, _, key = name.removesuffix(CLAIM_SUFFIX.encode()).partition(b":")
     return bool(soc) and bool(key) and b":" not in key
 
