@@ -152,13 +152,17 @@ def compile_specs(
     """
     built = get_compiler(compiler, **(compiler_options or {}))  # a bad one fails here, once
     report = on_outcome or (lambda outcome: None)
-    outcomes: list[Outcome] = []
+    outcomes: list[Outcome | None] = []  # in the specs' order, each filled when known
     good: list[tuple[str, OpRequest]] = []
+    at: list[int] = []  # each good request's place in ``outcomes``
     for where, request in load_specs(specs):  # bad specs first: known before any compile
         if isinstance(request, str):
-            outcomes.append(Outcome(where, "?", "error", error=request))
-            report(outcomes[-1])
+            bad = Outcome(where, "?", "error", error=request)
+            outcomes.append(bad)
+            report(bad)
         else:
+            at.append(len(outcomes))
+            outcomes.append(None)
             good.append((where, request))
     outs = [_target(Path(output), request) for _, request in good]
 
@@ -179,4 +183,6 @@ def compile_specs(
             jobs=jobs,
             on_result=lambda index, result: report(outcome(index, result)),
         )
-    return outcomes + [outcome(index, result) for index, result in enumerate(results)]
+    for index, result in enumerate(results):
+        outcomes[at[index]] = outcome(index, result)
+    return [done for done in outcomes if done is not None]

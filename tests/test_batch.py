@@ -270,6 +270,21 @@ def test_bad_specs_are_reported_with_file_and_field_and_the_rest_compiles(projec
     assert (tmp_path / "build" / "good").is_dir() and (tmp_path / "build" / "add_small").is_dir()
 
 
+def test_json_lists_the_operators_in_the_specs_order_bad_ones_included(project, tmp_path):
+    # The bad spec is reported first as it is known first; --json still lists
+    # each operator where its spec stands (a script pairs them up by position).
+    ops = [
+        spec("AddScaled", [4, 64], "first", sources={"add.c": str(project / "kernels/add.c")}),
+        spec("AddScaled", [4, 64], "no_source", sources={"add.c": "missing.c"}),
+        spec("AddScaled", [8, 64], "last", sources={"add.c": str(project / "kernels/add.c")}),
+    ]
+    (tmp_path / "ops.json").write_text(json.dumps(ops))
+    cmd = ["compile", "--op", "ops.json", "--output", "build", "--compiler", "cc", "--json"]
+    data = json.loads(run(*cmd, env=base_env(tmp_path), cwd=tmp_path, status=1))
+    listed = [(op["spec"], op["status"]) for op in data["operators"]]
+    assert listed == [("ops.json[0]", "miss"), ("ops.json[1]", "error"), ("ops.json[2]", "miss")]
+
+
 def test_a_failing_compile_is_an_error_and_is_not_cached(project, tmp_path):
     (project / "kernels" / "broken.c").write_text("void kernel(void) { undeclared_thing_42; }\n")
     (project / "broken.json").write_text(
