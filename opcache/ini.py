@@ -39,7 +39,7 @@ _TEMPLATE = f"""\
 # Operator compile cache settings (CANN's op_cache.ini format), created by opcache.
 [{SECTION}]
 VERSIONS# Size limit of each chip folder in MB (1 MB = 1048576 bytes): -1 turns aging
-# off, otherwise 1..{MAX_SIZE_LIMIT}.  The two keys below take effect only when
+# off, otherwise 1..2147483647.  The two keys below take effect only when
 # both are set and valid; until then ASCEND_MAX_OP_CACHE_SIZE and
 # ASCEND_REMAIN_CACHE_SIZE_RATIO apply, then the defaults shown.
 #{MAX_KEY}={DEFAULT_MAX_SIZE_MB}
