@@ -172,7 +172,10 @@ class _Chips:
             try:
                 os.scandir(root / name).close()
             except FileNotFoundError:
-                continue  # (the one asked for, and it is not there: the command says so)
+                # The one asked for is not there: a chip not compiled for here yet, or a
+                # name mistyped in a cron line, which would otherwise pass unseen.
+                print(f"opcache: warning: no chip folder {root / name}", file=sys.stderr)
+                continue
             except OSError as e:
                 self.unreadable[name] = e.strerror or str(e)
             else:
