@@ -41,6 +41,9 @@ size (counted as CANN counts it) would reach its limit.  A missing
 ``op_cache.ini`` is created as CANN creates it (the two versions, 0640):
 without it CANN's first compile would wipe the folder; never while a chip
 folder holds files (of unknown versions: the ini would make CANN keep them).
+The ini is looked at again after each entry is shown, its lock held
+(``IniMark``): a CANN of another toolkit rewrites it, then wipes the folder,
+and would take an entry written after as its own; the writing stops there.
 
 **The remote's keys.**  Per chip, ``cann:<soc>`` / ``#index``: the
 namespaces pushed and, per namespace, each kernel's last access and size
@@ -360,16 +363,52 @@ def giving_namespace(
     return ns, IniMark(path, before), inputs
 
 
-def create_ini(path: Path, ns: Namespace) -> None:
+def taking_namespace(
+    root: Path, soc: str, environ: Mapping[str, str], shared_group: int | None
+) -> tuple[Namespace, IniMark | None]:
+    """The namespace of a chip folder that takes entries (pull, import), and the mark of
+    the op_cache.ini it was read from (None when there is none yet: ``create_ini``
+    makes it).  Refused when the ini changed while read."""
+    path = root / INI_NAME
+    before = _stamp(path)
+    ns, missing = local_namespace(root, soc, environ, shared_group, taking=True)
+    if missing:
+        return ns, None
+    if before is None or _stamp(path) != before:
+        raise Refused(f"{path} changed while it was read (a toolkit change?): run it again")
+    return ns, IniMark(path, before)
+
+
+def create_ini(path: Path, ns: Namespace, shared_group: int | None = None) -> tuple[IniMark, bool]:
     """op_cache.ini as CANN's ``CreatOpCacheIniFile`` writes it: exactly the section and
-    the two versions, mode 0640 narrowed by the umask; never over an existing file."""
+    the two versions, mode 0640 narrowed by the umask; never over an existing file.
+
+    (its mark, whether this made it).  One another process made meanwhile is
+    taken only if it names ``ns``'s versions: a CANN of another toolkit that
+    made it wipes the chip folder and takes what is written after as its own.
+    """
     text = f"[{ini.SECTION}]\nadk_version={ns.adk_version}\nops_version={ns.ops_version}\n"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
     except FileExistsError:
-        return  # another process made it: its versions are checked by the caller's next run
+        before = _stamp(path)
+        found = ini_versions(path, shared_group)
+        if found != (ns.adk_version, ns.ops_version):
+            said = f"adk_version {found[0]}, ops_version {found[1]}" if found else "nothing"
+            raise Refused(
+                f"{path} was made meanwhile, and says {said}, not this toolkit's "
+                f"{ns.adk_version}, {ns.ops_version} (a CANN of another toolkit?): nothing written"
+            ) from None
+        if before is None or _stamp(path) != before:
+            raise Refused(
+                f"{path} changed while it was read (a toolkit change?): run it again"
+            ) from None
+        return IniMark(path, before), False
     with os.fdopen(fd, "w", encoding="latin-1") as f:
         f.write(text)
+        f.flush()
+        st = os.fstat(fd)
+    return IniMark(path, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)), True
 
 
 # -- a chip folder, read --------------------------------------------------------------------
@@ -496,16 +535,28 @@ class _Full(Exception):
     """The next entry would take the chip folder to its size limit."""
 
 
+class _Stop(Exception):
+    """Nothing more goes into this chip folder; the message says why."""
+
+
+TOOLKIT_CHANGED = (
+    "stopped: op_cache.ini changed while entries went in (the folder's toolkit changed? "
+    "CANN then wipes the folder, and would take what is written after as its own)"
+)
+
+
 class _Writer:
     """Stores bundles into a chip folder open as ``fd`` as CANN stores (module docstring)."""
 
-    def __init__(self, fd: int, limits: Limits, report: dict) -> None:
+    def __init__(self, fd: int, limits: Limits, report: dict, ini: IniMark) -> None:
         self.fd = fd
         scan = scan_chip(fd)
         self.present = set(scan.files)
         self.used = scan.used
         self.limit = limits.max_bytes
         self.report = report
+        self.ini = ini
+        self.stopped: str | None = None  # why nothing more is written, once so
         self._parked: list[int] = []
 
     def close(self) -> None:
@@ -521,7 +572,20 @@ class _Writer:
         return self.limit is None or self.used + size < self.limit
 
     def write(self, bundle: Bundle) -> None:
-        """Store one bundle; the report says what became of it.  _Full when it does not fit."""
+        """Store one bundle; the report says what became of it.  _Full when it does not
+        fit; ``stopped`` says why once nothing more may be written (then in the report's
+        ``errors``)."""
+        if self.stopped is not None:
+            return None
+        try:
+            return self._write(bundle)
+        except _Stop as e:
+            self.stopped = str(e)
+            self.report.setdefault("errors", []).append(self.stopped)
+            log.warning("%s", self.stopped)
+            return None
+
+    def _write(self, bundle: Bundle) -> None:
         kernel, files = bundle.kernel, bundle.files
         main = f"{kernel}.json"
         if not is_plain_name(kernel) or main not in files:
@@ -584,9 +648,11 @@ class _Writer:
 
     def _store(self, bundle: Bundle, main: str) -> str | None:
         """Write the files (json last), check them on disk, then show the json;
-        None, or why not (then nothing of it is left)."""
+        None, or why not (then nothing of it is left).  _Stop (nothing of it left)
+        when op_cache.ini changed by the time the json is shown."""
         order = sorted(bundle.files, key=lambda n: (n == main, n.endswith(".json"), n))
         done: list[str] = []  # what to remove if the entry cannot be shown
+        stop = None
         try:
             for name in order[:-1]:
                 done.append(self._temp(name, bundle))
@@ -597,12 +663,21 @@ class _Writer:
             why = self._check(bundle, main, tmp)
             if why is None:
                 os.rename(tmp, main, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-                return None
+                done[-1] = main
+                # Its lock still held.  CANN of a new toolkit rewrites the ini first, then
+                # wipes the folder: an entry shown before the rewrite is wiped, one shown
+                # after is caught here.  (Its kernel names carry no toolkit version: it
+                # would reuse an old toolkit's kernel.)
+                if not self.ini.changed():
+                    return None
+                why = stop = TOOLKIT_CHANGED
         except (OSError, OverflowError, ValueError) as e:  # one entry's bad data ends no run
             why = f"cannot write it: {getattr(e, 'strerror', None) or e}"
         for name in done:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=self.fd)
+        if stop is not None:
+            raise _Stop(stop)
         return why
 
     def _temp(self, name: str, bundle: Bundle) -> str:
@@ -702,18 +777,22 @@ def _new_report(ns: Namespace) -> dict:
 
 
 def _taking(
-    root: Path, soc: str, settings: Settings, ns: Namespace, ini_missing: bool, dry_run: bool
-) -> tuple[dict, _Chip | None]:
-    """The report of a chip folder that takes entries, and the folder opened, made if
-    missing, with op_cache.ini created if missing (None on a dry run: nothing is made)."""
+    root: Path, soc: str, settings: Settings, ns: Namespace, mark: IniMark | None, dry_run: bool
+) -> tuple[dict, _Chip | None, IniMark | None]:
+    """The report of a chip folder that takes entries, the folder opened, made if
+    missing, and the mark of its op_cache.ini, created if missing (``mark`` None)
+    (no folder nor mark on a dry run: nothing is made)."""
     report = _new_report(ns)
     if dry_run:
-        return report, None
+        return report, None, None
     chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=True)
-    if ini_missing:
-        create_ini(root / INI_NAME, ns)
-        report["ini_created"] = True
-    return report, chip
+    if mark is None:
+        try:
+            mark, report["ini_created"] = create_ini(root / INI_NAME, ns, settings.shared_group)
+        except BaseException:
+            chip.close()
+            raise
+    return report, chip, mark
 
 
 # -- the remote ------------------------------------------------------------------------------
@@ -1007,7 +1086,7 @@ def _pull_chip(
     dry_run: bool,
     progress: Callable[[int], None] | None,
 ) -> dict:
-    ns, ini_missing = local_namespace(root, soc, environ, settings.shared_group, taking=True)
+    ns, mark = taking_namespace(root, soc, environ, settings.shared_group)
     spaces, _ = _read_index(client, soc)
     if ns.ident not in spaces:
         others = [_described(s) for s in spaces.values()]
@@ -1017,7 +1096,7 @@ def _pull_chip(
                 f"not for this folder's {ns.describe()}: nothing pulled"
             )
     rows = _index_entries(spaces, ns)
-    report, chip = _taking(root, soc, settings, ns, ini_missing, dry_run)
+    report, chip, mark = _taking(root, soc, settings, ns, mark, dry_run)
     if chip is None:
         present = _present_names(root, soc, settings)
         report["would_pull"] = sum(1 for k in rows if f"{k}.json" not in present)
@@ -1028,7 +1107,8 @@ def _pull_chip(
         held.callback(chip.close)
         if not _fill_lock(held, chip, report):
             return report
-        writer = _Writer(chip.fd, limits, report)
+        assert mark is not None
+        writer = _Writer(chip.fd, limits, report, mark)
         held.callback(writer.close)
         wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
         report["present"] = len(rows) - len(wanted)
@@ -1041,10 +1121,10 @@ def _pull_chip(
                 got = ahead.result()
                 if at + 1 < len(batches):
                     ahead = fetcher.submit(client.get_many, ns.remote_chip, batches[at + 1])
-                if not writer.fits(rows[batch[0]][1]) or not _write_batch(
-                    writer, batch, got, report
-                ):
+                if not writer.fits(rows[batch[0]][1]):
                     report["stopped_at_limit"] = True
+                if report["stopped_at_limit"] or not _write_batch(writer, batch, got, report):
+                    ahead.cancel()  # (what is on its way already is not waited for)
                     break
                 if progress is not None:
                     progress((at + 1) * 100 // len(batches))
@@ -1093,7 +1173,8 @@ def _fill_lock(held: contextlib.ExitStack, chip: _Chip, report: dict) -> bool:
 
 
 def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> bool:
-    """Write a fetched batch in order; False once the folder is full."""
+    """Write a fetched batch in order; False once the folder is full or the writer
+    stopped (``_Writer.stopped``)."""
     for kernel in batch:
         value = got.get(kernel)
         if value is None:
@@ -1111,6 +1192,8 @@ def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> 
             writer.write(Bundle(kernel, _atime_of(manifest), entry.files))
         except _Full:
             report["stopped_at_limit"] = True
+            return False
+        if writer.stopped:
             return False
     return True
 
@@ -1224,7 +1307,7 @@ def import_archive(
     env = os.environ if environ is None else environ
     root = cann_root(settings)
     chips: dict[str, object] = {}
-    taking: dict[str, tuple[_Chip, dict, bytes]] = {}
+    taking: dict[str, tuple[_Chip, dict, bytes, IniMark]] = {}
     writers: dict[str, tuple[_Writer, bytes]] = {}
     with contextlib.ExitStack() as held:
         reader = held.enter_context(ArchiveReader(Path(path), CANN))
@@ -1233,9 +1316,7 @@ def import_archive(
             if soc_version and soc != soc_version:
                 continue
             try:
-                ns, ini_missing = local_namespace(
-                    root, soc, env, settings.shared_group, taking=True
-                )
+                ns, mark = taking_namespace(root, soc, env, settings.shared_group)
                 if {versions for _, _, versions in rows} != {
                     digest(canonical_json(ns.versions())).encode()
                 }:
@@ -1243,7 +1324,7 @@ def import_archive(
                         f"the archive's {soc} entries are of other versions than this folder's "
                         f"{ns.describe()}: nothing imported"
                     )
-                report, chip = _taking(root, soc, settings, ns, ini_missing, dry_run)
+                report, chip, mark = _taking(root, soc, settings, ns, mark, dry_run)
             except (Refused, trust.UntrustedFolder) as e:
                 chips[soc] = {"refused": str(e)}
                 continue
@@ -1252,21 +1333,22 @@ def import_archive(
                 report["would_import"] = len(rows)
                 continue
             held.callback(chip.close)
-            taking[soc] = chip, report, canonical_json(ns.versions())
+            assert mark is not None
+            taking[soc] = chip, report, canonical_json(ns.versions()), mark
         # Every chip's ini read (namespaces, limits) before any aging lock is taken: a
         # file opened and closed while one is held may be a hard link to it, which
         # the close would let go of.
         limits = read_limits(root, env, settings.shared_group) if taking else None
-        for soc, (chip, report, versions) in taking.items():
+        for soc, (chip, report, versions, mark) in taking.items():
             if _fill_lock(held, chip, report):
                 assert limits is not None
-                writers[soc] = (_Writer(chip.fd, limits, report), versions)
+                writers[soc] = (_Writer(chip.fd, limits, report, mark), versions)
                 held.callback(writers[soc][0].close)
         total = sum(len(found[s]) for s in writers)
         # The same open file again, each entry the one checked above.
         for done, (soc, kernel, entry, manifest) in enumerate(reader.entries(), 1):
             writer, versions = writers.get(soc, (None, b""))
-            if writer is None or writer.report["stopped_at_limit"]:
+            if writer is None or writer.report["stopped_at_limit"] or writer.stopped:
                 continue
             if _versions_of(manifest) != versions:
                 writer._bad(kernel, "its versions are not this folder's")

@@ -1231,3 +1231,172 @@ def test_pull_keeps_the_aging_lock_when_op_cache_ini_is_another_name_of_it(machi
     report = b.pull()
     assert report["written"] == 2
     assert seen == ["held", "held"]
+
+
+def _cann_of_a_new_toolkit_starts(root: Path, soc: str = SOC) -> None:
+    """CANN's DelCachedFiles under another toolkit: the shared ini's versions rewritten
+    (UpdateOpCacheIniFile), then the chip folder emptied, locks and temps too."""
+    _toolkit_change(root)
+    for path in (root / soc).iterdir():
+        path.unlink()
+
+
+def _old_kernels_in(chip: Path, kernels: list[str]) -> list[str]:
+    return sorted(k for k in kernels if (chip / f"{k}.json").exists() or (chip / f"{k}.o").exists())
+
+
+@pytest.mark.parametrize("when", ["before an entry", "after an entry is shown"])
+def test_a_toolkit_change_during_a_pull_leaves_no_old_kernel_under_the_new_ini(
+    machines, monkeypatch, when
+):
+    """A CANN of a new toolkit starts compiling while a pull runs: the pull went on
+    writing the old toolkit's kernels, which the new CANN reuses (its kernel names
+    carry no toolkit version) and B's next push published under the new namespace."""
+    a, b = machines
+    kernels = _fill(a, 100, size=500)
+    assert a.push()["sent"] == 100
+    write_ini(b.root)
+    b.chip.mkdir()
+    calls = [0]
+    if when == "before an entry":
+        real = cann_transfer._Writer.write
+
+        def write(self, bundle):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] == 50:
+                _cann_of_a_new_toolkit_starts(b.root)
+            return real(self, bundle)
+
+        monkeypatch.setattr(cann_transfer._Writer, "write", write)
+    else:  # the ini rewritten right after the 50th json is renamed, the wipe after the check
+        changed = cann_transfer.IniMark.changed
+
+        def probing(self):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] == 50:
+                _toolkit_change(b.root)
+                seen = changed(self)
+                for path in b.chip.iterdir():
+                    path.unlink()
+                return seen
+            return changed(self)
+
+        monkeypatch.setattr(cann_transfer.IniMark, "changed", probing)
+    report = b.pull()
+    monkeypatch.undo()
+    assert report["errors"] == [cann_transfer.TOOLKIT_CHANGED]
+    assert report["written"] == 49  # (wiped by the new CANN)
+    assert _old_kernels_in(b.chip, kernels) == []
+    assert [p.name for p in b.chip.iterdir()] in ([], [f"{kernels[49]}.lock"])
+    assert "adk_version=8.0.RC1" in (b.root / "op_cache.ini").read_text()
+    # Nothing of 7.0.RC1 goes out as 8.0.RC1's.
+    pushed = b.push()
+    assert (pushed["namespace"]["adk_version"], pushed["entries"], pushed["sent"]) == (
+        "8.0.RC1",
+        0,
+        0,
+    )
+
+
+def _cli_patched(machine: Machine, patch: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``opcache cann ARGS`` in a process of its own, ``patch`` (Python, with
+    ``cann_transfer`` and ``Path`` at hand) run first: what another process does
+    meanwhile, at a set point."""
+    env = {**os.environ, **machine.env, "OPCACHE_REMOTE": machine.url}
+    code = (
+        "import os, sys, runpy\nfrom pathlib import Path\nfrom opcache import cann_transfer\n"
+        f"{patch}\nsys.argv = ['opcache', *sys.argv[1:]]\n"
+        "runpy.run_module('opcache', run_name='__main__')\n"
+    )
+    argv = [sys.executable, "-c", code, "cann", *args]
+    argv += ["--op_compiler_cache_dir", str(machine.base), "--soc_version", SOC]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_says_a_toolkit_change_stopped_the_pull_in_one_line(machines):
+    a, b = machines
+    kernels = _fill(a, 40, size=500)
+    a.push()
+    write_ini(b.root)
+    b.chip.mkdir()
+    patch = f"""
+real, calls = cann_transfer._Writer.write, [0]
+def write(self, bundle):
+    calls[0] += 1
+    if calls[0] == 20:  # CANN of 8.0.RC1: the ini rewritten, then the folder wiped
+        ini = Path({str(b.root / "op_cache.ini")!r})
+        ini.write_text(ini.read_text().replace("7.0.RC1", "8.0.RC1"))
+        for name in os.listdir({str(b.chip)!r}):
+            os.unlink(os.path.join({str(b.chip)!r}, name))
+    return real(self, bundle)
+cann_transfer._Writer.write = write
+"""
+    done = _cli_patched(b, patch, "pull")
+    assert done.returncode == 1, done
+    assert "op_cache.ini changed while entries went in" in done.stdout
+    assert done.stderr.count("op_cache.ini changed") == 1, done.stderr  # one warning
+    assert _old_kernels_in(b.chip, kernels) == []
+
+
+def test_a_toolkit_change_during_an_import_leaves_no_old_kernel_under_the_new_ini(
+    machines, monkeypatch, tmp_path
+):
+    a, b = machines
+    kernels = _fill(a, 20, size=500)
+    path = tmp_path / "a.tar"
+    exported = cann_transfer.export_archive(path, SOC, settings=a.settings(), environ=a.env)
+    assert exported["chips"][SOC]["entries"] == 20
+    write_ini(b.root)
+    b.chip.mkdir()
+    real = cann_transfer._Writer.write
+    calls = [0]
+
+    def write(self, bundle):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 10:
+            _cann_of_a_new_toolkit_starts(b.root)
+        return real(self, bundle)
+
+    monkeypatch.setattr(cann_transfer._Writer, "write", write)
+    report = cann_transfer.import_archive(path, SOC, settings=b.settings(), environ=b.env)
+    chip = report["chips"][SOC]
+    assert chip["errors"] == [cann_transfer.TOOLKIT_CHANGED]
+    assert calls[0] == 10  # nothing tried after
+    assert _old_kernels_in(b.chip, kernels) == []
+
+
+@pytest.mark.parametrize("versions", ["8.0.0", "7.0.RC1"])
+def test_an_ini_another_process_makes_before_the_pull_does_must_name_its_toolkit(
+    machines, monkeypatch, versions
+):
+    """No ini when the pull read it; a CANN of another toolkit made one (and wiped)
+    before the pull's own: the pull reported ini_created and wrote its toolkit's
+    kernels under the other's ini."""
+    a, b = machines
+    _fill(a, 5)
+    assert a.push()["sent"] == 5
+    b.toolkit()  # 7.0.RC1, as A's ini
+    real = cann_transfer.create_ini
+
+    def create_ini(path, *rest):  # type: ignore[no-untyped-def]
+        path.write_text(f"[op_compiler_cache]\nadk_version={versions}\nops_version={versions}\n")
+        return real(path, *rest)
+
+    monkeypatch.setattr(cann_transfer, "create_ini", create_ini)
+    report = b.pull()
+    if versions == "7.0.RC1":  # (another pull of the same toolkit, say)
+        assert (report["written"], report["ini_created"]) == (5, False)
+        return
+    assert "says adk_version 8.0.0, ops_version 8.0.0" in report["refused"]
+    assert not [p for p in b.chip.iterdir() if p.name.endswith((".json", ".o"))]
+    (b.root / "op_cache.ini").unlink()
+    patch = """
+real = cann_transfer.create_ini
+def create_ini(path, *rest):
+    path.write_text('[op_compiler_cache]\\nadk_version=8.0.0\\nops_version=8.0.0\\n')
+    return real(path, *rest)
+cann_transfer.create_ini = create_ini
+"""
+    done = _cli_patched(b, patch, "pull")
+    assert done.returncode == 3, done
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("opcache: error: "), done
