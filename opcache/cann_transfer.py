@@ -61,6 +61,7 @@ import fcntl
 import os
 import random
 import re
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -539,6 +540,21 @@ class _Stop(Exception):
     """Nothing more goes into this chip folder; the message says why."""
 
 
+# Errors that mean the file system (or this user's quota on it) is full.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL = "stopped: the disk is full ({}): nothing more written"
+DISK_RESERVE = (
+    "stopped: the disk would be left with under {} free (the reserve kept for the jobs "
+    "that follow): nothing more written"
+)
+
+
+def disk_reserve(total: int) -> int:
+    """The free space a pull or an import leaves on a file system of ``total`` bytes:
+    5 % of it, at least 1 GiB, at most 10 % (a small file system keeps a tenth)."""
+    return min(max(total // 20, 1 << 30), total // 10)
+
+
 TOOLKIT_CHANGED = (
     "stopped: op_cache.ini changed while entries went in (the folder's toolkit changed? "
     "CANN then wipes the folder, and would take what is written after as its own)"
@@ -580,9 +596,7 @@ class _Writer:
         try:
             return self._write(bundle)
         except _Stop as e:
-            self.stopped = str(e)
-            self.report.setdefault("errors", []).append(self.stopped)
-            log.warning("%s", self.stopped)
+            self._stop(e)
             return None
 
     def _write(self, bundle: Bundle) -> None:
@@ -600,14 +614,16 @@ class _Writer:
             return None
         if not self.fits(bundle.size):
             raise _Full
-        with self._locked(kernel) as free:
-            if not free:
+        self._check_room([len(data) for data in files.values()])
+        with self._locked(kernel) as lock:
+            if not lock.free:
                 self.report["locked"].append(kernel)
                 return None
             if any(fsutil.lexists(name, self.fd) for name in files):  # (CANN re-checks too)
                 self.report["present"] += 1
                 return None
             why = self._store(bundle, main)
+            lock.kept = why is None
         if why is not None:
             return self._bad(kernel, why)
         self.used += bundle.size
@@ -616,35 +632,84 @@ class _Writer:
         self.report["bytes"] += bundle.size
         return None
 
+    def has_room(self, size: int) -> bool:
+        """Whether an entry of ``size`` bytes leaves the disk its reserve; when not,
+        the writer stops (``stopped``, in the report's ``errors``)."""
+        try:
+            self._check_room([size])
+        except _Stop as e:
+            self._stop(e)
+        return self.stopped is None
+
+    def _check_room(self, sizes: list[int]) -> None:
+        """_Stop when writing files of ``sizes`` bytes would leave the file system under
+        ``disk_reserve`` (each file in whole blocks, one more for the folder)."""
+        try:
+            st = os.fstatvfs(self.fd)
+        except OSError:
+            return
+        if st.f_blocks == 0:  # (a file system that tells nothing of its size)
+            return
+        block = st.f_frsize or st.f_bsize or 1
+        need = sum(-(-size // block) * block for size in sizes) + block
+        reserve = disk_reserve(st.f_blocks * block)
+        if st.f_bavail * block - need < reserve:
+            raise _Stop(DISK_RESERVE.format(_human(reserve)))
+
+    def _stop(self, e: _Stop) -> None:
+        self.stopped = str(e)
+        self.report.setdefault("errors", []).append(self.stopped)
+        log.warning("%s", self.stopped)
+
     def _bad(self, kernel: str, why: str) -> None:
         self.report["rejected"].append({"entry": kernel, "why": why})
         log.warning("%s not written: %s", kernel, why)
 
     @contextlib.contextmanager
-    def _locked(self, kernel: str) -> Iterator[bool]:
+    def _locked(self, kernel: str) -> Iterator[_EntryLock]:
         """CANN's ``LockAndOpenCacheFile``: ``<kernel>.lock`` opened a+, chmod 0640,
-        a non-blocking whole-file write lock; False when another process holds it
-        (or something that is not a regular file stands there, or a file of more
+        a non-blocking whole-file write lock; not ``free`` when another process holds
+        it (or something that is not a regular file stands there, or a file of more
         than one name: a hard link to the aging lock this process holds, which
-        closing it would release)."""
+        closing it would release).
+
+        A lock file this made is removed, still locked, unless the caller says
+        the entry was ``kept``: a pull that writes nothing leaves no lock file
+        (only if it is still the file made: a regular file of the same inode).
+        _Stop when the disk is full.
+        """
+        name = f"{kernel}.lock"
+        flags = os.O_RDWR | os.O_APPEND
+        created = True
         try:
-            lock_fd, st = fsutil.open_regular(
-                f"{kernel}.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, LOCK_MODE, dir_fd=self.fd
-            )
-        except OSError:
-            yield False
+            try:
+                lock_fd, st = fsutil.open_regular(
+                    name, flags | os.O_CREAT | os.O_EXCL, LOCK_MODE, dir_fd=self.fd
+                )
+            except FileExistsError:  # (a link too: O_EXCL never follows one)
+                created = False
+                lock_fd, st = fsutil.open_regular(name, flags, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                raise _Stop(DISK_FULL.format(e.strerror)) from None
+            yield _EntryLock(False)
             return
         if st.st_nlink != 1 or held_lock(st) is not None:
             # Any close of the aging lock's file releases it: kept open until close().
             self._parked.append(lock_fd)
-            yield False
+            yield _EntryLock(False)
             return
         # Held as a lock of this process's: a file of the entry swapped meanwhile for
         # another name of it is refused by the checks' reads, not closed under it.
-        with holding(lock_fd, st, f"{kernel}.lock"):
+        with holding(lock_fd, st, name):
             with contextlib.suppress(OSError):  # another user's lock file: CANN goes on too
                 os.fchmod(lock_fd, LOCK_MODE)
-            yield try_lock(lock_fd, fcntl.LOCK_EX)
+            lock = _EntryLock(try_lock(lock_fd, fcntl.LOCK_EX))
+            try:
+                yield lock
+            finally:
+                if created and lock.free and not lock.kept:
+                    _remove_own(self.fd, name, st)
 
     def _store(self, bundle: Bundle, main: str) -> str | None:
         """Write the files (json last), check them on disk, then show the json;
@@ -673,6 +738,9 @@ class _Writer:
                 why = stop = TOOLKIT_CHANGED
         except (OSError, OverflowError, ValueError) as e:  # one entry's bad data ends no run
             why = f"cannot write it: {getattr(e, 'strerror', None) or e}"
+            if isinstance(e, OSError) and e.errno in _NO_SPACE:
+                # Every entry after would fail the same way: the run ends here.
+                stop = DISK_FULL.format(e.strerror)
         for name in done:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=self.fd)
@@ -708,6 +776,36 @@ class _Writer:
         if why is None and entry.owned != set(names):
             why = "its files are not the ones its json names"
         return why.replace(tmp, main) if why else None
+
+
+class _EntryLock:
+    """An entry's lock as ``_Writer._locked`` took it: ``free`` (taken), ``kept`` (the
+    entry was written: its lock file stays, as CANN's do)."""
+
+    __slots__ = ("free", "kept")
+
+    def __init__(self, free: bool) -> None:
+        self.free = free
+        self.kept = False
+
+
+def _remove_own(fd: int, name: str, made: os.stat_result) -> None:
+    """Unlink ``name`` of the folder ``fd`` if it is still the regular file ``made``
+    describes (never a link, nor a file put in its place meanwhile)."""
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (made.st_dev, made.st_ino):
+            os.unlink(name, dir_fd=fd)
+    except OSError as e:
+        log.debug("%s left: %s", name, e)
+
+
+def _human(size: int) -> str:
+    """``size`` bytes for a person: KiB, MiB or GiB."""
+    for shift, unit in ((30, "GiB"), (20, "MiB")):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.1f} {unit}"
+    return f"{size / 1024:.1f} KiB"
 
 
 # -- the local side --------------------------------------------------------------------
@@ -1113,6 +1211,8 @@ def _pull_chip(
         wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
         report["present"] = len(rows) - len(wanted)
         batches = [wanted[at : at + _BATCH] for at in range(0, len(wanted), _BATCH)]
+        if batches and not writer.has_room(rows[batches[0][0]][1]):
+            batches = []  # (a disk under its reserve already: nothing fetched)
         # One thread fetches the next batch while this one writes the last.
         with ThreadPoolExecutor(1, thread_name_prefix="opcache-pull") as fetcher:
             ahead = fetcher.submit(client.get_many, ns.remote_chip, batches[0]) if batches else None

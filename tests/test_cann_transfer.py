@@ -319,7 +319,7 @@ def test_an_entry_failing_cann_checks_is_never_written(machines):
     assert [r["entry"] for r in report["rejected"]] == [bad]
     assert "sha256" in report["rejected"][0]["why"]
     assert report["written"] == 1
-    assert sorted(p.name for p in b.chip.glob(f"{bad}*")) == [f"{bad}.lock"]
+    assert sorted(p.name for p in b.chip.glob(f"{bad}*")) == []  # (nor the lock file it made)
 
 
 def _driver_digest(machine: Machine) -> str:
@@ -414,22 +414,107 @@ def test_push_asks_which_entries_the_remote_has_without_fetching_them(machines, 
     assert "cmdstat_set" not in calls  # nothing new: not even the index is written again
 
 
-def test_a_full_disk_leaves_no_part_of_an_entry(machines):
-    """ENOSPC half way through an entry: neither its binary nor a temp file stays."""
+def test_a_small_disk_stops_the_pull_at_its_reserve_leaving_no_part_of_an_entry(machines):
+    """A pull never takes a disk past its reserve (a tenth of a small one): the jobs that
+    follow it keep room; nothing half written, no lock file of an entry not written."""
     from helpers_faults import tmpfs
 
     a, b = machines
-    _fill(a, 8, size=100_000)
+    kernels = _fill(a, 8, size=100_000)
     a.push()
     with tmpfs(b.base, f"size={96 * os.sysconf('SC_PAGE_SIZE')}"):  # 384 KiB with 4 KiB pages
         write_ini(b.root, max_mb=-1, ratio=50)  # no size limit: the disk is the limit
         report = b.pull()
-        assert report["written"] >= 1
-        assert report["rejected"] and "No space left" in report["rejected"][0]["why"]
+        st = os.statvfs(b.chip)
         names = {p.name for p in b.chip.iterdir()}
-        assert not [n for n in names if n.endswith(".temp")]
-        written = {n[: -len(".json")] for n in names if n.endswith(".json")}
-        assert {n for n in names if n.endswith(".o")} == {f"{k}.o" for k in written}
+    total = st.f_blocks * st.f_frsize
+    assert report["written"] >= 1 and report["rejected"] == []
+    assert report["errors"] == [
+        cann_transfer.DISK_RESERVE.format(cann_transfer._human(total // 10))
+    ]
+    assert st.f_bavail * st.f_frsize >= total // 10
+    assert not [n for n in names if n.endswith(".temp")]
+    written = kernels[: report["written"]]
+    assert {n for n in names if n.endswith(".json")} == {f"{k}.json" for k in written}
+    assert {n for n in names if n.endswith(".o")} == {f"{k}.o" for k in written}
+    assert {n for n in names if n.endswith(".lock")} == {f"{k}.lock" for k in written} | {
+        "op_cache_file_del.lock"
+    }
+
+
+def test_a_disk_filled_meanwhile_stops_the_pull_at_the_first_enospc(machines, monkeypatch):
+    """Another writer fills the disk during a pull: every entry after failed as well, each
+    fetched, tried, warned of and leaving its lock file behind."""
+    from helpers_faults import tmpfs
+
+    a, b = machines
+    kernels = _fill(a, 100, size=500)  # four batches
+    a.push()
+    fetches = []
+    real_open = cann_transfer.open_remote
+
+    def counting(*args, **kw):  # type: ignore[no-untyped-def]
+        remote = real_open(*args, **kw)
+        get_many = remote.get_many
+
+        def fetch(chip, keys):  # type: ignore[no-untyped-def]
+            fetches.append(len(keys))
+            return get_many(chip, keys)
+
+        remote.get_many = fetch
+        return remote
+
+    stores = []
+    real_store = cann_transfer._Writer._store
+
+    def store(self, bundle, main):  # type: ignore[no-untyped-def]
+        stores.append(bundle.kernel)
+        if len(stores) == 10:  # another process fills what is left of the disk
+            with open(b.base / "filler", "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        return real_store(self, bundle, main)
+
+    monkeypatch.setattr(cann_transfer, "open_remote", counting)
+    monkeypatch.setattr(cann_transfer._Writer, "_store", store)
+    with tmpfs(b.base, "size=4m"):
+        write_ini(b.root, max_mb=-1, ratio=50)
+        monkeypatch.setattr(cann_transfer, "disk_reserve", lambda total: 0, raising=False)
+        report = b.pull()
+        names = {p.name for p in b.chip.iterdir()}
+    assert report["errors"] == [cann_transfer.DISK_FULL.format("No space left on device")]
+    assert (report["written"], report["rejected"], len(stores)) == (9, [], 10)
+    # The index, the batch written, and the next one, fetched ahead meanwhile, at most.
+    assert fetches[0] == 1 and len(fetches) <= 3, fetches
+    assert {n for n in names if n.endswith(".json")} == {f"{k}.json" for k in kernels[:9]}
+    assert {n for n in names if n.endswith(".lock")} == {f"{k}.lock" for k in kernels[:9]} | {
+        "op_cache_file_del.lock"
+    }
+    assert not [n for n in names if n.endswith((".temp", ".o")) and n[:-2] not in kernels[:9]]
+
+
+def test_the_command_line_stops_a_pull_on_a_full_disk_in_one_line(machines):
+    """The reviewer's run: aging off, a 4 MiB disk; the pull filled it to 100 %, then
+    fetched and tried every other entry, one warning each, exit status 1 on a full disk
+    (and `|| true; python train.py` started the job on it)."""
+    from helpers_faults import tmpfs
+
+    a, b = machines
+    _fill(a, 800, size=200)
+    a.push()
+    with tmpfs(b.base, "size=4m"):
+        write_ini(b.root, max_mb=-1, ratio=50)
+        done = _cli(b, "pull", "--json")
+        st = os.statvfs(b.chip)
+        locks = [p.name for p in b.chip.iterdir() if p.name.endswith(".lock")]
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)["chips"][SOC]
+    assert len(report["errors"]) == 1 and report["errors"][0].startswith("stopped: the disk")
+    assert 100 < report["written"] < 800 and report["rejected"] == []
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert len(locks) == report["written"] + 1  # (and the aging lock)
+    assert st.f_bavail * st.f_frsize >= (st.f_blocks * st.f_frsize) // 10
 
 
 def test_a_pull_while_another_fills_or_ages_the_folder_writes_nothing(machines):
