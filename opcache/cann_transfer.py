@@ -48,9 +48,10 @@ and would take an entry written after as its own; the writing stops there.
 **The remote's keys.**  Per chip, ``cann:<soc>`` / ``#index``: the
 namespaces pushed and, per namespace, each kernel's last access and size
 (written back merged by every push: a push lost to a concurrent one is
-mended by the next).  Entries are ``cann:<soc>:<namespace id>`` /
-``<kernel>``, each an opcache entry (manifest and files, checked whole on
-every read).
+mended by the next), and when a push last wrote or confirmed each namespace:
+one not pushed for ``INDEX_KEEP_SECONDS`` leaves it when it is next written.
+Entries are ``cann:<soc>:<namespace id>`` / ``<kernel>``, each an opcache
+entry (manifest and files, checked whole on every read).
 """
 
 from __future__ import annotations
@@ -906,10 +907,16 @@ _VERSION_KEYS = ("adk_version", "ops_version", "driver")
 def _read_index(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
     """(the chip's namespaces in the remote's index, whether any part of it was
     damaged); the parts that are not as ``_write_index`` writes them are dropped,
-    so a push writes back a sound index."""
+    so a push writes back a sound index.  Refused when it may be sound to another
+    opcache (over this one's entry cap, another format): never replaced by a new one."""
     got = remote.get_many(_index_chip(soc), [INDEX]).get(INDEX)
     if got is None:
         return {}, False
+    if isinstance(got, RemoteCorrupt) and got.maybe_sound:
+        raise Refused(
+            f"the remote's index of {soc} cannot be read here ({got}): another opcache's, "
+            "with a bigger OPCACHE_REMOTE_MAX_ENTRY_MB? (set the same on every machine)"
+        )
     if isinstance(got, RemoteCorrupt):
         log.warning("the remote's index of %s is damaged (%s): starting a new one", soc, got)
         return {}, True
@@ -935,8 +942,12 @@ def _read_index(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
         custom = space.get("custom")
         custom_part = {"custom": custom} if isinstance(custom, str) and custom else {}
         damaged |= "custom" in space and not custom_part
+        pushed = space.get("pushed")
+        # (none in an index an older opcache wrote: its clock starts at the next write)
+        pushed_part = {"pushed": pushed} if type(pushed) is int and pushed >= 0 else {}
+        damaged |= "pushed" in space and not pushed_part
         versions = {k: space[k] for k in _VERSION_KEYS}
-        spaces[ident] = {**versions, **custom_part, "entries": entries}
+        spaces[ident] = {**versions, **custom_part, **pushed_part, "entries": entries}
     if damaged:
         log.warning("the remote's index of %s is damaged in part: those parts dropped", soc)
     return spaces, damaged
@@ -1110,41 +1121,83 @@ def _push_chip(
                     progress(done * 100 // len(missing))
             while pending:
                 settle(*pending.popleft())
-        _write_index(client, ns, {k: (reader.entries[k][0], reader.size(k)) for k in stored})
+        why = _write_index(client, ns, {k: (reader.entries[k][0], reader.size(k)) for k in stored})
+        if why is not None:
+            log.warning("%s", why)
+            report["errors"] = [why]
     finally:
         chip.close()
     return report
 
 
+# A namespace no push wrote or confirmed for this long leaves the index when it is
+# next written (docs/cann.md): its machines are gone or run other versions, and the
+# index, one value under the remote's entry cap, keeps every namespace ever pushed.
+INDEX_KEEP_SECONDS = 30 * 86400
+_CONFIRM_SECONDS = 86400  # a push confirms its namespace at most once a day
+
+
 def _write_index(
-    client: Remote, ns: Namespace, rows: dict[str, tuple[int, int]], gone: Collection[str] = ()
-) -> None:
+    client: Remote,
+    ns: Namespace,
+    rows: dict[str, tuple[int, int]],
+    gone: Collection[str] = (),
+    *,
+    pushing: bool = True,
+) -> str | None:
     """Merge ``rows`` into the chip's index on the remote (latest access wins), and drop
-    the entries a pull found ``gone`` (evicted)."""
+    the entries a pull found ``gone`` (evicted); None, or why the remote did not take
+    it.  A push (``pushing``) stamps ``ns`` as pushed now; other namespaces not
+    pushed for ``INDEX_KEEP_SECONDS`` are dropped as the index is written."""
     if client.read_only:
-        return
-    spaces, damaged = _read_index(client, ns.soc)
+        return None
+    now = int(time.time())
+    try:
+        spaces, damaged = _read_index(client, ns.soc)
+    except Refused as e:  # (another opcache's, maybe: not replaced)
+        return f"{e}: not written"
     before = _index_entries(spaces, ns)
     entries = {k: v for k, v in before.items() if k not in gone}
     for kernel, (atime, size) in rows.items():
         old = entries.get(kernel, (0, 0))
         entries[kernel] = (max(atime, old[0]), size)
-    if ns.ident in spaces and entries == before and not damaged:
-        return  # nothing new: a cron push of an unchanged folder writes nothing
+    pushed = spaces.get(ns.ident, {}).get("pushed")
+    confirm = pushing and (pushed is None or not 0 <= now - pushed < _CONFIRM_SECONDS)
+    if ns.ident in spaces and entries == before and not damaged and not confirm:
+        return None  # nothing new: a cron push of an unchanged folder writes nothing
+    for ident, space in list(spaces.items()):
+        if ident == ns.ident:
+            continue
+        if "pushed" not in space:
+            space["pushed"] = now  # (an older opcache's index: counted from now)
+        elif now - space["pushed"] > INDEX_KEEP_SECONDS:
+            log.info(
+                "%s: namespace %s not pushed for 30 days: left out of the index", ns.soc, ident
+            )
+            del spaces[ident]
     spaces[ns.ident] = {
         **ns.versions(),
+        "pushed": now if pushing or pushed is None else pushed,
         "entries": {k: list(v) for k, v in entries.items()},
     }
     data = canonical_json({"format": FORMAT, "soc": ns.soc, "namespaces": spaces})
     manifest = make_manifest(INDEX, {INDEX_FILE: data}, 0.0, {"soc": ns.soc}, time.time())
     chip, files = _index_chip(ns.soc), {INDEX_FILE: data}
-    if not client.put(chip, INDEX, manifest, files) and len(manifest) + len(data) <= (
-        client.max_entry_bytes
-    ):
+    size, cap = len(manifest) + len(data), client.max_entry_bytes
+    if size > cap:
+        return (
+            f"the remote's index of {ns.soc} was not written: {size} bytes "
+            f"({sum(len(s['entries']) for s in spaces.values())} kernels), over the entry cap "
+            f"({cap} bytes): pulls get none of the entries sent since (raise "
+            "OPCACHE_REMOTE_MAX_ENTRY_MB on every machine)"
+        )
+    if not client.put(chip, INDEX, manifest, files):
         # A folder remote keeps the first value of a key (an entry's key names its
         # contents); the index is the one value that changes.
         client.discard(chip, INDEX)
-        client.put(chip, INDEX, manifest, files)
+        if not client.put(chip, INDEX, manifest, files):
+            return f"the remote did not take the index of {ns.soc}: pulls get nothing new"
+    return None
 
 
 def pull(
@@ -1230,7 +1283,9 @@ def _pull_chip(
                     progress((at + 1) * 100 // len(batches))
     report["discarded"] = _discard_damaged(client, ns, report["corrupt"])
     if report["gone"] or report["discarded"]:
-        _write_index(client, ns, {}, [*report["gone"], *report["discarded"]])
+        why = _write_index(client, ns, {}, [*report["gone"], *report["discarded"]], pushing=False)
+        if why is not None:  # (the next push drops them again)
+            log.warning("%s", why)
     return report
 
 

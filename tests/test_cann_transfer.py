@@ -883,10 +883,10 @@ def test_an_ini_is_made_beside_locks_alone(machines):
     assert report["ini_created"] and report["written"] == 1
 
 
-def _put_index(a: Machine, index: object) -> None:
+def _put_index(a: Machine, index: object, *, compact: bool = False) -> None:
     from opcache.storage.entry import make_manifest
 
-    data = json.dumps(index).encode()
+    data = json.dumps(index, separators=(",", ":") if compact else None).encode()
     files = {cann_transfer.INDEX_FILE: data}
     manifest = make_manifest(cann_transfer.INDEX, files, 0.0, {"soc": SOC}, time.time())
     client = cann_transfer._connect(a.settings())
@@ -1485,3 +1485,99 @@ cann_transfer.create_ini = create_ini
     done = _cli_patched(b, patch, "pull")
     assert done.returncode == 3, done
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("opcache: error: "), done
+
+
+def _rows(count: int, atime: int) -> dict[str, list[int]]:
+    """``count`` index rows, as other machines' pushes leave them."""
+    return {kernel_name("Old", str(i)): [atime, 4096] for i in range(count)}
+
+
+def _index_of(machine: Machine) -> dict[str, dict]:
+    client = cann_transfer._connect(machine.settings())
+    try:
+        return cann_transfer._read_index(client, SOC)[0]
+    finally:
+        client.close()
+
+
+def test_namespaces_not_pushed_for_30_days_leave_the_index_so_that_it_fits(machines, monkeypatch):
+    """The index keeps every namespace ever pushed (about 91 bytes a kernel); once over
+    the remote's entry cap it was refused, silently: push said it sent its entries, and
+    pulls got nothing."""
+    a, b = machines
+    kernels = _fill(a, 300, size=16)
+    now = int(time.time())
+    day = 86400
+    row = len(json.dumps(_rows(2, now), separators=(",", ":"))) // 2  # (bytes a row)
+    under_cap = (1 << 20) // row - 150  # A's 300 rows take it over
+    versions = {"adk_version": "6.0", "ops_version": "6.0", "driver": "d"}
+    _put_index(
+        a,
+        {
+            "format": 1,
+            "soc": SOC,
+            "namespaces": {
+                "stale": {**versions, "pushed": now - 31 * day, "entries": _rows(under_cap, now)},
+                "recent": {**versions, "pushed": now - 2 * day, "entries": _rows(1, now)},
+                "older_opcache": {**versions, "entries": _rows(1, now)},
+            },
+        },
+        compact=True,
+    )
+    monkeypatch.setenv("OPCACHE_REMOTE_MAX_ENTRY_MB", "1")
+    pushed = a.push()
+    assert (pushed["sent"], pushed.get("errors")) == (300, None)
+    index = _index_of(a)
+    assert sorted(index) == sorted(["recent", "older_opcache", pushed["namespace"]["id"]])
+    assert index["recent"]["pushed"] == now - 2 * day
+    assert 0 <= index["older_opcache"]["pushed"] - now < 60  # (its 30 days start now)
+    assert 0 <= index[pushed["namespace"]["id"]]["pushed"] - now < 60
+    write_ini(b.root)
+    assert b.pull()["written"] == 300
+    assert {p.name[: -len(".json")] for p in b.chip.glob("*.json")} == set(kernels)
+
+
+def test_an_index_the_remote_refuses_is_a_warning_and_exit_status_1(machines):
+    """One namespace past the cap (the reviewer's run: 15,000 kernels, a 1 MiB cap):
+    push must say the index was not written, and exit 1."""
+    a, b = machines
+    _fill(a, 2)
+    ident = a.push()["namespace"]["id"]
+    index = _index_of(a)
+    index[ident]["entries"].update(_rows(11_000, int(time.time())))  # (1 MiB less 30 KB)
+    _put_index(a, {"format": 1, "soc": SOC, "namespaces": index})
+    for i in range(400):  # (and 36 KB more)
+        store_entry(a.chip, kernel_name("New", str(i)), b"\x7fELF new")
+    env = {**os.environ, **a.env, "OPCACHE_REMOTE": a.url, "OPCACHE_REMOTE_MAX_ENTRY_MB": "1"}
+    argv = [sys.executable, "-m", "opcache", "cann", "push", "--soc_version", SOC]
+    done = subprocess.run(
+        [*argv, "--op_compiler_cache_dir", str(a.base)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1, done
+    assert "400 entries sent" in done.stdout
+    assert "index of Ascend910B1 was not written" in done.stdout
+    assert "over the entry cap (1048576 bytes)" in done.stdout
+    assert len(done.stderr.splitlines()) == 1 and "OPCACHE_REMOTE_MAX_ENTRY_MB" in done.stderr
+    # The index as it was: pulls still get what it named.
+    write_ini(b.root)
+    assert b.pull()["written"] == 2
+
+
+def test_an_index_over_this_machine_s_cap_is_never_replaced_by_a_new_one(machines, monkeypatch):
+    """A machine with a smaller entry cap read the cluster's index as damaged and wrote a
+    new one, holding its own namespace alone: every other namespace's rows were gone."""
+    a, b = machines
+    _fill(a, 2)
+    ident = a.push()["namespace"]["id"]
+    index = _index_of(a)
+    index["other"] = {"adk_version": "6", "ops_version": "6", "driver": "d"}
+    index["other"]["entries"] = _rows(12_000, int(time.time()))  # (over 1 MiB)
+    _put_index(a, {"format": 1, "soc": SOC, "namespaces": index})
+    store_entry(a.chip, kernel_name("New", "one"), b"\x7fELF new")
+    monkeypatch.setenv("OPCACHE_REMOTE_MAX_ENTRY_MB", "1")
+    pushed = a.push()
+    assert pushed["sent"] == 1 and "cannot be read here" in pushed["errors"][0]
+    write_ini(b.root)
+    assert "cannot be read here" in b.pull()["refused"]
+    monkeypatch.delenv("OPCACHE_REMOTE_MAX_ENTRY_MB")
+    assert sorted(_index_of(a)) == sorted(["other", ident])  # (as it was)
