@@ -73,3 +73,59 @@ def nginx(nginx_server):  # type: ignore[no-untyped-def]
     shutil.rmtree(nginx_server.data)
     nginx_server.data.mkdir()
     return nginx_server
+
+
+@pytest.fixture(scope="session")
+def tls_certificates(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A CA and the certificates it signed (helpers_tls; skipped without openssl)."""
+    from helpers_tls import HOW_TO_GET_OPENSSL, Certificates
+
+    if shutil.which("openssl") is None:
+        pytest.skip(HOW_TO_GET_OPENSSL)
+    return Certificates(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def tls_redis_server(tmp_path_factory: pytest.TempPathFactory, tls_certificates):  # type: ignore[no-untyped-def]
+    """A real redis-server speaking TLS only, wanting helpers_tls.PASSWORD, for the whole
+    run (skipped, saying how to get one, without a redis-server built with TLS)."""
+    from helpers_tls import HOW_TO_GET_ONE, PASSWORD, TlsRedisServer, find_tls_server
+
+    def kind(binary: str, folder: Path) -> TlsRedisServer:
+        return TlsRedisServer(binary, folder, tls_certificates, password=PASSWORD)
+
+    yield from _serve(find_tls_server(), HOW_TO_GET_ONE, kind, tmp_path_factory.mktemp("redis-tls"))
+
+
+@pytest.fixture
+def tls_redis(tls_redis_server):  # type: ignore[no-untyped-def]
+    """The TLS server, running (started again if a test stopped it), emptied."""
+    if tls_redis_server.proc is None or tls_redis_server.proc.poll() is not None:
+        tls_redis_server.start()
+    client = tls_redis_server.client()
+    client.flushall()
+    client.close()
+    return tls_redis_server
+
+
+@pytest.fixture
+def start_tls_redis(tmp_path: Path, tls_certificates):  # type: ignore[no-untyped-def]
+    """Start another TLS server for this test: ``start(**options)`` (TlsRedisServer's
+    options: ``presents``, ``clients_need_certs``, ``password``); all stopped at its end."""
+    from helpers_tls import HOW_TO_GET_ONE, TlsRedisServer, find_tls_server
+
+    binary = find_tls_server()
+    if binary is None:
+        pytest.skip(HOW_TO_GET_ONE)
+    started: list[TlsRedisServer] = []
+
+    def start(**options: object) -> TlsRedisServer:
+        folder = tmp_path / f"redis-tls-{len(started)}"
+        server = TlsRedisServer(binary, folder, tls_certificates, **options)  # type: ignore[arg-type]
+        started.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -73,7 +73,7 @@ class RedisServer(ServerProcess):
 
     def start(self, *extra: str) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv = [self.binary, *self.listen(), "--bind", "127.0.0.1"]
         argv += ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
         argv += ["--daemonize", "no", "--protected-mode", "yes", *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -87,6 +87,10 @@ class RedisServer(ServerProcess):
             except Exception:
                 time.sleep(0.02)
         raise RuntimeError("redis-server did not answer PING within 10 s")
+
+    def listen(self) -> list[str]:
+        """The arguments that say where it listens: ``port``, in the clear."""
+        return ["--port", str(self.port)]
 
     def client(self, **options: object):  # type: ignore[no-untyped-def]
         import redis
