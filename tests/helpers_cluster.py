@@ -6,7 +6,11 @@ made one cluster by ``redis-cli --cluster create``.  ``kill`` stops one
 primary as a crash would; ``restart`` starts it again on its port from its
 ``nodes.conf``, and waits until every node says the cluster is whole.  With
 ``replicas``, each primary has a replica, and ``wait_failed_over`` waits
-until a killed primary's replica serves its slots.
+until a killed primary's replica serves its slots.  With ``tls`` (certificates
+of ``helpers_tls``, and a server binary built with TLS), the nodes speak TLS
+only, to their clients, on their cluster bus and to their replicas, and
+want a client certificate of the CA (the helpers' clients give theirs):
+``url`` is then ``rediss+cluster://`` with the CA and that certificate.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 from helpers_redis import RedisServer, free_port
+from helpers_tls import Certificates, TlsRedisServer, tls_query
 
 NODES = 3
 _CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
@@ -26,6 +31,7 @@ _CLUSTER_ARGS += ("--cluster-node-timeout", "3000")
 # A replica takes over however long ago it last heard its primary (the default, 10
 # node timeouts, can leave a test's idle replica unfit to stand in).
 _CLUSTER_ARGS += ("--cluster-replica-validity-factor", "0")
+_TLS_ARGS = ("--tls-cluster", "yes", "--tls-replication", "yes")
 
 
 def find_cli(server_binary: str) -> str | None:
@@ -54,24 +60,48 @@ class Cluster:
     each node by its own folder.  With replicas, ``nodes[:3]`` are the primaries."""
 
     def __init__(
-        self, server_binary: str, cli: str, folder: Path, *, replicas: bool = False
+        self,
+        server_binary: str,
+        cli: str,
+        folder: Path,
+        *,
+        replicas: bool = False,
+        tls: Certificates | None = None,
     ) -> None:
         self.cli = cli
         self.replicas = replicas
+        self.tls = tls
         count = NODES * 2 if replicas else NODES
-        self.nodes = [RedisServer(server_binary, folder / f"node{i}") for i in range(count)]
+        self.nodes: list[RedisServer] = [
+            RedisServer(server_binary, folder / f"node{i}")
+            if tls is None
+            else TlsRedisServer(server_binary, folder / f"node{i}", tls, clients_need_certs=True)
+            for i in range(count)
+        ]
         for node in self.nodes:
-            node.port = _cluster_port()
+            node.port = _cluster_port()  # (with TLS, its TLS port: the bus is 10000 above)
+        self.args = _CLUSTER_ARGS + (_TLS_ARGS if tls else ())
+
+    @property
+    def hosts(self) -> str:
+        return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        if self.tls is None:
+            return "redis+cluster://" + self.hosts
+        client = self.tls.client
+        query = tls_query(self.tls, ssl_certfile=client.cert, ssl_keyfile=client.key)
+        return "rediss+cluster://" + self.hosts + query
 
     def start(self) -> None:
         try:
             for node in self.nodes:
-                node.start(*_CLUSTER_ARGS)
+                node.start(*self.args)
             argv = [self.cli, "--cluster", "create"]
+            if self.tls is not None:
+                argv += ["--tls", "--cacert", str(self.tls.ca.cert)]
+                argv += ["--cert", str(self.tls.client.cert), "--key", str(self.tls.client.key)]
             argv += [f"127.0.0.1:{n.port}" for n in self.nodes]
             argv += ["--cluster-replicas", "1" if self.replicas else "0", "--cluster-yes"]
             subprocess.run(argv, check=True, capture_output=True, timeout=60)
@@ -121,7 +151,7 @@ class Cluster:
         raise RuntimeError(f"no failover within {timeout} s")
 
     def restart(self, index: int) -> None:
-        self.nodes[index].start(*_CLUSTER_ARGS)
+        self.nodes[index].start(*self.args)
         self.wait_whole()
 
     def stop(self) -> None:

@@ -89,7 +89,9 @@ class Certificates:
         folder.mkdir(parents=True, exist_ok=True)
         self.ca = self._ca("ca", "opcache tests' CA")
         self.other_ca = self._ca("other-ca", "an unrelated CA")
-        self.server = self._signed("server", "serverAuth", "IP:127.0.0.1,DNS:localhost")
+        # (a cluster's nodes present theirs to each other as clients too: both uses)
+        both = "serverAuth,clientAuth"
+        self.server = self._signed("server", both, "IP:127.0.0.1,DNS:localhost")
         self.other_name = self._signed("other-name", "serverAuth", "DNS:other.example")
         self.client = self._signed("client", "clientAuth", None)
 

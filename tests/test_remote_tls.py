@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 from helpers_cache import ToyCompiler, expected_files, machine, make_request, read_dir
-from helpers_tls import PASSWORD, Certificates, TlsRedisServer
+from helpers_cluster import Cluster, find_cli
+from helpers_tls import HOW_TO_GET_ONE, PASSWORD, Certificates, TlsRedisServer, has_tls
 
 import opcache
 
@@ -232,3 +233,66 @@ def test_opcache_remote_stats_over_tls(
     assert said.stderr.startswith("opcache: error: rediss://:***@127.0.0.1:"), said.stderr
     assert said.stderr.count("\n") == 1 and "CERTIFICATE_VERIFY_FAILED" in said.stderr
     assert PASSWORD not in said.stderr and said.stdout == ""
+
+
+# -- a Redis Cluster over TLS ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory: pytest.TempPathFactory, tls_certificates: Certificates):  # type: ignore[no-untyped-def]
+    """Three primaries speaking TLS only (their cluster bus too), wanting a client
+    certificate of the CA (helpers_cluster's ``tls``)."""
+    from helpers_tls import find_tls_server
+
+    binary = find_tls_server()
+    cli = binary and find_cli(binary)
+    if not binary or not cli or not has_tls(cli):
+        pytest.skip(HOW_TO_GET_ONE + " (and its redis-cli)")
+    made = Cluster(binary, cli, tmp_path_factory.mktemp("tls-cluster"), tls=tls_certificates)
+    made.start()
+    yield made
+    made.stop()
+
+
+@pytest.fixture
+def cluster(tls_cluster: Cluster) -> Cluster:
+    """The TLS cluster, every node up and emptied."""
+    for index, node in enumerate(tls_cluster.nodes):
+        if node.proc is None:
+            tls_cluster.restart(index)
+    tls_cluster.flush()
+    return tls_cluster
+
+
+def test_a_batch_over_every_primary_is_remote_hits_on_another_machine_over_tls(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    """Every primary's connections are TLS with the URL's CA and client certificate
+    (the nodes refuse a client without one): a batch spread over all their slots is
+    stored by one machine and fetched whole by another."""
+    assert cluster.url.startswith("rediss+cluster://")
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(16)]
+    with opcache.OpCache(machine(tmp_path, "a", cluster.url)) as a:
+        a.compile_many(requests, compiler, lambda r: tmp_path / "a" / r.op_name)
+        assert a.stats()["remote_stores"] == 16
+    assert all(node.client().dbsize() > 0 for node in cluster.nodes)  # over every primary
+    with opcache.OpCache(machine(tmp_path, "b", cluster.url)) as b:
+        results = b.compile_many(requests, compiler, lambda r: tmp_path / "b" / r.op_name)
+        stats = b.stats()
+    assert [r.tier for r in results] == ["remote"] * 16
+    assert (stats["remote_hits"], stats["remote_errors"]) == (16, 0)
+    assert compiler.calls() == 16
+    for request in requests:
+        got = read_dir(tmp_path / "b" / request.op_name)
+        assert got == read_dir(tmp_path / "a" / request.op_name) == expected_files(request)
+
+
+def test_opcache_remote_stats_counts_every_tls_primary(tmp_path: Path, cluster: Cluster) -> None:
+    compiler = ToyCompiler(tmp_path / "calls")
+    requests = [make_request(i) for i in range(12)]
+    with opcache.OpCache(machine(tmp_path, "a", cluster.url)) as a:
+        a.compile_many(requests, compiler, lambda r: tmp_path / "o" / r.op_name)
+    env = cli_env(tmp_path, "cache")
+    said = run_opcache("remote", "stats", "--json", "--remote", cluster.url, env=env, cwd=tmp_path)
+    assert json.loads(said.stdout)["chips"]["Ascend910B1"]["entries"] == 12
