@@ -502,7 +502,9 @@ class RemoteTier:
             try:
                 self._remote = open_remote(self.settings, self._notes)
             except Exception as e:
-                self._failed(e, None)
+                self._failed(e, soc)
+                # (a client that connects as it is made, a cluster's, fails in ``open``)
+                self._uncounted = soc is None
                 return None
         return self._remote
 

@@ -395,6 +395,31 @@ def test_any_error_of_the_client_library_is_a_remote_unavailable(
     assert stats["remote_errors"] == 1  # then paused
 
 
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_a_remote_that_fails_as_the_cache_opens_is_counted(
+    tmp_path: Path, scheme: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cluster's client connects as it is made, in ``open``: its failure there (no
+    node answering, an untrusted certificate) paused the remote, warned, and was never
+    counted, where a single server's, failing at the PING after, was."""
+    from helpers_redis import free_port
+
+    url = f"{scheme}://127.0.0.1:{free_port()}"  # nothing listens there
+    compiler = ToyCompiler(tmp_path / "calls")
+    with (
+        caplog.at_level(logging.WARNING, logger="opcache"),
+        opcache.OpCache(machine(tmp_path, "a", url, timeout=1)) as a,
+    ):
+        assert a.compile(make_request(0), compiler, tmp_path / "o0").status == "miss"
+        assert a.compile(make_request(1), compiler, tmp_path / "o1").status == "miss"
+        stats = a.stats()
+    assert read_dir(tmp_path / "o1") == expected_files(make_request(1))
+    assert stats["remote_errors"] == 1  # then paused: not asked again meanwhile
+    assert stats["remote_errors_by_url"] == {url: 1}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not used for" in warnings[0]
+
+
 def test_a_corrected_url_is_tried_at_once_and_stats_blame_the_one_that_failed(
     tmp_path: Path, redis_server, redis_url: str
 ) -> None:

@@ -25,14 +25,22 @@ from pathlib import Path
 import pytest
 from helpers_cache import ToyCompiler, expected_files, machine, make_request, read_dir
 from helpers_cluster import Cluster, find_cli
-from helpers_tls import HOW_TO_GET_ONE, PASSWORD, Certificates, TlsRedisServer, has_tls
+from helpers_redis import RedisServer
+from helpers_tls import (
+    HOW_TO_GET_ONE,
+    PASSWORD,
+    Certificates,
+    TlsRedisServer,
+    has_tls,
+    tls_query,
+)
 
 import opcache
 
 Start = Callable[..., TlsRedisServer]
 
 
-def entry_names(server: TlsRedisServer) -> set[bytes]:
+def entry_names(server: RedisServer) -> set[bytes]:
     """The entries the server holds (claims left out: they expire by themselves)."""
     return {name for name in server.client().keys("*") if not name.endswith(b":claim")}
 
@@ -296,3 +304,33 @@ def test_opcache_remote_stats_counts_every_tls_primary(tmp_path: Path, cluster: 
     env = cli_env(tmp_path, "cache")
     said = run_opcache("remote", "stats", "--json", "--remote", cluster.url, env=env, cwd=tmp_path)
     assert json.loads(said.stdout)["chips"]["Ascend910B1"]["entries"] == 12
+
+
+@pytest.mark.parametrize("case", ["another CA", "no client certificate"])
+def test_a_cluster_not_to_be_trusted_is_never_used_and_costs_a_warning(
+    tmp_path: Path,
+    cluster: Cluster,
+    tls_certificates: Certificates,
+    case: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The cluster's client connects as it is made: refused there, the compile goes
+    on, says why once (the URL's password masked), and counts it, as for one server."""
+    compiler = ToyCompiler(tmp_path / "calls")
+    stored, stats, _ = compile_once(tmp_path, "a", cluster.url, compiler, caplog)
+    assert (stored.status, stats["remote_stores"]) == ("miss", 1)
+    client = tls_certificates.client
+    if case == "another CA":
+        ca, why = tls_certificates.other_ca.cert, "CERTIFICATE_VERIFY_FAILED"
+        query = tls_query(tls_certificates, ssl_ca_certs=ca, ssl_certfile=client.cert,
+                          ssl_keyfile=client.key)  # fmt: skip
+    else:
+        why = "certificate required|handshake failure|EOF occurred|reset by peer"
+        query = tls_query(tls_certificates)
+    untrusted = f"rediss+cluster://:{PASSWORD}@{cluster.hosts}{query}"
+    result, stats, warnings = compile_once(tmp_path, "b", untrusted, compiler, caplog)
+    assert_failed_closed(tmp_path, "b", result, stats, warnings, why)
+    ((shown, count),) = stats["remote_errors_by_url"].items()
+    assert shown.startswith("rediss+cluster://:***@127.0.0.1:") and count == 1
+    assert compiler.calls() == 2  # compiled again: no hit from that cluster
+    assert sum(len(entry_names(node)) for node in cluster.nodes) == 1  # nor a store
