@@ -11,7 +11,8 @@ the tests' own, on free loopback ports, never the system service.
 ``Certificates`` makes, with openssl, in a folder of its own: a CA; a server
 certificate it signed for 127.0.0.1 and localhost (``server``); one it signed
 for another name only (``other_name``, other.example); a client certificate
-it signed (``client``); and a second CA, unrelated to the first
+it signed (``client``), and its key encrypted with ``KEY_PASSWORD``
+(``client_key_encrypted``); and a second CA, unrelated to the first
 (``other_ca``).  A ``TlsRedisServer`` listens on TLS only (``--port 0
 --tls-port``), presents the server certificate (or the one it is given) and
 trusts the CA's clients; ``clients_need_certs`` makes it refuse a client
@@ -36,6 +37,7 @@ HOW_TO_GET_ONE = (
 )
 HOW_TO_GET_OPENSSL = "no openssl to make the TLS certificates: apt-get install openssl"
 PASSWORD = "s3cret-over-tls"  # (a server started with ``password``: this one)
+KEY_PASSWORD = "k3y-passphrase"  # the encrypted client key's
 
 
 @functools.cache
@@ -94,6 +96,11 @@ class Certificates:
         self.server = self._signed("server", both, "IP:127.0.0.1,DNS:localhost")
         self.other_name = self._signed("other-name", "serverAuth", "DNS:other.example")
         self.client = self._signed("client", "clientAuth", None)
+        self.client_key_encrypted = folder / "client-encrypted.key"
+        self._openssl(
+            "pkey", "-in", str(self.client.key), "-aes256", "-passout", f"pass:{KEY_PASSWORD}",
+            "-out", str(self.client_key_encrypted),
+        )  # fmt: skip
 
     def _openssl(self, *args: str) -> None:
         openssl = shutil.which("openssl")

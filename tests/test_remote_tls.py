@@ -6,7 +6,8 @@ on one machine is a remote hit on another, byte for byte, over TLS; a server
 the settings do not trust (a certificate of another CA, or for another name
 while the host name is checked) is never used, and costs the compile nothing
 but a warning, which shows no password and no traceback; a server that wants a
-client certificate takes the one ``ssl_certfile``/``ssl_keyfile`` give; the
+client certificate takes the one ``ssl_certfile``/``ssl_keyfile`` give (a key
+encrypted: opened with ``ssl_password``, which no message shows); the
 command line's ``opcache remote stats`` and ``opcache compile`` do the same;
 and all of it through a Redis Cluster whose nodes and bus speak TLS only.
 """
@@ -28,6 +29,7 @@ from helpers_cluster import Cluster, find_cli
 from helpers_redis import RedisServer
 from helpers_tls import (
     HOW_TO_GET_ONE,
+    KEY_PASSWORD,
     PASSWORD,
     Certificates,
     TlsRedisServer,
@@ -163,6 +165,27 @@ def test_a_server_that_wants_a_client_certificate_takes_the_urls(
     second, stats, warnings = compile_once(tmp_path, "b", url, compiler, caplog)
     assert (second.tier, stats["remote_hits"], warnings) == ("remote", 1, [])
     assert compiler.calls() == 2  # the one without the certificate's, and a's
+    assert read_dir(tmp_path / "out-b") == read_dir(tmp_path / "out-a")
+
+
+def test_an_encrypted_client_key_is_opened_with_ssl_password_never_shown(
+    tmp_path: Path,
+    start_tls_redis: Start,
+    tls_certificates: Certificates,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = start_tls_redis(clients_need_certs=True)
+    compiler = ToyCompiler(tmp_path / "calls")
+    cert, key = tls_certificates.client.cert, tls_certificates.client_key_encrypted
+    wrong = server.tls_url(ssl_certfile=cert, ssl_keyfile=key, ssl_password="not-the-passphrase")
+    result, stats, warnings = compile_once(tmp_path, "wrong", wrong, compiler, caplog)
+    assert_failed_closed(tmp_path, "wrong", result, stats, warnings, r"ssl_password=\*\*\*")
+    assert "not-the-passphrase" not in warnings[0].getMessage()
+    url = server.tls_url(ssl_certfile=cert, ssl_keyfile=key, ssl_password=KEY_PASSWORD)
+    first, stats, warnings = compile_once(tmp_path, "a", url, compiler, caplog)
+    assert (first.status, stats["remote_stores"], warnings) == ("miss", 1, [])
+    second, stats, warnings = compile_once(tmp_path, "b", url, compiler, caplog)
+    assert (second.tier, stats["remote_hits"], warnings) == ("remote", 1, [])
     assert read_dir(tmp_path / "out-b") == read_dir(tmp_path / "out-a")
 
 
