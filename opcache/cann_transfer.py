@@ -26,6 +26,9 @@ binaries are there, sha256 equal, ``kernelName`` for ``.o``) and every file
 is named after its kernel, and none written before ``op_cache.ini`` last
 changed (``IniMark``) nor before the driver or a custom operator package last
 changed (``InputsMark``).  Files are read without moving their access time.
+The folder is listed by names and ``lstat`` a part at a time (``_Reader``),
+never held whole; a json is read only when its entry is to be given (by push,
+once the remote said it lacks it).
 
 **Writing** (pull, import), as CANN's ``CopyFileToCacheDir`` writes:
 ``<kernel>.lock`` taken (``F_SETLK``, non-blocking: an entry whose lock a
@@ -59,13 +62,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import heapq
 import os
 import random
 import re
 import stat
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,11 +78,14 @@ from ._log import get_logger
 from ._record import Record
 from .archive import CANN, MAX_MEMBER_BYTES, TOO_BIG, ArchiveReader, ArchiveWriter, BadArchive
 from .cann_cache import Limits, cann_root, read_limits
+from .cann_cache import _entry_json_stats as entry_json_stats
 from .cann_format import (
     AGING_NOW,
     DEL_LOCK,
+    KERNEL_FILE_SUFFIXES,
     LOCK_MODE,
     CannEntry,
+    PresentFiles,
     access_time,
     del_lock,
     hash_problem,
@@ -114,6 +121,12 @@ INDEX = "#index"
 INDEX_FILE = "index.json"
 _BATCH = 32  # entries per round trip: a batch of big kernels stays a bounded answer
 _BATCH_BYTES = 16 << 20  # and at most this much sent at once
+# A giving side's listing: entries taken per walk of the chip folder (most recently
+# used first, a walk each), and per part of it, whose files are looked at before
+# the inputs are checked again.  What is held per entry is its name and its files'
+# lstat, for one part at a time.
+CANDIDATES = 50_000
+_LISTED = 4096
 
 
 class Refused(Exception):
@@ -253,6 +266,11 @@ PREDATES_INPUT = (
     "last changed"
 )
 CHANGED = "it changed while this ran: the next run gives it"
+INPUTS_CHANGED = "the driver or a custom operator package changed while it was read: run it again"
+STOPPED_INPUTS = (
+    "the driver or a custom operator package changed while this ran: the entries not "
+    "listed before are left for the next run"
+)
 
 
 class InputsMark:
@@ -456,54 +474,169 @@ def _own_name(kernel: str, name: str) -> bool:
     return name.startswith(kernel) and bool(_PART.fullmatch(name[len(kernel) :]))
 
 
+class _Listed:
+    """One entry as a part of the listing found it: its kernel, and the ``lstat`` of
+    each regular file of its kernel's name that CANN's naming allows it
+    (``_looked_at``), taken before the inputs were checked again."""
+
+    __slots__ = ("files", "kernel")
+
+    def __init__(self, kernel: str, files: dict[str, os.stat_result]) -> None:
+        self.kernel = kernel
+        self.files = files
+
+    @property
+    def json(self) -> str:
+        return f"{self.kernel}.json"
+
+    @property
+    def atime(self) -> int:
+        return access_time(self.files[self.json])
+
+    def size(self, names: Iterable[str] | None = None) -> int:
+        """The bytes of ``names`` (every file found, by default) as listed."""
+        found = self.files if names is None else names
+        return sum(self.files[name].st_size for name in found)
+
+
+def _looked_at(kernel: str, files: Container[str]) -> Iterator[str]:
+    """The files a listing looks for, by name: the json, binary and header of
+    ``kernel``, its mix-core sub-jsons, and the binary and header of each one found
+    (in ``files``, so far)."""
+    for stem in (kernel, f"{kernel}_mix_aic", f"{kernel}_mix_aiv"):
+        if stem == kernel or f"{stem}.json" in files:
+            yield from (f"{stem}{suffix}" for suffix in (".json", *KERNEL_FILE_SUFFIXES))
+
+
+class _Found(Container[str]):
+    """What ``CannEntry`` asks of a listing, for one entry: the files its listing
+    looked at, as found then; any other name as it is now (``PresentFiles``)."""
+
+    def __init__(self, fd: int, listed: _Listed) -> None:
+        self._listed = listed
+        self._now = PresentFiles(fd)
+
+    def __contains__(self, name: object) -> bool:
+        files = self._listed.files
+        if name in files:
+            return True
+        if name in _looked_at(self._listed.kernel, files):
+            return False
+        return name in self._now
+
+
 class _Reader:
-    """The sound entries of a chip folder open as ``fd``, most recently used first; none
-    written before ``ini``'s or ``inputs``' last change, none read whole when its files
-    are over ``cap`` bytes (``too_big`` says so).  Refused when ``inputs`` changed
-    since they were marked: an entry listed may be of the new ones."""
+    """The entries of a chip folder open as ``fd``, most recently used first, listed
+    a part at a time (``parts``) and each one checked (``check``) and read
+    (``read``) only when asked: none written before ``ini``'s or ``inputs``' last
+    change, none read whole when its files are over ``cap`` bytes (``too_big``
+    says so).  Per entry, what a part holds: its name and its files' ``lstat``.
+
+    The inputs are checked again after each part is listed: an entry listed
+    after they changed may be of the new ones.  Refused when they changed before
+    the first part; after a later one, ``stopped`` says so and no more is listed.
+    """
 
     def __init__(self, fd: int, ini: IniMark, inputs: InputsMark, cap: int, too_big: str) -> None:
         self.fd = fd
         self.ini = ini
+        self.inputs = inputs
         self.cap = cap
         self.too_big = too_big
-        scan = scan_chip(fd)
-        # Every entry listed was written by now: with the inputs unchanged since before
-        # the namespace was digested, none of them is of other ones than the digest's.
-        if inputs.changed():
-            raise Refused(
-                "the driver or a custom operator package changed while it was read: run it again"
-            )
-        self.files = scan.files
-        self.entries: dict[str, tuple[int, CannEntry]] = {}
         self.skipped: list[dict[str, str]] = []
-        for name in sorted(self.files, key=lambda n: -access_time(self.files[n])):
-            if not is_entry_json(name):
-                continue
-            entry = CannEntry(fd, name, self.files)
-            problem = entry.problem
-            if problem is None and not all(_own_name(entry.kernel, f) for f in entry.owned):
-                problem = "it names files not named after its kernel as CANN names them"
-            if problem is None and not is_plain_name(entry.kernel):
-                problem = "not a kernel name"
-            if problem is None:
-                problem = _reserved(entry.kernel)
-            if problem is None and any(ini.predates(self.files[f]) for f in entry.owned):
-                problem = PREDATES
-            if problem is None and any(inputs.predates(self.files[f]) for f in entry.owned):
-                problem = inputs.why
-            if problem is not None:
-                self.skipped.append({"entry": entry.kernel, "why": problem})
-                continue
-            self.entries[entry.kernel] = (access_time(self.files[name]), entry)
+        self.total = 0  # the entry jsons the first walk found (for a percentage)
+        self.stopped: str | None = None
 
-    def size(self, kernel: str) -> int:
-        return sum(self.files[f].st_size for f in self.entries[kernel][1].owned)
+    def parts(self) -> Iterator[list[_Listed]]:
+        """The entries, most recently used first (ties by name), ``_LISTED`` at a time;
+        a walk of the folder for each ``CANDIDATES`` of them, so a million are never
+        held at once."""
+        first = True
+        after: tuple[int, str] | None = None
+        while True:
+            batch = heapq.nsmallest(CANDIDATES, self._walk(after, count=first))
+            # (the inputs checked once even when there is no entry, as for a part)
+            for at in range(0, max(len(batch), first), _LISTED):
+                part = [self._list(kernel) for _, kernel in batch[at : at + _LISTED]]
+                # Every file of the part was listed by now: with the inputs unchanged
+                # since before the namespace was digested, none is of other ones.
+                if self.inputs.changed():
+                    if first:
+                        raise Refused(INPUTS_CHANGED)
+                    self.stopped = STOPPED_INPUTS
+                    return
+                first = False
+                yield [listed for listed in part if listed is not None]
+            if len(batch) < CANDIDATES:
+                return
+            after = batch[-1]
 
-    def read(self, kernel: str) -> Bundle | str:
+    def _walk(self, after: tuple[int, str] | None, *, count: bool) -> Iterator[tuple[int, str]]:
+        """(minus the access time, kernel) of each entry json past ``after``."""
+        for name, st in entry_json_stats(self.fd):
+            self.total += count
+            found = (-access_time(st), name[: -len(".json")])
+            if after is None or found > after:
+                yield found
+
+    def _list(self, kernel: str) -> _Listed | None:
+        """The entry's files found by name (None once its json is gone)."""
+        files: dict[str, os.stat_result] = {}
+        for name in _looked_at(kernel, files):
+            try:
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files[name] = st
+        return _Listed(kernel, files) if f"{kernel}.json" in files else None
+
+    def listable(self, listed: _Listed) -> bool:
+        """Whether the entry may be given, as far as its name and its json's times
+        tell (no json read); if not, why goes to ``skipped``."""
+        kernel = listed.kernel
+        problem = "not a kernel name" if not is_plain_name(kernel) else _reserved(kernel)
+        json_st = listed.files[listed.json]
+        if problem is None and self.ini.predates(json_st):
+            problem = PREDATES
+        if problem is None and self.inputs.predates(json_st):
+            problem = self.inputs.why
+        if problem is not None:
+            self.skipped.append({"entry": kernel, "why": problem})
+        return problem is None
+
+    def check(self, listed: _Listed) -> CannEntry | None:
+        """The entry, judged by CANN's code and the rules of giving (its json read and
+        parsed); None, with why in ``skipped``, when it may not be given."""
+        entry = CannEntry(self.fd, listed.json, _Found(self.fd, listed))
+        problem = entry.problem
+        if problem is None and not all(_own_name(entry.kernel, f) for f in entry.owned):
+            problem = "it names files not named after its kernel as CANN names them"
+        if problem is None:
+            problem = self._late(listed, entry)
+        if problem is None and any(self.ini.predates(listed.files[f]) for f in entry.owned):
+            problem = PREDATES
+        if problem is None and any(self.inputs.predates(listed.files[f]) for f in entry.owned):
+            problem = self.inputs.why
+        if problem is not None:
+            self.skipped.append({"entry": entry.kernel, "why": problem})
+            return None
+        return entry
+
+    def _late(self, listed: _Listed, entry: CannEntry) -> str | None:
+        """A file the entry owns that its listing did not look for (a binary named as a
+        sub-json's, no sub-json there): found now, and the inputs checked again."""
+        late = [name for name in entry.owned if name not in listed.files]
+        for name in late:
+            try:
+                listed.files[name] = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            except OSError:
+                return CHANGED
+        return INPUTS_CHANGED if late and self.inputs.changed() else None
+
+    def read(self, listed: _Listed, entry: CannEntry) -> Bundle | str:
         """The entry's bundle, or why it cannot be sent (CANN's hit check failed)."""
-        atime, entry = self.entries[kernel]
-        if self.size(kernel) > self.cap:
+        if listed.size(entry.owned) > self.cap:
             return self.too_big
         try:
             problem = hash_problem(self.fd, entry)
@@ -512,11 +645,11 @@ class _Reader:
             for name in sorted(entry.owned):
                 with os.fdopen(open_quietly(self.fd, name), "rb") as f:
                     st = os.fstat(f.fileno())
-                    listed = self.files[name]
-                    if (st.st_ino, st.st_mtime_ns) != (listed.st_ino, listed.st_mtime_ns):
-                        # Replaced since the scan: maybe compiled after the inputs changed.
+                    seen = listed.files[name]
+                    if (st.st_ino, st.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+                        # Replaced since it was listed: maybe compiled after the inputs changed.
                         return CHANGED
-                    if st.st_size > room:  # (grown or replaced since the scan)
+                    if st.st_size > room:  # (grown or replaced since it was listed)
                         return self.too_big
                     files[name] = f.read(st.st_size + 1)  # (one more: it grew)
                 room -= len(files[name])
@@ -527,7 +660,7 @@ class _Reader:
         # Read while the ini still names the versions it is filed under.
         if self.ini.changed():
             return INI_CHANGED
-        return problem or Bundle(kernel, atime, files)
+        return problem or Bundle(listed.kernel, listed.atime, files)
 
 
 # -- a chip folder, written --------------------------------------------------------------
@@ -1072,59 +1205,89 @@ def _push_chip(
     try:
         cap = client.max_entry_bytes
         reader = _Reader(chip.fd, ini_mark, inputs, cap, f"over its size cap ({cap} bytes)")
-        kernels = list(reader.entries)
-        there = _have(client, ns.remote_chip, kernels)
-        missing = [k for k in kernels if k not in there]
-        report = {
+        report: dict = {
             "namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
-            "entries": len(kernels), "present": len(there), "sent": 0, "bytes": 0,
+            "entries": 0, "present": 0, "sent": 0, "bytes": 0,
             "not_sent": [], "skipped": reader.skipped,
         }  # fmt: skip
         if dry_run:
-            report["would_send"] = len(missing)
-            return report
-        stored = set(there)
+            report["would_send"] = 0
+        # {kernel: (last access, size)} of what the remote holds, for its index.
+        stored: dict[str, tuple[int, int]] = {}
 
-        def settle(batch: list[str], sending: Future[list[int]]) -> None:
-            for kernel, sent in zip(batch, sending.result(), strict=True):
+        def settle(batch: list[tuple[str, int, int]], sending: Future[list[int]]) -> None:
+            for (kernel, atime, size), sent in zip(batch, sending.result(), strict=True):
                 if sent:
                     report["sent"] += 1
                     report["bytes"] += sent
-                    stored.add(kernel)
+                    stored[kernel] = (atime, size)
                 else:
                     why = "the remote is read-only" if client.read_only else "over its size cap"
                     report["not_sent"].append({"entry": kernel, "why": why})
 
-        # One thread sends a batch (packing, the network) while this one reads and
-        # checks the next; two batches in flight at most, so memory stays bounded.
-        pending: deque[tuple[list[str], Future[list[int]]]] = deque()
+        # One thread talks to the remote (asks, sends: packing, the network) while
+        # this one reads and checks the next entries; two batches in flight at
+        # most, so memory stays bounded.  An entry's json is read only once the
+        # remote said it lacks it.
+        pending: deque[tuple[list[tuple[str, int, int]], Future[list[int]]]] = deque()
         batch: list[tuple[str, bytes, dict[str, bytes]]] = []
-        batch_bytes = 0
-        with ThreadPoolExecutor(1, thread_name_prefix="opcache-push") as sender:
-            for done, kernel in enumerate(missing, 1):
-                bundle = reader.read(kernel)
-                if isinstance(bundle, str):
-                    # (what the remote would refuse is not sent, as when it refuses)
-                    kind = "not_sent" if bundle == reader.too_big else "skipped"
-                    report[kind].append({"entry": kernel, "why": bundle})
-                else:
-                    batch.append((kernel, _manifest(ns, bundle), bundle.files))
-                    batch_bytes += bundle.size
-                last = done == len(missing)
-                if batch and (len(batch) == _BATCH or batch_bytes >= _BATCH_BYTES or last):
-                    sending = sender.submit(client.put_many, ns.remote_chip, batch)
-                    pending.append(([k for k, _, _ in batch], sending))
-                    batch, batch_bytes = [], 0
-                    if len(pending) > 1:
-                        settle(*pending.popleft())
-                if progress is not None:
-                    progress(done * 100 // len(missing))
+        rows: list[tuple[str, int, int]] = []  # (kernel, last access, size) of each
+        done = 0
+
+        def send() -> None:
+            nonlocal batch, rows
+            pending.append((rows, remote.submit(client.put_many, ns.remote_chip, batch)))
+            batch, rows = [], []
+            if len(pending) > 1:
+                settle(*pending.popleft())
+
+        def give(item: _Listed) -> None:
+            entry = reader.check(item)
+            if entry is None:
+                return
+            report["entries"] += 1
+            if dry_run:
+                report["would_send"] += 1
+                return
+            bundle = reader.read(item, entry)
+            if isinstance(bundle, str):
+                # (what the remote would refuse is not sent, as when it refuses)
+                kind = "not_sent" if bundle == reader.too_big else "skipped"
+                report[kind].append({"entry": item.kernel, "why": bundle})
+                return
+            batch.append((item.kernel, _manifest(ns, bundle), bundle.files))
+            rows.append((item.kernel, bundle.atime, item.size(entry.owned)))
+            if len(batch) == _BATCH or sum(r[2] for r in rows) >= _BATCH_BYTES:
+                send()
+
+        with ThreadPoolExecutor(1, thread_name_prefix="opcache-push") as remote:
+            for part in reader.parts():
+                listed = [item for item in part if reader.listable(item)]
+                kernels = [item.kernel for item in listed]
+                there = remote.submit(_have, client, ns.remote_chip, kernels).result()
+                done += len(part) - len(listed)
+                for item in listed:
+                    if item.kernel in there:
+                        # (its size: its files by name, the ones it owns as CANN names them)
+                        report["entries"] += 1
+                        report["present"] += 1
+                        stored[item.kernel] = (item.atime, item.size())
+                    else:
+                        give(item)
+                    done += 1
+                    if progress is not None:
+                        progress(min(done * 100 // max(reader.total, 1), 100))
+            if batch:
+                send()
             while pending:
                 settle(*pending.popleft())
-        why = _write_index(client, ns, {k: (reader.entries[k][0], reader.size(k)) for k in stored})
-        if why is not None:
-            log.warning("%s", why)
-            report["errors"] = [why]
+        if reader.stopped is not None:
+            report["errors"] = [reader.stopped]
+        if not dry_run:
+            why = _write_index(client, ns, stored)
+            if why is not None:
+                log.warning("%s", why)
+                report["errors"] = [*report.get("errors", []), why]
     finally:
         chip.close()
     return report
@@ -1428,18 +1591,25 @@ def _export_chip(
         reader = _Reader(chip.fd, ini_mark, inputs, MAX_MEMBER_BYTES, TOO_BIG)
         report = {"namespace": {"soc": soc, "id": ns.ident, **ns.versions()},
                   "entries": 0, "bytes": 0, "skipped": reader.skipped}  # fmt: skip
-        for done, kernel in enumerate(reader.entries, 1):
-            bundle = reader.read(kernel)
-            if isinstance(bundle, str):
-                report["skipped"].append({"entry": kernel, "why": bundle})
-                continue
-            if not out.add(soc, kernel, _manifest(ns, bundle), bundle.files, bundle.atime):
-                report["skipped"].append({"entry": kernel, "why": TOO_BIG})
-                continue
-            report["entries"] += 1
-            report["bytes"] += bundle.size
-            if progress is not None:
-                progress(done * 100 // len(reader.entries))
+        done = 0
+        for part in reader.parts():
+            for item in part:
+                done += 1
+                if progress is not None:
+                    progress(min(done * 100 // max(reader.total, 1), 100))
+                if not reader.listable(item) or (entry := reader.check(item)) is None:
+                    continue
+                bundle = reader.read(item, entry)
+                if isinstance(bundle, str):
+                    report["skipped"].append({"entry": item.kernel, "why": bundle})
+                    continue
+                if not out.add(soc, item.kernel, _manifest(ns, bundle), bundle.files, bundle.atime):
+                    report["skipped"].append({"entry": item.kernel, "why": TOO_BIG})
+                    continue
+                report["entries"] += 1
+                report["bytes"] += bundle.size
+        if reader.stopped is not None:
+            report["errors"] = [reader.stopped]
     finally:
         chip.close()
     return report

@@ -1100,7 +1100,7 @@ def test_a_package_changed_while_a_push_lists_the_folder_refuses_it(machines, mo
     a, _ = machines
     _custom_package(a, b"tiling v1")
     _fill(a, 1)
-    real = cann_transfer.scan_chip
+    real = cann_transfer.entry_json_stats
 
     def package_changes_then_scan(fd: int):  # type: ignore[no-untyped-def]
         impl = a.base / "custom_opp" / "op_impl" / "ai_core" / "tbe" / "my_add.py"
@@ -1109,7 +1109,7 @@ def test_a_package_changed_while_a_push_lists_the_folder_refuses_it(machines, mo
         store_entry(a.chip, kernel_name("Mul", "v2"), b"\x7fELF by v2")
         return real(fd)
 
-    monkeypatch.setattr(cann_transfer, "scan_chip", package_changes_then_scan)
+    monkeypatch.setattr(cann_transfer, "entry_json_stats", package_changes_then_scan)
     report = a.push()
     assert "custom operator package changed" in report["refused"]
 
@@ -1581,3 +1581,64 @@ def test_an_index_over_this_machine_s_cap_is_never_replaced_by_a_new_one(machine
     assert "cannot be read here" in b.pull()["refused"]
     monkeypatch.delenv("OPCACHE_REMOTE_MAX_ENTRY_MB")
     assert sorted(_index_of(a)) == sorted(["other", ident])  # (as it was)
+
+
+def _counting_json_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the jsons read and parsed as CANN parses them, from now on."""
+    from opcache import cann_format
+
+    read: list[str] = []
+    real = cann_format.read_json
+
+    def counted(fd: int, name: str) -> object:
+        read.append(name)
+        return real(fd, name)
+
+    monkeypatch.setattr(cann_format, "read_json", counted)
+    return read
+
+
+def test_a_push_reads_only_the_jsons_of_entries_the_remote_lacks(machines, monkeypatch):
+    """Every json was read and parsed, and every entry held, before the remote was asked:
+    a push with nothing to send took 12 s and 468 MB at 100,000 entries."""
+    a, _ = machines
+    _fill(a, 40)
+    assert a.push()["sent"] == 40
+    read = _counting_json_reads(monkeypatch)
+    again = a.push()
+    assert (again["entries"], again["present"], again["sent"], again["skipped"]) == (40, 40, 0, [])
+    assert read == []
+    new = kernel_name("Sub", "new")
+    store_entry(a.chip, new, b"new")
+    assert a.push(dry_run=True)["would_send"] == 1
+    assert a.push()["sent"] == 1
+    assert read == [f"{new}.json", f"{new}.json"]
+
+
+def test_entries_listed_after_the_driver_changed_mid_push_are_not_given(machines, monkeypatch):
+    """The folder is listed a part at a time, the inputs checked again after each: an
+    entry compiled after a driver change made while a push runs (listed in a later
+    part) went to the old driver's namespace."""
+    monkeypatch.setattr(cann_transfer, "CANDIDATES", 2, raising=False)
+    monkeypatch.setattr(cann_transfer, "_LISTED", 1, raising=False)
+    a, _ = machines
+    kernels = _fill(a, 4)
+    late = kernel_name("Mul", "by the new driver")
+
+    def progress(percent: int) -> None:
+        if percent == 25:  # the first entry sent
+            driver = Path(a.env["ASCEND_DRIVER_PATH"]) / "version.info"
+            _after(driver)
+            driver.write_text("Version=25.0.rc1\n")
+            set_access(store_entry(a.chip, late, b"\x7fELF by 25.0"), NOW - 7200)  # the oldest
+
+    report = a.push(progress=progress)
+    assert report["sent"] == 1
+    assert "driver or a custom operator package changed" in report["errors"][0]
+    client = cann_transfer._connect(a.settings())
+    try:
+        ns = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", report["namespace"]["driver"])
+        assert client.have_many(ns.remote_chip, [*kernels, late]) == {kernels[0]}
+    finally:
+        client.close()
+    assert _cli(a, "push").returncode == 0  # the next run: the new driver's namespace
