@@ -58,9 +58,11 @@ machines are noisy).  Scenarios:
 
 14. maintenance at scale: `opcache stats`, `verify`, `age --dry-run` and a
    trim (a third of the entries) at 25,000 and 100,000 entries, then `opcache
-   cann stats` (and `--check`), `cann verify` and `cann age --dry-run` on a
-   CANN kernel_cache of as many, run as cron runs them: each one's time, CPU seconds and peak
-   resident memory (a trim holds at most 500,000 candidates: flat past that),
+   cann stats` (and `--check`), `cann verify`, `cann age --dry-run` and `cann
+   push` (`--dry-run`, one sending every entry to a file:// remote, one with
+   nothing left to send) on a CANN kernel_cache of as many, run as cron runs
+   them: each one's time, CPU seconds and peak resident memory (a trim holds
+   at most 500,000 candidates: flat past that),
    and with --before DIR the same commands of older code on the same entries,
    in turns; OPCACHE_BENCH_ENTRIES=100000,1000000 and OPCACHE_BENCH_DIR (a
    tmpfs with inodes enough) for other counts and another folder
@@ -1784,8 +1786,10 @@ def bench_maintenance(
     """Issue 22 item 4: each maintenance command, run as cron runs it, at a quarter of
     ``count`` entries and at ``count``: its time and its peak resident memory (the
     interpreter's own share included), which must not grow with the entries; then
-    ``opcache cann stats`` (by name, and ``--check``: every json read), ``verify``
-    and ``age --dry-run`` on a CANN kernel_cache of as many entries.
+    ``opcache cann stats`` (by name, and ``--check``: every json read), ``verify``,
+    ``age --dry-run`` and ``push`` (``--dry-run``, one sending every entry to a
+    file:// remote, once, and one with nothing to send) on a CANN kernel_cache of
+    as many entries.
 
     With ``before`` (a folder holding older code's opcache/), the same commands of
     that code on the same entries, in turns; each trim on a copy of the folder
@@ -1887,7 +1891,8 @@ def _maintenance_at(
         # at a million would not fit in memory on a tmpfs).
         folder = tmp / f"cann-{entries}"
         started = time.perf_counter()
-        _fill_cann(folder / "kernel_cache" / SOC, entries, time.time() - 7200)
+        stamp = time.time() - 7200
+        _fill_cann(folder / "kernel_cache" / SOC, entries, stamp)
         print(
             f"  (filled CANN's kernel_cache to {entries:,} entries in "
             f"{time.perf_counter() - started:.1f} s)"
@@ -1898,21 +1903,30 @@ def _maintenance_at(
             "[op_compiler_cache]\nadk_version=7.0.RC1\nops_version=7.0.RC1\n"
             f"max_op_cache_size={limit}\nremain_cache_size_ratio=80\n"
         )
+        # (older than the entries: push gives none written before it last changed)
+        os.utime(folder / "kernel_cache" / "op_cache.ini", (stamp - 60, stamp - 60))
+        remote = ["--remote", f"file://{folder}/remote"]
+        (folder / "remote").mkdir()
         for name, argv in (
             ("cann stats", ["cann", "stats"]),
             ("cann stats --check", ["cann", "stats", "--check"]),
             ("cann verify", ["cann", "verify"]),
             ("cann age --dry-run", ["cann", "age", "--dry-run"]),
+            ("cann push --dry-run", ["cann", "push", "--dry-run", *remote]),
+            ("cann push (sends every entry)", ["cann", "push", *remote]),
+            ("cann push (nothing to send)", ["cann", "push", *remote]),
         ):
             measured = {code: [] for code in codes}
-            for _ in range(rounds):
-                for code in codes:
+            # (the first push sends them all: once, by this code)
+            for _ in range(1 if "every" in name else rounds):
+                for code in codes if "every" not in name else [""]:
                     # Older code has no --check: its stats read every json, as --check does.
                     older = code and argv[2:] == ["--check"]
                     measured[code].append(run(argv[:2] if older else argv, code, folder))
             measured_now[name] = measured[""]
             for code, figures in measured.items():
-                add(name, entries, code, figures)
+                if figures:
+                    add(name, entries, code, figures)
         shutil.rmtree(folder, ignore_errors=True)
 
 
