@@ -130,6 +130,13 @@ class Cluster:
         for node in self.nodes:
             node.client().flushall()
 
+    def ready(self) -> None:
+        """Every node up (a test may have killed one) and emptied."""
+        for index, node in enumerate(self.nodes):
+            if node.proc is None:
+                self.restart(index)
+        self.flush()
+
     def kill(self, index: int) -> None:
         self.nodes[index].kill()
 

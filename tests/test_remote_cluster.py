@@ -38,10 +38,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
 @pytest.fixture
 def url(cluster: Cluster) -> str:
     """The cluster's URL, every node up and emptied."""
-    for index, node in enumerate(cluster.nodes):
-        if node.proc is None:
-            cluster.restart(index)
-    cluster.flush()
+    cluster.ready()
     return cluster.url
 
 

@@ -146,6 +146,17 @@ def test_a_server_not_to_be_trusted_is_never_used_and_costs_a_warning(
     assert entry_names(server) == before  # and nothing sent to it
 
 
+def a_stores_and_b_hits(
+    tmp_path: Path, url: str, compiler: ToyCompiler, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cache a compiles request 0 and stores it through ``url``; cache b gets it as a
+    remote hit; neither warns."""
+    first, stats, warnings = compile_once(tmp_path, "a", url, compiler, caplog)
+    assert (first.status, stats["remote_stores"], warnings) == ("miss", 1, [])
+    second, stats, warnings = compile_once(tmp_path, "b", url, compiler, caplog)
+    assert (second.tier, stats["remote_hits"], warnings) == ("remote", 1, [])
+
+
 def test_a_server_that_wants_a_client_certificate_takes_the_urls(
     tmp_path: Path,
     start_tls_redis: Start,
@@ -160,10 +171,7 @@ def test_a_server_that_wants_a_client_certificate_takes_the_urls(
     assert entry_names(server) == set()
     client = tls_certificates.client
     url = server.tls_url(ssl_certfile=client.cert, ssl_keyfile=client.key)
-    first, stats, warnings = compile_once(tmp_path, "a", url, compiler, caplog)
-    assert (first.status, stats["remote_stores"], warnings) == ("miss", 1, [])
-    second, stats, warnings = compile_once(tmp_path, "b", url, compiler, caplog)
-    assert (second.tier, stats["remote_hits"], warnings) == ("remote", 1, [])
+    a_stores_and_b_hits(tmp_path, url, compiler, caplog)
     assert compiler.calls() == 2  # the one without the certificate's, and a's
     assert read_dir(tmp_path / "out-b") == read_dir(tmp_path / "out-a")
 
@@ -182,10 +190,7 @@ def test_an_encrypted_client_key_is_opened_with_ssl_password_never_shown(
     assert_failed_closed(tmp_path, "wrong", result, stats, warnings, r"ssl_password=\*\*\*")
     assert "not-the-passphrase" not in warnings[0].getMessage()
     url = server.tls_url(ssl_certfile=cert, ssl_keyfile=key, ssl_password=KEY_PASSWORD)
-    first, stats, warnings = compile_once(tmp_path, "a", url, compiler, caplog)
-    assert (first.status, stats["remote_stores"], warnings) == ("miss", 1, [])
-    second, stats, warnings = compile_once(tmp_path, "b", url, compiler, caplog)
-    assert (second.tier, stats["remote_hits"], warnings) == ("remote", 1, [])
+    a_stores_and_b_hits(tmp_path, url, compiler, caplog)
     assert read_dir(tmp_path / "out-b") == read_dir(tmp_path / "out-a")
 
 
@@ -288,10 +293,7 @@ def tls_cluster(tmp_path_factory: pytest.TempPathFactory, tls_certificates: Cert
 @pytest.fixture
 def cluster(tls_cluster: Cluster) -> Cluster:
     """The TLS cluster, every node up and emptied."""
-    for index, node in enumerate(tls_cluster.nodes):
-        if node.proc is None:
-            tls_cluster.restart(index)
-    tls_cluster.flush()
+    tls_cluster.ready()
     return tls_cluster
 
 
