@@ -685,8 +685,9 @@ DISK_RESERVE = (
 
 def disk_reserve(total: int) -> int:
     """The free space a pull or an import leaves on a file system of ``total`` bytes:
-    5 % of it, at least 1 GiB, at most 10 % (a small file system keeps a tenth)."""
-    return min(max(total // 20, 1 << 30), total // 10)
+    5 % of it, at least 1 GiB, at most 10 % (a small file system keeps a tenth) and
+    at most 10 GiB (a 100 TB shared file system with 4 TB free has room to spare)."""
+    return min(max(total // 20, 1 << 30), total // 10, 10 << 30)
 
 
 TOOLKIT_CHANGED = (

@@ -442,6 +442,25 @@ def test_a_small_disk_stops_the_pull_at_its_reserve_leaving_no_part_of_an_entry(
     }
 
 
+def test_a_big_disk_keeps_a_reserve_of_10_gib_at_most(machines, monkeypatch):
+    """A 16 TiB shared file system with 600 GiB free has room: 5 % of it (819 GiB) as the
+    reserve stopped every pull there before its first entry."""
+    a, b = machines
+    _fill(a, 5, size=1000)
+    a.push()
+    write_ini(b.root, max_mb=-1, ratio=50)
+    real, block = os.fstatvfs, 4096
+
+    def big(fd: int) -> os.statvfs_result:
+        st = real(fd)
+        free = (600 << 30) // block
+        return os.statvfs_result((block, block, (16 << 40) // block, free, free, *tuple(st)[5:]))
+
+    monkeypatch.setattr(cann_transfer.os, "fstatvfs", big)
+    report = b.pull()
+    assert (report["written"], report.get("errors", [])) == (5, [])
+
+
 def test_a_disk_filled_meanwhile_stops_the_pull_at_the_first_enospc(machines, monkeypatch):
     """Another writer fills the disk during a pull: every entry after failed as well, each
     fetched, tried, warned of and leaving its lock file behind."""
