@@ -48,13 +48,21 @@ The ini is looked at again after each entry is shown, its lock held
 (``IniMark``): a CANN of another toolkit rewrites it, then wipes the folder,
 and would take an entry written after as its own; the writing stops there.
 
-**The remote's keys.**  Per chip, ``cann:<soc>`` / ``#index``: the
-namespaces pushed and, per namespace, each kernel's last access and size
-(written back merged by every push: a push lost to a concurrent one is
-mended by the next), and when a push last wrote or confirmed each namespace:
-one not pushed for ``INDEX_KEEP_SECONDS`` leaves it when it is next written.
-Entries are ``cann:<soc>:<namespace id>`` / ``<kernel>``, each an opcache
-entry (manifest and files, checked whole on every read).
+**The remote's keys.**  Per chip, the head of its index, ``cann:<soc>`` /
+``#index2``: the namespaces pushed, and when a push last wrote or confirmed each
+(one not pushed for ``INDEX_KEEP_SECONDS`` leaves it when it is next written).
+Per namespace, its kernels' rows (last access, size) in ``SHARDS`` parts,
+``cann:<soc>:<namespace id>`` / ``#index-00`` to ``#index-ff`` by a crc32 of the
+kernel's name, each read, merged (latest access wins) and written on its own, a
+few at a time and only when it changed: a push lost to a concurrent one is
+mended by the next.  A push keeps the rows it lists on disk (``_Spool``), a
+group of parts per file, and holds one group at a time; a pull reads the parts
+once to count what it lacks by last access (``_Plan``), then again per window
+of about ``WINDOW`` rows, most recently used first.  Entries are
+``cann:<soc>:<namespace id>`` / ``<kernel>``, each an opcache entry (manifest
+and files, checked whole on every read).  An older opcache's index (one value,
+``#index``) is neither read nor written: docs/cann.md says what a mixed cluster
+sees.
 """
 
 from __future__ import annotations
@@ -67,11 +75,14 @@ import os
 import random
 import re
 import stat
+import tempfile
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 from . import _json, fsutil, ini, trust
 from ._log import get_logger
@@ -116,9 +127,20 @@ from .storage.remote import cann_chip
 
 log = get_logger(__name__)
 
-FORMAT = 1
-INDEX = "#index"
+FORMAT = 2
+# The remote's index of a chip: its head (``cann:<soc>`` / ``#index2``: the
+# namespaces) and, per namespace, ``SHARDS`` parts of its rows (``cann:<soc>:<id>`` /
+# ``#index-00`` to ``#index-ff``, by a crc32 of the kernel's name).  An older
+# opcache's one value (``#index``, format 1) is neither read nor written.
+INDEX = "#index2"
+SHARD_PREFIX = "#index-"
+SHARDS = 256
 INDEX_FILE = "index.json"
+_SHARDS_AT_ONCE = 8  # parts of the index read (and written) per round trip
+# A pull: the rows it holds at once (one window of last-access times, fetched most
+# recently used first), and the bins of last-access times its first pass counts.
+WINDOW = 100_000
+_BINS = 16_384
 _BATCH = 32  # entries per round trip: a batch of big kernels stays a bounded answer
 _BATCH_BYTES = 16 << 20  # and at most this much sent at once
 # A giving side's listing: entries taken per walk of the chip folder (most recently
@@ -463,6 +485,9 @@ def _reserved(kernel: str) -> str | None:
         return "a name CANN gives other files (_pre, _mix_aic, _mix_aiv)"
     if "." in kernel:
         return "not a kernel name: CANN's ends at the first dot of its json's name"
+    if kernel.startswith("#"):
+        # Its key on the remote could be a part of the index (``SHARD_PREFIX``).
+        return "a name the remote's index takes (#...)"
     return None
 
 
@@ -762,7 +787,8 @@ class _Writer:
         if why is not None:
             return self._bad(kernel, why)
         self.used += bundle.size
-        self.present |= set(files)
+        # (not added to ``present``: each kernel is offered once, and the names
+        # written, held, grew with the entries)
         self.report["written"] += 1
         self.report["bytes"] += bundle.size
         return None
@@ -1038,11 +1064,22 @@ def _index_chip(soc: str) -> str:
 _VERSION_KEYS = ("adk_version", "ops_version", "driver")
 
 
-def _read_index(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
-    """(the chip's namespaces in the remote's index, whether any part of it was
+def _shard_of(kernel: str) -> int:
+    """The part of its namespace's index a kernel's row is kept in."""
+    return zlib.crc32(kernel.encode("utf-8", "surrogateescape")) % SHARDS
+
+
+def _shard_key(shard: int) -> str:
+    # (in the namespace's chip, beside its kernels: "#" begins no kernel given or taken)
+    return f"{SHARD_PREFIX}{shard:02x}"
+
+
+def _read_head(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
+    """(the chip's namespaces in the remote's index head, whether any part of it was
     damaged); the parts that are not as ``_write_index`` writes them are dropped,
-    so a push writes back a sound index.  Refused when it may be sound to another
-    opcache (over this one's entry cap, another format): never replaced by a new one."""
+    so a push writes back a sound head.  Refused when it may be sound to another
+    opcache (over this one's entry cap, another format, its rows split otherwise):
+    never replaced by a new one."""
     got = remote.get_many(_index_chip(soc), [INDEX]).get(INDEX)
     if got is None:
         return {}, False
@@ -1058,9 +1095,14 @@ def _read_index(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
         index = _json.loads(got[0].files.get(INDEX_FILE, b""))
     except ValueError:
         index = None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        log.warning("the remote's index of %s is not one this opcache reads: starting anew", soc)
+    if not isinstance(index, dict):
+        log.warning("the remote's index of %s is damaged: starting a new one", soc)
         return {}, True
+    if index.get("format") != FORMAT:
+        raise Refused(
+            f"the remote's index of {soc} is of another format ({index.get('format')!r}): "
+            "a newer opcache's? (not replaced)"
+        )
     found = index.get("namespaces")
     spaces = {}
     damaged = not isinstance(found, dict)
@@ -1070,18 +1112,23 @@ def _read_index(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
         ):
             damaged = True
             continue
-        rows = space.get("entries")
-        entries = {k: list(row) for k, row in _sound_rows(rows).items()}
-        damaged |= not isinstance(rows, dict) or len(entries) != len(rows)
+        shards = space.get("shards")
+        if type(shards) is not int or shards < 1:
+            damaged = True
+            continue
+        if shards != SHARDS:
+            raise Refused(
+                f"the remote's index of {soc} splits namespace {ident} otherwise "
+                f"({shards} parts): another opcache's? (not replaced)"
+            )
         custom = space.get("custom")
         custom_part = {"custom": custom} if isinstance(custom, str) and custom else {}
         damaged |= "custom" in space and not custom_part
         pushed = space.get("pushed")
-        # (none in an index an older opcache wrote: its clock starts at the next write)
         pushed_part = {"pushed": pushed} if type(pushed) is int and pushed >= 0 else {}
         damaged |= "pushed" in space and not pushed_part
         versions = {k: space[k] for k in _VERSION_KEYS}
-        spaces[ident] = {**versions, **custom_part, **pushed_part, "entries": entries}
+        spaces[ident] = {**versions, **custom_part, **pushed_part, "shards": SHARDS}
     if damaged:
         log.warning("the remote's index of %s is damaged in part: those parts dropped", soc)
     return spaces, damaged
@@ -1101,10 +1148,107 @@ def _sound_rows(rows: object) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _index_entries(spaces: dict[str, dict], ns: Namespace) -> dict[str, tuple[int, int]]:
-    """{kernel: (last access, size)} of ``ns`` in an index's namespaces."""
-    space = spaces.get(ns.ident)
-    return {k: (v[0], v[1]) for k, v in space["entries"].items()} if space else {}
+SOUND, DAMAGED, FOREIGN = "", "damaged", "foreign"
+
+
+def _shard_rows(value: object) -> tuple[dict[str, tuple[int, int]], str]:
+    """(the rows of a part of the index as fetched, SOUND, DAMAGED: its bad rows
+    dropped, or FOREIGN: another opcache's, maybe sound, never replaced)."""
+    if value is None:
+        return {}, SOUND
+    if isinstance(value, RemoteCorrupt):
+        return {}, FOREIGN if value.maybe_sound else DAMAGED
+    try:
+        shard = _json.loads(value[0].files.get(INDEX_FILE, b""))  # type: ignore[index]
+    except ValueError:
+        shard = None
+    if not isinstance(shard, dict):
+        return {}, DAMAGED
+    if shard.get("format") != FORMAT:
+        return {}, FOREIGN
+    found = shard.get("rows")
+    rows = _sound_rows(found)
+    return rows, SOUND if isinstance(found, dict) and len(rows) == len(found) else DAMAGED
+
+
+def _shards(
+    remote: Remote, ns: Namespace, first: int = 0, last: int = SHARDS
+) -> Iterator[tuple[int, dict[str, tuple[int, int]], str]]:
+    """(shard, its rows, how it was found: ``_shard_rows``) of the namespace's index
+    parts ``first`` to ``last`` (excluded), fetched ``_SHARDS_AT_ONCE`` at a time."""
+    for at in range(first, last, _SHARDS_AT_ONCE):
+        keys = [_shard_key(i) for i in range(at, min(at + _SHARDS_AT_ONCE, last))]
+        got = remote.get_many(ns.remote_chip, keys)
+        for shard, key in enumerate(keys, at):
+            yield (shard, *_shard_rows(got.pop(key, None)))
+
+
+class _Rows:
+    """Rows for the index, by group of ``_SHARDS_AT_ONCE`` parts: held in memory."""
+
+    def __init__(self, rows: Mapping[str, tuple[int, int]] | None = None) -> None:
+        self.rows = rows or {}
+        self.failed: str | None = None
+
+    def group(self, at: int) -> dict[int, dict[str, tuple[int, int]]]:
+        out: dict[int, dict[str, tuple[int, int]]] = {}
+        for kernel, row in self.rows.items():
+            shard = _shard_of(kernel)
+            if at <= shard < at + _SHARDS_AT_ONCE:
+                out.setdefault(shard, {})[kernel] = row
+        return out
+
+
+class _Spool(_Rows):
+    """Rows for the index kept on disk (``TMPDIR``) as a push lists them, a file per
+    group of parts, so that a push holds one group's rows at a time, not every
+    kernel's.  ``failed`` says why once the disk refused them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+        self._files: dict[int, BinaryIO] = {}
+
+    def add(self, kernel: str, atime: int, size: int) -> None:
+        if self.failed is not None:
+            return
+        group = _shard_of(kernel) // _SHARDS_AT_ONCE
+        try:
+            if self._folder is None:
+                self._folder = tempfile.TemporaryDirectory(prefix="opcache-push-")
+            f = self._files.get(group)
+            if f is None:
+                path = os.path.join(self._folder.name, str(group))
+                f = self._files[group] = open(path, "wb")  # noqa: SIM115
+            # (NUL-separated: no file name holds one)
+            f.write(f"{kernel}\0{atime}\0{size}\0".encode("utf-8", "surrogateescape"))
+        except OSError as e:
+            where = self._folder.name if self._folder else tempfile.gettempdir()
+            self.failed = f"cannot keep its rows in {where}: {e.strerror or e}"
+
+    def group(self, at: int) -> dict[int, dict[str, tuple[int, int]]]:
+        out: dict[int, dict[str, tuple[int, int]]] = {}
+        f = self._files.pop(at // _SHARDS_AT_ONCE, None)
+        if f is None:
+            return out
+        f.close()
+        with open(f.name, "rb") as r:
+            fields = r.read().split(b"\0")
+        os.unlink(f.name)
+        for i in range(0, len(fields) - 2, 3):
+            kernel = fields[i].decode("utf-8", "surrogateescape")
+            atime, size = int(fields[i + 1]), int(fields[i + 2])
+            rows = out.setdefault(_shard_of(kernel), {})
+            old = rows.get(kernel)
+            rows[kernel] = (max(atime, old[0]) if old else atime, size)
+        return out
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self._folder is not None:
+            self._folder.cleanup()
 
 
 def _have(remote: Remote, chip: str, keys: list[str]) -> set[str]:
@@ -1203,7 +1347,8 @@ def _push_chip(
 ) -> dict:
     ns, ini_mark, inputs = giving_namespace(root, soc, environ, settings.shared_group)
     chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
-    try:
+    with contextlib.ExitStack() as held:
+        held.callback(chip.close)
         cap = client.max_entry_bytes
         reader = _Reader(chip.fd, ini_mark, inputs, cap, f"over its size cap ({cap} bytes)")
         report: dict = {
@@ -1213,15 +1358,19 @@ def _push_chip(
         }  # fmt: skip
         if dry_run:
             report["would_send"] = 0
-        # {kernel: (last access, size)} of what the remote holds, for its index.
-        stored: dict[str, tuple[int, int]] = {}
+        # (kernel, last access, size) of what the remote holds, for its index: kept on
+        # disk as listed, merged into the index's parts at the end.
+        stored = _Spool() if not dry_run else None
+        if stored is not None:
+            held.callback(stored.close)
 
         def settle(batch: list[tuple[str, int, int]], sending: Future[list[int]]) -> None:
             for (kernel, atime, size), sent in zip(batch, sending.result(), strict=True):
                 if sent:
                     report["sent"] += 1
                     report["bytes"] += sent
-                    stored[kernel] = (atime, size)
+                    assert stored is not None
+                    stored.add(kernel, atime, size)
                 else:
                     why = "the remote is read-only" if client.read_only else "over its size cap"
                     report["not_sent"].append({"entry": kernel, "why": why})
@@ -1272,7 +1421,8 @@ def _push_chip(
                         # (its size: its files by name, the ones it owns as CANN names them)
                         report["entries"] += 1
                         report["present"] += 1
-                        stored[item.kernel] = (item.atime, item.size())
+                        if stored is not None:
+                            stored.add(item.kernel, item.atime, item.size())
                     else:
                         give(item)
                     done += 1
@@ -1284,19 +1434,16 @@ def _push_chip(
                 settle(*pending.popleft())
         if reader.stopped is not None:
             report["errors"] = [reader.stopped]
-        if not dry_run:
+        if stored is not None:
             why = _write_index(client, ns, stored)
             if why is not None:
                 log.warning("%s", why)
                 report["errors"] = [*report.get("errors", []), why]
-    finally:
-        chip.close()
     return report
 
 
-# A namespace no push wrote or confirmed for this long leaves the index when it is
-# next written (docs/cann.md): its machines are gone or run other versions, and the
-# index, one value under the remote's entry cap, keeps every namespace ever pushed.
+# A namespace no push wrote or confirmed for this long leaves the index when its head
+# is next written (docs/cann.md): its machines are gone or run other versions.
 INDEX_KEEP_SECONDS = 30 * 86400
 _CONFIRM_SECONDS = 86400  # a push confirms its namespace at most once a day
 
@@ -1304,64 +1451,129 @@ _CONFIRM_SECONDS = 86400  # a push confirms its namespace at most once a day
 def _write_index(
     client: Remote,
     ns: Namespace,
-    rows: dict[str, tuple[int, int]],
+    rows: Mapping[str, tuple[int, int]] | _Rows,
     gone: Collection[str] = (),
     *,
     pushing: bool = True,
 ) -> str | None:
-    """Merge ``rows`` into the chip's index on the remote (latest access wins), and drop
-    the entries a pull found ``gone`` (evicted); None, or why the remote did not take
-    it.  A push (``pushing``) stamps ``ns`` as pushed now; other namespaces not
-    pushed for ``INDEX_KEEP_SECONDS`` are dropped as the index is written."""
+    """Merge ``rows`` into the namespace's index on the remote (latest access wins),
+    and drop the entries a pull found ``gone`` (evicted), each part of it read,
+    merged and written on its own (only those that changed), ``_SHARDS_AT_ONCE`` at
+    a time; None, or why the remote did not take it.  A push (``pushing``) stamps
+    ``ns`` as pushed now in the head; other namespaces not pushed for
+    ``INDEX_KEEP_SECONDS`` are dropped as the head is written (their parts removed)."""
     if client.read_only:
         return None
+    if not isinstance(rows, _Rows):
+        rows = _Rows(rows)
+    soc, chip, cap = ns.soc, ns.remote_chip, client.max_entry_bytes
+    try:
+        _read_head(client, soc)  # (one another opcache may still read: not replaced)
+    except Refused as e:
+        return f"{e}: not written"
+    if rows.failed is not None:
+        return f"the remote's index of {soc} was not written: {rows.failed}"
+    gone_in: dict[int, set[str]] = {}
+    for kernel in gone:
+        gone_in.setdefault(_shard_of(kernel), set()).add(kernel)
+    changed, foreign, refused, over = False, 0, 0, 0
+    for at in range(0, SHARDS, _SHARDS_AT_ONCE):
+        local = rows.group(at)
+        if not pushing and not local and not any(at <= i < at + _SHARDS_AT_ONCE for i in gone_in):
+            continue  # (a pull drops what it found gone: those parts alone are read)
+        writes = []
+        for shard, before, state in _shards(client, ns, at, at + _SHARDS_AT_ONCE):
+            if state == FOREIGN:
+                foreign += 1
+                continue
+            entries = {k: v for k, v in before.items() if k not in gone_in.get(shard, ())}
+            for kernel, (atime, size) in local.get(shard, {}).items():
+                old = entries.get(kernel)
+                entries[kernel] = (max(atime, old[0]) if old else atime, size)
+            if entries != before or state == DAMAGED:
+                rows_json = {k: list(v) for k, v in entries.items()}
+                data = canonical_json({"format": FORMAT, "rows": rows_json})
+                writes.append((_shard_key(shard), data))
+        for key, data in writes:
+            took = _put_value(client, chip, key, data, soc)
+            over += took is None
+            refused += took is False
+        changed |= bool(writes)
+    why = []
+    if foreign:
+        why.append(
+            f"the remote's index of {soc}: {foreign} of its parts cannot be read here "
+            "(another opcache's, with a bigger OPCACHE_REMOTE_MAX_ENTRY_MB?): not replaced"
+        )
+    if over:
+        why.append(
+            f"the remote's index of {soc} was not written in part: {over} of its parts over "
+            f"the entry cap ({cap} bytes): pulls get none of the entries sent since that "
+            "they name (raise OPCACHE_REMOTE_MAX_ENTRY_MB on every machine)"
+        )
+    head = _write_head(client, ns, changed, pushing=pushing)
+    if head is not None:
+        why.append(head)
+    if refused:
+        why.append(f"the remote did not take the index of {soc}: pulls get nothing new")
+    return "; ".join(why) or None
+
+
+def _write_head(client: Remote, ns: Namespace, changed: bool, *, pushing: bool) -> str | None:
+    """Write the chip's head (read again now: a push meanwhile) when ``ns`` is not in it,
+    it is damaged, a push changed rows (``changed``) or confirms ``ns`` (once a day);
+    then remove the parts of the namespaces it dropped.  None, or why not."""
     now = int(time.time())
     try:
-        spaces, damaged = _read_index(client, ns.soc)
-    except Refused as e:  # (another opcache's, maybe: not replaced)
+        spaces, damaged = _read_head(client, ns.soc)
+    except Refused as e:
         return f"{e}: not written"
-    before = _index_entries(spaces, ns)
-    entries = {k: v for k, v in before.items() if k not in gone}
-    for kernel, (atime, size) in rows.items():
-        old = entries.get(kernel, (0, 0))
-        entries[kernel] = (max(atime, old[0]), size)
     pushed = spaces.get(ns.ident, {}).get("pushed")
     confirm = pushing and (pushed is None or not 0 <= now - pushed < _CONFIRM_SECONDS)
-    if ns.ident in spaces and entries == before and not damaged and not confirm:
+    if ns.ident in spaces and not damaged and not confirm and not (pushing and changed):
         return None  # nothing new: a cron push of an unchanged folder writes nothing
+    dropped = []
     for ident, space in list(spaces.items()):
         if ident == ns.ident:
             continue
         if "pushed" not in space:
-            space["pushed"] = now  # (an older opcache's index: counted from now)
+            space["pushed"] = now  # (hand-written: counted from now)
         elif now - space["pushed"] > INDEX_KEEP_SECONDS:
             log.info(
                 "%s: namespace %s not pushed for 30 days: left out of the index", ns.soc, ident
             )
+            dropped.append(ident)
             del spaces[ident]
     spaces[ns.ident] = {
         **ns.versions(),
         "pushed": now if pushing or pushed is None else pushed,
-        "entries": {k: list(v) for k, v in entries.items()},
+        "shards": SHARDS,
     }
     data = canonical_json({"format": FORMAT, "soc": ns.soc, "namespaces": spaces})
-    manifest = make_manifest(INDEX, {INDEX_FILE: data}, 0.0, {"soc": ns.soc}, time.time())
-    chip, files = _index_chip(ns.soc), {INDEX_FILE: data}
-    size, cap = len(manifest) + len(data), client.max_entry_bytes
-    if size > cap:
-        return (
-            f"the remote's index of {ns.soc} was not written: {size} bytes "
-            f"({sum(len(s['entries']) for s in spaces.values())} kernels), over the entry cap "
-            f"({cap} bytes): pulls get none of the entries sent since (raise "
-            "OPCACHE_REMOTE_MAX_ENTRY_MB on every machine)"
-        )
-    if not client.put(chip, INDEX, manifest, files):
-        # A folder remote keeps the first value of a key (an entry's key names its
-        # contents); the index is the one value that changes.
-        client.discard(chip, INDEX)
-        if not client.put(chip, INDEX, manifest, files):
-            return f"the remote did not take the index of {ns.soc}: pulls get nothing new"
+    if not _put_value(client, _index_chip(ns.soc), INDEX, data, ns.soc):  # (a small value)
+        return f"the remote did not take the index of {ns.soc}: pulls get nothing new"
+    for ident in dropped:  # (their entries stay until the remote evicts them)
+        chip = cann_chip(ns.soc, ident)
+        try:
+            for shard in range(SHARDS):
+                client.discard(chip, _shard_key(shard))
+        except RemoteError as e:
+            log.debug("%s: the index of namespace %s left: %s", ns.soc, ident, e)
     return None
+
+
+def _put_value(client: Remote, chip: str, key: str, data: bytes, soc: str) -> bool | None:
+    """Store one value of the index (the head or a part); whether the remote took it
+    (None: over its entry cap, not sent)."""
+    manifest = make_manifest(key, {INDEX_FILE: data}, 0.0, {"soc": soc}, time.time())
+    if len(manifest) + len(data) > client.max_entry_bytes:
+        return None
+    if client.put(chip, key, manifest, {INDEX_FILE: data}):
+        return True
+    # A folder remote keeps the first value of a key (an entry's key names its
+    # contents); the index is the one kind of value that changes.
+    client.discard(chip, key)
+    return bool(client.put(chip, key, manifest, {INDEX_FILE: data}))
 
 
 def pull(
@@ -1402,7 +1614,7 @@ def _pull_chip(
     progress: Callable[[int], None] | None,
 ) -> dict:
     ns, mark = taking_namespace(root, soc, environ, settings.shared_group)
-    spaces, _ = _read_index(client, soc)
+    spaces, _ = _read_head(client, soc)
     if ns.ident not in spaces:
         others = [_described(s) for s in spaces.values()]
         if others:
@@ -1410,11 +1622,11 @@ def _pull_chip(
                 f"the remote holds {soc} entries only for other versions ({'; '.join(others)}), "
                 f"not for this folder's {ns.describe()}: nothing pulled"
             )
-    rows = _index_entries(spaces, ns)
     report, chip, mark = _taking(root, soc, settings, ns, mark, dry_run)
     if chip is None:
         present = _present_names(root, soc, settings)
-        report["would_pull"] = sum(1 for k in rows if f"{k}.json" not in present)
+        plan = _Plan(client, ns, lambda k: f"{k}.json" in present, ns.ident in spaces)
+        report["would_pull"] = plan.wanted
         return report
     # (Read before the aging lock is taken: see import_archive.)
     limits = read_limits(root, environ, settings.shared_group)
@@ -1425,32 +1637,112 @@ def _pull_chip(
         assert mark is not None
         writer = _Writer(chip.fd, limits, report, mark)
         held.callback(writer.close)
-        wanted = sorted((k for k in rows if not writer.has(k)), key=lambda k: -rows[k][0])
-        report["present"] = len(rows) - len(wanted)
-        batches = [wanted[at : at + _BATCH] for at in range(0, len(wanted), _BATCH)]
-        if batches and not writer.has_room(rows[batches[0][0]][1]):
-            batches = []  # (a disk under its reserve already: nothing fetched)
+        plan = _Plan(client, ns, writer.has, ns.ident in spaces)
+        report["present"] = plan.present
+        batches = plan.batches()
+        batch = next(batches, None)
+        if batch is not None and not writer.has_room(batch[0][1]):
+            batch = None  # (a disk under its reserve already: nothing fetched)
+        done = 0
         # One thread fetches the next batch while this one writes the last.
         with ThreadPoolExecutor(1, thread_name_prefix="opcache-pull") as fetcher:
-            ahead = fetcher.submit(client.get_many, ns.remote_chip, batches[0]) if batches else None
-            for at, batch in enumerate(batches):
-                assert ahead is not None
+            chip_name = ns.remote_chip
+            if batch is not None:
+                ahead = fetcher.submit(client.get_many, chip_name, [k for k, _ in batch])
+            while batch is not None:
                 got = ahead.result()
-                if at + 1 < len(batches):
-                    ahead = fetcher.submit(client.get_many, ns.remote_chip, batches[at + 1])
-                if not writer.fits(rows[batch[0]][1]):
+                after = next(batches, None)
+                if after is not None:
+                    ahead = fetcher.submit(client.get_many, chip_name, [k for k, _ in after])
+                if not writer.fits(batch[0][1]):
                     report["stopped_at_limit"] = True
-                if report["stopped_at_limit"] or not _write_batch(writer, batch, got, report):
+                kernels = [k for k, _ in batch]
+                if report["stopped_at_limit"] or not _write_batch(writer, kernels, got, report):
                     ahead.cancel()  # (what is on its way already is not waited for)
                     break
+                done += len(batch)
                 if progress is not None:
-                    progress((at + 1) * 100 // len(batches))
+                    progress(min(done * 100 // max(plan.wanted, 1), 100))
+                batch = after
     report["discarded"] = _discard_damaged(client, ns, report["corrupt"])
     if report["gone"] or report["discarded"]:
         why = _write_index(client, ns, {}, [*report["gone"], *report["discarded"]], pushing=False)
         if why is not None:  # (the next push drops them again)
             log.warning("%s", why)
     return report
+
+
+class _Plan:
+    """What a pull fetches, most recently used first, without holding every row of
+    the index: a first pass over its parts counts the rows this folder lacks
+    (``wanted``) in bins of last-access time (at most ``_BINS``: a bin's span of
+    seconds doubles while there are more), which cut the times into windows of
+    about ``WINDOW`` rows; ``batches`` then reads the parts again for each
+    window, newest first, and holds that window's rows alone, sorted."""
+
+    def __init__(
+        self, client: Remote, ns: Namespace, has: Callable[[str], bool], indexed: bool
+    ) -> None:
+        self.client = client
+        self.ns = ns
+        self.has = has
+        self.wanted = self.present = 0
+        self._warned: set[int] = set()
+        bins: dict[int, int] = {}
+        shift = 0
+        for rows in self._rows() if indexed else ():
+            for kernel, (atime, _) in rows.items():
+                if has(kernel):
+                    self.present += 1
+                    continue
+                self.wanted += 1
+                at = atime >> shift
+                bins[at] = bins.get(at, 0) + 1
+                while len(bins) > _BINS:
+                    shift += 1
+                    wider: dict[int, int] = {}
+                    for at, count in bins.items():
+                        wider[at >> 1] = wider.get(at >> 1, 0) + count
+                    bins = wider
+        # Windows (newest, oldest last access), newest first, touching each other.
+        self.windows: list[tuple[int | None, int | None]] = []
+        newest: int | None = None
+        count = 0
+        for at in sorted(bins, reverse=True):
+            count += bins[at]
+            if count >= WINDOW:
+                oldest = at << shift
+                self.windows.append((newest, oldest))
+                newest, count = oldest - 1, 0
+        if count:
+            self.windows.append((newest, None))
+
+    def _rows(self) -> Iterator[dict[str, tuple[int, int]]]:
+        for shard, rows, state in _shards(self.client, self.ns):
+            if state != SOUND and shard not in self._warned:
+                self._warned.add(shard)
+                log.warning(
+                    "%s: part %02x of the remote's index is %s: its rows left out",
+                    self.ns.soc,
+                    shard,
+                    "damaged" if state == DAMAGED else "not one this opcache reads",
+                )
+            yield rows
+
+    def batches(self) -> Iterator[list[tuple[str, int]]]:
+        """Batches of (kernel, size) to fetch, most recently used first."""
+        for newest, oldest in self.windows:
+            chosen = [
+                (-atime, kernel, size)
+                for rows in self._rows()
+                for kernel, (atime, size) in rows.items()
+                if (newest is None or atime <= newest)
+                and (oldest is None or atime >= oldest)
+                and not self.has(kernel)
+            ]
+            chosen.sort()
+            for at in range(0, len(chosen), _BATCH):
+                yield [(kernel, size) for _, kernel, size in chosen[at : at + _BATCH]]
 
 
 def _discard_damaged(client: Remote, ns: Namespace, corrupt: list[dict]) -> list[str]:

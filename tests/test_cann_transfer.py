@@ -409,8 +409,11 @@ def test_push_asks_which_entries_the_remote_has_without_fetching_them(machines, 
     assert (again["present"], again["sent"]) == (40, 0)
     calls = {k: v["calls"] for k, v in client.info("commandstats").items()}
     assert calls.get("cmdstat_exists", 0) == 40  # a batched EXISTS per entry, no value
-    assert "cmdstat_mget" not in calls
-    assert calls.get("cmdstat_get", 0) <= 2  # the chip's index, read before it is merged
+    # No entry fetched: the index's head (read before and after its parts are merged)
+    # and its parts, a few at a time.
+    parts = cann_transfer.SHARDS // cann_transfer._SHARDS_AT_ONCE
+    assert calls.get("cmdstat_mget", 0) == parts
+    assert calls.get("cmdstat_get", 0) <= 2
     assert "cmdstat_set" not in calls  # nothing new: not even the index is written again
 
 
@@ -477,7 +480,8 @@ def test_a_disk_filled_meanwhile_stops_the_pull_at_the_first_enospc(machines, mo
         get_many = remote.get_many
 
         def fetch(chip, keys):  # type: ignore[no-untyped-def]
-            fetches.append(len(keys))
+            if not keys[0].startswith("#"):  # (not the index)
+                fetches.append(len(keys))
             return get_many(chip, keys)
 
         remote.get_many = fetch
@@ -504,8 +508,8 @@ def test_a_disk_filled_meanwhile_stops_the_pull_at_the_first_enospc(machines, mo
         names = {p.name for p in b.chip.iterdir()}
     assert report["errors"] == [cann_transfer.DISK_FULL.format("No space left on device")]
     assert (report["written"], report["rejected"], len(stores)) == (9, [], 10)
-    # The index, the batch written, and the next one, fetched ahead meanwhile, at most.
-    assert fetches[0] == 1 and len(fetches) <= 3, fetches
+    # The batch written, and the next one, fetched ahead meanwhile, at most.
+    assert len(fetches) <= 2, fetches
     assert {n for n in names if n.endswith(".json")} == {f"{k}.json" for k in kernels[:9]}
     assert {n for n in names if n.endswith(".lock")} == {f"{k}.lock" for k in kernels[:9]} | {
         "op_cache_file_del.lock"
@@ -902,44 +906,66 @@ def test_an_ini_is_made_beside_locks_alone(machines):
     assert report["ini_created"] and report["written"] == 1
 
 
-def _put_index(a: Machine, index: object, *, compact: bool = False) -> None:
+def _put_value(a: Machine, chip: str, key: str, value: object) -> None:
+    """A value of the remote's index put by hand (``json.dumps``'d unless bytes)."""
     from opcache.storage.entry import make_manifest
 
-    data = json.dumps(index, separators=(",", ":") if compact else None).encode()
+    data = value if isinstance(value, bytes) else json.dumps(value, separators=(",", ":")).encode()
     files = {cann_transfer.INDEX_FILE: data}
-    manifest = make_manifest(cann_transfer.INDEX, files, 0.0, {"soc": SOC}, time.time())
+    manifest = make_manifest(key, files, 0.0, {"soc": SOC}, time.time())
     client = cann_transfer._connect(a.settings())
     try:
-        client.put(f"cann:{SOC}", cann_transfer.INDEX, manifest, files)
+        client.discard(chip, key)  # (a folder remote keeps the first value of a key)
+        client.put(chip, key, manifest, files)
     finally:
         client.close()
+
+
+def _put_index(a: Machine, index: object) -> None:
+    _put_value(a, f"cann:{SOC}", cann_transfer.INDEX, index)
+
+
+def _put_shard(a: Machine, ident: str, shard: int, rows: object, fmt: int = 2) -> None:
+    key = cann_transfer._shard_key(shard)
+    _put_value(a, f"cann:{SOC}:{ident}", key, {"format": fmt, "rows": rows})
+
+
+_SPACE = {"adk_version": "7", "ops_version": "7", "driver": "d", "shards": 256}
 
 
 @pytest.mark.parametrize(
-    "spaces",
+    "head, part",
     [
-        ["oops"],
-        {"x": "oops"},
-        {"x": {"adk_version": 7, "ops_version": "7", "driver": "d", "entries": {}}},
-        {"x": {"adk_version": "7", "ops_version": "7", "driver": "d", "entries": ["oops"]}},
-        {"x": {"adk_version": "7", "ops_version": "7", "driver": "d", "entries": {"k": [1]}}},
+        (["oops"], None),
+        ({"x": "oops"}, None),
+        ({"x": {**_SPACE, "adk_version": 7}}, None),
+        ({"x": {**_SPACE, "shards": "many"}}, None),
+        (None, ["oops"]),
+        (None, {"k": [1]}),
+        (None, b"not json"),
     ],
 )
-def test_a_damaged_remote_index_is_read_as_empty_and_mended_by_a_push(machines, spaces):
+def test_a_damaged_remote_index_is_read_as_empty_and_mended_by_a_push(machines, head, part):
     a, b = machines
-    _fill(a, 2)
-    _put_index(a, {"format": 1, "soc": SOC, "namespaces": spaces})
+    kernels = _fill(a, 2)
     write_ini(b.root)
-    assert b.pull().get("written", 0) == 0  # nothing of its namespace, and no traceback
-    pushed = a.push()
-    assert pushed["sent"] == 2
-    assert b.pull()["written"] == 2
-    client = cann_transfer._connect(a.settings())
-    try:
-        read, damaged = cann_transfer._read_index(client, SOC)
-    finally:
-        client.close()
-    assert not damaged and len(read[pushed["namespace"]["id"]]["entries"]) == 2
+    if head is not None:
+        _put_index(a, {"format": 2, "soc": SOC, "namespaces": head})
+        assert b.pull().get("written", 0) == 0  # nothing of its namespace, no traceback
+    ident = a.push()["namespace"]["id"]
+    if part is not None:  # the part of the index naming the first kernel damaged
+        shard = cann_transfer._shard_of(kernels[0])
+        if isinstance(part, bytes):
+            _put_value(a, f"cann:{SOC}:{ident}", cann_transfer._shard_key(shard), part)
+        else:
+            _put_shard(a, ident, shard, part)
+        assert b.pull()["written"] == sum(cann_transfer._shard_of(k) != shard for k in kernels)
+    pushed = a.push()  # (nothing to send: the damaged part is written again all the same)
+    assert (pushed["sent"], pushed.get("errors")) == (0, None)
+    b.pull()
+    assert {p.name[: -len(".json")] for p in b.chip.glob("*.json")} == set(kernels)
+    read, damaged = _index_of(a, with_damage=True)
+    assert not damaged and len(read[ident]["entries"]) == len(kernels)
 
 
 @pytest.mark.parametrize("how", ["push", "export"])
@@ -1511,95 +1537,152 @@ def _rows(count: int, atime: int) -> dict[str, list[int]]:
     return {kernel_name("Old", str(i)): [atime, 4096] for i in range(count)}
 
 
-def _index_of(machine: Machine) -> dict[str, dict]:
+def _index_of(machine: Machine, *, with_damage: bool = False):  # type: ignore[no-untyped-def]
+    """The remote's index whole: {namespace: {versions, pushed, entries: {kernel: row}}}."""
     client = cann_transfer._connect(machine.settings())
     try:
-        return cann_transfer._read_index(client, SOC)[0]
+        spaces, damaged = cann_transfer._read_head(client, SOC)
+        for ident, space in spaces.items():
+            space["entries"] = {}
+            for _, rows, state in cann_transfer._shards(client, _Named(ident)):
+                space["entries"].update(rows)
+                damaged |= state != cann_transfer.SOUND
     finally:
         client.close()
+    return (spaces, damaged) if with_damage else spaces
 
 
-def test_namespaces_not_pushed_for_30_days_leave_the_index_so_that_it_fits(machines, monkeypatch):
-    """The index keeps every namespace ever pushed (about 91 bytes a kernel); once over
-    the remote's entry cap it was refused, silently: push said it sent its entries, and
-    pulls got nothing."""
+class _Named:
+    """A namespace known by its id alone, as the index's parts are read."""
+
+    def __init__(self, ident: str) -> None:
+        self.remote_chip = f"cann:{SOC}:{ident}"
+
+
+def test_namespaces_not_pushed_for_30_days_leave_the_index(machines):
+    """The head keeps every namespace ever pushed, each one's parts beside its entries:
+    one no push wrote or confirmed for 30 days leaves it, and its parts go."""
     a, b = machines
     kernels = _fill(a, 300, size=16)
     now = int(time.time())
     day = 86400
-    row = len(json.dumps(_rows(2, now), separators=(",", ":"))) // 2  # (bytes a row)
-    under_cap = (1 << 20) // row - 150  # A's 300 rows take it over
-    versions = {"adk_version": "6.0", "ops_version": "6.0", "driver": "d"}
     _put_index(
         a,
         {
-            "format": 1,
+            "format": 2,
             "soc": SOC,
             "namespaces": {
-                "stale": {**versions, "pushed": now - 31 * day, "entries": _rows(under_cap, now)},
-                "recent": {**versions, "pushed": now - 2 * day, "entries": _rows(1, now)},
-                "older_opcache": {**versions, "entries": _rows(1, now)},
+                "stale": {**_SPACE, "pushed": now - 31 * day},
+                "recent": {**_SPACE, "pushed": now - 2 * day},
+                "unstamped": _SPACE,
             },
         },
-        compact=True,
     )
-    monkeypatch.setenv("OPCACHE_REMOTE_MAX_ENTRY_MB", "1")
+    _put_shard(a, "stale", 7, _rows(10, now))
     pushed = a.push()
     assert (pushed["sent"], pushed.get("errors")) == (300, None)
     index = _index_of(a)
-    assert sorted(index) == sorted(["recent", "older_opcache", pushed["namespace"]["id"]])
+    assert sorted(index) == sorted(["recent", "unstamped", pushed["namespace"]["id"]])
     assert index["recent"]["pushed"] == now - 2 * day
-    assert 0 <= index["older_opcache"]["pushed"] - now < 60  # (its 30 days start now)
+    assert 0 <= index["unstamped"]["pushed"] - now < 60  # (its 30 days start now)
     assert 0 <= index[pushed["namespace"]["id"]]["pushed"] - now < 60
+    client = cann_transfer._connect(a.settings())
+    try:
+        assert not client.have_many(f"cann:{SOC}:stale", [cann_transfer._shard_key(7)])
+    finally:
+        client.close()
     write_ini(b.root)
     assert b.pull()["written"] == 300
     assert {p.name[: -len(".json")] for p in b.chip.glob("*.json")} == set(kernels)
 
 
-def test_an_index_the_remote_refuses_is_a_warning_and_exit_status_1(machines):
-    """One namespace past the cap (the reviewer's run: 15,000 kernels, a 1 MiB cap):
-    push must say the index was not written, and exit 1."""
+def test_a_part_of_the_index_the_remote_refuses_is_a_warning_and_exit_status_1(machines):
+    """A part past the cap (1 MiB here: 11,000 rows; about 180 million kernels at the
+    default 64 MiB): push must say the index was not written, and exit 1."""
     a, b = machines
-    _fill(a, 2)
+    kernels = _fill(a, 2)
     ident = a.push()["namespace"]["id"]
-    index = _index_of(a)
-    index[ident]["entries"].update(_rows(11_000, int(time.time())))  # (1 MiB less 30 KB)
-    _put_index(a, {"format": 1, "soc": SOC, "namespaces": index})
-    for i in range(400):  # (and 36 KB more)
-        store_entry(a.chip, kernel_name("New", str(i)), b"\x7fELF new")
+    shard = cann_transfer._shard_of(kernel_name("New", "0"))
+    news = [kernel_name("New", str(i)) for i in range(40_000)]
+    news = [k for k in news if cann_transfer._shard_of(k) == shard][:40]
+    now = int(time.time())
+    row = len(json.dumps(_rows(2, now), separators=(",", ":"))) // 2  # (bytes a row)
+    _put_shard(a, ident, shard, _rows((1 << 20) // row - 40, now))  # (1 MiB less 3 KB)
+    for kernel in news:  # (each in that part: 3 KB more)
+        store_entry(a.chip, kernel, b"\x7fELF new")
     env = {**os.environ, **a.env, "OPCACHE_REMOTE": a.url, "OPCACHE_REMOTE_MAX_ENTRY_MB": "1"}
     argv = [sys.executable, "-m", "opcache", "cann", "push", "--soc_version", SOC]
     done = subprocess.run(
         [*argv, "--op_compiler_cache_dir", str(a.base)], env=env, capture_output=True, text=True
     )
     assert done.returncode == 1, done
-    assert "400 entries sent" in done.stdout
-    assert "index of Ascend910B1 was not written" in done.stdout
+    assert "40 entries sent" in done.stdout
+    assert "index of Ascend910B1 was not written in part" in done.stdout
     assert "over the entry cap (1048576 bytes)" in done.stdout
     assert len(done.stderr.splitlines()) == 1 and "OPCACHE_REMOTE_MAX_ENTRY_MB" in done.stderr
-    # The index as it was: pulls still get what it named.
+    # The part as it was, the others written: pulls get what they name.
     write_ini(b.root)
-    assert b.pull()["written"] == 2
+    assert b.pull()["written"] == sum(cann_transfer._shard_of(k) != shard for k in kernels)
 
 
-def test_an_index_over_this_machine_s_cap_is_never_replaced_by_a_new_one(machines, monkeypatch):
+@pytest.mark.parametrize("how", ["over the cap", "another format", "split otherwise"])
+def test_an_index_this_machine_cannot_read_is_never_replaced_by_a_new_one(
+    machines, monkeypatch, how
+):
     """A machine with a smaller entry cap read the cluster's index as damaged and wrote a
-    new one, holding its own namespace alone: every other namespace's rows were gone."""
+    new one, holding its own namespace alone: every other namespace's rows were gone.
+    So with a newer opcache's head."""
     a, b = machines
     _fill(a, 2)
     ident = a.push()["namespace"]["id"]
-    index = _index_of(a)
-    index["other"] = {"adk_version": "6", "ops_version": "6", "driver": "d"}
-    index["other"]["entries"] = _rows(12_000, int(time.time()))  # (over 1 MiB)
-    _put_index(a, {"format": 1, "soc": SOC, "namespaces": index})
+    head = {"format": 2, "soc": SOC, "namespaces": {k: dict(v) for k, v in _index_of(a).items()}}
+    for space in head["namespaces"].values():
+        del space["entries"]
+    head["namespaces"]["other"] = {**_SPACE, "pushed": int(time.time())}
+    if how == "over the cap":
+        head["namespaces"]["other"]["custom"] = "c" * (1 << 20)
+        said = "cannot be read here"
+    elif how == "another format":
+        head["format"] = 3
+        said = "of another format (3)"
+    else:
+        head["namespaces"]["other"]["shards"] = 512
+        said = "splits namespace other otherwise (512 parts)"
+    _put_index(a, head)
+    if how == "over the cap":
+        monkeypatch.setenv("OPCACHE_REMOTE_MAX_ENTRY_MB", "1")
     store_entry(a.chip, kernel_name("New", "one"), b"\x7fELF new")
-    monkeypatch.setenv("OPCACHE_REMOTE_MAX_ENTRY_MB", "1")
     pushed = a.push()
-    assert pushed["sent"] == 1 and "cannot be read here" in pushed["errors"][0]
+    assert pushed["sent"] == 1 and said in pushed["errors"][0], pushed
     write_ini(b.root)
-    assert "cannot be read here" in b.pull()["refused"]
-    monkeypatch.delenv("OPCACHE_REMOTE_MAX_ENTRY_MB")
-    assert sorted(_index_of(a)) == sorted(["other", ident])  # (as it was)
+    assert said in b.pull()["refused"]
+    monkeypatch.delenv("OPCACHE_REMOTE_MAX_ENTRY_MB", raising=False)
+    client = cann_transfer._connect(a.settings())
+    try:
+        got = client.get_many(f"cann:{SOC}", [cann_transfer.INDEX])[cann_transfer.INDEX]
+    finally:
+        client.close()
+    assert json.loads(got[0].files[cann_transfer.INDEX_FILE]) == head  # (as it was)
+    assert ident in head["namespaces"]
+
+
+def test_an_older_opcache_s_index_is_neither_read_nor_replaced(machines):
+    """The index of an older opcache (one value, ``#index``, format 1) stays as it was
+    for the older machines of a cluster being upgraded: this one keeps its own."""
+    a, b = machines
+    kernels = _fill(a, 3)
+    old = {"format": 1, "soc": SOC, "namespaces": {"x": {**_SPACE, "entries": {}}}}
+    _put_value(a, f"cann:{SOC}", "#index", old)
+    pushed = a.push()
+    assert (pushed["sent"], pushed.get("errors")) == (3, None)
+    write_ini(b.root)
+    assert b.pull()["written"] == len(kernels)
+    client = cann_transfer._connect(a.settings())
+    try:
+        got = client.get_many(f"cann:{SOC}", ["#index"])["#index"]
+    finally:
+        client.close()
+    assert json.loads(got[0].files[cann_transfer.INDEX_FILE]) == old
 
 
 def _counting_json_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:

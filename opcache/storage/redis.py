@@ -755,14 +755,15 @@ class _Claim(Claim):
 
 def _ours(name: bytes) -> bool:
     """Whether ``name``, the prefix taken off, is one this cache writes: ``<soc>:<key>``,
-    CANN's ``cann:<soc>:#index`` and ``cann:<soc>:<namespace>:<kernel>``
+    CANN's ``cann:<soc>:#index`` (an older opcache's), ``cann:<soc>:#index2`` and
+    ``cann:<soc>:<namespace>:<kernel>`` (or ``:#index-<xx>``, a part of the index)
     (``cann_transfer.py``; its chips are ``is_cann_chip``'s), each maybe with its
     claim's suffix.  Another cache's prefix beginning with ours (``opcache:1:teamB:``
     under ``opcache:1:``) gives its names a part more: ``opcache remote clear``
     deleted them."""
     parts = name.split(b":")
     if parts[0] == b"cann" and len(parts) >= 3:
-        index = parts[2] == b"#index"
+        index = parts[2] in (b"#index", b"#index2")
         if not index and len(parts) < 4:
             return False
         chip = b":".join(parts[:2] if index else parts[:3])

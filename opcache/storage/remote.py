@@ -112,8 +112,9 @@ _QUOTES = (("`", "`"), ("'", "'"), ('"', '"'), (":", "@"), ("=", "&"), ("=", " "
 
 
 # CANN's kernels in a remote (``opcache cann push``, ``cann_transfer.py``): the chip
-# ``cann:<soc>`` holds the index of a chip's namespaces, ``cann:<soc>:<namespace id>``
-# the kernels of one namespace, each an entry named by its kernel.
+# ``cann:<soc>`` holds the head of the index of a chip's namespaces,
+# ``cann:<soc>:<namespace id>`` the kernels of one namespace, each an entry named by
+# its kernel, and the parts of its index (``#index-00`` to ``#index-ff``).
 _NAMESPACE_DIGITS = frozenset("0123456789abcdef")
 _NAMESPACE_LENGTH = 16
 
