@@ -253,6 +253,59 @@ def test_cann_push_memory_is_flat_in_the_entry_count(
     assert large < PEAK_BYTES + MB, large
 
 
+def cann_transfer_peak(base: Path, count: int, driver: Path, what: str) -> int:
+    """The peak of a push that finds every entry on the remote already (``push``), or
+    of a pull of them all into an empty chip folder (``pull``)."""
+    write_ini(base / "kernel_cache")
+    root = fill_cann(base, count)
+    (base / "remote").mkdir()
+    remote = f"file://{base}/remote"
+    settings = resolve_settings(op_compiler_cache_dir=str(base), remote=remote)
+    env = {"HOME": str(base), "ASCEND_DRIVER_PATH": str(driver)}
+    assert (
+        cann_transfer.push(CANN_SOC, settings=settings, environ=env)["chips"][CANN_SOC]["sent"]
+        == count
+    )  # type: ignore[index]
+    if what == "push":
+        with peak_growth() as peak:
+            report = cann_transfer.push(CANN_SOC, settings=settings, environ=env)
+        chip = report["chips"][CANN_SOC]  # type: ignore[index]
+        assert (chip["present"], chip["sent"], chip.get("errors")) == (count, 0, None)
+    else:
+        taker = base / "taker"
+        write_ini(taker / "kernel_cache")
+        settings = resolve_settings(op_compiler_cache_dir=str(taker), remote=remote)
+        with peak_growth() as peak:
+            report = cann_transfer.pull(CANN_SOC, settings=settings, environ=env)
+        chip = report["chips"][CANN_SOC]  # type: ignore[index]
+        assert (chip["written"], chip["present"], chip["rejected"]) == (count, 0, [])
+        newest = max((taker / "kernel_cache" / CANN_SOC).glob("*.json"), key=os.path.getatime)
+        assert newest.name == f"te_add_{count - 1:08d}.json"
+    assert root.is_dir()
+    return peak[0]
+
+
+@pytest.mark.parametrize("what", ["push", "pull"])
+def test_cann_push_with_nothing_to_send_and_pull_are_flat_in_the_entry_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    # The remote's index was one value, read, merged and written whole: a push held
+    # every kernel's row (read and listed), a pull every row and the sorted list of
+    # what it lacked, about 900 bytes a kernel.  Rows now go by parts of the index
+    # (a push keeps its own on disk), and a pull holds one window of them.
+    monkeypatch.setattr(cann_transfer, "CANDIDATES", 100, raising=False)
+    monkeypatch.setattr(cann_transfer, "_LISTED", 32, raising=False)
+    monkeypatch.setattr(cann_transfer, "WINDOW", 100, raising=False)
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    (driver / "version.info").write_text("Version=24.1.rc2\n")
+    cann_transfer_peak(tmp_path / "warm", 40, driver, what)
+    small = cann_transfer_peak(tmp_path / "small", 1000, driver, what)
+    large = cann_transfer_peak(tmp_path / "large", 4000, driver, what)
+    assert large - small < FLAT_BYTES, (small, large)
+    assert large < PEAK_BYTES + MB, large
+
+
 def test_a_json_report_is_written_as_it_is_encoded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
