@@ -98,6 +98,7 @@ from .cann_format import (
     CannEntry,
     PresentFiles,
     access_time,
+    chip_used,
     del_lock,
     hash_problem,
     held_lock,
@@ -105,7 +106,6 @@ from .cann_format import (
     is_entry_json,
     open_chip_folder,
     open_quietly,
-    scan_chip,
     try_lock,
 )
 from .compilers.cann import (
@@ -726,9 +726,7 @@ class _Writer:
 
     def __init__(self, fd: int, limits: Limits, report: dict, ini: IniMark) -> None:
         self.fd = fd
-        scan = scan_chip(fd)
-        self.present = set(scan.files)
-        self.used = scan.used
+        self.used = chip_used(fd)  # (the folder's names not held: ``has`` asks it)
         self.limit = limits.max_bytes
         self.report = report
         self.ini = ini
@@ -742,7 +740,7 @@ class _Writer:
         self._parked.clear()
 
     def has(self, kernel: str) -> bool:
-        return f"{kernel}.json" in self.present
+        return fsutil.lexists(f"{kernel}.json", self.fd)
 
     def fits(self, size: int) -> bool:
         return self.limit is None or self.used + size < self.limit
@@ -787,8 +785,6 @@ class _Writer:
         if why is not None:
             return self._bad(kernel, why)
         self.used += bundle.size
-        # (not added to ``present``: each kernel is offered once, and the names
-        # written, held, grew with the entries)
         self.report["written"] += 1
         self.report["bytes"] += bundle.size
         return None
@@ -1624,8 +1620,16 @@ def _pull_chip(
             )
     report, chip, mark = _taking(root, soc, settings, ns, mark, dry_run)
     if chip is None:
-        present = _present_names(root, soc, settings)
-        plan = _Plan(client, ns, lambda k: f"{k}.json" in present, ns.ident in spaces)
+        try:
+            there = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
+        except Refused:  # (not there yet)
+            plan = _Plan(client, ns, lambda kernel: False, ns.ident in spaces)
+        else:
+            try:
+                has = lambda kernel: fsutil.lexists(f"{kernel}.json", there.fd)  # noqa: E731
+                plan = _Plan(client, ns, has, ns.ident in spaces)
+            finally:
+                there.close()
         report["would_pull"] = plan.wanted
         return report
     # (Read before the aging lock is taken: see import_archive.)
@@ -1821,18 +1825,6 @@ def _atime_of(manifest: bytes) -> int:
     # A time to come is no access: kept, it would pin the entry against CANN's aging
     # (or overflow utime).
     return min(atime, now) if isinstance(atime, int) and atime >= 0 else now
-
-
-def _present_names(root: Path, soc: str, settings: Settings) -> set[str]:
-    """The regular files of a chip folder (none when it is not there yet)."""
-    try:
-        chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=False)
-    except Refused:
-        return set()
-    try:
-        return set(scan_chip(chip.fd).files)
-    finally:
-        chip.close()
 
 
 # -- an archive file ---------------------------------------------------------------------------
