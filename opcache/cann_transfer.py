@@ -1747,6 +1747,7 @@ class _Plan:
             chosen.sort()
             for at in range(0, len(chosen), _BATCH):
                 yield [(kernel, size) for _, kernel, size in chosen[at : at + _BATCH]]
+            del chosen  # (before the next window's are chosen: one window held at once)
 
 
 def _discard_damaged(client: Remote, ns: Namespace, corrupt: list[dict]) -> list[str]:
