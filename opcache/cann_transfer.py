@@ -1219,8 +1219,22 @@ class _Spool(_Rows):
             # (NUL-separated: no file name holds one)
             f.write(f"{kernel}\0{atime}\0{size}\0".encode("utf-8", "surrogateescape"))
         except OSError as e:
-            where = self._folder.name if self._folder else tempfile.gettempdir()
-            self.failed = f"cannot keep its rows in {where}: {e.strerror or e}"
+            self._failing(e)
+
+    def _failing(self, e: OSError) -> None:
+        where = self._folder.name if self._folder else tempfile.gettempdir()
+        self.failed = f"cannot keep its rows in {where}: {e.strerror or e}"
+
+    def flush(self) -> None:
+        """Every file's rows written out, before the index is: a disk that filled meanwhile
+        refuses the rows still buffered here (``failed``), not at a file's close."""
+        for f in self._files.values():
+            if self.failed is not None:
+                return
+            try:
+                f.flush()
+            except OSError as e:
+                self._failing(e)
 
     def group(self, at: int) -> dict[int, dict[str, tuple[int, int]]]:
         out: dict[int, dict[str, tuple[int, int]]] = {}
@@ -1241,7 +1255,8 @@ class _Spool(_Rows):
 
     def close(self) -> None:
         for f in self._files.values():
-            f.close()
+            with contextlib.suppress(OSError):  # (rows not written out: ``failed`` says so)
+                f.close()
         self._files.clear()
         if self._folder is not None:
             self._folder.cleanup()
@@ -1431,6 +1446,7 @@ def _push_chip(
         if reader.stopped is not None:
             report["errors"] = [reader.stopped]
         if stored is not None:
+            stored.flush()
             why = _write_index(client, ns, stored)
             if why is not None:
                 log.warning("%s", why)

@@ -445,6 +445,35 @@ def test_a_small_disk_stops_the_pull_at_its_reserve_leaving_no_part_of_an_entry(
     }
 
 
+@pytest.mark.parametrize("count", [60, 3000])
+def test_a_tmpdir_filled_during_a_push_leaves_the_index_unwritten_exit_1(machines, tmp_path, count):
+    """TMPDIR fills after the push started: the rows it spools are refused, at a write
+    (3000 kernels) or only when the buffered files are written out (60): the entries are
+    sent, the index is not written, and push says why (``errors``, exit 1, its --json
+    report), leaving nothing of its own in TMPDIR."""
+    from helpers_faults import tmpfs
+
+    a, _ = machines
+    _fill(a, count, size=16)
+    with tmpfs(tmp_path / "smalltmp", "size=4k") as small:
+        a.env = {**a.env, "TMPDIR": str(small)}
+        fill = (
+            "import tempfile\ntempfile.gettempdir()\n"  # (opcache started with room)
+            f"fd = os.open({str(small / 'filler')!r}, os.O_WRONLY | os.O_CREAT)\n"
+            "try:\n    os.write(fd, b'x' * 8192)\nexcept OSError:\n    pass\nos.close(fd)\n"
+        )
+        done = _cli_patched(a, fill, "push", "--json")
+        left = sorted(os.listdir(small))
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    report = json.loads(done.stdout)["chips"][SOC]
+    assert report["sent"] == count
+    assert len(report["errors"]) == 1 and "cannot keep its rows in" in report["errors"][0]
+    assert "No space left on device" in report["errors"][0]
+    assert left == ["filler"]
+    assert _index_of(a) == {}  # (not written: no pull sees half of it)
+
+
 def test_a_big_disk_keeps_a_reserve_of_10_gib_at_most(machines, monkeypatch):
     """A 16 TiB shared file system with 600 GiB free has room: 5 % of it (819 GiB) as the
     reserve stopped every pull there before its first entry."""
