@@ -1580,12 +1580,9 @@ def _put_value(client: Remote, chip: str, key: str, data: bytes, soc: str) -> bo
     manifest = make_manifest(key, {INDEX_FILE: data}, 0.0, {"soc": soc}, time.time())
     if len(manifest) + len(data) > client.max_entry_bytes:
         return None
-    if client.put(chip, key, manifest, {INDEX_FILE: data}):
-        return True
-    # A folder remote keeps the first value of a key (an entry's key names its
-    # contents); the index is the one kind of value that changes.
-    client.discard(chip, key)
-    return bool(client.put(chip, key, manifest, {INDEX_FILE: data}))
+    # (An entry's key names its contents: a remote may keep a key's first value, the
+    # index is the one kind of value that changes.  One refused leaves the one there.)
+    return bool(client.replace(chip, key, manifest, {INDEX_FILE: data}))
 
 
 def pull(

@@ -1654,6 +1654,30 @@ def test_a_part_of_the_index_the_remote_refuses_is_a_warning_and_exit_status_1(m
     assert b.pull()["written"] == sum(cann_transfer._shard_of(k) != shard for k in kernels)
 
 
+def test_a_part_an_http_server_refuses_as_too_big_stays_as_it_was(machines, nginx):
+    """An HTTP server answering 413 to a part (its body limit outgrown): the part was
+    deleted, then refused again, its rows gone from every pull.  It stays as it was:
+    a warning, exit status 1."""
+    a, b = machines
+    a.url = nginx.url("cache")
+    kernels = _fill(a, 3000, size=16)
+    ident = a.push()["namespace"]["id"]
+    # The same objects behind /small/ (a 1 KiB body limit: the parts outgrew it).
+    shutil.copytree(nginx.data, nginx.folder / "data" / "small")
+    a.url = b.url = nginx.url("small")
+    big = max(range(256), key=lambda s: sum(cann_transfer._shard_of(k) == s for k in kernels))
+    in_big = [k for k in kernels if cann_transfer._shard_of(k) == big]
+    before = _index_of(a)[ident]["entries"]
+    set_access([a.chip / f"{in_big[0]}.json", a.chip / f"{in_big[0]}.o"], NOW - 60)
+    report = a.push()  # (that row changed: the part is written, and refused)
+    assert report["errors"] == [
+        f"the remote did not take the index of {SOC}: pulls get nothing new"
+    ]
+    assert _index_of(a)[ident]["entries"] == before  # (the part as it was)
+    write_ini(b.root, max_mb=-1)
+    assert b.pull()["written"] == len(kernels)
+
+
 @pytest.mark.parametrize("how", ["over the cap", "another format", "split otherwise"])
 def test_an_index_this_machine_cannot_read_is_never_replaced_by_a_new_one(
     machines, monkeypatch, how

@@ -314,10 +314,19 @@ class HttpRemote(Remote):
             return self._pool
 
     def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        return self._put(soc, key, manifest, files, keep=True)
+
+    def replace(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        """A ``PUT`` over the object there (a refused one leaves that one as it was)."""
+        return self._put(soc, key, manifest, files, keep=False)
+
+    def _put(
+        self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], *, keep: bool
+    ) -> int:
         if self.read_only or len(manifest) + sum(map(len, files.values())) > self.max_entry_bytes:
             return 0
         path = self._path(soc, key)
-        if (soc, key) not in self._corrupt:  # a bad object there is replaced, not kept
+        if keep and (soc, key) not in self._corrupt:  # a bad object there is replaced, not kept
             status, _ = self._request("HEAD", path)
             if status == 200:
                 return 0  # another machine stored it

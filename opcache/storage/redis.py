@@ -494,6 +494,10 @@ class RedisRemote(Remote):
         stored = self._write("SET", self._redis.set, self._name(soc, key), value, ex=self._ttl)
         return len(value) if stored else 0
 
+    def replace(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        """``put``: ``SET`` writes over the value there (a refused one leaves it)."""
+        return self.put(soc, key, manifest, files)
+
     def put_claimed(
         self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], claim: Claim | None
     ) -> int:

@@ -351,6 +351,20 @@ class Remote:
         one round trip says so."""
         return [self.put(soc, key, manifest, files) for key, manifest, files in entries]
 
+    def replace(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        """Store a value that changes (the index of ``opcache cann``), over the one there;
+        the bytes sent (0: not taken, and the value there left as it was).  By
+        default ``put``, and when that kept another value (a kind that keeps a key's
+        first value), that one dropped and ``put`` again; a kind whose ``put`` says
+        0 without trying when the key is there writes over it instead."""
+        if self.read_only or len(manifest) + sum(map(len, files.values())) > self.max_entry_bytes:
+            return 0
+        sent = self.put(soc, key, manifest, files)
+        if sent or key not in self.have_many(soc, [key]):
+            return sent  # (refused: nothing there to drop)
+        self.discard(soc, key)
+        return self.put(soc, key, manifest, files)
+
     def put_claimed(
         self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], claim: Claim | None
     ) -> int:

@@ -139,6 +139,15 @@ class Tiers(Remote):
 
     def put(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
         """Store into every tier that may be written; the bytes sent, all tiers summed."""
+        return self._put(soc, key, manifest, files, replace=False)
+
+    def replace(self, soc: str, key: str, manifest: bytes, files: dict[str, bytes]) -> int:
+        """Each tier's ``replace``; the bytes sent, all tiers summed."""
+        return self._put(soc, key, manifest, files, replace=True)
+
+    def _put(
+        self, soc: str, key: str, manifest: bytes, files: dict[str, bytes], *, replace: bool
+    ) -> int:
         sent = tried = failed = 0
         for tier in self._tiers:
             remote = tier.usable()
@@ -146,7 +155,8 @@ class Tiers(Remote):
                 continue
             tried += 1
             try:
-                sent += remote.put(soc, key, manifest, files)
+                store = remote.replace if replace else remote.put
+                sent += store(soc, key, manifest, files)
             except Exception as e:
                 tier.backoff.failed(e)
                 failed += 1
