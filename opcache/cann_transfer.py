@@ -1131,17 +1131,30 @@ def _read_head(remote: Remote, soc: str) -> tuple[dict[str, dict], bool]:
 
 
 def _sound_rows(rows: object) -> dict[str, tuple[int, int]]:
-    """{kernel: (last access, size)} of an index's rows, bad rows dropped."""
+    """{kernel: (last access, size)} of an index's rows, bad rows dropped: among them
+    the names no pull can fetch as a kernel (one no file name is: a lone surrogate
+    JSON may carry; one a part of the index takes: ``#...``)."""
     out = {}
     for kernel, row in (rows if isinstance(rows, dict) else {}).items():
         if (
-            is_plain_name(kernel)
+            _fetchable(kernel)
             and isinstance(row, list)
             and len(row) == 2
             and all(type(v) is int for v in row)
         ):
             out[kernel] = (row[0], row[1])
     return out
+
+
+def _fetchable(kernel: str) -> bool:
+    """Whether a row's name may be a kernel a pull fetches and writes."""
+    if not is_plain_name(kernel) or kernel.startswith("#"):
+        return False
+    try:
+        kernel.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 SOUND, DAMAGED, FOREIGN = "", "damaged", "foreign"

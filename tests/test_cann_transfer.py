@@ -997,6 +997,33 @@ def test_a_damaged_remote_index_is_read_as_empty_and_mended_by_a_push(machines, 
     assert not damaged and len(read[ident]["entries"]) == len(kernels)
 
 
+@pytest.mark.parametrize("bad", ["te_bad_\ud800", "#index-20"])
+def test_a_row_no_pull_can_fetch_is_left_out_as_damaged_and_mended_by_a_push(machines, bad):
+    """A row named with a lone surrogate (JSON carries one: every pull ended in a
+    traceback) or as a part of the index (fetched as a kernel, rejected: exit 1 at every
+    pull) is a damaged row: left out with a warning, dropped by the next push."""
+    a, b = machines
+    kernels = _fill(a, 3, size=16)
+    ident = a.push()["namespace"]["id"]
+    shard = cann_transfer._shard_of(kernels[0])
+    rows = {
+        k: list(row)
+        for k, row in _index_of(a)[ident]["entries"].items()
+        if cann_transfer._shard_of(k) == shard
+    }
+    _put_shard(a, ident, shard, {**rows, bad: [int(NOW) + 10, 16]})  # (the newest row)
+    write_ini(b.root)
+    done = _cli(b, "pull", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"part {shard:02x} of the remote's index is damaged" in done.stderr
+    report = json.loads(done.stdout)["chips"][SOC]
+    assert (report["written"], report["rejected"]) == (3, [])
+    assert a.push().get("errors") is None
+    read, damaged = _index_of(a, with_damage=True)
+    assert not damaged and sorted(read[ident]["entries"]) == sorted(kernels)
+
+
 @pytest.mark.parametrize("how", ["push", "export"])
 def test_an_entry_over_the_cap_is_left_out_without_being_read(machines, tmp_path, how):
     a, _ = machines
