@@ -58,7 +58,7 @@ few at a time and only when it changed: a push lost to a concurrent one is
 mended by the next.  A push keeps the rows it lists on disk (``_Spool``), a
 group of parts per file, and holds one group at a time; a pull reads the parts
 once to count what it lacks by last access (``_Plan``), then again per window
-of about ``WINDOW`` rows, most recently used first.  Entries are
+of at most ``WINDOW`` rows, most recently used first.  Entries are
 ``cann:<soc>:<namespace id>`` / ``<kernel>``, each an opcache entry (manifest
 and files, checked whole on every read).  An older opcache's index (one value,
 ``#index``) is neither read nor written: docs/cann.md says what a mixed cluster
@@ -1706,9 +1706,10 @@ class _Plan:
     """What a pull fetches, most recently used first, without holding every row of
     the index: a first pass over its parts counts the rows this folder lacks
     (``wanted``) in bins of last-access time (at most ``_BINS``: a bin's span of
-    seconds doubles while there are more), which cut the times into windows of
-    about ``WINDOW`` rows; ``batches`` then reads the parts again for each
-    window, newest first, and holds that window's rows alone, sorted."""
+    seconds doubles while there are more), which cut the times into spans of at
+    most ``WINDOW`` rows but for a bin of more; ``batches`` then reads the parts
+    again for each window of at most ``WINDOW`` rows, newest first, and holds that
+    window's rows alone, sorted."""
 
     def __init__(
         self, client: Remote, ns: Namespace, has: Callable[[str], bool], indexed: bool
@@ -1734,16 +1735,18 @@ class _Plan:
                     for at, count in bins.items():
                         wider[at >> 1] = wider.get(at >> 1, 0) + count
                     bins = wider
-        # Windows (newest, oldest last access), newest first, touching each other.
+        # Spans of last access (newest, oldest), newest first, touching each other, each
+        # of at most WINDOW rows as counted but for a bin of more alone (``batches``
+        # takes that one in windows of WINDOW rows).
         self.windows: list[tuple[int | None, int | None]] = []
         newest: int | None = None
         count = 0
         for at in sorted(bins, reverse=True):
-            count += bins[at]
-            if count >= WINDOW:
-                oldest = at << shift
+            if count and count + bins[at] > WINDOW:
+                oldest = (at + 1) << shift
                 self.windows.append((newest, oldest))
                 newest, count = oldest - 1, 0
+            count += bins[at]
         if count:
             self.windows.append((newest, None))
 
@@ -1760,20 +1763,30 @@ class _Plan:
             yield rows
 
     def batches(self) -> Iterator[list[tuple[str, int]]]:
-        """Batches of (kernel, size) to fetch, most recently used first."""
+        """Batches of (kernel, size) to fetch, most recently used first (by last access,
+        then name): per span of ``windows``, a window of its ``WINDOW`` first rows
+        (a heap), then of the next ones after the last taken, until one falls short."""
         for newest, oldest in self.windows:
-            chosen = [
-                (-atime, kernel, size)
-                for rows in self._rows()
-                for kernel, (atime, size) in rows.items()
-                if (newest is None or atime <= newest)
-                and (oldest is None or atime >= oldest)
-                and not self.has(kernel)
-            ]
-            chosen.sort()
-            for at in range(0, len(chosen), _BATCH):
-                yield [(kernel, size) for _, kernel, size in chosen[at : at + _BATCH]]
-            del chosen  # (before the next window's are chosen: one window held at once)
+            after: tuple[int, str] | None = None  # (-last access, kernel) of the last taken
+            while True:
+                chosen = heapq.nsmallest(
+                    WINDOW,
+                    (
+                        (-atime, kernel, size)
+                        for rows in self._rows()
+                        for kernel, (atime, size) in rows.items()
+                        if (newest is None or atime <= newest)
+                        and (oldest is None or atime >= oldest)
+                        and (after is None or (-atime, kernel) > after)
+                        and not self.has(kernel)
+                    ),
+                )
+                for at in range(0, len(chosen), _BATCH):
+                    yield [(kernel, size) for _, kernel, size in chosen[at : at + _BATCH]]
+                if len(chosen) < WINDOW:
+                    break
+                after = chosen[-1][:2]
+                del chosen  # (before the next window's are chosen: one window held at once)
 
 
 def _discard_damaged(client: Remote, ns: Namespace, corrupt: list[dict]) -> list[str]:

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
 import stat
 import subprocess
@@ -339,6 +340,57 @@ def test_b_ends_under_its_limit_with_the_most_recently_used_entries(machines):
     assert used < 1024 * 1024
     pulled = {p.name[: -len(".json")] for p in b.chip.glob("*.json")}
     assert pulled == set(kernels[: len(pulled)]) and len(pulled) >= 9
+
+
+def test_a_pull_window_holds_at_most_window_rows_however_many_share_a_second(machines, monkeypatch):
+    """Windows of 7 rows, 5 bins of last access: 40 kernels last used in the same second
+    (a bulk copy), and bins widened over the others' times, made windows of 40 rows and
+    more.  Each read of the index now gives at most 7, still most recently used first
+    (by last access, then name), and the pull stops exactly at the limit."""
+    a, b = machines
+    rnd = random.Random(7)
+    kernels = {}
+    for i in range(120):
+        kernel = kernel_name("Add", f"w{i}")
+        paths = store_entry(a.chip, kernel, os.urandom(20_000))
+        if i % 3 == 0:
+            t = int(NOW) - 5000  # (40 of them)
+        elif i % 3 == 1:
+            t = int(NOW) - rnd.randrange(0, 4000)  # (40 newer)
+        else:
+            t = int(NOW) - rnd.randrange(6000, 10**7)  # (40 older)
+        set_access(paths, t)
+        kernels[kernel] = t
+    present = sorted(kernels)[::10]  # (some there already)
+    for kernel in present:
+        set_access(store_entry(b.chip, kernel, b"\x7fELF there"), NOW - 10**8)
+    a.push()
+    monkeypatch.setattr(cann_transfer, "WINDOW", 7)
+    monkeypatch.setattr(cann_transfer, "_BINS", 5)
+    read: list[int] = []  # rows given after each read of the index
+    rows, batches = cann_transfer._Plan._rows, cann_transfer._Plan.batches
+
+    def counted_rows(self):  # type: ignore[no-untyped-def]
+        read.append(0)
+        yield from rows(self)
+
+    def counted_batches(self):  # type: ignore[no-untyped-def]
+        for batch in batches(self):
+            read[-1] += len(batch)
+            yield batch
+
+    monkeypatch.setattr(cann_transfer._Plan, "_rows", counted_rows)
+    monkeypatch.setattr(cann_transfer._Plan, "batches", counted_batches)
+    write_ini(b.root, max_mb=1, ratio=50)
+    report = b.pull()
+    assert report["stopped_at_limit"] and report["present"] == len(present)
+    assert max(read) <= 7 and len(read) > 5, read
+    pulled = {p.name[: -len(".json")] for p in b.chip.glob("*.json")} - set(present)
+    order = sorted(set(kernels) - set(present), key=lambda k: (-kernels[k], k))
+    assert 40 < len(pulled) < 80  # (the limit falls among the 40 of one second)
+    assert pulled == set(order[: len(pulled)])
+    used = sum(p.stat().st_size for p in b.chip.iterdir())
+    assert (1 << 20) - 3 * 20_000 < used < 1 << 20
 
 
 def test_a_chip_folder_that_is_a_link_is_refused_and_its_target_untouched(machines, tmp_path):
