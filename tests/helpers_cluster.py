@@ -97,7 +97,7 @@ class Cluster:
     def start(self) -> None:
         try:
             for node in self.nodes:
-                node.start(*self.args)
+                self._start_first(node)
             argv = [self.cli, "--cluster", "create"]
             if self.tls is not None:
                 argv += ["--tls", "--cacert", str(self.tls.ca.cert)]
@@ -109,6 +109,19 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+
+    def _start_first(self, node: RedisServer, tries: int = 3) -> None:
+        """Start ``node`` on a free port, another one if its port or bus port was taken
+        meanwhile (a port is free when picked, then any process's connection may take
+        it: the node exits at once)."""
+        for left in range(tries - 1, -1, -1):
+            try:
+                node.start(*self.args)
+                return
+            except RuntimeError:
+                if left == 0 or node.proc is None or node.proc.poll() is None:
+                    raise
+                node.port = _cluster_port()
 
     def wait_whole(self, timeout: float = 60) -> None:
         """Until every running node says cluster_state:ok (all slots served)."""
