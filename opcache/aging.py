@@ -12,8 +12,11 @@ import contextlib
 import heapq
 from collections.abc import Callable
 
+import xxhash
+
 from ._log import get_logger
 from .settings import AGE_SECONDS
+from .storage.cann_names import is_cann_chip, is_cann_index
 from .storage.local import LocalStore
 
 log = get_logger(__name__)
@@ -30,6 +33,10 @@ MIN_IDLE_SECONDS = AGE_SECONDS + STAMP_GRANULARITY
 # flat in the entry count, and a trim of half a million entries (half of a
 # million-entry folder, at the default ratio of 50) walks once.
 CANDIDATES = 500_000
+# A chip whose entries are named by CANN's kernels (a shared folder's, pushed by
+# ``opcache cann push``): its names packed as their 128-bit hash, and the names
+# of a batch found by a second walk, held with it (about 200 bytes an entry).
+NAMED_CANDIDATES = 100_000
 _KEY_BITS = 128
 _SIZE_BITS = 64
 
@@ -100,10 +107,14 @@ def _trim(
         while True:
             walk = _Walk(store, soc, now, after, dry_run)
             batch = walk.oldest(progress)
+            names = walk.names(batch)
             for packed in batch:
                 if report.freed_bytes >= to_free:
                     return
-                stamp, key, size = _unpack(packed)
+                stamp, number, size = _unpack(packed)
+                key = names.get(number) if names is not None else f"{number:032x}"
+                if key is None:  # (renamed or removed since the first walk)
+                    continue
                 # A hit since the walk moves the stamp: that entry is in use again.
                 # (An entry with no manifest has stamp 0.0 and goes first.)
                 if _micros(store.stamp(soc, key) or 0.0) != stamp:
@@ -122,7 +133,7 @@ def _trim(
                 log.debug("aged out %s/%s (%d bytes)", soc, key, size)
                 report.removed_entries += 1
                 report.freed_bytes += size
-            if len(batch) < CANDIDATES:
+            if len(batch) < walk.most:
                 if report.freed_bytes < to_free:
                     report.oldest_kept = walk.oldest_young  # the rest are too young
                 return
@@ -136,22 +147,32 @@ class _Walk:
         self, store: LocalStore, soc: str, now: float, after: int | None, sizes: bool
     ) -> None:
         self.store, self.soc, self.now, self.after, self.sizes = store, soc, now, after, sizes
+        # Entries named by CANN's kernels, not by keys.
+        self.named = is_cann_chip(soc)
+        self.most = NAMED_CANDIDATES if self.named else CANDIDATES
         # The stamp of the oldest entry too young to age, once walked.
         self.oldest_young: float | None = None
 
     def oldest(self, progress: Callable[[int], None] | None) -> list[int]:
-        """The CANDIDATES oldest entries old enough to age (packed, oldest first) and,
-        if an earlier walk's batch ended at ``after``, past it in (stamp, key) order."""
+        """The ``most`` oldest entries old enough to age (packed, oldest first) and,
+        if an earlier walk's batch ended at ``after``, past it in (stamp, key) order.
+
+        A part of CANN's index in a named chip never ages: a push writes it
+        again only when its rows change, so the least recently written is often
+        one every pull still reads.
+        """
         newest_first: list[int] = []  # negated: the newest candidate on top of the heap
         for info in self.store.scan(self.soc, progress, sizes=self.sizes):
+            if self.named and is_cann_index(info.key):
+                continue
             if self.now - info.stamp < MIN_IDLE_SECONDS:
                 if self.oldest_young is None or info.stamp < self.oldest_young:
                     self.oldest_young = info.stamp
                 continue
-            packed = _pack(info.stamp, info.key, info.size)
+            packed = _pack(info.stamp, self._number(info.key), info.size)
             if self.after is not None and packed >> _SIZE_BITS <= self.after:
                 continue
-            if len(newest_first) < CANDIDATES:
+            if len(newest_first) < self.most:
                 heapq.heappush(newest_first, -packed)
             elif -packed > newest_first[0]:
                 heapq.heapreplace(newest_first, -packed)
@@ -160,17 +181,38 @@ class _Walk:
             newest_first[i] = -packed
         return newest_first
 
+    def names(self, batch: list[int]) -> dict[int, str] | None:
+        """In a named chip, the names of the batch's entries by their number (one more
+        walk); None where the number is the key."""
+        if not self.named or not batch:
+            return None
+        wanted = {(packed >> _SIZE_BITS) & _KEY_MASK for packed in batch}
+        names = {}
+        for info in self.store.scan(self.soc):
+            number = self._number(info.key)
+            if number in wanted:
+                names[number] = info.key
+        return names
+
+    def _number(self, key: str) -> int:
+        if self.named:
+            return xxhash.xxh3_128_intdigest(key.encode("utf-8", "surrogateescape"))
+        return int(key, 16)
+
 
 def _micros(stamp: float) -> int:
     return round(stamp * 1_000_000)
 
 
-def _pack(stamp: float, key: str, size: int) -> int:
+_KEY_MASK = (1 << _KEY_BITS) - 1
+
+
+def _pack(stamp: float, number: int, size: int) -> int:
     """An entry as one integer that orders as (stamp, key): far smaller than a tuple."""
-    return (((_micros(stamp) << _KEY_BITS) | int(key, 16)) << _SIZE_BITS) | size
+    return (((_micros(stamp) << _KEY_BITS) | number) << _SIZE_BITS) | size
 
 
-def _unpack(packed: int) -> tuple[int, str, int]:
-    """(stamp in microseconds, key, bytes) of a packed entry."""
-    key = (packed >> _SIZE_BITS) & ((1 << _KEY_BITS) - 1)
-    return packed >> (_KEY_BITS + _SIZE_BITS), f"{key:032x}", packed & ((1 << _SIZE_BITS) - 1)
+def _unpack(packed: int) -> tuple[int, int, int]:
+    """(stamp in microseconds, the key's number, bytes) of a packed entry."""
+    number = (packed >> _SIZE_BITS) & _KEY_MASK
+    return packed >> (_KEY_BITS + _SIZE_BITS), number, packed & ((1 << _SIZE_BITS) - 1)

@@ -122,8 +122,8 @@ from .key import canonical_json, digest
 from .request import check_soc_version, is_plain_name
 from .settings import INI_NAME, Settings, resolve_settings
 from .storage import Remote, RemoteCorrupt, RemoteError, open_remote
+from .storage.cann_names import cann_chip, is_cann_index
 from .storage.entry import make_manifest
-from .storage.remote import cann_chip
 
 log = get_logger(__name__)
 
@@ -485,7 +485,7 @@ def _reserved(kernel: str) -> str | None:
         return "a name CANN gives other files (_pre, _mix_aic, _mix_aiv)"
     if "." in kernel:
         return "not a kernel name: CANN's ends at the first dot of its json's name"
-    if kernel.startswith("#"):
+    if is_cann_index(kernel):
         # Its key on the remote could be a part of the index (``SHARD_PREFIX``).
         return "a name the remote's index takes (#...)"
     return None
@@ -1148,7 +1148,7 @@ def _sound_rows(rows: object) -> dict[str, tuple[int, int]]:
 
 def _fetchable(kernel: str) -> bool:
     """Whether a row's name may be a kernel a pull fetches and writes."""
-    if not is_plain_name(kernel) or kernel.startswith("#"):
+    if not is_plain_name(kernel) or is_cann_index(kernel):
         return False
     try:
         kernel.encode("utf-8", "surrogateescape")

@@ -34,9 +34,11 @@ from helpers_cann import (
 )
 
 import opcache
-from opcache import cann_transfer
+from opcache import aging, cann_transfer
 from opcache.cann_cache import CannCache, read_limits
+from opcache.cli import main
 from opcache.settings import resolve_settings
+from opcache.storage.local import LocalStore
 
 NOW = time.time()
 
@@ -175,6 +177,41 @@ def test_a_folder_remote_s_index_takes_every_push(machines, tmp_path):
     assert a.push()["sent"] == 1
     b.toolkit()
     assert b.pull()["written"] == 3
+
+
+def test_age_run_on_a_shared_folder_ages_its_cann_kernels_and_keeps_their_index(
+    machines, tmp_path, monkeypatch, capsys
+):
+    """``opcache age`` run on a shared folder left the kernels ``cann push`` sent there
+    alone: only ``remote clear`` removed them, and the share grew without end.  Now
+    they age as its entries do (least recently used first, the parts of their index
+    never), and a pull lists the kernels aged out as gone."""
+    a, b = machines
+    share = tmp_path / "share"
+    a.url = b.url = f"file://{share / 'kernel_cache'}"
+    (share / "kernel_cache").mkdir(parents=True)
+    kernels = _fill(a, 6, size=300_000)
+    assert a.push()["sent"] == 6
+    store = LocalStore(share / "kernel_cache")
+    (chip,) = [c for c in store.chips() if c.count(":") == 2]  # the namespace's
+    index = [n.key for n in store.scan(chip) if n.key.startswith("#")]
+    assert index
+    for name in index:
+        store.touch(chip, name, NOW - 30 * 86400)  # the least recently written of all
+    for i, kernel in enumerate(kernels):  # the first used most recently
+        store.touch(chip, kernel, NOW - 3600 - 60 * i)
+    write_ini(share / "kernel_cache", max_mb=1, ratio=50)
+    monkeypatch.setattr(aging, "NAMED_CANDIDATES", 2)  # a trim of more walks again
+
+    assert main(["age", "--op_compiler_cache_dir", str(share)]) == 0
+    assert f"{chip}: removed 5 entries" in capsys.readouterr().out
+
+    left = {info.key for info in store.scan(chip)}
+    assert left == {kernels[0], *index}
+    b.toolkit()
+    pulled = b.pull()
+    assert (pulled["written"], sorted(pulled["gone"])) == (1, sorted(kernels[1:]))
+    assert (b.chip / f"{kernels[0]}.json").exists()
 
 
 def _custom_package(machine: Machine, tiling: bytes) -> None:

@@ -42,7 +42,6 @@ from ..errors import sentence
 from . import Remote, RemoteCorrupt, RemoteError
 from .entry import CorruptEntry
 from .local import LocalStore
-from .remote import is_cann_chip
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -84,7 +83,6 @@ class FolderRemote(Remote):
         super().__init__(settings)
         self._store = store
         store.max_entry_bytes = self.max_entry_bytes  # (others' entries: read no bigger)
-        store.other_chips = is_cann_chip  # (what `opcache cann push` stores: counted, cleared)
         self._corrupt: set[tuple[str, str]] = set()  # keys whose entry failed its checks
 
     def get_many(self, soc: str, keys: list[str]) -> dict[str, Fetched | RemoteCorrupt]:

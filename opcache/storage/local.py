@@ -42,6 +42,7 @@ from .._log import get_logger
 from .._record import Record
 from ..counters import CounterFiles
 from ..request import check_soc_version, is_plain_name
+from .cann_names import is_cann_chip
 from .entry import (
     MANIFEST,
     MAX_MANIFEST,
@@ -107,9 +108,6 @@ class LocalStore:
         # An entry whose manifest says more is corrupt, its artifacts never read
         # (a shared folder's remote sets it: held to its size cap as any remote is).
         self.max_entry_bytes: int | None = None
-        # Chips of other names this root holds too, their entries named by any plain
-        # name (a shared folder's remote sets it: CANN's kernels, ``is_cann_chip``).
-        self.other_chips: Callable[[str], bool] | None = None
         book = self.root / BOOKKEEPING
         self.tmp_dir = book / "tmp"
         self.trash_dir = book / "trash"
@@ -279,8 +277,8 @@ class LocalStore:
 
     def chips(self) -> list[str]:
         """The chip folders present under the root (real folders, not links, named as
-        a soc_version may be, or as ``other_chips`` says: ``lost+found`` or ``notes by
-        alice`` is no chip)."""
+        a soc_version may be, or as the chips of CANN's kernels pushed into a shared
+        folder, ``is_cann_chip``: ``lost+found`` or ``notes by alice`` is no chip)."""
         try:
             names = os.listdir(self.root)
         except OSError:
@@ -289,7 +287,7 @@ class LocalStore:
         for name in sorted(names):
             if name.startswith(".") or not _is_real_dir(self.root / name):
                 continue
-            if _is_chip_name(name) or self._other_chip(name):
+            if _is_chip_name(name) or is_cann_chip(name):
                 chips.append(name)
             else:
                 # Someone else's: maintenance clears, ages and counts chips only.
@@ -612,7 +610,7 @@ class LocalStore:
         chip_fd = self._open_chip_if_there(soc)
         if chip_fd is None:
             return
-        any_key = self._other_chip(soc)  # (a CANN kernel's name, not a key)
+        any_key = is_cann_chip(soc)  # (a CANN kernel's name, not a key)
         try:
             buckets = sorted(
                 n
@@ -936,9 +934,6 @@ class LocalStore:
             if e.errno in fsutil.GONE:
                 return None
             raise
-
-    def _other_chip(self, name: str) -> bool:
-        return self.other_chips is not None and self.other_chips(name)
 
     def _check_root(self) -> None:
         """UntrustedFolder when the root itself may not be used (``trust.root_problem``:

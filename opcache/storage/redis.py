@@ -57,6 +57,7 @@ import weakref
 from urllib.parse import urlsplit
 
 from .._log import get_logger
+from .cann_names import is_cann_chip
 from .remote import (
     MIN_RATE,
     Claim,
@@ -64,7 +65,6 @@ from .remote import (
     RemoteCorrupt,
     RemoteError,
     connect_in_turn,
-    is_cann_chip,
     printable,
     said,
     secrets_of,

@@ -111,39 +111,6 @@ _SECRET_HEAD = 8  # characters of a password that, followed by more of it, are m
 _QUOTES = (("`", "`"), ("'", "'"), ('"', '"'), (":", "@"), ("=", "&"), ("=", " "))
 
 
-# CANN's kernels in a remote (``opcache cann push``, ``cann_transfer.py``): the chip
-# ``cann:<soc>`` holds the head of the index of a chip's namespaces,
-# ``cann:<soc>:<namespace id>`` the kernels of one namespace, each an entry named by
-# its kernel, and the parts of its index (``#index-00`` to ``#index-ff``).
-_NAMESPACE_DIGITS = frozenset("0123456789abcdef")
-_NAMESPACE_LENGTH = 16
-
-
-def cann_chip(soc: str, namespace: str | None = None) -> str:
-    """The chip of CANN's index of ``soc``, or of the kernels of one of its namespaces."""
-    return f"cann:{soc}" if namespace is None else f"cann:{soc}:{namespace}"
-
-
-def is_cann_chip(chip: str) -> bool:
-    """Whether ``chip`` is one ``cann_chip`` names: ``clear`` and ``usage`` count such
-    chips as this cache's, and no other name that begins the same."""
-    from ..request import check_soc_version
-
-    kind, _, rest = chip.partition(":")
-    soc, has_namespace, namespace = rest.partition(":")
-    if kind != "cann":
-        return False
-    if has_namespace and not (
-        len(namespace) == _NAMESPACE_LENGTH and set(namespace) <= _NAMESPACE_DIGITS
-    ):
-        return False
-    try:
-        check_soc_version(soc)
-    except ValueError:
-        return False
-    return True
-
-
 class RemoteError(Exception):
     """The remote failed: down, too slow, refused the credentials or a command.
 
