@@ -84,6 +84,13 @@ def masked(mode: int) -> int:
     return mode & ~UMASK & 0o7777
 
 
+def absolute(path: str | os.PathLike[str]) -> str:
+    """``path`` from the root, its ``..`` left for the kernel to resolve: through a
+    link, ``sub/..`` is not ``.``, so folding it by text (``os.path.abspath``) may
+    name another file than the compiler writes."""
+    return os.path.join(os.getcwd(), path)
+
+
 def makedirs(path: Path, modes: Modes) -> None:
     """Create ``path`` and missing parents with the cache's folder mode."""
     try:

@@ -70,6 +70,10 @@ ASCEND_CC_KEY_ENVIRONMENT = (
 # Variables that make gcc run its programs (cc1, as, collect2) from folders they
 # name: which programs those are is not keyed, so a compile with one set is not cached.
 CC_PROGRAM_ENVIRONMENT = ("GCC_EXEC_PREFIX", "COMPILER_PATH")
+# Variables by which clang (bisheng too) edits its own command line: the flags they
+# add (a profile to use, a plugin) are not screened as the command line's are, so a
+# compile with one set is not cached.
+CC_ARGUMENT_ENVIRONMENT = ("CCC_OVERRIDE_OPTIONS", "QA_OVERRIDE_GCC3_OPTIONS")
 # Variables that make the compiler write a file opcache does not capture.
 CC_SIDE_OUTPUT_ENVIRONMENT = (
     "DEPENDENCIES_OUTPUT",

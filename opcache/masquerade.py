@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from .compilers.toolchain import which
+from .compilers.toolchain import is_script, which
 
 MARKER = "OPCACHE_RAN"
 OPC_NAMES = ("opc", "asc_opc")  # asc_opc: the current CANN's name, called as opc is
@@ -176,7 +176,7 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
                     else "left alone: not a link to opcache",
                 )
             )
-        elif _is_script(real) and compiler_kind(name) == "cc":
+        elif is_script(real) and compiler_kind(name) == "cc":
             report.append((name, f"passed over: {real} is a script, not a compiler"))
         else:
             try:
@@ -185,11 +185,3 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
                 raise OSError(f"cannot make the link {link}: {e.strerror or e}") from None
             report.append((name, f"made, wraps {real}"))
     return report
-
-
-def _is_script(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(2) == b"#!"
-    except OSError:
-        return False

@@ -51,11 +51,12 @@ from pathlib import Path
 from . import _json, _log, fsutil, quickhit, quickmemo
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
-from .compilers.toolchain import file_identity, which
+from .compilers.toolchain import file_identity, is_script, which
 from .errors import CompileError, ConfigError, sentence
 from .key import canonical_json, compute_key, digest
 from .keyed_env import (
     ASCEND_CC_KEY_ENVIRONMENT,
+    CC_ARGUMENT_ENVIRONMENT,
     CC_KEY_ENVIRONMENT,
     CC_PROGRAM_ENVIRONMENT,
     CC_SIDE_OUTPUT_ENVIRONMENT,
@@ -707,7 +708,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
                 op_type, op_name = _opc_names(data, values.get("main_func"))
         else:
             key_flags.append([name, "value", value])
-    output_dir = Path(os.path.abspath(values.get("output") or "."))
+    output_dir = Path(fsutil.absolute(values.get("output") or "."))
     user_env = [n for n in re.split(r"[\s,:]+", env.get(ENV_KEY_ENV, "")) if n]
     extra = _extra_files(env, seen)
     attrs: dict[str, object] = {
@@ -1136,7 +1137,7 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
         request=request,
         fingerprint=fingerprint,
         command=command,
-        output_dir=Path(os.path.abspath(flags["output"] or ".")),
+        output_dir=Path(fsutil.absolute(flags["output"] or ".")),
         executables=(".run",),
         settled=settled,
         flat_outputs=True,
@@ -1224,6 +1225,20 @@ _ASCEND_SWITCHES = {"--enable-simt", "--asc-aicore-lang"}
 _ASCEND_SOURCES = (".asc", ".cce")  # (CMake's ASC language: .asc)
 
 
+def _header_kinds(headers: Sequence[str], folders: Sequence[tuple[str, str]]) -> list[str]:
+    """For each header as the preprocessor named it, the flag of the include folder it
+    lies in (``-I``, ``-isystem``...; the deepest folder where several hold it), or ""."""
+    prefixes = [(flag, place.rstrip("/") + "/") for flag, place in folders]
+    kinds = []
+    for header in headers:
+        kind, depth = "", 0
+        for flag, prefix in prefixes:
+            if len(prefix) > depth and prefix != "/" and header.startswith(prefix):
+                kind, depth = flag, len(prefix)
+        kinds.append(kind)
+    return kinds
+
+
 def _plan_cc(
     argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo, base_dir: Path | None = None
 ) -> Plan:
@@ -1234,6 +1249,9 @@ def _plan_cc(
     for name in CC_PROGRAM_ENVIRONMENT:
         if env.get(name):
             raise Uncacheable(f"cc: {name} is set (the programs gcc runs from it are not keyed)")
+    for name in CC_ARGUMENT_ENVIRONMENT:
+        if env.get(name):
+            raise Uncacheable(f"cc: {name} is set (the flags it adds are not checked)")
     cwd = os.getcwd()
     apparent = _apparent_folder(env, cwd)
     # The folder as the compiler names it in debug info, when it lies under base_dir.
@@ -1250,6 +1268,7 @@ def _plan_cc(
     has_target = False
     mllvm_before = ""  # the last -mllvm value: the option a bare value is given to
     flag_files: list[list[str]] = []  # [flag, the digest of the file it names]
+    include_folders: list[tuple[str, str]] = []  # (-I, -isystem..., the folder), in order
     after_source: list[str] = []  # -x after the source: it applies to no input
     ascend = os.path.basename(argv[0]) in ASCEND_CC_NAMES
     known_sources = C_SOURCES + _ASCEND_SOURCES if ascend else C_SOURCES
@@ -1263,7 +1282,8 @@ def _plan_cc(
             value = args[i + 1]
             i += 1
         i += 1
-        if arg.startswith("@"):
+        if arg.startswith("@") or (value is not None and value.startswith("@")):
+            # (the driver reads @file in a flag's value too: every word is expanded)
             raise Uncacheable("cc: response files are not supported")
         if arg in _CC_NOT_A_COMPILE:
             raise Uncacheable(f"cc: {_CC_NOT_A_COMPILE[arg]} ({arg})")
@@ -1297,6 +1317,7 @@ def _plan_cc(
             flag = next(f for f in _CC_INCLUDE_DIRS if arg.startswith(f))
             place = value if value is not None else arg[len(flag) :]
             _an_include_folder(flag, place)
+            include_folders.append((flag, place))
             pass_args += [arg, value] if value is not None else [arg]
         elif arg == "-include":
             pass_args += [arg, value or ""]
@@ -1343,7 +1364,9 @@ def _plan_cc(
     source = sources[0]
     if output is None:
         output = os.path.splitext(os.path.basename(source))[0] + ".o"
-    out_path = Path(os.path.abspath(output))
+    if "-" in (output, dep_file):
+        raise Uncacheable("cc: an output goes to stdout (-)")
+    out_path = Path(fsutil.absolute(output))
     if not out_path.parent.is_dir():
         raise Uncacheable("cc: the output folder does not exist")
     import time
@@ -1356,6 +1379,10 @@ def _plan_cc(
     # The binary, and the name it is run by: clang++ compiles a .c as C++, and a
     # cross name (aarch64-linux-gnu-clang) picks another target (ccache keys it too).
     found = _which(argv[0], env)
+    if is_script(found):
+        # (Debian's c99-gcc, a bisheng wrapper: the compiler it runs, found on PATH or
+        # through a variable, is not the script's identity)
+        raise Uncacheable(f"cc: {found} is a script: the compiler it runs is not keyed")
     compiler_identity = file_identity(found, memo.store)
     compiler_identity += "\0" + os.path.basename(argv[0])
     config_folders = _config_folders(argv[0], found)
@@ -1395,6 +1422,12 @@ def _plan_cc(
                 raise Uncacheable(f"cc: a precompiled header {place}{suffix} may be used")
     key_sources = {os.path.basename(source): source_data}
     attrs: dict[str, object] = {"args": key_args, "source": source, "headers": inputs.digests}
+    if include_folders:
+        # -I or -isystem decides whether a header's warnings show (and fail a -Werror
+        # compile): the folders' kinds, and the kind of folder each header was found
+        # in, join the key; their paths do not (the same sources elsewhere still hit).
+        attrs["include_kinds"] = [flag for flag, _ in include_folders]
+        attrs["header_kinds"] = _header_kinds(inputs.paths, include_folders)
     if flag_files:
         attrs["flag_files"] = flag_files
     if inputs.twins:
@@ -1452,7 +1485,7 @@ def _plan_cc(
     outputs = {"object": out_path}
     if want_deps:
         dep_path = dep_file or os.path.splitext(output)[0] + ".d"
-        outputs["deps"] = Path(os.path.abspath(dep_path))
+        outputs["deps"] = Path(fsutil.absolute(dep_path))
     for path in outputs.values():
         # -o /dev/null (configure scripts) or a link: restoring would replace it.
         if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):

@@ -8,6 +8,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,46 @@ def link_compilers(folder: Path, target: Path | str, *names: str) -> Path:
 
 def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+_LAUNCHER_C = r"""
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    char self[PATH_MAX], script[PATH_MAX + 4];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n < 0) return 127;
+    self[n] = 0;
+    snprintf(script, sizeof script, "%s.sh", self);
+    char **args = calloc(argc + 2, sizeof *args);
+    args[0] = "/bin/sh";
+    args[1] = script;
+    for (int i = 1; i < argc; i++) args[i + 1] = argv[i];
+    execv("/bin/sh", args);
+    return 127;
+}
+"""
+_launcher: list[bytes] = []
+
+
+def compiled_script(path: Path, script: str, version: str = "") -> Path:
+    """A compiler at ``path`` that is no script (opcache runs a script compiler
+    uncached: what it runs is not keyed): a small program that runs ``script``,
+    kept as ``path``.sh, with its arguments.  Another ``version`` is another
+    binary (another identity), the same behaviour."""
+    if not _launcher:
+        with tempfile.TemporaryDirectory() as build:
+            source = Path(build) / "launcher.c"
+            source.write_text(_LAUNCHER_C)
+            subprocess.run([GCC, "-O", "-o", f"{build}/launcher", source], check=True)
+            _launcher.append(Path(f"{build}/launcher").read_bytes())
+    path.with_name(path.name + ".sh").write_text(script)
+    path.unlink(missing_ok=True)
+    path.write_bytes(_launcher[0] + version.encode())
+    path.chmod(0o755)
+    return path
 
 
 def tailing_assembler(folder: Path, real_as: str) -> Path:

@@ -23,14 +23,19 @@ from helpers_cache import (
     make_settings,
     write_size_ini,
 )
-from helpers_wrap import GCC, opcache, stats, wrap, write_project
+from helpers_wrap import GCC, compiled_script, opcache, stats, wrap, write_project
 from test_wrap_opc_reads import ARGS as OPC_ARGS
 from test_wrap_opc_reads import edit
 from test_wrap_opc_reads import project as opc_project
 
 from opcache import OpCache
 from opcache.cli import main
-from opcache.keyed_env import CC_KEY_ENVIRONMENT, CC_PROGRAM_ENVIRONMENT, OPC_KEY_ENVIRONMENT
+from opcache.keyed_env import (
+    CC_ARGUMENT_ENVIRONMENT,
+    CC_KEY_ENVIRONMENT,
+    CC_PROGRAM_ENVIRONMENT,
+    OPC_KEY_ENVIRONMENT,
+)
 
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is needed for real compiles")
 
@@ -99,12 +104,10 @@ def test_a_changed_compiler_is_named(tmp_path):
     env, src = base_env(tmp_path), write_project(tmp_path / "src")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    gcc = bin_dir / "gcc"
-    gcc.write_text(f'#!/bin/sh\nexec {GCC} "$@"\n')
-    gcc.chmod(0o755)
+    gcc = compiled_script(bin_dir / "gcc", f'exec {GCC} "$@"\n')
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     wrap(*CC, env=env, cwd=src)
-    gcc.write_text(f'#!/bin/sh\n# another version\nexec {GCC} "$@"\n')
+    compiled_script(gcc, f'exec {GCC} "$@"\n', version="another version")
     found = explain(*CC, env=env, cwd=src)
     assert found["seen"] and not found["stored"]
     assert len(found["changes"]) == 1
@@ -447,7 +450,12 @@ UNSETTABLE_CC = ("GCC_COMPARE_DEBUG", "GCC_EXEC_PREFIX")
 
 
 @pytest.mark.parametrize(
-    "variable", [v for v in CC_VARIABLES if v not in (*UNSETTABLE_CC, *CC_PROGRAM_ENVIRONMENT)]
+    "variable",
+    [
+        v
+        for v in CC_VARIABLES
+        if v not in (*UNSETTABLE_CC, *CC_PROGRAM_ENVIRONMENT, *CC_ARGUMENT_ENVIRONMENT)
+    ],
 )
 def test_each_keyed_variable_of_a_c_compile_is_named(tmp_path, variable):
     env, src = base_env(tmp_path), write_project(tmp_path / "src")
@@ -460,7 +468,9 @@ def test_each_keyed_variable_of_a_c_compile_is_named(tmp_path, variable):
         assert changes == [f"attrs.env.{variable}: {was} -> {value!r}"]
 
 
-@pytest.mark.parametrize("variable", ["DEPENDENCIES_OUTPUT", *CC_PROGRAM_ENVIRONMENT])
+@pytest.mark.parametrize(
+    "variable", ["DEPENDENCIES_OUTPUT", *CC_PROGRAM_ENVIRONMENT, *CC_ARGUMENT_ENVIRONMENT]
+)
 def test_a_variable_that_makes_a_c_compile_uncacheable_says_so(csrc, variable):
     env, src = csrc
     env = {**env, variable: "deps.d" if variable == "DEPENDENCIES_OUTPUT" else str(src / "no")}

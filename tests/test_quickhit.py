@@ -23,6 +23,7 @@ from fake_opc import base_env
 from helpers_wrap import (
     GCC,
     assembler_in_its_prefix,
+    compiled_script,
     opcache,
     relocated_gcc,
     stats,
@@ -138,9 +139,7 @@ def test_a_compiler_put_earlier_on_path_is_no_quick_hit(tmp_path: Path) -> None:
     bin_dir.mkdir()
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
     _memoized(tmp_path, env, src)
-    other = bin_dir / "gcc"
-    other.write_text(f'#!/bin/sh\nexec {GCC} -DFACTOR_TWICE "$@"\n')
-    other.chmod(0o755)
+    compiled_script(bin_dir / "gcc", f'exec {GCC} -DFACTOR_TWICE "$@"\n')
 
     wrap(*CMD, env=env, cwd=src)
     assert _quick_hits(tmp_path) == 0

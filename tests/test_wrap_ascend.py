@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fake_opc import base_env
 from helpers_ascend import make_stand_in, real_compiler
-from helpers_wrap import opcache, opcache_script, stats, wrap
+from helpers_wrap import compiled_script, opcache, opcache_script, stats, wrap
 
 COMPILERS = ("bisheng", "ccec")
 KERNEL = """\
@@ -301,10 +301,10 @@ def test_a_compile_for_a_host_and_its_device_runs_uncached_with_its_reason(tmp_p
     if clang is None:
         pytest.skip("needs clang")
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "bisheng").write_text(
-        f'#!/bin/sh\ncase " $* " in *" -M "*) {clang} "$@" || exit; esac\nexec {clang} "$@"\n'
+    compiled_script(
+        tmp_path / "bin" / "bisheng",
+        f'case " $* " in *" -M "*) {clang} "$@" || exit; esac\nexec {clang} "$@"\n',
     )
-    (tmp_path / "bin" / "bisheng").chmod(0o755)
     (tmp_path / "k.c").write_text("int k(void) { return 1; }\n")
     env = base_env(tmp_path, tmp_path / "bin")
     wrap("bisheng", "-c", "k.c", "-o", "k.o", env=env, cwd=tmp_path)

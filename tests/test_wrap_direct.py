@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_wrap import compiled_script
 
 GCC = shutil.which("gcc")
 pytestmark = pytest.mark.skipif(GCC is None, reason="needs gcc")
@@ -24,9 +25,7 @@ def logged_gcc(tmp_path: Path) -> tuple[Path, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "gcc.log"
-    script = bin_dir / "gcc"
-    script.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {GCC} "$@"\n')
-    script.chmod(0o755)
+    compiled_script(bin_dir / "gcc", f'echo "$*" >> {log}\nexec {GCC} "$@"\n')
     return bin_dir, log
 
 

@@ -20,6 +20,7 @@ from fake_opc import base_env
 from helpers_wrap import (
     GCC,
     assembler_in_its_prefix,
+    compiled_script,
     relocated_gcc,
     stats,
     tailing_assembler,
@@ -318,8 +319,7 @@ def test_time_is_uncacheable_with_a_compiler_that_may_ignore_the_epoch(env, src,
     # clang before 16 reads no SOURCE_DATE_EPOCH: its __TIME__ is the clock's.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "clang").write_text(f'#!/bin/sh\nexec {GCC} "$@"\n')
-    (bin_dir / "clang").chmod(0o755)
+    compiled_script(bin_dir / "clang", f'exec {GCC} "$@"\n')
     env = {**env, "PATH": f"{bin_dir}:{env['PATH']}", "SOURCE_DATE_EPOCH": "0"}
     (src / "k.c").write_text("const char *t(void) { return __TIME__; }\n")
     for _ in range(2):
@@ -338,13 +338,12 @@ def gcc_doing_once(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     once = tmp_path / "once"
-    (bin_dir / "gcc").write_text(
-        "#!/bin/sh\n"
+    compiled_script(
+        bin_dir / "gcc",
         f'case " $* " in *" {flag} "*) [ -e {once} ] || {{ touch {once}; {before}; '
         f'{GCC} "$@"; status=$?; {after}; exit $status; }};; esac\n'
-        f'exec {GCC} "$@"\n'
+        f'exec {GCC} "$@"\n',
     )
-    (bin_dir / "gcc").chmod(0o755)
     return {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
 
 
@@ -1400,4 +1399,113 @@ def test_a_header_found_past_another_of_its_name_keeps_its_hits(env, src, how):
         (src / "k.c").write_text("#include <w.h>\nint v = V;\n")
     for _ in range(2):
         same_as_gcc(src, env, "-IA", "-IB", "-O2", "-c", "k.c")
+    assert stats(env, "host")["hits"] == 1
+
+
+# -- what the command line, the environment or the compiler hides from the key ----------
+
+
+def _uncached(env: dict[str, str], reason: str) -> None:
+    report = stats(env)
+    assert report["uncacheable_reasons"] == {reason: 2}, report["uncacheable_reasons"]
+    assert stats(env, "host").get("hits", 0) == 0
+
+
+def test_a_response_file_as_a_flags_value_runs_uncached(env, src):
+    # gcc expands every word that begins with @, a flag's value too: -I @rsp read
+    # "inc -DX=1" from the file, which the key never held.
+    (src / "k.c").write_text("int f(void) { return X; }\n")
+    (src / "inc").mkdir()
+    for value in ("1", "2"):
+        (src / "rsp").write_text(f"inc -DX={value}\n")
+        same_as_gcc(src, env, "-D", "Y", "-I", "@rsp", "-O2", "-c", "k.c")
+    _uncached(env, "cc: response files are not supported")
+
+
+def test_outputs_named_through_a_link_and_dotdot_go_where_gcc_puts_them(env, src, tmp_path):
+    # The kernel resolves sub/.. through the link: the real folder's parent, not src.
+    (tmp_path / "real" / "dir").mkdir(parents=True)
+    (src / "sub").symlink_to(tmp_path / "real" / "dir")
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    args = ["-MD", "-MF", "sub/../k.d", "-O2", "-c", "k.c", "-o", "sub/../k.o"]
+    plain = subprocess.run(["gcc", *args], cwd=src, env=env, check=True)
+    assert plain.returncode == 0
+    made = {name: (tmp_path / "real" / name).read_bytes() for name in ("k.o", "k.d")}
+    for _ in range(2):  # a miss, then a hit
+        for name in made:
+            (tmp_path / "real" / name).unlink()
+        wrap("gcc", *args, env=env, cwd=src)
+        assert {n: (tmp_path / "real" / n).read_bytes() for n in made} == made
+        assert not (src / "k.o").exists() and not (src / "k.d").exists()
+    assert stats(env, "host")["hits"] == 1
+
+
+def test_a_dependency_file_to_stdout_runs_uncached(env, src):
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    args = ["-MD", "-MF", "-", "-c", "k.c", "-o", "k.o"]
+    plain = subprocess.run(["gcc", *args], cwd=src, env=env, capture_output=True, check=True)
+    for _ in range(2):
+        done = wrap("gcc", *args, env=env, cwd=src)
+        assert done.stdout == plain.stdout and b"k.o:" in done.stdout
+        assert not (src / "-").exists()
+    _uncached(env, "cc: an output goes to stdout (-)")
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang writes an object to stdout")
+def test_an_object_to_stdout_runs_uncached(env, src):
+    (src / "k.c").write_text("int f(void) { return 1; }\n")
+    args = ["-c", "k.c", "-o", "-"]
+    plain = subprocess.run(["clang", *args], cwd=src, env=env, capture_output=True, check=True)
+    for _ in range(2):
+        done = wrap("clang", *args, env=env, cwd=src)
+        assert done.stdout == plain.stdout and done.stdout.startswith(b"\x7fELF")
+        assert not (src / "-").exists()
+    _uncached(env, "cc: an output goes to stdout (-)")
+
+
+def test_a_compiler_that_is_a_script_runs_uncached(env, src, tmp_path):
+    # Debian's c99-gcc, a bisheng wrapper: the script stays the same while what it
+    # runs (found through PATH or a variable) changes.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "gcc"
+    script.write_text(f'#!/bin/sh\nexec {GCC} $WRAPPED_FLAGS "$@"\n')
+    script.chmod(0o755)
+    (src / "k.c").write_text("int f(void) { return X; }\n")
+    for value in ("1", "2"):
+        env["WRAPPED_FLAGS"] = f"-DX={value}"
+        same_as_gcc(src, env, "-O2", "-c", "k.c", cc=str(script))
+    _uncached(env, f"cc: {script} is a script: the compiler it runs is not keyed")
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang reads CCC_OVERRIDE_OPTIONS")
+@pytest.mark.parametrize("variable", ["CCC_OVERRIDE_OPTIONS", "QA_OVERRIDE_GCC3_OPTIONS"])
+def test_a_variable_adding_flags_to_clangs_command_runs_uncached(env, src, variable):
+    # The flags it adds (a profile to use, a plugin) are not checked as the
+    # command line's are: -fprofile-instr-use= there gave the old profile's object.
+    # (clang 14 reads the first; older clangs read the second too)
+    (src / "k.c").write_text("#ifdef X\nint f(void) { return X; }\n#endif\n")
+    env[variable] = "+-DX=1"
+    for _ in range(2):
+        same_as_gcc(src, env, "-O2", "-c", "k.c", cc="clang")
+    _uncached(env, f"cc: {variable} is set (the flags it adds are not checked)")
+
+
+def test_a_header_found_by_i_instead_of_isystem_warns_and_fails_as_gcc_does(env, src):
+    # A system header's warnings are not shown: its -Werror compile succeeds, the
+    # same header found through -I fails it.  The hit served the success.
+    (src / "inc").mkdir()
+    (src / "inc" / "h.h").write_text("static inline int g(void) { int y; return 0; }\n")
+    (src / "k.c").write_text("#include <h.h>\nint f(void) { return g(); }\n")
+    common = ["-Wall", "-Werror", "-c", "k.c", "-o", "k.o"]
+    wrap("gcc", "-isystem", "inc", *common, env=env, cwd=src)
+    plain = subprocess.run(["gcc", "-I", "inc", *common], cwd=src, env=env, capture_output=True)
+    assert plain.returncode == 1
+    done = wrap("gcc", "-I", "inc", *common, env=env, cwd=src, status=1)
+    assert done.stderr == plain.stderr
+    # The same sources in another folder, found the same way, still hit.
+    other = src.parent / "other"
+    shutil.copytree(src, other)
+    (other / "k.o").unlink()
+    wrap("gcc", "-isystem", "inc", *common, env=env, cwd=other)
     assert stats(env, "host")["hits"] == 1

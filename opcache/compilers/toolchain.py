@@ -75,6 +75,15 @@ def _digest_of(real: str, st: os.stat_result, notes: LocalStore | None) -> str:
     return found
 
 
+def is_script(path: str) -> bool:
+    """Whether ``path`` is a ``#!`` script (False if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
+
+
 def which(
     name: str, environ: Mapping[str, str], *, skip: Callable[[str], bool] | None = None
 ) -> str | None:
