@@ -1413,6 +1413,10 @@ def _plan_cc(
         argv[0], compiler_identity, pass_args, source, source_data, env, keyed_names,
         source_seen, started,
     )  # fmt: skip
+    for place in inputs.paths:
+        if place.startswith(("/dev/", "/proc/")):
+            # (#include "/dev/stdin": the caller's stdin, which the compile does not get)
+            raise Uncacheable(f"cc: it reads {place}, no file of sources (stdin, a device)")
     for place in [*inputs.paths, *inputs.absent, *inputs.passed]:
         # gcc takes <place>.gch, clang <place>.pch first, where it exists, for the
         # header it looks for there; cc -M names the header alone, so the key would

@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -1509,3 +1510,21 @@ def test_a_header_found_by_i_instead_of_isystem_warns_and_fails_as_gcc_does(env,
     (other / "k.o").unlink()
     wrap("gcc", "-isystem", "inc", *common, env=env, cwd=other)
     assert stats(env, "host")["hits"] == 1
+
+
+def test_a_header_read_from_stdin_runs_uncached_with_the_callers_stdin(env, src):
+    # The compile of a miss runs with no stdin (what it read there would be in no
+    # key): #include "/dev/stdin" failed under opcache where gcc compiled.
+    (src / "k.c").write_text('#include "/dev/stdin"\nint f(void) { return X; }\n')
+    for value in ("1", "2"):
+        (src / "def.h").write_text(f"#define X {value}\n")
+        with open(src / "def.h", "rb") as stdin:
+            done = subprocess.run(
+                [sys.executable, "-m", "opcache", "wrap", "--", "gcc", "-c", "k.c", "-o", "k.o"],
+                env=env, cwd=src, stdin=stdin, capture_output=True, timeout=120,
+            )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        with open(src / "def.h", "rb") as stdin:
+            subprocess.run(["gcc", "-c", "k.c", "-o", "plain.o"], cwd=src, stdin=stdin, check=True)
+        assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
+    _uncached(env, "cc: it reads /dev/stdin, no file of sources (stdin, a device)")
