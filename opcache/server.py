@@ -17,7 +17,9 @@ path's hit, checks and all, and everything else is the Python path.  As the
 program does, a worker tries the command's memo first (``quickhit``), and its
 full hits of C compiles leave one (``quickmemo``); after a call served from a
 memo, or that wrote one, it writes the client's own (``quickmemo.client_memo``),
-from which the client serves the next such call alone.
+from which the client serves the next such call alone.  A call's outputs go to
+their place while its client waits: once the client is gone (a Ctrl-C ends it at
+once, and the build goes on), the worker renames nothing more (``_audit``).
 
 The socket lives in ``$XDG_RUNTIME_DIR/opcache-<uid>`` (``/tmp`` without it): a
 folder of this user's, mode 0700, never reached through a link; the client
@@ -382,12 +384,15 @@ def _work(
             reply = b""
         else:
             alive.call = (conn, time.monotonic())
+            _caller[:] = [conn]  # (no rename once it is gone: _audit)
             try:
                 reply = _answer(conn, files, program, tag)
             except BaseException as e:  # the client runs opcache itself: it says what is wrong
+                # (or it is gone, killed by a Ctrl-C: _CallerGone, nothing more put in place)
                 log.debug("opcache server: call dropped: %r", e)
                 os._exit(1)  # (and a call that went wrong half way leaves nothing behind)
             finally:
+                _caller.clear()
                 alive.end()  # (its bytes come before the reply, never inside it)
         try:
             conn.settimeout(None)
@@ -593,7 +598,7 @@ def _serve(
     toolchain._identities.clear()  # (a tool's digest by size and mtime only)
     wrap.serve_hits_only()
     if not _hooked:
-        sys.addaudithook(_no_programs)
+        sys.addaudithook(_audit)
         _hooked.append(True)
     quickmemo.serving[:] = [time.time()]
     quickhit.last_memo.clear()
@@ -727,10 +732,27 @@ class _Said(io.RawIOBase):
         return len(data)
 
 
-def _no_programs(event: str, args: tuple) -> None:
-    """Audit hook: running a program is more than a hit; the client runs opcache itself."""
-    from .wrap import NotServed
+_caller: list[socket.socket] = []  # the connection of the call served, until its reply
 
+
+class _CallerGone(BaseException):
+    """The client of the call went away (killed: a Ctrl-C) before an output was put in
+    place.  Not an Exception: no handler on the way may take it for a failure and go on
+    (the worker drops the call, leaving nothing of it behind: ``_work``)."""
+
+
+def _audit(event: str, args: tuple) -> None:
+    """A worker's audit hook.  A rename (``os.rename``, ``os.replace``: how every output
+    goes to its place) once the call's client is gone: the call ends there.  The shell
+    has its status (130 after a Ctrl-C) and the build may have gone on: the caller's
+    files are its own again (a newer object, written meanwhile, must stay).  Checked as
+    the rename starts, the last moment Python has; a rename already under way when the
+    client goes still lands.  Running a program is more than a hit: the client runs
+    opcache itself."""
+    if event == "os.rename":
+        if _caller and _hung_up(_caller[0]):
+            raise _CallerGone(f"the client left before {args[1]!r} was put in place")
+        return
     if event in (
         "subprocess.Popen",
         "os.posix_spawn",
@@ -740,4 +762,14 @@ def _no_programs(event: str, args: tuple) -> None:
         "os.fork",
         "os.forkpty",
     ):
+        from .wrap import NotServed
+
         raise NotServed(event)
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the client at the other end of ``conn`` is gone (its end closed: it ended,
+    killed or not; it sends nothing after its request, and closes nothing before it ends)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLRDHUP)  # (POLLHUP and POLLERR come unasked)
+    return bool(poller.poll(0))

@@ -11,6 +11,7 @@ gives: same exit status, stdout, stderr, object and stats.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -543,6 +544,103 @@ def test_a_worker_stopped_after_taking_the_call_is_killed_and_opcache_runs_itsel
     assert served.fallbacks() == 1
     subprocess.run([GCC, *COMPILE[:-1], "plain.o"], cwd=served.src, check=True)
     assert (served.src / "k.o").read_bytes() == (served.src / "plain.o").read_bytes()
+
+
+# The stand-in ``opcache`` of a server whose workers, while ``gate`` (a FIFO) exists, hold
+# the rename that puts k.o in place until the test opens the FIFO: ``reached`` (the
+# worker's pid) says one is held there, ``done`` that the rename returned or raised.
+HELD_RENAME = """
+import os
+import sys
+with open({starts!r}, "a") as f:
+    f.write((sys.argv[1:2] or [""])[0] + "\\n")
+if sys.argv[1:2] == ["server"]:
+    replace = os.replace
+    def held(src, dst, *args, **kwargs):
+        if not (os.fsdecode(dst).endswith("/k.o") and os.path.exists({gate!r})):
+            return replace(src, dst, *args, **kwargs)
+        with open({reached!r}, "w") as f:
+            f.write(str(os.getpid()))
+        with open({gate!r}):
+            pass
+        try:
+            return replace(src, dst, *args, **kwargs)
+        finally:
+            open({done!r}, "w").close()
+    os.replace = held
+from opcache.cli import main
+sys.exit(main())
+"""
+
+
+def waited_for(path: Path) -> None:
+    deadline = time.monotonic() + WAIT
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), f"{path.name}: not after {WAIT} s"
+
+
+def opened_to_write(fifo: Path) -> int:
+    """``fifo`` opened to write once its reader is there (ENXIO until then)."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("hit", ["full hit", "quick hit"])
+def test_a_client_killed_mid_call_has_no_output_put_in_place_after_it_ended(served, hit):
+    """A Ctrl-C ends the client at once (status 130) while its worker still serves the
+    call.  The build goes on: a newer k.o is written (the source edited, compiled by
+    hand), then the worker reaches its rename.  It must not put the old object over
+    the newer one.  The window is held open by the stand-in server (HELD_RENAME), not
+    by a delay: the worker waits at the rename until the test lets it go."""
+    marks = {name: served.tmp / name for name in ("gate", "reached", "done")}
+    served.program.write_text(
+        f"#!{sys.executable}\n"
+        + HELD_RENAME.format(starts=str(served.starts), **{k: str(v) for k, v in marks.items()})
+    )
+    warmed(served, *COMPILE)
+    old = (served.src / "k.o").read_bytes()
+    if hit == "quick hit":  # a memo the worker serves the call from (quickhit.py)
+        time.sleep(quickmemo.RACY_SECONDS + 0.3)
+        line = [str(served.program), "wrap", "--", str(served.links / "gcc"), *COMPILE]
+        subprocess.run(line, env=served.env, cwd=served.src, check=True, timeout=120)
+    os.mkfifo(marks["gate"])
+    before = served.fallbacks()
+    client = subprocess.Popen(["gcc", *COMPILE], env=served.env, cwd=served.src)
+    try:
+        waited_for(marks["reached"])  # its worker is at the rename
+        client.send_signal(signal.SIGINT)
+        assert client.wait(WAIT) == -signal.SIGINT
+    finally:
+        client.kill()
+        client.wait(WAIT)
+    newer_line = [word.replace("OFFSET=4", "OFFSET=5") for word in COMPILE]
+    subprocess.run([GCC, *newer_line], cwd=served.src, check=True)  # (by hand, as make)
+    newer = (served.src / "k.o").read_bytes()
+    assert newer != old
+    os.close(opened_to_write(marks["gate"]))  # the worker goes on
+    waited_for(marks["done"])
+    assert (served.src / "k.o").read_bytes() == newer
+    assert served.fallbacks() == before  # (the call was the worker's)
+    if hit == "quick hit":  # (served from the memo: counted there, before the outputs)
+        (root,) = (served.tmp / "cache").glob("kernel_cache*")
+        assert (root / ".opcache" / "stats" / "host" / QUICK_COUNTS).exists()
+    # Nothing of the call is left in the build folder (its staging folder, a new file).
+    deadline = time.monotonic() + WAIT
+    while list(served.src.glob(".opcache-wrap*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(served.src.glob(".opcache-wrap*")) == []
+    # The next call is served as before (by another worker).
+    marks["gate"].unlink()
+    (served.src / "k.o").unlink()
+    assert served.gcc(*COMPILE).returncode == 0
+    assert (served.src / "k.o").read_bytes() == old
 
 
 def hostile_cases(served: Served, case: str, victim: Path) -> None:
