@@ -819,7 +819,7 @@ def _cann_verify_lines(report: dict, args: argparse.Namespace) -> list[str]:
 def _cmd_masquerade(args: argparse.Namespace) -> int:
     import shlex
 
-    from .masquerade import make_links, opcache_executable
+    from .masquerade import make_links, opcache_executable, open_links_folder
 
     if not args.folder:  # os.path.abspath("") is the current folder
         raise UsageError("masquerade: DIR is empty; name the folder for the links")
@@ -827,9 +827,15 @@ def _cmd_masquerade(args: argparse.Namespace) -> int:
     if target is None:
         raise FileNotFoundError("no opcache program to link to beside this Python or on PATH")
     folder = Path(os.path.abspath(args.folder))
-    if args.client:
-        target = _client_for(folder, target)
-    done = make_links(folder, os.environ, target)
+    # Judged before anything is written there (the client too), and written through
+    # the folder opened then: a refused folder gets nothing.
+    dir_fd = open_links_folder(folder)
+    try:
+        if args.client:
+            target = _client_for(folder, dir_fd, target)
+        done = make_links(folder, os.environ, target, dir_fd)
+    finally:
+        os.close(dir_fd)
     for name, what in done:
         print(f"{name:<28} {what}")
     if not done:
@@ -839,13 +845,13 @@ def _cmd_masquerade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client_for(folder: Path, program: str) -> str:
-    """opcache's client built in ``folder`` (what the links then run), else ``program``."""
+def _client_for(folder: Path, dir_fd: int, program: str) -> str:
+    """opcache's client built in ``folder`` (open as ``dir_fd``, judged: what the links
+    then run), else ``program``."""
     from .server import build_client
 
     try:
-        folder.mkdir(parents=True, exist_ok=True)  # (make_links says why it cannot be)
-        return build_client(folder, program, os.environ)
+        return build_client(folder, program, os.environ, dir_fd)
     except OSError as e:
         print(f"opcache: warning: {e}; the links run opcache itself", file=sys.stderr)
         return program

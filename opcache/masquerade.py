@@ -118,7 +118,53 @@ def opcache_executable() -> str | None:
     return which("opcache", os.environ)
 
 
-def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tuple[str, str]]:
+def open_links_folder(folder: Path) -> int:
+    """``folder``, made if missing, opened as the place of the links (and of the client
+    they may run): its descriptor, to write in through, never its name again.
+
+    A build runs whatever is in it first on PATH: a link (which whoever made it can
+    point elsewhere), or a folder that is not the user's own (or root's) or that
+    others may write, is refused, an OSError whose message is a sentence, before
+    anything is written there.  Judged on the folder opened (without following a
+    link), not on its name: the folder written in is the folder judged.
+    """
+    import errno
+    import stat
+
+    from . import fsutil, trust
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise FileExistsError(f"{folder} is there and is not a folder") from None
+    except OSError as e:
+        raise OSError(f"cannot make the folder {folder}: {e.strerror or e}") from None
+    # (O_PATH: a folder its owner may write but not list, 0311, takes links all the same)
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(folder, flags)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise OSError(f"cannot open the folder {folder}: {e.strerror or e}") from None
+        fd = -1
+    try:
+        # (else, ELOOP or ENOTDIR: a link, or a file put there since)
+        st = os.fstat(fd) if fd >= 0 else os.lstat(folder)
+        why = "a link" if stat.S_ISLNK(st.st_mode) else trust.problem(st, fsutil.PRIVATE)
+        if why is None and not stat.S_ISDIR(st.st_mode):
+            why = "not a folder"
+        if why is not None:
+            raise OSError(f"{folder} is {why}: the compilers on PATH must be yours alone")
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
+
+
+def make_links(
+    folder: Path, environ: Mapping[str, str], target: str, dir_fd: int | None = None
+) -> list[tuple[str, str]]:
     """Link in ``folder`` every compiler name found on PATH to ``target`` (opcache).
 
     Returns (name, what happened) for each name, sorted.  Idempotent: a link
@@ -126,28 +172,28 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
     Scripts named like a C compiler (``c89-gcc``) are passed over: a cache
     would know the script, not the compiler it runs.  CANN's tools (``opc``,
     ``asc_opc``, ``op_compiler``) are scripts themselves, and linked.  OSError, its message a
-    sentence, when the folder or a link cannot be made.
+    sentence, when the folder is refused (``open_links_folder``) or a link cannot be made.
+    ``dir_fd``: the folder as ``open_links_folder`` opened it (else it is opened here).
     """
+    fd = open_links_folder(folder) if dir_fd is None else dir_fd
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise FileExistsError(f"{folder} is there and is not a folder") from None
-    except OSError as e:
-        raise OSError(f"cannot make the folder {folder}: {e.strerror or e}") from None
-    import stat
+        return _make_links(folder, fd, environ, target)
+    finally:
+        if dir_fd is None:
+            os.close(fd)
 
-    from . import fsutil, trust
 
-    # A build runs whatever is in it first on PATH: a folder others can write, or a
-    # link that someone can point elsewhere, is never one to put there.
-    st = os.lstat(folder)
-    why = "a link" if stat.S_ISLNK(st.st_mode) else trust.problem(st, fsutil.PRIVATE)
-    if why is not None:
-        raise OSError(f"{folder} is {why}: the compilers on PATH must be yours alone")
+def _make_links(
+    folder: Path, fd: int, environ: Mapping[str, str], target: str
+) -> list[tuple[str, str]]:
+    from . import fsutil
+
+    here = os.fstat(fd)
     found: dict[str, str] = {}
     for place in environ.get("PATH", os.defpath).split(os.pathsep):
         try:
-            if os.path.samefile(place or ".", folder):
+            st = os.stat(place or ".")
+            if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
                 continue
             names = sorted(os.listdir(place or "."))
         except OSError:
@@ -159,15 +205,15 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
             if os.path.isfile(path) and find_compiler(path, environ) == path:
                 found[name] = path  # not a compiler cache's link, nor opcache's
     # (a link to opcache itself, or to its client there: either is opcache's)
+    inside = f"/proc/self/fd/{fd}"  # (the folder opened, whatever its name leads to now)
     ours = {
         os.path.realpath(p)
-        for p in (target, opcache_executable() or target, folder / "opcache-client")
+        for p in (target, opcache_executable() or target, f"{inside}/opcache-client")
     }
     report = []
     for name, real in sorted(found.items()):
-        link = folder / name
-        if os.path.lexists(link):
-            mine = os.path.realpath(link) in ours
+        if fsutil.lexists(name, fd):
+            mine = os.path.realpath(f"{inside}/{name}") in ours
             report.append(
                 (
                     name,
@@ -180,8 +226,8 @@ def make_links(folder: Path, environ: Mapping[str, str], target: str) -> list[tu
             report.append((name, f"passed over: {real} is a script, not a compiler"))
         else:
             try:
-                os.symlink(target, link)
+                os.symlink(target, name, dir_fd=fd)
             except OSError as e:
-                raise OSError(f"cannot make the link {link}: {e.strerror or e}") from None
+                raise OSError(f"cannot make the link {folder / name}: {e.strerror or e}") from None
             report.append((name, f"made, wraps {real}"))
     return report

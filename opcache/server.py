@@ -122,13 +122,21 @@ def idle_seconds(environ: Mapping[str, str]) -> float:
 # -- the client ------------------------------------------------------------------
 
 
-def build_client(folder: Path, program: str, environ: Mapping[str, str]) -> str:
+def build_client(
+    folder: Path, program: str, environ: Mapping[str, str], dir_fd: int | None = None
+) -> str:
     """Build the client into ``folder`` with the machine's C compiler; its path.
+
+    ``dir_fd``: ``folder`` as the caller opened it, judged (``masquerade.open_links_folder``),
+    else it is opened here, not through a link.  The client is built in a private
+    temporary folder and written into ``folder`` through that descriptor (a new
+    file, renamed into place): nothing goes where ``folder``'s name may lead now.
 
     OSError, its message a sentence, when there is no C compiler or the build
     fails: the caller links to ``opcache`` itself instead.
     """
     import subprocess
+    import tempfile
 
     if any(c in program for c in '"\\\n'):
         raise OSError(f"the path of opcache cannot go in a C string: {program!r}")
@@ -137,21 +145,40 @@ def build_client(folder: Path, program: str, environ: Mapping[str, str]) -> str:
     )
     if compiler is None:
         raise OSError("no C compiler (cc, gcc, clang) on PATH to build opcache's client")
-    target = folder / CLIENT_NAME
-    building = folder / fsutil.unique_name(f".{CLIENT_NAME}")
-    command = [compiler, "-O2", *client_defines(program), "-o", str(building), str(CLIENT_SOURCE)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+    with tempfile.TemporaryDirectory(prefix="opcache-client-") as private:
+        built = os.path.join(private, CLIENT_NAME)
+        command = [compiler, "-O2", *client_defines(program), "-o", built, str(CLIENT_SOURCE)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise OSError(f"{compiler} took over 120 s to build opcache's client") from None
         if done.returncode != 0:
             said = (done.stderr.strip().splitlines() or ["no message"])[-1]
             raise OSError(f"{compiler} could not build opcache's client: {said}")
-        os.replace(building, target)
-    except subprocess.TimeoutExpired:
-        raise OSError(f"{compiler} took over 120 s to build opcache's client") from None
+        with open(built, "rb") as f:
+            data = f.read()
+    fd = dir_fd
+    if fd is None:
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(folder, flags)
+    building = fsutil.unique_name(f".{CLIENT_NAME}")
+    try:
+        # (0777 less the umask, as the linker makes a program)
+        out = os.open(
+            building, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o777, dir_fd=fd
+        )
+        try:
+            with open(out, "wb", closefd=False) as f:
+                f.write(data)
+        finally:
+            os.close(out)
+        os.replace(building, CLIENT_NAME, src_dir_fd=fd, dst_dir_fd=fd)
     finally:
-        if os.path.lexists(building):
-            os.unlink(building)
-    return str(target)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(building, dir_fd=fd)
+        if dir_fd is None:
+            os.close(fd)
+    return str(folder / CLIENT_NAME)
 
 
 def client_defines(program: str) -> list[str]:

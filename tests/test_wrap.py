@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import SOC, base_env, invocations, write_opc, write_operator
-from helpers_faults import read_only
+from helpers_faults import IS_ROOT, NEEDS_ROOT, NOBODY, read_only
 from helpers_wrap import (
     GCC,
     opcache,
@@ -668,20 +668,30 @@ def test_a_link_called_by_its_path_finds_the_compiler_before_its_folder_on_path(
     assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
 
 
-@pytest.mark.parametrize("kind", ["others may write it", "a link"])
-def test_masquerade_refuses_a_folder_others_may_change(tmp_path, kind):
-    """The folder goes first on PATH: one anyone may write (mkdir -m 777), or a link
-    someone may point elsewhere, was taken, and its links recommended."""
+@pytest.mark.parametrize("client", [False, True], ids=["links", "--client"])
+@pytest.mark.parametrize("kind", ["others may write it", "a link", "another user's"])
+def test_masquerade_refuses_a_folder_others_may_change(tmp_path, kind, client):
+    """The folder goes first on PATH: one anyone may write (mkdir -m 777), a link
+    someone may point elsewhere, or another user's folder, was taken, and its links
+    recommended.  With --client, opcache's client was built into it (through the
+    link) before the folder was refused: nothing may be written into a refused one."""
     folder = tmp_path / "bin"
     if kind == "a link":
         (tmp_path / "real").mkdir()
         folder.symlink_to(tmp_path / "real")
+    elif kind == "another user's":
+        if not IS_ROOT:
+            pytest.skip(NEEDS_ROOT)
+        folder.mkdir()
+        os.chown(folder, NOBODY, NOBODY)  # (0755: root may write in it, and must not)
     else:
         folder.mkdir()
         folder.chmod(0o777)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
-    done = opcache("masquerade", str(folder), env=env, cwd=tmp_path, status=None)
-    assert done.returncode != 0 and b"yours alone" in done.stderr, done.stderr
+    line = ["masquerade", *(["--client"] if client else []), str(folder)]
+    done = opcache(*line, env=env, cwd=tmp_path, status=None, timeout=240)
+    assert done.returncode == 1 and b"yours alone" in done.stderr, done.stderr
+    assert done.stderr.count(b"\n") == 1, done.stderr  # (the refusal alone: no warning)
     assert list((tmp_path / "real" if kind == "a link" else folder).iterdir()) == []
 
 
