@@ -570,10 +570,14 @@ def del_lock(fd: int, dry_run: bool, *, aging: bool = False) -> Iterator[str | N
     and it skips its pass); ``aging`` (deleting entries) needs the write lock
     and raises AgingLockDenied instead.
     """
-    flags = os.O_RDWR if dry_run else os.O_RDWR | os.O_CREAT | os.O_APPEND
     how = fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX
+    made = False
     try:
-        lock_fd, st = fsutil.open_regular(DEL_LOCK, flags, LOCK_MODE, dir_fd=fd)
+        if dry_run:
+            lock_fd, st = fsutil.open_regular(DEL_LOCK, os.O_RDWR, dir_fd=fd)
+        else:
+            flags = os.O_RDWR | os.O_APPEND
+            lock_fd, st, made = fsutil.made_or_opened(DEL_LOCK, flags, LOCK_MODE, dir_fd=fd)
     except FileNotFoundError:
         yield None  # (dry run) no lock file: no one holds it
         return
@@ -601,11 +605,11 @@ def del_lock(fd: int, dry_run: bool, *, aging: bool = False) -> Iterator[str | N
     # locking it again could only turn our write lock into a read lock.)
     again = held_lock(st) is not None
     with holding(lock_fd, st, DEL_LOCK):
-        # Not a file with other names: a member of a shared cache may link one of
-        # ours from elsewhere as the lock, for our chmod to narrow it.  Nor one opened
-        # only to read, which CANN would not have opened at all.
-        if how == fcntl.LOCK_EX and st.st_nlink == 1:
-            with contextlib.suppress(OSError):  # someone else's file: CANN goes on too
+        # Only a file made here (CANN chmods any it opens, but one already there may
+        # be a file of ours a member of a shared cache moved in or linked from
+        # elsewhere, a secret its chmod would open to the group).
+        if made:
+            with contextlib.suppress(OSError):
                 os.fchmod(lock_fd, LOCK_MODE)
         free = again or try_lock(lock_fd, how)
         yield None if free else AGING_NOW

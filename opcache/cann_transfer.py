@@ -836,16 +836,10 @@ class _Writer:
         _Stop when the disk is full.
         """
         name = f"{kernel}.lock"
-        flags = os.O_RDWR | os.O_APPEND
-        created = True
         try:
-            try:
-                lock_fd, st = fsutil.open_regular(
-                    name, flags | os.O_CREAT | os.O_EXCL, LOCK_MODE, dir_fd=self.fd
-                )
-            except FileExistsError:  # (a link too: O_EXCL never follows one)
-                created = False
-                lock_fd, st = fsutil.open_regular(name, flags, dir_fd=self.fd)
+            lock_fd, st, created = fsutil.made_or_opened(
+                name, os.O_RDWR | os.O_APPEND, LOCK_MODE, dir_fd=self.fd
+            )
         except OSError as e:
             if e.errno in _NO_SPACE:
                 raise _Stop(DISK_FULL.format(e.strerror)) from None
@@ -859,8 +853,9 @@ class _Writer:
         # Held as a lock of this process's: a file of the entry swapped meanwhile for
         # another name of it is refused by the checks' reads, not closed under it.
         with holding(lock_fd, st, name):
-            with contextlib.suppress(OSError):  # another user's lock file: CANN goes on too
-                os.fchmod(lock_fd, LOCK_MODE)
+            if created:  # (one there already keeps its mode: see fsutil.made_or_opened)
+                with contextlib.suppress(OSError):
+                    os.fchmod(lock_fd, LOCK_MODE)
             lock = _EntryLock(try_lock(lock_fd, fcntl.LOCK_EX))
             try:
                 yield lock

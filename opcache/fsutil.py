@@ -443,3 +443,25 @@ def open_regular(
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", shown_path(path, dir_fd))
     return fd, st
+
+
+def made_or_opened(
+    path: Path | str, flags: int, mode: int, *, dir_fd: int | None = None
+) -> tuple[int, os.stat_result, bool]:
+    """``open_regular`` of ``path``, made if missing: (fd, fstat, whether this call made
+    it).  Only a file made here may be chmodded: one already there may be another's,
+    or a file of ours another user moved in under the name (a secret, 0600), which a
+    chmod would open to the group."""
+    flags &= ~os.O_CREAT
+    for _ in range(3):
+        try:
+            fd, st = open_regular(path, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
+            return fd, st, True
+        except FileExistsError:  # (a link too: O_EXCL never follows one)
+            pass
+        try:
+            fd, st = open_regular(path, flags, dir_fd=dir_fd)
+            return fd, st, False
+        except FileNotFoundError:
+            continue  # removed between the two opens: made anew
+    raise OSError(errno.EAGAIN, "made and removed again and again", shown_path(path, dir_fd))

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -259,28 +258,18 @@ def _open_lock_file(path: Path | str, modes: fsutil.Modes, dir_fd: int | None = 
     Never through a link, and never a FIFO or a device planted in its place:
     O_NONBLOCK keeps such an open from waiting, and only a regular file is kept.
     """
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(path, flags, modes.file_bits, dir_fd=dir_fd)
+        fd, st, made = fsutil.made_or_opened(path, os.O_RDWR, modes.file_bits, dir_fd=dir_fd)
     except OSError as e:
         shown = fsutil.shown_path(path, dir_fd)
         if e.errno == errno.ELOOP:
             raise trust.UntrustedFolder(f"the lock file {shown} is a link") from None
-        raise OSError(e.errno, e.strerror, shown) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        shown = fsutil.shown_path(path, dir_fd)
-        raise trust.UntrustedFolder(f"the lock file {shown} is not a regular file")
-    mine = st.st_uid == os.geteuid()
-    # (Not a file with other names: another member may link one of ours from
-    # elsewhere as a lock file, for our chmod to widen or narrow it.)
-    if (
-        modes.group is not None
-        and mine
-        and st.st_nlink == 1
-        and st.st_mode & 0o7777 != modes.file_bits
-    ):
+        if e.errno == errno.EINVAL:
+            raise trust.UntrustedFolder(f"the lock file {shown} is not a regular file") from None
+        raise
+    # Only a file made here: one there already may be a file of ours another member
+    # moved in (a secret, 0600), which the chmod would open to the group.
+    if made and modes.group is not None and st.st_mode & 0o7777 != modes.file_bits:
         with contextlib.suppress(OSError):
             os.fchmod(fd, modes.file_bits)  # the umask narrowed what we made
     return fd

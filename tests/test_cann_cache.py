@@ -200,6 +200,20 @@ def test_age_never_chmods_a_file_linked_in_as_its_aging_lock(base, tmp_path, cap
     assert notes.stat().st_mode & 0o7777 == 0o660
 
 
+def test_age_never_chmods_a_file_of_ours_moved_in_as_its_aging_lock(base, capsys):
+    """A member who may rename in a shared chip folder moves a secret of ours (0600)
+    in as op_cache_file_del.lock, and back once our chmod (CANN's 0640) opened it
+    to the group: only a lock file the pass made is chmodded."""
+    f = aging_folder(base)
+    write_ini(f.root, max_mb=1, ratio=50)
+    secret = f.chip / cann_format.DEL_LOCK
+    secret.write_text("a private key\n")
+    secret.chmod(0o600)
+    status, report = cann_json(capsys, base, "age")
+    assert status == 0 and report["chips"][SOC]["removed"]  # (the lock is still taken)
+    assert secret.stat().st_mode & 0o7777 == 0o600
+
+
 def test_age_skips_while_another_process_holds_cann_s_aging_lock(base, capsys):
     f = aging_folder(base)
     write_ini(f.root, max_mb=1, ratio=50)

@@ -818,6 +818,26 @@ def test_a_file_linked_in_as_a_lock_file_keeps_its_mode(tmp_path: Path) -> None:
     assert notes.stat().st_mode & 0o7777 == 0o666
 
 
+def test_a_file_of_ours_moved_in_as_a_lock_file_keeps_its_mode(tmp_path: Path) -> None:
+    """A member who may rename in a shared folder moves a secret of ours (0600, one
+    name) in as a lock file, and back once our chmod opened it to the group: only
+    a lock file made by the call itself is chmodded."""
+    locks_dir = tmp_path / "locks"
+    locks_dir.mkdir()
+    secret = locks_dir / "host.count"
+    secret.write_text("a private key\n")
+    secret.chmod(0o600)
+    modes = fsutil.group_shared(os.getgid())
+    lock = locks.KeyLock(secret, modes)
+    assert lock.try_acquire()
+    assert secret.stat().st_mode & 0o7777 == 0o600  # (moved back out while it is held)
+    lock.release()
+    made = locks.KeyLock(locks_dir / "new.count", modes)  # (one it makes: the group's mode)
+    assert made.try_acquire()
+    assert (locks_dir / "new.count").stat().st_mode & 0o7777 == modes.file_bits
+    made.release()
+
+
 # ------------------------------------ what another user keeps closed, or names oddly
 
 
