@@ -11,12 +11,18 @@ file (or a folder that was listed) its size, mtime and ctime; for a path that
 was missing, the error.  The next run of the same command (``serve``: its
 argv, working folder, umask, user and environment give the memo's name)
 checks each with one ``stat`` or ``lstat``, reads the entry's artifacts
-(checked against the entry's manifest digests), counts the hit and stamps
-the entry's access, writes the outputs as the full hit writes them and
-replays stdout and stderr: all before importing more than ``os``, ``stat``,
-``sys`` and ``xxhash``.  Anything else before the count (no memo, one
-identity moved, an error) gives None and the full path runs as always; after
-it, an error ends the run as the full path's would (never a second count).
+(checked against the entry's manifest digests), puts the outputs in place as
+the full hit would (each a new file in its folder, the folder the full hit
+wrote into, renamed over the target), then counts the hit, stamps the entry's
+access and replays stdout and stderr: all before importing more than ``os``,
+``stat``, ``sys`` and ``xxhash``.  A memo that does not hold (no memo, one
+identity moved, an error) gives None and the full path runs as always.  An
+output that cannot be put in place (its folder gone or not writable, a
+read-only file system, a full disk) runs the command as it is, with the full
+path's warning, and counts nothing: the compiler writes its outputs itself,
+so none is left from the cache beside one the compiler did not write.  Once
+counted, an error replaying ends the run as the full path's would (never a
+second count).
 
 Safe as git's index is (its "racy" rule): a file changed after it was
 recorded has another ctime (the kernel sets it on every write; ``utime``
@@ -41,7 +47,7 @@ TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-FORMAT = b"opcache-quick 4"
+FORMAT = b"opcache-quick 5"
 CLIENT_FORMAT = b"opcache-client 4"  # a memo the C client reads (opcache_client.c's)
 FOLDER = "quick"
 MAX_MEMO = 1 << 20
@@ -59,6 +65,9 @@ UNKEYED_ENVIRONMENT = (
 )
 READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# An output's folder, reached as the compiler reaches it (links followed), to make and
+# rename files in: O_PATH, so a folder this user may write in but not list serves too.
+PLACE_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 NO_SIZE = -1  # a folder not listed: its entries changing does not matter
 
 
@@ -156,13 +165,61 @@ class Miss(Exception):
     """The memo does not hold, or cannot be used: the full path runs."""
 
 
+class Undelivered(Exception):
+    """An output cannot be put in place (``error``, naming it): nothing is counted, none
+    of the outputs is left from the cache, and the command runs as it is."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 def serve(words: list[str]) -> int | None:
     """Serve ``words`` (the command line, ``sys.argv``'s form) from its memo: the exit
-    status, or None (nothing done) when there is no memo or it does not hold."""
+    status, or None when there is no memo or it does not hold (the full path runs:
+    nothing was done that it does not do again, outputs it puts in place itself
+    included).  An output that cannot be put in place: the command's own status."""
     try:
         return _serve(words)
-    except Exception:  # (nothing visible done yet: Memo.serve sees to it)
+    except Undelivered as e:
+        return _run_instead(words, e.error)
+    except Exception:  # (nothing visible done that the full path does not redo)
         return None
+
+
+def _run_instead(words: list[str], error: OSError) -> int | None:
+    """Run the compile ``words`` stands for as it is, as the full path does when it
+    cannot put a hit's outputs in place (``wrap._run_planned``), with its warning:
+    the compiler writes every output itself, as it would alone.  None when the
+    command or its compiler cannot be told (the full path runs and says why)."""
+    try:
+        from . import masquerade
+        from .errors import sentence
+        from .wrap import _run_plain
+
+        command: list[str] | None = None
+        if masquerade.compiler_kind(words[0]):  # a link named like the compiler (cli.main)
+            command = words
+        elif words[1:2] == ["wrap"] and "--" in words[2:]:  # (cli._wrap_main)
+            command = words[words.index("--", 2) + 1 :]
+        elif words[1:2] and masquerade.compiler_kind(words[1]):  # `opcache gcc ...` (cli._run)
+            command = words[1:]
+        real = masquerade.find_compiler(command[0], os.environ) if command else None
+        if command is None or real is None:
+            return None
+        env = masquerade.compiler_environ(os.environ, real)
+        why = sentence(error)
+    except Exception:
+        return None
+    import contextlib
+
+    with contextlib.suppress(OSError, ValueError):  # (stderr itself failed: the command runs)
+        print(
+            f"opcache: warning: cannot put the outputs in place: {why}; running the command",
+            file=sys.stderr,
+            flush=True,
+        )
+    return _run_plain([real, *command[1:]], env)
 
 
 def _serve(words: list[str]) -> int:
@@ -206,7 +263,8 @@ class Memo:
 
     def __init__(self, fields: list[bytes]) -> None:
         self.fields = fields
-        self.outputs: list[tuple[bytes, bytes, int, str]] = []  # target, artifact, size, digest
+        # target, artifact, size, digest, and the folder the full hit wrote it in
+        self.outputs: list[tuple[bytes, bytes, int, str, tuple[int, int]]] = []
         self.streams: list[tuple[int, bytes, int, str]] = []  # 1 or 2, artifact, size, digest
         at = 0
         while fields[at : at + 1] == [b"c"]:
@@ -222,8 +280,11 @@ class Memo:
                 at += 6
             elif tag == b"o":
                 size = int(fields[at + 3])
-                self.outputs.append((fields[at + 1], fields[at + 2], size, fields[at + 4].decode()))
-                at += 5
+                folder = (int(fields[at + 5]), int(fields[at + 6]))
+                self.outputs.append(
+                    (fields[at + 1], fields[at + 2], size, fields[at + 4].decode(), folder)
+                )
+                at += 7
             elif tag == b"s":
                 size = int(fields[at + 3])
                 self.streams.append(
@@ -243,31 +304,35 @@ class Memo:
             raise Miss
 
     def serve(self) -> int:
-        """Everything that can be checked first; then the hit is counted (as the full
-        path counts it before its outputs), and from then on an error ends the run as
-        the full path's would: ``opcache: error: ...``, 1, never a second try."""
+        """Everything that can be checked first (Miss if anything does not hold); then the
+        outputs are put in place (Undelivered if one cannot be: none is left from the
+        cache), and only then is the hit counted, as one delivered.  From then on an
+        error ends the run as the full path's would: ``opcache: error: ...``, 1, never
+        a second count."""
         fields = self.fields
         for at in range(0, self.checks_end, 10):
             want = tuple(map(int, fields[at + 3 : at + 10]))
             if identity(fields[at + 1], fields[at + 2] == b"1", want[4] == NO_SIZE) != want:
                 raise Miss
         entry = open_same(self.entry, self.entry_id)
+        places: list[tuple[int, bytes, bytes, bytes]] = []  # folder, name, target, data
         try:
-            outputs = [(target, self.artifact(entry, *rest)) for target, *rest in self.outputs]
+            outputs = [
+                (target, self.artifact(entry, name, size, want), folder)
+                for target, name, size, want, folder in self.outputs
+            ]
             streams = [(number, self.artifact(entry, *rest)) for number, *rest in self.streams]
             if any(b"\x1b[" in data for _, data in streams):
                 raise Miss  # (colour taken out where it cannot show: the full path's work)
-            for target, _ in outputs:
-                try:
-                    st = os.lstat(target)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISREG(st.st_mode) or unreplaceable(target, st):
-                    raise Miss  # (the full path says why)
-            self._count()
-            return _finish(self._stamp, entry, outputs, streams)
+            for target, data, folder in outputs:
+                fd, name = _open_place(target, folder)
+                places.append((fd, name, target, data))
+            _deliver(places, self._count)
+            return _finish(self._stamp, entry, streams)
         finally:
             os.close(entry)
+            for fd, *_ in places:
+                os.close(fd)
 
     @staticmethod
     def artifact(entry: int, name: bytes, size: int, want: str) -> bytes:
@@ -344,16 +409,15 @@ class Memo:
 def _finish(
     stamp: Callable[[int], None],
     entry: int,
-    outputs: list[tuple[bytes, bytes]],
     streams: list[tuple[int, bytes]],
 ) -> int:
-    """A counted hit's visible rest: it ends here, whatever fails (the full path's status)."""
+    """A delivered, counted hit's visible rest: it ends here, whatever fails (the full
+    path's status)."""
     try:  # noqa: SIM105 (contextlib, which a quick hit does not load)
         stamp(entry)
     except OSError:
         pass  # (aging's stamp is a hint: the full path's does not fail a hit either)
     try:
-        _write_outputs(outputs)
         for number, data in sorted(streams):
             stream = sys.stdout if number == 1 else sys.stderr
             if data and stream is not None:
@@ -380,13 +444,20 @@ def unreplaceable(path: bytes | str, st: os.stat_result) -> bool:
     """Whether this user may not rename over the file ``path`` (``st``: its lstat),
     though the compiler may write into it: another user's, in a sticky folder (as
     /tmp) that is not this user's either.  Never for root."""
-    euid = os.geteuid()
-    if st.st_uid == euid or not euid:
+    if st.st_uid == os.geteuid() or not os.geteuid():
         return False
     try:
         folder = os.stat(os.path.dirname(path) or ".")
     except OSError:
         return False  # (the rename says why)
+    return _unreplaceable_in(folder, st)
+
+
+def _unreplaceable_in(folder: os.stat_result, st: os.stat_result) -> bool:
+    """``unreplaceable`` of a file ``st`` in the folder ``folder`` (both stat results)."""
+    euid = os.geteuid()
+    if st.st_uid == euid or not euid:
+        return False
     return bool(folder.st_mode & stat.S_ISVTX) and folder.st_uid != euid
 
 
@@ -425,30 +496,100 @@ def open_same(path: bytes, identity: tuple[int, int]) -> int:
     return fd
 
 
-def _write_outputs(outputs: list[tuple[bytes, bytes]]) -> None:
-    """Each output as the full path writes it: a new file (0666 less the umask) renamed
-    over the target.  A Ctrl-C waits until none is half made."""
+def _open_place(target: bytes, folder_id: tuple[int, int]) -> tuple[int, bytes]:
+    """The folder of the output ``target``, reached as the compiler reaches it (links
+    followed) and opened once (O_PATH), and the target's name in it: the output is
+    made and renamed there, whatever is moved meanwhile.
+
+    Miss when it is not the folder the full hit wrote into (``folder_id``: device and
+    inode; replaced, a link re-pointed), or the target is there and not a regular
+    file this user may rename over (the full path's work: it says why).
+    Undelivered when the folder cannot be reached or searched (gone, its mode).
+    """
+    head, _, name = target.rpartition(b"/")
+    try:
+        fd = os.open(head or b"/", PLACE_FLAGS)
+    except OSError as e:
+        raise Undelivered(_naming(e, target)) from None
+    try:
+        folder = os.fstat(fd)
+        if (folder.st_dev, folder.st_ino) != folder_id:
+            raise Miss
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return fd, name
+        except OSError as e:  # (a folder this user may not search)
+            raise Undelivered(_naming(e, target)) from None
+        if not stat.S_ISREG(st.st_mode) or _unreplaceable_in(folder, st):
+            raise Miss
+        return fd, name
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _naming(error: OSError, target: bytes) -> OSError:
+    """``error`` naming the output ``target`` (a warning names what could not be put)."""
+    return OSError(error.errno, error.strerror, os.fsdecode(target))
+
+
+def _deliver(places: list[tuple[int, bytes, bytes, bytes]], count: Callable[[], None]) -> None:
+    """Put each output in place as the full path puts it: a new file (0666 less the
+    umask) in its folder, renamed over the target; then ``count`` the hit.
+
+    Every output is written in full before any is renamed, so an error making one
+    (a folder not writable, a read-only file system, a full disk) replaces none;
+    it is raised as Undelivered, every temporary file removed (as it is if a rename
+    fails: the command then rewrites the outputs already renamed).  A Ctrl-C waits
+    until the outputs are in place and counted, or none is half made.
+    """
     import _signal
 
     held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
+    temps: list[tuple[int, bytes]] = []  # (folder, name): made and not renamed yet
     try:
-        for raw, data in outputs:
-            target = os.fsdecode(raw)  # (an error names it as the full path's does)
-            temp = f"{target.rpartition('/')[0]}/.opcache-wrap.{os.getpid()}.{os.urandom(4).hex()}"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-            try:
+        try:
+            for fd, _name, target, data in places:
+                temp = b".opcache-wrap.%d.%s" % (os.getpid(), os.urandom(4).hex().encode())
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    out = os.open(temp, flags, 0o666, dir_fd=fd)
+                except OSError as e:
+                    raise _naming(e, target) from None
+                temps.append((fd, temp))
                 try:
                     view = memoryview(data)
                     while view:
-                        view = view[os.write(fd, view) :]
+                        written = os.write(out, view)
+                        if not written:
+                            from errno import ENOSPC
+
+                            raise OSError(ENOSPC, os.strerror(ENOSPC))
+                        view = view[written:]
+                except OSError as e:
+                    raise _naming(e, target) from None
                 finally:
-                    os.close(fd)
-                os.replace(temp, target)
-            except BaseException:
+                    try:
+                        os.close(out)
+                    except OSError as e:  # (NFS reports a full disk here)
+                        raise _naming(e, target) from None
+            for fd, name, target, _data in places:
+                temp = temps[0][1]  # (made in the same order)
+                try:
+                    os.rename(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                except OSError as e:
+                    raise _naming(e, target) from None
+                del temps[0]
+        except BaseException as e:
+            for fd, temp in temps:
                 try:  # noqa: SIM105 (contextlib, which a quick hit does not load)
-                    os.unlink(temp)  # (none left in the user's folder)
+                    os.unlink(temp, dir_fd=fd)  # (none left in the user's folder)
                 except OSError:
                     pass
-                raise
+            if isinstance(e, OSError):
+                raise Undelivered(e) from None
+            raise
+        count()
     finally:
         _signal.pthread_sigmask(_signal.SIG_SETMASK, held)

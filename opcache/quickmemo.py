@@ -308,8 +308,12 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
         if name not in artifacts:
             return None
         size, want = artifacts[name]
-        fields += [b"o", os.fsencode(os.path.abspath(target)), name.encode(), b"%d" % size]
-        fields.append(want.encode())
+        path = os.fsencode(os.path.abspath(target))
+        # The folder the hit wrote it in, as the compiler reaches it (links followed): a
+        # quick hit writes there only while the path still leads to that folder.
+        place = os.stat(path.rpartition(b"/")[0] or b"/")
+        fields += [b"o", path, name.encode(), b"%d" % size, want.encode()]
+        fields += [b"%d" % place.st_dev, b"%d" % place.st_ino]
     for number, name in enumerate(hit.streams, 1):
         if name in artifacts:
             size, want = artifacts[name]
@@ -398,7 +402,7 @@ def client_memo(memo: bytes) -> bytes | None:
                     return None  # (the client leaves colour to the Python path, as quickhit)
                 out += [b"s", b"%d" % number, name, b"%d" % size]
                 out.append(xxhash.xxh64_hexdigest(data).encode())
-            for target, name, size, want in parsed.outputs:
+            for target, name, size, want, _folder in parsed.outputs:
                 data = Memo.artifact(entry, name, size, want)
                 out += [b"o", target, name, b"%d" % size, xxhash.xxh64_hexdigest(data).encode()]
         finally:

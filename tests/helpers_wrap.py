@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -29,19 +31,21 @@ def opcache(
     text: bool = False,
     timeout: float = 120,
     memory: int | None = None,
+    prefix: Sequence[str | Path] = (),
 ) -> subprocess.CompletedProcess:
     """``python -m opcache ARGS``; asserts no traceback and, unless None, the exit status.
 
     Its output is bytes, or str with ``text``.  A run that does not end within ``timeout``
     seconds fails the test (TimeoutExpired): a hang.  ``memory`` bounds what the run may
     map (RLIMIT_AS), so a read that never ends fails fast instead of taking the machine.
+    ``prefix``: a command it runs under (``bound_by_modes()``).
     """
 
     def limit_memory() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
     done = subprocess.run(
-        [sys.executable, "-m", "opcache", *args],
+        [*prefix, sys.executable, "-m", "opcache", *args],
         env=env,
         cwd=cwd,
         capture_output=True,
@@ -56,8 +60,68 @@ def opcache(
     return done
 
 
-def wrap(*command: str, env: dict[str, str], cwd: Path, status: int | None = 0, flags=()):
-    return opcache("wrap", *flags, "--", *command, env=env, cwd=cwd, status=status)
+def wrap(
+    *command: str,
+    env: dict[str, str],
+    cwd: Path,
+    status: int | None = 0,
+    flags=(),
+    prefix: Sequence[str | Path] = (),
+):
+    return opcache("wrap", *flags, "--", *command, env=env, cwd=cwd, status=status, prefix=prefix)
+
+
+def bound_by_modes() -> list[str]:
+    """A command prefix under which a folder's mode binds this user: for root, setpriv
+    without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (root owns the test's files, so it
+    still reaches what its owner may); nothing for another user.  Skips the test
+    where root cannot drop them."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv(1) to run as root bound by file modes")
+    prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    if subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("setpriv cannot drop capabilities here")
+    return prefix
+
+
+REFUSING_RENAME = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+static int refused(const char *to) {
+    const char *name = strrchr(to, '/') ? strrchr(to, '/') + 1 : to;
+    if (access(REFUSE_WHILE, F_OK) != 0 || strcmp(name, REFUSED) != 0) return 0;
+    errno = EPERM; /* (as the kernel refuses one over another's file in /tmp) */
+    return 1;
+}
+int renameat(int from_dir, const char *from, int to_dir, const char *to) {
+    int (*real)(int, const char *, int, const char *) = dlsym(RTLD_NEXT, "renameat");
+    return refused(to) ? -1 : real(from_dir, from, to_dir, to);
+}
+int rename(const char *from, const char *to) {
+    int (*real)(const char *, const char *) = dlsym(RTLD_NEXT, "rename");
+    return refused(to) ? -1 : real(from, to);
+}
+"""
+
+
+def refusing_rename(folder: Path, refused: str, flag: Path) -> Path:
+    """A library for LD_PRELOAD whose rename(2) and renameat(2) refuse (EPERM) a rename
+    onto a file named ``refused`` while the file ``flag`` exists, and do every other one
+    (a compiler, which writes its outputs in place, passes)."""
+    source = folder / "refusing_rename.c"
+    source.write_text(REFUSING_RENAME)
+    built = folder / "refusing_rename.so"
+    defines = [f'-DREFUSED="{refused}"', f'-DREFUSE_WHILE="{flag}"']
+    subprocess.run(
+        [GCC, "-shared", "-fPIC", *defines, "-o", built, source, "-ldl"], check=True, timeout=120
+    )
+    return built
 
 
 def wrap_imports(command: list[str], env: dict[str, str], cwd: Path) -> tuple[str, set[str], str]:
@@ -85,6 +149,46 @@ def stats(env: dict[str, str], soc: str | None = None, *flags: str) -> dict:
 
 def plain_gcc(cwd: Path, *args: str) -> None:
     subprocess.run([GCC, *args], cwd=cwd, check=True)
+
+
+def outputs_left(folder: Path, status: int) -> tuple:
+    """``status`` and the bytes of ``folder``'s k.o and deps/k.d (None: none there)."""
+    outputs = [folder / "k.o", folder / "deps" / "k.d"]
+    return status, *(path.read_bytes() if path.is_file() else None for path in outputs)
+
+
+def compiled_alone(folder: Path, args: Sequence[str], prefix: Sequence[str] = ()) -> tuple:
+    """What real gcc alone does with ``args`` in a copy of ``folder`` (the project and
+    its outputs as they are, the folders' modes kept): ``outputs_left`` of the copy."""
+    copy = folder.parent / (folder.name + "-alone")
+    shutil.copytree(folder, copy, symlinks=True)
+    done = subprocess.run([*prefix, GCC, *args], cwd=copy, capture_output=True, timeout=120)
+    return outputs_left(copy, done.returncode)
+
+
+def ran_instead(done: subprocess.CompletedProcess, folder: Path, why: str) -> None:
+    """``done`` said once that it could not put folder/deps/k.d in place (``why``) and ran
+    the command (the full path's warning), and no error of opcache's."""
+    said = done.stderr.decode(errors="replace")
+    warning = f"opcache: warning: cannot put the outputs in place: {folder}/deps/k.d: {why}; "
+    assert said.count(warning + "running the command\n") == 1, said
+    assert "opcache: error:" not in said, said
+
+
+def temporary_files(folder: Path) -> list[str]:
+    """The temporary files a quick hit or opcache left under ``folder`` (none, ever)."""
+    return [str(path) for path in folder.rglob(".opcache-wrap.*")]
+
+
+def fill(path: Path) -> None:
+    """Fill the file system of ``path`` (a new file) until it has no block left."""
+    with open(path, "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 512, 1):
+            try:
+                while True:
+                    f.write(b"f" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
 
 
 def write_project(folder: Path) -> Path:

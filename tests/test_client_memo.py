@@ -23,7 +23,16 @@ from pathlib import Path
 import pytest
 import xxhash
 from helpers_faults import NOBODY, requires_root
-from helpers_wrap import GCC, assembler_in_its_prefix, opcache, relocated_gcc, stats
+from helpers_wrap import (
+    GCC,
+    assembler_in_its_prefix,
+    opcache,
+    outputs_left,
+    ran_instead,
+    relocated_gcc,
+    stats,
+    temporary_files,
+)
 from test_server import (
     COMPILE,
     EXECVE_LIST,
@@ -64,9 +73,10 @@ def appended(served: Served) -> int:
     return len(counts.read_bytes().splitlines()) if counts.exists() else 0
 
 
-def memoized(served: Served, *args: str) -> bytes:
+def memoized(served: Served, *args: str, stop: bool = True) -> bytes:
     """A miss, then a hit served by the server, whose worker writes the client's memo;
-    then the server is stopped and its socket removed.  The object's bytes.
+    then (unless not ``stop``) the server is stopped and its socket removed.  The
+    object's bytes.
 
     (On a busy machine the server may not take a call within the client's 2 s: opcache
     serves that one itself, and writes no memo for the client.  The next call then.)"""
@@ -81,7 +91,8 @@ def memoized(served: Served, *args: str) -> bytes:
         while not client_memos(served) and time.monotonic() < written:
             time.sleep(0.05)  # (the worker writes it once its reply is sent)
     assert len(client_memos(served)) == 1
-    stop_server(served)
+    if stop:
+        stop_server(served)
     return (served.src / "k.o").read_bytes()
 
 
@@ -389,6 +400,39 @@ def test_an_output_folder_gone_after_the_memo_counts_once_and_fails_as_the_pytho
     assert appended(served) == 1
     assert stats(served.env, "host")["hits"] == 2
     assert sorted(p.name for p in served.src.iterdir()) == ["h.h", "k.c", "k.o"]
+
+
+DEPS = [*COMPILE, "-MD", "-MF", "deps/k.d"]
+STALE = b"stale: not written by this compile\n"
+
+
+def left_to_opcache(served: Served, done: subprocess.CompletedProcess, before: int) -> None:
+    """The client served nothing and counted nothing: opcache ran (once), no server did
+    (the client's fallback may start one; it serves no call here), and left no file."""
+    assert served.fallbacks() == before + 1, done.stderr
+    assert appended(served) == 0
+    assert temporary_files(served.src) == []
+
+
+def test_a_worker_whose_quick_hit_cannot_put_an_output_leaves_the_call_to_opcache(served):
+    """The server up, the client without a memo of its own: the worker's quick hit (the
+    Python memo) cannot put deps/k.d in place; running gcc is more than a hit, so the
+    worker gives the call back (its warning unsent) and opcache runs gcc: one warning,
+    gcc's status, nothing counted."""
+    (served.src / "deps").mkdir()
+    memoized(served, *DEPS, stop=False)
+    for memo in client_memos(served):
+        memo.unlink()
+    assert list(quick_folder(served).glob("m*"))  # (the worker's own memo)
+    shutil.rmtree(served.src / "deps")
+    (served.src / "k.o").write_bytes(STALE)
+    before, hits = served.fallbacks(), stats(served.env, "host")["hits"]
+
+    done = served.gcc(*DEPS)
+    ran_instead(done, served.src, "No such file or directory")
+    assert outputs_left(served.src, done.returncode) == (1, STALE, None)
+    left_to_opcache(served, done, before)
+    assert stats(served.env, "host")["hits"] == hits
 
 
 def test_a_client_without_locale_variables_serves_its_memo_too(served):

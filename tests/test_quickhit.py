@@ -20,13 +20,21 @@ from pathlib import Path
 
 import pytest
 from fake_opc import base_env
+from helpers_faults import NOBODY, read_only, requires_root, tmpfs
 from helpers_wrap import (
     GCC,
     assembler_in_its_prefix,
+    bound_by_modes,
+    compiled_alone,
     compiled_script,
+    fill,
     opcache,
+    outputs_left,
+    ran_instead,
+    refusing_rename,
     relocated_gcc,
     stats,
+    temporary_files,
     wrap,
     write_project,
 )
@@ -505,15 +513,14 @@ def test_a_memo_that_cannot_be_written_leaves_no_temp_file(tmp_path, monkeypatch
 
 # ``opcache wrap -- CMD`` as the program runs it (the same sys.argv: the same memo), with
 # a shell command run just before the memo is written (a concurrent writer's change that
-# lands between the full hit's look at a path and the memo), an output's rename refused,
-# or a smaller bound on a memo's size.
+# lands between the full hit's look at a path and the memo), or a smaller bound on a
+# memo's size.
 _DRIVER = """
-import errno, os, subprocess, sys
+import os, subprocess, sys
 import opcache
 from opcache import cli, quickmemo
 sys.argv = [os.path.join(os.path.dirname(opcache.__file__), "__main__.py"), *sys.argv[1:]]
 action = os.environ.pop("TEST_BEFORE_MEMO", "")
-refused = os.environ.pop("TEST_REFUSED_OUTPUT", "")
 if "TEST_MAX_MEMO" in os.environ:
     quickmemo.MAX_MEMO = int(os.environ.pop("TEST_MAX_MEMO"))
 if action:
@@ -522,13 +529,6 @@ if action:
         subprocess.run(["sh", "-c", action], check=True, timeout=60)
         return write_memo(*args)
     quickmemo.write_memo = hooked
-if refused:
-    replace = os.replace
-    def refuse(src, dst, **kwargs):
-        if os.path.basename(os.fsdecode(dst)) == refused:
-            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), src, None, dst)
-        return replace(src, dst, **kwargs)
-    os.replace = refuse
 cli.main()
 """
 
@@ -548,41 +548,154 @@ def _driven(
     return done
 
 
-def test_a_quick_hit_whose_output_folder_went_counts_once_and_fails_as_the_full_path(
-    tmp_path: Path,
-) -> None:
-    """-MF into a folder removed since: the hit is counted once (not once by the quick
-    path and again by the full path it fell back to), the status is the full path's."""
+DEPS_CMD = [*CMD, "-MD", "-MF", "deps/k.d"]
+STALE = b"stale: not written by this compile\n"
+
+
+def _with_deps(tmp_path: Path, env: dict[str, str], src: Path) -> None:
+    """A memo of DEPS_CMD; then k.o and deps/k.d hold STALE, so what a run leaves shows
+    who wrote each (the cache, the compiler, or nobody)."""
+    (src / "deps").mkdir(exist_ok=True)
+    _memoized(tmp_path, env, src, DEPS_CMD)
+    for output in (src / "k.o", src / "deps" / "k.d"):
+        output.write_bytes(STALE)
+
+
+def test_a_depfile_folder_made_read_only_runs_the_compiler_with_a_warning(tmp_path: Path) -> None:
+    """The reviewer's case: ``chmod a-w deps`` (deps/k.d still writable).  The quick hit
+    cannot make deps/k.d anew, so it puts nothing in place and counts nothing: gcc runs,
+    writes k.d in place and k.o, and the compile succeeds as it does alone."""
     env, src = _env(tmp_path), write_project(tmp_path / "src")
-    (src / "deps").mkdir()
-    cmd = [*CMD, "-MD", "-MF", "deps/k.d"]
-    _memoized(tmp_path, env, src, cmd)
+    _with_deps(tmp_path, env, src)
+    (src / "deps").chmod(0o555)
+    bound = bound_by_modes()
+
+    done = wrap(*DEPS_CMD, env=env, cwd=src, prefix=bound)
+    ran_instead(done, src, "Permission denied")
+    assert outputs_left(src, 0) == compiled_alone(src, DEPS_CMD[1:], bound)
+    assert temporary_files(src) == []
+    assert _quick_hits(tmp_path) == 0
+    assert stats(env, "host")["hits"] == 1  # (the full hit that wrote the memo)
+
+
+def test_a_depfile_folder_gone_runs_the_compiler_which_fails_as_alone(tmp_path: Path) -> None:
+    """-MF into a folder removed since: nothing counted, nothing put in place; gcc runs
+    and fails as it does alone (k.o left as it was), with its own message."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _with_deps(tmp_path, env, src)
     shutil.rmtree(src / "deps")
-    (src / "k.o").unlink()
 
-    done = wrap(*cmd, env=env, cwd=src, status=1)
-    assert _quick_hits(tmp_path) == 1
-    assert done.stderr.count(b"opcache: error:") == 1
-    assert b"opcache: error: %s/deps/" % os.fsencode(src) in done.stderr  # (not b'...')
-    assert stats(env, "host")["hits"] == 2
-    assert sorted(p.name for p in src.iterdir()) == ["h.h", "k.c", "k.o"]
+    done = wrap(*DEPS_CMD, env=env, cwd=src, status=1)
+    ran_instead(done, src, "No such file or directory")
+    assert b"deps/k.d" in done.stderr.split(b"running the command\n", 1)[1]  # (gcc's)
+    assert outputs_left(src, 1) == compiled_alone(src, DEPS_CMD[1:]) == (1, STALE, None)
+    assert _quick_hits(tmp_path) == 0
+    assert stats(env, "host")["hits"] == 1
 
 
-def test_a_quick_hit_whose_output_cannot_be_renamed_leaves_nothing_and_counts_once(
+@requires_root
+def test_a_depfile_folder_on_a_read_only_mount_replaces_no_output(tmp_path: Path) -> None:
+    """A read-only file system under deps/: gcc fails there alone, leaving k.o as it
+    was; so does the quick hit, which puts no output in place before it knows it can
+    put them all (before: k.o replaced from the cache, then an error, the hit counted)."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _with_deps(tmp_path, env, src)
+    alone = tmp_path / "alone"
+    shutil.copytree(src, alone)
+    with read_only(alone / "deps"):
+        done = subprocess.run([GCC, *DEPS_CMD[1:]], cwd=alone, capture_output=True, timeout=120)
+        want = outputs_left(alone, done.returncode)
+    with read_only(src / "deps"):
+        done = wrap(*DEPS_CMD, env=env, cwd=src, status=None)
+        ran_instead(done, src, "Read-only file system")
+        assert outputs_left(src, done.returncode) == want == (1, STALE, STALE)
+    assert temporary_files(src) == []
+    assert _quick_hits(tmp_path) == 0
+
+
+@requires_root
+def test_a_full_disk_runs_the_compiler_which_writes_in_place(tmp_path: Path) -> None:
+    """The project on a small tmpfs, filled up: the quick hit cannot write a new k.o
+    beside the old one (ENOSPC); gcc, which truncates and rewrites its outputs in place,
+    still can.  Nothing put in place, nothing counted, the compile succeeds."""
+    env = _env(tmp_path)
+    with tmpfs(tmp_path / "disk", "size=1m"):
+        src = write_project(tmp_path / "disk" / "src")
+        _with_deps(tmp_path, env, src)
+        for output in (src / "k.o", src / "deps" / "k.d"):
+            output.write_bytes(b"x" * 4096)  # (a page each, which gcc gets back)
+        fill(tmp_path / "disk" / "filler")
+
+        done = wrap(*DEPS_CMD, env=env, cwd=src)
+        said = done.stderr.decode(errors="replace")
+        assert "opcache: warning: cannot put the outputs in place: " in said, said
+        assert "No space left on device; running the command" in said, said
+        assert "opcache: error:" not in said
+        (tmp_path / "disk" / "filler").unlink()
+        assert outputs_left(src, 0) == compiled_alone(src, DEPS_CMD[1:])
+        assert temporary_files(src) == []
+    assert _quick_hits(tmp_path) == 0
+
+
+@requires_root
+def test_a_depfile_folder_made_a_link_by_another_user_is_not_written_through(
     tmp_path: Path,
 ) -> None:
-    """The rename refused (another user's file in a sticky folder): no temporary file
-    left in the user's folder, one count, one error line, the full path's status."""
+    """deps/ replaced by another user's link to a folder elsewhere: not the folder the
+    full hit wrote into, so the quick hit does not serve (the full path decides, as
+    for any memo that does not hold)."""
     env, src = _env(tmp_path), write_project(tmp_path / "src")
-    _memoized(tmp_path, env, src)
-    (src / "k.o").unlink()
+    _with_deps(tmp_path, env, src)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (src / "deps").rename(tmp_path / "deps-was")
+    (src / "deps").symlink_to(elsewhere)
+    os.lchown(src / "deps", NOBODY, NOBODY)
 
-    done = _driven(CMD, env, src, status=1, TEST_REFUSED_OUTPUT="k.o")
-    assert _quick_hits(tmp_path) == 1
-    assert done.stderr.count(b"opcache: error:") == 1
-    assert b"Operation not permitted" in done.stderr
-    assert stats(env, "host")["hits"] == 2
-    assert sorted(p.name for p in src.iterdir()) == ["h.h", "k.c"]
+    wrap(*DEPS_CMD, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 0
+    assert stats(env, "host")["hits"] == 2  # (the full path's)
+
+
+@pytest.mark.parametrize("planted", ["folder", "link"])
+def test_a_depfile_that_is_no_longer_a_file_is_left_to_the_full_path(
+    tmp_path: Path, planted: str
+) -> None:
+    """deps/k.d made a folder, or a link: the quick hit does not serve (nothing put in
+    place, nothing counted); the full path hands the command to gcc as it is.  (As
+    before: the targets were checked before the count already.)"""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    _with_deps(tmp_path, env, src)
+    (src / "deps" / "k.d").unlink()
+    if planted == "folder":
+        (src / "deps" / "k.d").mkdir()
+    else:
+        (src / "deps" / "k.d").symlink_to(tmp_path / "target.d")
+
+    done = wrap(*DEPS_CMD, env=env, cwd=src, status=None)
+    status, *left = compiled_alone(src, DEPS_CMD[1:])
+    assert done.returncode == status, done.stderr
+    assert _quick_hits(tmp_path) == 0
+    assert (src / "k.o").read_bytes() == left[0]
+
+
+def test_a_rename_refused_after_another_output_was_renamed_leaves_the_compilers_outputs(
+    tmp_path: Path,
+) -> None:
+    """k.o renamed into place, then the rename of deps/k.d refused (EPERM, as over
+    another user's file in a sticky folder): gcc runs and writes both, so no output is
+    left from the cache beside one that is not; nothing counted, no temporary file."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    flag = tmp_path / "refuse"
+    env["LD_PRELOAD"] = str(refusing_rename(tmp_path, "k.d", flag))
+    _with_deps(tmp_path, env, src)
+    flag.touch()
+
+    done = wrap(*DEPS_CMD, env=env, cwd=src)
+    ran_instead(done, src, "Operation not permitted")
+    assert outputs_left(src, 0) == compiled_alone(src, DEPS_CMD[1:])
+    assert temporary_files(src) == []
+    assert _quick_hits(tmp_path) == 0
 
 
 def test_a_memo_name_holds_the_supplementary_groups(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -757,7 +870,7 @@ def test_a_memo_that_misses_at_its_first_check_parses_none_of_the_rest(tmp_path:
     moved = [b"c", os.fsencode(tmp_path / "gone"), b"0", b"1", b"2", b"3", b"4", b"5", b"6", b"7"]
     unread = [b"c", b"/x", b"0", *[b"not a number"] * 7] * 500
     rest = [b"e", os.fsencode(tmp_path), b"1", b"2", b"manifest.json", b"-1.0"]
-    rest += [b"o", os.fsencode(tmp_path / "k.o"), b"k.o", b"4", b"0" * 32]
+    rest += [b"o", os.fsencode(tmp_path / "k.o"), b"k.o", b"4", b"0" * 32, b"1", b"2"]
     rest += [b"n", os.fsencode(tmp_path), b"1", b"2", b"384", b"0.5", QUICK_COUNTS.encode()]
     with pytest.raises(quickhit.Miss):
         quickhit.Memo([*moved, *unread, *rest]).serve()
