@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
 FORMAT = b"opcache-quick 5"
-CLIENT_FORMAT = b"opcache-client 4"  # a memo the C client reads (opcache_client.c's)
+CLIENT_FORMAT = b"opcache-client 5"  # a memo the C client reads (opcache_client.c's)
 FOLDER = "quick"
 MAX_MEMO = 1 << 20
 # Variables no compiler and no part of opcache reads, that change from one build

@@ -402,9 +402,10 @@ def client_memo(memo: bytes) -> bytes | None:
                     return None  # (the client leaves colour to the Python path, as quickhit)
                 out += [b"s", b"%d" % number, name, b"%d" % size]
                 out.append(xxhash.xxh64_hexdigest(data).encode())
-            for target, name, size, want, _folder in parsed.outputs:
+            for target, name, size, want, folder in parsed.outputs:
                 data = Memo.artifact(entry, name, size, want)
                 out += [b"o", target, name, b"%d" % size, xxhash.xxh64_hexdigest(data).encode()]
+                out += [b"%d" % number for number in folder]
         finally:
             os.close(entry)
         out += [b"n", parsed.counters, *(b"%d" % n for n in parsed.counters_id)]

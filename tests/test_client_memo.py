@@ -22,16 +22,21 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from helpers_faults import NOBODY, requires_root
+from helpers_faults import NOBODY, read_only, requires_root, tmpfs
 from helpers_wrap import (
     GCC,
     assembler_in_its_prefix,
+    bound_by_modes,
+    compiled_alone,
+    fill,
     opcache,
     outputs_left,
     ran_instead,
+    refusing_rename,
     relocated_gcc,
     stats,
     temporary_files,
+    write_project,
 )
 from test_server import (
     COMPILE,
@@ -382,28 +387,17 @@ def test_a_client_that_cannot_name_its_memo_gets_none_written(served):
         time.sleep(0.1)
 
 
-def test_an_output_folder_gone_after_the_memo_counts_once_and_fails_as_the_python_path(served):
-    """-MF into a folder removed since: the client counts the hit, then cannot write the
-    depfile: one error line, 1, no second count and no call of opcache or the server."""
-    (served.src / "deps").mkdir()
-    args = [*COMPILE, "-MD", "-MF", "deps/k.d"]
-    memoized(served, *args)
-    shutil.rmtree(served.src / "deps")
-    (served.src / "k.o").unlink()
-    starts = served.starts.read_text()
-
-    done = served.gcc(*args)
-    assert done.returncode == 1
-    assert done.stderr.count(b"opcache: error:") == 1, done.stderr
-    assert b"opcache: error: %s/deps/" % os.fsencode(served.src) in done.stderr
-    assert served.starts.read_text() == starts
-    assert appended(served) == 1
-    assert stats(served.env, "host")["hits"] == 2
-    assert sorted(p.name for p in served.src.iterdir()) == ["h.h", "k.c", "k.o"]
-
-
 DEPS = [*COMPILE, "-MD", "-MF", "deps/k.d"]
 STALE = b"stale: not written by this compile\n"
+
+
+def memoized_with_deps(served: Served) -> None:
+    """The client's memo of DEPS; then k.o and deps/k.d hold STALE (what a run leaves
+    shows who wrote each: the cache, the compiler, or nobody)."""
+    (served.src / "deps").mkdir(exist_ok=True)
+    memoized(served, *DEPS)
+    for output in (served.src / "k.o", served.src / "deps" / "k.d"):
+        output.write_bytes(STALE)
 
 
 def left_to_opcache(served: Served, done: subprocess.CompletedProcess, before: int) -> None:
@@ -412,6 +406,101 @@ def left_to_opcache(served: Served, done: subprocess.CompletedProcess, before: i
     assert served.fallbacks() == before + 1, done.stderr
     assert appended(served) == 0
     assert temporary_files(served.src) == []
+
+
+def test_a_depfile_folder_made_read_only_is_left_to_opcache_which_runs_the_compiler(served):
+    """The reviewer's case through the client: ``chmod a-w deps`` (deps/k.d writable).
+    The client cannot make deps/k.d anew: it puts nothing in place and counts nothing;
+    opcache runs gcc (the Python path's warning), which writes k.d in place: 0."""
+    memoized_with_deps(served)
+    (served.src / "deps").chmod(0o555)
+    bound = bound_by_modes()
+    before = served.fallbacks()
+
+    done = subprocess.run(
+        [*bound, "gcc", *DEPS], env=served.env, cwd=served.src, capture_output=True, timeout=120
+    )
+    ran_instead(done, served.src, "Permission denied")
+    assert outputs_left(served.src, done.returncode) == compiled_alone(served.src, DEPS, bound)
+    assert done.returncode == 0
+    left_to_opcache(served, done, before)
+
+
+def test_an_output_folder_gone_after_the_memo_is_left_to_opcache_which_fails_as_gcc(served):
+    """-MF into a folder removed since: the client puts nothing in place (k.o stays as
+    it was) and counts nothing; opcache runs gcc, which fails as it does alone."""
+    memoized_with_deps(served)
+    shutil.rmtree(served.src / "deps")
+    before = served.fallbacks()
+
+    done = served.gcc(*DEPS)
+    ran_instead(done, served.src, "No such file or directory")
+    assert outputs_left(served.src, done.returncode) == compiled_alone(served.src, DEPS)
+    assert outputs_left(served.src, done.returncode) == (1, STALE, None)
+    left_to_opcache(served, done, before)
+
+
+@requires_root
+def test_a_depfile_folder_on_a_read_only_mount_is_left_to_opcache(served):
+    """deps/ read-only (a mount): gcc alone fails, leaving k.o as it was; the client
+    replaces no output before it knows it can put them all (before: k.o replaced from
+    the cache, then an error, the hit counted)."""
+    memoized_with_deps(served)
+    alone = served.tmp / "alone"
+    shutil.copytree(served.src, alone)
+    with read_only(alone / "deps"):
+        plain_run = subprocess.run([GCC, *DEPS], cwd=alone, capture_output=True, timeout=120)
+        want = outputs_left(alone, plain_run.returncode)
+    before = served.fallbacks()
+    with read_only(served.src / "deps"):
+        done = served.gcc(*DEPS)
+        ran_instead(done, served.src, "Read-only file system")
+        assert outputs_left(served.src, done.returncode) == want == (1, STALE, STALE)
+    left_to_opcache(served, done, before)
+
+
+@requires_root
+def test_a_full_disk_is_left_to_opcache_which_runs_the_compiler(served):
+    """The project on a small tmpfs, filled up: no new k.o can be made beside the old
+    one (ENOSPC), while gcc, which rewrites its outputs in place, can: 0."""
+    with tmpfs(served.src, "size=1m"):
+        write_project(served.src / "p")  # (a tmpfs is mounted over src: the project again)
+        for name in ("k.c", "h.h"):
+            (served.src / "p" / name).rename(served.src / name)
+        (served.src / "p").rmdir()
+        memoized_with_deps(served)
+        for output in (served.src / "k.o", served.src / "deps" / "k.d"):
+            output.write_bytes(b"x" * 4096)  # (a page each, which gcc gets back)
+        fill(served.src / "filler")
+        before = served.fallbacks()
+
+        done = served.gcc(*DEPS)
+        said = done.stderr.decode(errors="replace")
+        assert "opcache: warning: cannot put the outputs in place: " in said, said
+        assert "No space left on device; running the command" in said, said
+        assert "opcache: error:" not in said, said
+        (served.src / "filler").unlink()
+        assert outputs_left(served.src, done.returncode) == compiled_alone(served.src, DEPS)
+        assert done.returncode == 0
+        left_to_opcache(served, done, before)
+
+
+@requires_root
+def test_a_depfile_folder_made_a_link_by_another_user_is_not_written_through(served):
+    """deps/ replaced by another user's link to a folder elsewhere: not the folder the
+    full hit wrote into, so the client does not serve (opcache decides)."""
+    memoized_with_deps(served)
+    elsewhere = served.tmp / "elsewhere"
+    elsewhere.mkdir()
+    (served.src / "deps").rename(served.tmp / "deps-was")
+    (served.src / "deps").symlink_to(elsewhere)
+    os.lchown(served.src / "deps", NOBODY, NOBODY)
+    before = served.fallbacks()
+
+    done = served.gcc(*DEPS)
+    assert done.returncode == 0, done.stderr
+    assert served.fallbacks() == before + 1
+    assert appended(served) == 0
 
 
 def test_a_worker_whose_quick_hit_cannot_put_an_output_leaves_the_call_to_opcache(served):
@@ -433,6 +522,24 @@ def test_a_worker_whose_quick_hit_cannot_put_an_output_leaves_the_call_to_opcach
     assert outputs_left(served.src, done.returncode) == (1, STALE, None)
     left_to_opcache(served, done, before)
     assert stats(served.env, "host")["hits"] == hits
+
+
+def test_a_rename_refused_after_another_output_was_renamed_is_left_to_opcache(served):
+    """k.o renamed into place, then the rename of deps/k.d refused (EPERM, as over
+    another user's file in a sticky folder): the client counts nothing and removes its
+    temporary file; opcache runs gcc, which writes both outputs (none is left from the
+    cache beside one that is not)."""
+    flag = served.tmp / "refuse"
+    served.env["LD_PRELOAD"] = str(refusing_rename(served.tmp, "k.d", flag))
+    memoized_with_deps(served)
+    flag.touch()
+    before = served.fallbacks()
+
+    done = served.gcc(*DEPS)
+    ran_instead(done, served.src, "Operation not permitted")
+    assert outputs_left(served.src, done.returncode) == compiled_alone(served.src, DEPS)
+    assert done.returncode == 0
+    left_to_opcache(served, done, before)
 
 
 def test_a_client_without_locale_variables_serves_its_memo_too(served):
@@ -628,17 +735,39 @@ def test_a_host_name_that_is_not_utf8_names_the_memo_as_the_client_does(tmp_path
 
 
 def test_an_error_after_the_count_to_a_closed_stderr_ends_with_1(served):
-    """The error line after the count meets a reader that left: 1, as the Python quick
-    hit's, not a death by SIGPIPE."""
-    (served.src / "deps").mkdir()
-    args = [*COMPILE, "-MD", "-MF", "deps/k.d"]
-    memoized(served, *args)
-    shutil.rmtree(served.src / "deps")
+    """Delivered and counted, the hit's stdout cannot be written (a full device), and
+    the error line meets a reader that left: 1, as the Python quick hit's, not a death
+    by SIGPIPE (nor a second count, nor opcache run)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    tools = served.tmp / "tools"
+    tools.mkdir()
+    chatty = tools / "gcc"  # (a compile that says something on stdout: replayed by a hit)
+    chatty.write_text(
+        f'#!/bin/sh\ncase " $* " in *" -c "*) echo compiled;; esac\nexec {GCC} "$@"\n'
+    )
+    chatty.chmod(0o755)
+    served.env["PATH"] = served.env["PATH"].replace(
+        f"{served.links}{os.pathsep}", f"{served.links}{os.pathsep}{tools}{os.pathsep}"
+    )
+    time.sleep(quickmemo.RACY_SECONDS + 0.3)  # (a compiler made just now: noted after)
+    made = memoized(served)
+    (served.src / "k.o").unlink()
     starts = served.starts.read_text()
-    done = served.gcc_unread(*args)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        with open("/dev/full", "wb") as full:
+            done = subprocess.run(
+                ["gcc", *COMPILE], env=served.env, cwd=served.src, stdout=full, stderr=write,
+                timeout=120,
+            )  # fmt: skip
+    finally:
+        os.close(write)
     assert done.returncode == 1
     assert served.starts.read_text() == starts
     assert appended(served) == 1
+    assert (served.src / "k.o").read_bytes() == made
 
 
 def test_a_client_built_with_ubsan_serves_empty_streams(served):

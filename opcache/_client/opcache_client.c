@@ -480,11 +480,12 @@ static int replay(const struct buf *r) {
  * (opcache/quickhit.py), one for this client (quickmemo.client_memo): the same
  * records, with each artifact's xxh64.  The next identical call checks it here
  * exactly as quickhit.Memo.serve checks its own, in the same order and with the
- * same rules; anything unknown, malformed or not as recorded: not served, and
- * the call goes to the server as before.  Once the hit is counted, an error
+ * same rules; anything unknown, malformed or not as recorded, or an output it
+ * cannot put in place: not served (nothing counted), and the call goes to the
+ * server as before.  Once the hit is delivered and counted, an error replaying
  * ends the run as the Python path's would: "opcache: error: ...", 1. */
 
-#define MEMO_FORMAT "opcache-client 4" /* quickhit.CLIENT_FORMAT */
+#define MEMO_FORMAT "opcache-client 5" /* quickhit.CLIENT_FORMAT */
 #define MEMO_FOLDER "quick"            /* quickhit.FOLDER */
 #define MAX_MEMO (1u << 20)            /* quickhit.MAX_MEMO */
 #define NO_SIZE "-1"                   /* quickhit.NO_SIZE: a folder not listed */
@@ -701,9 +702,14 @@ static int read_whole(int fd, size_t max, char **data, size_t *size) {
 }
 
 struct artifact {
-    char **at; /* its record's fields after the tag: target (or stream), name, size, xxh64 */
+    /* its record's fields after the tag: target (or stream), name, size, xxh64, and for
+     * an output the device and inode of its folder */
+    char **at;
     char *data;
     size_t len;
+    int folder;       /* an output's: its folder (open_place), or -1 */
+    const char *name; /* its name there */
+    char temp[64];    /* the new file made there (deliver) */
 };
 
 /* The artifact of a record, read from the entry: regular, the size and xxh64 recorded. */
@@ -762,75 +768,86 @@ static void stamp(int entry, const char *manifest, double every) {
         utimensat(entry, manifest, NULL, AT_SYMLINK_NOFOLLOW); /* (another's entry) */
 }
 
-static _Noreturn void fail(const char *path, const char *other) {
-    int error = errno;
-    if (path == NULL) fprintf(stderr, "opcache: error: %s\n", strerror(error));
-    else if (other == NULL) fprintf(stderr, "opcache: error: %s: %s\n", path, strerror(error));
-    else fprintf(stderr, "opcache: error: %s -> %s: %s\n", path, other, strerror(error));
+static _Noreturn void fail(void) {
+    fprintf(stderr, "opcache: error: %s\n", strerror(errno));
     exit(1);
 }
 
-/* quickhit.unreplaceable's: another user's file (``st``: its lstat), though the
+/* quickhit._unreplaceable_in's: another user's file (``st``: its lstat), though the
  * compiler may write into it, in a sticky folder (as /tmp) that is not ours either. */
-static int unreplaceable(const char *path, const struct stat *st) {
-    char folder[PATH_MAX];
-    const char *slash = strrchr(path, '/');
-    struct stat in;
+static int unreplaceable(const struct stat *folder, const struct stat *st) {
     if (st->st_uid == geteuid() || geteuid() == 0) return 0;
-    if (slash == NULL) snprintf(folder, sizeof folder, ".");
-    else if ((size_t)(slash - path) < sizeof folder)
-        snprintf(folder, sizeof folder, "%.*s", (int)(slash == path ? 1 : slash - path), path);
-    else return 1; /* (no room to look: the full path's) */
-    return stat(folder, &in) == 0 && (in.st_mode & S_ISVTX) && in.st_uid != geteuid();
+    return (folder->st_mode & S_ISVTX) && folder->st_uid != geteuid();
 }
 
-/* Each output as the full path writes it: a new file (0666 less the umask) renamed
- * over the target.  A Ctrl-C waits until none is half made. */
-static void write_outputs(struct artifact *outputs, size_t count_of) {
+/* quickhit._open_place's: the output's folder, reached as the compiler reaches it
+ * (links followed) and opened once (O_PATH: one this user may write in but not list
+ * too), if it is still the folder the full hit wrote into (its device and inode), and
+ * the target there missing or a regular file this user may rename over: 0, else -1
+ * (not served: the folder gone or moved, or the full path's work). */
+static int open_place(struct artifact *a) {
+    const char *target = a->at[0], *slash = strrchr(target, '/');
+    char folder[PATH_MAX], d[32], i[32];
+    struct stat in, st;
+    if (slash == NULL || (size_t)(slash - target) >= sizeof folder) return -1;
+    snprintf(folder, sizeof folder, "%.*s", (int)(slash == target ? 1 : slash - target), target);
+    a->name = slash + 1;
+    a->folder = open(folder, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (a->folder < 0 || fstat(a->folder, &in) != 0) return -1;
+    snprintf(d, sizeof d, "%llu", (unsigned long long)in.st_dev);
+    snprintf(i, sizeof i, "%llu", (unsigned long long)in.st_ino);
+    if (strcmp(d, a->at[4]) != 0 || strcmp(i, a->at[5]) != 0) return -1;
+    if (fstatat(a->folder, a->name, &st, AT_SYMLINK_NOFOLLOW) != 0) return errno == ENOENT ? 0 : -1;
+    return S_ISREG(st.st_mode) && !unreplaceable(&in, &st) ? 0 : -1;
+}
+
+/* quickhit._deliver's: each output as the full path writes it, a new file (0666 less
+ * the umask) in its folder renamed over the target; then the hit is counted.  Every
+ * output is written in full before any is renamed, so one that cannot be made (a
+ * folder not writable, a read-only file system, a full disk) replaces none.  Any
+ * error: every temporary file removed, nothing counted, -1 (not served: opcache
+ * then runs the command, which writes every output itself, those renamed already
+ * too).  A Ctrl-C waits until the outputs are in place and counted, or none is
+ * half made. */
+static int deliver(struct artifact *outputs, size_t count_of, char **counts) {
     sigset_t block, held;
     sigemptyset(&block);
     sigaddset(&block, SIGINT);
     sigprocmask(SIG_BLOCK, &block, &held);
-    for (size_t i = 0; i < count_of; i++) {
-        const char *target = outputs[i].at[0], *slash = strrchr(target, '/');
-        char temp[PATH_MAX + 64];
+    size_t made = 0, renamed = 0;
+    int ok = 1;
+    for (; ok && made < count_of; made++) {
+        struct artifact *a = &outputs[made];
         int fd = -1;
-        /* The name needs no secret (O_EXCL|O_NOFOLLOW make it safe), and nothing after
-         * the count may fail where the Python path would not (no getrandom: a seccomp
-         * list, an old kernel): pid, clock and a number, another on a name taken. */
+        /* The name needs no secret (O_EXCL|O_NOFOLLOW make it safe), and no getrandom
+         * (a seccomp list, an old kernel): pid, clock and a number, another on a name
+         * taken. */
         for (uint32_t tries = 0; fd < 0 && tries < 1000; tries++) {
             struct timespec now = {0};
             clock_gettime(CLOCK_MONOTONIC, &now);
-            snprintf(temp, sizeof temp, "%.*s/.opcache-wrap.%d.%08x", (int)(slash - target),
-                     target, (int)getpid(),
-                     (uint32_t)now.tv_nsec ^ (uint32_t)(i + tries * 0x9e3779b9u));
-            fd = open(temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+            snprintf(a->temp, sizeof a->temp, ".opcache-wrap.%d.%08x", (int)getpid(),
+                     (uint32_t)now.tv_nsec ^ (uint32_t)(made + tries * 0x9e3779b9u));
+            fd = openat(a->folder, a->temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                        0666);
             if (fd < 0 && errno != EEXIST) break;
         }
-        if (fd < 0) fail(temp, NULL);
-        const char *data = outputs[i].data;
-        size_t left = outputs[i].len;
-        while (left > 0) {
-            ssize_t n = write(fd, data, left);
-            if (n < 0 && errno == EINTR) continue;
-            if (n <= 0) {
-                int error = n < 0 ? errno : EIO;
-                close(fd);
-                unlink(temp);
-                errno = error;
-                fail(NULL, NULL);
-            }
-            data += n;
-            left -= (size_t)n;
+        if (fd < 0) {
+            ok = 0;
+            break;
         }
-        if (close(fd) != 0 || rename(temp, target) != 0) {
-            int error = errno;
-            unlink(temp); /* (none left in the user's folder) */
-            errno = error;
-            fail(temp, target);
-        }
+        ok = write_all(fd, a->data, a->len) == 0;
+        ok = close(fd) == 0 && ok; /* (NFS reports a full disk at close) */
     }
+    while (ok && renamed < count_of) {
+        struct artifact *a = &outputs[renamed];
+        ok = renameat(a->folder, a->temp, a->folder, a->name) == 0;
+        renamed += ok;
+    }
+    if (!ok)
+        for (size_t i = renamed; i < made; i++) unlinkat(outputs[i].folder, outputs[i].temp, 0);
+    if (ok) ok = count(counts) == 0;
     sigprocmask(SIG_SETMASK, &held, NULL);
+    return ok ? 0 : -1;
 }
 
 /* The memo's hit, served here (exits), if the memo holds; else returns (nothing done). */
@@ -874,7 +891,7 @@ static void serve_memo(const char *name) {
         const char *tag = f[at];
         size_t width = strcmp(tag, "c") == 0   ? 10
                        : strcmp(tag, "e") == 0 ? 6
-                       : strcmp(tag, "o") == 0 ? 5
+                       : strcmp(tag, "o") == 0 ? 7
                        : strcmp(tag, "s") == 0 ? 5
                        : strcmp(tag, "n") == 0 ? 7
                                                 : 0;
@@ -901,6 +918,7 @@ static void serve_memo(const char *name) {
     char *stop;
     double every = entry != NULL ? strtod(entry[4], &stop) : 0;
     if (no == 0 || entry == NULL || counts == NULL || *entry[4] == '\0' || *stop != '\0') return;
+    for (size_t i = 0; i < no; i++) outputs[i].folder = -1; /* (none open yet) */
     /* Everything that can be checked first, as quickhit.Memo.serve. */
     for (size_t i = 0; i < nc; i++)
         if (!same_identity(checks[i][0], checks[i][1][0] == '1', checks[i] + 2)) return;
@@ -912,15 +930,15 @@ static void serve_memo(const char *name) {
         if (read_artifact(folder_fd, &streams[i]) != 0 ||
             memmem(streams[i].data, streams[i].len, "\x1b[", 2) != NULL)
             goto miss; /* (colour taken out where it cannot show: the full path's work) */
-    /* Not a regular file, or one this user may not rename over: the full path's work. */
+    /* Each output's folder, still the one the full hit wrote into; each target missing
+     * or a regular file this user may rename over (else the full path's work). */
     for (size_t i = 0; i < no; i++)
-        if (lstat(outputs[i].at[0], &st) == 0
-                ? !S_ISREG(st.st_mode) || unreplaceable(outputs[i].at[0], &st)
-                : errno != ENOENT)
-            goto miss;
-    if (count(counts) != 0) goto miss;
-    /* Counted: from here on the run ends here, whatever fails (the full path's status).
-     * A reader that left (of the streams, or of an error line): 1, as the Python path's. */
+        if (open_place(&outputs[i]) != 0) goto miss;
+    /* Put in place, then counted: not served (nothing counted) if any cannot be. */
+    if (deliver(outputs, no, counts) != 0) goto miss;
+    /* Delivered and counted: from here on the run ends here, whatever fails (the full
+     * path's status).  A reader that left (of the streams, or of an error line): 1, as
+     * the Python path's. */
     signal(SIGPIPE, SIG_IGN);
     stamp(folder_fd, entry[3], every);
     /* A memo served here is never rewritten by a server: renewed a day at a time, it is
@@ -929,7 +947,6 @@ static void serve_memo(const char *name) {
         (size_t)snprintf(path + strlen(path), sizeof path - strlen(path), "/%s/%s",
                          MEMO_FOLDER, name) < sizeof path - strlen(path))
         utimensat(AT_FDCWD, path, NULL, AT_SYMLINK_NOFOLLOW);
-    write_outputs(outputs, no);
     for (int stream = 1; stream <= 2; stream++) {
         for (size_t i = 0; i < ns; i++) {
             const char *data = streams[i].data;
@@ -939,7 +956,7 @@ static void serve_memo(const char *name) {
                 ssize_t w = write(stream, data, left);
                 if (w < 0 && errno == EINTR) continue;
                 if (w < 0 && errno == EPIPE) exit(1);
-                if (w <= 0) fail(NULL, NULL);
+                if (w <= 0) fail();
                 data += w;
                 left -= (size_t)w;
             }
@@ -947,6 +964,8 @@ static void serve_memo(const char *name) {
     }
     exit(0);
 miss:
+    for (size_t i = 0; i < no; i++)
+        if (outputs[i].folder >= 0) close(outputs[i].folder);
     close(folder_fd);
 }
 
