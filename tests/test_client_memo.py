@@ -28,6 +28,7 @@ from helpers_wrap import (
     assembler_in_its_prefix,
     bound_by_modes,
     compiled_alone,
+    compiled_script,
     fill,
     opcache,
     outputs_left,
@@ -235,9 +236,7 @@ def test_what_changed_since_the_memo_is_never_served_by_the_client(served, case)
     elif case == "header_made_earlier_on_the_include_path":
         (served.src / "A" / "h.h").write_text("#define FACTOR 7\n")
     elif case == "compiler_earlier_on_path":
-        other = served.tmp / "extra" / "gcc"
-        other.write_text(f'#!/bin/sh\nexec {GCC} -DFACTOR_TWICE "$@"\n')
-        other.chmod(0o755)
+        compiled_script(served.tmp / "extra" / "gcc", f'exec {GCC} -DFACTOR_TWICE "$@"\n')
     elif case == "keyed_variable_changed":
         env["CPATH"] = str(served.tmp)
     elif case == "cleared":
@@ -742,11 +741,9 @@ def test_an_error_after_the_count_to_a_closed_stderr_ends_with_1(served):
         pytest.skip("needs /dev/full")
     tools = served.tmp / "tools"
     tools.mkdir()
-    chatty = tools / "gcc"  # (a compile that says something on stdout: replayed by a hit)
-    chatty.write_text(
-        f'#!/bin/sh\ncase " $* " in *" -c "*) echo compiled;; esac\nexec {GCC} "$@"\n'
+    compiled_script(  # (a compile that says something on stdout: replayed by a hit)
+        tools / "gcc", f'case " $* " in *" -c "*) echo compiled;; esac\nexec {GCC} "$@"\n'
     )
-    chatty.chmod(0o755)
     served.env["PATH"] = served.env["PATH"].replace(
         f"{served.links}{os.pathsep}", f"{served.links}{os.pathsep}{tools}{os.pathsep}"
     )
