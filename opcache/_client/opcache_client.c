@@ -969,6 +969,34 @@ miss:
     close(folder_fd);
 }
 
+/* A Ctrl-C (or SIGTERM, SIGHUP, SIGQUIT) while a worker serves the call: the client
+ * tells it (its end of the connection shut for writing: the worker renames nothing
+ * more) and ends by that signal only once the worker has let the call go (its end
+ * closed), so no output of the call lands after the shell has the status.  A second
+ * one ends it at once. */
+static volatile sig_atomic_t ended_by;
+static int call_sock = -1;
+static const int LET_GO[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+
+static void let_go(int sig) {
+    if (ended_by) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    ended_by = sig;
+    shutdown(call_sock, SHUT_WR);
+}
+
+static void end_as_asked(int sock, int pidfd) {
+    if (!ended_by) return;
+    struct buf rest = {0};
+    read_reply(sock, &rest, pidfd); /* (to the worker's end; one silent is killed) */
+    signal(ended_by, SIG_DFL);
+    raise(ended_by);
+    _exit(128 + ended_by);
+}
+
 #ifdef OPCACHE_TEST
 /* tests/test_client_memo.py's: `xxh64 SEED OFFSET` hashes stdin placed OFFSET bytes
  * into a buffer; `name WORDS...` prints the memo name of that command line here;
@@ -1019,10 +1047,18 @@ int main(int argc, char **argv) {
     struct buf reply = {0};
     pid_t worker = taken(sock);
     int pidfd = hold_worker(worker, server);
+    if (worker > 0) {
+        call_sock = sock;
+        struct sigaction sa = {.sa_handler = let_go}; /* (no SA_RESTART: a wait sees EINTR) */
+        sigemptyset(&sa.sa_mask);
+        for (size_t i = 0; i < sizeof LET_GO / sizeof *LET_GO; i++) sigaction(LET_GO[i], &sa, NULL);
+    }
     if (worker > 0 && send_request(sock, line, cwd, wants_memo) == 0 && read_reply(sock, &reply, pidfd) == 0) {
+        end_as_asked(sock, pidfd);
         int status = replay(&reply);
         if (status >= 0) return status;
     }
+    end_as_asked(sock, pidfd);
     run_opcache(line);
 }
 #endif
