@@ -20,6 +20,19 @@ one it read (or moved) and then changed, or a folder whose names changed after
 the compile listed them (other than by the compile), leaves the compile
 unstored: what it saw is gone.
 
+Links the compile makes itself are followed (``_links``): a path reached
+through one, symbolic or hard, file or folder, is recorded as the path the link
+led to when the call was made (a staged ``kernel_meta/k.cpp -> src/k.cpp`` puts
+``src/k.cpp`` in the set, whether the link is still there or not), and a link
+renamed (``ln -sf``'s) or in a folder renamed is followed where it went.  A file
+it hard-linked counts as read; its ctime is then the link's, so the compile
+is stored only if such a link is still there when it ends and the same file
+(``_check_linked``).  Where what a link led to cannot be known (a hard link to a
+file the compile had changed, to a symlink, or one it removed; a hard link to a
+descriptor's file then read; a link swapped by ``RENAME_EXCHANGE``), the
+compile is unprovable.  What ``strace -y`` named each descriptor opened to read
+is checked against where its path leads at the end.
+
 ``ReadSet.digest`` covers the paths and contents, not the times: it joins a
 cache key.  ``ReadSet.unchanged()`` checks the set against the machine: one
 ``lstat`` per path, and a file's digest only when its stat moved.  A set can
@@ -84,9 +97,18 @@ _CHANGES = dict.fromkeys((
     "lchown", "chown", "fchownat", "utime", "utimes", "utimensat", "futimesat", "mknod",
     "mknodat", "setxattr", "lsetxattr", "removexattr", "lremovexattr",
 ), 1)  # fmt: skip
-_CHANGES |= dict.fromkeys(("rename", "renameat", "renameat2", "link", "linkat"), 2)
+_CHANGES |= dict.fromkeys(("rename", "renameat", "renameat2"), 2)
 _SYMLINKS = frozenset(("symlink", "symlinkat"))  # the second path is the one made
+_HARD_LINKS = frozenset(("link", "linkat"))  # (the source is read, the second path made)
+_REMOVES = frozenset(("unlink", "unlinkat", "rmdir"))
 _MAKES = frozenset(("mkdir", "mkdirat", "mknod", "mknodat"))  # (only where nothing is)
+# Calls on a name, whose last part is not followed if a link: the link itself is
+# made, removed or moved; and calls that look at a symlink itself.
+_NAMES = _MAKES | _REMOVES | _SYMLINKS | {"rename", "renameat", "renameat2"}
+_NOFOLLOW = frozenset((
+    "lstat", "lstat64", "readlink", "readlinkat", "lchown", "lgetxattr", "llistxattr",
+    "lsetxattr", "lremovexattr",
+))  # fmt: skip
 _RETIMES = frozenset(("utime", "utimes", "utimensat", "futimesat", "truncate"))
 _WRITE_FLAGS = r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC"
 _MISSING = ("ENOENT", "ENOTDIR")
@@ -322,7 +344,12 @@ def record(
     gone), or a relative path cannot be placed (a process moved before the
     trace noted its folder).
     """
-    trace = _parse(trace_dir)
+    from ._links import LinkUnknown
+
+    try:
+        trace = _parse(trace_dir)
+    except LinkUnknown as e:
+        raise Unprovable(str(e)) from None
     if not trace.looked and not trace.changed:
         raise Unprovable("strace recorded nothing (it may not be allowed to trace here)")
     skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
@@ -335,25 +362,34 @@ def record(
         norm = os.path.normpath(path)
         if through_proc.match(norm):
             raise Unprovable(f"{path}: a file reached through /proc is not known by its name")
-        if norm.startswith(made_dirs) or _skipped(norm, skip, kept):
+        if _skipped(norm, skip, kept):
+            continue
+        if norm in trace.blind:
+            raise Unprovable(f"{path}: read through a hard link to a file with no name")
+        if norm.startswith(made_dirs):
             continue
         if _bytecode(norm) and (norm in trace.changed or norm.endswith("__pycache__")):
             continue  # (a .pyc Python only read may be one it used though stale: kept)
         as_it_was = _kept_as_it_was(norm, trace, started_ns)
+        linked = norm in trace.linked
         if norm in trace.changed and not as_it_was:
+            if linked and trace.changed[norm] <= trace.linked[norm]:
+                raise Unprovable(
+                    f"{path}: the compile linked a file it had changed (what the link held"
+                    " is not known)"
+                )
             found = _as_found(path, norm, trace)
             if found is not None:
                 items.append(found)
             continue
-        opened = trace.opened.get(norm)
-        if opened and opened - {os.path.realpath(norm), _real_folder(norm) + "\0"}:
-            # A link on the way moved while it ran, or ".." after a link led elsewhere
-            # than the name says: what it read is not what the name holds now.
-            raise Unprovable(f"{path} led to another file when the compile opened it")
+        _led_where_named(path, norm, trace)
+        if linked:
+            _check_linked(path, norm, trace)
         for item in _facts_with_link(path, listed=norm in trace.listed):
             # (a file kept as it was by its contents: its mode, owner and so its ctime
-            # may be the compile's, as CANN's lock files are chmodded when opened)
-            when = item[4] if as_it_was else max(item[4], item[5])
+            # may be the compile's, as CANN's lock files are chmodded when opened; one
+            # the compile hard-linked has the ctime of its link, checked above)
+            when = item[4] if as_it_was or linked else max(item[4], item[5])
             if item[1] == "file" and when >= started_ns - fsutil.CLOCK_LAG_NS:
                 raise Unprovable(f"{path} changed while the compile ran")
             if item[1] == "missing" and norm in trace.first_read:
@@ -366,6 +402,55 @@ def record(
                     _check_listings(real, trace.listings[real], own_names.get(real, set()))
             items.append(item)
     return ReadSet(items)
+
+
+def _led_where_named(path: str, norm: str, trace: _Trace) -> None:
+    """Unprovable when a file the compile opened at ``path`` was not the one the path
+    leads to now, as ``strace -y`` named the descriptor: a link on the way moved while
+    it ran, or ``..`` after a link led elsewhere than the name says."""
+    opened = trace.opened.get(norm)
+    if opened and opened - {os.path.realpath(norm), _real_folder(norm) + "\0"}:
+        raise Unprovable(f"{path} led to another file when the compile opened it")
+
+
+def _check_linked(path: str, norm: str, trace: _Trace) -> None:
+    """Unprovable unless ``path``, a file the compile hard-linked, is provably the file
+    it linked, unchanged since.
+
+    Its ctime is the compile's (each link made, moved or removed moves it), so it
+    cannot tell a change by another process while the compile ran, as it does for
+    any other file; its mtime can be set back (``cp -p`` onto it).  What does: one
+    of those links still there at the end and the same file (no file renamed over
+    the name, no link on its way re-pointed), and its ctime no later than the
+    compile's last link, move or unlink of it (a write since moved it).  A link the
+    compile removed leaves nothing to tell a change between its link and its
+    unlink: unprovable, as is a hard link to a symlink (not followed: one more
+    symlink, whose text is read from its own folder).
+    """
+    links = trace.links.hard.get(norm, [])
+    try:
+        st = os.lstat(norm)
+        if stat.S_ISLNK(st.st_mode):
+            if not all(link.follow for link in links):
+                raise Unprovable(f"{path}: the compile hard-linked a symlink")
+            st = os.stat(norm)
+    except OSError:
+        return  # (its item says so: read and gone)
+    last = max(max(link.start, link.end or 0) for link in links) if links else 0
+    if st.st_ctime_ns > last * 1000 + fsutil.CLOCK_LAG_NS:
+        raise Unprovable(f"{path} changed while the compile ran")
+    for link in links:
+        if link.end is None:
+            try:
+                there = os.lstat(link.name)
+            except OSError:
+                continue
+            if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):
+                return
+    raise Unprovable(
+        f"{path}: the compile read it through a hard link it removed (or that is another"
+        " file now): what the link held cannot be checked"
+    )
 
 
 def _as_found(path: str, norm: str, trace: _Trace) -> list | None:
@@ -536,6 +621,14 @@ class _Trace:
         # What each path opened to read named when it was opened, as the kernel found
         # it (strace -y); a link's own, with O_NOFOLLOW, marked with a NUL.
         self.opened: dict[str, set[str]] = {}
+        # The links the compile made (paths are followed through them), the files it
+        # hard-linked (when first), the paths it reached through a hard link to a file
+        # with no name (an O_TMPFILE's), whose contents cannot be checked.
+        from ._links import Links  # (a miss's only: a hit does not load it)
+
+        self.links = Links()
+        self.linked: dict[str, int] = {}
+        self.blind: set[str] = set()
 
     def read_then_changed(self, path: str) -> bool:
         """Whether the compile read ``path`` and then changed it (a path it changed)."""
@@ -569,7 +662,17 @@ class _Trace:
 
 
 def _parse(trace_dir: str) -> _Trace:
-    """What every process of the compile looked at, listed, read and changed."""
+    """What every process of the compile looked at, listed, read and changed.
+
+    Each process's calls are placed first (in its folder as each call found it),
+    then all of them are taken in the order of their times, so that a path is
+    followed through the links the compile had made by then (``_links``),
+    whichever of its processes made them.
+    """
+    import heapq
+
+    from ._links import Link
+
     trace = _Trace()
     patterns = (_CALL, _PATH_ARG, _FD_ARG, _CWD_NOTE, _WRITE_FLAGS, _DIRENT_NAME)
     call_re, path_re, fd_re, cwd_re, write_re, dirent_re = map(re.compile, patterns)
@@ -577,94 +680,184 @@ def _parse(trace_dir: str) -> _Trace:
         names = [n for n in os.listdir(trace_dir) if n.startswith(TRACE_PREFIX + ".")]
     except OSError:
         names = []
-    for name in names:
+    processes = []
+    for number, name in enumerate(names):
         try:
             with open(os.path.join(trace_dir, name), "rb") as f:
                 lines = f.read().decode("ascii", "replace").splitlines()
         except OSError:
             continue
         calls = [match.groups() for match in map(call_re.match, lines) if match]
-        # A process's folder: known from each AT_FDCWD<...>; chdir moves it.  Its calls
-        # before the first note ran where it started (its parent's folder at the fork).
-        here = _start_folder(calls, cwd_re)
-        reading: dict[str, set[str]] = {}  # this process's listings under way, by folder
-        for seconds, micros, call, args, result, opened, error in calls:
-            when = int(seconds) * 1_000_000 + int(micros) if seconds else 0
-            ok = result not in ("-1", "?")
-            if call in ("getdents", "getdents64"):
-                fd = fd_re.match(args)
-                if fd and ok:
-                    folder = os.path.normpath(_unhex(fd.group(1)))
-                    found = reading.setdefault(folder, set())
-                    found.update(map(_unhex, dirent_re.findall(args)))
-                    if result == "0":  # (its end)
-                        trace.listings.setdefault(folder, []).append((True, reading.pop(folder)))
-                continue
-            cwd_note = cwd_re.search(args)
-            if cwd_note:
-                here = _unhex(cwd_note.group(1))
-            paths = [_place(here, folder, text) for folder, text in path_re.findall(args) if text]
-            if call in ("chdir", "fchdir") and ok:
-                fd = fd_re.match(args)
-                if call == "fchdir" and fd:
-                    here = _unhex(fd.group(1))
-                elif paths:
-                    here = paths[0]
-                continue
-            paths = [os.path.normpath(p) for p in paths]
-            found = ok or error not in _MISSING
-            done: list[str] = []
-            if call in _SYMLINKS and ok:
-                done = paths[1:2]
-            elif call in _CHANGES and ok:
-                done = paths[: _CHANGES[call]]
-                if paths and call not in ("creat", "link", "linkat"):
-                    # Its success says what was there: nothing for mkdir and mknod,
-                    # something for the rest (a remove, a rename, a chmod).
-                    trace.look(paths[0], when, call not in _MAKES)
-                if call in ("mkdir", "mkdirat"):
-                    trace.made.update(paths[:1])
-                elif call in ("rename", "renameat", "renameat2"):
-                    trace.moved.update(paths[:1])
-                elif call in _RETIMES:
-                    trace.retimed.update(paths[:1])
-            elif call in _CHANGES or call in _SYMLINKS:
-                if paths:  # (failed: what it found there decided that)
-                    trace.look(paths[0], when, found)
-            elif call in _LOOKS and paths:
-                if ok and call.startswith("open") and write_re.search(args):
-                    done = paths[:1]
-                    if "O_RDWR" in args and "O_TRUNC" not in args and "O_EXCL" not in args:
-                        trace.looked.add(paths[0])  # (read too, if it was there)
-                        trace.updated.add(paths[0])
-                        if "O_APPEND" in args:
-                            trace.appended.add(paths[0])
-                        if "O_CREAT" not in args:  # (with it, it may have made it)
-                            trace.look(paths[0], when, True)
-                else:
-                    trace.look(paths[0], when, found)
-                    if ok and call.startswith("open"):
-                        first = trace.first_read.get(paths[0], when)
-                        trace.first_read[paths[0]] = min(first, when)
-                        if opened:
-                            real = os.path.normpath(_unhex(opened))
-                            if "O_NOFOLLOW" in args:  # (the descriptor is a link's own)
-                                real += "\0"
-                            trace.opened.setdefault(paths[0], set()).add(real)
-                        # A folder opened to read is listed, O_DIRECTORY or not
-                        # (os.fwalk's opens): its names are taken when it is one.
-                        if "O_PATH" not in args:
-                            trace.listed.add(paths[0])
-                    if ok and call in ("execve", "execveat"):
-                        # The kernel runs a script's #! interpreter with no call of its own.
-                        for interpreter in _interpreters(paths[0]):
-                            trace.look(interpreter, when, True)
-                            trace.first_read.setdefault(interpreter, when)
-            for path in done:
-                trace.change(path, when)
-        for folder, found in reading.items():  # (stopped before the end: a part of it)
+        processes.append(list(_placed(calls, number, path_re, fd_re, cwd_re)))
+    links = trace.links
+    # Each process's listings under way, by folder.
+    reading: dict[int, dict[str, set[str]]] = {}
+    for when, number, _, call, args, result, opened, error, placed, target in heapq.merge(
+        *processes
+    ):
+        ok = result not in ("-1", "?")
+        if call in ("getdents", "getdents64"):
+            fd = fd_re.match(args)
+            if fd and ok:
+                folder = os.path.normpath(_unhex(fd.group(1)))
+                found = reading.setdefault(number, {}).setdefault(folder, set())
+                found.update(map(_unhex, dirent_re.findall(args)))
+                if result == "0":  # (its end)
+                    whole = reading[number].pop(folder)
+                    trace.listings.setdefault(folder, []).append((True, whole))
+            continue
+        # Each path as the kernel took it: through the links the compile made (a hard
+        # link stands for the file it links), its last part followed or not by the call.
+        resolved = [
+            links.resolve(p, f) if p else ("", "")
+            for p, f in zip(placed, _finals(call, args), strict=False)
+        ]
+        paths = [path for path, _ in resolved]
+        kinds = [kind for _, kind in resolved]
+        trace.blind.update(p for p, kind in resolved if kind == "blind")
+        found = ok or error not in _MISSING
+        done: list[str] = []
+        if call in _SYMLINKS:
+            if ok and paths:
+                done = paths[:1]
+                links.add(Link(paths[0], when, target=target))
+            elif paths:  # (failed: what it found at the new name decided that)
+                trace.look(paths[0], when, found)
+        elif call in _HARD_LINKS:
+            if ok and paths:
+                done = paths[-1:]
+                _hard_link(trace, when, args, paths, kinds)
+            for path in [p for p in paths if p] if not ok else ():
+                trace.look(path, when, found)
+        elif call in _CHANGES and ok:
+            done = paths[: _CHANGES[call]]
+            if paths and call != "creat":
+                # Its success says what was there: nothing for mkdir and mknod,
+                # something for the rest (a remove, a rename, a chmod).
+                trace.look(paths[0], when, call not in _MAKES)
+            if call in ("mkdir", "mkdirat"):
+                trace.made.update(paths[:1])
+            elif call in ("rename", "renameat", "renameat2"):
+                trace.moved.update(paths[:1])
+                if len(paths) == 2:
+                    links.renamed(paths[0], paths[1], when, "RENAME_EXCHANGE" in args)
+            elif call in _RETIMES:
+                trace.retimed.update(paths[:1])
+            elif call in _REMOVES:
+                links.remove(paths[0], when)
+        elif call in _CHANGES:
+            if paths:  # (failed: what it found there decided that)
+                trace.look(paths[0], when, found)
+        elif call in _LOOKS and paths:
+            if ok and call.startswith("open") and write_re.search(args):
+                done = paths[:1]
+                if "O_RDWR" in args and "O_TRUNC" not in args and "O_EXCL" not in args:
+                    trace.looked.add(paths[0])  # (read too, if it was there)
+                    trace.updated.add(paths[0])
+                    if "O_APPEND" in args:
+                        trace.appended.add(paths[0])
+                    if "O_CREAT" not in args:  # (with it, it may have made it)
+                        trace.look(paths[0], when, True)
+            else:
+                trace.look(paths[0], when, found)
+                if ok and call.startswith("open"):
+                    first = trace.first_read.get(paths[0], when)
+                    trace.first_read[paths[0]] = min(first, when)
+                    # (through a hard link, the descriptor is named by the link: its
+                    # file is made sure of otherwise, _check_linked)
+                    if opened and kinds[0] not in ("hard", "blind"):
+                        real = os.path.normpath(_unhex(opened))
+                        if "O_NOFOLLOW" in args:  # (the descriptor is a link's own)
+                            real += "\0"
+                        trace.opened.setdefault(paths[0], set()).add(real)
+                    # A folder opened to read is listed, O_DIRECTORY or not
+                    # (os.fwalk's opens): its names are taken when it is one.
+                    if "O_PATH" not in args:
+                        trace.listed.add(paths[0])
+                if ok and call in ("execve", "execveat"):
+                    # The kernel runs a script's #! interpreter with no call of its own.
+                    for interpreter in _interpreters(paths[0]):
+                        trace.look(interpreter, when, True)
+                        trace.first_read.setdefault(interpreter, when)
+        for path in done:
+            trace.change(path, when)
+    for under_way in reading.values():  # (stopped before the end: a part of it)
+        for folder, found in under_way.items():
             trace.listings.setdefault(folder, []).append((False, found))
     return trace
+
+
+def _placed(
+    calls: list[tuple], number: int, path_re: re.Pattern, fd_re: re.Pattern, cwd_re: re.Pattern
+):
+    """A process's calls as ``(when (µs), number, index, call, args, result, opened,
+    error, paths, target)``: each path placed in the folder the call was made in
+    (``..`` and links as named), a symlink's target apart (its text, no path)."""
+    # A process's folder: known from each AT_FDCWD<...>; chdir moves it.  Its calls
+    # before the first note ran where it started (its parent's folder at the fork).
+    here = _start_folder(calls, cwd_re)
+    for index, (seconds, micros, call, args, result, opened, error) in enumerate(calls):
+        when = int(seconds) * 1_000_000 + int(micros) if seconds else 0
+        if call in ("getdents", "getdents64"):
+            yield (when, number, index, call, args, result, opened, error, [], "")
+            continue
+        cwd_note = cwd_re.search(args)
+        if cwd_note:
+            here = _unhex(cwd_note.group(1))
+        named = path_re.findall(args)
+        target = ""
+        if call in _SYMLINKS and named:
+            target = _unhex(named.pop(0)[1])
+        if call in _HARD_LINKS and named and not named[0][1]:
+            named[0] = ("", "")  # (AT_EMPTY_PATH: a descriptor's file, kept as "")
+        paths = [_place(here, folder, text) if text else "" for folder, text in named]
+        paths = [p for p in paths if p or call in _HARD_LINKS]
+        if call in ("chdir", "fchdir") and result not in ("-1", "?"):
+            fd = fd_re.match(args)
+            if call == "fchdir" and fd:
+                here = _unhex(fd.group(1))
+            elif paths:
+                here = paths[0]
+            continue
+        yield (when, number, index, call, args, result, opened, error, paths, target)
+
+
+def _finals(call: str, args: str) -> list[str]:
+    """Whether each path of a call follows its last part if that is a link: ``follow``
+    (``open``, ``stat``), ``nofollow`` (``lstat``: a symlink's own, a hard link's
+    file), ``name`` (``unlink``, ``rename``, a new link's name: the name itself)."""
+    if call in _HARD_LINKS:
+        return ["follow" if "AT_SYMLINK_FOLLOW" in args else "nofollow", "name"]
+    if call in _NAMES:
+        return ["name", "name"]
+    if call in _NOFOLLOW or "NOFOLLOW" in args or ("O_CREAT" in args and "O_EXCL" in args):
+        return ["nofollow"]  # (AT_SYMLINK_NOFOLLOW, O_NOFOLLOW; strings are all \xNN)
+    return ["follow"]
+
+
+def _hard_link(trace: _Trace, when: int, args: str, paths: list[str], kinds: list[str]) -> None:
+    """A hard link the compile made (``paths``: its source, its new name): the new name
+    stands for the source, which the compile read by linking it (the link's bytes
+    are the source's, whatever reads them later)."""
+    from ._links import Link
+
+    name, links = paths[-1], trace.links
+    source = paths[0] if len(paths) == 2 and "AT_EMPTY_PATH" not in args else ""
+    system = _folder(source).startswith(tuple(map(_folder, SYSTEM_FOLDERS)))
+    if system and not _folder(source).startswith(tuple(map(_folder, USER_FOLDERS))):
+        source = ""
+    if not source or kinds[0] == "blind":
+        # A descriptor's file (O_TMPFILE's, /proc/self/fd/N, /dev/stdin): no name to check.
+        links.add(Link(name, when, unknown=f"a hard link to a descriptor's file ({name})"))
+        return
+    made = links.at(source)
+    if made is not None and made.target is not None:  # (a link to a symlink: a copy of it)
+        links.add(Link(name, when, target=made.target))
+        return
+    links.add(Link(name, when, source=source, follow="AT_SYMLINK_FOLLOW" in args))
+    trace.look(source, when, True)
+    trace.first_read[source] = min(trace.first_read.get(source, when), when)
+    trace.linked[source] = min(trace.linked.get(source, when), when)
 
 
 def _real_folder(path: str) -> str:

@@ -549,6 +549,7 @@ def test_an_opc_hit_imports_nothing_it_does_not_need(tmp_path):
     heavy = {
         "argparse", "configparser", "dataclasses", "filelock", "glob", "inspect", "logging",
         "multiprocessing", "shutil", "subprocess", "tempfile", "typing", "opcache.explain",
+        "opcache._links",
     }  # fmt: skip
     assert heavy.isdisjoint(modules), heavy.intersection(modules)
 
@@ -1311,3 +1312,297 @@ def test_a_compile_read_in_these_ways_is_stored_and_hits(tmp_path, case):
     for n in (1, 2):
         assert compile_into(env, root, f"out{n}") == fresh(env, root, "opc", ARGS)
     assert (stats(env, SOC)["misses"], stats(env, SOC)["hits"]) == (1, 1)
+
+
+# -- a compile that reads its kernel through a link it made itself ------------------------
+
+# asc_opc as the review's stand-in: the kernel source staged in ./kernel_meta_<main_func>
+# by a link the compile makes (STAGE), then read there.  STAGE_FOLDER: "made", the compile
+# makes that folder and removes it before it ends; "existing", it is there already and
+# the links are left in it; "existing, cleaned", there already and the links removed.
+STAGED_OPC = r"""
+import os, shutil, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+how, src = os.environ["STAGE"], os.environ["BUILD_KERNEL_SRC"]
+scratch = "kernel_meta_" + flags["main_func"]
+os.makedirs(scratch, exist_ok=True)
+staged = os.path.join(scratch, "k.cpp")
+for name in ("k.cpp", "inc", "a", "b"):
+    if os.path.lexists(os.path.join(scratch, name)):
+        os.remove(os.path.join(scratch, name))
+if how == "symlink":
+    os.symlink(src, staged)
+elif how == "relative symlink":
+    os.symlink(os.path.relpath(src, scratch), staged)
+elif how == "hard link":
+    os.link(src, staged)
+elif how == "folder symlink":  # (the kernel's folder linked, the file read through it)
+    os.symlink(os.path.dirname(src), os.path.join(scratch, "inc"))
+    staged = os.path.join(scratch, "inc", os.path.basename(src))
+elif how == "chain":  # k.cpp -> a -> b -> the source (relative, absolute, hard)
+    os.link(src, os.path.join(scratch, "b"))
+    os.symlink(os.path.abspath(os.path.join(scratch, "b")), os.path.join(scratch, "a"))
+    os.symlink("a", staged)
+with open(staged) as f:
+    data = f.read()
+if os.environ["STAGE_FOLDER"] == "made":
+    shutil.rmtree(scratch)
+elif os.environ["STAGE_FOLDER"] == "existing, cleaned":
+    for name in os.listdir(scratch):
+        os.remove(os.path.join(scratch, name))
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "w") as f:
+    f.write("OBJ:" + data)
+"""
+
+STAGES = ["symlink", "relative symlink", "hard link", "folder symlink", "chain"]
+
+
+@needs_strace
+@pytest.mark.parametrize("folder", ["made", "existing", "existing, cleaned"])
+@pytest.mark.parametrize("how", STAGES)
+def test_a_kernel_read_through_a_link_the_compile_made_edited_is_a_miss(tmp_path, how, folder):
+    """The review's reproduction: the staged kernel's source was in no read set (the
+    link's source taken for a file the compile changed, its target never looked up,
+    the staged name dropped as the compile's own): a hit with the old object.  Each
+    compile is stored and hits until the edit (links left in a folder that was there:
+    the first compile found no link there, the second finds one, so it misses once);
+    but one that read the kernel through a hard link it removed is not stored (what
+    the link held cannot be checked: the kernel's ctime is the link's)."""
+    env, root = project(tmp_path, "asc_opc")
+    write_tool(tmp_path / "bin", "asc_opc", STAGED_OPC)
+    env.update(STAGE=how, STAGE_FOLDER=folder)
+    if folder != "made":
+        (root / "kernel_meta_add_custom").mkdir()  # (another compile's, kept)
+    kernel = root / "kernel" / "k.cpp"
+    kernel.write_text("int k = 1;\n")
+    first = compile_into(env, root, "out1", "asc_opc", ASC_ARGS)
+    assert first == b"OBJ:int k = 1;\n"
+    assert compile_into(env, root, "out2", "asc_opc", ASC_ARGS) == first
+    left = 1 if folder == "existing" else 0  # (the one more miss)
+    stored = left or how not in ("hard link", "chain")
+    if left:
+        assert compile_into(env, root, "out2b", "asc_opc", ASC_ARGS) == first
+    chip = stats(env, SOC)
+    assert (chip["misses"], chip["hits"]) == ((1 + left, 1) if stored else (0, 0)), chip
+    time.sleep(0.02)
+    kernel.write_text("int k = 2;\n")  # (in place: a hard link left staged holds it too)
+    assert compile_into(env, root, "out3", "asc_opc", ASC_ARGS) == b"OBJ:int k = 2;\n"
+    assert fresh(env, root, "asc_opc", ASC_ARGS) == b"OBJ:int k = 2;\n"
+    assert compile_into(env, root, "out4", "asc_opc", ASC_ARGS) == b"OBJ:int k = 2;\n"
+    chip = stats(env, SOC)  # (each edit a miss, stored, and a hit after it)
+    assert (chip["misses"], chip["hits"]) == ((2 + left, 2) if stored else (0, 0)), chip
+    if not stored:
+        reasons = chip["uncacheable_reasons"]
+        assert any("through a hard link it removed" in r for r in reasons), reasons
+
+
+# Other ways a compile reads through links it made (LINK_CASE), in ./kernel_meta, there
+# already; each link removed before it ends.
+LINK_CASES_OPC = r"""
+import os, shutil, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+case, src = os.environ["LINK_CASE"], os.environ["BUILD_KERNEL_SRC"]
+kernel = os.path.dirname(src)
+scratch = os.path.abspath("kernel_meta")
+staged = os.path.join(scratch, "k.cpp")
+data = b""
+if case == "re-pointed":  # one name, two links in turn
+    for target in (src, os.path.join(kernel, "common.h")):
+        os.symlink(target, staged)
+        data += open(staged, "rb").read()
+        os.remove(staged)
+elif case == "dotdot":  # the kernel's folder linked, then .. from it: its parent
+    os.symlink(kernel, os.path.join(scratch, "inc"))
+    data = open(os.path.join(scratch, "inc", "..", "opp", "tiling.txt"), "rb").read()
+elif case == "optional header":  # looked for through the link, not there
+    os.symlink(kernel, os.path.join(scratch, "inc"))
+    extra = os.path.join(scratch, "inc", "extra.h")
+    data = open(extra, "rb").read() if os.path.exists(extra) else b"no extra"
+elif case == "written then linked":  # a hard link to a file the compile wrote
+    gen = os.path.join(scratch, "gen.cpp")
+    with open(gen, "wb") as f:
+        f.write(open(src, "rb").read())
+    os.link(gen, staged)
+    data = open(staged, "rb").read()
+    os.remove(gen)
+elif case == "renamed into place":  # (as ln -sf: a temporary name, then a rename)
+    os.symlink(src, staged + ".tmp")
+    os.rename(staged + ".tmp", staged)
+    data = open(staged, "rb").read()
+elif case == "folder renamed":  # a folder holding the link, renamed
+    tmp = os.path.join(scratch, "tmp")
+    os.mkdir(tmp)
+    os.symlink(os.path.relpath(src, tmp), os.path.join(tmp, "k.cpp"))  # (relative)
+    os.rename(os.path.join(scratch, "tmp"), os.path.join(scratch, "final"))
+    data = open(os.path.join(scratch, "final", "k.cpp"), "rb").read()
+elif case == "source renamed":  # the linked file moved away and back
+    os.symlink(src, staged)
+    data = open(staged, "rb").read()
+    os.rename(src, src + ".away")
+    os.rename(src + ".away", src)
+elif case == "through proc":
+    os.symlink("/proc/self/cwd/kernel/k.cpp", staged)
+    data = open(staged, "rb").read()
+elif case == "tmpfile":  # O_TMPFILE given a name by linkat, as atomic writers do
+    fd = os.open(scratch, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    os.write(fd, open(src, "rb").read())
+    anywhere = os.open("/", os.O_RDONLY)  # (a dir fd: linkat, AT_SYMLINK_FOLLOW)
+    os.link(f"/proc/self/fd/{fd}", staged, src_dir_fd=anywhere, follow_symlinks=True)
+    os.close(fd)
+    data = open(staged, "rb").read()
+for name in os.listdir(scratch):
+    path = os.path.join(scratch, name)
+    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(b"OBJ:" + data)
+"""
+
+# The same staging by a shell: ln, then cat, each a process of its own.  The link is
+# left; the next run's `ln -f` makes another under a temporary name and renames it
+# over the first (coreutils 9).
+SHELL_LINK_OPC = """#!/bin/sh
+for a; do case "$a" in --output=*) out="${a#--output=}";; esac; done
+mkdir -p "$out"
+ln -f $LN_FLAGS "$BUILD_KERNEL_SRC" kernel_meta/k.cpp
+{ printf OBJ:; cat kernel_meta/k.cpp; } > "$out/k.o"
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize(
+    "case, changed",
+    [
+        ("re-pointed", "kernel/k.cpp"),
+        ("re-pointed", "kernel/common.h"),
+        ("dotdot", "opp/tiling.txt"),
+        ("optional header", "kernel/extra.h"),
+        ("renamed into place", "kernel/k.cpp"),
+        ("folder renamed", "kernel/k.cpp"),
+        ("ln -s", "kernel/k.cpp"),
+        ("ln", "kernel/k.cpp"),
+    ],
+)
+def test_a_file_reached_through_links_the_compile_made_changed_is_a_miss(tmp_path, case, changed):
+    """Each file the compile reached through a link it made is in the read set: both
+    targets of a name linked twice, a file reached by .. past a linked folder (its
+    parent, not the link's), a header looked for there and missing (then made), a
+    link renamed into place or in a folder renamed, links made by one process and
+    read by another (`ln -f` renaming its new link over the last run's)."""
+    env, root = project(tmp_path, "asc_opc")
+    if case.startswith("ln"):
+        write_tool(tmp_path / "bin", "asc_opc", "")
+        (tmp_path / "bin" / "asc_opc").write_text(SHELL_LINK_OPC)
+        env["LN_FLAGS"] = "-s" if case == "ln -s" else ""
+    else:
+        write_tool(tmp_path / "bin", "asc_opc", LINK_CASES_OPC)
+        env["LINK_CASE"] = case
+    (root / "kernel_meta").mkdir()
+    for n in (1, 2):
+        assert compile_into(env, root, f"out{n}", "asc_opc", ASC_ARGS) == fresh(
+            env, root, "asc_opc", ASC_ARGS
+        )
+    time.sleep(0.02)
+    (root / changed).write_text("// changed\n")
+    third = compile_into(env, root, "out3", "asc_opc", ASC_ARGS)
+    assert b"// changed" in third
+    assert third == fresh(env, root, "asc_opc", ASC_ARGS)
+    chip = stats(env, SOC)
+    assert (chip["misses"], chip["hits"]) == (2, 1), chip["uncacheable_reasons"]
+
+
+@needs_strace
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("written then linked", "linked a file it had changed"),
+        ("source renamed", "changed while the compile ran"),
+        ("through proc", "reached through /proc"),
+        ("tmpfile", "a hard link to a file with no name"),
+    ],
+)
+def test_a_link_whose_file_cannot_be_known_leaves_the_compile_unstored(tmp_path, case, why):
+    """A hard link to a file the compile wrote, a linked file renamed away and back, a
+    link into /proc, an O_TMPFILE linked by /proc/self/fd/N: what the link led to is
+    not known for sure, so the compile runs uncached (its output the tool's own)."""
+    env, root = project(tmp_path, "asc_opc")
+    write_tool(tmp_path / "bin", "asc_opc", LINK_CASES_OPC)
+    env["LINK_CASE"] = case
+    (root / "kernel_meta").mkdir()
+    kernel = root / "kernel" / "k.cpp"
+    for n, text in enumerate(("int k = 1;\n", "int k = 2;\n")):
+        kernel.write_text(text)
+        assert compile_into(env, root, f"out{n}", "asc_opc", ASC_ARGS) == b"OBJ:" + text.encode()
+    chip = stats(env, SOC)
+    assert chip["hits"] == 0
+    assert any(why in reason for reason in chip["uncacheable_reasons"]), chip
+
+
+# A hard link to the kernel, read; then, while the test replaces the kernel, a pause.
+HARD_LINK_MARKED_OPC = r"""
+import os, sys, time
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+staged = os.path.join("kernel_meta", "k.cpp")
+if os.path.lexists(staged):
+    os.remove(staged)
+os.link(os.environ["BUILD_KERNEL_SRC"], staged)
+data = open(staged, "rb").read()
+if os.environ.get("READ_MARK"):
+    time.sleep(0.05)  # (a change after the mark: later than the link by more than a tick)
+    open(os.environ["READ_MARK"], "w").close()
+    time.sleep(1.5)
+if os.environ["STAGED"] == "removed":
+    os.remove(staged)
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(b"OBJ:" + data)
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("staged", ["removed", "left"])
+@pytest.mark.parametrize(
+    "change", ["renamed over it", "a link on its way re-pointed", "rewritten, its mtime kept"]
+)
+def test_a_linked_source_changed_while_the_compile_ran_leaves_it_unstored(tmp_path, change, staged):
+    """The compile hard-linked the kernel and read the link; meanwhile another kernel,
+    as old by its mtime, was renamed over it, or the folder link on the kernel's path
+    was pointed at a folder holding another, or the kernel was rewritten in place and
+    its mtime set back (cp -p).  The linked file's ctime is the compile's own (link,
+    unlink): only that its link is still there and the same file, and that its ctime
+    is no later than the compile's link, tell it is the file the compile read."""
+    env, root = project(tmp_path, "asc_opc")
+    write_tool(tmp_path / "bin", "asc_opc", HARD_LINK_MARKED_OPC)
+    (root / "kernel_meta").mkdir()
+    old = (1_600_000_000, 1_600_000_000)
+    for n in (1, 2):
+        (root / f"real{n}").mkdir()
+        (root / f"real{n}" / "k.cpp").write_text(f"int k = {n};\n")  # (the same size)
+        os.utime(root / f"real{n}" / "k.cpp", old)
+    (root / "src").symlink_to("real1")
+    env["BUILD_KERNEL_SRC"] = str(root / "src" / "k.cpp")
+    mark = tmp_path / "read"
+    command = [sys.executable, "-m", "opcache", "wrap", "--", "asc_opc", *ASC_ARGS, "--output=o1"]
+    marked = {**env, "STAGED": staged, "READ_MARK": str(mark)}
+    with subprocess.Popen(command, env=marked, cwd=root) as running:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if change == "renamed over it":
+            (root / "real2" / "k.cpp").rename(root / "real1" / "k.cpp")
+        elif change == "rewritten, its mtime kept":
+            (root / "real1" / "k.cpp").write_text("int k = 2;\n")
+            os.utime(root / "real1" / "k.cpp", old)
+        else:
+            (root / "src.new").symlink_to("real2")
+            (root / "src.new").rename(root / "src")
+        assert running.wait(timeout=120) == 0
+    assert (root / "o1" / "k.o").read_bytes() == b"OBJ:int k = 1;\n"
+    env["STAGED"] = staged
+    assert compile_into(env, root, "o2", "asc_opc", ASC_ARGS) == b"OBJ:int k = 2;\n"
+    reasons = stats(env, SOC)["uncacheable_reasons"]
+    why = ("changed while the compile ran", "is another file now")
+    if staged == "removed":
+        why = ("through a hard link it removed",)
+    assert any(w in r for r in reasons for w in why), reasons
