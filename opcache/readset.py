@@ -31,7 +31,9 @@ is stored only if such a link is still there when it ends and the same file
 file the compile had changed, to a symlink, or one it removed; a hard link to a
 descriptor's file then read; a link swapped by ``RENAME_EXCHANGE``), the
 compile is unprovable.  What ``strace -y`` named each descriptor opened to read
-is checked against where its path leads at the end.
+is checked against where its path leads at the end; for a path taken for the
+compile's own (``_Own``), that it lies in a folder the compile made or at a path
+it changed (else a link no traced process made led out of it).
 
 ``ReadSet.digest`` covers the paths and contents, not the times: it joins a
 cache key.  ``ReadSet.unchanged()`` checks the set against the machine: one
@@ -355,6 +357,7 @@ def record(
     skip = [_folder(p) for p in (*exclude, *SYSTEM_FOLDERS)]
     kept = tuple(_folder(p) for p in (*keep, *USER_FOLDERS))
     made_dirs = tuple(_folder(p) for p in trace.made)
+    own = _Own(trace)
     through_proc = re.compile(_THROUGH_PROC)
     own_names = trace.changed_names()
     items = []
@@ -367,6 +370,7 @@ def record(
         if norm in trace.blind:
             raise Unprovable(f"{path}: read through a hard link to a file with no name")
         if norm.startswith(made_dirs):
+            own.check(path, norm)
             continue
         if _bytecode(norm) and (norm in trace.changed or norm.endswith("__pycache__")):
             continue  # (a .pyc Python only read may be one it used though stale: kept)
@@ -381,6 +385,8 @@ def record(
             found = _as_found(path, norm, trace)
             if found is not None:
                 items.append(found)
+            else:
+                own.check(path, norm)
             continue
         _led_where_named(path, norm, trace)
         if linked:
@@ -411,6 +417,38 @@ def _led_where_named(path: str, norm: str, trace: _Trace) -> None:
     opened = trace.opened.get(norm)
     if opened and opened - {os.path.realpath(norm), _real_folder(norm) + "\0"}:
         raise Unprovable(f"{path} led to another file when the compile opened it")
+
+
+class _Own:
+    """Where the compile's own files are: the real paths of the folders it made, and
+    of the paths it changed (their folders' links resolved, their names as they are)."""
+
+    def __init__(self, trace: _Trace) -> None:
+        self.trace = trace
+        self._made: tuple[str, ...] | None = None
+        self._changed: set[str] | None = None
+
+    def check(self, path: str, norm: str) -> None:
+        """Unprovable when a path taken for the compile's own (in a folder it made, or
+        changed before it looked at it) was opened to read a file elsewhere, as
+        ``strace -y`` named it: reached through a link opcache did not see made (by
+        a process it does not trace), whose file the read set would not hold."""
+        opened = self.trace.opened.get(norm)
+        if not opened:
+            return
+        if self._made is None:
+            self._made = tuple(_folder(os.path.realpath(d)) for d in self.trace.made)
+            real: dict[str, str] = {}  # (by folder: a compile changes many files in few)
+            self._changed = set()
+            for changed in self.trace.changed:
+                folder, name = os.path.split(changed)
+                if folder not in real:
+                    real[folder] = os.path.realpath(folder)
+                self._changed.add(os.path.join(real[folder], name))
+        for there in opened:
+            there = there.rstrip("\0")
+            if not (_folder(there).startswith(self._made) or there in self._changed):
+                raise Unprovable(f"{path} led to a file the compile did not make: {there}")
 
 
 def _check_linked(path: str, norm: str, trace: _Trace) -> None:

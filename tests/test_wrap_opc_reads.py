@@ -1606,3 +1606,51 @@ def test_a_linked_source_changed_while_the_compile_ran_leaves_it_unstored(tmp_pa
     if staged == "removed":
         why = ("through a hard link it removed",)
     assert any(w in r for r in reasons for w in why), reasons
+
+
+# The compile makes a folder, waits (the test puts a link there), then reads the link.
+PLANTED_OPC = r"""
+import os, shutil, sys, time
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+os.mkdir("kernel_meta")
+open(os.environ["READ_MARK"], "w").close()
+deadline = time.monotonic() + 30
+while not os.path.lexists("kernel_meta/k.cpp") and time.monotonic() < deadline:
+    time.sleep(0.02)
+data = open("kernel_meta/k.cpp", "rb").read()
+if os.environ["FOLDER"] == "removed":
+    shutil.rmtree("kernel_meta")
+os.makedirs(flags["output"], exist_ok=True)
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(b"OBJ:" + data)
+"""
+
+
+@needs_strace
+@pytest.mark.parametrize("folder", ["removed", "kept"])
+def test_a_link_another_process_put_in_the_compile_s_folder_leaves_it_unstored(tmp_path, folder):
+    """A path in a folder the compile made is its own; but one that a link made by a
+    process strace does not see led out of it, as `strace -y` names the file opened,
+    was read unrecorded (a hit with the old kernel).  Whether the link is still
+    there at the end or gone with the folder, the compile is not stored."""
+    env, root = project(tmp_path, "asc_opc")
+    write_tool(tmp_path / "bin", "asc_opc", PLANTED_OPC)
+    kernel = root / "kernel" / "k.cpp"
+    for n, text in enumerate(("int k = 1;\n", "int k = 2;\n")):
+        kernel.write_text(text)
+        mark = tmp_path / f"made{n}"
+        marked = {**env, "FOLDER": folder, "READ_MARK": str(mark)}
+        out = f"o{n}"
+        command = [sys.executable, "-m", "opcache", "wrap", "--", "asc_opc", *ASC_ARGS]
+        with subprocess.Popen([*command, f"--output={out}"], env=marked, cwd=root) as running:
+            deadline = time.monotonic() + 60
+            while not mark.exists() and running.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if mark.exists():  # (else a hit: the tool did not run)
+                (root / "kernel_meta" / "k.cpp").symlink_to(kernel)
+            assert running.wait(timeout=120) == 0
+        assert (root / out / "k.o").read_bytes() == b"OBJ:" + text.encode()
+        shutil.rmtree(root / "kernel_meta", ignore_errors=True)
+    chip = stats(env, SOC)
+    assert chip["hits"] == 0
+    assert any("did not make" in r for r in chip["uncacheable_reasons"]), chip
