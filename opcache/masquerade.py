@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .compilers.toolchain import is_script, which
@@ -231,3 +231,19 @@ def _make_links(
                 raise OSError(f"cannot make the link {folder / name}: {e.strerror or e}") from None
             report.append((name, f"made, wraps {real}"))
     return report
+
+
+def exit_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: 128+N when killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the compiler as it is, uncached: its exit status (127 if it cannot be run)."""
+    import subprocess
+
+    try:
+        return exit_status(subprocess.run(list(argv), env=dict(env), check=False).returncode)
+    except OSError as e:
+        print(f"opcache: error: cannot run {argv[0]}: {e.strerror or e}", file=sys.stderr)
+        return 127

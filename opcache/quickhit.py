@@ -195,7 +195,6 @@ def _run_instead(words: list[str], error: OSError) -> int | None:
     try:
         from . import masquerade
         from .errors import sentence
-        from .wrap import _run_plain
 
         command: list[str] | None = None
         if masquerade.compiler_kind(words[0]):  # a link named like the compiler (cli.main)
@@ -219,7 +218,7 @@ def _run_instead(words: list[str], error: OSError) -> int | None:
             file=sys.stderr,
             flush=True,
         )
-    return _run_plain([real, *command[1:]], env)
+    return masquerade.run_plain([real, *command[1:]], env)
 
 
 def _serve(words: list[str]) -> int:

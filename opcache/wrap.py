@@ -66,7 +66,15 @@ from .keyed_env import (
     OPC_READS_ENVIRONMENT,
     OPC_SIDE_OUTPUT_ENVIRONMENT,
 )
-from .masquerade import ASCEND_CC_NAMES, compiler_environ, compiler_kind, find_compiler, reentered
+from .masquerade import (
+    ASCEND_CC_NAMES,
+    compiler_environ,
+    compiler_kind,
+    exit_status,
+    find_compiler,
+    reentered,
+    run_plain,
+)
 from .request import CompileResult, OpRequest
 from .settings import Settings
 from .storage.local import LocalStore
@@ -276,12 +284,12 @@ def run(
         if reentered(env):
             # An opcache further up caches this compile (through ccache, a script...).
             log.info("not cached: run by opcache again below itself; running %s directly", real)
-            return _run_plain(argv, run_env)
+            return run_plain(argv, run_env)
     base = _settings(settings_for, None, None)  # the cache flags alone (C lines have no others)
     if base is None or base.mode == "disable":
         if base is not None:
             log.info("disabled (%s): running the command as it is", base.sources["mode"])
-        return _run_plain(argv, run_env)
+        return run_plain(argv, run_env)
     try:
         if kind is None:
             raise Uncacheable(f"not a known compiler: {os.path.basename(argv[0])}")
@@ -313,7 +321,7 @@ def run(
         except ConfigError:
             settings = None  # a bad debug flag on the line: the tool says why
         if settings is None:
-            return _run_plain(argv, run_env)
+            return run_plain(argv, run_env)
     staging = _staging_path(plan)
     try:
         try:
@@ -355,7 +363,7 @@ def _run_uncacheable(
     with _cache_warnings(settings), OpCache(settings, stats_seconds=None, eager=False) as c:
         c.record_uncacheable(HOST_CHIP, reason)
     log.info("uncacheable (%s): running the command as it is", reason)
-    return _run_plain(argv, env)
+    return run_plain(argv, env)
 
 
 def _run_planned(
@@ -392,7 +400,7 @@ def _run_planned(
             as_is = e
     if as_is is not None:
         log.info("not stored (%s): running the command as it is", as_is)
-        return _run_plain(argv, env)
+        return run_plain(argv, env)
     if failed is not None:
         log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
         _replay(failed.stdout, sys.stdout)
@@ -406,7 +414,7 @@ def _run_planned(
         # An output opcache may not replace where the command may write it (another
         # user's file, writable, in a sticky folder): the command says what it makes.
         log.warning("cannot put the outputs in place: %s; running the command", sentence(e))
-        return _run_plain(argv, env)
+        return run_plain(argv, env)
     if kind == "cc" and result.status == "hit" and result.tier == "local":
         _note_hit(plan, settings, result)
     _replay_streams(result.files)
@@ -582,21 +590,6 @@ def _replay(data: bytes, stream: TextIO) -> None:
 def _colour_terminal(env: Mapping[str, str]) -> bool:
     """Whether the compiler would colour its diagnostics here (gcc's and clang's ``auto``)."""
     return os.isatty(2) and env.get("TERM", "dumb") != "dumb"
-
-
-def exit_status(returncode: int) -> int:
-    """A child's exit status as a shell reports it: 128+N when killed by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _run_plain(argv: Sequence[str], env: Mapping[str, str]) -> int:
-    import subprocess
-
-    try:
-        return exit_status(subprocess.run(list(argv), env=dict(env), check=False).returncode)
-    except OSError as e:
-        print(f"opcache: error: cannot run {argv[0]}: {e.strerror or e}", file=sys.stderr)
-        return 127
 
 
 def _read(path: str) -> bytes:
