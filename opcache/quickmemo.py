@@ -308,7 +308,8 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
         if name not in artifacts:
             return None
         size, want = artifacts[name]
-        path = os.fsencode(os.path.abspath(target))
+        # (not os.path.abspath: through a link, sub/.. is not ".", fsutil.absolute)
+        path = os.fsencode(os.path.join(os.getcwd(), target))
         # The folder the hit wrote it in, as the compiler reaches it (links followed): a
         # quick hit writes there only while the path still leads to that folder.
         place = os.stat(path.rpartition(b"/")[0] or b"/")

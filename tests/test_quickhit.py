@@ -107,6 +107,26 @@ def test_a_quick_hit_gives_what_the_full_hit_gives(tmp_path: Path) -> None:
     assert (report["hits"], report["misses"]) == (2, 1)
 
 
+def test_a_quick_hit_puts_outputs_named_through_a_link_and_dotdot_where_gcc_does(
+    tmp_path: Path,
+) -> None:
+    # The kernel resolves sub/.. through the link: the real folder's parent, not src.
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    real = tmp_path / "real"
+    (real / "dir").mkdir(parents=True)
+    (src / "sub").symlink_to(real / "dir")
+    cmd = ["gcc", "-c", "k.c", "-o", "sub/../k.o", "-MD", "-MF", "sub/../k.d", "-DOFFSET=1"]
+    _memoized(tmp_path, env, src, cmd)
+    made = {name: (real / name).read_bytes() for name in ("k.o", "k.d")}
+    for name in made:
+        (real / name).unlink()
+
+    wrap(*cmd, env=env, cwd=src)
+    assert _quick_hits(tmp_path) == 1
+    assert {name: (real / name).read_bytes() for name in made} == made
+    assert not (src / "k.o").exists() and not (src / "k.d").exists()
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
