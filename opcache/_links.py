@@ -138,8 +138,15 @@ class Links:
         while todo:
             part = todo.pop()
             if part == "..":
-                # (past a link, the kernel's parent of the folder it reached)
-                done = os.path.dirname(os.path.realpath(done) if hops else done)
+                if hops:
+                    # Past a link, the kernel's parent of the folder it reached: through
+                    # a link of the user's on the way, a file a hit would not look for
+                    # again through that link (re-pointed, it leads elsewhere).
+                    real = os.path.realpath(done)
+                    if real != os.path.normpath(done):
+                        raise LinkUnknown(f"{path}: .. past a link the compile made, then a link")
+                    done = real
+                done = os.path.dirname(done)
                 continue
             here = os.path.join(done, part)
             last = not todo

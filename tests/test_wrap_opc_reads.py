@@ -1539,6 +1539,33 @@ def test_a_link_whose_file_cannot_be_known_leaves_the_compile_unstored(tmp_path,
     assert any(why in reason for reason in chip["uncacheable_reasons"]), chip
 
 
+@needs_strace
+def test_dotdot_past_a_made_link_through_a_users_link_runs_uncached(tmp_path):
+    """The compile links kernel_meta/inc to the kernel's folder, named through a link
+    of the user's (cur -> v1), and reads inc/../opp/tiling.txt: v1's.  Re-pointed to
+    v2, the same read is v2's file, which a read set of v1's path never looks at: a
+    hit served v1's tiling.  Where .. past a link it made meets a link of the user's,
+    the compile runs uncached."""
+    env, root = project(tmp_path, "asc_opc")
+    write_tool(tmp_path / "bin", "asc_opc", LINK_CASES_OPC)
+    env["LINK_CASE"] = "dotdot"
+    (root / "kernel_meta").mkdir()
+    for version in ("v1", "v2"):
+        shutil.copytree(root / "kernel", root / version / "kernel")
+        (root / version / "opp").mkdir()
+        (root / version / "opp" / "tiling.txt").write_text(f"tiling {version}\n")
+    (root / "cur").symlink_to("v1")
+    env["BUILD_KERNEL_SRC"] = str(root / "cur" / "kernel" / "k.cpp")
+    for n in (1, 2):
+        assert compile_into(env, root, f"out{n}", "asc_opc", ASC_ARGS) == b"OBJ:tiling v1\n"
+    (root / "cur").unlink()
+    (root / "cur").symlink_to("v2")
+    assert compile_into(env, root, "out3", "asc_opc", ASC_ARGS) == b"OBJ:tiling v2\n"
+    chip = stats(env, SOC)
+    assert chip["hits"] == 0
+    assert any(".. past a link the compile made" in r for r in chip["uncacheable_reasons"])
+
+
 # A hard link to the kernel, read; then, while the test replaces the kernel, a pause.
 HARD_LINK_MARKED_OPC = r"""
 import os, sys, time
