@@ -602,7 +602,21 @@ def _read_seen(path: str) -> tuple[bytes, tuple[int, ...]]:
         data, st = fsutil.read_input_stat(path)
     except OSError as e:
         raise Uncacheable(f"cannot read {path}: {e.strerror or e}") from None
+    if (st.st_dev, st.st_ino) in _standard_streams():
+        # (a header that is a link to /dev/stdin: the compile of a miss gets no stdin)
+        raise Uncacheable(f"cc: {path} is opcache's stdin, stdout or stderr, not a source file")
     return data, _identity(st)
+
+
+def _standard_streams() -> set[tuple[int, int]]:
+    """The files of this process's stdin, stdout and stderr, as (device, inode): asked
+    at each read (a file read, not a hit: a server's worker takes each caller's)."""
+    streams = set()
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
+            streams.add((st.st_dev, st.st_ino))
+    return streams
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:

@@ -1528,3 +1528,24 @@ def test_a_header_read_from_stdin_runs_uncached_with_the_callers_stdin(env, src)
             subprocess.run(["gcc", "-c", "k.c", "-o", "plain.o"], cwd=src, stdin=stdin, check=True)
         assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
     _uncached(env, "cc: it reads /dev/stdin, no file of sources (stdin, a device)")
+
+
+def test_a_header_that_is_a_link_to_stdin_runs_uncached(env, src):
+    # def.h -> /dev/stdin: the key read the caller's stdin through it, the miss
+    # compiled with none (an empty def.h), and stored that object.
+    (src / "k.c").write_text(
+        '#include "def.h"\n#ifndef X\n#define X 0\n#endif\nint f(void) { return X; }\n'
+    )
+    (src / "def.h").symlink_to("/dev/stdin")
+    (src / "d1").write_text("#define X 1\n")
+    for _ in range(2):
+        with open(src / "d1", "rb") as stdin:
+            done = subprocess.run(
+                [sys.executable, "-m", "opcache", "wrap", "--", "gcc", "-c", "k.c", "-o", "k.o"],
+                env=env, cwd=src, stdin=stdin, capture_output=True, timeout=120,
+            )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        with open(src / "d1", "rb") as stdin:
+            subprocess.run(["gcc", "-c", "k.c", "-o", "plain.o"], cwd=src, stdin=stdin, check=True)
+        assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
+    _uncached(env, "cc: def.h is opcache's stdin, stdout or stderr, not a source file")
