@@ -1176,6 +1176,7 @@ def _op_info(params: Path, seen: dict[str, tuple[int, ...]] | None = None) -> li
 _CC_VALUE_FLAGS = {"-o", "-I", "-D", "-U", "-x", "-isystem", "-iquote", "-idirafter", "-MF"}
 _CC_VALUE_FLAGS |= {"-MT", "-MQ", "-include", "-mllvm"}
 _CC_INCLUDE_DIRS = ("-I", "-isystem", "-iquote", "-idirafter")
+_CC_SYSTEM_DIRS = ("-isystem", "-idirafter")  # (a header found there shows no warnings)
 _CC_KEY_PREFIXES = ("-D", "-U", "-O", "-std=", "-f", "-m", "-W", "-g", "-x", "-pedantic")
 _CC_KEY_EXACT = {"-w", "-pipe", "-ansi", "-pthread"}
 _CC_UNPREDICTABLE = ("-fprofile-", "-fauto-profile", "-save-temps", "-Wp,", "-Wa,", "-Wl,")
@@ -1234,13 +1235,24 @@ _ASCEND_SOURCES = (".asc", ".cce")  # (CMake's ASC language: .asc)
 
 def _header_kinds(headers: Sequence[str], folders: Sequence[tuple[str, str]]) -> list[str]:
     """For each header as the preprocessor named it, the flag of the include folder it
-    lies in (``-I``, ``-isystem``...; the deepest folder where several hold it), or ""."""
-    prefixes = [(flag, place.rstrip("/") + "/") for flag, place in folders]
+    lies in (``-I``, ``-isystem``...; the deepest folder where several hold it), or "".
+
+    Compared as text, ``./`` and doubled slashes left out (gcc names ``-I./inc``'s
+    headers ``inc/h.h``).  A folder given as a system folder and as another is a
+    system folder (gcc drops the other)."""
+    kind_of: dict[str, str] = {}
+    for flag, place in folders:
+        folder = os.path.normpath(place)
+        if folder not in kind_of or flag in _CC_SYSTEM_DIRS:
+            kind_of[folder] = flag
+    prefixes = [(flag, "" if f == "." else f.rstrip("/") + "/") for f, flag in kind_of.items()]
     kinds = []
     for header in headers:
-        kind, depth = "", 0
+        name = os.path.normpath(header)
+        kind, depth = "", -1
         for flag, prefix in prefixes:
-            if len(prefix) > depth and prefix != "/" and header.startswith(prefix):
+            inside = name.startswith(prefix) if prefix else not name.startswith("/")
+            if inside and len(prefix) > depth and prefix != "/":
                 kind, depth = flag, len(prefix)
         kinds.append(kind)
     return kinds

@@ -1549,3 +1549,25 @@ def test_a_header_that_is_a_link_to_stdin_runs_uncached(env, src):
             subprocess.run(["gcc", "-c", "k.c", "-o", "plain.o"], cwd=src, stdin=stdin, check=True)
         assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
     _uncached(env, "cc: def.h is opcache's stdin, stdout or stderr, not a source file")
+
+
+@pytest.mark.parametrize(
+    ("passes", "fails"),
+    [
+        (["-I./a", "-isystem", "./b"], ["-I./b", "-isystem", "./a"]),  # (named inc/h.h)
+        (["-Ib", "-isystem", "b"], ["-Ib", "-isystem", "c"]),  # (b is a system folder)
+        (["-Ia", "-isystem", "b/"], ["-Ib/", "-isystem", "a"]),
+    ],
+)
+def test_which_folder_is_a_system_one_is_keyed_however_it_is_spelt(env, src, passes, fails):
+    (src / "a").mkdir()
+    (src / "b").mkdir()
+    (src / "c").mkdir()
+    (src / "b" / "h.h").write_text("static inline int g(void) { int y; return 0; }\n")
+    (src / "k.c").write_text("#include <h.h>\nint f(void) { return g(); }\n")
+    common = ["-Wall", "-Werror", "-c", "k.c", "-o", "k.o"]
+    wrap("gcc", *passes, *common, env=env, cwd=src)
+    plain = subprocess.run(["gcc", *fails, *common], cwd=src, env=env, capture_output=True)
+    assert plain.returncode == 1
+    done = wrap("gcc", *fails, *common, env=env, cwd=src, status=1)
+    assert done.stderr == plain.stderr
