@@ -133,6 +133,13 @@ def open_links_folder(folder: Path) -> int:
 
     from . import fsutil, trust
 
+    above = _replaceable_above(folder)  # (before anything is made there)
+    if above is not None:
+        raise OSError(
+            f"{above}: another user could rename {folder} away and put a folder of"
+            " theirs in its place, which PATH names: the compilers on PATH must be"
+            " yours alone"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -160,6 +167,46 @@ def open_links_folder(folder: Path) -> int:
             os.close(fd)
         raise
     return fd
+
+
+def _replaceable_above(folder: Path) -> str | None:
+    """A folder above ``folder`` in which someone else may rename it (and why), or None.
+
+    PATH names the folder of the links: whoever may rename in a folder on its way
+    (its owner, or anyone who may write it, unless it is sticky) can put another
+    folder in its place.  Root's and this user's folders, and sticky ones (/tmp),
+    are safe; a group-writable one is safe only for the user's private group.
+    """
+    import stat
+
+    from . import trust
+
+    me = os.geteuid()
+    given = os.path.abspath(folder).split("/")
+    for end in range(2, len(given)):  # (a link on the way: whoever made it re-points it)
+        prefix = "/".join(given[:end])
+        try:
+            st = os.lstat(prefix)
+        except FileNotFoundError:
+            break  # (made by this user, below)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+            return f"{prefix} is a link of another user's"
+    path = os.path.realpath(folder)
+    while (parent := os.path.dirname(path)) != path:
+        path = parent
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue  # (made by this user)
+        if st.st_uid not in (me, 0):
+            return f"{path} is another user's"
+        if st.st_mode & stat.S_ISVTX:
+            continue  # (only its owner, or root, renames another's entry)
+        if st.st_mode & stat.S_IWOTH:
+            return f"{path} is writable by others"
+        if st.st_mode & stat.S_IWGRP and not trust.private_group(me, st.st_gid):
+            return f"{path} is writable by its group"
+    return None
 
 
 def make_links(

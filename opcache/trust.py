@@ -47,7 +47,7 @@ def problem(st: os.stat_result, modes: Modes, *, own_group: bool = False) -> str
     if (
         st.st_mode & stat.S_IWGRP
         and not group_ok
-        and not (own_group and _private_group(st.st_uid, st.st_gid))
+        and not (own_group and private_group(st.st_uid, st.st_gid))
     ):
         if modes.group is None:
             return "writable by its group (set OPCACHE_SHARED_GROUP for a group-shared cache)"
@@ -95,7 +95,7 @@ def check_root(root: str | os.PathLike[str], modes: Modes) -> None:
         raise UntrustedFolder(reason)
 
 
-def _private_group(uid: int, gid: int) -> bool:
+def private_group(uid: int, gid: int) -> bool:
     """Whether ``gid`` is the user private group of ``uid``: its primary group, of its
     name, with no other member, listed or by primary group."""
     if (uid, gid) not in _private:

@@ -150,7 +150,7 @@ def test_writable_by_its_owner_s_own_group_is_trusted(tmp_path: Path) -> None:
     a warning, as 'writable by its group'."""
     me = os.geteuid()
     mine = pwd.getpwuid(me).pw_gid
-    if not trust._private_group(me, mine):
+    if not trust.private_group(me, mine):
         pytest.skip("this user's group is not a group of its own here")
     ini = tmp_path / "cache" / "op_cache.ini"
     ini.parent.mkdir()
@@ -725,10 +725,10 @@ def test_a_group_another_user_has_as_primary_group_is_no_private_group() -> None
     subprocess.run(["useradd", "-M", "-U", owner], check=True, capture_output=True)
     try:
         user = pwd.getpwnam(owner)
-        assert trust._private_group(user.pw_uid, user.pw_gid)
+        assert trust.private_group(user.pw_uid, user.pw_gid)
         trust._private.clear()
         subprocess.run(["useradd", "-M", "-g", owner, other], check=True, capture_output=True)
-        assert not trust._private_group(user.pw_uid, user.pw_gid)
+        assert not trust.private_group(user.pw_uid, user.pw_gid)
     finally:
         trust._private.clear()
         subprocess.run(["userdel", other], capture_output=True)

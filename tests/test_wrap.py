@@ -669,13 +669,46 @@ def test_a_link_called_by_its_path_finds_the_compiler_before_its_folder_on_path(
 
 
 @pytest.mark.parametrize("client", [False, True], ids=["links", "--client"])
-@pytest.mark.parametrize("kind", ["others may write it", "a link", "another user's"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "others may write it",
+        "a link",
+        "another user's",
+        "in a folder others may write",
+        "in another user's folder",
+        "through another user's link",
+    ],
+)
 def test_masquerade_refuses_a_folder_others_may_change(tmp_path, kind, client):
     """The folder goes first on PATH: one anyone may write (mkdir -m 777), a link
     someone may point elsewhere, or another user's folder, was taken, and its links
     recommended.  With --client, opcache's client was built into it (through the
-    link) before the folder was refused: nothing may be written into a refused one."""
+    link) before the folder was refused: nothing may be written into a refused one.
+    So was one in a folder someone else may rename it in (it is theirs, or others
+    may write it and it is not sticky), or one named through another user's link:
+    they could put a folder of theirs in its place later."""
     folder = tmp_path / "bin"
+    if kind.startswith(("in ", "through ")):
+        if kind != "in a folder others may write" and not IS_ROOT:
+            pytest.skip(NEEDS_ROOT)
+        parent = tmp_path / "shared"
+        parent.mkdir()
+        folder = parent / "bin"
+        if kind == "in a folder others may write":
+            parent.chmod(0o777)
+        elif kind == "in another user's folder":
+            os.chown(parent, NOBODY, NOBODY)
+        else:
+            (tmp_path / "theirs").symlink_to(parent)
+            os.lchown(tmp_path / "theirs", NOBODY, NOBODY)
+            folder = tmp_path / "theirs" / "bin"
+        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+        line = ["masquerade", *(["--client"] if client else []), str(folder)]
+        done = opcache(*line, env=env, cwd=tmp_path, status=None, timeout=240)
+        assert done.returncode == 1 and b"yours alone" in done.stderr, done.stderr
+        assert not (parent / "bin").exists()  # (nothing made there)
+        return
     if kind == "a link":
         (tmp_path / "real").mkdir()
         folder.symlink_to(tmp_path / "real")
@@ -693,6 +726,16 @@ def test_masquerade_refuses_a_folder_others_may_change(tmp_path, kind, client):
     assert done.returncode == 1 and b"yours alone" in done.stderr, done.stderr
     assert done.stderr.count(b"\n") == 1, done.stderr  # (the refusal alone: no warning)
     assert list((tmp_path / "real" if kind == "a link" else folder).iterdir()) == []
+
+
+def test_masquerade_takes_a_folder_in_a_sticky_one_others_may_write(tmp_path):
+    """In /tmp (1777) only the folder's owner may rename it: it stays the user's."""
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    opcache("masquerade", str(sticky / "bin"), env=env, cwd=tmp_path)
+    assert (sticky / "bin" / "gcc").is_symlink()
 
 
 # -- the command line itself -------------------------------------------------------------
