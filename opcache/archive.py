@@ -356,6 +356,7 @@ def export_cache(
     from .storage.local import LocalStore
 
     store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
+    store.check_root()  # (a root reached through another user's link: refused, not empty)
     chips = [soc] if soc is not None else store.chips()
     skipped: list[dict[str, str]] = []
     with ArchiveWriter(path, OPCACHE) as out:
@@ -402,6 +403,7 @@ def import_cache(
             report["would_import"] = total
             return report
         store = LocalStore(settings.root, modes=fsutil.modes_for(settings.shared_group))
+        store.check_root()  # (refused once, not an error per entry)
         done = 0
         for chip, key, entry, manifest in reader.entries():
             if soc is not None and chip != soc:

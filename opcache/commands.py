@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from . import __version__
+from . import __version__, trust
 from .cache import AgingReport, OpCache, VerifyReport
 from .errors import UsageError
 from .request import check_soc_version
@@ -126,8 +126,13 @@ def _open_cache(args: argparse.Namespace) -> OpCache:
     so is one this user cannot list (OSError: exit 1).
     """
     settings = _settings(args)
+    # Another user's link on the root's way is refused with one line (the store
+    # refuses it again, on its own walk, wherever it would read or delete).
+    walk = trust.resolve_root(settings.root)
+    if walk.problem is not None:
+        raise trust.UntrustedFolder(walk.problem)
     try:
-        held = _holds_a_cache(settings.root)
+        held = _holds_a_cache(Path(walk.path))
     except OSError as e:
         raise OSError(f"cannot read the cache folder {settings.root}: {e.strerror or e}") from None
     if not held:
@@ -649,7 +654,7 @@ def _cmd_transfer(args: argparse.Namespace) -> int:
             report = archive.import_cache(
                 settings, Path(args.file), soc, dry_run=args.dry_run, progress=progress
             )
-    except archive.BadArchive as e:
+    except (archive.BadArchive, trust.UntrustedFolder) as e:  # (a root that may not be used)
         print(f"opcache: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except (RemoteError, OSError) as e:

@@ -62,7 +62,7 @@ _BUCKET = re.compile(r"[0-9a-f]{2}")
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", os.uname().nodename) or "host"
 # O_NONBLOCK: a FIFO (or device) planted in an entry must not hang the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-# The root, resolved once, may have been a link; nothing below it may be.
+# A folder a caller names (an out_dir, a build folder's parent), opened as named.
 _ROOT_FLAGS = fsutil.DIR_FLAGS & ~os.O_NOFOLLOW
 # An unlocked build folder of another host (whose locks may not reach us) gets
 # this long; one of this host, whose locks do, a minute.
@@ -102,8 +102,13 @@ class LocalStore:
     """The entries of one cache root on the local (or a mounted) filesystem."""
 
     def __init__(self, root: Path, *, modes: fsutil.Modes = fsutil.PRIVATE) -> None:
-        # Resolved once: the root may be a link; nothing below it may be.
-        self.root = Path(os.path.realpath(root))
+        # Resolved once, each link on the way judged by the same walk (the lstat
+        # calls realpath makes): the root may be reached through links of this
+        # user's or root's, never through another user's (then it is refused:
+        # _root_refused); nothing below it may be a link.
+        walk = trust.resolve_root(root)
+        self.root = Path(walk.path)
+        self._root_refused = walk.problem
         self.modes = modes
         # An entry whose manifest says more is corrupt, its artifacts never read
         # (a shared folder's remote sets it: held to its size cap as any remote is).
@@ -185,30 +190,44 @@ class LocalStore:
         finally:
             os.close(chip_fd)
 
-    def open_folder(self, *parts: str, create: bool = True, trusted: bool = True) -> int:
+    def open_folder(
+        self, *parts: str, create: bool = True, trusted: bool = True, deleting: bool = False
+    ) -> int:
         """A handle on ``<root>/.opcache/<parts>``, each level made if missing (with
         ``create``), opened without following a link and (if ``trusted``) trusted.
 
         Writers put lock files, counters, builds and trash here, and cleaning
         deletes in them: a link, or a folder others can write, would let them
         redirect what we write or delete (UntrustedFolder).  FileNotFoundError
-        when a level is missing and not ``create``.
+        when a level is missing and not ``create``.  ``deleting``: the root is
+        reached as ``_open_root`` reaches it to delete in.
         """
         try:
-            fd = self._open_root(trusted)
+            fd = self._open_root(trusted, deleting=deleting)
         except FileNotFoundError:
             if not create:
                 raise
             fsutil.makedirs(self.root, self.modes)
-            fd = self._open_root(trusted)
-        where = self.root
+            fd = self._open_root(trusted, deleting=deleting)
+        try:
+            return self._open_below(fd, parts, create=create, trusted=trusted)
+        finally:
+            os.close(fd)
+
+    def _open_below(
+        self, root_fd: int, parts: tuple[str, ...], *, create: bool, trusted: bool = True
+    ) -> int:
+        """``open_folder``'s walk down from the root open as ``root_fd`` (left open)."""
+        fd, where = root_fd, self.root
         try:
             for part in (BOOKKEEPING, *parts):
                 child = self._open_dir(part, fd, where, create=create, trusted=trusted)
-                os.close(fd)
+                if fd != root_fd:
+                    os.close(fd)
                 fd, where = child, where / part
         except BaseException:
-            os.close(fd)
+            if fd != root_fd:
+                os.close(fd)
             raise
         return fd
 
@@ -278,14 +297,23 @@ class LocalStore:
     def chips(self) -> list[str]:
         """The chip folders present under the root (real folders, not links, named as
         a soc_version may be, or as the chips of CANN's kernels pushed into a shared
-        folder, ``is_cann_chip``: ``lost+found`` or ``notes by alice`` is no chip)."""
+        folder, ``is_cann_chip``: ``lost+found`` or ``notes by alice`` is no chip);
+        none when the root cannot be listed or may not be used (another user's
+        link on its way: the command that asked says why)."""
         try:
-            names = os.listdir(self.root)
+            root_fd = self._open_root(trusted=False)
         except OSError:
             return []
+        try:
+            return self._chips_in(root_fd)
+        finally:
+            os.close(root_fd)
+
+    def _chips_in(self, root_fd: int) -> list[str]:
+        """``chips`` of the root open as ``root_fd``."""
         chips = []
-        for name in sorted(names):
-            if name.startswith(".") or not _is_real_dir(self.root / name):
+        for name in sorted(_names(root_fd)):
+            if name.startswith(".") or not _is_real_dir(name, root_fd):
                 continue
             if _is_chip_name(name) or is_cann_chip(name):
                 chips.append(name)
@@ -337,6 +365,8 @@ class LocalStore:
         """Whether only this user (or root) can put anything in the cache: a private
         cache whose root passes the private trust rule (looked at once)."""
         if self._only_owner is None:
+            if self._root_refused is not None:
+                return False
             try:
                 st = os.stat(self.root)
             except OSError:
@@ -863,12 +893,17 @@ class LocalStore:
         batch is done or the folder full: the caller pays a rename per entry,
         not a deletion.
         """
-        trash_fd = self.open_folder("trash")
+        root_fd = self._open_root(deleting=True)
+        try:
+            trash_fd = self._open_below(root_fd, ("trash",), create=True)
+        except BaseException:
+            os.close(root_fd)
+            raise
         try:
             folders = _TrashFolders(trash_fd, f"{soc}.{_HOST}", self.modes)
             try:
                 with self._counting(soc):
-                    chip_fd = self._open_chip_if_there(soc)
+                    chip_fd = self._open_chip_if_there(soc, root_fd)
                     if chip_fd is None:
                         yield lambda key: None
                         return
@@ -878,6 +913,7 @@ class LocalStore:
                 folders.close()
         finally:
             os.close(trash_fd)
+            os.close(root_fd)
 
     @contextlib.contextmanager
     def _remover(
@@ -926,34 +962,67 @@ class LocalStore:
             finally:
                 os.close(chip_fd)
 
-    def _open_chip_if_there(self, soc: str) -> int | None:
+    def _open_chip_if_there(self, soc: str, root_fd: int | None = None) -> int | None:
         """The chip folder's handle, or None when there is no such folder (yet, or any more)."""
         try:
+            if root_fd is not None:
+                return self._open_dir(soc, root_fd, self.root, create=False)
             return self._open_chip(soc, create=False)
         except OSError as e:
             if e.errno in fsutil.GONE:
                 return None
             raise
 
+    def check_root(self) -> None:
+        """UntrustedFolder when the root may not be used (``_check_root``): for a command
+        that would otherwise find nothing there and say so."""
+        self._check_root()
+
     def _check_root(self) -> None:
-        """UntrustedFolder when the root itself may not be used (``trust.root_problem``:
-        a group-shared root anyone could have made or written in).  Judged until it
-        passes once: a root that passes is only ever replaced by whoever may write
-        where it is, which that rule has already judged."""
+        """UntrustedFolder when the root itself may not be used: another user's link on
+        its way (found when it was resolved, ``_root_refused``: no system call), or
+        ``trust.root_problem``'s rule of a group-shared root anyone could have made
+        or written in.  That rule is judged until it passes once: a root that passes
+        is only ever replaced by whoever may write where it is, which that rule has
+        already judged."""
+        if self._root_refused is not None:
+            raise trust.UntrustedFolder(self._root_refused)
         if not self._root_trusted:
-            trust.check_root(self.root, self.modes)
+            if self.modes.group is not None:
+                resolved = trust.check_root(self.root, self.modes)
+                if resolved != str(self.root):  # (a link put in its place since)
+                    raise trust.UntrustedFolder(f"{self.root} now leads to {resolved}")
             self._root_trusted = self.modes.group is None or os.path.isdir(self.root)
 
-    def _open_root(self, trusted: bool = True) -> int:
-        """A handle on the root, judged by ``_check_root`` first if ``trusted``."""
+    def _open_root(self, trusted: bool = True, *, deleting: bool = False) -> int:
+        """A handle on the root, judged by ``_check_root`` first if ``trusted``.
+
+        The root was resolved: it is opened without following a link at its last
+        step (one put there since is followed only as ``trust.open_root`` follows
+        it).  With ``deleting``, it is reached one folder at a time from ``/``,
+        no link followed on the way but this user's and root's
+        (``trust.open_root``): what is deleted in is then the folder that walk
+        judged, whatever is swapped above it meanwhile.  That costs an open per
+        folder on the way, so only where deleting: a hit opens it as named.
+        """
+        if self._root_refused is not None:
+            raise trust.UntrustedFolder(self._root_refused)
         if trusted:
             self._check_root()
-        return os.open(self.root, _ROOT_FLAGS)
+        if not deleting:
+            try:
+                return os.open(self.root, fsutil.DIR_FLAGS)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+        return trust.open_root(self.root, self.modes if trusted else None)[0]
 
     def _open_chip(self, soc: str, *, create: bool, trusted: bool = True) -> int:
         # Every hit comes here: one open in the common case.  The root is a
-        # resolved path (it may have been a link; nothing below it may be),
-        # and O_NOFOLLOW guards the chip folder itself.
+        # resolved path (each link on its way judged; nothing below it may be
+        # a link), and O_NOFOLLOW guards the chip folder itself.
+        if self._root_refused is not None:
+            raise trust.UntrustedFolder(self._root_refused)
         if trusted:
             self._check_root()
         try:
@@ -1026,21 +1095,29 @@ class LocalStore:
         The folder is renamed into the trash: processes using it see misses,
         never half-deleted entries, and its deletion runs in the background.
         """
-        if not os.path.lexists(self.chip_dir(soc)):
-            return False  # nothing to clear: create nothing either
         from .. import trash  # (not on a hit's start-up)
 
-        trash_fd = self.open_folder("trash")
+        # The root reached without following another user's link, and the chip
+        # folder renamed from that handle: only ever a folder of the root judged.
         try:
-            folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
+            root_fd = self._open_root(deleting=True)
+        except FileNotFoundError:
+            return False  # nothing to clear: create nothing either
+        try:
+            if not fsutil.lexists(soc, root_fd):
+                return False
+            trash_fd = self._open_below(root_fd, ("trash",), create=True)
             try:
-                chip = str(self.chip_dir(soc))
-                return _into_trash(chip, None, trash_fd, folder, later=True) is not None
+                folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
+                try:
+                    return _into_trash(soc, root_fd, trash_fd, folder, later=True) is not None
+                finally:
+                    if folder is not None:
+                        trash.delete_later(trash_fd, *folder)
             finally:
-                if folder is not None:
-                    trash.delete_later(trash_fd, *folder)
+                os.close(trash_fd)
         finally:
-            os.close(trash_fd)
+            os.close(root_fd)
 
     def _unread(self, soc: str, bucket: str, error: OSError, unread: list[str] | None) -> None:
         path = self.chip_dir(soc) / bucket
@@ -1159,14 +1236,32 @@ class LocalStore:
                 for soc in _names(stats_fd)
             )
 
-        removed = clean(partial(self.open_folder, "trash", create=False), trash.sweep)
-        removed += clean(
-            partial(self.open_folder, "tmp", create=False), partial(_remove_abandoned, now=now)
-        )
-        removed += clean(self._open_root, root_temps)
-        for soc in self.chips():
-            removed += clean(partial(self._open_sizes, soc, None, create=False), stale)
-        removed += clean(partial(self.open_folder, "stats", create=False), each_chip_stats)
+        def below(*parts: str) -> int:
+            return self._open_below(root_fd, parts, create=False)
+
+        def sizes(soc: str) -> int:
+            chip_fd = self._open_dir(soc, root_fd, self.root, create=False)
+            try:
+                return self._open_sizes(soc, chip_fd, create=False)
+            finally:
+                os.close(chip_fd)
+
+        # Every folder reached from one handle on the root, reached as it is to
+        # delete in (``_open_root``): never through another user's link.
+        try:
+            root_fd = self._open_root(deleting=True)
+        except OSError as e:
+            log.debug("not cleaning: %s", e)
+            return 0
+        try:
+            removed = clean(partial(below, "trash"), trash.sweep)
+            removed += clean(partial(below, "tmp"), partial(_remove_abandoned, now=now))
+            removed += clean(partial(os.dup, root_fd), root_temps)
+            for soc in self._chips_in(root_fd):
+                removed += clean(partial(sizes, soc), stale)
+            removed += clean(partial(below, "stats"), each_chip_stats)
+        finally:
+            os.close(root_fd)
         return removed
 
 
@@ -1364,9 +1459,9 @@ def _is_chip_name(name: str) -> bool:
     return True
 
 
-def _is_real_dir(path: Path) -> bool:
+def _is_real_dir(name: str, folder_fd: int) -> bool:
     try:
-        return stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode)
+        return stat.S_ISDIR(os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
 
