@@ -24,6 +24,7 @@ from helpers_faults import (
     CHILD_PROLOGUE,
     MEMBER_A,
     MEMBER_B,
+    TEAM_GID,
     listing,
     open_folder,
     requires_root,
@@ -71,6 +72,19 @@ with opcache.OpCache(settings) as cache:
 print(json.dumps({{"statuses": statuses, "warnings": keep.messages}}))
 """
 )
+
+# alice stores an entry in the shared folder.
+_STORE = """
+import json, os
+from opcache.settings import RemoteSettings
+from opcache.storage.entry import make_manifest
+from opcache.storage.folder import connect
+os.mkdir({share!r}, 0o2770)
+os.chmod({share!r}, 0o2770)
+key, files = {key!r}, {{"k.o": b"shared kernel"}}
+r = connect(RemoteSettings("file://{share}", None, False, "opcache:1:", None, 64, 2.0))
+print(json.dumps(r.put({soc!r}, key, make_manifest(key, files, 1.0, {{}}, 0.0), files)))
+"""
 
 
 def _as(uid: int, code: str, groups: tuple[int, ...] = ()) -> Any:
@@ -194,6 +208,31 @@ def test_a_compile_through_another_users_link_runs_uncached_with_one_warning() -
         (warning,) = report["warnings"]
         assert f"{sticky / 'kernel_cache'} is a link of another user's" in warning, warning
         assert listing(project) == before
+
+
+@requires_root
+def test_a_team_members_link_in_place_of_the_shared_folder_is_refused() -> None:
+    """A team's shared folder remote in a folder the team writes: bob, a member, swaps it
+    for a link to alice's project.  Its target's modes (alice's, 0755) made it alice's
+    private cache, and ``remote clear`` emptied her project; now both of alice's
+    ``remote`` commands are refused with one line."""
+    with open_folder() as base:
+        project = _alices_project(base)
+        team = base / "team"
+        team.mkdir()
+        os.chown(team, 0, TEAM_GID)
+        team.chmod(0o2770)
+        share = team / "share"
+        code = _STORE.format(share=str(share), key=KEY, soc=SOC)
+        assert _as(ALICE, code, groups=(TEAM_GID,)) > 0
+        _plant_link(MALLORY, project, share, groups=(TEAM_GID,))
+        before = listing(project)
+        commands = [["remote", "clear"], ["remote", "stats"]]
+        env = {"HOME": str(project.parent), "OPCACHE_REMOTE": f"file://{share}"}
+        said = _as(ALICE, _CLI.format(env=env, commands=commands), groups=(TEAM_GID,))
+        _refused(said, commands, share)
+        assert listing(project) == before
+        assert (team / "share.old" / SOC).is_dir()  # (the team's entries: not touched)
 
 
 @requires_root

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from .. import fsutil
+from .. import fsutil, trust
 from .._log import get_logger
 from ..errors import sentence
 from . import Remote, RemoteCorrupt, RemoteError
@@ -56,20 +56,35 @@ _REFUSED = frozenset((errno.EROFS, errno.EACCES, errno.EPERM))
 
 
 def connect(settings: RemoteSettings) -> FolderRemote:
-    """The shared folder ``settings.url`` (``file:///path``) names."""
+    """The shared folder ``settings.url`` (``file:///path``) names.
+
+    Reached as a cache root is (``trust.resolve_root``): through links of this
+    user's or root's only.  Another user's link on the way (a member's, swapped
+    for the team's folder, leading to a folder of this user's) is refused: its
+    target's modes would make that folder this user's private cache here.
+    """
     path = unquote(urlsplit(settings.url).path)
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise RemoteError(f"{settings.shown_url}: {e.strerror} (mount it or create it)") from None
+    walk = trust.resolve_root(path)
+    if walk.problem is not None:
+        raise RemoteError(f"{settings.shown_url}: {walk.problem}")
+    # The folder's modes as that walk saw them (its last lstat), not a second look.
+    st = walk.folders[-1][1] if walk.folders else None
+    if st is None:
+        try:
+            st = os.stat(walk.path, follow_symlinks=False)  # (what is wrong, said)
+        except OSError as e:
+            raise RemoteError(
+                f"{settings.shown_url}: {e.strerror} (mount it or create it)"
+            ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise RemoteError(f"{settings.shown_url}: not a folder")
-    return FolderRemote(settings, LocalStore(Path(path), modes=_modes(st)))
+    return FolderRemote(settings, LocalStore(Path(walk.path), modes=_modes(st)))
 
 
 def _modes(st: os.stat_result) -> fsutil.Modes:
     """Group-shared modes when the folder is setgid, group-writable and of one of our
-    groups; private ones otherwise."""
+    groups; private ones otherwise.  ``st`` is the folder's own ``lstat``, reached
+    through no other user's link (``connect``)."""
     shared = st.st_mode & stat.S_ISGID and st.st_mode & stat.S_IWGRP
     if shared and st.st_gid in (os.getegid(), *os.getgroups()):
         return fsutil.group_shared(st.st_gid)
