@@ -264,14 +264,16 @@ class CannCache:
         }
 
     def _open_root(self) -> int:
-        # The configured root may itself be a link, as for opcache's own cache.
+        # The configured root may be reached through links, as opcache's own cache is,
+        # but only this user's or root's: it is opened one folder at a time, each link
+        # judged as it is met (trust.open_root).  Another user's link would lead stats,
+        # age and verify --fix into whatever folder of this user's it names.
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = trust.open_root(self.root, self._modes)[0]
         except (FileNotFoundError, NotADirectoryError):
             raise NoCannCache(f"no CANN kernel cache at {self.root}: no such folder") from None
         try:
             trust.check(os.fstat(fd), self._modes, self.root)
-            trust.check_root(self.root, self._modes)
         except BaseException:
             os.close(fd)
             raise

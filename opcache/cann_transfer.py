@@ -968,14 +968,15 @@ class _Chip:
 
     def __init__(self, root: Path, soc: str, modes: fsutil.Modes, *, create: bool) -> None:
         if create:
-            fsutil.makedirs(root, modes)
+            # (made where the links of this user's or root's lead, never another's)
+            fsutil.makedirs(Path(trust.check_root(root, modes)), modes)
         try:
-            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # Reached one folder at a time, each link judged as it is met.
+            root_fd = trust.open_root(root, modes)[0]
         except (FileNotFoundError, NotADirectoryError):
             raise Refused(f"no CANN kernel cache at {root}: no such folder") from None
         try:
             trust.check(os.fstat(root_fd), modes, root)
-            trust.check_root(root, modes)
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(soc, modes.dir_bits, dir_fd=root_fd)
@@ -996,14 +997,25 @@ def _chips(root: Path, soc: str | None) -> tuple[list[str], list[str]]:
     if soc:  # (empty is unset, as every setting)
         return [check_soc_version(soc)], []
     try:
-        with os.scandir(root) as listing:
-            folders = sorted(
-                e.name
-                for e in listing
-                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
-            )
+        # (listed through a handle reached as _Chip reaches it: another user's link on the
+        # way is refused here, not read as the chips of whatever it names)
+        root_fd = trust.open_root(root, None)[0]
+    except trust.UntrustedFolder:
+        raise
     except OSError:
         folders = []
+    else:
+        try:
+            with os.scandir(root_fd) as listing:
+                folders = sorted(
+                    e.name
+                    for e in listing
+                    if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                )
+        except OSError:
+            folders = []
+        finally:
+            os.close(root_fd)
     names, others = [], []
     for name in folders:
         try:

@@ -153,7 +153,15 @@ def _refused(said: list, commands: list[list[str]], link: Path) -> None:
         assert f"{link}" in lines[0] and "is a link of another user's" in lines[0], (args, err)
 
 
-MAINTENANCE = (["clear"], ["verify"], ["age"], ["stats"])
+MAINTENANCE = (
+    ["clear"],
+    ["verify"],
+    ["age"],
+    ["stats"],
+    ["cann", "verify", "--fix"],
+    ["cann", "age"],
+    ["cann", "stats"],
+)
 
 
 @requires_root
@@ -162,7 +170,7 @@ def test_maintenance_never_follows_another_users_link_on_the_roots_way(where: st
     """mallory plants the cache root (or a folder above it) in a folder anyone may write,
     leading into alice's project: each of alice's commands there is refused with one
     line, and her project is as it was (before: ``clear`` said "cleared docs,
-    include, src")."""
+    include, src", ``cann verify --fix`` removed settings.json and api.h)."""
     with open_folder() as base:
         project = _alices_project(base)
         sticky = _sticky(base)
