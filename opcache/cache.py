@@ -370,8 +370,13 @@ class OpCache:
             log.warning("the counters of %s are left as they were: %s", soc, chip.unwritten)
 
     def clear(self, soc_version: str | None = None) -> list[str]:
-        """Delete every entry (of one chip, or of all); returns the chips cleared."""
-        return [soc for soc in self._chips(soc_version) if self._folders.clear(soc)]
+        """Delete every entry (of one chip, or of all); returns the chips cleared.
+
+        Only in a folder that holds a cache: its ``.opcache`` folder, trusted
+        (FileNotFoundError, UntrustedFolder; ``LocalStore.clear_chip``).
+        """
+        chips = self._chips(soc_version)
+        return [soc for soc in chips if self._folders.clear(soc, only_in_a_cache=True)]
 
     def stats(self, soc_version: str | None = None) -> dict[str, Any]:
         """Counters and sizes per chip and in total (see docs/how-it-works.md, 'Stats')."""

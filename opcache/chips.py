@@ -125,12 +125,13 @@ class ChipFolders:
                     )
         self._age_safely(soc)
 
-    def clear(self, soc: str) -> bool:
-        """Delete a chip's entries and their explanations; True if there was a folder."""
+    def clear(self, soc: str, *, only_in_a_cache: bool = False) -> bool:
+        """Delete a chip's entries and their explanations; True if there was a folder
+        (``only_in_a_cache``: see ``LocalStore.clear_chip``)."""
         from . import explain
 
         explain.forget(self._store, soc)
-        return self._store.clear_chip(soc)
+        return self._store.clear_chip(soc, only_in_a_cache=only_in_a_cache)
 
     def _ensure_ini(self) -> None:
         """op_cache.ini where CANN keeps it, when missing: with the installed toolkit's

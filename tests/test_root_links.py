@@ -32,6 +32,7 @@ from helpers_faults import (
 )
 
 from opcache import trust
+from opcache.cli import main
 from opcache.storage.entry import make_manifest
 from opcache.storage.local import LocalStore
 
@@ -317,6 +318,40 @@ def test_links_of_ones_own_and_of_roots_are_followed() -> None:
                 assert (target / "kernel_cache" / ".opcache").is_dir()
             else:
                 assert (target / "disk" / "kernel_cache" / ".opcache").is_dir()
+
+
+# -- without other users ---------------------------------------------------------------
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_clear_deletes_only_in_a_folder_that_holds_a_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named by mistake (a project, a home) holds folders named as chips may be,
+    but no ``.opcache``, which every cache opcache stored in holds: ``clear`` and
+    ``remote clear`` delete nothing there and say why (before: "cleared docs, src")."""
+    root = tmp_path / "ops" / "kernel_cache"
+    for name in ("src", "docs"):
+        (root / name).mkdir(parents=True)
+        (root / name / "mine.txt").write_text("mine\n")
+    before = listing(root)
+    status, out, err = _run(capsys, "clear", "--op_compiler_cache_dir", str(tmp_path / "ops"))
+    assert (status, out) == (1, "")
+    assert err == (
+        f"opcache: error: no cache in {root}: it holds no .opcache folder, as every cache "
+        "opcache has stored in does, so nothing in it is cleared\n"
+    )
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("OPCACHE_REMOTE", f"file://{root}")
+    status, out, err = _run(capsys, "remote", "clear")
+    assert (status, out) == (1, "")
+    assert err.startswith(f"opcache: error: file://{root}: no cache in {root}: "), err
+    assert listing(root) == before
 
 
 # -- the walk itself ---------------------------------------------------------------------

@@ -195,7 +195,7 @@ class FolderRemote(Remote):
             self._store.clean_leftovers(time.time())
             for chip in self._chips(soc):
                 count = sum(1 for _ in self._store.scan(chip))
-                if self._store.clear_chip(chip):
+                if self._store.clear_chip(chip, only_in_a_cache=True):
                     removed += count
         except OSError as e:
             raise RemoteError(f"{self.where}: {sentence(e)}") from None

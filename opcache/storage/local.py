@@ -1089,11 +1089,17 @@ class LocalStore:
                 raise
             log.debug("the chip folder %s was deleted meanwhile; not counted", soc)
 
-    def clear_chip(self, soc: str) -> bool:
+    def clear_chip(self, soc: str, *, only_in_a_cache: bool = False) -> bool:
         """Remove a whole chip folder at once; True if there was one.
 
         The folder is renamed into the trash: processes using it see misses,
         never half-deleted entries, and its deletion runs in the background.
+        ``only_in_a_cache`` (maintenance: ``opcache clear``, ``remote clear``):
+        only where the root holds ``.opcache``, which every cache opcache has
+        stored in holds, trusted (FileNotFoundError, UntrustedFolder): a chip
+        folder is any folder named as a chip may be (``src``, ``docs``), so a
+        root that is no cache (a project, a home, named by mistake) is left
+        alone.  (A compile's ``force`` clears before its first store.)
         """
         from .. import trash  # (not on a hit's start-up)
 
@@ -1106,6 +1112,8 @@ class LocalStore:
         try:
             if not fsutil.lexists(soc, root_fd):
                 return False
+            if only_in_a_cache:
+                self._check_bookkeeping(root_fd)
             trash_fd = self._open_below(root_fd, ("trash",), create=True)
             try:
                 folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
@@ -1118,6 +1126,18 @@ class LocalStore:
                 os.close(trash_fd)
         finally:
             os.close(root_fd)
+
+    def _check_bookkeeping(self, root_fd: int) -> None:
+        """FileNotFoundError unless the root open as ``root_fd`` holds ``.opcache``;
+        UntrustedFolder unless it is a folder that passes the trust rule."""
+        try:
+            os.close(self._open_dir(BOOKKEEPING, root_fd, self.root, create=False))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"no cache in {self.root}: it holds no {BOOKKEEPING} folder, as every "
+                "cache opcache has stored in does, so nothing in it is cleared",
+            ) from None
 
     def _unread(self, soc: str, bucket: str, error: OSError, unread: list[str] | None) -> None:
         path = self.chip_dir(soc) / bucket
