@@ -31,6 +31,7 @@ from .settings import (
     cache_settings,
     resolve_settings,
 )
+from .storage.cann_names import is_cann_chip
 from .storage.local import BOOKKEEPING
 
 
@@ -141,14 +142,17 @@ def _open_cache(args: argparse.Namespace) -> OpCache:
 
 
 def _holds_a_cache(root: Path) -> bool:
-    """True when ``root`` has op_cache.ini, opcache's bookkeeping or a chip folder;
-    OSError when it is there but cannot be listed."""
+    """True when ``root`` has op_cache.ini, opcache's bookkeeping or a chip folder (a
+    real folder named as a chip is: ``src`` is, ``lost+found`` is not); OSError
+    when it is there but cannot be listed."""
     try:
         entries = list(os.scandir(root))
     except (FileNotFoundError, NotADirectoryError):
         return False
     return any(
-        e.name in (INI_NAME, BOOKKEEPING) or (not e.name.startswith(".") and e.is_dir())
+        e.name in (INI_NAME, BOOKKEEPING)
+        or _is_chip_folder(e)
+        or (is_cann_chip(e.name) and e.is_dir(follow_symlinks=False))  # (a shared folder's)
         for e in entries
     )
 

@@ -13,6 +13,7 @@ run as alice.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -352,6 +353,40 @@ def test_clear_deletes_only_in_a_folder_that_holds_a_cache(
     assert (status, out) == (1, "")
     assert err.startswith(f"opcache: error: file://{root}: no cache in {root}: "), err
     assert listing(root) == before
+
+
+def test_a_root_with_only_folders_named_as_no_chip_holds_no_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ops" / "kernel_cache"
+    (root / "lost+found").mkdir(parents=True)
+    (root / "notes by alice").mkdir()
+    for command in ("stats", "clear"):
+        status, out, err = _run(capsys, command, "--op_compiler_cache_dir", str(tmp_path / "ops"))
+        assert (status, out) == (1, "")
+        assert err.startswith(f"opcache: error: no cache in {root} (from "), err
+
+
+def test_cann_leaves_folders_named_as_no_chip_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lost+found`` of a CANN root on its own file system is no chip folder: ``cann
+    verify --fix`` removed what it held as orphans."""
+    from helpers_cann import kernel_name, store_entry, write_ini
+
+    root = tmp_path / "atc" / "kernel_cache"
+    write_ini(root)
+    store_entry(root / SOC, kernel_name("Add", "k"), b"kernel")
+    lost = root / "lost+found" / "te_add_0.o"
+    lost.parent.mkdir()
+    lost.write_bytes(b"found after fsck")
+    os.utime(lost, (time.time() - 7200, time.time() - 7200))
+    status, out, err = _run(
+        capsys, "cann", "verify", "--fix", "--json", "--op_compiler_cache_dir", str(root.parent)
+    )
+    assert (status, err) == (0, "")
+    assert list(json.loads(out)["chips"]) == [SOC]
+    assert lost.read_bytes() == b"found after fsck"
 
 
 # -- the walk itself ---------------------------------------------------------------------
