@@ -94,6 +94,9 @@ class ChipFolders:
                 return soc not in self._unusable
             try:
                 if not self._ready:
+                    # Nothing made, nor op_cache.ini written, through another user's
+                    # link on the root's way (UntrustedFolder: the compile goes on).
+                    self._store.check_root()
                     # The root gets the cache's folder mode (0750), not mkdir's default.
                     fsutil.makedirs(self._store.root, self._store.modes)
                     self._ensure_ini()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_cache import SOC
+from helpers_cache import SOC, toolkit_env
 from helpers_faults import (
     CHILD_PROLOGUE,
     MEMBER_A,
@@ -64,7 +64,7 @@ _COMPILE = (
     + """
 settings = opcache.resolve_settings(
     op_compiler_cache_mode="enable", op_compiler_cache_dir={cache_dir!r},
-    environ={{"HOME": {home!r}}},
+    environ={{"HOME": {home!r}, **{env!r}}},
 )
 compiler = h.ToyCompiler({calls!r})
 statuses = []
@@ -196,14 +196,22 @@ def test_maintenance_never_follows_another_users_link_on_the_roots_way(where: st
 
 
 @requires_root
-def test_a_compile_through_another_users_link_runs_uncached_with_one_warning() -> None:
+@pytest.mark.parametrize("where", ["root", "above"])
+def test_a_compile_through_another_users_link_runs_uncached_with_one_warning(where: str) -> None:
     """The compile path refuses the same root: one warning, the compile runs without the
-    cache, and nothing is written into alice's project (before: its entry was stored
-    there, and a hit served from it)."""
+    cache, and nothing is written into alice's project, with a toolkit whose versions
+    op_cache.ini would be made with (before: its entry was stored there, and a hit
+    served from it; a root not there below the link was made there)."""
     with open_folder() as base:
         project = _alices_project(base)
         sticky = _sticky(base)
-        _plant_link(MALLORY, project, sticky / "kernel_cache")
+        if where == "root":
+            link = sticky / "kernel_cache"
+            _plant_link(MALLORY, project, link)
+            cache_dir = sticky
+        else:  # (the root would be src/kernel_cache: not there)
+            link = cache_dir = sticky / "alices"
+            _plant_link(MALLORY, project / "src", link)
         before = listing(project)
         calls, out = base / "calls", base / "out"
         calls.touch(mode=0o666)
@@ -211,12 +219,16 @@ def test_a_compile_through_another_users_link_runs_uncached_with_one_warning() -
         out.mkdir()
         out.chmod(0o777)
         code = _COMPILE.format(
-            cache_dir=str(sticky), home=str(project.parent), calls=str(calls), out=str(out)
+            cache_dir=str(cache_dir),
+            home=str(project.parent),
+            env=toolkit_env(base),
+            calls=str(calls),
+            out=str(out),
         )
         report = _as(ALICE, code)
         assert report["statuses"] == ["miss", "miss"]
         (warning,) = report["warnings"]
-        assert f"{sticky / 'kernel_cache'} is a link of another user's" in warning, warning
+        assert f"{link}" in warning and "is a link of another user's" in warning, warning
         assert listing(project) == before
 
 
@@ -304,7 +316,7 @@ def test_links_of_ones_own_and_of_roots_are_followed() -> None:
         out.chmod(0o777)
         for cache_dir, target in ((alice / "ops", alice / "big"), (base / "data", search_only)):
             code = _COMPILE.format(
-                cache_dir=str(cache_dir), home=str(alice), calls=str(calls), out=str(out)
+                cache_dir=str(cache_dir), home=str(alice), env={}, calls=str(calls), out=str(out)
             )
             report = _as(ALICE, code)
             assert report == {"statuses": ["miss", "hit"], "warnings": []}, cache_dir
