@@ -12,6 +12,7 @@ import errno
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 from ._record import Record
@@ -93,6 +94,7 @@ def absolute(path: str | os.PathLike[str]) -> str:
 
 def makedirs(path: Path, modes: Modes) -> None:
     """Create ``path`` and missing parents with the cache's folder mode."""
+    since = time.time_ns()
     try:
         os.mkdir(path, modes.dir_bits)
     except FileExistsError:
@@ -103,17 +105,109 @@ def makedirs(path: Path, modes: Modes) -> None:
             os.mkdir(path, modes.dir_bits)
         except FileExistsError:
             return
-    fix_new_dir(path, modes)
-
-
-def fix_new_dir(path: Path | str, modes: Modes, dir_fd: int | None = None) -> None:
-    """Give a folder this process just made its group and exact bits (group-shared only)."""
     if modes.group is None:
         return
     with contextlib.suppress(OSError):
-        os.chown(path, -1, modes.group, dir_fd=dir_fd, follow_symlinks=False)
+        fd = open_made(path, since=since)
+        if fd is not None:
+            try:
+                fix_new_folder(fd, modes)
+            finally:
+                os.close(fd)
+
+
+def make_folder(
+    path: Path | str, bits: int, dir_fd: int | None = None, *, warn: bool = True
+) -> int | None:
+    """Make the folder ``path`` (relative to ``dir_fd`` if given) and open it: a handle on
+    that very folder (``open_made``), or None if another was put in its place first.
+
+    FileExistsError if the name is taken.  What is done to a folder made for
+    opcache's own work (its group and bits set, its removal) goes through the
+    handle: whoever may write beside it may rename it away and put another
+    folder (one of yours from beside it) under its name at any moment.
+    ``warn``: False where the caller reports a None itself.
+    """
+    since = time.time_ns()
+    os.mkdir(path, bits, dir_fd=dir_fd)
+    return open_made(path, dir_fd, since=since, warn=warn)
+
+
+def open_made(
+    path: Path | str,
+    dir_fd: int | None = None,
+    *,
+    since: int,
+    warn: bool = True,
+) -> int | None:
+    """A handle on the folder this process made at ``path`` at ``since``
+    (``time.time_ns()`` taken before the mkdir), or None (a warning said so)
+    when what is there now is not it; FileNotFoundError if it is gone.
+
+    mkdir tells nothing of what it made, so the folder opened (never through a
+    link) is taken for it only if it is this user's, and empty, or holds only
+    what was made or moved there since (another process of the cache's
+    filling a chip folder both made at once).  A folder someone who may write
+    beside it renamed into its place between the mkdir and the open is another
+    user's, or holds what was there before: it is left alone.  (An empty
+    folder of yours would pass: nothing is in it to lose or to show.)
+    """
+    try:
+        fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        swapped(path, dir_fd, warn)  # a link or a file in its place
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid():
+            names = os.listdir(fd)
+            fresh = _changed_since(st.st_mtime_ns, st, since)  # (not its ctime: a rename)
+            if not names or (fresh and _all_since(fd, names, since)):
+                return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    swapped(path, dir_fd, warn)
+    return None
+
+
+def _all_since(fd: int, names: list[str], since: int) -> bool:
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not written_since(st, since):
+            return False
+    return True
+
+
+def swapped(path: Path | str, dir_fd: int | None, warn: bool = True) -> None:
+    """Say (a warning, else at debug level) that a folder this process made has another
+    folder in its place."""
+    from ._log import get_logger  # (only when it happens)
+
+    log = get_logger(__name__)
+    (log.warning if warn else log.debug)(
+        "%s is not the folder opcache made there: another was put in its place, "
+        "left as it is (someone who may write in the folder above renamed it)",
+        shown_path(path, dir_fd),
+    )
+
+
+def fix_new_folder(fd: int, modes: Modes) -> None:
+    """Give the folder open as ``fd``, one this process just made (``make_folder``),
+    its group and exact bits (group-shared only): through the handle, never by a
+    name another folder may have been put under meanwhile."""
+    if modes.group is None:
+        return
+    with contextlib.suppress(OSError):
+        os.fchown(fd, -1, modes.group)
         # mkdir applies the umask and may drop setgid: set the bits exactly.
-        os.chmod(path, modes.dir_bits, dir_fd=dir_fd, follow_symlinks=False)
+        os.fchmod(fd, modes.dir_bits)
 
 
 def unique_name(label: str) -> str:
@@ -414,10 +508,16 @@ def written_since(st: os.stat_result, started_ns: int) -> bool:
     mode changed) at or after ``started_ns`` (``time.time_ns()``): its mtime or
     ctime is that late, give or take what the file system's times can tell
     apart."""
+    return _changed_since(max(st.st_mtime_ns, st.st_ctime_ns), st, started_ns)
+
+
+def _changed_since(time_ns: int, st: os.stat_result, started_ns: int) -> bool:
+    """Whether ``time_ns``, one of ``st``'s times, is at or after ``started_ns``, give or
+    take what the file system's times can tell apart."""
     second = 1_000_000_000
     whole = not st.st_mtime_ns % second and not st.st_ctime_ns % second
     lag = _SECONDS_LAG_NS if whole else CLOCK_LAG_NS
-    return max(st.st_mtime_ns, st.st_ctime_ns) >= started_ns - lag
+    return time_ns >= started_ns - lag
 
 
 def open_regular(

@@ -45,15 +45,15 @@ def new_folder(trash_fd: int, label: str, modes: fsutil.Modes) -> tuple[str, int
     for _ in range(_ATTEMPTS):
         name = fsutil.unique_name(label)
         try:
-            os.mkdir(name, modes.dir_bits, dir_fd=trash_fd)
+            fd = fsutil.make_folder(name, modes.dir_bits, trash_fd)
         except FileExistsError:
             continue  # not ours
-        # A group-shared cache's members sweep each other's.
-        fsutil.fix_new_dir(name, modes, dir_fd=trash_fd)
-        try:
-            fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=trash_fd)
         except FileNotFoundError:
             continue  # a sweep took it before we could lock it
+        if fd is None:
+            continue  # a member put another folder in its place: left as it is
+        # A group-shared cache's members sweep each other's.
+        fsutil.fix_new_folder(fd, modes)
         try:
             # Never waited for: another member may open and lock a folder the
             # moment it exists, and hold it as long as it likes.

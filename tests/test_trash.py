@@ -189,14 +189,15 @@ def test_a_trash_folder_another_locks_before_we_do_is_left_to_them(
     trash_dir = store.folder("trash")
     trash_fd = store.open_folder("trash")
     ready = tmp_path / "ready"
-    real_fix = trash.fsutil.fix_new_dir
+    real_fix = trash.fsutil.fix_new_folder
     holders: list[subprocess.Popen[bytes]] = []
     first: list[str] = []
 
-    def fix_new_dir(name: str, modes: fsutil.Modes, dir_fd: int | None = None) -> None:
-        real_fix(name, modes, dir_fd=dir_fd)
+    def fix_new_folder(fd: int, modes: fsutil.Modes) -> None:
+        real_fix(fd, modes)
         if holders:
             return
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
         first.append(name)
         holders.append(
             subprocess.Popen(
@@ -218,7 +219,7 @@ def test_a_trash_folder_another_locks_before_we_do_is_left_to_them(
             assert time.monotonic() < deadline, "the holder never took its lock"
             time.sleep(0.01)
 
-    monkeypatch.setattr(trash.fsutil, "fix_new_dir", fix_new_dir)
+    monkeypatch.setattr(trash.fsutil, "fix_new_folder", fix_new_folder)
     try:
         started = time.monotonic()
         made = trash.new_folder(trash_fd, "batch", store.modes)

@@ -74,6 +74,8 @@ _COUNT_EVERY = 64
 TRASH_FOLDER_ENTRIES = 50_000
 # Times a store starts over when force or clear deletes the chip folder under it.
 _PUBLISH_ATTEMPTS = 8
+# Said of a folder made whose name holds another (left as it is) by the time it is opened.
+_NOT_MADE = "is not the folder opcache made there: another was put in its place, left as it is"
 
 
 # (root, chip) -> the thread whose recount holds that chip's counting lock.
@@ -686,7 +688,7 @@ class LocalStore:
         tmp_fd = self.open_folder("tmp")
         workdir = new_build_folder(self.tmp_dir, key, self.modes.dir_bits, tmp_fd)
         try:
-            fsutil.fix_new_dir(workdir.path.name, self.modes, dir_fd=tmp_fd)
+            fsutil.fix_new_folder(workdir.fd, self.modes)
             yield workdir
         finally:
             try:
@@ -728,10 +730,11 @@ class LocalStore:
         with self._new_workdir("batch") as workdir:
             sizes = []
             for key, manifest, files in entries:
-                os.mkdir(key, self.modes.dir_bits, dir_fd=workdir.fd)
-                fsutil.fix_new_dir(key, self.modes, dir_fd=workdir.fd)
-                entry_fd = os.open(key, fsutil.DIR_FLAGS, dir_fd=workdir.fd)
+                entry_fd = fsutil.make_folder(key, self.modes.dir_bits, workdir.fd, warn=False)
+                if entry_fd is None:  # (a member's folder put in its place: it is left)
+                    raise trust.UntrustedFolder(f"{workdir.path}/{key} {_NOT_MADE}")
                 try:
+                    fsutil.fix_new_folder(entry_fd, self.modes)
                     sizes.append(self._write_entry(entry_fd, manifest, files, now))
                 finally:
                     os.close(entry_fd)
@@ -1056,17 +1059,22 @@ class LocalStore:
         except FileNotFoundError:
             if not create:
                 raise
-            # Made only when missing: an open is cheaper than a failing mkdir.
-            try:
-                os.mkdir(name, self.modes.dir_bits, dir_fd=parent_fd)
-                fsutil.fix_new_dir(name, self.modes, dir_fd=parent_fd)
-            except FileExistsError:
-                pass
-            return self._open_dir(name, parent_fd, parent, create=False, trusted=trusted)
+            fd = None  # made below: an open is cheaper than a failing mkdir
         except OSError as e:
             if e.errno in (errno.ENOTDIR, errno.ELOOP) and fsutil.lexists(name, parent_fd):
                 raise trust.UntrustedFolder(f"{parent}/{name} is a link or a file") from None
             raise
+        if fd is None:
+            try:
+                fd = fsutil.make_folder(name, self.modes.dir_bits, parent_fd, warn=False)
+            except FileExistsError:  # (made by another meanwhile)
+                return self._open_dir(name, parent_fd, parent, create=False, trusted=trusted)
+            if fd is None:
+                # Another folder was put in place of the one made, between the mkdir and
+                # the open (by a member who may write in the folder above): neither
+                # changed nor used.
+                raise trust.UntrustedFolder(f"{parent}/{name} {_NOT_MADE}")
+            fsutil.fix_new_folder(fd, self.modes)
         return self._trusted(fd, parent, name) if trusted else fd
 
     def _count(
@@ -1343,6 +1351,10 @@ class Workdir:
             os.close(self.parent_fd)
 
 
+# Times a new build folder is made again when another is put in its place at once.
+_BUILD_TRIES = 8
+
+
 def new_build_folder(
     parent: Path, label: str, dir_bits: int, parent_fd: int | None = None
 ) -> Workdir:
@@ -1354,10 +1366,14 @@ def new_build_folder(
     """
     if parent_fd is None:
         parent_fd = os.open(parent, _ROOT_FLAGS)
-    name = fsutil.unique_name(f"{label}.{_HOST}")
     try:
-        os.mkdir(name, dir_bits, dir_fd=parent_fd)
-        fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=parent_fd)
+        for _ in range(_BUILD_TRIES):
+            name = fsutil.unique_name(f"{label}.{_HOST}")
+            fd = fsutil.make_folder(name, dir_bits, parent_fd)
+            if fd is not None:
+                break
+        else:
+            raise OSError(errno.EAGAIN, "other folders keep being put in place of new ones", parent)
     except BaseException:
         os.close(parent_fd)
         raise
