@@ -126,11 +126,18 @@ def make_folder(
     opcache's own work (its group and bits set, its removal) goes through the
     handle: whoever may write beside it may rename it away and put another
     folder (one of yours from beside it) under its name at any moment.
-    ``warn``: False where the caller reports a None itself.
+    ``bits`` with the sticky bit (``MARK``): the folder keeps it, and it tells
+    the folder made from one put in its place without listing it.  ``warn``:
+    False where the caller reports a None itself.
     """
     since = time.time_ns()
     os.mkdir(path, bits, dir_fd=dir_fd)
-    return open_made(path, dir_fd, since=since, warn=warn)
+    return open_made(path, dir_fd, since=since, marked=bool(bits & MARK), warn=warn)
+
+
+# The sticky bit, which mkdir keeps: on a private folder it changes nothing (only
+# its owner may write in it anyway), and no folder of yours has it unless you set it.
+MARK = stat.S_ISVTX
 
 
 def open_made(
@@ -138,6 +145,7 @@ def open_made(
     dir_fd: int | None = None,
     *,
     since: int,
+    marked: bool = False,
     warn: bool = True,
 ) -> int | None:
     """A handle on the folder this process made at ``path`` at ``since``
@@ -145,12 +153,14 @@ def open_made(
     when what is there now is not it; FileNotFoundError if it is gone.
 
     mkdir tells nothing of what it made, so the folder opened (never through a
-    link) is taken for it only if it is this user's, and empty, or holds only
-    what was made or moved there since (another process of the cache's
-    filling a chip folder both made at once).  A folder someone who may write
-    beside it renamed into its place between the mkdir and the open is another
-    user's, or holds what was there before: it is left alone.  (An empty
-    folder of yours would pass: nothing is in it to lose or to show.)
+    link) is taken for it only if it is this user's and, made with ``MARK``
+    (``marked``), has it and was written since (no listing: a wrap hit's
+    staging folder), or else is empty or holds only what was made or moved
+    there since (another process of the cache's filling a chip folder both
+    made at once).  A folder someone who may write beside it renamed into its
+    place between the mkdir and the open is another user's, or holds what was
+    there before: it is left alone.  (An empty folder of yours would pass:
+    nothing is in it to lose or to show.)
     """
     try:
         fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
@@ -162,8 +172,12 @@ def open_made(
     try:
         st = os.fstat(fd)
         if st.st_uid == os.geteuid():
+            # (its mtime, not its ctime, which a rename moves)
+            if marked and st.st_mode & MARK and _changed_since(st.st_mtime_ns, st, since):
+                return fd
+            # (without the mark: a file system that drops the sticky bit, or no mark asked)
             names = os.listdir(fd)
-            fresh = _changed_since(st.st_mtime_ns, st, since)  # (not its ctime: a rename)
+            fresh = _changed_since(st.st_mtime_ns, st, since)
             if not names or (fresh and _all_since(fd, names, since)):
                 return fd
     except BaseException:
@@ -295,16 +309,17 @@ def remove_folder(
     have emptied it too (``_may_empty``), else left as it is: a member of a
     group-shared cache who moves another member's private folder in (from a
     team folder both write) must not get it deleted by someone who can.
-    ``ours``: the folder is one the caller made (and checked is still in its
-    place): only what is in it is judged so.
+    ``ours``: the folder is one the caller made, or proved its own through
+    ``fd``: only what is in it is judged so.  The name ``path`` is removed at
+    the end only if it still holds the folder ``fd`` is.
     """
     size = 0
+    top = os.fstat(fd)
     if not ours:
         try:
             above = os.fstat(dir_fd) if dir_fd is not None else os.stat(_parent(path))
         except OSError:
             above = None
-        top = os.fstat(fd)
         if above is not None and not (_may_empty(top, above) or _moved_by_its_owner(top)):
             _left(path)
             return 0
@@ -349,8 +364,60 @@ def remove_folder(
             _rmdir(name, cur)
     finally:
         os.close(cur)
-    _rmdir(path, dir_fd)
+    # By name (a folder cannot be removed through a handle), and only if the name
+    # still holds the folder emptied: another may have been put in its place.
+    if _still_there(path, dir_fd, top):
+        _rmdir(path, dir_fd)
     return size
+
+
+def remove_made(path: Path | str, fd: int, dir_fd: int | None = None) -> bool:
+    """Delete the folder this process made at ``path`` (relative to ``dir_fd`` if given)
+    and holds open as ``fd`` (``make_folder``), if the name still holds it; False
+    (a warning said so) if another folder is in its place, which is left as it is.
+
+    Emptied through ``fd`` (``remove_folder``), where only what is in it is
+    judged.  A name that holds nothing any more (the folder was published
+    under another, or removed) is left as it is too.
+    """
+    try:
+        there = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in GONE:
+            return True
+        raise
+    if _identity(there) != _identity(os.fstat(fd)):
+        swapped(path, dir_fd)
+        return False
+    # (between that look and this rmdir, microseconds, an empty folder put in
+    # its place would go: there is no removing a folder through a handle)
+    try:
+        os.rmdir(path, dir_fd=dir_fd)  # (left empty, as a hit leaves it: one call)
+    except OSError as e:
+        if e.errno not in GONE:
+            remove_folder(fd, path, dir_fd, ours=True)
+    return True
+
+
+def holds(path: Path | str, fd: int, dir_fd: int | None = None) -> bool:
+    """Whether the name ``path`` (relative to ``dir_fd`` if given) still holds the
+    folder open as ``fd``, not one put in its place."""
+    try:
+        there = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return _identity(there) == _identity(os.fstat(fd))
+
+
+def _still_there(path: Path | str, dir_fd: int | None, folder: os.stat_result) -> bool:
+    try:
+        there = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    if _identity(there) == _identity(folder):
+        return True
+    _left(path, "another folder is in its place")
+    return False
 
 
 def _may_empty(folder: os.stat_result, parent: os.stat_result) -> bool:
@@ -382,12 +449,10 @@ def _parent(path: Path | str) -> str:
     return os.path.dirname(os.path.normpath(path)) or "."
 
 
-def _left(name: Path | str) -> None:
+def _left(name: Path | str, why: str = "whoever could put it there could not empty it") -> None:
     from ._log import get_logger  # (only when something is left)
 
-    get_logger(__name__).debug(
-        "not deleting %s: whoever could put it there could not empty it", name
-    )
+    get_logger(__name__).debug("not deleting %s: %s", name, why)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:

@@ -323,34 +323,53 @@ def run(
         if settings is None:
             return run_plain(argv, run_env)
     staging = _staging_path(plan)
+    made: list[int] = []
     try:
         try:
             staging.parent.mkdir(parents=True, exist_ok=True)  # opc makes its --output folder
-            staging.mkdir(mode=0o700)
+            _make_staging(staging, made)
         except OSError as e:
             # An output folder opcache cannot write in: the compiler says so best.
             reason = f"cannot write in the output folder: {e.strerror or e}"
             return _run_uncacheable(argv, run_env, base, reason)
-        return _run_planned(argv, plan, kind, settings, run_env, staging)
+        return _run_planned(argv, plan, kind, settings, run_env, staging, made[0])
     finally:
-        _remove_staging(staging)
+        _remove_staging(staging, made)
 
 
-def _remove_staging(staging: Path) -> None:
-    """Delete the staging folder (made, even if a Ctrl-C came before mkdir returned).
+def _make_staging(staging: Path, made: list[int]) -> None:
+    """Make the staging folder and put the handle on it in ``made`` (OSError if it
+    cannot be made, or another folder was put in its place at once).
+
+    Held as a handle from its mkdir on: whoever may write in the output folder
+    may rename it away and put another folder (one of yours from beside it)
+    under its name at any moment, and that one must not be emptied.  A Ctrl-C
+    is held off meanwhile, so that a folder made is never left unknown.
+    """
+    held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
+    try:
+        fd = fsutil.make_folder(staging, 0o700 | fsutil.MARK)  # (known without a listing)
+        if fd is None:
+            raise OSError(f"another folder was put in place of {staging}")
+        made.append(fd)
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, held)
+
+
+def _remove_staging(staging: Path, made: list[int]) -> None:
+    """Delete the staging folder, if it was made (``made``: its handle) and its name
+    still holds it; a folder put in its place is left as it is (a warning says so).
 
     A Ctrl-C is held off meanwhile: raised half way, it would leave the folder
     behind in the user's output folder.  It is raised once the folder is gone.
     """
+    if not made:
+        return
     held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
     try:
-        try:
-            os.rmdir(staging)  # a hit's restore left it empty: no listing, one call
-        except FileNotFoundError:
-            pass
-        except OSError:  # not empty, or not a folder (then the link goes, not its target)
-            fsutil.remove_tree(staging, ours=True)
+        fsutil.remove_made(staging, made[0])  # (a hit's restore left it empty: one rmdir)
     finally:
+        os.close(made[0])
         _signal.pthread_sigmask(_signal.SIG_SETMASK, held)
 
 
@@ -373,6 +392,7 @@ def _run_planned(
     settings: Settings,
     env: Mapping[str, str],
     staging: Path,
+    staging_fd: int,
 ) -> int:
     compiler = _WrappedCommand(plan, kind, env)
     # One wrap per compile command: force clears once per build, not per command.
@@ -388,18 +408,26 @@ def _run_planned(
     ):
         try:
             if plan.trace is not None:
-                result = plan.trace.compile(cache, compiler, staging)
+                result = plan.trace.compile(cache, compiler, staging, staging_fd)
             else:
                 result = cache.compile(plan.request, compiler, staging)
         except _ToolFailed as e:
             failed = e
         except _Unproven as e:
-            result = _unstored(cache, plan.request.soc_version, str(e), e, staging, 0.0)
+            result = _unstored(
+                cache, plan.request.soc_version, str(e), e, (staging, staging_fd), 0.0
+            )
         except _AsIs as e:
             cache.record_uncacheable(plan.request.soc_version, f"{kind}: {e}")
             as_is = e
     if as_is is not None:
         log.info("not stored (%s): running the command as it is", as_is)
+        return run_plain(argv, env)
+    if not fsutil.holds(staging, staging_fd):
+        # Another folder was put under its name (one of yours from beside it): nothing
+        # is taken from it (its removal, left, says so), and the command, which wrote
+        # into it by its name, may have failed for that.
+        log.info("the staging folder %s was moved: running the command", staging)
         return run_plain(argv, env)
     if failed is not None:
         log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
@@ -872,14 +900,24 @@ class _Unproven(Exception):
 
 
 def _unstored(
-    cache: OpCache, soc: str, reason: str, made: _Unproven, staging: Path, seconds: float
+    cache: OpCache,
+    soc: str,
+    reason: str,
+    made: _Unproven,
+    staging: tuple[Path, int],
+    seconds: float,
 ) -> CompileResult:
-    """What a compile made that is not to be stored, in ``staging``; counted as uncacheable."""
+    """What a compile made that is not to be stored, in the staging folder (its path and
+    handle: written through the handle, never into a folder put under its name);
+    counted as uncacheable."""
     cache.record_uncacheable(soc, reason)
+    folder, fd = staging
     files = {}
     for name, data in made.files.items():
-        (staging / name).write_bytes(data)
-        files[name] = staging / name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        with open(os.open(name, flags, 0o666, dir_fd=fd), "wb") as f:
+            f.write(data)
+        files[name] = folder / name
     return CompileResult("miss", "", files, seconds, str(made))
 
 
@@ -913,7 +951,9 @@ class _OpcTrace:
     def request(self, reads: ReadSet | None) -> OpRequest:
         return self._make_request(reads.digest if reads is not None else "unknown")
 
-    def compile(self, cache: OpCache, command: _WrappedCommand, staging: Path) -> CompileResult:
+    def compile(
+        self, cache: OpCache, command: _WrappedCommand, staging: Path, staging_fd: int
+    ) -> CompileResult:
         import time
 
         known = self.memo.matching(self.memo_key)
@@ -925,9 +965,8 @@ class _OpcTrace:
             return done.result
         except _Unproven as e:
             seconds = time.perf_counter() - started
-            return _unstored(
-                cache, self.request(None).soc_version, f"opc: {e}", e, staging, seconds
-            )
+            soc = self.request(None).soc_version
+            return _unstored(cache, soc, f"opc: {e}", e, (staging, staging_fd), seconds)
 
 
 class _TracedCommand:

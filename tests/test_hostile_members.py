@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from helpers_faults import (
     requires_root,
     run_as,
 )
+from helpers_wrap import GCC
 
 from opcache import fsutil
 
@@ -81,6 +83,93 @@ os.rename(folder / private, folder / name)
 go.write_text(name)
 print(json.dumps(name))
 """
+
+# ------------------------------------------------ wrap's staging folder (bug: emptied)
+
+# A gcc that, when it compiles into opcache's staging folder, says so and waits.
+SLOW_GCC = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        char *at = strstr(argv[i], "/.opcache-wrap.");
+        if (at == NULL)
+            continue;
+        char name[256];
+        snprintf(name, sizeof name, "%s", at + 1);
+        char *slash = strchr(name, '/');
+        if (slash != NULL)
+            *slash = 0;
+        FILE *f = fopen(getenv("SWAP_READY"), "w");
+        fputs(name, f);
+        fclose(f);
+        while (access(getenv("SWAP_GO"), F_OK) != 0)
+            usleep(10000);
+        break;
+    }
+    argv[0] = REAL_GCC; /* (gcc finds cc1 from the path it is run by) */
+    execv(REAL_GCC, argv);
+    return 127;
+}
+"""
+
+WRAP_AS_A = """
+from opcache.cli import main
+os.environ.update(HOME={home!r}, SWAP_READY={ready!r}, SWAP_GO={go!r})
+os.environ.pop("XDG_RUNTIME_DIR", None)
+status = main(["wrap", "--op_compiler_cache_dir", {cache!r}, "--", {gcc!r}, "-c", {src!r},
+               "-o", {obj!r}])
+print(json.dumps([status, keep.messages]))
+"""
+
+
+@requires_root
+@pytest.mark.skipif(GCC is None, reason="needs gcc")
+def test_wrap_leaves_a_folder_a_member_puts_in_place_of_its_staging_folder() -> None:
+    """Member B renames A's staging folder away during A's compile through ``opcache
+    wrap`` and A's private folder (0700, beside it in their team's out folder) to
+    its name: A's wrap neither takes files from it nor empties it.  (It deleted
+    A's key.pem: the staging folder was removed by its name.)"""
+    with open_folder() as base:
+        gcc = base / "bin" / "gcc"
+        gcc.parent.mkdir()
+        subprocess.run(
+            [GCC, f'-DREAL_GCC="{GCC}"', "-x", "c", "-", "-o", str(gcc)],
+            input=SLOW_GCC.encode(),
+            check=True,
+        )
+        gcc.chmod(0o755)
+        (base / "x.c").write_text("int f(int x) { return x + 1; }\n")
+        flags, home, out = base / "flags", base / "home", base / "out"
+        for folder, mode in ((flags, 0o777), (home, 0o700), (out, 0o770)):
+            folder.mkdir()
+            own(folder, MEMBER_A, TEAM_GID, mode)
+        private_folder(out)
+        ready, go = flags / "ready", flags / "go"
+        swapper, swapped = in_background(
+            MEMBER_B,
+            SWAP.format(folder=str(out), ready=str(ready), go=str(go), private="private"),
+        )
+        code = WRAP_AS_A.format(
+            home=str(home),
+            ready=str(ready),
+            go=str(go),
+            cache=str(home / "cache"),
+            gcc=str(gcc),
+            src=str(base / "x.c"),
+            obj=str(out / "x.o"),
+        )
+        status, warnings = run_as(MEMBER_A, MEMBER_A, CHILD_PROLOGUE + code, groups=(TEAM_GID,))
+        swapper.join(60)
+        (name,) = swapped
+        assert sorted(os.listdir(out / name)) == ["key.pem"]  # left as it is
+        assert (out / name / "key.pem").read_bytes() == SECRET
+        assert status == 0
+        assert (out / "x.o").is_file()  # the command ran as it is
+        assert [w for w in warnings if name in w and "not the folder opcache made" in w]
+
 
 # ------------------------------------------- a new chip folder in a group-shared cache
 
