@@ -64,7 +64,8 @@ _make_out_first = False
 # folder of earlier ones): the next is opened as one that is there, checked,
 # and written over, without an open that fails to make it first.
 _files_there = False
-# Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>, locked while they run.
+# Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>/.opcache-work.<random>,
+# the outer folder locked while they run (the inner one marks it as opcache's).
 _BUILD_LABEL = ".opcache-build"
 # Tries to make a build folder, or a hit's file, in an out_dir that vanishes
 # meanwhile: each compile failing into it removes the out folder it made, which
@@ -654,7 +655,8 @@ def _build_folder_in(out: Path) -> tuple[Workdir, list[Path]]:
                 made[:] = missing
         else:
             remove_abandoned(out, time.time(), _BUILD_LABEL)
-        return new_build_folder(out, _BUILD_LABEL, 0o700)
+        # Marked: only a folder holding the mark is taken for a dead compile's there.
+        return new_build_folder(out, _BUILD_LABEL, 0o700, marked=True)
 
     return _made_again_if_it_vanishes(make), made
 

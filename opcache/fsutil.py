@@ -438,10 +438,16 @@ def _may_empty(folder: os.stat_result, parent: os.stat_result) -> bool:
 
 
 def _moved_by_its_owner(folder: os.stat_result) -> bool:
-    """A folder of this user's (or root's) that no one else may write: moved here from
-    another folder only by its owner or root (a rename to another folder writes its
-    ``..``).  Only for a folder found where it is, never for one below it, which
-    moves with its parent."""
+    """A folder of this user's (or root's) that no one else may write: moved into the
+    folder it is in from another only by its owner or root (a rename to another
+    folder writes its ``..``).  Only for a folder found where it is, never for one
+    below it, which moves with its parent.
+
+    It tells where the folder was put, not under what name: a rename within one
+    folder needs no write permission on the folder renamed, so anyone who may
+    write where it is may have given it its name.  Whatever a caller picks by
+    its name in a folder others write (a build folder in an out_dir) needs
+    other proof that it is opcache's (``local._abandoned``'s mark)."""
     return folder.st_uid in (os.geteuid(), 0) and not folder.st_mode & 0o022
 
 

@@ -957,7 +957,7 @@ class _OpcTrace:
         import time
 
         known = self.memo.matching(self.memo_key)
-        traced = _TracedCommand(self, command, cache, known)
+        traced = _TracedCommand(self, command, cache, known, staging)
         started = time.perf_counter()
         try:
             return cache.compile(self.request(known), traced, staging)
@@ -973,13 +973,19 @@ class _TracedCommand:
     """An opc compile under strace; stored under the key of what it read."""
 
     def __init__(
-        self, trace: _OpcTrace, command: _WrappedCommand, cache: OpCache, known: ReadSet | None
+        self,
+        trace: _OpcTrace,
+        command: _WrappedCommand,
+        cache: OpCache,
+        known: ReadSet | None,
+        staging: Path,
     ) -> None:
         self.name = command.name
         self._trace = trace
         self._command = command
         self._cache = cache
         self._known = known
+        self._staging = staging  # (where the cache builds: its out_dir)
 
     def fingerprint(self) -> str:
         return self._command.fingerprint()
@@ -990,11 +996,11 @@ class _TracedCommand:
 
         from . import readset
 
-        trace, out = self._trace, workdir.parent  # (the cache builds in its out_dir)
+        trace, out = self._trace, self._staging
         if self._known is None:
             known = trace.memo.matching(trace.memo_key)
             if known is not None:  # traced by another process while this one waited
-                again = _TracedCommand(trace, self._command, self._cache, known)
+                again = _TracedCommand(trace, self._command, self._cache, known, out)
                 raise _Done(self._cache.compile(trace.request(known), again, out))
         trace_dir = tempfile.mkdtemp(prefix=".opcache-trace", dir=out)
         try:

@@ -31,6 +31,7 @@ from helpers_faults import (
 from helpers_wrap import GCC
 
 from opcache import fsutil
+from opcache.storage import local
 
 SECRET = b"alice's key\n"
 
@@ -169,6 +170,57 @@ def test_wrap_leaves_a_folder_a_member_puts_in_place_of_its_staging_folder() -> 
         assert status == 0
         assert (out / "x.o").is_file()  # the command ran as it is
         assert [w for w in warnings if name in w and "not the folder opcache made" in w]
+
+
+# ------------------------------------- a dead compile's build folder in an out_dir
+
+
+COMPILE_AS_A = """
+settings = h.make_settings({ops!r}, {home!r})
+with opcache.OpCache(settings) as cache:
+    result = cache.compile(h.make_request(0), h.ToyCompiler({calls!r}), Path({out!r}))
+good = h.read_dir(Path({out!r})).items() >= h.expected_files(h.make_request(0)).items()
+print(json.dumps([result.status, good]))
+"""
+
+
+@requires_root
+def test_a_private_folder_a_member_renames_to_a_build_folders_name_is_not_deleted() -> None:
+    """Member B renames A's private folder (0700) in their team's out folder to a name
+    A's build folders have there, of a writer that is dead: A's next compile into
+    that folder leaves it.  (It was deleted: only its owner could have moved it
+    there, so it was taken for A's own; but a rename within one folder needs no
+    permission on the folder renamed.)  A's own dead compile's folder still goes."""
+    with open_folder() as base:
+        home, out = base / "home", base / "out"
+        home.mkdir()
+        own(home, MEMBER_A, MEMBER_A, 0o755)
+        out.mkdir()
+        own(out, MEMBER_A, TEAM_GID, 0o770)
+        private = private_folder(out)
+        name = f".opcache-build.{local._HOST}.999999.deadbeef"
+        run_as(
+            MEMBER_B,
+            MEMBER_B,
+            f"import json, os\nos.rename({str(private)!r}, {str(out / name)!r})\n"
+            "print(json.dumps(None))\n",
+            groups=(TEAM_GID,),
+        )
+        # A dead compile's folder of A's, as opcache makes them: it goes.
+        dead = out / f".opcache-build.{local._HOST}.999998.0badf00d"
+        (dead / ".opcache-work.0badf00d").mkdir(parents=True)
+        (dead / ".opcache-work.0badf00d" / "half.o").write_bytes(b"half")
+        for path in (dead, dead / ".opcache-work.0badf00d"):
+            own(path, MEMBER_A, MEMBER_A, 0o700)
+        code = COMPILE_AS_A.format(
+            ops=str(home / "ops"), home=str(home), calls=str(home / "calls"), out=str(out)
+        )
+        assert run_as(MEMBER_A, MEMBER_A, CHILD_PROLOGUE + code, groups=(TEAM_GID,)) == [
+            "miss",
+            True,
+        ]
+        assert (out / name / "key.pem").read_bytes() == SECRET
+        assert not dead.exists()
 
 
 # ------------------------------------------- a new chip folder in a group-shared cache

@@ -181,11 +181,11 @@ def test_a_failed_compile_removing_the_out_dir_it_made_does_not_fail_another_int
             compiler.compiling.wait(30)  # (looks once the first compiles there)
         return real_missing(folder)
 
-    def new_build_folder(parent: Path, *args: object) -> object:
+    def new_build_folder(parent: Path, *args: object, **kwargs: object) -> object:
         if looked[1:] == [threading.get_ident()] and not at_build.is_set():
             at_build.set()
             removed.wait(30)
-        return real_build(parent, *args)
+        return real_build(parent, *args, **kwargs)
 
     def rmdir(folder: Path) -> None:
         real_rmdir(folder)
@@ -277,12 +277,12 @@ def test_a_hit_replacing_a_link_in_an_out_dir_that_vanishes_makes_it_again(
     real_build = flow.new_build_folder
     vanished: list[Path] = []
 
-    def new_build_folder(parent: Path, *args: object) -> object:
+    def new_build_folder(parent: Path, *args: object, **kwargs: object) -> object:
         if parent == out and not vanished:
             (out / "kernel.o").unlink()
             out.rmdir()
             vanished.append(out)
-        return real_build(parent, *args)
+        return real_build(parent, *args, **kwargs)
 
     monkeypatch.setattr(flow, "new_build_folder", new_build_folder)
     assert flow.deliver(out, {"kernel.o": b"new"}) == {"kernel.o": out / "kernel.o"}

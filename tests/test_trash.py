@@ -282,9 +282,11 @@ def test_a_sweep_never_empties_a_folder_a_member_moved_in_that_it_could_not_empt
 
 @requires_root
 def test_a_private_folder_goes_whole_from_a_shared_folder_only_if_it_is_ones_own(tmp_path):
-    """A build folder (0700) left in a world-writable out_dir goes whole: no one but its
-    owner could have moved it there (a rename into another folder writes its ``..``).
-    Another user's is left, unless the caller says it made it."""
+    """A folder (0700) found in a world-writable folder goes whole if it is one's own: no
+    one but its owner could have moved it into that folder (a rename into another folder
+    writes its ``..``), though anyone there could have given it its name (a build folder
+    in an out_dir is known by its mark: ``local._abandoned``).  Another user's is left,
+    unless the caller says it made it."""
     out = tmp_path / "out"
     out.mkdir()
     out.chmod(0o777)

@@ -1317,12 +1317,17 @@ class Workdir:
 
     ``fd`` is the folder, ``parent_fd`` the folder it was made in: what is done
     in it goes through them, not through a path a link could now lead elsewhere.
+    A marked one (``new_build_folder``'s ``marked``) is the folder inside the
+    locked one; ``parent_fd`` is still the folder both were made in.
     """
 
-    def __init__(self, path: Path, fd: int, parent_fd: int) -> None:
+    def __init__(
+        self, path: Path, fd: int, parent_fd: int, outer: tuple[str, int] | None = None
+    ) -> None:
         self.path = path
         self.fd = fd
         self.parent_fd = parent_fd
+        self._outer = outer  # (name, fd) of the locked folder holding a marked one
         self._open = True
 
     def close(self) -> None:
@@ -1334,35 +1339,40 @@ class Workdir:
             # Only if the name still is our folder: whoever can write in the
             # parent (an out_dir) could have put another folder in its place.
             # Held locked until gone, so no clean-up takes it for abandoned.
-            try:
-                now = os.stat(self.path.name, dir_fd=self.parent_fd, follow_symlinks=False)
-            except OSError:
-                return
-            held = os.fstat(self.fd)
-            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-                try:  # (emptied, as a compile's folder once its files are moved out: one call)
-                    os.rmdir(self.path.name, dir_fd=self.parent_fd)
-                except OSError:
-                    fsutil.remove_folder(self.fd, self.path.name, self.parent_fd, ours=True)
+            if self._outer is None:
+                fsutil.remove_made(self.path.name, self.fd, self.parent_fd)
             else:
-                log.debug("not deleting %s: another folder is in its place", self.path)
+                name, outer_fd = self._outer
+                fsutil.remove_made(self.path.name, self.fd, outer_fd)
+                fsutil.remove_made(name, outer_fd, self.parent_fd)
         finally:
             os.close(self.fd)
+            if self._outer is not None:
+                os.close(self._outer[1])
             os.close(self.parent_fd)
 
 
+# The folder a marked build folder holds, named by its random part: it is the
+# compile's folder and the mark that opcache made the one it is in.
+_WORK_LABEL = ".opcache-work"
 # Times a new build folder is made again when another is put in its place at once.
 _BUILD_TRIES = 8
 
 
 def new_build_folder(
-    parent: Path, label: str, dir_bits: int, parent_fd: int | None = None
+    parent: Path, label: str, dir_bits: int, parent_fd: int | None = None, *, marked: bool = False
 ) -> Workdir:
     """A fresh folder ``<label>.<host>.<pid>.<random>`` in ``parent``, locked while open.
 
     The lock tells ``remove_abandoned`` that its writer is alive, however long
     the compile takes.  ``parent_fd``, if given, is ``parent`` already open
     (the Workdir takes it over); else ``parent`` is opened as named.
+
+    ``marked``, for a folder others may write in (an out_dir): the Workdir is
+    the folder ``.opcache-work.<random>`` inside it, which marks it as made by
+    opcache.  Anyone who may write in ``parent`` may rename a folder of yours
+    there to a build folder's name (a rename within one folder needs no
+    permission on the folder renamed), but cannot put that folder in it.
     """
     if parent_fd is None:
         parent_fd = os.open(parent, _ROOT_FLAGS)
@@ -1382,18 +1392,27 @@ def new_build_folder(
         # (remove_abandoned, clean_leftovers) may hold this one's lock for the
         # microseconds of its look, between our mkdir and this flock.
         locks.flock_within(fd, parent / name)
+        if not marked:
+            return Workdir(parent / name, fd, parent_fd)
+        work = f"{_WORK_LABEL}.{name.rsplit('.', 1)[1]}"
+        # (in a folder only this user may write in: nobody else can swap it)
+        os.mkdir(work, dir_bits, dir_fd=fd)
+        work_fd = os.open(work, fsutil.DIR_FLAGS, dir_fd=fd)
     except BaseException:
+        with contextlib.suppress(OSError):
+            fsutil.remove_made(name, fd, parent_fd)
         os.close(fd)
         os.close(parent_fd)
         raise
-    return Workdir(parent / name, fd, parent_fd)
+    return Workdir(parent / name / work, work_fd, parent_fd, (name, fd))
 
 
 def remove_abandoned(folder: Path, now: float, label: str | None = None) -> int:
     """Delete the build folders in ``folder`` whose writers are gone; returns how many.
 
-    With ``label``, only folders named as ``new_build_folder(folder, label)``
-    names them are considered: ``folder`` is someone else's (an out_dir).
+    With ``label``, only folders named as ``new_build_folder(folder, label,
+    marked=True)`` names them, and marked, are considered: ``folder`` is
+    someone else's (an out_dir).
     """
     try:
         fd = os.open(folder, _ROOT_FLAGS)  # (the caller's folder, as the caller named it)
@@ -1407,14 +1426,31 @@ def remove_abandoned(folder: Path, now: float, label: str | None = None) -> int:
 
 def _remove_abandoned(folder_fd: int, now: float, label: str | None = None) -> int:
     removed = 0
+    foreign = label is not None
     for name in _names(folder_fd):
-        if label is not None and not _is_build_name(name, label):
+        if foreign and not _is_build_name(name, label):
             continue
-        if name.startswith(".nfs") or not _abandoned(folder_fd, name, now, label is not None):
+        if name.startswith(".nfs"):
             continue  # (NFS removes its .nfs files itself when the last reader closes)
-        with contextlib.suppress(OSError):
-            fsutil.remove_tree(name, folder_fd)
-            removed += 1
+        try:
+            fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=folder_fd)
+        except OSError as e:
+            if not foreign and e.errno in (errno.ENOTDIR, errno.ELOOP):
+                # Not a folder: a stray file, or a link planted here (removed itself).
+                with contextlib.suppress(OSError):
+                    fsutil.remove_tree(name, folder_fd)
+                    removed += 1
+            continue
+        try:
+            if _abandoned(fd, name, now, foreign):
+                # Through the handle judged, its lock held: a folder put under its name
+                # meanwhile is not the one judged, and is left.  One proved ours by its
+                # mark is judged by what is in it only.
+                with contextlib.suppress(OSError):
+                    fsutil.remove_folder(fd, name, folder_fd, ours=foreign)
+                    removed += 1
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -1434,35 +1470,45 @@ def _is_pid(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def _abandoned(folder_fd: int, name: str, now: float, foreign: bool = False) -> bool:
-    """True when nobody is building in the folder ``name`` any more.
+def _abandoned(fd: int, name: str, now: float, foreign: bool = False) -> bool:
+    """True when nobody is building in the folder ``name``, open as ``fd``, any more;
+    then ``fd`` holds its lock.
 
     A live writer holds a flock on its folder.  Where flock may not reach
     (another host over NFS without a lock manager), a grace period decides.
     In a ``foreign`` folder (an out_dir others may write in), only a folder
-    as we make build folders there (ours, 0700) counts: anyone who can write
-    in it can rename any folder of ours, with its files, to a build folder's name.
+    as we make build folders there counts: ours, 0700, and holding the
+    ``.opcache-work`` folder named by its name's random part.  Anyone who can
+    write in the out_dir can rename any folder of ours there, files and all,
+    to a build folder's name (a rename within one folder needs no permission
+    on the folder renamed), but nobody else can put that folder in it.
     """
+    st = os.fstat(fd)
+    if foreign and (
+        st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700 or not _marked(fd, name)
+    ):
+        log.debug("%s is named as a build folder but is not one of ours: left", name)
+        return False
     try:
-        fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=folder_fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return not foreign  # not a folder: a stray file, or a link planted here
-    try:
-        st = os.fstat(fd)
-        if foreign and (st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700):
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # its writer holds it
-        age = now - st.st_mtime
-    finally:
-        os.close(fd)
+        return False  # its writer holds it
+    age = now - st.st_mtime
     parts = name.rsplit(".", 3)
     if len(parts) == 4 and parts[1] == _HOST and _is_pid(parts[2]):
         # This host: the lock is reliable; a minute covers mkdir-to-flock.
         return not locks.pid_alive(int(parts[2])) or age > STALE_LOCAL_SECONDS
     return age > TMP_GRACE_SECONDS
+
+
+def _marked(fd: int, name: str) -> bool:
+    """Whether the folder open as ``fd`` holds the folder of this user's that
+    ``new_build_folder(marked=True)`` makes in the one it names ``name``."""
+    try:
+        work = os.stat(f"{_WORK_LABEL}.{name.rsplit('.', 1)[1]}", dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISDIR(work.st_mode) and work.st_uid == os.geteuid()
 
 
 def _remove_stale_temps(folder_fd: int, now: float) -> int:
