@@ -48,7 +48,7 @@ from .cann_format import (
     sha256_problem,
     walk_chip,
 )
-from .request import check_soc_version, is_plain_name
+from .request import is_plain_name, is_soc_version
 from .settings import AGE_SECONDS, INI_NAME, KERNEL_CACHE, MB, Settings, size_limits
 
 log = get_logger(__name__)
@@ -284,7 +284,7 @@ class CannCache:
         with os.scandir(root_fd) as it:
             for entry in it:
                 if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
-                    if _is_chip_name(entry.name):
+                    if is_soc_version(entry.name):
                         names.append(entry.name)
                     else:  # (lost+found, notes: no chip of CANN's, nothing in it removed)
                         log.debug("%s/%s is named as no chip: left alone", self.root, entry.name)
@@ -806,12 +806,3 @@ def _total(chips: Mapping[str, Mapping[str, object]]) -> dict[str, object]:
     total["oldest_access"] = min(oldest, default=None)  # type: ignore[type-var]
     total["newest_access"] = max(newest, default=None)  # type: ignore[type-var]
     return total
-
-
-def _is_chip_name(name: str) -> bool:
-    """Whether ``name`` is one a soc_version may have, as CANN names a chip folder."""
-    try:
-        check_soc_version(name)
-    except ValueError:
-        return False
-    return True

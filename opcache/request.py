@@ -34,6 +34,12 @@ def check_soc_version(soc_version: str) -> str:
     return soc_version
 
 
+def is_soc_version(name: str) -> bool:
+    """Whether ``name`` is one a soc_version may have (``check_soc_version``): a chip
+    folder's name, as opcache's and CANN's are."""
+    return isinstance(name, str) and bool(_SOC.fullmatch(name))
+
+
 def is_plain_name(name: str) -> bool:
     """True for a bare file name: no folder part, not '.' or '..', no NUL."""
     return (

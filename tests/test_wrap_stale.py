@@ -1512,22 +1512,28 @@ def test_a_header_found_by_i_instead_of_isystem_warns_and_fails_as_gcc_does(env,
     assert stats(env, "host")["hits"] == 1
 
 
+def _same_as_gcc_given(env: dict[str, str], src: Path, stdin_file: Path) -> None:
+    """``gcc -c k.c -o k.o`` through opcache with ``stdin_file`` on stdin, then asserts
+    the object is gcc's own given the same stdin."""
+    with open(stdin_file, "rb") as stdin:
+        done = subprocess.run(
+            [sys.executable, "-m", "opcache", "wrap", "--", "gcc", "-c", "k.c", "-o", "k.o"],
+            env=env, cwd=src, stdin=stdin, capture_output=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with open(stdin_file, "rb") as stdin:
+        subprocess.run(["gcc", "-c", "k.c", "-o", "plain.o"], cwd=src, stdin=stdin, check=True)
+    assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
+
+
 def test_a_header_read_from_stdin_runs_uncached_with_the_callers_stdin(env, src):
     # The compile of a miss runs with no stdin (what it read there would be in no
     # key): #include "/dev/stdin" failed under opcache where gcc compiled.
     (src / "k.c").write_text('#include "/dev/stdin"\nint f(void) { return X; }\n')
     for value in ("1", "2"):
         (src / "def.h").write_text(f"#define X {value}\n")
-        with open(src / "def.h", "rb") as stdin:
-            done = subprocess.run(
-                [sys.executable, "-m", "opcache", "wrap", "--", "gcc", "-c", "k.c", "-o", "k.o"],
-                env=env, cwd=src, stdin=stdin, capture_output=True, timeout=120,
-            )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        with open(src / "def.h", "rb") as stdin:
-            subprocess.run(["gcc", "-c", "k.c", "-o", "plain.o"], cwd=src, stdin=stdin, check=True)
-        assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
-    _uncached(env, "cc: it reads /dev/stdin, no file of sources (stdin, a device)")
+        _same_as_gcc_given(env, src, src / "def.h")
+    _uncached(env, "cc: /dev/stdin is opcache's stdin, stdout or stderr, not a source file")
 
 
 def test_a_header_that_is_a_link_to_stdin_runs_uncached(env, src):
@@ -1539,15 +1545,7 @@ def test_a_header_that_is_a_link_to_stdin_runs_uncached(env, src):
     (src / "def.h").symlink_to("/dev/stdin")
     (src / "d1").write_text("#define X 1\n")
     for _ in range(2):
-        with open(src / "d1", "rb") as stdin:
-            done = subprocess.run(
-                [sys.executable, "-m", "opcache", "wrap", "--", "gcc", "-c", "k.c", "-o", "k.o"],
-                env=env, cwd=src, stdin=stdin, capture_output=True, timeout=120,
-            )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        with open(src / "d1", "rb") as stdin:
-            subprocess.run(["gcc", "-c", "k.c", "-o", "plain.o"], cwd=src, stdin=stdin, check=True)
-        assert (src / "k.o").read_bytes() == (src / "plain.o").read_bytes()
+        _same_as_gcc_given(env, src, src / "d1")
     _uncached(env, "cc: def.h is opcache's stdin, stdout or stderr, not a source file")
 
 

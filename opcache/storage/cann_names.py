@@ -7,7 +7,7 @@ tell them apart by these names alone.
 
 from __future__ import annotations
 
-from ..request import check_soc_version
+from ..request import is_soc_version
 
 # CANN's kernels in a remote (``opcache cann push``, ``cann_transfer.py``): the chip
 # ``cann:<soc>`` holds the head of the index of a chip's namespaces,
@@ -33,11 +33,7 @@ def is_cann_chip(chip: str) -> bool:
         len(namespace) == _NAMESPACE_LENGTH and set(namespace) <= _NAMESPACE_DIGITS
     ):
         return False
-    try:
-        check_soc_version(soc)
-    except ValueError:
-        return False
-    return True
+    return is_soc_version(soc)
 
 
 def is_cann_index(name: str) -> bool:

@@ -41,7 +41,7 @@ from .. import fsutil, locks, trust
 from .._log import get_logger
 from .._record import Record
 from ..counters import CounterFiles
-from ..request import check_soc_version, is_plain_name
+from ..request import is_plain_name, is_soc_version
 from .cann_names import is_cann_chip
 from .entry import (
     MANIFEST,
@@ -166,7 +166,7 @@ class LocalStore:
         except OSError:
             return []
         try:
-            return [n for n in _names(fd) if _is_chip_name(n)]
+            return [n for n in _names(fd) if is_soc_version(n)]
         finally:
             os.close(fd)
 
@@ -317,7 +317,7 @@ class LocalStore:
         for name in sorted(_names(root_fd)):
             if name.startswith(".") or not _is_real_dir(name, root_fd):
                 continue
-            if _is_chip_name(name) or is_cann_chip(name):
+            if is_soc_version(name) or is_cann_chip(name):
                 chips.append(name)
             else:
                 # Someone else's: maintenance clears, ages and counts chips only.
@@ -1530,15 +1530,6 @@ def _names(folder_fd: int) -> list[str]:
         return os.listdir(folder_fd)
     except OSError:
         return []
-
-
-def _is_chip_name(name: str) -> bool:
-    """Whether ``name`` is one a soc_version may have (``check_soc_version``)."""
-    try:
-        check_soc_version(name)
-    except ValueError:
-        return False
-    return True
 
 
 def _is_real_dir(name: str, folder_fd: int) -> bool:
