@@ -20,6 +20,7 @@ from helpers_faults import open_folder, settings_for
 
 import opcache
 from opcache import flow
+from opcache.storage.local import TMP_GRACE_SECONDS
 
 
 def build_folders(out: Path) -> list[Path]:
@@ -58,6 +59,30 @@ def test_a_killed_compiles_build_folder_goes_with_the_next_compile_into_its_out_
         for index in (1, 2):
             for name, data in expected_files(make_request(index)).items():
                 assert (out / name).read_bytes() == data
+
+
+def test_another_hosts_build_folder_still_written_in_is_not_taken_for_dead(
+    tmp_path: Path,
+) -> None:
+    """Over NFS without locks, another host's build folder is judged by its age.  Its
+    compiler writes in the inner marked folder, whose time moves; the outer folder's
+    does not: a compile running past the grace period was taken for dead and its
+    folder deleted under it."""
+    out = tmp_path / "out"
+    live = out / ".opcache-build.elsewhere.1.0badf00d"
+    work = live / ".opcache-work.0badf00d"
+    work.mkdir(parents=True)
+    (work / "half.o").write_bytes(b"half")
+    live.chmod(0o700)
+    old = os.stat(live).st_mtime - 2 * TMP_GRACE_SECONDS
+    os.utime(live, (old, old))  # (the outer folder: untouched since it was made)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), out)
+    assert (work / "half.o").read_bytes() == b"half"
+    os.utime(work, (old, old))  # (and no longer written in either: dead)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        cache.compile(make_request(1), ToyCompiler(tmp_path / "calls"), out)
+    assert not live.exists()
 
 
 @pytest.mark.parametrize("mode", ["enable", "disable"])

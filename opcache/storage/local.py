@@ -1484,16 +1484,19 @@ def _abandoned(fd: int, name: str, now: float, foreign: bool = False) -> bool:
     on the folder renamed), but nobody else can put that folder in it.
     """
     st = os.fstat(fd)
-    if foreign and (
-        st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700 or not _marked(fd, name)
-    ):
-        log.debug("%s is named as a build folder but is not one of ours: left", name)
-        return False
+    changed = st.st_mtime
+    if foreign:
+        work = _mark(fd, name)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700 or work is None:
+            log.debug("%s is named as a build folder but is not one of ours: left", name)
+            return False
+        # (the compiler writes in the mark's folder: its time moves, the outer one's not)
+        changed = max(changed, work.st_mtime)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return False  # its writer holds it
-    age = now - st.st_mtime
+    age = now - changed
     parts = name.rsplit(".", 3)
     if len(parts) == 4 and parts[1] == _HOST and _is_pid(parts[2]):
         # This host: the lock is reliable; a minute covers mkdir-to-flock.
@@ -1501,14 +1504,14 @@ def _abandoned(fd: int, name: str, now: float, foreign: bool = False) -> bool:
     return age > TMP_GRACE_SECONDS
 
 
-def _marked(fd: int, name: str) -> bool:
-    """Whether the folder open as ``fd`` holds the folder of this user's that
-    ``new_build_folder(marked=True)`` makes in the one it names ``name``."""
+def _mark(fd: int, name: str) -> os.stat_result | None:
+    """The folder of this user's that ``new_build_folder(marked=True)`` makes in the one
+    it names ``name`` (open as ``fd``), or None when it holds none."""
     try:
         work = os.stat(f"{_WORK_LABEL}.{name.rsplit('.', 1)[1]}", dir_fd=fd, follow_symlinks=False)
     except OSError:
-        return False
-    return stat.S_ISDIR(work.st_mode) and work.st_uid == os.geteuid()
+        return None
+    return work if stat.S_ISDIR(work.st_mode) and work.st_uid == os.geteuid() else None
 
 
 def _remove_stale_temps(folder_fd: int, now: float) -> int:
