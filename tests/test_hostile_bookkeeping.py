@@ -689,7 +689,9 @@ def test_a_planted_deep_or_oddly_named_folder_is_cleaned_without_a_traceback(
         planted = folder / name
         planted.mkdir(mode=0o700, parents=True)
     if where == "out":  # as opcache marks its build folders there (else never its own)
-        (planted / f".opcache-work.{name.rsplit('.', 1)[1]}").mkdir(mode=0o700)
+        mark = planted / f".opcache-work.{name.rsplit('.', 1)[1]}"
+        mark.mkdir(mode=0o700)
+        os.utime(mark, (OLD, OLD))  # (written in last long ago too: a dead writer's)
     os.utime(planted, (OLD, OLD))
     try:
         with opcache.OpCache(settings) as cache:  # a first compile cleans leftovers
