@@ -402,22 +402,23 @@ def remove_made(path: Path | str, fd: int, dir_fd: int | None = None) -> bool:
 def holds(path: Path | str, fd: int, dir_fd: int | None = None) -> bool:
     """Whether the name ``path`` (relative to ``dir_fd`` if given) still holds the
     folder open as ``fd``, not one put in its place."""
+    return _holds(path, dir_fd, os.fstat(fd)) is True
+
+
+def _holds(path: Path | str, dir_fd: int | None, folder: os.stat_result) -> bool | None:
+    """Whether the name still holds ``folder``; None when it holds nothing (gone)."""
     try:
         there = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
-        return False
-    return _identity(there) == _identity(os.fstat(fd))
+        return None
+    return _identity(there) == _identity(folder)
 
 
 def _still_there(path: Path | str, dir_fd: int | None, folder: os.stat_result) -> bool:
-    try:
-        there = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return False
-    if _identity(there) == _identity(folder):
-        return True
-    _left(path, "another folder is in its place")
-    return False
+    there = _holds(path, dir_fd, folder)
+    if there is False:
+        _left(path, "another folder is in its place")
+    return there is True
 
 
 def _may_empty(folder: os.stat_result, parent: os.stat_result) -> bool:

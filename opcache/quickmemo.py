@@ -19,7 +19,7 @@ import os
 import stat
 import sys
 
-from . import quickhit
+from . import fsutil, quickhit
 from .quickhit import (
     CLIENT_FORMAT,
     FOLDER,
@@ -308,8 +308,7 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
         if name not in artifacts:
             return None
         size, want = artifacts[name]
-        # (not os.path.abspath: through a link, sub/.. is not ".", fsutil.absolute)
-        path = os.fsencode(os.path.join(os.getcwd(), target))
+        path = os.fsencode(fsutil.absolute(target))  # (its .. as the kernel takes it)
         # The folder the hit wrote it in, as the compiler reaches it (links followed): a
         # quick hit writes there only while the path still leads to that folder.
         place = os.stat(path.rpartition(b"/")[0] or b"/")
