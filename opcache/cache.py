@@ -401,6 +401,13 @@ class OpCache:
         """Count a compile that ran without the cache because it could not be keyed."""
         self._stats.add(check_soc_version(soc_version), stats.UNCACHEABLE_PREFIX + reason)
 
+    def _unserved(self, result: CompileResult, soc_version: str) -> None:
+        """Take back the count of a hit whose outputs the caller (``opcache wrap``) could
+        not put in place and then compiled without the cache: an error instead."""
+        soc = check_soc_version(soc_version)
+        self._stats.add_counts(soc, {"hits": -1, "time_saved_seconds": -result.saved_seconds})
+        self._stats.add(soc, "errors")
+
     def close(self) -> None:
         """Make the local copies of remote hits still pending, write the pending stats,
         let go of the remote; maintenance calls still work after."""

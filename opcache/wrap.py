@@ -398,6 +398,7 @@ def _run_planned(
     # One wrap per compile command: force clears once per build, not per command.
     session = settings.session or BUILD_SESSION
     failed = as_is = None
+    rerun = False  # the command runs after all: what the cache gave cannot be used
     # The remote is opened, and the chip folder's upkeep done, at the first local
     # miss: a hit must not import the remote's client nor read the size counters.
     with (
@@ -420,20 +421,37 @@ def _run_planned(
         except _AsIs as e:
             cache.record_uncacheable(plan.request.soc_version, f"{kind}: {e}")
             as_is = e
+        if as_is is None:
+            rerun = _put_in_place(plan, staging, staging_fd, None if failed else result)
+            if rerun and failed is None and result.status == "hit":
+                cache._unserved(result, plan.request.soc_version)  # (the command compiles)
     if as_is is not None:
         log.info("not stored (%s): running the command as it is", as_is)
         return run_plain(argv, env)
-    if not fsutil.holds(staging, staging_fd):
-        # Another folder was put under its name (one of yours from beside it): nothing
-        # is taken from it (its removal, left, says so), and the command, which wrote
-        # into it by its name, may have failed for that.
-        log.info("the staging folder %s was moved: running the command", staging)
+    if rerun:
         return run_plain(argv, env)
     if failed is not None:
         log.info("miss, not stored: the command failed (exit status %d)", failed.returncode)
         _replay(failed.stdout, sys.stdout)
         _replay(failed.stderr, sys.stderr)
         return failed.returncode
+    if kind == "cc" and result.status == "hit" and result.tier == "local":
+        _note_hit(plan, settings, result)
+    _replay_streams(result.files)
+    return 0
+
+
+def _put_in_place(plan: Plan, staging: Path, staging_fd: int, result: CompileResult | None) -> bool:
+    """Move ``result``'s outputs (None: a failed command's, none) from the staging folder
+    to where the command writes them; True if the command must run instead."""
+    if not fsutil.holds(staging, staging_fd):
+        # Another folder was put under its name (one of yours from beside it): nothing
+        # is taken from it (its removal, left, says so), and the command, which wrote
+        # into it by its name, may have failed for that.
+        log.info("the staging folder %s was moved: running the command", staging)
+        return True
+    if result is None:
+        return False
     said = f" ({result.reason})" if result.reason else ""
     log.info("%s%s, key %s", result.status, said, result.key or "-")
     try:
@@ -442,11 +460,8 @@ def _run_planned(
         # An output opcache may not replace where the command may write it (another
         # user's file, writable, in a sticky folder): the command says what it makes.
         log.warning("cannot put the outputs in place: %s; running the command", sentence(e))
-        return run_plain(argv, env)
-    if kind == "cc" and result.status == "hit" and result.tier == "local":
-        _note_hit(plan, settings, result)
-    _replay_streams(result.files)
-    return 0
+        return True
+    return False
 
 
 last_hit: list[quickmemo.Hit] = []  # a full hit that may leave a memo (cli writes it)

@@ -598,6 +598,26 @@ def test_a_depfile_folder_made_read_only_runs_the_compiler_with_a_warning(tmp_pa
     assert stats(env, "host")["hits"] == 1  # (the full hit that wrote the memo)
 
 
+def test_a_full_hit_that_cannot_put_its_outputs_in_place_is_not_counted(tmp_path: Path) -> None:
+    """No memo yet: the full path's hit cannot make deps/k.d anew (``chmod a-w deps``),
+    so gcc runs instead; stats then count the miss and an error, not a hit that saved
+    a compile (before: one hit too many, its compile seconds counted as saved)."""
+    env, src = _env(tmp_path), write_project(tmp_path / "src")
+    (src / "deps").mkdir()
+    wrap(*DEPS_CMD, env=env, cwd=src)
+    (src / "deps").chmod(0o555)
+    bound = bound_by_modes()
+
+    done = wrap(*DEPS_CMD, env=env, cwd=src, prefix=bound)
+    said = done.stderr.decode(errors="replace")
+    assert "opcache: warning: cannot put the outputs in place: " in said, said
+    assert said.endswith("/deps/k.d: Permission denied; running the command\n"), said
+    assert outputs_left(src, 0) == compiled_alone(src, DEPS_CMD[1:], bound)
+    counted = stats(env, "host")
+    assert (counted["hits"], counted["misses"], counted["errors"]) == (0, 1, 1), counted
+    assert counted["time_saved_seconds"] == 0, counted
+
+
 def test_a_depfile_folder_gone_runs_the_compiler_which_fails_as_alone(tmp_path: Path) -> None:
     """-MF into a folder removed since: nothing counted, nothing put in place; gcc runs
     and fails as it does alone (k.o left as it was), with its own message."""
