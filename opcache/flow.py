@@ -414,7 +414,7 @@ class KeyFlow:
         key: str = "",
     ) -> CompileResult:
         """A compile that keeps the cache out: a mode, a debug option, an unusable cache."""
-        files = _compile_into(request, compiler, out)[0]
+        files = _compile_into(request, compiler, out)[0]  # (whatever it read: nothing kept)
         if status == "bypass":
             self._stats.add(request.soc_version, stats.BYPASS_PREFIX + str(reason))
             op = request.op_type  # (a wrapped C compile has no op_name)
@@ -444,10 +444,15 @@ class KeyFlow:
         soc = request.soc_version
         try:
             compile_started = time.perf_counter()
-            files, artifacts = _compile_into(request, compiler, out, next_out)
+            files, artifacts, unknown = _compile_into(request, compiler, out, next_out)
         except CompileError:
             self._stats.add(soc, "compile_errors")
             raise
+        if unknown is not None:
+            # The compiler read what the key does not hold: served, never stored.
+            self._stats.add(soc, stats.UNCACHEABLE_PREFIX + unknown)
+            log.info("not stored: %s", unknown)
+            return files, f"not stored: {unknown}", None, artifacts
         seconds = time.perf_counter() - compile_started
         # A compiler whose compile ran before its key was known (wrap's traced opc) says how long.
         seconds = getattr(compiler, "compile_seconds", None) or seconds
@@ -603,10 +608,11 @@ def _move_out(build: Workdir, name: str, out: Path) -> Path:
 
 def _compile_into(
     request: OpRequest, compiler: Compiler, out: Path, next_out: NextOut | None = None
-) -> tuple[dict[str, Path], dict[str, bytes]]:
+) -> tuple[dict[str, Path], dict[str, bytes], str | None]:
     """Compile in a private folder beside ``out`` and move the artifacts into ``out``.
 
-    Returns (artifact paths in ``out``, their bytes).  The artifacts are the
+    Returns (artifact paths in ``out``, their bytes, why they must not be
+    stored: what ``compiler.compile`` said, or None).  The artifacts are the
     plain files the compiler wrote; folders and links it left are dropped.
     Build folders that killed compiles left in ``out`` go first; a failed
     compile leaves no ``out`` it created.  Where no build folder can be made
@@ -622,7 +628,8 @@ def _compile_into(
                 raise
             out = other
     try:
-        compiler.compile(request, build.path)
+        said = compiler.compile(request, build.path)
+        unknown = said if isinstance(said, str) else None  # (a plug-in's stray return: none)
         files, artifacts = {}, {}
         for entry in os.scandir(build.path):
             if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
@@ -639,7 +646,7 @@ def _compile_into(
                 break
         raise
     build.close()
-    return files, artifacts
+    return files, artifacts, unknown
 
 
 def _build_folder_in(out: Path) -> tuple[Workdir, list[Path]]:

@@ -514,6 +514,37 @@ def test_an_artifact_named_manifest_is_delivered_but_not_stored(tmp_path: Path, 
     assert entry_dirs(root) == {}
 
 
+def test_a_compile_that_read_what_the_key_does_not_hold_is_served_never_stored(
+    tmp_path: Path, root: Path
+) -> None:
+    """A compiler's compile returns why its output must not be stored (it read a file
+    outside the request's sources): each compile runs and delivers, nothing is kept
+    locally, and stats count it as uncacheable with that reason, in a batch too."""
+
+    class Reading(ToyCompiler):
+        def compile(self, request: opcache.OpRequest, workdir: Path) -> str | None:
+            super().compile(request, workdir)
+            return "it read /tmp/k.h, outside its sources"
+
+    reading = Reading(tmp_path / "calls")
+    requests = [make_request(), make_request()]
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        first = cache.compile(requests[0], reading, tmp_path / "a")
+        second = cache.compile(requests[0], reading, tmp_path / "b")
+        batch = cache.compile_many(requests, reading, [tmp_path / "c", tmp_path / "d"])
+        stats = cache.stats()
+    results = [first, second, *batch]
+    assert [r.status for r in results] == ["miss", "miss", "miss", "hit"]  # (one key: one compile)
+    assert first.reason == "not stored: it read /tmp/k.h, outside its sources"
+    for name in ("a", "b", "c", "d"):
+        assert read_dir(tmp_path / name) == expected_files(make_request())
+    assert entry_dirs(root) == {}
+    assert reading.calls() == 3
+    reasons = stats["uncacheable_reasons"]
+    assert reasons == {"it read /tmp/k.h, outside its sources": 3}, stats
+    assert (stats["stores"], stats["hits"]) == (0, 1)
+
+
 # ---------------------------------------------------------- an unwritable cache
 
 

@@ -22,6 +22,10 @@ class Compiler(Protocol):
     knowledge-base digests...): it is part of every key, so an upgrade never
     serves a stale kernel.  ``compile`` writes its artifacts, any number of
     plain files, into ``workdir`` and raises ``opcache.CompileError`` on failure.
+    It returns None, or a reason its artifacts must not be stored: the compile
+    read something the key does not hold (a header found outside the request's
+    sources, a tool that changed meanwhile).  They are then delivered as a miss
+    and counted as uncacheable with that reason, never served as a hit.
     Artifact names must derive from the request's key inputs, never from
     ``op_name``, so that a hit returns the same files whatever the node is called.
     """
@@ -30,4 +34,4 @@ class Compiler(Protocol):
 
     def fingerprint(self) -> str: ...
 
-    def compile(self, request: OpRequest, workdir: Path) -> None: ...
+    def compile(self, request: OpRequest, workdir: Path) -> str | None: ...
