@@ -602,18 +602,26 @@ def open_regular(
     a regular file ignores) nor is kept (EINVAL, "not a regular file").  The
     error names the whole path.
     """
-    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        if flags & os.O_CREAT:
-            fd = os.open(path, flags, mode, dir_fd=dir_fd)
-        else:  # (no mode: pyfakefs, in the tests, chmods any file opened with one)
-            fd = os.open(path, flags, dir_fd=dir_fd)
+        return _open_regular(path, flags, mode, dir_fd)
     except OSError as e:
         raise OSError(e.errno, e.strerror, shown_path(path, dir_fd)) from None
+
+
+def _open_regular(
+    path: Path | str, flags: int, mode: int, dir_fd: int | None
+) -> tuple[int, os.stat_result]:
+    """``open_regular``, its error not naming the path: one that is expected is not
+    worth the look at the folder's name a message takes."""
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if flags & os.O_CREAT:
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    else:  # (no mode: pyfakefs, in the tests, chmods any file opened with one)
+        fd = os.open(path, flags, dir_fd=dir_fd)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", shown_path(path, dir_fd))
+        raise OSError(errno.EINVAL, "not a regular file")
     return fd, st
 
 
@@ -625,15 +633,18 @@ def made_or_opened(
     or a file of ours another user moved in under the name (a secret, 0600), which a
     chmod would open to the group."""
     flags &= ~os.O_CREAT
-    for _ in range(3):
-        try:
-            fd, st = open_regular(path, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
-            return fd, st, True
-        except FileExistsError:  # (a link too: O_EXCL never follows one)
-            pass
-        try:
-            fd, st = open_regular(path, flags, dir_fd=dir_fd)
-            return fd, st, False
-        except FileNotFoundError:
-            continue  # removed between the two opens: made anew
+    try:
+        for _ in range(3):
+            try:  # (there already, most times: one open)
+                fd, st = _open_regular(path, flags, mode, dir_fd)
+                return fd, st, False
+            except FileNotFoundError:
+                pass
+            try:
+                fd, st = _open_regular(path, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd)
+                return fd, st, True
+            except FileExistsError:  # (a link too: O_EXCL never follows one)
+                continue  # made between the two opens: opened as it is
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, shown_path(path, dir_fd)) from None
     raise OSError(errno.EAGAIN, "made and removed again and again", shown_path(path, dir_fd))

@@ -598,6 +598,24 @@ def test_a_depfile_folder_made_read_only_runs_the_compiler_with_a_warning(tmp_pa
     assert stats(env, "host")["hits"] == 1  # (the full hit that wrote the memo)
 
 
+def test_opening_a_lock_file_that_is_there_consults_no_descriptor_path(tmp_path: Path) -> None:
+    """A full hit's stats open the counters' lock file, there already: nothing a memo
+    would record as consulted (the message of the expected EEXIST read
+    /proc/self/fd/N, gone by the memo's check: about one full hit in five left no memo)."""
+    from opcache import fsutil
+
+    (tmp_path / "x.lock").write_bytes(b"")
+    folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with quickmemo.Recorder() as recorder:
+            fd, _, made = fsutil.made_or_opened("x.lock", os.O_RDWR, 0o600, dir_fd=folder)
+        os.close(fd)
+    finally:
+        os.close(folder)
+    assert not made
+    assert list(recorder.looked) == []  # (an open to write is no input: not noted)
+
+
 def test_a_full_hit_that_cannot_put_its_outputs_in_place_is_not_counted(tmp_path: Path) -> None:
     """No memo yet: the full path's hit cannot make deps/k.d anew (``chmod a-w deps``),
     so gcc runs instead; stats then count the miss and an error, not a hit that saved
