@@ -23,7 +23,7 @@ from ._log import get_logger
 from .aging import STAMP_GRANULARITY
 from .errors import CompileError
 from .request import CompileResult, is_plain_name
-from .storage.entry import MANIFEST, CorruptEntry, Entry, make_manifest
+from .storage.entry import MANIFEST, NO_MODES, CorruptEntry, Entry, make_manifest
 from .storage.local import Workdir, new_build_folder, remove_abandoned
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
     # Given why no build folder could be made in an out_dir: another to compile into, or None.
     NextOut = Callable[[OSError], Path | None]
+    # A compile's artifacts: their bytes, and the permission bits of those a new file
+    # would not have (Entry.modes).
+    Made = tuple[dict[str, bytes], dict[str, int]]
     _T = TypeVar("_T")
 
 log = get_logger(__name__)
@@ -147,7 +150,7 @@ class _OnePerCompile:
 class Filled:
     """What ``KeyFlow.fill`` came to: an entry (and its tier), or a compile's files."""
 
-    __slots__ = ("artifacts", "entry", "files", "note", "tier")
+    __slots__ = ("artifacts", "entry", "files", "modes", "note", "tier")
 
     def __init__(
         self,
@@ -155,13 +158,13 @@ class Filled:
         tier: str,
         files: dict[str, Path] | None = None,
         note: str | None = None,
-        artifacts: dict[str, bytes] | None = None,
+        artifacts: Made | None = None,
     ) -> None:
         self.entry = entry
         self.tier = tier
         self.files = files or {}
         self.note = note  # why the compile was not stored, if it was not
-        self.artifacts = artifacts or {}
+        self.artifacts, self.modes = artifacts or ({}, NO_MODES)
 
 
 class KeyFlow:
@@ -277,7 +280,7 @@ class KeyFlow:
     def served(self, entry: Entry, soc: str, out: Path, started: float, tier: str) -> CompileResult:
         """``hit`` but for its count, for a batch that counts its hits at once
         (``count_hits``)."""
-        files = deliver(out, entry.files)
+        files = deliver(out, entry.files, entry.modes)
         # (CANN: with aging off, a hit writes nothing.  A remote hit's local copy is
         # stamped when it is made: the remote's entry has no stamp of its own.)
         if tier != "remote" and self.settings.aging_enabled:
@@ -385,7 +388,7 @@ class KeyFlow:
                 # once instead of one after another.  (Its holder died instead:
                 # one compile, the lock kept.)
                 lock.release()
-            files, note, stored, artifacts = self._compile_and_keep(
+            files, note, stored, made = self._compile_and_keep(
                 request, compiler, key, inputs, out, claim, next_out
             )
         finally:
@@ -395,7 +398,7 @@ class KeyFlow:
                 lock.release()
         if stored is not None:
             self._folders.after_store(soc, stored)  # not under the key's lock
-        return Filled(None, "", files, note, artifacts)
+        return Filled(None, "", files, note, made)
 
     def missed(self, filled: Filled, soc: str, key: str, started: float) -> CompileResult:
         """The result of a fill that compiled (``filled.entry`` None), counted as a miss."""
@@ -433,10 +436,10 @@ class KeyFlow:
         out: Path,
         claim: Claim | None,
         next_out: NextOut | None,
-    ) -> tuple[dict[str, Path], str | None, int | None, dict[str, bytes]]:
+    ) -> tuple[dict[str, Path], str | None, int | None, Made]:
         """(files in ``out``, or the one ``next_out`` gave, why not stored, bytes
-        stored, the files' bytes); the remote's ``claim`` let go as stored once
-        the remote has the entry.
+        stored, the files' bytes and modes); the remote's ``claim`` let go as
+        stored once the remote has the entry.
 
         The compiler works beside ``out_dir``, never in the cache: a full or
         broken cache disk can fail the store, not the compile.
@@ -444,7 +447,7 @@ class KeyFlow:
         soc = request.soc_version
         try:
             compile_started = time.perf_counter()
-            files, artifacts, unknown = _compile_into(request, compiler, out, next_out)
+            files, made, unknown = _compile_into(request, compiler, out, next_out)
         except CompileError:
             self._stats.add(soc, "compile_errors")
             raise
@@ -452,26 +455,27 @@ class KeyFlow:
             # The compiler read what the key does not hold: served, never stored.
             self._stats.add(soc, stats.UNCACHEABLE_PREFIX + unknown)
             log.info("not stored: %s", unknown)
-            return files, f"not stored: {unknown}", None, artifacts
+            return files, f"not stored: {unknown}", None, made
         seconds = time.perf_counter() - compile_started
         # A compiler whose compile ran before its key was known (wrap's traced opc) says how long.
         seconds = getattr(compiler, "compile_seconds", None) or seconds
+        artifacts, modes = made
         if MANIFEST in artifacts:
             self._errors.warn_once(
                 "manifest-name", f"an artifact named {MANIFEST} cannot be cached"
             )
-            return files, f"not stored: an artifact is named {MANIFEST}", None, artifacts
+            return files, f"not stored: an artifact is named {MANIFEST}", None, made
         self._explain_miss(request, key, inputs, getattr(compiler, "explain_names", None))
-        manifest = make_manifest(key, artifacts, seconds, inputs, self._clock())
+        manifest = make_manifest(key, artifacts, seconds, inputs, self._clock(), modes)
         if self.remote is not None:
             self.remote.store(soc, key, manifest, artifacts, claim)
         try:
             size = self.keep(soc, key, manifest, artifacts)
         except OSError:
-            return files, "not stored: the cache is not writable", None, artifacts
+            return files, "not stored: the cache is not writable", None, made
         if size is not None:
             self._stats.add(soc, "stores")
-        return files, None, size, artifacts
+        return files, None, size, made
 
     def _explain_miss(self, request: OpRequest, key: str, inputs: dict, names: dict | None) -> None:
         """Note the key's parts (and the compiler's ``explain_names``) for ``opcache
@@ -492,8 +496,11 @@ def out_path(out: str | os.PathLike[str]) -> Path:
     return out if isinstance(out, Path) else Path(out)
 
 
-def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
-    """Write a hit's ``files`` into ``out``.
+def deliver(
+    out: Path, files: dict[str, bytes], modes: dict[str, int] = NO_MODES
+) -> dict[str, Path]:
+    """Write a hit's ``files`` into ``out``, those in ``modes`` with their permission
+    bits (narrowed by the umask, as the compile's would be).
 
     A name that is free, or holds a file of this user's with no other name, is
     written in place.  Anything else there (a link or a file with other links
@@ -519,6 +526,8 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
             fsutil.write_all(fd, data)
             if held > len(data):  # (the rest of the bytes it held)
                 os.ftruncate(fd, len(data))
+            if modes:
+                _set_mode(fd, name, modes)
         except BaseException:
             _drop_partial(fd, f"{folder}/{name}")
             raise
@@ -526,8 +535,15 @@ def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
             os.close(fd)
         paths[name] = out._make_child_relpath(name) if _PARSING_PATHLIB else out / name
     if others:
-        paths.update(_replace_into(out, others))
+        paths.update(_replace_into(out, others, modes))
     return paths
+
+
+def _set_mode(fd: int, name: str, modes: dict[str, int]) -> None:
+    """Give the hit's file ``name`` (open as ``fd``) the bits its compile gave it."""
+    mode = modes.get(name)
+    if mode is not None:
+        os.fchmod(fd, mode & ~fsutil.UMASK)
 
 
 def _drop_partial(fd: int, path: str) -> None:
@@ -582,7 +598,7 @@ def _new_file_in(out: Path, path: str) -> int:
     return os.open(path, _NEW_FLAGS, 0o666)
 
 
-def _replace_into(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
+def _replace_into(out: Path, files: dict[str, bytes], modes: dict[str, int]) -> dict[str, Path]:
     """Put ``files`` into ``out`` as a miss puts its compile's: written in a build
     folder of its own, then moved in (``_move_out``)."""
     build, _ = _build_folder_in(out)
@@ -590,6 +606,8 @@ def _replace_into(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
         for name, data in files.items():
             with open(os.open(name, _NEW_FLAGS, 0o666, dir_fd=build.fd), "wb") as f:
                 f.write(data)
+                if modes:
+                    _set_mode(f.fileno(), name, modes)
         return {name: _move_out(build, name, out) for name in files}
     finally:
         build.close()
@@ -608,12 +626,12 @@ def _move_out(build: Workdir, name: str, out: Path) -> Path:
 
 def _compile_into(
     request: OpRequest, compiler: Compiler, out: Path, next_out: NextOut | None = None
-) -> tuple[dict[str, Path], dict[str, bytes], str | None]:
+) -> tuple[dict[str, Path], Made, str | None]:
     """Compile in a private folder beside ``out`` and move the artifacts into ``out``.
 
-    Returns (artifact paths in ``out``, their bytes, why they must not be
-    stored: what ``compiler.compile`` said, or None).  The artifacts are the
-    plain files the compiler wrote; folders and links it left are dropped.
+    Returns (artifact paths in ``out``, their bytes and modes, why they must
+    not be stored: what ``compiler.compile`` said, or None).  The artifacts are
+    the plain files the compiler wrote; folders and links it left are dropped.
     Build folders that killed compiles left in ``out`` go first; a failed
     compile leaves no ``out`` it created.  Where no build folder can be made
     in ``out``, ``next_out`` (``KeyFlow.fill``) may give another out_dir.
@@ -630,10 +648,15 @@ def _compile_into(
     try:
         said = compiler.compile(request, build.path)
         unknown = said if isinstance(said, str) else None  # (a plug-in's stray return: none)
-        files, artifacts = {}, {}
+        files, artifacts, modes = {}, {}, NO_MODES
+        new_file = 0o666 & ~fsutil.UMASK  # (a server's worker sets the caller's)
         for entry in os.scandir(build.path):
             if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
-                artifacts[entry.name] = _read_artifact(build.fd, entry.name)
+                artifacts[entry.name], mode = _read_artifact(build.fd, entry.name)
+                if mode != new_file:  # (what a hit gives unless told: an executable is not)
+                    if modes is NO_MODES:
+                        modes = {}
+                    modes[entry.name] = mode
                 files[entry.name] = _move_out(build, entry.name, out)
             else:
                 log.debug("ignoring %s: not a plain file", entry.path)
@@ -646,7 +669,7 @@ def _compile_into(
                 break
         raise
     build.close()
-    return files, artifacts, unknown
+    return files, (artifacts, modes), unknown
 
 
 def _build_folder_in(out: Path) -> tuple[Workdir, list[Path]]:
@@ -684,16 +707,18 @@ def _made_again_if_it_vanishes(make: Callable[[], _T]) -> _T:
                 raise
 
 
-def _read_artifact(build_fd: int, name: str) -> bytes:
+def _read_artifact(build_fd: int, name: str) -> tuple[bytes, int]:
     """What the compiler wrote to ``name`` in its build folder (open as ``build_fd``),
-    through the handle, not a file object (its fstat, ioctl and lseeks, per file)."""
+    and its permission bits; through the handle, not a file object (its fstat,
+    ioctl and lseeks, per file)."""
     fd, st = fsutil.open_regular(name, dir_fd=build_fd)
     try:
         chunks = []
         # Its size and a byte more, then on to the end (a read may stop short of it).
         while chunk := os.read(fd, st.st_size + 1 if not chunks else 1 << 20):
             chunks.append(chunk)
-        return b"".join(chunks)
+        # (not set-user-ID and the like: no hit makes a file that runs as another)
+        return b"".join(chunks), st.st_mode & 0o777
     finally:
         os.close(fd)
 

@@ -301,9 +301,10 @@ def _memo_fields(recorder: Recorder, hit: Hit, started: float) -> list[bytes] | 
             os.close(manifest)
     finally:
         os.close(fd)
-    artifacts = {
-        name: (size, want) for name, size, want in parse_manifest(raw, hit.key)["artifacts"]
-    }
+    described = parse_manifest(raw, hit.key)
+    if described["modes"]:
+        return None  # (a quick hit writes each output with the bits a new file gets)
+    artifacts = {name: (size, want) for name, size, want in described["artifacts"]}
     for name, target in hit.outputs.items():
         if name not in artifacts:
             return None

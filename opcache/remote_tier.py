@@ -137,7 +137,8 @@ class RemoteTier:
         if copying is not None:  # a remote hit of a moment ago, on its way to the folder
             # (stamped now: its copy will be, so the hit has no access to record)
             entry = copying[0]
-            return Entry(key, entry.files, entry.compile_seconds, self._clock()), "local"
+            stamped = Entry(key, entry.files, entry.compile_seconds, self._clock(), entry.modes)
+            return stamped, "local"
         got = self.fetch(soc, key)
         if got is None:
             return None

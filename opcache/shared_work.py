@@ -42,7 +42,7 @@ from .storage import UNCLAIMED
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .compilers.protocol import Compiler
-    from .flow import KeyFlow
+    from .flow import KeyFlow, Made
     from .locks import KeyLock
     from .request import Status
     from .storage import Fetched
@@ -702,7 +702,8 @@ class _Batch:
         if filled.entry is not None:
             self._hits(soc, [(job, filled.entry)], started, filled.tier)
             return _DONE
-        self._settle(job, flow.missed(filled, soc, job.key, started), filled.artifacts)
+        made = filled.artifacts, filled.modes
+        self._settle(job, flow.missed(filled, soc, job.key, started), made)
         return _DONE
 
     def _hits(
@@ -849,23 +850,19 @@ class _Batch:
             listed = self._listed[lock_dir] = (now, _names_in(lock_dir))
         return listed[1]
 
-    def _settle(
-        self, job: _Job, result: CompileResult, artifacts: dict[str, bytes] | None = None
-    ) -> None:
+    def _settle(self, job: _Job, result: CompileResult, made: Made | None = None) -> None:
         """The job's first request gets ``result``; the others of its key a copy (a hit)."""
         first, *others = job.indices
         self._set(first, result)
         for index in others:
-            if artifacts is None or result.status == "error":
+            if made is None or result.status == "error":
                 self._set(index, result)
             else:
-                self._each(job, index, self._copy, job, index, artifacts, result.seconds)
+                self._each(job, index, self._copy, job, index, made, result.seconds)
 
-    def _copy(
-        self, job: _Job, index: int, artifacts: dict[str, bytes], saved: float
-    ) -> CompileResult:
+    def _copy(self, job: _Job, index: int, made: Made, saved: float) -> CompileResult:
         started = time.perf_counter()
-        files = deliver(self.outs[index], artifacts)
+        files = deliver(self.outs[index], *made)
         self.flow.count(job.request.soc_version, "hits")
         seconds = time.perf_counter() - started
         return CompileResult("hit", job.key, files, seconds, saved_seconds=saved, tier="local")

@@ -514,6 +514,63 @@ def test_an_artifact_named_manifest_is_delivered_but_not_stored(tmp_path: Path, 
     assert entry_dirs(root) == {}
 
 
+class _Moded(ToyCompiler):
+    """Also makes ``helper``, an executable, and ``secret.key``, its owner's alone."""
+
+    def compile(self, request: opcache.OpRequest, workdir: Path) -> None:
+        super().compile(request, workdir)
+        (workdir / "helper").write_bytes(b"#!/bin/sh\n")
+        (workdir / "helper").chmod(0o755)
+        (workdir / "secret.key").write_bytes(b"k")
+        (workdir / "secret.key").chmod(0o600)
+
+
+def _modes(folder: Path) -> tuple[int, int, set[int]]:
+    """The bits of helper, of secret.key, and of the kernel's files."""
+    bits = {path.name: path.stat().st_mode & 0o7777 for path in folder.iterdir()}
+    return bits.pop("helper"), bits.pop("secret.key"), set(bits.values())
+
+
+def test_a_hit_gives_each_artifact_the_permission_bits_its_compile_gave(
+    tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executable stays one and a key its owner's alone, from the cache folder, a
+    batch's copy of a compile and a shared folder's remote hit (before: every hit's
+    file had the bits of a new one, 0644: a program that no longer ran and a secret
+    any user could read).  An entry of plain files keeps the format older versions read."""
+    monkeypatch.setattr(opcache.fsutil, "UMASK", 0o022)
+    os.umask(0o022)
+    moded = _Moded(tmp_path / "calls")
+    plain = make_request(1)
+    (tmp_path / "share").mkdir()
+    remote = {"remote": f"file://{tmp_path / 'share'}"}
+    with opcache.OpCache(settings_for(tmp_path, **remote)) as cache:
+        miss = cache.compile(make_request(), moded, tmp_path / "miss")
+        hit = cache.compile(make_request(), moded, tmp_path / "hit")
+        batch = cache.compile_many([make_request(2)] * 2, moded, [tmp_path / "b1", tmp_path / "b2"])
+        plain_key = cache.compile(plain, ToyCompiler(tmp_path / "calls"), tmp_path / "p").key
+    other = make_settings(tmp_path / "other", tmp_path, **remote)
+    with opcache.OpCache(other) as cache:
+        from_remote = cache.compile(make_request(), moded, tmp_path / "remote")
+    with opcache.OpCache(other) as cache:
+        copied = cache.compile(make_request(), moded, tmp_path / "copied")
+    assert [miss.status, hit.status, from_remote.status, copied.status] == ["miss"] + ["hit"] * 3
+    assert [r.status for r in batch] == ["miss", "hit"]
+    assert (from_remote.tier, copied.tier) == ("remote", "local")
+    want = _modes(tmp_path / "miss")
+    assert want == (0o755, 0o600, {0o644})
+    for name in ("hit", "b1", "b2", "remote", "copied"):
+        assert _modes(tmp_path / name) == want, name
+    plain_manifest = (entry_dirs(root)[plain_key] / "MANIFEST").read_bytes()
+    assert b'"format":1,' in plain_manifest and b'"mode"' not in plain_manifest
+
+    monkeypatch.setattr(opcache.fsutil, "UMASK", 0o077)  # (a stricter user: its bits narrowed)
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        narrowed = cache.compile(make_request(), moded, tmp_path / "narrowed")
+    assert narrowed.status == "hit"
+    assert _modes(tmp_path / "narrowed")[:2] == (0o700, 0o600)
+
+
 def test_a_compile_that_read_what_the_key_does_not_hold_is_served_never_stored(
     tmp_path: Path, root: Path
 ) -> None:

@@ -91,10 +91,10 @@ def test_a_batch_of_remote_hits_is_delivered_before_its_copies_are_made(
     copied_after: list[int] = []
     real_deliver = flow.deliver
 
-    def deliver(out: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    def deliver(out: Path, files: dict[str, bytes], modes: dict[str, int]) -> dict[str, Path]:
         time.sleep(0.02)  # (a slow disk: the copier, woken early, would copy meanwhile)
         delivered.append(out.name)
-        return real_deliver(out, files)
+        return real_deliver(out, files, modes)
 
     monkeypatch.setattr(flow, "deliver", deliver)
     cache = opcache.OpCache(file_machine(tmp_path, "b", url))

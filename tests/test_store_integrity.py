@@ -252,6 +252,30 @@ def test_parse_manifest_round_trip_and_refusals() -> None:
             parse_manifest(digest(blob).encode() + b"\n" + blob, "a" * 32)
 
 
+def test_a_manifest_keeps_the_bits_of_an_artifact_a_new_file_would_not_have() -> None:
+    """Only such an entry is of the format with modes (an older opcache takes it for
+    another format's: a miss, never deleted); each mode is checked as the rest."""
+    files = {"k.o": b"\x7fELF", "run.sh": b"#!/bin/sh\n"}
+    plain = make_manifest("a" * 32, files, 1.5, {}, 3.0)
+    raw = make_manifest("a" * 32, files, 1.5, {}, 3.0, {"run.sh": 0o755})
+    assert parse_manifest(plain, "a" * 32)["modes"] == {}
+    assert b'"format":1,' in plain and b'"format":2,' in raw
+    parsed = parse_manifest(raw, "a" * 32)
+    assert parsed["modes"] == {"run.sh": 0o755}
+    assert [name for name, _, _ in parsed["artifacts"]] == ["k.o", "run.sh"]
+    canonical = raw.partition(b"\n")[2]
+    for bad in (
+        canonical.replace(b'"format":2', b'"format":1'),  # (a mode in the older format)
+        canonical.replace(b'"mode":493', b'"mode":4096'),
+        canonical.replace(b'"mode":493', b'"mode":-1'),
+        canonical.replace(b'"mode":493', b'"mode":"755"'),
+        canonical.replace(b'"mode":493', b'"mode":true'),
+        canonical.replace(b'"mode":493', b'"more":493'),
+    ):
+        with pytest.raises(CorruptEntry, match="bad artifact"):
+            parse_manifest(_signed(bad), "a" * 32)
+
+
 @pytest.mark.parametrize("bad_name", ["../escape.o", "sub/x.o", "..", MANIFEST])
 def test_store_refuses_artifact_names_that_are_not_plain(tmp_path: Path, bad_name: str) -> None:
     store = LocalStore(tmp_path / "root")
@@ -410,7 +434,8 @@ def test_a_manifest_laid_out_otherwise_is_parsed_whole_and_checked_the_same() ->
     for bad, why in [
         (canonical.replace(b'"compile_seconds":1.5', b'"compile_seconds":NaN'), "not JSON"),
         (canonical.replace(b'"compile_seconds":1.5', b'"compile_seconds":"1"'), "lacks"),
-        (canonical.replace(b'"format":1', b'"format":2'), "another entry or format"),
+        (canonical.replace(b'"format":1', b'"format":3'), "another entry or format"),
+        (canonical.replace(b'"format":1', b'"format":true'), "another entry or format"),
         (canonical.replace(b'"size":1', b'"size":-1'), "bad artifact"),
         (canonical.replace(b'"artifacts":[', b'"artifacts":[[', 1), "not JSON"),
     ]:

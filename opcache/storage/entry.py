@@ -5,6 +5,11 @@ a checksum line, then canonical JSON naming the key, the format, the compile
 time, the inputs of the key and every artifact with its size and XXH3
 digest.  Every read, from the local folder or a remote, checks the
 manifest's checksum and every artifact against it before anything is used.
+
+An artifact the compiler made with other permission bits than a new file gets
+(an executable, a key readable by its owner alone, CANN's 0640) has its bits
+in the manifest too, and a hit gives them back.  Only such an entry is of
+``FORMAT_WITH_MODES``: every other stays as older versions of opcache read it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 FORMAT = 1
+FORMAT_WITH_MODES = 2  # (to an opcache before it, another format: a miss, never deleted)
 MANIFEST = "MANIFEST"
 MAX_MANIFEST = 16 << 20
 NAME_MAX = 255  # bytes of a file name, on Linux's file systems
@@ -38,17 +44,26 @@ class CorruptEntry(Exception):
         self.maybe_sound = maybe_sound
 
 
+NO_MODES: dict[str, int] = {}  # (shared by every entry without modes: never changed)
+
+
 class Entry(Record):
     """A verified entry: its artifacts' bytes and what the manifest recorded."""
 
-    __slots__ = _fields = ("key", "files", "compile_seconds", "stamp")
+    __slots__ = _fields = ("key", "files", "compile_seconds", "stamp", "modes")
     key: str
     files: dict[str, bytes]
     compile_seconds: float
     stamp: float  # last recorded access, seconds since the epoch
+    modes: dict[str, int]  # the permission bits of the artifacts a new file would not have
 
     def __init__(
-        self, key: str, files: dict[str, bytes], compile_seconds: float, stamp: float
+        self,
+        key: str,
+        files: dict[str, bytes],
+        compile_seconds: float,
+        stamp: float,
+        modes: dict[str, int] = NO_MODES,
     ) -> None:
         self._init(locals())
 
@@ -68,18 +83,23 @@ def make_manifest(
     compile_seconds: float,
     inputs: dict[str, Any],
     now: float,
+    modes: dict[str, int] = NO_MODES,
 ) -> bytes:
-    """The manifest of an entry: a checksum line, then canonical JSON."""
+    """The manifest of an entry: a checksum line, then canonical JSON.  ``modes``:
+    the permission bits of the artifacts that a new file would not have."""
+    listed = []
+    for name, data in sorted(artifacts.items()):
+        item: dict[str, Any] = {"name": name, "size": len(data), "xxh3": digest(data)}
+        if name in modes:
+            item["mode"] = modes[name]
+        listed.append(item)
     body = canonical_json(
         {
-            "format": FORMAT,
+            "format": FORMAT_WITH_MODES if modes else FORMAT,
             "key": key,
             "created": now,
             "compile_seconds": compile_seconds,
-            "artifacts": [
-                {"name": name, "size": len(data), "xxh3": digest(data)}
-                for name, data in sorted(artifacts.items())
-            ],
+            "artifacts": listed,
             "inputs": inputs,
         }
     )
@@ -87,7 +107,8 @@ def make_manifest(
 
 
 def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
-    """Check a manifest and return {'artifacts': [(name, size, digest)], 'compile_seconds'}.
+    """Check a manifest and return {'artifacts': [(name, size, digest)], 'compile_seconds',
+    'modes': {name: permission bits} of the artifacts that have them}.
 
     Raises CorruptEntry where the checksum fails, or where a field a hit uses
     (the format, the key, the compile time, each artifact's name, size and
@@ -112,8 +133,9 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
             data = _DECODER.decode(text)
     except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         raise CorruptEntry("the manifest is not JSON") from None
-    if type(data) is not dict or data.get("format") != FORMAT or data.get("key") != key:
-        other_format = type(data) is dict and data.get("format") != FORMAT
+    version = data.get("format") if type(data) is dict else None
+    if version not in _FORMATS or type(version) is not int or data.get("key") != key:
+        other_format = type(data) is dict and version not in _FORMATS
         raise CorruptEntry("the manifest is of another entry or format", maybe_sound=other_format)
     artifacts = data.get("artifacts")
     seconds = data.get("compile_seconds")
@@ -124,10 +146,19 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     if type(artifacts) is not list or not math.isfinite(seconds):
         raise CorruptEntry("the manifest lacks its artifacts")
     out = []
+    modes = NO_MODES
     for item in artifacts:
-        # Exactly what make_manifest writes: {"name", "size", "xxh3"}.
+        # Exactly what make_manifest writes: {"name", "size", "xxh3"}, and "mode" in
+        # the format that has modes.
         if type(item) is not dict or len(item) != 3:
-            raise CorruptEntry("the manifest names a bad artifact")
+            if version == FORMAT or type(item) is not dict or len(item) != 4:
+                raise CorruptEntry("the manifest names a bad artifact")
+            mode = item.get("mode")
+            if type(mode) is not int or not 0 <= mode <= 0o777:
+                raise CorruptEntry("the manifest names a bad artifact mode")
+            if modes is NO_MODES:
+                modes = {}
+            modes[item.get("name")] = mode
         name, size, want = item.get("name"), item.get("size"), item.get("xxh3")
         if (
             not is_plain_name(name)
@@ -140,7 +171,7 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
             shown = repr(name)[:80] if type(name) is str else "one without a name"
             raise CorruptEntry(f"the manifest names a bad artifact: {shown}")
         out.append((name, size, want))
-    return {"artifacts": out, "compile_seconds": seconds}
+    return {"artifacts": out, "compile_seconds": seconds, "modes": modes}
 
 
 def _fits_a_folder(name: str) -> bool:
@@ -151,6 +182,8 @@ def _fits_a_folder(name: str) -> bool:
     except UnicodeError:
         return False
 
+
+_FORMATS = (FORMAT, FORMAT_WITH_MODES)
 
 # make_manifest's canonical JSON: its fields in this order, "inputs" then "key" last.
 _LAID_OUT = (

@@ -497,7 +497,7 @@ class LocalStore:
             files[name] = check_artifact(
                 name, size, want, self._read_file(entry_fd, name, size + 1)[0]
             )
-        return Entry(key, files, manifest["compile_seconds"], mtime), raw
+        return Entry(key, files, manifest["compile_seconds"], mtime, manifest["modes"]), raw
 
     def _read_file(self, dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
         """(up to ``limit`` bytes, mtime) of a regular, trusted file in an entry."""
