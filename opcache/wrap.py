@@ -51,6 +51,7 @@ from pathlib import Path
 from . import _json, _log, fsutil, quickhit, quickmemo
 from ._log import get_logger
 from .cache import BUILD_GAP_SECONDS, BUILD_SESSION, OpCache
+from .compilers import cc_driver
 from .compilers.toolchain import file_identity, is_script, which
 from .errors import CompileError, ConfigError, sentence
 from .key import canonical_json, compute_key, digest
@@ -1525,22 +1526,22 @@ def _plan_cc(
             raise Uncacheable(
                 f"cc: {argv[0]} -print-search-dirs failed: where it looks for specs is unknown"
             )
-        for place in _specs_places(search_dirs):
+        for place in cc_driver.specs_places(search_dirs):
             if not _absent(place):
                 raise Uncacheable(f"cc: gcc may read the specs file {place} (not keyed)")
-    programs = _search_folders(search_dirs or {}, "programs")
+    programs = cc_driver.search_folders(search_dirs or {}, "programs")
     assembler = _path_assembler(argv[0], compiler_identity, programs, env, memo.store)
     if assembler is not None:
         attrs["assembler"] = assembler
     keyed_env = [(name, env[name]) for name in keyed_names if name in env]
     if keyed_env:
         attrs["env"] = repr(keyed_env)  # repr: text even for bytes of no encoding
-    macros = {*inputs.macros, *_macros_in(source_data), *_directives_in(source_data)}
+    macros = {*inputs.macros, *_macros_in(source_data), *cc_driver.directives_in(source_data)}
     joined = os.fsencode(" ".join(args))
     if b"__has_include" in joined:
         raise Uncacheable("cc: __has_include in a flag: the places it looks are not known")
-    macros.update(_macros_in(joined), _directives_in(joined))
-    for directive, why in _FILE_DIRECTIVES.items():
+    macros.update(_macros_in(joined), cc_driver.directives_in(joined))
+    for directive, why in cc_driver.FILE_DIRECTIVES.items():
         if directive in macros:
             raise Uncacheable(f"cc: a {directive} directive {why}")
     attrs |= _clock_key(argv[0], macros, env, [source, *inputs.paths])
@@ -1680,35 +1681,7 @@ def _search_dirs(
     said = _compiler_says(cc, "-print-search-dirs", asked, env, store)
     if said is None:
         return None
-    return dict(line.partition(": ")[::2] for line in os.fsdecode(said).splitlines())
-
-
-def _search_folders(search_dirs: dict[str, str], kind: str) -> list[str]:
-    """The folders of a ``-print-search-dirs`` line (``programs``, ``libraries``), in order."""
-    return list(dict.fromkeys(filter(None, search_dirs.get(kind, "").removeprefix("=").split(":"))))
-
-
-def _specs_places(search_dirs: dict[str, str]) -> list[str]:
-    """Where gcc looks for a ``specs`` file, which rewrites its command lines.
-
-    gcc's driver looks in its start-file folders (``LIBRARY_PATH``'s first,
-    each bare and with ``<machine>/<version>/``, then its own): each folder
-    ``-print-search-dirs`` lists, and each with those last parts taken off, is
-    taken (more places than gcc looks in: one made there costs a miss, never a
-    wrong object).
-    """
-    # (install: <prefix>/gcc/<machine>/<version>/)
-    machine_version = search_dirs.get("install", "").rstrip("/").split("/")[-2:]
-    places: dict[str, None] = {}
-    for kind in ("libraries", "programs"):
-        for folder in _search_folders(search_dirs, kind):
-            parts = folder.rstrip("/").split("/")
-            while True:
-                places[("/".join(parts) or ".") + "/specs"] = None
-                if not parts or parts[-1] not in machine_version:
-                    break
-                parts.pop()
-    return list(places)
+    return cc_driver.search_dirs(os.fsdecode(said))
 
 
 def _compiler_says(
@@ -2032,9 +2005,8 @@ class HeaderMemo:
                 if path not in contents:
                     contents[path], st = fsutil.read_input_stat(path)
                     seen[path] = _identity(st)
-        macros = sorted(
-            {m for data in contents.values() for m in (*_macros_in(data), *_directives_in(data))}
-        )
+        named = [(*_macros_in(data), *cc_driver.directives_in(data)) for data in contents.values()]
+        macros = sorted({m for names in named for m in names})
         paths = list(contents)
         digests = [digest(data) for data in contents.values()]
         # Only when the search list is known and every header was placed in it
@@ -2138,42 +2110,8 @@ _PATH_MACROS = ("__FILE__", "__FILE_NAME__", "__builtin_FILE", "__builtin_source
 _KEY_MACROS = ("__DATE__", "__TIME__", "__TIMESTAMP__", *_PATH_MACROS)
 
 
-# Assembler directives that read a file (in an asm statement): the preprocessor
-# does not list it, so its contents are in no key (ccache's rule too).  Found as
-# text, in any case (gas takes .INCBIN): the name, standing apart, then a quote
-# (a quoted file name, escaped in a C string, or the end of a string holding the
-# name alone), or a macro defined as the name alone; kept with the macros: a
-# remembered header list carries them.
-#
-# `#pragma GCC dependency "parse.y"` (clang's `#pragma clang dependency` too, or
-# either through _Pragma) compares that file's time with the current file's and
-# warns (an error with -Werror); cc -M does not name it.  Found as the words alone,
-# wherever they are: through a macro (`_Pragma(#x)`) no pragma is written out.
-_FILE_DIRECTIVES = {
-    ".incbin": "reads a file the key does not hold",
-    ".include": "reads a file the key does not hold",
-    "#pragma GCC dependency": "compares the time of a file the key does not hold",
-}
-_FILE_DIRECTIVE = (
-    rb'(?m)(?:^|[\s";:]|\\[nt])\.(incbin|include)[ \t]*\\?"'
-    rb"|^[ \t]*#[ \t]*define[ \t]+\w+[ \t]+\.(incbin|include)[ \t]*\r?$"
-)
-_PRAGMA_DEPENDENCY = rb"\b(?:GCC|clang)(?:\s|\\\r?\n)+dependency\b"
-
-
 def _macros_in(data: bytes) -> list[str]:
     return [m for m in _KEY_MACROS if m.encode() in data]
-
-
-def _directives_in(data: bytes) -> list[str]:
-    # (no pattern compiled for most files)
-    pragma = b"dependency" in data and re.search(_PRAGMA_DEPENDENCY, data) is not None
-    lowered = data.lower()
-    if b".inc" not in lowered:
-        return ["#pragma GCC dependency"] if pragma else []
-    found = re.findall(_FILE_DIRECTIVE, lowered)
-    named = {"." + (quoted or defined).decode() for quoted, defined in found}
-    return sorted(named | {"#pragma GCC dependency"} if pragma else named)
 
 
 def _current_digests(
@@ -2609,53 +2547,8 @@ def _cc_headers(cc: str, pass_args: list[str], source: str, env: Mapping[str, st
         # line): a preprocessor run, a rule and a search list each, which direct mode
         # does not read as one.
         raise Uncacheable("cc: a compile for more than one target (a rule each in cc -M)")
-    headers = _make_prerequisites(rules)
-    return _search_list(list(dict.fromkeys(headers)), done.stderr.decode(errors="surrogateescape"))
-
-
-def _search_list(headers: list[str], said: str) -> _Found:
-    """The include search list gcc and clang print with ``-v``: the ``#include "..."``
-    folders, then the ``#include <...>`` ones; and the folders they left out as
-    nonexistent."""
-    quote: list[str] = []
-    bracket: list[str] = []
-    absent = []
-    into = None
-    searched = False
-    for line in said.splitlines():
-        if line.startswith('ignoring nonexistent directory "') and line.endswith('"'):
-            absent.append(line[len('ignoring nonexistent directory "') : -1])
-        elif line.startswith('#include "..." search starts here:'):
-            into = quote
-        elif line.startswith("#include <...> search starts here:"):
-            into = bracket
-        elif line == "End of search list.":
-            into = None
-            searched = True
-        elif into is not None and line.startswith(" "):
-            into.append(line.strip().removesuffix(" (framework directory)"))
-    return _Found(headers, quote, bracket, absent, searched)
-
-
-# gcc's make quoting (libcpp/mkdeps.cc): a space or tab of a name follows a
-# backslash, and the backslashes right before it are doubled (2N+1 then a
-# space: N of the name and the space; 2N: N that end the name); $ is $$, # is
-# \#; other backslashes are as they are; a backslash-newline continues a line.
-_MAKE_QUOTING = re.compile(r"(?P<run>\\+)(?P<space>[ \t])|\\(?P<hash>#)|\$(?P<dollar>\$)|\\\n|\s")
-
-
-def _make_prerequisites(rule: str) -> list[str]:
-    """The file names after the target of a make rule as ``cc -M`` writes it."""
-    target_end = re.search(r":(\s|$)", rule)
-    prerequisites = rule[target_end.end() :] if target_end else ""
-
-    def unquote(match: re.Match[str]) -> str:
-        if match["run"] is not None:
-            run = len(match["run"])
-            return "\\" * (run // 2) + (match["space"] if run % 2 else "\0")
-        return match["hash"] or match["dollar"] or "\0"  # "\0": between two names
-
-    return [name for name in _MAKE_QUOTING.sub(unquote, prerequisites).split("\0") if name]
+    headers = list(dict.fromkeys(cc_driver.make_prerequisites(rules)))
+    return _Found(headers, *cc_driver.search_list(done.stderr.decode(errors="surrogateescape")))
 
 
 # -- planning without running (opcache explain) ------------------------------------
