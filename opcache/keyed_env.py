@@ -33,14 +33,19 @@ OPC_READS_ENVIRONMENT = (
 ENV_EXTRA_FILES = "OPCACHE_EXTRA_FILES"
 ENV_KEY_ENV = "OPCACHE_KEY_ENV"
 
-# Environment variables that change what a C compile gives: its object, its
-# dependency file or its messages (docs/wrap.md, "The environment of a C compile").
-CC_KEY_ENVIRONMENT = (
+# Variables adding folders to a C compile's include search list: the cc
+# back-end asks the compiler for its own list without them.
+CC_INCLUDE_ENVIRONMENT = (
     "CPATH",
     "C_INCLUDE_PATH",
     "CPLUS_INCLUDE_PATH",
     "OBJC_INCLUDE_PATH",
     "OBJCPLUS_INCLUDE_PATH",
+)
+# Environment variables that change what a C compile gives: its object, its
+# dependency file or its messages (docs/wrap.md, "The environment of a C compile").
+CC_KEY_ENVIRONMENT = (
+    *CC_INCLUDE_ENVIRONMENT,
     "GCC_EXEC_PREFIX",
     "COMPILER_PATH",
     "GCC_COMPARE_DEBUG",

@@ -22,13 +22,31 @@ from typing import Any
 
 from ..errors import CompileError, ConfigError
 from ..key import digest
-from ..keyed_env import CC_KEY_ENVIRONMENT, CC_SIDE_OUTPUT_ENVIRONMENT
+from ..keyed_env import (
+    CC_ARGUMENT_ENVIRONMENT,
+    CC_INCLUDE_ENVIRONMENT,
+    CC_KEY_ENVIRONMENT,
+    CC_PROGRAM_ENVIRONMENT,
+    CC_SIDE_OUTPUT_ENVIRONMENT,
+)
 from ..request import OpRequest
+from . import cc_driver
 from .toolchain import file_identity, kernel_name, run_tool, which
 
 C_SOURCES = (".c", ".cc", ".cpp", ".cxx", ".C", ".s", ".S")
 CANDIDATES = ("cc", "gcc", "clang")
 _MACRO_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+# The programs a compile (-c) may run: gcc's compilers proper and the assembler
+# (clang answers with names it never runs, which are then found nowhere).
+_PROGRAMS = ("cc1", "cc1plus", "as")
+# Flags by which the driver reads files or runs programs that no dependency list
+# names (programs and specs from -B folders, another root for the system headers,
+# a plugin, a program run around each tool, a profile), or by which the object
+# names a file beside it (coverage data): what they read is not in the key.
+_UNKEYED_FLAGS = (
+    "-B", "-specs", "--specs", "--sysroot", "-isysroot", "-iplugindir", "-fplugin",
+    "-wrapper", "-fprofile-", "-fauto-profile", "--coverage", "-ftest-coverage",
+)  # fmt: skip
 
 
 def find_cc(environ: Mapping[str, str]) -> list[str] | None:
@@ -82,6 +100,7 @@ class CcCompiler:
         self.argv = argv
         self._environ = dict(env)
         self._fingerprint: str | None = None
+        self._toolchain: _Toolchain | None = None
 
     @classmethod
     def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
@@ -99,12 +118,23 @@ class CcCompiler:
             # The variables that change gcc's output; the epoch dates the clock macros.
             names = (*CC_KEY_ENVIRONMENT, "SOURCE_DATE_EPOCH")
             keyed = [(name, self._environ[name]) for name in names if name in self._environ]
+            self._toolchain = _Toolchain(self.argv[0], self._environ)
             self._fingerprint = "|".join(
-                [*self.argv[1:], file_identity(self.argv[0]), digest(version), repr(keyed)]
+                [
+                    *self.argv[1:],
+                    file_identity(self.argv[0]),
+                    digest(version),
+                    repr(keyed),
+                    self._toolchain.identity(),
+                ]
             )
         return self._fingerprint
 
-    def compile(self, request: OpRequest, workdir: Path) -> None:
+    def compile(self, request: OpRequest, workdir: Path) -> str | None:
+        """Compile into ``workdir``; return why the object must not be stored, if it
+        read anything the key does not hold (see ``_unkeyed_read``)."""
+        self.fingerprint()  # (what the compile's reads are checked against)
+        assert self._toolchain is not None
         workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
         sources = request.source_bytes
         main = [name for name in sources if name.endswith(C_SOURCES)]
@@ -119,18 +149,28 @@ class CcCompiler:
         # the fingerprint holds it: a kernel is the same whenever it is compiled.
         epoch = self._environ.get("SOURCE_DATE_EPOCH") or "0"
         stamp = int(epoch) if epoch.isdigit() else 0  # (gcc itself refuses a bad one)
-        with tempfile.TemporaryDirectory(prefix="opcache-cc-") as src:
+        flags = self._flags(request)
+        # The sources go one level down in a private folder: `#include "../x.h"`
+        # then finds nothing of others' (in $TMPDIR) but opcache's own.
+        with tempfile.TemporaryDirectory(prefix="opcache-cc-") as private:
+            src = os.path.join(private, "src")
+            os.mkdir(src)
             for name, data in sources.items():
                 Path(src, name).write_bytes(data)
                 os.utime(Path(src, name), (stamp, stamp))
+            # The compiler lists every file its preprocessor read as it compiles (no
+            # second run, the same object); a .s source is not preprocessed.
+            deps = os.path.join(private, "deps")
+            listed = [] if main[0].endswith(".s") else ["-MD", "-MF", deps, "-MT", "o"]
             # Relative names and a fixed cwd keep temp paths out of the object file.
-            argv = [*self.argv, *self._flags(request), "-c", main[0], "-o", str(obj)]
+            argv = [*self.argv, *flags, "-c", main[0], "-o", str(obj), *listed]
             run_tool(
                 argv,
                 cwd=Path(src),
                 environ=self._compile_environ(epoch),
                 what=f"cc {request.op_type}",
             )
+            unkeyed = self._unkeyed_read(flags, sources, src, deps if listed else None)
         description = {
             "kernelName": kernel,
             "opType": request.op_type,
@@ -141,6 +181,64 @@ class CcCompiler:
             "outputs": list(request.outputs),
         }
         (workdir / f"{kernel}.json").write_text(json.dumps(description, indent=2, sort_keys=True))
+        return unkeyed
+
+    def _unkeyed_read(
+        self, flags: list[str], sources: Mapping[str, bytes], src: str, deps: str | None
+    ) -> str | None:
+        """Why the compile just run may have read what the key does not hold, or None.
+
+        The key holds the request's sources and the fingerprint.  Whatever
+        else the compile read (a header through -I, -include, CPATH, a
+        relative path out of the private folder) is named by the dependency
+        list ``deps`` and refused, unless it is a system header of the
+        toolchain's own folders, which the fingerprint covers.  What no such
+        list names (the programs run, specs files, files flags or assembler
+        directives name) is refused by the flags, the environment and the
+        programs found, checked again now against the fingerprint's.
+        """
+        toolchain = self._toolchain
+        assert toolchain is not None
+        for name in (*CC_PROGRAM_ENVIRONMENT, *CC_ARGUMENT_ENVIRONMENT):
+            if self._environ.get(name):
+                return f"cc: {name} is set (the programs or flags it adds are not keyed)"
+        flags = [*self.argv[1:], *flags]  # (CC may carry flags too)
+        for flag in flags:
+            if flag.startswith("@") or ",@" in flag:
+                return "cc: response files are not supported"
+            if flag.startswith("-M"):
+                return f"cc: {flag}: the dependency list is opcache's own (what a compile read)"
+            if flag.startswith(_UNKEYED_FLAGS):
+                return f"cc: {flag} reads or names files the key does not hold"
+        for name, data in sources.items():
+            directives = cc_driver.directives_in(data)
+            if directives:
+                why = cc_driver.FILE_DIRECTIVES[directives[0]]
+                return f"cc: a {directives[0]} directive in {name} {why}"
+        changed = toolchain.changed()
+        if changed:
+            return changed
+        if deps is None:
+            read: list[str] = []
+        else:
+            try:
+                with open(deps, encoding="utf-8", errors="surrogateescape") as f:
+                    read = cc_driver.make_prerequisites(f.read())
+            except OSError as e:
+                return f"cc: the compile listed no files read ({e.strerror})"
+        own = {os.path.realpath(os.path.join(src, name)) for name in sources}
+        read_here = [os.path.realpath(os.path.join(src, name)) for name in read]
+        for path in read_here:
+            outside = None if path in own else toolchain.outside(path)
+            if outside:
+                return outside
+        known = own.union(read_here)
+        for flag in flags:
+            for word in [flag, *re.split("[=,]", flag)[1:]]:
+                named = os.path.realpath(os.path.join(src, word)) if word else ""
+                if named and named not in known and os.path.isfile(named):
+                    return f"cc: {flag} names {named}, which the key does not hold"
+        return None
 
     def _compile_environ(self, epoch: str) -> dict[str, str]:
         # A dependency file the environment asks for would be written by a miss only.
@@ -163,6 +261,99 @@ class CcCompiler:
         for name, value in sorted(options.items()):
             defines.append(f"-DOPT_{_macro(name).upper()}={_value(value)}")
         return flags + defines
+
+
+class _Toolchain:
+    """What a compile may read beside its sources and the driver: the programs it
+    runs, specs files, the system headers of its default include folders.
+
+    Probed once per compiler (a handful of driver runs and one walk of the
+    include folders' tree, folders only) for the fingerprint, and checked
+    again, cheaply, after each compile: a miss that ran another assembler or
+    read a header of a folder changed since is not stored.  The folders'
+    identities (inode, mtime, ctime) catch what a package upgrade does: dpkg
+    and rpm put each file in place by a rename, which moves its folder's times.
+    A header rewritten in place (its folder untouched) is not caught.
+    """
+
+    def __init__(self, cc: str, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        said = self._says(cc, "-print-search-dirs")
+        self._searched = said is not None
+        search_dirs = cc_driver.search_dirs(said) if said is not None else {}
+        self._specs = cc_driver.specs_places(search_dirs)
+        # A program the driver names bare is looked for in its own folders, then PATH.
+        programs = cc_driver.search_folders(search_dirs, "programs")
+        path = os.pathsep.join([*programs, environ.get("PATH", os.defpath)])
+        self._programs = {
+            name: (self._says(cc, f"-print-prog-name={name}") or "").strip() for name in _PROGRAMS
+        }
+        self._path = {"PATH": path}
+        self._found = self._programs_found()
+        # The driver's own list: without the variables that add to it, and in English.
+        env = {k: v for k, v in environ.items() if k not in CC_INCLUDE_ENVIRONMENT}
+        env["LC_ALL"] = "C"
+        roots: list[str] = []
+        for language in ("c", "c++"):
+            listing = [cc, "-E", "-v", "-x", language, os.devnull, "-o", os.devnull]
+            done = subprocess.run(listing, capture_output=True, env=env, check=False)
+            if done.returncode == 0:
+                roots += cc_driver.search_list(done.stderr.decode(errors="surrogateescape"))[1]
+        self._roots = list(dict.fromkeys(os.path.realpath(root) for root in roots))
+        self._folders = {
+            folder: _folder_identity(folder)
+            for root in self._roots
+            for folder, _, _ in os.walk(root)
+        }
+
+    def _says(self, cc: str, flag: str) -> str | None:
+        done = subprocess.run([cc, flag], capture_output=True, env=dict(self._environ), check=False)
+        return done.stdout.decode(errors="surrogateescape") if done.returncode == 0 else None
+
+    def _programs_found(self) -> dict[str, str]:
+        found = {}
+        for name, said in self._programs.items():
+            place = said if os.sep in said else which(said, self._path) if said else None
+            found[name] = file_identity(place) if place and os.path.isfile(place) else ""
+        return found
+
+    def _specs_found(self) -> list[str]:
+        return [place for place in self._specs if os.path.lexists(place)]
+
+    def identity(self) -> str:
+        """The toolchain as the fingerprint holds it."""
+        folders = sorted(self._folders.items())
+        return digest(repr((self._found, self._specs_found(), self._roots, folders)).encode())
+
+    def changed(self) -> str | None:
+        """Why what the fingerprint holds of the programs and specs no longer holds."""
+        if not self._searched:
+            return "cc: -print-search-dirs failed: where the driver looks for specs is unknown"
+        specs = self._specs_found()
+        if specs:
+            return f"cc: gcc may read the specs file {specs[0]} (not keyed)"
+        for name, found in self._programs_found().items():
+            if found != self._found[name]:
+                return f"cc: the {name} the compiler runs changed since its fingerprint was taken"
+        return None
+
+    def outside(self, path: str) -> str | None:
+        """Why a file the compile read (a real path, not a source) is not covered, or None."""
+        folder = os.path.dirname(path)
+        known = self._folders.get(folder)
+        if known is None:
+            return f"cc: it read {path}, no source of the request nor a system header (not keyed)"
+        if _folder_identity(folder) != known:
+            return f"cc: the system header folder {folder} changed since the fingerprint was taken"
+        return None
+
+
+def _folder_identity(folder: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _tensor_defines(prefix: str, tensor: Mapping[str, Any]) -> list[str]:
