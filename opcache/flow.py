@@ -22,6 +22,7 @@ from . import fsutil, locks, stats
 from ._log import get_logger
 from .aging import STAMP_GRANULARITY
 from .errors import CompileError
+from .key import canonical_json, digest, key_inputs
 from .request import CompileResult, is_plain_name
 from .storage.entry import MANIFEST, NO_MODES, CorruptEntry, Entry, make_manifest
 from .storage.local import Workdir, new_build_folder, remove_abandoned
@@ -192,7 +193,6 @@ class KeyFlow:
         self._folders = folders
         self._errors = errors
         self._clock = clock
-        self._fingerprints: dict[int, tuple[Compiler, str]] = {}
         self.remote: RemoteTier | None = None
         if settings.remote is not None and settings.mode != "disable":
             from .remote_tier import RemoteTier  # only with a remote: not on wrap's start-up
@@ -218,12 +218,11 @@ class KeyFlow:
         return None
 
     def fingerprint(self, compiler: Compiler) -> str:
-        """``compiler.fingerprint()``, asked once per compiler object."""
-        known = self._fingerprints.get(id(compiler))
-        if known is None or known[0] is not compiler:
-            known = (compiler, compiler.fingerprint())
-            self._fingerprints[id(compiler)] = known
-        return known[1]
+        """``compiler.fingerprint()``, asked at every compile, not remembered here: a
+        tool upgraded in place under a long-lived compiler object must give new
+        keys.  A compiler remembers its own while its tool is the same file
+        (``toolchain.tool_changed``: a stat)."""
+        return compiler.fingerprint()
 
     def chip_ready(self, soc: str) -> bool:
         """The chip folder's first touch (``ChipFolders.ready``); False: do not use it."""
@@ -451,6 +450,10 @@ class KeyFlow:
         except CompileError:
             self._stats.add(soc, "compile_errors")
             raise
+        if unknown is None and _key_now(request, compiler) != key:
+            # A tool upgraded in place since the key was taken: its output is not the
+            # key's, and another process still on the old tool would be served it.
+            unknown = "the compiler changed while it compiled"
         if unknown is not None:
             # The compiler read what the key does not hold: served, never stored.
             self._stats.add(soc, stats.UNCACHEABLE_PREFIX + unknown)
@@ -488,6 +491,11 @@ class KeyFlow:
             self._stats.add(
                 request.soc_version, stats.MISSES_NEW_KEY if seen else stats.MISSES_NEVER_SEEN
             )
+
+
+def _key_now(request: OpRequest, compiler: Compiler) -> str:
+    """The key of ``request`` with the compiler's fingerprint as it is now."""
+    return digest(canonical_json(key_inputs(request, compiler.name, compiler.fingerprint())))
 
 
 def out_path(out: str | os.PathLike[str]) -> Path:

@@ -503,6 +503,64 @@ def test_cann_fingerprint_follows_the_opc_executable(toolkit):
     assert CannCompiler(environ=env).fingerprint() != before
 
 
+def _replace(path: Path, text: str, *, same_times_as: Path | None = None) -> None:
+    """Install ``text`` at ``path`` as a package manager does: a new file renamed over
+    it (a new inode), with the old one's times when ``same_times_as`` says (tar, rsync -t)."""
+    new = path.with_name(path.name + ".new")
+    new.write_text(text)
+    new.chmod(0o755)
+    if same_times_as is not None:
+        st = same_times_as.stat()
+        os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, path)
+
+
+def test_a_tool_replaced_with_the_same_size_and_mtime_is_hashed_again(tmp_path):
+    """The digest memo held size and mtime only: a tool replaced by one of the same
+    size and mtime kept the old digest in the process, even for a new compiler."""
+    from opcache.compilers import toolchain
+
+    tool = tmp_path / "mycc"
+    tool.write_text("#!/bin/sh\necho 1\n")
+    first = toolchain.file_identity(tool)
+    _replace(tool, "#!/bin/sh\necho 2\n", same_times_as=tool)
+    assert toolchain.file_identity(tool) != first
+
+
+def test_cann_opc_upgraded_in_place_under_a_long_lived_compiler_gets_new_keys(toolkit, tmp_path):
+    """The fingerprint was taken once per compiler object: after an upgrade in place, one
+    OpCache and compiler kept serving the old opc's kernels, and stored the new opc's
+    kernels under the old opc's keys."""
+    root, env = toolkit
+    opc = root / "bin" / "opc"
+    compiler = CannCompiler(environ=env)
+    with cache_at(tmp_path) as cache:
+        assert cache.compile(cann_request(), compiler, tmp_path / "a").status == "miss"
+        _replace(opc, opc.read_text() + "\n# 8.0\n")
+        assert cache.compile(cann_request(), compiler, tmp_path / "b").status == "miss"
+        assert cache.compile(cann_request(), compiler, tmp_path / "c").status == "hit"
+
+
+def test_a_tool_changed_while_it_compiles_is_not_stored(tmp_path):
+    """A miss compiled by a tool upgraded meanwhile was stored under the old tool's key,
+    where another process still running the old tool found it."""
+    tool = tmp_path / "mycc"
+    upgrade = f"#!/bin/sh\ncp {tool}.v2 {tool}.new && mv {tool}.new {tool}\n"
+    tool.write_text(upgrade + 'echo v1 > "$1"\n')
+    tool.chmod(0o755)
+    Path(f"{tool}.v2").write_text('#!/bin/sh\necho v2 > "$1"\n')
+    Path(f"{tool}.v2").chmod(0o755)
+    compiler = CommandCompiler(f"{tool} {{workdir}}/{{kernel_name}}.o")
+    with cache_at(tmp_path) as cache:
+        result = cache.compile(cc_request(), compiler, tmp_path / "a")
+        assert (result.status, result.reason) == (
+            "miss",
+            "not stored: the compiler changed while it compiled",
+        )
+        assert cache.compile(cc_request(), compiler, tmp_path / "b").status == "miss"
+        assert cache.compile(cc_request(), compiler, tmp_path / "c").status == "hit"
+
+
 def write_interpreter(folder: Path, note: str) -> Path:
     """A tiny interpreter of our own: a shell script that runs this Python."""
     folder.mkdir(parents=True, exist_ok=True)

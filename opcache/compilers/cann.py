@@ -22,7 +22,7 @@ from ..errors import CompileError, ConfigError
 from ..ini import TOOLKIT_VARIABLES
 from ..key import digest
 from ..request import OpRequest
-from .toolchain import file_identity, kernel_name, run_tool, which
+from .toolchain import file_identity, kernel_name, run_tool, tool_changed, which
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -328,6 +328,11 @@ class CannCompiler:
         self._environ = dict(env)
         self._notes = notes  # where tool digests are remembered (opcache wrap's cache)
         self._fingerprint: str | None = None
+        # Looked at (a stat each) at every compile: an upgrade in place rewrites them.
+        version_files = [] if home is None else [home / "version.cfg", home / "version.info"]
+        if env.get("ASCEND_OPP_PATH"):
+            version_files.append(Path(env["ASCEND_OPP_PATH"]) / "version.info")
+        self._tools = [self.opc, *version_files]
 
     @classmethod
     def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
@@ -335,7 +340,7 @@ class CannCompiler:
         return (True, f"opc at {opc}") if opc else (False, f"no toolkit; looked at {looked}")
 
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
+        if self._fingerprint is None or tool_changed(self, *self._tools):
             self._fingerprint = toolkit_fingerprint(
                 "opc", self.opc, self.home, self._environ, self._notes
             )

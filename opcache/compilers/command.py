@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..key import digest
 from ..request import OpRequest
-from .toolchain import file_identity, kernel_name, run_tool, which
+from .toolchain import file_identity, kernel_name, run_tool, tool_changed, which
 
 FIELDS = ("source", "sources", "workdir", "soc_version", "kernel_name", "op_type", "param")
 
@@ -62,19 +62,22 @@ class CommandCompiler:
         self.executable = executable
         self._user_fingerprint = fingerprint
         self._environ = dict(env)
+        self._fingerprint: str | None = None
 
     @classmethod
     def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
         return True, "needs a template: get_compiler('command', template='...')"
 
     def fingerprint(self) -> str:
-        return "|".join(
-            [
-                self._user_fingerprint,
-                file_identity(self.executable),
-                digest(" ".join(self.words).encode()),
-            ]
-        )
+        if self._fingerprint is None or tool_changed(self, self.executable):
+            self._fingerprint = "|".join(
+                [
+                    self._user_fingerprint,
+                    file_identity(self.executable),
+                    digest(" ".join(self.words).encode()),
+                ]
+            )
+        return self._fingerprint
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
         workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder

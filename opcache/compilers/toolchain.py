@@ -17,6 +17,7 @@ from ..request import OpRequest
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     import subprocess
+    import weakref
 
     from ..storage.local import LocalStore
 
@@ -27,7 +28,10 @@ _STDERR_TAIL = 2000
 _SIGINT = 2  # signal.SIGINT, without importing signal on `opcache wrap`'s start-up
 _HEX = b"0123456789abcdef"
 _TOO_NEW_SECONDS = 2.0
-_identities: dict[tuple[str, int, int], str] = {}
+_identities: dict[tuple[str, int, int, int, int, int], str] = {}
+# Per compiler object, the identities of its tools when it last asked (tool_changed);
+# made at the first ask: weakref costs `opcache wrap`'s start-up half a millisecond.
+_tools_seen: weakref.WeakKeyDictionary[object, tuple] | None = None
 
 
 def kernel_name(request: OpRequest) -> str:
@@ -39,17 +43,46 @@ def kernel_name(request: OpRequest) -> str:
 def file_identity(path: str | os.PathLike[str], notes: LocalStore | None = None) -> str:
     """Size, mtime and XXH3 digest of a file.
 
-    The digest is memoised in the process while size and mtime stay, and in the
-    cache ``notes`` by device, inode, size, mtime and ctime: a process per
-    compile (``opcache wrap``) then does not hash a 1 MB compiler each time.
-    Any write or rename moves ctime, and no one can set it back.
+    The digest is memoised in the process, and in the cache ``notes``, by
+    device, inode, size, mtime and ctime: a process per compile (``opcache
+    wrap``) then does not hash a 1 MB compiler each time.  Any write or rename
+    moves ctime, and no one can set it back: a tool replaced by one of the same
+    size and mtime (tar, ``rsync -t``) is hashed again.
     """
     real = os.path.realpath(path)
     st = os.stat(real)
-    memo = (real, st.st_size, st.st_mtime_ns)
+    memo = (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if memo not in _identities:
         _identities[memo] = _digest_of(real, st, notes)
     return f"{real}:{st.st_size}:{st.st_mtime_ns}:{_identities[memo]}"
+
+
+def tool_changed(owner: object, *paths: str | os.PathLike[str]) -> bool:
+    """Whether a file at ``paths`` is another file, or was written, since ``owner``
+    (a compiler) last asked; True the first time.
+
+    One stat a path, so a compiler may ask at every compile and take its
+    fingerprint again only then: a tool upgraded in place under a long-lived
+    compiler object gets new keys, not the old version's entries.
+    """
+    global _tools_seen
+    if _tools_seen is None:
+        import weakref
+
+        _tools_seen = weakref.WeakKeyDictionary()
+    now = tuple(_stamp(path) for path in paths)
+    if _tools_seen.get(owner) == now:
+        return False
+    _tools_seen[owner] = now
+    return True
+
+
+def _stamp(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _digest_of(real: str, st: os.stat_result, notes: LocalStore | None) -> str:
