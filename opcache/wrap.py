@@ -63,7 +63,6 @@ from .keyed_env import (
     CC_SIDE_OUTPUT_ENVIRONMENT,
     ENV_EXTRA_FILES,
     ENV_KEY_ENV,
-    OPC_KEY_ENVIRONMENT,
     OPC_READS_ENVIRONMENT,
     OPC_SIDE_OUTPUT_ENVIRONMENT,
 )
@@ -719,7 +718,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     the compile is traced (``readset.py``), or without strace cached only when
     the user lists what else it reads (``OPCACHE_EXTRA_FILES``, ``OPCACHE_KEY_ENV``)."""
     from . import readset
-    from .compilers.cann import CannCompiler
+    from .compilers.cann import CannCompiler, keyed_environment, toolkit_fingerprint, user_key_names
 
     positional, flags = _opc_flags(argv[1:])
     if len(positional) != 1:
@@ -760,13 +759,9 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
         else:
             key_flags.append([name, "value", value])
     output_dir = Path(fsutil.absolute(values.get("output") or "."))
-    user_env = [n for n in re.split(r"[\s,:]+", env.get(ENV_KEY_ENV, "")) if n]
+    user_env = user_key_names(env)
     extra = _extra_files(env, seen)
-    attrs: dict[str, object] = {
-        "flags": key_flags,
-        # repr: text even for bytes of no encoding (os.environ's surrogates)
-        "env": repr([[n, env.get(n)] for n in (*OPC_KEY_ENVIRONMENT, *user_env)]),
-    }
+    attrs: dict[str, object] = {"flags": key_flags, "env": keyed_environment(env)}
     if extra is not None:
         attrs["extra_files"] = extra
 
@@ -784,7 +779,8 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     if base is not None and base.mode != "disable":
         notes = LocalStore(base.root, modes=fsutil.modes_for(base.shared_group))
     opc = CannCompiler(opc=_which(argv[0], env), environ=env, notes=notes)
-    fingerprint = opc.fingerprint()
+    # (not opc.fingerprint(): the read set holds the custom packages and what else it read)
+    fingerprint = toolkit_fingerprint("opc", opc.opc, opc.home, env, notes)
     trace = None
     strace = readset.strace_program(env)
     if base is not None and strace is None:
@@ -1132,7 +1128,12 @@ def _op_compiler_flags(args: Sequence[str]) -> dict[str, tuple[str | None, list[
 def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Settings) -> Plan:
     import time
 
-    from .compilers.cann import custom_opp_digest, find_toolkit, toolkit_fingerprint
+    from .compilers.cann import (
+        custom_opp_digest,
+        find_toolkit,
+        keyed_environment,
+        toolkit_fingerprint,
+    )
 
     given = _op_compiler_flags(argv[1:])
     flags = {name: value for name, (value, _) in given.items()}
@@ -1153,14 +1154,13 @@ def _plan_op_compiler(argv: Sequence[str], env: Mapping[str, str], base: Setting
     if found is None or os.path.realpath(found) != os.path.realpath(tool):
         home = Path(os.path.realpath(tool)).parent.parent  # <toolkit>/bin/op_compiler
     keyed = {n: v for n, v in flags.items() if n not in _OP_COMPILER_UNKEYED}
-    user_env = [n for n in re.split(r"[\s,:]+", env.get(ENV_KEY_ENV, "")) if n]
     custom_stats: dict[str, os.stat_result] = {}
     attrs: dict[str, object] = {
         "flags": sorted(keyed.items()),
         "op_info": op_info,
         # What its operators' implementations read: the environment opc's key holds,
         # and the custom operator packages (their tiling libraries, their sources).
-        "env": repr([[n, env.get(n)] for n in (*OPC_KEY_ENVIRONMENT, *user_env)]),
+        "env": keyed_environment(env),
         "custom_opp": custom_opp_digest(env, home, custom_stats) or "none",
     }
     custom_seen = {path: _identity(st) for path, st in custom_stats.items()}

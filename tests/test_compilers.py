@@ -561,6 +561,26 @@ def test_a_tool_changed_while_it_compiles_is_not_stored(tmp_path):
         assert cache.compile(cc_request(), compiler, tmp_path / "c").status == "hit"
 
 
+def test_cann_key_holds_the_environment_and_custom_packages_opc_keys_in_wrap(toolkit, tmp_path):
+    """The cann back-end keyed neither PYTHONPATH (where an operator's imports are
+    found) nor the custom operator packages: a package edited gave a stale hit."""
+    _, env = toolkit
+    package = tmp_path / "custom" / "vendors" / "me" / "impl.txt"
+    package.parent.mkdir(parents=True)
+    package.write_text("impl 1\n")
+    env = {**env, "ASCEND_CUSTOM_OPP_PATH": str(tmp_path / "custom"), "PYTHONPATH": "/a"}
+    key = opcache.explain_key(cann_request(), CannCompiler(environ=env))["key"]
+    for other in ({"PYTHONPATH": "/b"}, {"ASCEND_CUSTOM_OPP_PATH": str(tmp_path)}):
+        assert (
+            opcache.explain_key(cann_request(), CannCompiler(environ={**env, **other}))["key"]
+            != key
+        )
+    assert _status_after(tmp_path, env, "a") == "miss"
+    package.write_text("impl 2\n")
+    assert _status_after(tmp_path, env, "b") == "miss"
+    assert _status_after(tmp_path, env, "c") == "hit"
+
+
 def write_interpreter(folder: Path, note: str) -> Path:
     """A tiny interpreter of our own: a shell script that runs this Python."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,9 @@ The toolkit is found through ``ASCEND_HOME_PATH``, ``ASCEND_TOOLKIT_HOME``,
 version files, the opc executable, the Python that runs it (opc is a Python
 script: the interpreter its ``#!`` line names, not opcache's own), the tuning
 knowledge base and the NPU driver's ``version.info`` (when a driver is
-installed), so an upgrade or a re-tune gives new keys instead of stale kernels.
+installed), the environment the operator scripts read and the custom operator
+packages (as `opcache wrap -- opc` keys them), so an upgrade or a re-tune gives
+new keys instead of stale kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .. import fsutil
 from ..errors import CompileError, ConfigError
 from ..ini import TOOLKIT_VARIABLES
 from ..key import digest
+from ..keyed_env import ENV_KEY_ENV, OPC_KEY_ENVIRONMENT
 from ..request import OpRequest
 from .toolchain import file_identity, kernel_name, run_tool, tool_changed, which
 
@@ -150,6 +153,17 @@ def toolkit_fingerprint(
     if driver is not None:  # (no driver installed, as on a build machine: nothing joins)
         parts["driver"] = driver
     return json.dumps(parts, sort_keys=True)
+
+
+def keyed_environment(environ: Mapping[str, str]) -> str:
+    """The environment an opc compile's key holds: ``OPC_KEY_ENVIRONMENT`` and the
+    variables ``OPCACHE_KEY_ENV`` names, as a repr (text even for bytes of no encoding)."""
+    return repr([[n, environ.get(n)] for n in (*OPC_KEY_ENVIRONMENT, *user_key_names(environ))])
+
+
+def user_key_names(environ: Mapping[str, str]) -> list[str]:
+    """The variables ``OPCACHE_KEY_ENV`` names (spaces, commas or colons between)."""
+    return [n for n in re.split(r"[\s,:]+", environ.get(ENV_KEY_ENV, "")) if n]
 
 
 def driver_folder(environ: Mapping[str, str]) -> Path:
@@ -341,9 +355,11 @@ class CannCompiler:
 
     def fingerprint(self) -> str:
         if self._fingerprint is None or tool_changed(self, *self._tools):
-            self._fingerprint = toolkit_fingerprint(
-                "opc", self.opc, self.home, self._environ, self._notes
-            )
+            toolkit = toolkit_fingerprint("opc", self.opc, self.home, self._environ, self._notes)
+            # What the operator's Python finds beside the toolkit, as wrap keys an opc line.
+            custom = custom_opp_digest(self._environ, self.home) or "none"
+            parts = [toolkit, keyed_environment(self._environ), custom]
+            self._fingerprint = json.dumps(parts)
         return self._fingerprint
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
