@@ -593,7 +593,6 @@ def _serve(
     import logging
 
     from . import masquerade, wrap
-    from .compilers import toolchain
 
     given = _environment(env)
     if argv[1:2] != [b"wrap"] or any(
@@ -622,7 +621,6 @@ def _serve(
     logging.getLogger("opcache").handlers.clear()
     logging.getLogger("opcache").setLevel(logging.NOTSET)
     masquerade._real_paths.clear()  # (a compiler's path may lead elsewhere now)
-    toolchain._identities.clear()  # (a tool's digest by size and mtime only)
     wrap.serve_hits_only()
     if not _hooked:
         sys.addaudithook(_audit)

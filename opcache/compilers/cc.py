@@ -31,7 +31,7 @@ from ..keyed_env import (
 )
 from ..request import OpRequest
 from . import cc_driver
-from .toolchain import file_identity, kernel_name, run_tool, which
+from .toolchain import file_identity, kernel_name, run_tool, tool_changed, which
 
 C_SOURCES = (".c", ".cc", ".cpp", ".cxx", ".C", ".s", ".S")
 CANDIDATES = ("cc", "gcc", "clang")
@@ -111,7 +111,7 @@ class CcCompiler:
         return (True, argv[0]) if argv else (False, "no C compiler (CC, cc, gcc, clang)")
 
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
+        if self._fingerprint is None or tool_changed(self, self.argv[0]):
             version = subprocess.run(
                 [*self.argv, "--version"], capture_output=True, check=False, env=self._environ
             ).stdout
