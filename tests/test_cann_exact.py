@@ -94,6 +94,8 @@ INI_CASES = {
     "colon lines": (VERSIONS + "max_op_cache_size: 7\nremain_cache_size_ratio: 20\n", None),
     "a section sorting before": ("[aa]\nx=1\n" + VERSIONS + SIZES, None),
     "no versions": ("[op_compiler_cache]\n" + SIZES, None),
+    # ("[" only in column 0 opens a section: an indented one is a line without "=")
+    "an indented section line": ("  " + VERSIONS + SIZES, None),
     # CANN applies them:
     "keys above the section": (SIZES + VERSIONS, (7, 20)),
     "a section sorting after": (VERSIONS + SIZES + "[zz]\nx=1\n", (7, 20)),
