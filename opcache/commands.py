@@ -332,7 +332,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             f"{_size(report['remote_bytes_down'])} down, {_size(report['remote_bytes_up'])} up"
         )
     _print_reasons("bypassed the cache for a debug option", report["bypass_reasons"])
-    _print_reasons("not cached: commands opcache wrap cannot key", report["uncacheable_reasons"])
+    _print_reasons("not cached: compiles opcache cannot key", report["uncacheable_reasons"])
     return chips.report("its entries and size are not counted")
 
 

@@ -193,6 +193,7 @@ class KeyFlow:
         self._folders = folders
         self._errors = errors
         self._clock = clock
+        self._fingerprints: dict[int, tuple[Compiler, str]] = {}
         self.remote: RemoteTier | None = None
         if settings.remote is not None and settings.mode != "disable":
             from .remote_tier import RemoteTier  # only with a remote: not on wrap's start-up
@@ -218,11 +219,17 @@ class KeyFlow:
         return None
 
     def fingerprint(self, compiler: Compiler) -> str:
-        """``compiler.fingerprint()``, asked at every compile, not remembered here: a
-        tool upgraded in place under a long-lived compiler object must give new
-        keys.  A compiler remembers its own while its tool is the same file
-        (``toolchain.tool_changed``: a stat)."""
-        return compiler.fingerprint()
+        """``compiler.fingerprint()``: asked at every compile of a built-in back-end, which
+        remembers its own while its tools are the same files (``toolchain.tool_changed``,
+        a stat each: a tool upgraded in place under a long-lived compiler object gives
+        new keys); once per object of any other (a plug-in's may run its tool)."""
+        if getattr(compiler, "checks_its_tools", False):
+            return compiler.fingerprint()
+        known = self._fingerprints.get(id(compiler))
+        if known is None or known[0] is not compiler:
+            known = (compiler, compiler.fingerprint())
+            self._fingerprints[id(compiler)] = known
+        return known[1]
 
     def chip_ready(self, soc: str) -> bool:
         """The chip folder's first touch (``ChipFolders.ready``); False: do not use it."""
@@ -450,7 +457,7 @@ class KeyFlow:
         except CompileError:
             self._stats.add(soc, "compile_errors")
             raise
-        if unknown is None and _key_now(request, compiler) != key:
+        if unknown is None and self._key_now(request, compiler) != key:
             # A tool upgraded in place since the key was taken: its output is not the
             # key's, and another process still on the old tool would be served it.
             unknown = "the compiler changed while it compiled"
@@ -480,6 +487,12 @@ class KeyFlow:
             self._stats.add(soc, "stores")
         return files, None, size, made
 
+    def _key_now(self, request: OpRequest, compiler: Compiler) -> str:
+        """The key of ``request`` with the compiler's fingerprint as it is now."""
+        return digest(
+            canonical_json(key_inputs(request, compiler.name, self.fingerprint(compiler)))
+        )
+
     def _explain_miss(self, request: OpRequest, key: str, inputs: dict, names: dict | None) -> None:
         """Note the key's parts (and the compiler's ``explain_names``) for ``opcache
         explain``, and count the miss as a new key of an operator seen before or as
@@ -491,11 +504,6 @@ class KeyFlow:
             self._stats.add(
                 request.soc_version, stats.MISSES_NEW_KEY if seen else stats.MISSES_NEVER_SEEN
             )
-
-
-def _key_now(request: OpRequest, compiler: Compiler) -> str:
-    """The key of ``request`` with the compiler's fingerprint as it is now."""
-    return digest(canonical_json(key_inputs(request, compiler.name, compiler.fingerprint())))
 
 
 def out_path(out: str | os.PathLike[str]) -> Path:
@@ -529,13 +537,13 @@ def deliver(
         if opened is None:
             others[name] = data
             continue
-        fd, held = opened
+        fd, held, bits = opened
         try:
             fsutil.write_all(fd, data)
             if held > len(data):  # (the rest of the bytes it held)
                 os.ftruncate(fd, len(data))
-            if modes:
-                _set_mode(fd, name, modes)
+            if modes or bits is not None:
+                _set_mode(fd, bits, modes.get(name))
         except BaseException:
             _drop_partial(fd, f"{folder}/{name}")
             raise
@@ -547,11 +555,17 @@ def deliver(
     return paths
 
 
-def _set_mode(fd: int, name: str, modes: dict[str, int]) -> None:
-    """Give the hit's file ``name`` (open as ``fd``) the bits its compile gave it."""
-    mode = modes.get(name)
-    if mode is not None:
-        os.fchmod(fd, mode & ~fsutil.UMASK)
+def _set_mode(fd: int, bits: int | None, mode: int | None) -> None:
+    """Give a hit's file (open as ``fd``; ``bits``: those of the file it was written
+    over, None if made now) what its compile gave it: ``mode`` or, with none, a new
+    file's bits, narrowed by the umask as a miss's file would be."""
+    if mode is None:
+        if bits is None:
+            return  # (made now: a new file's bits already)
+        mode = 0o666
+    mode &= ~fsutil.UMASK
+    if mode != bits:
+        os.fchmod(fd, mode)
 
 
 def _drop_partial(fd: int, path: str) -> None:
@@ -566,9 +580,10 @@ def _drop_partial(fd: int, path: str) -> None:
             os.unlink(path)
 
 
-def _open_own(out: Path, path: str) -> tuple[int, int] | None:
-    """(``path``, a file of ``out``, open for writing, the bytes it held) if it was
-    free or is this user's own file with no other name, else None."""
+def _open_own(out: Path, path: str) -> tuple[int, int, int | None] | None:
+    """(``path``, a file of ``out``, open for writing, the bytes it held, its permission
+    bits if it was there) if it was free or is this user's own file with no other
+    name, else None."""
     global _make_out_first, _files_there
     # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
     try:
@@ -577,11 +592,11 @@ def _open_own(out: Path, path: str) -> tuple[int, int] | None:
                 fd = os.open(path, _OUT_FLAGS, 0o666)
             else:
                 # A file made now is ours, plain and empty: nothing to check.
-                return os.open(path, _NEW_FLAGS, 0o666), 0
+                return os.open(path, _NEW_FLAGS, 0o666), 0, None
         except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
             fd = _made_again_if_it_vanishes(lambda: _new_file_in(out, path))
             _make_out_first, _files_there = True, False
-            return fd, 0
+            return fd, 0, None
         except FileExistsError:
             fd = os.open(path, _OUT_FLAGS, 0o666)
             _files_there = True
@@ -595,7 +610,7 @@ def _open_own(out: Path, path: str) -> tuple[int, int] | None:
     if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == _EUID:
         if not st.st_size:
             _files_there = False  # (made now, most likely: new files again)
-        return fd, st.st_size
+        return fd, st.st_size, st.st_mode & 0o777
     os.close(fd)
     return None
 
@@ -615,7 +630,7 @@ def _replace_into(out: Path, files: dict[str, bytes], modes: dict[str, int]) -> 
             with open(os.open(name, _NEW_FLAGS, 0o666, dir_fd=build.fd), "wb") as f:
                 f.write(data)
                 if modes:
-                    _set_mode(f.fileno(), name, modes)
+                    _set_mode(f.fileno(), None, modes.get(name))
         return {name: _move_out(build, name, out) for name in files}
     finally:
         build.close()
@@ -657,7 +672,10 @@ def _compile_into(
         said = compiler.compile(request, build.path)
         unknown = said if isinstance(said, str) else None  # (a plug-in's stray return: none)
         files, artifacts, modes = {}, {}, NO_MODES
-        new_file = 0o666 & ~fsutil.UMASK  # (a server's worker sets the caller's)
+        # The umask now (a program may set its own after importing opcache; a server's
+        # worker sets its caller's): the bits a new file gets, and a hit's narrowed by.
+        fsutil.UMASK = fsutil.umask_now()
+        new_file = 0o666 & ~fsutil.UMASK
         for entry in os.scandir(build.path):
             if entry.is_file(follow_symlinks=False) and is_plain_name(entry.name):
                 artifacts[entry.name], mode = _read_artifact(build.fd, entry.name)

@@ -63,7 +63,8 @@ GONE = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _read_umask() -> int:
+def umask_now() -> int:
+    """The process's umask (read, not set: no race with other threads where /proc is)."""
     try:
         with open("/proc/self/status", "rb") as f:  # bytes: no codec to import
             for line in f:
@@ -77,7 +78,7 @@ def _read_umask() -> int:
     return mask
 
 
-UMASK = _read_umask()
+UMASK = umask_now()  # (flow reads it again at each miss)
 
 
 def masked(mode: int) -> int:

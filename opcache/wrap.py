@@ -85,6 +85,9 @@ if TYPE_CHECKING:
 
     from .readset import ReadSet
 
+    # A compile's files left in its folder: name -> (bytes, permission bits).
+    _Outputs = dict[str, tuple[bytes, int]]
+
 log = get_logger(__name__)
 
 STDOUT = ".opcache-stdout"
@@ -906,7 +909,7 @@ class _Done(Exception):
 class _Unproven(Exception):
     """The compile ran, but what it read cannot be known: its files, not to be stored."""
 
-    def __init__(self, reason: str, files: dict[str, bytes]) -> None:
+    def __init__(self, reason: str, files: _Outputs) -> None:
         super().__init__(reason)
         self.files = files
 
@@ -925,10 +928,11 @@ def _unstored(
     cache.record_uncacheable(soc, reason)
     folder, fd = staging
     files = {}
-    for name, data in made.files.items():
+    for name, (data, bits) in made.files.items():
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         with open(os.open(name, flags, 0o666, dir_fd=fd), "wb") as f:
             f.write(data)
+            os.fchmod(f.fileno(), bits)
         files[name] = folder / name
     return CompileResult("miss", "", files, seconds, str(made))
 
@@ -1051,9 +1055,7 @@ class _TracedCommand:
 class _Made:
     """A compiler whose compile is done: it hands over the files made."""
 
-    def __init__(
-        self, name: str, fingerprint: str, files: dict[str, bytes], seconds: float
-    ) -> None:
+    def __init__(self, name: str, fingerprint: str, files: _Outputs, seconds: float) -> None:
         self.name = name
         self._fingerprint = fingerprint
         self._files = files
@@ -1063,16 +1065,19 @@ class _Made:
         return self._fingerprint
 
     def compile(self, request: OpRequest, workdir: Path) -> None:
-        for name, data in self._files.items():
+        for name, (data, bits) in self._files.items():
             (workdir / name).write_bytes(data)
+            os.chmod(workdir / name, bits)  # (kept as the compile made it: an entry's mode)
 
 
-def _read_outputs(workdir: Path) -> dict[str, bytes]:
-    return {
-        entry.name: Path(entry.path).read_bytes()
-        for entry in os.scandir(workdir)
-        if entry.is_file(follow_symlinks=False)
-    }
+def _read_outputs(workdir: Path) -> _Outputs:
+    """The files a compile left in ``workdir``: their bytes and permission bits."""
+    outputs = {}
+    for entry in os.scandir(workdir):
+        if entry.is_file(follow_symlinks=False):
+            bits = entry.stat(follow_symlinks=False).st_mode & 0o777
+            outputs[entry.name] = (Path(entry.path).read_bytes(), bits)
+    return outputs
 
 
 def _opc_names(param: bytes, main_func: str | None) -> tuple[str, str]:

@@ -571,6 +571,62 @@ def test_a_hit_gives_each_artifact_the_permission_bits_its_compile_gave(
     assert _modes(tmp_path / "narrowed")[:2] == (0o700, 0o600)
 
 
+def test_a_hit_over_a_file_there_gives_it_the_bits_a_miss_gives(tmp_path: Path) -> None:
+    """A miss replaces an out file by a new one; a hit written over a file of this user's
+    (a last build's, 0755) now gives it a new file's bits too (it kept 0755)."""
+    request = make_request()
+    compiler = ToyCompiler(tmp_path / "calls")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        missed = cache.compile(request, compiler, tmp_path / "a")
+        for path in missed.files.values():
+            path.chmod(0o755)
+        hit = cache.compile(request, compiler, tmp_path / "a")
+    assert hit.status == "hit"
+    new_file = 0o666 & ~opcache.fsutil.UMASK
+    assert {path.stat().st_mode & 0o777 for path in hit.files.values()} == {new_file}
+
+
+def test_a_umask_set_after_opcache_was_imported_is_the_one_a_compile_has(
+    tmp_path: Path, root: Path
+) -> None:
+    """A program that sets its umask once it has imported opcache (a daemon's 0o002): the
+    miss's files have a new file's bits under it, which are no bits to keep, and the
+    hit gives the same (the umask read at import took them for bits of their own)."""
+    request = make_request()
+    compiler = ToyCompiler(tmp_path / "calls")
+    before = os.umask(0o002)
+    try:
+        with opcache.OpCache(settings_for(tmp_path)) as cache:
+            missed = cache.compile(request, compiler, tmp_path / "a")
+            hit = cache.compile(request, compiler, tmp_path / "b")
+    finally:
+        os.umask(before)
+        opcache.fsutil.UMASK = opcache.fsutil.umask_now()
+    assert (missed.status, hit.status) == ("miss", "hit")
+    for result in (missed, hit):
+        assert {path.stat().st_mode & 0o777 for path in result.files.values()} == {0o664}
+    assert b'"modes"' not in (entry_dirs(root)[missed.key] / "MANIFEST").read_bytes()
+
+
+def test_a_plug_ins_fingerprint_is_asked_once_per_compiler_object(tmp_path: Path) -> None:
+    """A third party's fingerprint may run its tool, or hold a time: asked once per
+    compiler object, as before opcache's own back-ends came to re-check theirs at
+    every compile, it costs a hit nothing and its compiles are stored."""
+
+    class Stamped(ToyCompiler):
+        asked = 0
+
+        def fingerprint(self) -> str:
+            Stamped.asked += 1
+            return f"stamped {time.time_ns()}"
+
+    stamped = Stamped(tmp_path / "calls")
+    with opcache.OpCache(settings_for(tmp_path)) as cache:
+        statuses = [cache.compile(make_request(), stamped, tmp_path / "a").status for _ in "abc"]
+    assert statuses == ["miss", "hit", "hit"]
+    assert Stamped.asked == 1
+
+
 def test_a_compile_that_read_what_the_key_does_not_hold_is_served_never_stored(
     tmp_path: Path, root: Path
 ) -> None:

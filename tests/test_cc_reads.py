@@ -266,3 +266,29 @@ def test_an_incbin_directive_is_not_stored(tmp_path):
         result.reason
         == "not stored: cc: a .incbin directive in k.c reads a file the key does not hold"
     )
+
+
+def test_a_system_header_renamed_in_under_a_live_compiler_gives_a_new_key(tmp_path):
+    """A header of the compiler's own include folders replaced as a package upgrade
+    replaces it (a new file renamed over it): the same compiler object, long-lived,
+    gives a new key and the object a compile makes now (it hit the old one)."""
+    system = tmp_path / "system"
+    system.mkdir()
+    wrapper = tmp_path / "mycc"
+    wrapper.write_text(f'#!/bin/sh\nexec gcc -isystem {system} "$@"\n')
+    wrapper.chmod(0o755)
+
+    def upgrade(factor: int) -> None:
+        (system / "ver.h.new").write_text(f"#define FACTOR {factor}\n")
+        (system / "ver.h.new").rename(system / "ver.h")
+
+    upgrade(1)
+    req = request(b"#include <ver.h>\nint factor(void) { return FACTOR; }\n")
+    compiler = cc(str(wrapper))
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(req, compiler, tmp_path / "a")
+        assert cache.compile(req, compiler, tmp_path / "b").status == "hit"
+        upgrade(2)
+        later = cache.compile(req, compiler, tmp_path / "c")
+    assert (first.status, later.status) == ("miss", "miss")
+    assert obj(later) == fresh(tmp_path, req, cc(str(wrapper))) != obj(first)

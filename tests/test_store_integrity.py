@@ -253,26 +253,33 @@ def test_parse_manifest_round_trip_and_refusals() -> None:
 
 
 def test_a_manifest_keeps_the_bits_of_an_artifact_a_new_file_would_not_have() -> None:
-    """Only such an entry is of the format with modes (an older opcache takes it for
-    another format's: a miss, never deleted); each mode is checked as the rest."""
+    """In "modes", last, where an older opcache passes over it: the format, the artifacts
+    and their fields are the ones it checks (it read "format":2 as corrupt and removed
+    the entry).  Each mode is checked as the rest, on the quick path and the whole one."""
     files = {"k.o": b"\x7fELF", "run.sh": b"#!/bin/sh\n"}
     plain = make_manifest("a" * 32, files, 1.5, {}, 3.0)
-    raw = make_manifest("a" * 32, files, 1.5, {}, 3.0, {"run.sh": 0o755})
+    raw = make_manifest("a" * 32, files, 1.5, {"op": "Add"}, 3.0, {"run.sh": 0o755})
     assert parse_manifest(plain, "a" * 32)["modes"] == {}
-    assert b'"format":1,' in plain and b'"format":2,' in raw
+    assert b'"modes"' not in plain
+    body = json.loads(raw.partition(b"\n")[2])
+    assert body["format"] == 1 and list(body)[-1] == "modes"
+    assert all(sorted(item) == ["name", "size", "xxh3"] for item in body["artifacts"])
     parsed = parse_manifest(raw, "a" * 32)
     assert parsed["modes"] == {"run.sh": 0o755}
     assert [name for name, _, _ in parsed["artifacts"]] == ["k.o", "run.sh"]
+    spaced = json.dumps(body).encode()  # (laid out otherwise: parsed whole)
+    assert parse_manifest(_signed(spaced), "a" * 32)["modes"] == {"run.sh": 0o755}
     canonical = raw.partition(b"\n")[2]
     for bad in (
-        canonical.replace(b'"format":2', b'"format":1'),  # (a mode in the older format)
-        canonical.replace(b'"mode":493', b'"mode":4096'),
-        canonical.replace(b'"mode":493', b'"mode":-1'),
-        canonical.replace(b'"mode":493', b'"mode":"755"'),
-        canonical.replace(b'"mode":493', b'"mode":true'),
-        canonical.replace(b'"mode":493', b'"more":493'),
+        canonical.replace(b'"run.sh":493', b'"run.sh":4096'),
+        canonical.replace(b'"run.sh":493', b'"run.sh":-1'),
+        canonical.replace(b'"run.sh":493', b'"run.sh":"755"'),
+        canonical.replace(b'"run.sh":493', b'"run.sh":true'),
+        canonical.replace(b'"run.sh":493', b'"other":493'),
+        canonical.replace(b'{"run.sh":493}', b"{}"),
+        canonical.replace(b'{"run.sh":493}', b"[493]"),
     ):
-        with pytest.raises(CorruptEntry, match="bad artifact"):
+        with pytest.raises(CorruptEntry, match="permission bits"):
             parse_manifest(_signed(bad), "a" * 32)
 
 
@@ -434,8 +441,7 @@ def test_a_manifest_laid_out_otherwise_is_parsed_whole_and_checked_the_same() ->
     for bad, why in [
         (canonical.replace(b'"compile_seconds":1.5', b'"compile_seconds":NaN'), "not JSON"),
         (canonical.replace(b'"compile_seconds":1.5', b'"compile_seconds":"1"'), "lacks"),
-        (canonical.replace(b'"format":1', b'"format":3'), "another entry or format"),
-        (canonical.replace(b'"format":1', b'"format":true'), "another entry or format"),
+        (canonical.replace(b'"format":1', b'"format":2'), "another entry or format"),
         (canonical.replace(b'"size":1', b'"size":-1'), "bad artifact"),
         (canonical.replace(b'"artifacts":[', b'"artifacts":[[', 1), "not JSON"),
     ]:

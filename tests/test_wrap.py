@@ -524,7 +524,7 @@ def test_commands_it_does_not_understand_run_uncached(csrc, command, reason):
     assert recorded.startswith(reason)
     assert report["hits"] == report["misses"] == 0
     text = opcache("stats", env=env, cwd=src).stdout.decode()
-    assert "not cached: commands opcache wrap cannot key (1 call)" in text
+    assert "not cached: compiles opcache cannot key (1 call)" in text
     assert f"         1  {recorded}\n" in text
 
 
@@ -537,9 +537,7 @@ def test_stats_says_why_calls_were_not_cached_most_frequent_first(tmp_path):
                 cache.record_uncacheable("host", f"cc: unsupported flag -fthing{n:02}")
         cache.record_uncacheable("host", "cc: not a compile to an object (-c missing)")
     text = opcache("stats", env=env, cwd=tmp_path).stdout.decode().splitlines()
-    start = text.index(
-        "not cached: commands opcache wrap cannot key (79 calls), most frequent first:"
-    )
+    start = text.index("not cached: compiles opcache cannot key (79 calls), most frequent first:")
     shown = text[start + 1 :]
     assert shown[0] == "        12  cc: unsupported flag -fthing11"
     assert shown[9] == "         3  cc: unsupported flag -fthing02"

@@ -1681,3 +1681,20 @@ def test_a_link_another_process_put_in_the_compile_s_folder_leaves_it_unstored(t
     chip = stats(env, SOC)
     assert chip["hits"] == 0
     assert any("did not make" in r for r in chip["uncacheable_reasons"]), chip
+
+
+@needs_strace
+def test_a_traced_opc_s_outputs_keep_their_permission_bits(tmp_path):
+    """An opc that makes its object 0640 (as CANN's tools make theirs) gives 0640 through
+    the cache too, from the traced miss and from the hit (the traced path handed over
+    bytes only, and both gave 0644)."""
+    env, root = project(tmp_path)
+    stand_in = tmp_path / "bin" / "opc"
+    stand_in.write_text(
+        stand_in.read_text() + "os.chmod(os.path.join(flags['output'], 'k.o'), 0o640)\n"
+    )
+    for out in ("o1", "o2"):
+        wrap("opc", *ARGS, f"--output={out}", env=env, cwd=root)
+        assert (root / out / "k.o").stat().st_mode & 0o777 == 0o640, out
+    assert runs(env) == 1
+    assert stats(env, SOC)["hits"] == 1

@@ -342,19 +342,30 @@ class CannCompiler:
         self._environ = dict(env)
         self._notes = notes  # where tool digests are remembered (opcache wrap's cache)
         self._fingerprint: str | None = None
-        # Looked at (a stat each) at every compile: an upgrade in place rewrites them.
+        # Looked at (a stat each) at every compile: an upgrade in place rewrites them,
+        # a package installed or removed changes its folder.  (A file edited in place
+        # in a custom package is found by the next compiler object: its digest.)
         version_files = [] if home is None else [home / "version.cfg", home / "version.info"]
         if env.get("ASCEND_OPP_PATH"):
             version_files.append(Path(env["ASCEND_OPP_PATH"]) / "version.info")
-        self._tools = [self.opc, *version_files]
+        interpreter = script_interpreter(self.opc, env)
+        self._tools = [
+            self.opc,
+            *version_files,
+            *([interpreter] if interpreter else []),
+            *custom_opp_folders(env, home),
+        ]
 
     @classmethod
     def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
         _home, opc, looked = find_toolkit(environ)
         return (True, f"opc at {opc}") if opc else (False, f"no toolkit; looked at {looked}")
 
+    checks_its_tools = True  # (KeyFlow asks the fingerprint at every compile)
+
     def fingerprint(self) -> str:
-        if self._fingerprint is None or tool_changed(self, *self._tools):
+        changed = tool_changed(self, *self._tools)  # (first: it notes them the first time)
+        if self._fingerprint is None or changed:
             toolkit = toolkit_fingerprint("opc", self.opc, self.home, self._environ, self._notes)
             # What the operator's Python finds beside the toolkit, as wrap keys an opc line.
             custom = custom_opp_digest(self._environ, self.home) or "none"

@@ -101,6 +101,9 @@ class CcCompiler:
         self._environ = dict(env)
         self._fingerprint: str | None = None
         self._toolchain: _Toolchain | None = None
+        # Looked at (a stat each) at every compile: the driver, the programs it runs and
+        # its include folders (a package upgrade renames files into them).
+        self._watched: list[str] = [argv[0]]
 
     @classmethod
     def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
@@ -110,8 +113,10 @@ class CcCompiler:
             return False, str(e)
         return (True, argv[0]) if argv else (False, "no C compiler (CC, cc, gcc, clang)")
 
+    checks_its_tools = True  # (KeyFlow asks the fingerprint at every compile)
+
     def fingerprint(self) -> str:
-        if self._fingerprint is None or tool_changed(self, self.argv[0]):
+        if self._fingerprint is None or tool_changed(self, *self._watched):
             version = subprocess.run(
                 [*self.argv, "--version"], capture_output=True, check=False, env=self._environ
             ).stdout
@@ -128,6 +133,8 @@ class CcCompiler:
                     self._toolchain.identity(),
                 ]
             )
+            self._watched = [self.argv[0], *self._toolchain.watched()]
+            tool_changed(self, *self._watched)  # (as the fingerprint found them)
         return self._fingerprint
 
     def compile(self, request: OpRequest, workdir: Path) -> str | None:
@@ -312,10 +319,21 @@ class _Toolchain:
 
     def _programs_found(self) -> dict[str, str]:
         found = {}
-        for name, said in self._programs.items():
-            place = said if os.sep in said else which(said, self._path) if said else None
+        for name, place in self._places().items():
             found[name] = file_identity(place) if place and os.path.isfile(place) else ""
         return found
+
+    def _places(self) -> dict[str, str | None]:
+        """Where each program the driver runs is found (None: nowhere)."""
+        return {
+            name: said if os.sep in said else which(said, self._path) if said else None
+            for name, said in self._programs.items()
+        }
+
+    def watched(self) -> list[str]:
+        """The programs found and the default include folders: what a stat per compile
+        tells changed (``tool_changed``); a folder below those is checked at a miss."""
+        return [*(place for place in self._places().values() if place), *self._roots]
 
     def _specs_found(self) -> list[str]:
         return [place for place in self._specs if os.path.lexists(place)]

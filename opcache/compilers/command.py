@@ -68,8 +68,11 @@ class CommandCompiler:
     def usable(cls, environ: Mapping[str, str]) -> tuple[bool, str]:
         return True, "needs a template: get_compiler('command', template='...')"
 
+    checks_its_tools = True  # (KeyFlow asks the fingerprint at every compile)
+
     def fingerprint(self) -> str:
-        if self._fingerprint is None or tool_changed(self, self.executable):
+        changed = tool_changed(self, self.executable)  # (first: it notes it the first time)
+        if self._fingerprint is None or changed:
             self._fingerprint = "|".join(
                 [
                     self._user_fingerprint,

@@ -20,10 +20,9 @@ class Compiler(Protocol):
 
     ``fingerprint()`` names the toolchain (version, binary digest, tuning
     knowledge-base digests...): it is part of every key, so an upgrade never
-    serves a stale kernel.  It is asked at every compile, and again after a
-    miss's compile (a fingerprint changed meanwhile: not stored), so it must be
-    cheap: remember it while the tool is the same file (``toolchain.tool_changed``).
-    ``compile`` writes its artifacts, any number of
+    serves a stale kernel.  It is asked once per compiler object in an OpCache
+    (opcache's own back-ends, which re-check their tools with a stat each, at
+    every compile).  ``compile`` writes its artifacts, any number of
     plain files, into ``workdir`` and raises ``opcache.CompileError`` on failure.
     It returns None, or a reason its artifacts must not be stored: the compile
     read something the key does not hold (a header found outside the request's

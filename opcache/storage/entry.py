@@ -8,8 +8,9 @@ manifest's checksum and every artifact against it before anything is used.
 
 An artifact the compiler made with other permission bits than a new file gets
 (an executable, a key readable by its owner alone, CANN's 0640) has its bits
-in the manifest too, and a hit gives them back.  Only such an entry is of
-``FORMAT_WITH_MODES``: every other stays as older versions of opcache read it.
+in the manifest's "modes", and a hit gives them back.  An opcache older than
+this reads such a manifest whole and passes over "modes" (its files then get a
+new file's bits, as they always did there): never a corrupt entry to it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from typing import Any
 
 FORMAT = 1
-FORMAT_WITH_MODES = 2  # (to an opcache before it, another format: a miss, never deleted)
 MANIFEST = "MANIFEST"
 MAX_MANIFEST = 16 << 20
 NAME_MAX = 255  # bytes of a file name, on Linux's file systems
@@ -87,22 +87,20 @@ def make_manifest(
 ) -> bytes:
     """The manifest of an entry: a checksum line, then canonical JSON.  ``modes``:
     the permission bits of the artifacts that a new file would not have."""
-    listed = []
-    for name, data in sorted(artifacts.items()):
-        item: dict[str, Any] = {"name": name, "size": len(data), "xxh3": digest(data)}
-        if name in modes:
-            item["mode"] = modes[name]
-        listed.append(item)
-    body = canonical_json(
-        {
-            "format": FORMAT_WITH_MODES if modes else FORMAT,
-            "key": key,
-            "created": now,
-            "compile_seconds": compile_seconds,
-            "artifacts": listed,
-            "inputs": inputs,
-        }
-    )
+    fields = {
+        "format": FORMAT,
+        "key": key,
+        "created": now,
+        "compile_seconds": compile_seconds,
+        "artifacts": [
+            {"name": name, "size": len(data), "xxh3": digest(data)}
+            for name, data in sorted(artifacts.items())
+        ],
+        "inputs": inputs,
+    }
+    if modes:  # (sorted last: the fields before it are where older versions find them)
+        fields["modes"] = modes
+    body = canonical_json(fields)
     return digest(body).encode() + b"\n" + body
 
 
@@ -133,9 +131,8 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
             data = _DECODER.decode(text)
     except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         raise CorruptEntry("the manifest is not JSON") from None
-    version = data.get("format") if type(data) is dict else None
-    if version not in _FORMATS or type(version) is not int or data.get("key") != key:
-        other_format = type(data) is dict and version not in _FORMATS
+    if type(data) is not dict or data.get("format") != FORMAT or data.get("key") != key:
+        other_format = type(data) is dict and data.get("format") != FORMAT
         raise CorruptEntry("the manifest is of another entry or format", maybe_sound=other_format)
     artifacts = data.get("artifacts")
     seconds = data.get("compile_seconds")
@@ -146,19 +143,10 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     if type(artifacts) is not list or not math.isfinite(seconds):
         raise CorruptEntry("the manifest lacks its artifacts")
     out = []
-    modes = NO_MODES
     for item in artifacts:
-        # Exactly what make_manifest writes: {"name", "size", "xxh3"}, and "mode" in
-        # the format that has modes.
+        # Exactly what make_manifest writes: {"name", "size", "xxh3"}.
         if type(item) is not dict or len(item) != 3:
-            if version == FORMAT or type(item) is not dict or len(item) != 4:
-                raise CorruptEntry("the manifest names a bad artifact")
-            mode = item.get("mode")
-            if type(mode) is not int or not 0 <= mode <= 0o777:
-                raise CorruptEntry("the manifest names a bad artifact mode")
-            if modes is NO_MODES:
-                modes = {}
-            modes[item.get("name")] = mode
+            raise CorruptEntry("the manifest names a bad artifact")
         name, size, want = item.get("name"), item.get("size"), item.get("xxh3")
         if (
             not is_plain_name(name)
@@ -171,7 +159,23 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
             shown = repr(name)[:80] if type(name) is str else "one without a name"
             raise CorruptEntry(f"the manifest names a bad artifact: {shown}")
         out.append((name, size, want))
+    modes = data.get("modes", NO_MODES)
+    if modes is not NO_MODES and not _are_modes(modes, {name for name, _, _ in out}):
+        raise CorruptEntry("the manifest gives bad permission bits")
     return {"artifacts": out, "compile_seconds": seconds, "modes": modes}
+
+
+def _are_modes(modes: object, names: set[str]) -> bool:
+    """Whether ``modes`` is what make_manifest writes: bits (no set-user-ID and the like:
+    no hit makes a file that runs as another) of some of the artifacts ``names``."""
+    return (
+        type(modes) is dict
+        and bool(modes)
+        and all(
+            name in names and type(mode) is int and 0 <= mode <= 0o777
+            for name, mode in modes.items()
+        )
+    )
 
 
 def _fits_a_folder(name: str) -> bool:
@@ -182,8 +186,6 @@ def _fits_a_folder(name: str) -> bool:
     except UnicodeError:
         return False
 
-
-_FORMATS = (FORMAT, FORMAT_WITH_MODES)
 
 # make_manifest's canonical JSON: its fields in this order, "inputs" then "key" last.
 _LAID_OUT = (
@@ -200,10 +202,22 @@ def _before_inputs(text: str, key: str) -> dict[str, Any] | None:
     most of a manifest's text and of its parse.  None when ``text`` is laid out
     otherwise (then it is parsed whole); ValueError where the whole parse fails too.
     """
-    tail = f',"key":"{key}"}}'
-    if not text.startswith('{"artifacts":') or not text.endswith(tail):
+    if not text.startswith('{"artifacts":'):
         return None
     data: dict[str, Any] = {"key": key}
+    tail = f',"key":"{key}"'
+    if text.endswith(tail + "}"):
+        end = len(text) - len(tail) - 1
+    else:  # ("modes", sorted after the key, when there are any)
+        end = text.rfind(tail + ',"modes":')
+        if end < 0:
+            return None
+        try:
+            data["modes"], stop = _DECODER.scan_once(text, end + len(tail) + len(',"modes":'))
+        except StopIteration:
+            raise ValueError("not JSON") from None
+        if stop != len(text) - 1 or text[stop] != "}":
+            return None
     at = len('{"artifacts":')
     for name, follows in _LAID_OUT:
         try:  # (the decoder's own scanner: raw_decode around it was half the time)
@@ -213,7 +227,7 @@ def _before_inputs(text: str, key: str) -> dict[str, Any] | None:
         if not text.startswith(follows, at):
             return None
         at += len(follows)
-    return data if at < len(text) - len(tail) else None
+    return data if at < end else None
 
 
 def _no_constant(text: str) -> float:
