@@ -537,13 +537,13 @@ def deliver(
         if opened is None:
             others[name] = data
             continue
-        fd, held, bits = opened
+        fd, held = opened
         try:
             fsutil.write_all(fd, data)
             if held > len(data):  # (the rest of the bytes it held)
                 os.ftruncate(fd, len(data))
-            if modes or bits is not None:
-                _set_mode(fd, bits, modes.get(name))
+            if modes:
+                _set_mode(fd, modes.get(name))
         except BaseException:
             _drop_partial(fd, f"{folder}/{name}")
             raise
@@ -555,17 +555,13 @@ def deliver(
     return paths
 
 
-def _set_mode(fd: int, bits: int | None, mode: int | None) -> None:
-    """Give a hit's file (open as ``fd``; ``bits``: those of the file it was written
-    over, None if made now) what its compile gave it: ``mode`` or, with none, a new
-    file's bits, narrowed by the umask as a miss's file would be."""
-    if mode is None:
-        if bits is None:
-            return  # (made now: a new file's bits already)
-        mode = 0o666
-    mode &= ~fsutil.UMASK
-    if mode != bits:
-        os.fchmod(fd, mode)
+def _set_mode(fd: int, mode: int | None) -> None:
+    """Give a hit's file (open as ``fd``) the bits its compile gave it, narrowed by the
+    umask as the compile's would be; with none kept, it keeps its own (a new file's,
+    or those of a file of this user's it was written over, as a compiler writing
+    over a file keeps them: never widened)."""
+    if mode is not None:
+        os.fchmod(fd, mode & ~fsutil.UMASK)
 
 
 def _drop_partial(fd: int, path: str) -> None:
@@ -580,10 +576,9 @@ def _drop_partial(fd: int, path: str) -> None:
             os.unlink(path)
 
 
-def _open_own(out: Path, path: str) -> tuple[int, int, int | None] | None:
-    """(``path``, a file of ``out``, open for writing, the bytes it held, its permission
-    bits if it was there) if it was free or is this user's own file with no other
-    name, else None."""
+def _open_own(out: Path, path: str) -> tuple[int, int] | None:
+    """(``path``, a file of ``out``, open for writing, the bytes it held) if it was
+    free or is this user's own file with no other name, else None."""
     global _make_out_first, _files_there
     # os.open, not open(): no isatty, lseek and fstat for each file of every hit.
     try:
@@ -592,11 +587,11 @@ def _open_own(out: Path, path: str) -> tuple[int, int, int | None] | None:
                 fd = os.open(path, _OUT_FLAGS, 0o666)
             else:
                 # A file made now is ours, plain and empty: nothing to check.
-                return os.open(path, _NEW_FLAGS, 0o666), 0, None
+                return os.open(path, _NEW_FLAGS, 0o666), 0
         except FileNotFoundError:  # (asked only then: a stat per hit on a slow disk)
             fd = _made_again_if_it_vanishes(lambda: _new_file_in(out, path))
             _make_out_first, _files_there = True, False
-            return fd, 0, None
+            return fd, 0
         except FileExistsError:
             fd = os.open(path, _OUT_FLAGS, 0o666)
             _files_there = True
@@ -610,7 +605,7 @@ def _open_own(out: Path, path: str) -> tuple[int, int, int | None] | None:
     if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == _EUID:
         if not st.st_size:
             _files_there = False  # (made now, most likely: new files again)
-        return fd, st.st_size, st.st_mode & 0o777
+        return fd, st.st_size
     os.close(fd)
     return None
 
@@ -630,7 +625,7 @@ def _replace_into(out: Path, files: dict[str, bytes], modes: dict[str, int]) -> 
             with open(os.open(name, _NEW_FLAGS, 0o666, dir_fd=build.fd), "wb") as f:
                 f.write(data)
                 if modes:
-                    _set_mode(f.fileno(), None, modes.get(name))
+                    _set_mode(f.fileno(), modes.get(name))
         return {name: _move_out(build, name, out) for name in files}
     finally:
         build.close()

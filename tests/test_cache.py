@@ -571,21 +571,6 @@ def test_a_hit_gives_each_artifact_the_permission_bits_its_compile_gave(
     assert _modes(tmp_path / "narrowed")[:2] == (0o700, 0o600)
 
 
-def test_a_hit_over_a_file_there_gives_it_the_bits_a_miss_gives(tmp_path: Path) -> None:
-    """A miss replaces an out file by a new one; a hit written over a file of this user's
-    (a last build's, 0755) now gives it a new file's bits too (it kept 0755)."""
-    request = make_request()
-    compiler = ToyCompiler(tmp_path / "calls")
-    with opcache.OpCache(settings_for(tmp_path)) as cache:
-        missed = cache.compile(request, compiler, tmp_path / "a")
-        for path in missed.files.values():
-            path.chmod(0o755)
-        hit = cache.compile(request, compiler, tmp_path / "a")
-    assert hit.status == "hit"
-    new_file = 0o666 & ~opcache.fsutil.UMASK
-    assert {path.stat().st_mode & 0o777 for path in hit.files.values()} == {new_file}
-
-
 def test_a_umask_set_after_opcache_was_imported_is_the_one_a_compile_has(
     tmp_path: Path, root: Path
 ) -> None:
