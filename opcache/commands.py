@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from . import __version__, trust
+from ._log import HeldWarnings
 from .cache import AgingReport, OpCache, VerifyReport
 from .errors import UsageError
 from .request import check_soc_version
@@ -529,7 +530,10 @@ def _cmd_remote(args: argparse.Namespace) -> int:
     """``opcache remote stats|clear``: the remote tier, this cache's keys only."""
     from .storage import RemoteError, open_remote
 
-    settings = _settings(args)
+    # A bad remote setting is this command's error alone, not also the warning that
+    # the other commands give before they go on with the cache folder.
+    with HeldWarnings():
+        settings = _settings(args)
     if settings.remote is None:
         raise UsageError(
             settings.remote_error

@@ -159,13 +159,13 @@ class Filled:
         tier: str,
         files: dict[str, Path] | None = None,
         note: str | None = None,
-        artifacts: Made | None = None,
+        made: Made | None = None,
     ) -> None:
         self.entry = entry
         self.tier = tier
         self.files = files or {}
         self.note = note  # why the compile was not stored, if it was not
-        self.artifacts, self.modes = artifacts or ({}, NO_MODES)
+        self.artifacts, self.modes = made or ({}, NO_MODES)
 
 
 class KeyFlow:

@@ -118,6 +118,11 @@ def test_remote_stats_and_clear_act_on_this_caches_keys(
     none = {k: v for k, v in env.items() if k != "OPCACHE_REMOTE"}
     said = opcache("remote", "stats", env=none, cwd=tmp_path, status=2).stderr
     assert said.startswith("opcache: error: remote: no remote is set")
+    # A bad one: the error alone (it came after the other commands' warning of it).
+    bad = {**env, "OPCACHE_REMOTE": "ftp://nope"}
+    said = opcache("remote", "stats", env=bad, cwd=tmp_path, status=2).stderr
+    assert said.startswith("opcache: error: OPCACHE_REMOTE='ftp://nope' is not valid")
+    assert said.count("\n") == 1, said
     redis_server.kill()
     down = opcache("remote", "stats", env=env, cwd=tmp_path, status=1).stderr
     assert down.startswith("opcache: error: redis://127.0.0.1:") and down.count("\n") == 1
