@@ -320,6 +320,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             f"misses: {_count(report['misses_new_key'], 'new key')} of operators seen before, "
             f"{report['misses_never_seen']} never seen (opcache explain says why)"
         )
+    if report["stale"]:
+        print(
+            f"{_count(report['stale'], 'entry', 'entries')} not served: a file read by "
+            "the compile that made it changed since (compiled again)"
+        )
     if cache.settings.remote is not None or any(report[n] for n in _REMOTE_COUNTERS):
         where = cache.settings.remote.shown_url if cache.settings.remote else "(none set now)"
         errors, by_url = _count(report["remote_errors"], "error"), report["remote_errors_by_url"]

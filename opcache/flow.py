@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from .chips import ChipFolders
     from .compilers.protocol import Compiler
+    from .readset import ReadSet
     from .remote_tier import RemoteTier
     from .request import OpRequest, Status
     from .settings import Settings
@@ -256,17 +257,37 @@ class KeyFlow:
         (then removed and counted).  ``reader``: a ``reading`` of the chip, for a
         batch that looks at many keys in a row."""
         try:
-            return self._store.get(soc, key) if reader is None else reader(key)
+            entry = self._store.get(soc, key) if reader is None else reader(key)
+            if entry is None or entry.reads is None or self._reads_hold(soc, entry):
+                return entry
         except CorruptEntry as e:
             log.warning("corrupt cache entry %s/%s removed: %s", soc, key, e)
             self._stats.add(soc, "corrupt")
-            try:
-                self._store.discard(soc, key)
-            except OSError as err:
-                self.cache_error("write", f"cannot remove a corrupt entry: {err}", soc)
+            self._discard(soc, key, "a corrupt entry")
         except OSError as e:
             self.cache_error("read", f"cannot read the cache at {self._store.root}: {e}", soc)
         return None
+
+    def _reads_hold(self, soc: str, entry: Entry) -> bool:
+        """Whether the files the entry's compile read beyond its key are as they were;
+        an entry of files changed since is removed (its key's compile then stores the
+        new one), and counted.  CorruptEntry when the read set is no read set."""
+        from .readset import still_holds  # (only for entries that have one)
+
+        holds = still_holds(entry.reads)
+        if holds is None:
+            raise CorruptEntry("the manifest gives a bad read set")
+        if not holds:
+            log.info("cache entry %s/%s not used: a file its compile read changed", soc, entry.key)
+            self._stats.add(soc, stats.STALE_READS)
+            self._discard(soc, entry.key, "an entry of files changed since")
+        return holds
+
+    def _discard(self, soc: str, key: str, what: str) -> None:
+        try:
+            self._store.discard(soc, key)
+        except OSError as err:
+            self.cache_error("write", f"cannot remove {what}: {err}", soc)
 
     def reading(self, soc: str) -> contextlib.AbstractContextManager[Callable[[str], Entry | None]]:
         """A reader of many keys of the chip folder in a row, for ``look``
@@ -453,10 +474,11 @@ class KeyFlow:
         soc = request.soc_version
         try:
             compile_started = time.perf_counter()
-            files, made, unknown = _compile_into(request, compiler, out, next_out)
+            files, made, said = _compile_into(request, compiler, out, next_out)
         except CompileError:
             self._stats.add(soc, "compile_errors")
             raise
+        unknown = said if isinstance(said, str) else None
         if unknown is None and self._key_now(request, compiler) != key:
             # A tool upgraded in place since the key was taken: its output is not the
             # key's, and another process still on the old tool would be served it.
@@ -476,7 +498,8 @@ class KeyFlow:
             )
             return files, f"not stored: an artifact is named {MANIFEST}", None, made
         self._explain_miss(request, key, inputs, getattr(compiler, "explain_names", None))
-        manifest = make_manifest(key, artifacts, seconds, inputs, self._clock(), modes)
+        reads = None if said is None else said.to_json()  # type: ignore[union-attr]
+        manifest = make_manifest(key, artifacts, seconds, inputs, self._clock(), modes, reads)
         if self.remote is not None:
             self.remote.store(soc, key, manifest, artifacts, claim)
         try:
@@ -644,11 +667,12 @@ def _move_out(build: Workdir, name: str, out: Path) -> Path:
 
 def _compile_into(
     request: OpRequest, compiler: Compiler, out: Path, next_out: NextOut | None = None
-) -> tuple[dict[str, Path], Made, str | None]:
+) -> tuple[dict[str, Path], Made, str | ReadSet | None]:
     """Compile in a private folder beside ``out`` and move the artifacts into ``out``.
 
-    Returns (artifact paths in ``out``, their bytes and modes, why they must
-    not be stored: what ``compiler.compile`` said, or None).  The artifacts are
+    Returns (artifact paths in ``out``, their bytes and modes, what
+    ``compiler.compile`` said: why they must not be stored, or what it read
+    beyond the key, or None).  The artifacts are
     the plain files the compiler wrote; folders and links it left are dropped.
     Build folders that killed compiles left in ``out`` go first; a failed
     compile leaves no ``out`` it created.  Where no build folder can be made
@@ -665,7 +689,8 @@ def _compile_into(
             out = other
     try:
         said = compiler.compile(request, build.path)
-        unknown = said if isinstance(said, str) else None  # (a plug-in's stray return: none)
+        if not isinstance(said, str) and not _is_read_set(said):
+            said = None  # (a plug-in's stray return: nothing said)
         files, artifacts, modes = {}, {}, NO_MODES
         # The umask now (a program may set its own after importing opcache; a server's
         # worker sets its caller's): the bits a new file gets, and a hit's narrowed by.
@@ -690,7 +715,16 @@ def _compile_into(
                 break
         raise
     build.close()
-    return files, (artifacts, modes), unknown
+    return files, (artifacts, modes), said
+
+
+def _is_read_set(value: object) -> bool:
+    """Whether a compiler returned what its compile read beyond the key (``ReadSet``)."""
+    if value is None or isinstance(value, str):
+        return False
+    from .readset import ReadSet  # (a miss only: not on a hit's start-up)
+
+    return isinstance(value, ReadSet)
 
 
 def _build_folder_in(out: Path) -> tuple[Workdir, list[Path]]:

@@ -151,10 +151,10 @@ _LINGER_SECONDS = 1.0
 
 
 def run_traced(
-    argv: Sequence[str], trace_dir: str, env: Mapping[str, str]
+    argv: Sequence[str], trace_dir: str, env: Mapping[str, str], cwd: str | None = None
 ) -> tuple[int, bytes, bytes, str | None]:
-    """Run ``traced_command``'s ``argv``: (the command's exit status, its stdout, its
-    stderr, why its read set is not known, or None).
+    """Run ``traced_command``'s ``argv`` (in ``cwd``): (the command's exit status, its
+    stdout, its stderr, why its read set is not known, or None).
 
     Once the command's own process has ended, the processes it started get
     ``_LINGER_SECONDS``; any still running then is let go by strace (it runs on,
@@ -168,7 +168,7 @@ def run_traced(
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         strace = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=dict(env)
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=dict(env), cwd=cwd
         )
         top, ended, outlived = None, None, None
         while True:
@@ -321,6 +321,29 @@ class ReadSet:
             if "\0" in item[0][:-1]:
                 return None
         return cls(data)
+
+
+def of_files(paths: Sequence[str], started_ns: int) -> ReadSet:
+    """The read set of files a compile read, named by the compiler itself (a
+    dependency list): each as it is now, followed through links.  Unprovable
+    when one changed since ``started_ns`` (the compile may have read the old
+    contents or the new) or is gone."""
+    items = []
+    for path in sorted(set(paths)):
+        for item in _facts_with_link(path, listed=False):
+            if item[1] == "file" and max(item[4], item[5]) >= started_ns - fsutil.CLOCK_LAG_NS:
+                raise Unprovable(f"{path} changed while the compile ran")
+            if item[1] in ("missing", "error"):
+                raise Unprovable(f"{path} was read and is gone")
+            items.append(item)
+    return ReadSet(items)
+
+
+def still_holds(items: object) -> bool | None:
+    """Whether an entry's read set (``ReadSet.to_json``) is as recorded; None when
+    ``items`` is no read set."""
+    reads = ReadSet.from_json(items)
+    return None if reads is None else reads.unchanged()
 
 
 def traced(trace_dir: str) -> bool:

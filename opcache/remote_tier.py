@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 
 from ._log import get_logger
-from .stats import REMOTE_ERROR_PREFIX
+from .stats import REMOTE_ERROR_PREFIX, STALE_READS
 from .storage import UNCLAIMED, RemoteCorrupt, open_remote
 from .storage.entry import Entry
 from .storage.remote import Backoff
@@ -61,6 +61,13 @@ _PEEK_FRESH = 0.5
 # How long the copier lets a remote hit it was woken for be delivered before it
 # starts its copy (and competes with the delivery for the interpreter).
 _COPY_AFTER = 0.001
+
+
+def _reads_hold(entry: Entry) -> bool | None:
+    """``readset.still_holds`` of the entry's read set (here, on this machine)."""
+    from .readset import still_holds  # (only for entries that have one)
+
+    return still_holds(entry.reads)
 
 
 class RemoteTier:
@@ -104,6 +111,8 @@ class RemoteTier:
         self._remote: Remote | None = None
         self._backoff = Backoff("the remote cache", notes, settings.shown_url)
         self._corrupt: set[tuple[str, str]] = set()  # keys whose bad value was counted
+        # Keys whose value is of a compile that read files that differ here (``_sound``).
+        self._stale: set[tuple[str, str]] = set()
         # When keys were last found missing, by (chip, key) (time.monotonic()).
         self._looked: dict[tuple[str, str], float] = {}
         # When keys were last found claimed by another client (``peek_claims``).
@@ -137,7 +146,9 @@ class RemoteTier:
         if copying is not None:  # a remote hit of a moment ago, on its way to the folder
             # (stamped now: its copy will be, so the hit has no access to record)
             entry = copying[0]
-            stamped = Entry(key, entry.files, entry.compile_seconds, self._clock(), entry.modes)
+            stamped = Entry(
+                key, entry.files, entry.compile_seconds, self._clock(), entry.modes, entry.reads
+            )
             return stamped, "local"
         got = self.fetch(soc, key)
         if got is None:
@@ -368,8 +379,21 @@ class RemoteTier:
         keys, those not sound counted as misses.  The counts in one update (a
         single hit took the recorder's lock three times)."""
         sound = {}
-        down = corrupt = 0  # (counted once: a batch of hits added it a key at a time)
+        down = corrupt = stale = 0  # (counted once: a batch of hits added it a key at a time)
         for key, value in got.items():
+            if not isinstance(value, RemoteCorrupt) and value[0].reads is not None:
+                holds = _reads_hold(value[0])
+                if holds is None:
+                    bad = RemoteCorrupt("the manifest gives a bad read set")
+                    bad.size = value[2]
+                    value = bad
+                elif not holds:
+                    # (compiled here, and the entry of what this machine read stored over it)
+                    log.info("remote entry %s/%s not used: a file it read differs here", soc, key)
+                    down += value[2]
+                    stale += 1
+                    self._stale.add((soc, key))
+                    continue
             if isinstance(value, RemoteCorrupt):
                 down += value.size
                 if (soc, key) in self._corrupt:
@@ -386,6 +410,8 @@ class RemoteTier:
             counts["remote_bytes_down"] = down
         if corrupt:
             counts["remote_corrupt"] = corrupt
+        if stale:
+            counts[STALE_READS] = stale
         if asked is not None and asked > len(sound):
             counts["remote_misses"] = asked - len(sound)
         if counts:
@@ -466,12 +492,20 @@ class RemoteTier:
         remote = self._usable(soc)
         if remote is None or remote.read_only:
             return
+        stale = (soc, key) in self._stale
         try:
-            sent = remote.put_claimed(soc, key, manifest, files, claim)
+            if stale:  # (an entry of files that differ here stands there: this one over it)
+                sent = remote.replace(soc, key, manifest, files)
+                if sent and claim is not None:
+                    claim.stored()
+            else:
+                sent = remote.put_claimed(soc, key, manifest, files, claim)
         except Exception as e:
             self._failed(e, soc)
             return
         self._recovered()
+        if sent and stale:
+            self._stale.discard((soc, key))
         if sent and claim is not None:
             self._corrupt.discard((soc, key))  # replaced: a bad value there now is a new one
             self._stats.add(soc, "remote_stores")

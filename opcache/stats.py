@@ -35,6 +35,9 @@ ACTIVITY = (
     "bypasses",
     "uncacheable",
     "corrupt",
+    # Entries not served, local or remote: a file their compile read beyond the key
+    # changed since (storage/entry.py's "reads").
+    "stale",
     "evicted_entries",
     "evicted_bytes",
     "errors",
@@ -50,6 +53,7 @@ ACTIVITY = (
 )
 MISSES_NEW_KEY = "misses_new_key"
 MISSES_NEVER_SEEN = "misses_never_seen"
+STALE_READS = "stale"
 BYPASS_PREFIX = "bypass:"
 UNCACHEABLE_PREFIX = "uncacheable:"
 REMOTE_ERROR_PREFIX = "remote_error:"  # + the URL that failed (its password masked)

@@ -721,7 +721,13 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     the compile is traced (``readset.py``), or without strace cached only when
     the user lists what else it reads (``OPCACHE_EXTRA_FILES``, ``OPCACHE_KEY_ENV``)."""
     from . import readset
-    from .compilers.cann import CannCompiler, keyed_environment, toolkit_fingerprint, user_key_names
+    from .compilers.cann import (
+        CannCompiler,
+        keyed_environment,
+        toolkit_fingerprint,
+        trace_folders,
+        user_key_names,
+    )
 
     positional, flags = _opc_flags(argv[1:])
     if len(positional) != 1:
@@ -807,7 +813,7 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
         )
 
         def folders() -> tuple[list[str], list[str]]:
-            return _opc_trace_folders(opc, env)
+            return trace_folders(opc.opc, opc.home, env, os.getcwd())
 
         trace = _OpcTrace(strace, memo_key, notes, make_request, folders)
 
@@ -869,33 +875,6 @@ def _extra_files(
                 seen[path] = identity
             found.append([path, len(data), digest(data)])
     return found
-
-
-def _opc_trace_folders(opc: object, env: Mapping[str, str]) -> tuple[list[str], list[str]]:
-    """(folders left out of a read set, folders under them kept in it).
-
-    Left out: the toolkit (when it has the version files its fingerprint
-    holds) and the standard library of the Python opc runs with (its
-    ``site-packages`` stay in).  Kept: the custom operator folders, which
-    users change without changing the toolkit.
-    """
-    import glob
-
-    from .compilers.cann import custom_opp_folders, script_interpreter, version_files
-
-    home = getattr(opc, "home", None)
-    # Only a toolkit's own folder, with its own version files (not the operator
-    # package's, which ASCEND_OPP_PATH names), and not the user's work: an opc
-    # found on PATH in a project's bin/ (or a shim in ~/bin) names it as home.
-    cwd = os.path.join(os.getcwd(), "")
-    ours = home is not None and not cwd.startswith(os.path.join(str(home), ""))
-    exclude = [str(home)] if ours and version_files(home, {}) else []
-    interpreter = script_interpreter(getattr(opc, "opc", ""), env)
-    if interpreter:
-        for path in {interpreter, os.path.realpath(interpreter)}:
-            prefix = os.path.dirname(os.path.dirname(path))
-            exclude += glob.glob(os.path.join(glob.escape(prefix), "lib*", "python3*"))
-    return exclude, custom_opp_folders(env, None if home is None else Path(home))
 
 
 class _Done(Exception):

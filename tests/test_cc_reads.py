@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,72 @@ def test_a_system_header_renamed_in_under_a_live_compiler_gives_a_new_key(tmp_pa
         later = cache.compile(req, compiler, tmp_path / "c")
     assert (first.status, later.status) == ("miss", "miss")
     assert obj(later) == fresh(tmp_path, req, cc(str(wrapper))) != obj(first)
+
+
+def test_a_system_header_edited_in_place_in_a_subfolder_is_never_served_stale(tmp_path):
+    """A header one folder below the compiler's include folders (as bits/ is), rewritten
+    in place (no rename: no folder's times move): the same long-lived compiler object,
+    and a new cache in another process's place, both get the object a compile makes
+    now, never the old one; the entry is counted stale once and replaced."""
+    system = tmp_path / "system"
+    (system / "bits").mkdir(parents=True)
+    (system / "ver.h").write_text("#include <bits/factor.h>\n")
+    factor = system / "bits" / "factor.h"
+    factor.write_text("#define FACTOR 1\n")
+    wrapper = tmp_path / "mycc"
+    wrapper.write_text(f'#!/bin/sh\nexec gcc -isystem {system} "$@"\n')
+    wrapper.chmod(0o755)
+    req = request(b"#include <ver.h>\nint factor(void) { return FACTOR; }\n")
+    compiler = cc(str(wrapper))
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(req, compiler, tmp_path / "a")
+        assert cache.compile(req, compiler, tmp_path / "b").status == "hit"
+        with open(factor, "r+") as f:  # (the same size: only the contents and times move)
+            f.write("#define FACTOR 2\n")
+        time.sleep(0.05)  # (a header written as a compile starts leaves it unstored)
+        later = cache.compile(req, compiler, tmp_path / "c")
+        again = cache.compile(req, compiler, tmp_path / "d")
+    with cache_at(tmp_path) as other:  # (a new compiler object: another process's)
+        third = other.compile(req, cc(str(wrapper)), tmp_path / "e")
+        report = other.stats()
+    assert [r.status for r in (first, later, again, third)] == ["miss", "miss", "hit", "hit"]
+    assert obj(later) == obj(third) == fresh(tmp_path, req, cc(str(wrapper))) != obj(first)
+    assert report["stale"] == 1
+
+
+def test_an_entry_whose_headers_differ_on_this_machine_is_not_served_from_the_remote(tmp_path):
+    """Machines share a remote (a folder); the second's system header (at the same
+    path) differs: the first's entry is not served there (counted stale), and the
+    second's own compile is stored over it, which a third machine like it hits."""
+    system = tmp_path / "system"
+    system.mkdir()
+    (system / "ver.h").write_text("#define FACTOR 1\n")
+    wrapper = tmp_path / "mycc"
+    wrapper.write_text(f'#!/bin/sh\nexec gcc -isystem {system} "$@"\n')
+    wrapper.chmod(0o755)
+    req = request(b"#include <ver.h>\nint factor(void) { return FACTOR; }\n")
+    (tmp_path / "remote").mkdir()
+
+    def machine(name: str) -> OpCache:
+        settings = resolve_settings(
+            op_compiler_cache_mode="enable",
+            op_compiler_cache_dir=str(tmp_path / name / "cache"),
+            remote=(tmp_path / "remote").as_uri(),
+            environ={"HOME": str(tmp_path / name)},
+        )
+        return OpCache(settings)
+
+    with machine("m1") as one:
+        first = one.compile(req, cc(str(wrapper)), tmp_path / "a")
+    with open(system / "ver.h", "r+") as f:  # (machine m2's header: the same path, other bytes)
+        f.write("#define FACTOR 2\n")
+    time.sleep(0.05)  # (a header written as a compile starts leaves it unstored)
+    with machine("m2") as two:
+        second = two.compile(req, cc(str(wrapper)), tmp_path / "b")
+        report = two.stats()
+    with machine("m3") as three:  # (a third machine, with m2's header: m2's entry)
+        third = three.compile(req, cc(str(wrapper)), tmp_path / "c")
+    assert [r.status for r in (first, second, third)] == ["miss", "miss", "hit"]
+    assert third.tier == "remote"
+    assert obj(second) == obj(third) == fresh(tmp_path, req, cc(str(wrapper))) != obj(first)
+    assert report["stale"] == 1

@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from fake_opc import OP_SOURCE, SOC, base_env, invocations, make_toolkit, write_opc
+from fake_opc import OP_SOURCE, SOC, base_env, invocations, make_toolkit, write_opc, write_tool
 
 import opcache
 from opcache import CompileError, ConfigError, OpCache, OpRequest, resolve_settings
@@ -440,6 +441,7 @@ def test_cann_hit_does_not_run_opc(toolkit, tmp_path):
 
 
 def _status_after(tmp_path: Path, env: dict[str, str], out: str) -> str:
+    time.sleep(0.02)  # (a file opc reads, written as it starts, leaves its compile unstored)
     with cache_at(tmp_path) as cache:
         return cache.compile(cann_request(), CannCompiler(environ=env), tmp_path / out).status
 
@@ -707,3 +709,105 @@ def test_a_remembered_compiler_digest_never_outlives_a_rewrite(
     os.utime(tool, ns=(before.st_atime_ns, before.st_mtime_ns))
     toolchain._identities.clear()
     assert toolchain.file_identity(tool, store) != first
+
+
+# -- cann: what opc read beyond the key --------------------------------------------
+
+# A stand-in opc whose kernel holds what the operator's source tree holds: the
+# kernel source it finds through BUILD_KERNEL_SRC, as Ascend C operators do.
+_SOURCE_TREE_OPC = r"""
+import os, sys
+flags = dict(a[2:].partition("=")[::2] for a in sys.argv[1:] if a.startswith("--"))
+with open(os.path.join(os.environ["BUILD_KERNEL_SRC"], "k.cpp"), "rb") as f:
+    kernel = f.read()
+with open(os.path.join(flags["output"], "k.o"), "wb") as f:
+    f.write(b"KERNEL\0" + kernel)
+"""
+
+
+def _kernel_of(result) -> bytes:
+    return result.files["k.o"].read_bytes()
+
+
+def test_cann_a_kernel_source_found_through_a_variable_is_never_served_stale(toolkit, tmp_path):
+    """The operator's kernel source, read through BUILD_KERNEL_SRC (no request field
+    names it), edited in place: a long-lived compiler object and a new one in a new
+    cache both get the kernel a compile makes now, never the old one."""
+    root, env = toolkit
+    write_tool(root / "bin", "opc", _SOURCE_TREE_OPC)
+    kernels = tmp_path / "op_kernel"
+    kernels.mkdir()
+    (kernels / "k.cpp").write_text("version 1\n")
+    env = {**env, "BUILD_KERNEL_SRC": str(kernels)}
+    time.sleep(0.02)  # (a file opc reads, written as it starts, leaves its compile unstored)
+    compiler = CannCompiler(environ=env)
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(cann_request(), compiler, tmp_path / "a")
+        assert cache.compile(cann_request(), compiler, tmp_path / "b").status == "hit"
+        with open(kernels / "k.cpp", "r+") as f:  # (the same size, in place)
+            f.write("version 2\n")
+        time.sleep(0.02)
+        later = cache.compile(cann_request(), compiler, tmp_path / "c")
+        again = cache.compile(cann_request(), compiler, tmp_path / "d")
+    with cache_at(tmp_path) as other:
+        third = other.compile(cann_request(), CannCompiler(environ=env), tmp_path / "e")
+        report = other.stats()
+    assert [r.status for r in (first, later, again, third)] == ["miss", "miss", "hit", "hit"]
+    assert _kernel_of(first) == b"KERNEL\0version 1\n"
+    assert _kernel_of(later) == _kernel_of(third) == b"KERNEL\0version 2\n"
+    assert report["stale"] == 1
+
+
+def test_cann_a_file_an_option_names_is_never_served_stale(toolkit, tmp_path):
+    """A configuration file named by an option (its path in the key, not its
+    contents), edited: the next compile is a miss with the kernel of the new file."""
+    _, env = toolkit
+    config = tmp_path / "core.ini"
+    config.write_text("cores=1\n")
+    request = cann_request(options={"core_type": str(config)})
+    time.sleep(0.02)
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(request, CannCompiler(environ=env), tmp_path / "a")
+        config.write_text("cores=2\n")
+        time.sleep(0.02)
+        later = cache.compile(request, CannCompiler(environ=env), tmp_path / "b")
+    assert (first.status, later.status) == ("miss", "miss")
+    assert read_dir(tmp_path / "a") != read_dir(tmp_path / "b")
+
+
+def test_cann_a_custom_package_file_edited_in_place_is_never_served_stale(toolkit, tmp_path):
+    """A file of a custom operator package (ASCEND_CUSTOM_OPP_PATH) that opc reads,
+    edited in place under a long-lived compiler object: a miss, the new kernel."""
+    root, env = toolkit
+    package = tmp_path / "custom"
+    package.mkdir()
+    (package / "k.cpp").write_text("tiling 1\n")
+    write_tool(root / "bin", "opc", _SOURCE_TREE_OPC)
+    env = {**env, "ASCEND_CUSTOM_OPP_PATH": str(package), "BUILD_KERNEL_SRC": str(package)}
+    time.sleep(0.02)
+    compiler = CannCompiler(environ=env)
+    with cache_at(tmp_path) as cache:
+        first = cache.compile(cann_request(), compiler, tmp_path / "a")
+        with open(package / "k.cpp", "r+") as f:
+            f.write("tiling 2\n")
+        time.sleep(0.02)
+        later = cache.compile(cann_request(), compiler, tmp_path / "b")
+    assert (first.status, later.status) == ("miss", "miss")
+    assert _kernel_of(later) == b"KERNEL\0tiling 2\n"
+
+
+def test_cann_without_strace_compiles_and_stores_nothing(toolkit, tmp_path):
+    """OPCACHE_TRACE=off (as where strace is missing): what opc reads is not known, so
+    its kernel is delivered and never stored, counted uncacheable with the reason."""
+    _, env = toolkit
+    env = {**env, "OPCACHE_TRACE": "off"}
+    with cache_at(tmp_path) as cache:
+        results = [
+            cache.compile(cann_request(), CannCompiler(environ=env), tmp_path / o) for o in "ab"
+        ]
+        report = cache.stats()
+    assert [r.status for r in results] == ["miss", "miss"]
+    assert read_dir(tmp_path / "a") == read_dir(tmp_path / "b") != {}
+    assert len(invocations(tmp_path / "opc.log")) == 2
+    assert report["stores"] == 0
+    assert any("not traced" in reason for reason in report["uncacheable_reasons"])

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import stat
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -23,12 +24,14 @@ from .. import fsutil
 from ..errors import CompileError, ConfigError
 from ..ini import TOOLKIT_VARIABLES
 from ..key import digest
-from ..keyed_env import ENV_KEY_ENV, OPC_KEY_ENVIRONMENT
+from ..keyed_env import ENV_KEY_ENV, OPC_KEY_ENVIRONMENT, OPC_READS_ENVIRONMENT
 from ..request import OpRequest
-from .toolchain import file_identity, kernel_name, run_tool, tool_changed, which
+from ..storage.entry import READS_CHECKED
+from .toolchain import check_tool, file_identity, kernel_name, run_tool, tool_changed, which
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
+    from ..readset import ReadSet
     from ..storage.local import LocalStore
 
 HOME_VARIABLES = TOOLKIT_VARIABLES
@@ -206,6 +209,32 @@ def custom_opp_folders(environ: Mapping[str, str], home: Path | None = None) -> 
     return folders
 
 
+def trace_folders(
+    opc: str, home: Path | None, environ: Mapping[str, str], cwd: str
+) -> tuple[list[str], list[str]]:
+    """(folders left out of a read set of opc's, folders under them kept in it), for
+    an opc at ``opc`` of the toolkit at ``home`` run in ``cwd``.
+
+    Left out: the toolkit (when it has the version files its fingerprint
+    holds) and the standard library of the Python opc runs with (its
+    ``site-packages`` stay in).  Kept: the custom operator folders, which
+    users change without changing the toolkit.
+    """
+    import glob
+
+    # Only a toolkit's own folder, with its own version files (not the operator
+    # package's, which ASCEND_OPP_PATH names), and not the user's work: an opc
+    # found on PATH in a project's bin/ (or a shim in ~/bin) names it as home.
+    ours = home is not None and not os.path.join(cwd, "").startswith(os.path.join(str(home), ""))
+    exclude = [str(home)] if ours and version_files(home, {}) else []
+    interpreter = script_interpreter(opc, environ)
+    if interpreter:
+        for path in {interpreter, os.path.realpath(interpreter)}:
+            prefix = os.path.dirname(os.path.dirname(path))
+            exclude += glob.glob(os.path.join(glob.escape(prefix), "lib*", "python3*"))
+    return exclude, custom_opp_folders(environ, home)
+
+
 # What a digest of custom packages reads at most; past it, it is no key (OSError).
 MAX_PACKAGE_FILES = 100_000
 _MAX_PACKAGE_BYTES = 4 << 30
@@ -369,11 +398,16 @@ class CannCompiler:
             toolkit = toolkit_fingerprint("opc", self.opc, self.home, self._environ, self._notes)
             # What the operator's Python finds beside the toolkit, as wrap keys an opc line.
             custom = custom_opp_digest(self._environ, self.home) or "none"
-            parts = [toolkit, keyed_environment(self._environ), custom]
+            # The variables that move where opc's Python finds modules: wrap picks its
+            # remembered read sets by them; here they join the key.
+            moved = repr([[n, self._environ.get(n)] for n in OPC_READS_ENVIRONMENT])
+            parts = [toolkit, keyed_environment(self._environ), custom, moved, READS_CHECKED]
             self._fingerprint = json.dumps(parts)
         return self._fingerprint
 
-    def compile(self, request: OpRequest, workdir: Path) -> None:
+    def compile(self, request: OpRequest, workdir: Path) -> str | ReadSet:
+        """Run opc into ``workdir``, traced: what it read beyond the key (a hit checks
+        it), or why its kernel must not be stored (what it read is not known)."""
         import tempfile  # a compile only: `opcache wrap` plans opc lines with this module
 
         workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
@@ -405,4 +439,39 @@ class CannCompiler:
             for name, value in sorted(request.options.items()):
                 if name != _MAIN_FUNC:
                     argv.append(f"--{name}={value}")
-            run_tool(argv, cwd=Path(src), environ=self._environ, what=f"opc {request.op_type}")
+            return self._run(argv, src, workdir, f"opc {request.op_type}")
+
+    def _run(self, argv: list[str], src: str, workdir: Path, what: str) -> str | ReadSet:
+        """Run opc in ``src`` under strace (as ``opcache wrap -- opc`` runs a miss): the
+        operator's ``.py`` finds its kernel source, helper modules and tiling through
+        paths and variables no key names.  Without strace, what it read is not known:
+        its kernel is not stored."""
+        import tempfile
+
+        from .. import readset
+
+        strace = readset.strace_program(self._environ)
+        if strace is None:
+            run_tool(argv, cwd=Path(src), environ=self._environ, what=what)
+            return f"opc: not traced (no strace on PATH or {readset.ENV_TRACE}=off)"
+        with tempfile.TemporaryDirectory(prefix="opcache-trace-") as trace_dir:
+            started = time.time_ns()
+            traced = readset.traced_command(strace, trace_dir, argv)
+            status, _, stderr, outlived = readset.run_traced(
+                traced, trace_dir, self._environ, cwd=src
+            )
+            if not readset.traced(trace_dir):  # (ptrace refused, as in some containers)
+                said = stderr.decode(errors="replace").strip().splitlines()
+                run_tool(argv, cwd=Path(src), environ=self._environ, what=what)
+                return f"opc: strace cannot trace here ({said[0] if said else status})"
+            check_tool(argv, status, stderr, what)
+            if outlived:
+                return f"opc: {outlived}"
+            exclude, keep = trace_folders(self.opc, self.home, self._environ, src)
+            # The sources are the request's, the outputs no inputs; opcache's own build
+            # folder around ``workdir`` (flow's) is gone once the compile is stored.
+            own = workdir.parent if workdir.parent.name.startswith(readset.OWN_NAMES) else workdir
+            try:
+                return readset.record(trace_dir, started, [*exclude, src, str(own)], keep)
+            except readset.Unprovable as e:
+                return f"opc: {e}"

@@ -16,10 +16,12 @@ import re
 import shlex
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import readset
 from ..errors import CompileError, ConfigError
 from ..key import digest
 from ..keyed_env import (
@@ -30,6 +32,7 @@ from ..keyed_env import (
     CC_SIDE_OUTPUT_ENVIRONMENT,
 )
 from ..request import OpRequest
+from ..storage.entry import READS_CHECKED
 from . import cc_driver
 from .toolchain import file_identity, kernel_name, run_tool, tool_changed, which
 
@@ -131,15 +134,17 @@ class CcCompiler:
                     digest(version),
                     repr(keyed),
                     self._toolchain.identity(),
+                    READS_CHECKED,
                 ]
             )
             self._watched = [self.argv[0], *self._toolchain.watched()]
             tool_changed(self, *self._watched)  # (as the fingerprint found them)
         return self._fingerprint
 
-    def compile(self, request: OpRequest, workdir: Path) -> str | None:
+    def compile(self, request: OpRequest, workdir: Path) -> str | readset.ReadSet:
         """Compile into ``workdir``; return why the object must not be stored, if it
-        read anything the key does not hold (see ``_unkeyed_read``)."""
+        read anything the key does not hold, else the system headers it read, which
+        a hit checks (see ``_unkeyed_read``)."""
         self.fingerprint()  # (what the compile's reads are checked against)
         assert self._toolchain is not None
         workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
@@ -171,13 +176,14 @@ class CcCompiler:
             listed = [] if main[0].endswith(".s") else ["-MD", "-MF", deps, "-MT", "o"]
             # Relative names and a fixed cwd keep temp paths out of the object file.
             argv = [*self.argv, *flags, "-c", main[0], "-o", str(obj), *listed]
+            started_ns = time.time_ns()
             run_tool(
                 argv,
                 cwd=Path(src),
                 environ=self._compile_environ(epoch),
                 what=f"cc {request.op_type}",
             )
-            unkeyed = self._unkeyed_read(flags, sources, src, deps if listed else None)
+            said = self._unkeyed_read(flags, sources, src, deps if listed else None, started_ns)
         description = {
             "kernelName": kernel,
             "opType": request.op_type,
@@ -188,18 +194,26 @@ class CcCompiler:
             "outputs": list(request.outputs),
         }
         (workdir / f"{kernel}.json").write_text(json.dumps(description, indent=2, sort_keys=True))
-        return unkeyed
+        return said
 
     def _unkeyed_read(
-        self, flags: list[str], sources: Mapping[str, bytes], src: str, deps: str | None
-    ) -> str | None:
-        """Why the compile just run may have read what the key does not hold, or None.
+        self,
+        flags: list[str],
+        sources: Mapping[str, bytes],
+        src: str,
+        deps: str | None,
+        started_ns: int,
+    ) -> str | readset.ReadSet:
+        """Why the compile just run (from ``started_ns``) may have read what the key
+        does not hold, else the read set of the system headers it read.
 
         The key holds the request's sources and the fingerprint.  Whatever
         else the compile read (a header through -I, -include, CPATH, a
         relative path out of the private folder) is named by the dependency
         list ``deps`` and refused, unless it is a system header of the
-        toolchain's own folders, which the fingerprint covers.  What no such
+        toolchain's own folders, which the fingerprint covers as they were
+        when it was taken, and the entry's read set as they are now (a hit of
+        a long-lived compiler object checks them).  What no such
         list names (the programs run, specs files, files flags or assembler
         directives name) is refused by the flags, the environment and the
         programs found, checked again now against the fingerprint's.
@@ -245,7 +259,15 @@ class CcCompiler:
                 named = os.path.realpath(os.path.join(src, word)) if word else ""
                 if named and named not in known and os.path.isfile(named):
                     return f"cc: {flag} names {named}, which the key does not hold"
-        return None
+        # The system headers, as the compile named them (through their links): a hit
+        # is served only while each is as it is now (an edit in place, which moves
+        # no folder the fingerprint holds, included).
+        headers = [os.path.join(src, name) for name in read]
+        headers = [path for path in headers if os.path.realpath(path) not in own]
+        try:
+            return readset.of_files(headers, started_ns)
+        except readset.Unprovable as e:
+            return f"cc: {e}"
 
     def _compile_environ(self, epoch: str) -> dict[str, str]:
         # A dependency file the environment asks for would be written by a miss only.

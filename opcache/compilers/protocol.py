@@ -28,6 +28,8 @@ class Compiler(Protocol):
     read something the key does not hold (a header found outside the request's
     sources, a tool that changed meanwhile).  They are then delivered as a miss
     and counted as uncacheable with that reason, never served as a hit.
+    (opcache's own ``cc`` and ``cann`` may return a ``readset.ReadSet`` instead:
+    what the compile read beyond the key, which every hit of the entry checks.)
     Artifact names must derive from the request's key inputs, never from
     ``op_name``, so that a hit returns the same files whatever the node is called.
     """

@@ -160,16 +160,25 @@ def run_tool(
         )
     except OSError as e:
         raise CompileError(f"{what}: cannot run {argv[0]}: {e.strerror or e}") from None
-    if done.returncode == -_SIGINT:
+    check_tool(argv, done.returncode, done.stderr, what)
+    return done
+
+
+def check_tool(argv: Sequence[str], status: int, stderr: bytes, what: str) -> None:
+    """What a compiler's run that ended with ``status`` means: CompileError with the
+    command line and stderr's tail on failure, KeyboardInterrupt when a Ctrl-C
+    killed it; its warnings logged."""
+    if status == -_SIGINT:
         # The user's Ctrl-C reached the compiler (its process group's): stop, as make does.
         raise KeyboardInterrupt
-    if done.returncode != 0:
-        tail = done.stderr.decode(errors="replace")[-_STDERR_TAIL:].strip()
+    if status != 0:
+        import subprocess
+
+        tail = stderr.decode(errors="replace")[-_STDERR_TAIL:].strip()
         raise CompileError(
-            f"{what} failed with exit status {done.returncode}: {subprocess.list2cmdline(argv)}"
+            f"{what} failed with exit status {status}: {subprocess.list2cmdline(argv)}"
             + (f"\n{tail}" if tail else "")
         )
-    said = done.stderr.decode(errors="replace").strip()
+    said = stderr.decode(errors="replace").strip()
     if said:  # warnings: shown with -v (the tool's stderr would be lost otherwise)
         log.info("%s said:\n%s", what, said)
-    return done

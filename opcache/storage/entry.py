@@ -11,6 +11,13 @@ An artifact the compiler made with other permission bits than a new file gets
 in the manifest's "modes", and a hit gives them back.  An opcache older than
 this reads such a manifest whole and passes over "modes" (its files then get a
 new file's bits, as they always did there): never a corrupt entry to it.
+
+A compile that read files its key does not hold (the system headers a ``cc``
+compile included, what a traced ``opc`` read) has them in the manifest's
+"reads" (``readset.ReadSet``'s items), and a hit is served only while every
+one is as recorded (``flow``, ``remote_tier``).  Such entries are only made
+under keys an opcache older than this never computes (their compilers'
+fingerprints say so), so none serves one without the check.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ if TYPE_CHECKING:
     from typing import Any
 
 FORMAT = 1
+# In the fingerprint of a compiler whose entries have "reads": its keys are then
+# none an opcache that does not check them computes (it would serve them unchecked).
+READS_CHECKED = "entry-reads-checked/1"
 MANIFEST = "MANIFEST"
 MAX_MANIFEST = 16 << 20
 NAME_MAX = 255  # bytes of a file name, on Linux's file systems
@@ -50,12 +60,13 @@ NO_MODES: dict[str, int] = {}  # (shared by every entry without modes: never cha
 class Entry(Record):
     """A verified entry: its artifacts' bytes and what the manifest recorded."""
 
-    __slots__ = _fields = ("key", "files", "compile_seconds", "stamp", "modes")
+    __slots__ = _fields = ("key", "files", "compile_seconds", "stamp", "modes", "reads")
     key: str
     files: dict[str, bytes]
     compile_seconds: float
     stamp: float  # last recorded access, seconds since the epoch
     modes: dict[str, int]  # the permission bits of the artifacts a new file would not have
+    reads: list | None  # what the compile read beyond its key (ReadSet items), to check
 
     def __init__(
         self,
@@ -64,6 +75,7 @@ class Entry(Record):
         compile_seconds: float,
         stamp: float,
         modes: dict[str, int] = NO_MODES,
+        reads: list | None = None,
     ) -> None:
         self._init(locals())
 
@@ -84,9 +96,11 @@ def make_manifest(
     inputs: dict[str, Any],
     now: float,
     modes: dict[str, int] = NO_MODES,
+    reads: list | None = None,
 ) -> bytes:
     """The manifest of an entry: a checksum line, then canonical JSON.  ``modes``:
-    the permission bits of the artifacts that a new file would not have."""
+    the permission bits of the artifacts that a new file would not have; ``reads``:
+    what the compile read beyond its key (``ReadSet.to_json``)."""
     fields = {
         "format": FORMAT,
         "key": key,
@@ -100,13 +114,16 @@ def make_manifest(
     }
     if modes:  # (sorted last: the fields before it are where older versions find them)
         fields["modes"] = modes
+    if reads is not None:  # (sorted after "modes")
+        fields["reads"] = reads
     body = canonical_json(fields)
     return digest(body).encode() + b"\n" + body
 
 
 def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     """Check a manifest and return {'artifacts': [(name, size, digest)], 'compile_seconds',
-    'modes': {name: permission bits} of the artifacts that have them}.
+    'modes': {name: permission bits} of the artifacts that have them, 'reads': what
+    the compile read beyond its key (a list of ReadSet items) or None}.
 
     Raises CorruptEntry where the checksum fails, or where a field a hit uses
     (the format, the key, the compile time, each artifact's name, size and
@@ -162,7 +179,10 @@ def parse_manifest(raw: bytes, key: str) -> dict[str, Any]:
     modes = data.get("modes", NO_MODES)
     if modes is not NO_MODES and not _are_modes(modes, {name for name, _, _ in out}):
         raise CorruptEntry("the manifest gives bad permission bits")
-    return {"artifacts": out, "compile_seconds": seconds, "modes": modes}
+    reads = data.get("reads")
+    if reads is not None and type(reads) is not list:
+        raise CorruptEntry("the manifest gives a bad read set")
+    return {"artifacts": out, "compile_seconds": seconds, "modes": modes, "reads": reads}
 
 
 def _are_modes(modes: object, names: set[str]) -> bool:
@@ -208,14 +228,21 @@ def _before_inputs(text: str, key: str) -> dict[str, Any] | None:
     tail = f',"key":"{key}"'
     if text.endswith(tail + "}"):
         end = len(text) - len(tail) - 1
-    else:  # ("modes", sorted after the key, when there are any)
+    else:  # ("modes", then "reads", sorted after the key, when there are any)
         end = text.rfind(tail + ',"modes":')
         if end < 0:
+            end = text.rfind(tail + ',"reads":')
+        if end < 0:
             return None
-        try:
-            data["modes"], stop = _DECODER.scan_once(text, end + len(tail) + len(',"modes":'))
-        except StopIteration:
-            raise ValueError("not JSON") from None
+        stop = end + len(tail)
+        for name in ("modes", "reads"):
+            follows = f',"{name}":'
+            if not text.startswith(follows, stop):
+                continue
+            try:
+                data[name], stop = _DECODER.scan_once(text, stop + len(follows))
+            except StopIteration:
+                raise ValueError("not JSON") from None
         if stop != len(text) - 1 or text[stop] != "}":
             return None
     at = len('{"artifacts":')

@@ -497,7 +497,8 @@ class LocalStore:
             files[name] = check_artifact(
                 name, size, want, self._read_file(entry_fd, name, size + 1)[0]
             )
-        return Entry(key, files, manifest["compile_seconds"], mtime, manifest["modes"]), raw
+        seconds, modes, reads = manifest["compile_seconds"], manifest["modes"], manifest["reads"]
+        return Entry(key, files, seconds, mtime, modes, reads), raw
 
     def _read_file(self, dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
         """(up to ``limit`` bytes, mtime) of a regular, trusted file in an entry."""

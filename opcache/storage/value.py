@@ -182,7 +182,8 @@ def unpack(key: str, value: bytes, limit: int) -> tuple[Entry, bytes]:
         raise RemoteCorrupt(str(e), maybe_sound=e.maybe_sound) from None
     if at != len(payload):
         raise RemoteCorrupt(f"{len(payload) - at} bytes past the last artifact")
-    return Entry(key, files, described["compile_seconds"], 0.0, described["modes"]), manifest
+    seconds, modes, reads = described["compile_seconds"], described["modes"], described["reads"]
+    return Entry(key, files, seconds, 0.0, modes, reads), manifest
 
 
 def _inflated(stream: memoryview, limit: int) -> bytes:
