@@ -249,13 +249,36 @@ class _WrappedCommand:
 def _leave_as_made(workdir: Path, output_dir: Path) -> None:
     """What a failed run wrote (its error log, a half package), where it writes it, as
     it would have written it there: it tells the user why.  Best effort: the failure
-    is the news."""
-    import shutil
+    is the news.
 
-    try:
-        shutil.copytree(workdir, output_dir, symlinks=True, dirs_exist_ok=True)
-    except (OSError, shutil.Error) as e:
-        log.debug("cannot leave what the failed run made in %s: %s", output_dir, e)
+    As the compiler writes: a folder or file missing is made with the bits it made
+    it with (narrowed by the umask), a file there is written over, and nothing
+    that was there gets other permission bits or times (``shutil.copytree`` gave
+    the output folder the private work folder's 0700, and a file reached through
+    a link there the work file's bits)."""
+    for top, folders, files in os.walk(workdir):
+        here = output_dir / os.path.relpath(top, workdir)
+        for name in [*folders, *files]:
+            made, there = os.path.join(top, name), here / name
+            try:
+                st = os.lstat(made)
+                if stat.S_ISLNK(st.st_mode):
+                    if not os.path.lexists(there):
+                        os.symlink(os.readlink(made), there)
+                    if name in folders:
+                        folders.remove(name)  # (its files are where the link leads)
+                elif stat.S_ISDIR(st.st_mode):
+                    if not os.path.isdir(there):
+                        os.mkdir(there, stat.S_IMODE(st.st_mode))
+                elif stat.S_ISREG(st.st_mode):
+                    with open(made, "rb") as source:
+                        data = source.read()
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                    fd = os.open(there, flags, stat.S_IMODE(st.st_mode))
+                    with open(fd, "wb") as target:
+                        target.write(data)
+            except OSError as e:
+                log.debug("cannot leave %s of the failed run in %s: %s", name, here, e)
 
 
 def run(

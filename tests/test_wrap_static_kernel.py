@@ -199,6 +199,24 @@ def test_a_failed_build_keeps_its_status_and_output_and_is_not_cached(toolkit, t
     assert compiles(toolkit) == 2
 
 
+def test_a_failed_build_leaves_the_bits_of_its_folder_and_of_a_linked_file_alone(toolkit, tmp_path):
+    """What a failed run wrote is left where it writes it as the compiler leaves it: a
+    team's output folder (2775) keeps its bits, and a file of 0600 that
+    the error log's name links to stays 0600 (the log is written through the link,
+    as the compiler writes it)."""
+    failing = {**toolkit, "FAKE_OP_COMPILER_FAIL": "MatMulV2: tiling failed"}
+    first = job(tmp_path, 1)
+    first.root.chmod(0o2775)
+    secret = tmp_path / "secret"
+    secret.write_text("token\n")
+    secret.chmod(0o600)
+    (first.root / "op_compiler_error.log").symlink_to(secret)
+    wrap(failing, first.argv(), tmp_path, status=2)
+    assert oct(first.root.stat().st_mode & 0o7777) == oct(0o2775)
+    assert oct(secret.stat().st_mode & 0o7777) == oct(0o600)
+    assert secret.read_text() == "MatMulV2: tiling failed\n"
+
+
 def test_a_static_kernel_hit_imports_nothing_it_does_not_need(toolkit, tmp_path):
     wrap(toolkit, job(tmp_path, 1).argv(), tmp_path)
     argv = job(tmp_path, 2).argv()
