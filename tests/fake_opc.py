@@ -12,7 +12,8 @@ Environment variables the tests set to steer it:
 
 - ``FAKE_OPC_FAIL``: fail with this message on stderr and exit status
   ``$FAKE_OPC_STATUS`` (default 1);
-- ``FAKE_OPC_SLEEP``: sleep this many seconds before compiling.
+- ``FAKE_OPC_SLEEP``: sleep this many seconds before compiling, and append when
+  it slept (``start end``, seconds) to ``$FAKE_OPC_LOG.concurrent``.
 """
 
 from __future__ import annotations
@@ -96,14 +97,12 @@ if not re.fullmatch(r"Ascend[0-9A-Za-z]+", flags["soc_version"]):
     die(f"--soc_version={flags['soc_version']} is not a known chip")
 
 if os.environ.get("FAKE_OPC_SLEEP"):
-    # Each sleeping run leaves a mark while it sleeps and logs how many run at once.
-    running = f"{log}.running"
-    os.makedirs(running, exist_ok=True)
-    open(os.path.join(running, str(os.getpid())), "w").close()
-    with open(f"{log}.concurrent", "a") as f:
-        f.write(f"{len(os.listdir(running))}\n")
+    # Each sleeping run logs when it slept (appended: its own log, no input to a
+    # traced compile, as a listing of the others' marks would be).
+    slept = time.time()
     time.sleep(float(os.environ["FAKE_OPC_SLEEP"]))
-    os.unlink(os.path.join(running, str(os.getpid())))
+    with open(f"{log}.concurrent", "a") as f:
+        f.write(f"{slept} {time.time()}\n")
 if os.environ.get("FAKE_OPC_FAIL"):
     die(os.environ["FAKE_OPC_FAIL"], int(os.environ.get("FAKE_OPC_STATUS", "1")))
 
@@ -181,10 +180,6 @@ def base_env(tmp_path: Path, *extra_path: Path) -> dict[str, str]:
     system = os.environ.get("PATH", os.defpath).split(os.pathsep)
     system = [p for p in system if p and not os.access(os.path.join(p, "opc"), os.X_OK)]
     path = [str(p) for p in extra_path] + system
-    # The stand-in's mark of sleeping runs: made here, as a toolkit's folders are there
-    # before a compile.  (One a traced opc makes itself is an input, as it found it:
-    # missing, and the second of two runs at once, finding it, would miss.)
-    (tmp_path / "opc.log.running").mkdir(parents=True, exist_ok=True)
     return {
         "PATH": os.pathsep.join(path),
         "HOME": str(tmp_path),
