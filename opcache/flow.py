@@ -272,16 +272,17 @@ class KeyFlow:
         """Whether the files the entry's compile read beyond its key are as they were;
         an entry of files changed since is removed (its key's compile then stores the
         new one), and counted.  CorruptEntry when the read set is no read set."""
-        from .readset import still_holds  # (only for entries that have one)
+        from .readset import CHANGED, reads_now  # (only for entries that have one)
 
-        holds = still_holds(entry.reads)
-        if holds is None:
+        now = reads_now(entry.reads)
+        if now is None:
             raise CorruptEntry("the manifest gives a bad read set")
-        if not holds:
+        if now == CHANGED:
             log.info("cache entry %s/%s not used: a file its compile read changed", soc, entry.key)
             self._stats.add(soc, stats.STALE_READS)
             self._discard(soc, entry.key, "an entry of files changed since")
-        return holds
+            return False
+        return True
 
     def _discard(self, soc: str, key: str, what: str) -> None:
         try:

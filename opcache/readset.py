@@ -316,9 +316,10 @@ class ReadSet:
         for item in data:
             if type(item) is not list or list(map(type, item)) != _ITEM_TYPES:
                 return None
-            # Notes are files others may write: a NUL anywhere but as the mark of a
-            # followed link is no path, and os calls raise ValueError on it.
-            if "\0" in item[0][:-1]:
+            # Notes and entries are files others may write: a NUL anywhere but as the
+            # mark of a followed link, or a lone surrogate no file name has, is no
+            # path (os calls raise ValueError on them).
+            if "\0" in item[0][:-1] or not _encodes(item[0]):
                 return None
         return cls(data)
 
@@ -339,11 +340,28 @@ def of_files(paths: Sequence[str], started_ns: int) -> ReadSet:
     return ReadSet(items)
 
 
-def still_holds(items: object) -> bool | None:
-    """Whether an entry's read set (``ReadSet.to_json``) is as recorded; None when
-    ``items`` is no read set."""
+SAME, MOVED, CHANGED = "same", "moved", "changed"  # (reads_now's answers)
+
+
+def reads_now(items: object) -> str | None:
+    """An entry's read set (``ReadSet.to_json``) against the machine: SAME as
+    recorded; MOVED, the same files whose stat moved (``items`` now hold their
+    times here, worth keeping: the next check then needs no digest); CHANGED;
+    None when ``items`` is no read set."""
     reads = ReadSet.from_json(items)
-    return None if reads is None else reads.unchanged()
+    if reads is None:
+        return None
+    if not reads.unchanged():
+        return CHANGED
+    return MOVED if reads.moved else SAME
+
+
+def _encodes(path: str) -> bool:
+    try:
+        os.fsencode(path)
+    except UnicodeError:
+        return False
+    return True
 
 
 def traced(trace_dir: str) -> bool:
@@ -438,7 +456,7 @@ def _led_where_named(path: str, norm: str, trace: _Trace) -> None:
     leads to now, as ``strace -y`` named the descriptor: a link on the way moved while
     it ran, or ``..`` after a link led elsewhere than the name says."""
     opened = trace.opened.get(norm)
-    if opened and opened - {os.path.realpath(norm), _real_folder(norm) + "\0"}:
+    if opened and opened - {os.path.realpath(norm), real_folder(norm) + "\0"}:
         raise Unprovable(f"{path} led to another file when the compile opened it")
 
 
@@ -921,7 +939,7 @@ def _hard_link(trace: _Trace, when: int, args: str, paths: list[str], kinds: lis
     trace.linked[source] = min(trace.linked.get(source, when), when)
 
 
-def _real_folder(path: str) -> str:
+def real_folder(path: str) -> str:
     """``path`` with its folder's links resolved, its last part as it is (what an open
     with O_NOFOLLOW names)."""
     folder, name = os.path.split(path)

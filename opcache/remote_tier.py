@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable
 
 from ._log import get_logger
+from .readset import CHANGED, MOVED, reads_now
 from .stats import REMOTE_ERROR_PREFIX, STALE_READS
 from .storage import UNCLAIMED, RemoteCorrupt, open_remote
-from .storage.entry import Entry
+from .storage.entry import Entry, with_reads
 from .storage.remote import Backoff
 
 TYPE_CHECKING = False
@@ -61,13 +62,6 @@ _PEEK_FRESH = 0.5
 # How long the copier lets a remote hit it was woken for be delivered before it
 # starts its copy (and competes with the delivery for the interpreter).
 _COPY_AFTER = 0.001
-
-
-def _reads_hold(entry: Entry) -> bool | None:
-    """``readset.still_holds`` of the entry's read set (here, on this machine)."""
-    from .readset import still_holds  # (only for entries that have one)
-
-    return still_holds(entry.reads)
 
 
 class RemoteTier:
@@ -382,12 +376,16 @@ class RemoteTier:
         down = corrupt = stale = 0  # (counted once: a batch of hits added it a key at a time)
         for key, value in got.items():
             if not isinstance(value, RemoteCorrupt) and value[0].reads is not None:
-                holds = _reads_hold(value[0])
-                if holds is None:
+                now = reads_now(value[0].reads)
+                if now is None:
                     bad = RemoteCorrupt("the manifest gives a bad read set")
                     bad.size = value[2]
                     value = bad
-                elif not holds:
+                elif now == MOVED:
+                    # The same files, with other times here (another machine's entry): the
+                    # local copy keeps this machine's, or each hit would hash them again.
+                    value = (value[0], with_reads(value[1], value[0].reads), value[2])
+                elif now == CHANGED:
                     # (compiled here, and the entry of what this machine read stored over it)
                     log.info("remote entry %s/%s not used: a file it read differs here", soc, key)
                     down += value[2]

@@ -362,3 +362,20 @@ def test_an_entry_whose_headers_differ_on_this_machine_is_not_served_from_the_re
     assert third.tier == "remote"
     assert obj(second) == obj(third) == fresh(tmp_path, req, cc(str(wrapper))) != obj(first)
     assert report["stale"] == 1
+
+
+def test_a_system_header_reached_through_the_private_folder_hits(tmp_path, monkeypatch):
+    """`#include "../../<...>/usr/include/limits.h"`: a system header named through the
+    private folder the compile ran in (gone after it) is kept by its real folder,
+    so the entry hits, never found stale at every look."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "t"))
+    (tmp_path / "t").mkdir()
+    ups = len((tmp_path / "t").parts) + 1  # (<tempdir>/opcache-cc-*/src, up to /)
+    source = f'#include "{"../" * ups}usr/include/limits.h"\nint most(void) {{ return INT_MAX; }}\n'
+    req = request(source.encode())
+    compiler = cc()
+    with cache_at(tmp_path) as cache:
+        results = [cache.compile(req, compiler, tmp_path / o) for o in "abc"]
+        report = cache.stats()
+    assert [r.status for r in results] == ["miss", "hit", "hit"]
+    assert report["stale"] == 0

@@ -262,7 +262,9 @@ class CcCompiler:
         # The system headers, as the compile named them (through their links): a hit
         # is served only while each is as it is now (an edit in place, which moves
         # no folder the fingerprint holds, included).
-        headers = [os.path.join(src, name) for name in read]
+        # (each by its real folder: `#include "../../usr/include/x.h"` names the private
+        # folder, gone after the compile, in its path)
+        headers = [readset.real_folder(os.path.join(src, name)) for name in read]
         headers = [path for path in headers if os.path.realpath(path) not in own]
         try:
             return readset.of_files(headers, started_ns)
