@@ -317,10 +317,12 @@ class ReadSet:
             if type(item) is not list or list(map(type, item)) != _ITEM_TYPES:
                 return None
             # Notes and entries are files others may write: a NUL anywhere but as the
-            # mark of a followed link, or a lone surrogate no file name has, is no
-            # path (os calls raise ValueError on them).
-            if "\0" in item[0][:-1] or not _encodes(item[0]):
+            # mark of a followed link is no path (os calls raise ValueError on it).
+            if "\0" in item[0][:-1]:
                 return None
+        # Nor is a lone surrogate no file name has (all paths in one encode: a hit's).
+        if not _encodes("".join(item[0] for item in data)):
+            return None
         return cls(data)
 
 
