@@ -389,8 +389,9 @@ class RemoteTier:
                     # (compiled here, and the entry of what this machine read stored over it)
                     log.info("remote entry %s/%s not used: a file it read differs here", soc, key)
                     down += value[2]
-                    stale += 1
-                    self._stale.add((soc, key))
+                    if (soc, key) not in self._stale:  # (once, however often it is looked at)
+                        stale += 1
+                        self._stale.add((soc, key))
                     continue
             if isinstance(value, RemoteCorrupt):
                 down += value.size

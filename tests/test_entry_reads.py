@@ -111,3 +111,30 @@ def test_another_machines_entry_of_the_same_files_is_kept_with_this_machines_tim
     assert readset.reads_now(kept.reads) == readset.SAME
     remote_copy = LocalStore(remote).get(SOC, second.key)
     assert readset.reads_now(remote_copy.reads) == readset.MOVED  # (the first machine's)
+
+
+def test_a_stale_remote_entry_is_counted_once_and_replaced_in_a_batch(tmp_path):
+    """compile_many of an operator whose remote entry read a file that differs here:
+    compiled here (not served), counted stale once though the batch looks at the
+    remote again before and after its claim, and stored over the remote's."""
+    config = tmp_path / "config"
+    config.write_text("one\n")
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    time.sleep(0.02)
+
+    def machine(name: str) -> opcache.OpCache:
+        return opcache.OpCache(make_settings(tmp_path / name, tmp_path, remote=remote.as_uri()))
+
+    with machine("m1") as one:
+        one.compile(request_of(config), ReadingCompiler(), tmp_path / "a")
+    config.write_text("two\n")
+    time.sleep(0.02)
+    with machine("m2") as two:
+        [result] = two.compile_many([request_of(config)], ReadingCompiler(), [tmp_path / "b"])
+        report = two.stats()
+    with machine("m3") as three:
+        [third] = three.compile_many([request_of(config)], ReadingCompiler(), [tmp_path / "c"])
+    assert (result.status, third.status, third.tier) == ("miss", "hit", "remote")
+    assert third.files["k.o"].read_bytes() == b"K\0two\n"
+    assert report["stale"] == 1
