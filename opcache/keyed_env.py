@@ -88,3 +88,12 @@ CC_SIDE_OUTPUT_ENVIRONMENT = (
     "CC_LOG_DIAGNOSTICS",
     "CC_PRINT_PROC_STAT",
 )
+# A `command` template's tool is anyone's: the variables that pick which programs,
+# libraries, modules and headers it finds, and those of the compilers opcache
+# knows.  (strace sees files, not variables: others go in OPCACHE_KEY_ENV.)
+COMMAND_KEY_ENVIRONMENT = tuple(
+    dict.fromkeys((
+        "HOME", "SOURCE_DATE_EPOCH", *OPC_KEY_ENVIRONMENT, *CC_KEY_ENVIRONMENT,
+        *ASCEND_CC_KEY_ENVIRONMENT,
+    ))
+)  # fmt: skip

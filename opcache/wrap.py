@@ -744,13 +744,8 @@ def _plan_opc(argv: Sequence[str], env: Mapping[str, str], base: Settings | None
     the compile is traced (``readset.py``), or without strace cached only when
     the user lists what else it reads (``OPCACHE_EXTRA_FILES``, ``OPCACHE_KEY_ENV``)."""
     from . import readset
-    from .compilers.cann import (
-        CannCompiler,
-        keyed_environment,
-        toolkit_fingerprint,
-        trace_folders,
-        user_key_names,
-    )
+    from .compilers.cann import CannCompiler, keyed_environment, toolkit_fingerprint, trace_folders
+    from .compilers.toolchain import user_key_names
 
     positional, flags = _opc_flags(argv[1:])
     if len(positional) != 1:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import OP_SOURCE, SOC, base_env, invocations, make_toolkit
+from helpers_cache import needs_strace
 
 from opcache.cli import main
 
@@ -131,6 +132,7 @@ def test_compile_json_output(project, tmp_path):
     assert all(o["saved_seconds"] > 0 for o in again["operators"])
 
 
+@needs_strace
 def test_compile_with_jobs_runs_that_many_compiles_at_once(tmp_path):
     """--jobs 2 with the cann back-end (auto, a toolkit set): two opc runs at a time."""
     root = make_toolkit(tmp_path / "toolkit")
@@ -180,6 +182,7 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
     return most
 
 
+@needs_strace
 def test_compile_processes_on_one_spec_list_share_the_work(tmp_path):
     """Three `opcache compile` processes (ranks) on one list: each operator compiled once."""
     root = make_toolkit(tmp_path / "toolkit")
@@ -355,6 +358,7 @@ def test_compile_defaults_to_enable_and_follows_the_cache_flags(project, tmp_pat
     assert (own / "kernel_cache" / SOC).is_dir()
 
 
+@needs_strace
 def test_compile_with_a_command_template(project, tmp_path):
     env = base_env(tmp_path)
     template = "cp {source} {workdir}/{kernel_name}.txt"

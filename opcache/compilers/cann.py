@@ -16,7 +16,6 @@ import json
 import os
 import re
 import stat
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from .. import fsutil
 from ..errors import CompileError, ConfigError
 from ..ini import TOOLKIT_VARIABLES
 from ..key import digest
-from ..keyed_env import ENV_KEY_ENV, OPC_KEY_ENVIRONMENT, OPC_READS_ENVIRONMENT
+from ..keyed_env import OPC_KEY_ENVIRONMENT, OPC_READS_ENVIRONMENT
 from ..request import OpRequest
 from ..storage.entry import READS_CHECKED
-from .toolchain import check_tool, file_identity, kernel_name, run_tool, tool_changed, which
+from .toolchain import environment_key, file_identity, kernel_name, tool_changed, which
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
@@ -160,13 +159,8 @@ def toolkit_fingerprint(
 
 def keyed_environment(environ: Mapping[str, str]) -> str:
     """The environment an opc compile's key holds: ``OPC_KEY_ENVIRONMENT`` and the
-    variables ``OPCACHE_KEY_ENV`` names, as a repr (text even for bytes of no encoding)."""
-    return repr([[n, environ.get(n)] for n in (*OPC_KEY_ENVIRONMENT, *user_key_names(environ))])
-
-
-def user_key_names(environ: Mapping[str, str]) -> list[str]:
-    """The variables ``OPCACHE_KEY_ENV`` names (spaces, commas or colons between)."""
-    return [n for n in re.split(r"[\s,:]+", environ.get(ENV_KEY_ENV, "")) if n]
+    variables ``OPCACHE_KEY_ENV`` names (``toolchain.environment_key``)."""
+    return environment_key(environ, OPC_KEY_ENVIRONMENT)
 
 
 def driver_folder(environ: Mapping[str, str]) -> Path:
@@ -439,39 +433,18 @@ class CannCompiler:
             for name, value in sorted(request.options.items()):
                 if name != _MAIN_FUNC:
                     argv.append(f"--{name}={value}")
-            return self._run(argv, src, workdir, f"opc {request.op_type}")
+            # The operator's ``.py`` finds its kernel source, helper modules and tiling
+            # through paths and variables no key names: traced, as wrap traces a miss.
+            from . import traced  # (a compile only, as tempfile: not on a wrap hit's start-up)
 
-    def _run(self, argv: list[str], src: str, workdir: Path, what: str) -> str | ReadSet:
-        """Run opc in ``src`` under strace (as ``opcache wrap -- opc`` runs a miss): the
-        operator's ``.py`` finds its kernel source, helper modules and tiling through
-        paths and variables no key names.  Without strace, what it read is not known:
-        its kernel is not stored."""
-        import tempfile
-
-        from .. import readset
-
-        strace = readset.strace_program(self._environ)
-        if strace is None:
-            run_tool(argv, cwd=Path(src), environ=self._environ, what=what)
-            return f"opc: not traced (no strace on PATH or {readset.ENV_TRACE}=off)"
-        with tempfile.TemporaryDirectory(prefix="opcache-trace-") as trace_dir:
-            started = time.time_ns()
-            traced = readset.traced_command(strace, trace_dir, argv)
-            status, _, stderr, outlived = readset.run_traced(
-                traced, trace_dir, self._environ, cwd=src
-            )
-            if not readset.traced(trace_dir):  # (ptrace refused, as in some containers)
-                said = stderr.decode(errors="replace").strip().splitlines()
-                run_tool(argv, cwd=Path(src), environ=self._environ, what=what)
-                return f"opc: strace cannot trace here ({said[0] if said else status})"
-            check_tool(argv, status, stderr, what)
-            if outlived:
-                return f"opc: {outlived}"
             exclude, keep = trace_folders(self.opc, self.home, self._environ, src)
-            # The sources are the request's, the outputs no inputs; opcache's own build
-            # folder around ``workdir`` (flow's) is gone once the compile is stored.
-            own = workdir.parent if workdir.parent.name.startswith(readset.OWN_NAMES) else workdir
-            try:
-                return readset.record(trace_dir, started, [*exclude, src, str(own)], keep)
-            except readset.Unprovable as e:
-                return f"opc: {e}"
+            return traced.run(
+                argv,
+                cwd=src,
+                workdir=workdir,
+                environ=self._environ,
+                what=f"opc {request.op_type}",
+                tool="opc",
+                exclude=exclude,
+                keep=keep,
+            )

@@ -18,8 +18,15 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..key import digest
+from ..keyed_env import COMMAND_KEY_ENVIRONMENT
 from ..request import OpRequest
-from .toolchain import file_identity, kernel_name, run_tool, tool_changed, which
+from ..storage.entry import READS_CHECKED
+from . import traced
+from .toolchain import environment_key, file_identity, kernel_name, tool_changed, which
+
+TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
+if TYPE_CHECKING:
+    from ..readset import ReadSet
 
 FIELDS = ("source", "sources", "workdir", "soc_version", "kernel_name", "op_type", "param")
 
@@ -28,7 +35,8 @@ class CommandCompiler:
     """Runs a user-supplied command; ``fingerprint`` names the toolchain's version.
 
     ``fingerprint`` is a string the user chooses (a version, say); the
-    template itself and the identity of the executable it runs are added to it.
+    template itself, the identity of the executable it runs and the variables
+    of ``COMMAND_KEY_ENVIRONMENT`` (and ``OPCACHE_KEY_ENV``'s) are added to it.
     """
 
     name = "command"
@@ -78,11 +86,16 @@ class CommandCompiler:
                     self._user_fingerprint,
                     file_identity(self.executable),
                     digest(" ".join(self.words).encode()),
+                    environment_key(self._environ, COMMAND_KEY_ENVIRONMENT),
+                    READS_CHECKED,
                 ]
             )
         return self._fingerprint
 
-    def compile(self, request: OpRequest, workdir: Path) -> None:
+    def compile(self, request: OpRequest, workdir: Path) -> str | ReadSet:
+        """Run the template in a folder of the request's sources, traced: what it read
+        beyond them (headers through ``-I``, files a variable names), which every hit
+        checks; or why its output must not be stored (``traced.run``)."""
         workdir = Path(os.path.abspath(workdir))  # the tool runs in another folder
         with tempfile.TemporaryDirectory(prefix="opcache-cmd-") as src:
             paths = []
@@ -117,9 +130,11 @@ class CommandCompiler:
                 else:
                     argv.append(word.format(sources=" ".join(paths), **values))
             argv[0] = self.executable
-            run_tool(
+            return traced.run(
                 argv,
-                cwd=Path(src),
+                cwd=src,
+                workdir=workdir,
                 environ=self._environ,
                 what=f"{self.words[0]} {request.op_type}",
+                tool=self.words[0],
             )

@@ -12,6 +12,7 @@ from pathlib import Path
 from .._log import get_logger
 from ..errors import CompileError
 from ..key import canonical_json, digest, request_parts
+from ..keyed_env import ENV_KEY_ENV
 from ..request import OpRequest
 
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
@@ -136,6 +137,17 @@ def which(
         if runnable and (skip is None or not skip(candidate)):
             return candidate
     return None
+
+
+def environment_key(environ: Mapping[str, str], names: Sequence[str]) -> str:
+    """The values of ``names`` and of the variables ``OPCACHE_KEY_ENV`` names, for a
+    key: a repr (text even for bytes of no encoding)."""
+    return repr([[n, environ.get(n)] for n in (*names, *user_key_names(environ))])
+
+
+def user_key_names(environ: Mapping[str, str]) -> list[str]:
+    """The variables ``OPCACHE_KEY_ENV`` names (spaces, commas or colons between)."""
+    return [n for n in re.split(r"[\s,:]+", environ.get(ENV_KEY_ENV, "")) if n]
 
 
 def run_tool(
