@@ -89,11 +89,19 @@ CC_SIDE_OUTPUT_ENVIRONMENT = (
     "CC_PRINT_PROC_STAT",
 )
 # A `command` template's tool is anyone's: the variables that pick which programs,
-# libraries, modules and headers it finds, and those of the compilers opcache
-# knows.  (strace sees files, not variables: others go in OPCACHE_KEY_ENV.)
+# libraries (to run, and to link: LIBRARY_PATH, LD_RUN_PATH), modules (the user
+# site-packages too) and headers it finds, its locale, and those of the compilers
+# opcache knows, but for their messages' (strace sees files, not variables:
+# others go in OPCACHE_KEY_ENV).
+_DIAGNOSTICS_ONLY = frozenset((
+    "GCC_COLORS", "GCC_URLS", "TERM_URLS", "COLUMNS", "GCC_EXTRA_DIAGNOSTIC_OUTPUT", "LC_MESSAGES",
+))  # fmt: skip
 COMMAND_KEY_ENVIRONMENT = tuple(
-    dict.fromkeys((
-        "HOME", "SOURCE_DATE_EPOCH", *OPC_KEY_ENVIRONMENT, *CC_KEY_ENVIRONMENT,
+    name
+    for name in dict.fromkeys((
+        "SOURCE_DATE_EPOCH", "LIBRARY_PATH", "LD_RUN_PATH", "LC_COLLATE",
+        *OPC_READS_ENVIRONMENT, *OPC_KEY_ENVIRONMENT, *CC_KEY_ENVIRONMENT,
         *ASCEND_CC_KEY_ENVIRONMENT,
     ))
+    if name not in _DIAGNOSTICS_ONLY
 )  # fmt: skip

@@ -13,7 +13,6 @@ import logging
 import multiprocessing
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,8 +22,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 import opcache
 from opcache.key import canonical_json, digest
@@ -37,13 +34,6 @@ TESTS_DIR = Path(__file__).resolve().parent
 # OpCache itself (a forked multiprocessing child does not run atexit handlers).
 MP = multiprocessing.get_context("fork")
 _KEY = re.compile(r"[0-9a-f]{32}")
-
-
-# The library's cann and command back-ends store a compile only once strace told
-# what it read: their hits need it.
-needs_strace = pytest.mark.skipif(
-    shutil.which("strace") is None, reason="strace is needed to trace a compile (CI installs it)"
-)
 
 
 class FakeClock:

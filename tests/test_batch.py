@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import OP_SOURCE, SOC, base_env, invocations, make_toolkit
-from helpers_cache import needs_strace
+from helpers_marks import needs_strace
 
 from opcache.cli import main
 

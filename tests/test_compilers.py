@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from importlib.metadata import entry_points
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from fake_opc import OP_SOURCE, SOC, base_env, invocations, make_toolkit, write_opc, write_tool
-from helpers_cache import needs_strace
+from helpers_marks import needs_strace
 
 import opcache
 from opcache import CompileError, ConfigError, OpCache, OpRequest, resolve_settings
@@ -872,3 +873,42 @@ def test_cann_without_strace_compiles_and_stores_nothing(toolkit, tmp_path):
     assert len(invocations(tmp_path / "opc.log")) == 2
     assert report["stores"] == 0
     assert any("not traced" in reason for reason in report["uncacheable_reasons"])
+
+
+@needs_strace
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_command_hits_into_output_folders_made_anew_and_through_links(tmp_path, monkeypatch):
+    """gcc resolves the links on its source's and output's paths, and looks at every
+    folder above its output: with the temporary folder and the output folder reached
+    through links, and each output folder deleted after its compile, the second
+    compile still hits (never unstored, never stale at every look)."""
+    (tmp_path / "realtmp").mkdir()
+    (tmp_path / "tmp").symlink_to(tmp_path / "realtmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "realout").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "realout")
+    template = "gcc -c {source} -o {workdir}/{kernel_name}.o"
+    compiler = CommandCompiler(template, environ={"PATH": "/usr/bin:/bin"})
+    request = cc_request(sources={"k.c": b"int twice(int x) { return 2 * x; }\n"})
+    statuses = []
+    with cache_at(tmp_path) as cache:
+        for n in range(3):
+            out = tmp_path / "out" / f"build{n}"
+            statuses.append(cache.compile(request, compiler, out).status)
+            shutil.rmtree(out)
+        report = cache.stats()
+    assert statuses == ["miss", "hit", "hit"]
+    assert report["stale"] == 0
+
+
+def test_command_key_holds_the_linker_and_user_site_variables_not_the_messages():
+    def fingerprint(**env: str) -> str:
+        return CommandCompiler(
+            "cp {source} {workdir}", environ={"PATH": "/usr/bin:/bin", **env}
+        ).fingerprint()
+
+    plain = fingerprint()
+    for name in ("LIBRARY_PATH", "LD_RUN_PATH", "PYTHONUSERBASE", "CPATH", "LD_LIBRARY_PATH"):
+        assert fingerprint(**{name: "/opt/x"}) != plain, name
+    for name in ("COLUMNS", "GCC_COLORS", "LC_MESSAGES"):
+        assert fingerprint(**{name: "120"}) == plain, name
