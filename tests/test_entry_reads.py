@@ -86,19 +86,26 @@ def test_a_remote_read_set_that_is_no_read_set_is_a_corrupt_value_not_an_error(t
     assert report["remote_corrupt"] == 1
 
 
-def test_another_machines_entry_of_the_same_files_is_kept_with_this_machines_times(tmp_path):
-    """The same bytes at the same path, with other times (another machine, or a file
-    written again): served, and the local copy records this machine's times, so a
-    hit of it hashes nothing."""
+def machines_sharing_a_folder(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """(the file the compiles read, holding "one", the remote folder, a cache of a
+    machine by name) for machines sharing one remote folder."""
     config = tmp_path / "config"
     config.write_text("one\n")
     remote = tmp_path / "remote"
     remote.mkdir()
-    time.sleep(0.02)
+    time.sleep(0.02)  # (a file a compile reads, written as it starts, leaves it unstored)
 
     def machine(name: str) -> opcache.OpCache:
         return opcache.OpCache(make_settings(tmp_path / name, tmp_path, remote=remote.as_uri()))
 
+    return config, remote, machine
+
+
+def test_another_machines_entry_of_the_same_files_is_kept_with_this_machines_times(tmp_path):
+    """The same bytes at the same path, with other times (another machine, or a file
+    written again): served, and the local copy records this machine's times, so a
+    hit of it hashes nothing."""
+    config, remote, machine = machines_sharing_a_folder(tmp_path)
     with machine("m1") as one:
         first = one.compile(request_of(config), ReadingCompiler(), tmp_path / "a")
     config.write_text("one\n")  # (the same bytes: new times)
@@ -117,15 +124,7 @@ def test_a_stale_remote_entry_is_counted_once_and_replaced_in_a_batch(tmp_path):
     """compile_many of an operator whose remote entry read a file that differs here:
     compiled here (not served), counted stale once though the batch looks at the
     remote again before and after its claim, and stored over the remote's."""
-    config = tmp_path / "config"
-    config.write_text("one\n")
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    time.sleep(0.02)
-
-    def machine(name: str) -> opcache.OpCache:
-        return opcache.OpCache(make_settings(tmp_path / name, tmp_path, remote=remote.as_uri()))
-
+    config, _, machine = machines_sharing_a_folder(tmp_path)
     with machine("m1") as one:
         one.compile(request_of(config), ReadingCompiler(), tmp_path / "a")
     config.write_text("two\n")

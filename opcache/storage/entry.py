@@ -13,7 +13,7 @@ this reads such a manifest whole and passes over "modes" (its files then get a
 new file's bits, as they always did there): never a corrupt entry to it.
 
 A compile that read files its key does not hold (the system headers a ``cc``
-compile included, what a traced ``opc`` read) has them in the manifest's
+compile included, what a traced ``opc`` or ``command`` tool read) has them in the manifest's
 "reads" (``readset.ReadSet``'s items), and a hit is served only while every
 one is as recorded (``flow``, ``remote_tier``).  Such entries are only made
 under keys an opcache older than this never computes (their compilers'
