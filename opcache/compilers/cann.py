@@ -392,10 +392,10 @@ class CannCompiler:
             toolkit = toolkit_fingerprint("opc", self.opc, self.home, self._environ, self._notes)
             # What the operator's Python finds beside the toolkit, as wrap keys an opc line.
             custom = custom_opp_digest(self._environ, self.home) or "none"
-            # The variables that move where opc's Python finds modules: wrap picks its
-            # remembered read sets by them; here they join the key.
-            moved = repr([[n, self._environ.get(n)] for n in OPC_READS_ENVIRONMENT])
-            parts = [toolkit, keyed_environment(self._environ), custom, moved, READS_CHECKED]
+            # With the variables that move where opc's Python finds modules: wrap picks
+            # its remembered read sets by them; here they join the key.
+            names = (*OPC_KEY_ENVIRONMENT, *OPC_READS_ENVIRONMENT)
+            parts = [toolkit, environment_key(self._environ, names), custom, READS_CHECKED]
             self._fingerprint = json.dumps(parts)
         return self._fingerprint
 
