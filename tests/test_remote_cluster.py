@@ -52,9 +52,12 @@ def test_two_machines_share_a_batch_spread_over_every_primary(
 ) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
     requests = [make_request(i) for i in range(24)]
+    counted = [node.client() for node in cluster.nodes]
+    for client in counted:  # (each connects here: its own handshake is not counted)
+        client.config_resetstat()
     with opcache.OpCache(machine(tmp_path, "a", url)) as a:
         a.compile_many(requests[:16], compiler, lambda r: tmp_path / "a" / r.op_name)
-    assert all(node.client().dbsize() > 0 for node in cluster.nodes)  # over every slot range
+    assert all(client.dbsize() > 0 for client in counted)  # over every slot range
     with opcache.OpCache(machine(tmp_path, "b", url)) as b:
         results = b.compile_many(requests, compiler, lambda r: tmp_path / "b" / r.op_name)
         single = b.compile(requests[0], compiler, tmp_path / "b-again")
@@ -63,6 +66,8 @@ def test_two_machines_share_a_batch_spread_over_every_primary(
     assert compiler.calls() == 24
     for request in requests:
         assert read_dir(tmp_path / "b" / request.op_name) == expected_files(request)
+    for client in counted:  # no CLIENT SETINFO on a node's connections (test_remote_redis)
+        assert not [n for n in client.info("commandstats") if n.startswith("cmdstat_client")]
 
 
 def test_claims_hold_across_the_cluster(url: str) -> None:

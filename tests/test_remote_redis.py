@@ -78,6 +78,22 @@ def test_entries_round_trip_whole(redis_url: str) -> None:
     r.close()
 
 
+def test_a_connection_costs_no_client_setinfo(redis_url: str, redis_server) -> None:
+    """A new connection sends no CLIENT SETINFO: two round trips each (a pool makes
+    one per thread that asks at once), and redis-py reads its version from the
+    installed package's metadata for them, half a millisecond of CPU each."""
+    client = redis_server.client()
+    client.config_resetstat()
+    r = remote(redis_url)
+    manifest, files = entry()
+    r.put(SOC, KEY, manifest, files)
+    assert r.get(SOC, KEY) is not None
+    r.close()
+    calls = client.info("commandstats")  # (Redis 7 names it cmdstat_client|setinfo)
+    assert not [name for name in calls if name.startswith("cmdstat_client")], calls
+    assert "cmdstat_set" in calls, calls
+
+
 def test_get_many_returns_what_is_there(redis_url: str) -> None:
     r = remote(redis_url)
     keys = [f"{i:032x}" for i in range(150)]  # more than one MGET's worth

@@ -133,6 +133,11 @@ def connect(settings: RemoteSettings) -> RedisRemote:
             # RESP3's HELLO carries the password, which a server without HELLO (Redis 5,
             # or one that renamed it away) quotes back refusing it; and refuses us.
             protocol=2,
+            # No CLIENT SETINFO: two round trips per connection, and redis-py reads
+            # its own version from the installed metadata for it (half a ms of CPU,
+            # a walk of sys.path) each time a pool makes one.
+            lib_name=None,
+            lib_version=None,
             **extra,
         )
     except Exception as e:  # ValueError for a bad port, and whatever else redis-py finds

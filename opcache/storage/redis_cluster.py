@@ -85,6 +85,8 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
             socket_timeout=settings.timeout,
             health_check_interval=0,
             protocol=2,  # (as the single server's: see redis.py's connect)
+            lib_name=None,  # (no CLIENT SETINFO: see redis.py's connect)
+            lib_version=None,
             **options,
         )
     except Exception as e:  # no node answered, a slot not served, a bad option
