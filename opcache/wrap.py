@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import _signal  # built in, loaded at start-up (opcache/__init__ uses it too)
 import contextlib
+import errno
 import json
 import os
 import re
@@ -633,7 +634,37 @@ def _restore(plan: Plan, files: dict[str, Path]) -> None:
             if name.endswith(plan.executables):
                 mode = os.stat(path).st_mode
                 os.chmod(path, mode | (mode & 0o444) >> 2)  # x wherever r, as chmod +x
-            os.replace(path, target)
+            try:
+                os.replace(path, target)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                _copy_over(path, target)
+
+
+def _copy_over(path: Path, target: Path) -> None:
+    """Put the staged file ``path`` at ``target``, on another file system than the
+    staging folder (``-MF /tmp/x.d`` beside ``-o build/x.o``): a new file in the
+    target's folder, with the staged one's permission bits, renamed over it, as a
+    move within one file system would be (the file at ``target`` is never written
+    into, a link there is replaced, not followed)."""
+    data = path.read_bytes()  # (the private staging folder's: nobody swapped it)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    temp = target.parent / fsutil.unique_name(".opcache-wrap")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temp, flags, 0o600)
+    try:
+        try:
+            fsutil.write_all(fd, data)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    path.unlink()  # (the staging folder, emptied, then goes with one rmdir)
 
 
 def _replay_streams(files: dict[str, Path]) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -465,6 +467,38 @@ def test_cc_mmd_with_mf_and_mt(csrc):
     assert host(env)["hits"] == 1
     assert (src / "deps" / "k.dep").read_text() == text
     assert text.startswith("obj/k.o:") and "h.h" in text and "stdio" not in text
+
+
+@pytest.fixture
+def other_fs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A folder on another file system than tmp_path (tmpfs's /dev/shm)."""
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on another file system than the test's folder")
+    folder = Path(tempfile.mkdtemp(prefix="opcache-test-", dir="/dev/shm"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_cc_a_dependency_file_on_another_file_system_is_put_in_place(csrc, other_fs):
+    """-MF on another file system than -o (where the staging folder is): the miss and
+    the hit put it in place, with no warning and no second run of the compiler."""
+    env, src = csrc
+    deps = other_fs / "k.d"
+    cmd = ["gcc", "-MD", "-MF", str(deps), "-DOFFSET=1", "-c", "k.c", "-o", "k.o"]
+    for _ in range(2):
+        deps.write_text("an older one\n")
+        done = wrap(*cmd, env=env, cwd=src)
+        assert b"cannot put the outputs in place" not in done.stderr, done.stderr
+        assert deps.read_text().startswith("k.o: k.c")
+        assert stat.S_IMODE(deps.stat().st_mode) == 0o666 & ~_umask()
+        assert [p.name for p in other_fs.iterdir()] == ["k.d"]  # (no temp file left)
+    assert (host(env)["hits"], host(env)["misses"], host(env).get("errors", 0)) == (1, 1, 0)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_cc_warnings_are_replayed_on_a_hit(csrc):
