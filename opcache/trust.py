@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 
 from .fsutil import Modes
 
@@ -249,27 +250,38 @@ def check_root(root: str | os.PathLike[str], modes: Modes) -> str:
 
 def private_group(uid: int, gid: int) -> bool:
     """Whether ``gid`` is the user private group of ``uid``: its primary group, of its
-    name, with no other member, listed or by primary group."""
-    if (uid, gid) not in _private:
-        import grp
-        import pwd
+    name, with no other member, listed or by primary group.
 
-        try:
-            user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
-        except (KeyError, OSError):
-            _private[uid, gid] = False
-        else:
-            _private[uid, gid] = (
-                user.pw_gid == gid
-                and group.gr_name == user.pw_name
-                and set(group.gr_mem) <= {user.pw_name}
-                # (a group's members by their primary group are not in gr_mem)
-                and not any(u.pw_gid == gid and u.pw_uid != uid for u in pwd.getpwall())
-            )
-    return _private[uid, gid]
+    An answer is kept ``PRIVATE_GROUP_SECONDS``: a long-lived process (the server)
+    asks again, and finds a member added to the group since."""
+    now = _clock()
+    known = _private.get((uid, gid))
+    if known is not None and now - known[1] < PRIVATE_GROUP_SECONDS:
+        return known[0]
+    import grp
+    import pwd
+
+    try:
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except (KeyError, OSError):
+        private = False
+    else:
+        private = (
+            user.pw_gid == gid
+            and group.gr_name == user.pw_name
+            and set(group.gr_mem) <= {user.pw_name}
+            # (a group's members by their primary group are not in gr_mem)
+            and not any(u.pw_gid == gid and u.pw_uid != uid for u in pwd.getpwall())
+        )
+    _private[uid, gid] = private, now
+    return private
 
 
-_private: dict[tuple[int, int], bool] = {}
+# How long an answer of private_group holds (getpwall reads the whole user directory,
+# which may be LDAP's: not at every check).
+PRIVATE_GROUP_SECONDS = 60.0
+_private: dict[tuple[int, int], tuple[bool, float]] = {}
+_clock = time.monotonic
 
 
 def check(st: os.stat_result, modes: Modes, what: object) -> None:
