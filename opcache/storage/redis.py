@@ -133,17 +133,25 @@ def connect(settings: RemoteSettings) -> RedisRemote:
             # RESP3's HELLO carries the password, which a server without HELLO (Redis 5,
             # or one that renamed it away) quotes back refusing it; and refuses us.
             protocol=2,
-            # No CLIENT SETINFO: two round trips per connection, and redis-py reads
-            # its own version from the installed metadata for it (half a ms of CPU,
-            # a walk of sys.path) each time a pool makes one.
-            lib_name=None,
-            lib_version=None,
+            **no_client_setinfo(),
             **extra,
         )
     except Exception as e:  # ValueError for a bad port, and whatever else redis-py finds
         why = said(e, secrets_of(settings))
         raise RemoteError(f"cannot use {settings.shown_url}: {why}") from None
     return RedisRemote(client, settings)
+
+
+def no_client_setinfo() -> dict[str, None]:
+    """redis-py's arguments for connections that send no CLIENT SETINFO: two round
+    trips each, and redis-py reads its own version from the installed package's
+    metadata for it (half a ms of CPU, a walk of sys.path) each time a pool makes
+    one.  (``driver_info`` from redis-py 7.1, where ``lib_name`` is deprecated.)"""
+    try:
+        import redis.driver_info  # noqa: F401
+    except ImportError:
+        return {"lib_name": None, "lib_version": None}
+    return {"driver_info": None}
 
 
 def connection_kind(*, tls: bool) -> type[redis_py.connection.Connection]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from .redis import CLAIM_SUFFIX, RedisRemote, connection_kind, timed
+from .redis import CLAIM_SUFFIX, RedisRemote, connection_kind, no_client_setinfo, timed
 from .remote import RemoteError, said, secrets_of
 from .value import checked
 
@@ -85,8 +85,7 @@ def connect(settings: RemoteSettings) -> RedisClusterRemote:
             socket_timeout=settings.timeout,
             health_check_interval=0,
             protocol=2,  # (as the single server's: see redis.py's connect)
-            lib_name=None,  # (no CLIENT SETINFO: see redis.py's connect)
-            lib_version=None,
+            **no_client_setinfo(),
             **options,
         )
     except Exception as e:  # no node answered, a slot not served, a bad option
