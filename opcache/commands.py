@@ -120,12 +120,18 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_cache(args: argparse.Namespace) -> OpCache:
+def _open_cache(args: argparse.Namespace, changes: str | None = None) -> OpCache:
     """The cache the maintenance commands work on; it must exist and be readable.
 
     A cron job given a wrong path must not pass silently: a root that holds
     no cache is an error (exit 1) that says which root was read and why, and
-    so is one this user cannot list (OSError: exit 1).
+    so is one this user cannot list (OSError: exit 1).  A command that
+    ``changes`` the cache (what it does, for the message) needs more: the
+    root's ``.opcache``, which every cache opcache has stored in holds.  A
+    folder named as a chip may be (``src``) is no proof: a project, a home
+    or another folder put under the root's name (by renames in a folder
+    others may write in) would be written in, and ``verify`` made the
+    ``.opcache`` that ``clear`` then took for a cache's.
     """
     settings = _settings(args)
     # Another user's link on the root's way is refused with one line (the store
@@ -139,6 +145,16 @@ def _open_cache(args: argparse.Namespace) -> OpCache:
         raise OSError(f"cannot read the cache folder {settings.root}: {e.strerror or e}") from None
     if not held:
         raise FileNotFoundError(f"no cache in {settings.root} ({_why_this_root(settings)})")
+    if changes is not None and not _is_real_folder(Path(walk.path) / BOOKKEEPING, missing=False):
+        raise FileNotFoundError(
+            f"no cache in {settings.root}: it holds no {BOOKKEEPING} folder, as every cache "
+            f"opcache has stored in does, so nothing in it is {changes}"
+            + (
+                " (for CANN's kernels there: opcache cann)"
+                if (Path(walk.path) / INI_NAME).exists()
+                else ""
+            )
+        )
     return OpCache(settings)
 
 
@@ -215,11 +231,13 @@ class _Chips:
         return f"cannot read the chip folder {self.root / name}: {self.unreadable[name]}"
 
 
-def _is_real_folder(path: Path) -> bool:
+def _is_real_folder(path: Path, missing: bool = True) -> bool:
+    """Whether ``path`` is a folder, not a link; ``missing`` when it cannot be told (not
+    there, not readable: where asked for a chip, the listing below says which)."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
-        return True  # (missing or unreadable: the listing below says which)
+        return missing
 
 
 def _is_chip_folder(entry: os.DirEntry[str]) -> bool:
@@ -290,7 +308,7 @@ def _size(n: float) -> str:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    with _open_cache(args) as cache:
+    with _open_cache(args, "zeroed" if args.zero else None) as cache:
         if args.zero:
             cache.zero_stats(args.soc_version)
             print(json.dumps({"zeroed": True}) if args.json else "statistics zeroed")
@@ -361,7 +379,7 @@ def _print_reasons(title: str, reasons: dict[str, int]) -> None:
 
 def _cmd_age(args: argparse.Namespace) -> int:
     report = AgingReport()
-    with _open_cache(args) as cache:
+    with _open_cache(args, None if args.dry_run else "aged") as cache:
         chips = _Chips(cache.settings.root, args.soc_version)
         for soc in chips.each(args.soc_version):
             _merge(report, cache.age(soc, dry_run=args.dry_run, progress=_progress("aging")))
@@ -400,7 +418,7 @@ def _merge(report: _Report, part: _Report) -> None:
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
-    with _open_cache(args) as cache:
+    with _open_cache(args, "cleared") as cache:
         chips = _Chips(cache.settings.root, args.soc_version)
         cleared = [name for soc in chips.each(args.soc_version) for name in cache.clear(soc)]
     print(f"cleared {', '.join(cleared)}" if cleared else "nothing to clear")
@@ -409,7 +427,7 @@ def _cmd_clear(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     report = VerifyReport()
-    with _open_cache(args) as cache:
+    with _open_cache(args, "verified") as cache:
         chips = _Chips(cache.settings.root, args.soc_version)
         for soc in chips.each(args.soc_version):
             _merge(report, cache.verify(soc, progress=_progress("verifying")))

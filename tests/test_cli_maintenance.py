@@ -143,6 +143,64 @@ def test_clear_one_chip_and_on_a_missing_cache(cache_dir, tmp_path, capsys) -> N
     assert entry_dirs(cache_dir / "kernel_cache") == {}
 
 
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_a_root_that_opcache_never_stored_in_is_not_changed(base, tmp_path, capsys) -> None:
+    """A project that happens to be named kernel_cache (or a folder another member of a
+    team folder renamed into the root's place): its folders are named as chips may be,
+    but it holds no .opcache.  verify, age and stats --zero refuse it as clear does,
+    and write nothing there (verify made the .opcache that clear then trusted)."""
+    project = tmp_path / "work"
+    root = project / "kernel_cache"
+    (root / "src").mkdir(parents=True)
+    (root / "docs").mkdir()
+    (root / "src" / "main.c").write_text("int main(void) { return 0; }\n")
+    (root / "docs" / "notes.txt").write_text("notes\n")
+    before = _tree(root)
+    flags = ("--op_compiler_cache_dir", str(project))
+    for command in (["verify"], ["age"], ["stats", "--zero"], ["clear"], ["verify"], ["clear"]):
+        status, out, err = run(capsys, *command, *flags)
+        assert (status, out) == (1, ""), (command, err)
+        assert err.startswith(f"opcache: error: no cache in {root}: it holds no .opcache")
+        assert err.count("\n") == 1
+    assert _tree(root) == before
+    # Reading changes nothing, and is still allowed.
+    assert run(capsys, "stats", *flags)[0] == 0
+    assert run(capsys, "age", "--dry-run", *flags)[0] == 0
+    assert _tree(root) == before
+
+
+def test_clear_takes_only_what_opcache_made_in_a_chip_folder(cache_dir, tmp_path, capsys) -> None:
+    """A cache root shared with CANN (its kernels beside opcache's buckets), or a root
+    named by mistake that one compile stored in (a home: ~/db/schema.sql): clear
+    removes opcache's entries and counters, and nothing else."""
+    keys = fill(cache_dir, tmp_path, 3)
+    root = cache_dir / "kernel_cache"
+    chip = root / SOC
+    mine = {
+        chip / "te_add_1.json": b"{}",  # CANN's, beside opcache's
+        chip / "te_add_1.o": b"\x7fELF",
+        chip / "db" / "schema.sql": b"create table t (x int);\n",  # named as a bucket is
+        chip / keys[0][:2] / "notes.txt": b"mine\n",  # in one of opcache's buckets
+        root / "Documents" / "thesis.tex": b"\\begin{document}\n",
+    }
+    for path, data in mine.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    status, out, err = run(capsys, "clear", "--op_compiler_cache_dir", str(cache_dir))
+    assert (status, out) == (0, f"cleared {SOC}\n"), err
+    assert all(path.read_bytes() == data for path, data in mine.items())
+    left = {key for key in keys if (chip / key[:2] / key).exists()}
+    assert left == {keys[0]}  # (its bucket holds a file of yours: left whole)
+    assert not (chip / "_size").exists()
+    assert f"{chip}: left" in err
+
+
 def test_folders_named_as_no_chip_are_left_alone(cache_dir, tmp_path, capsys) -> None:
     """A cache root on its own file system holds ``lost+found``; people keep notes beside
     the chips.  No soc_version has such a name: clear, age, verify and stats leave them."""

@@ -188,6 +188,27 @@ def test_usage_and_clear(share: Path) -> None:
     assert r.get(SOC, KEY) is None and r.get("Ascend310P3", OTHER) is not None
 
 
+def test_clear_of_a_folder_named_one_level_too_high_takes_only_entries(tmp_path: Path) -> None:
+    """OPCACHE_REMOTE=file://$HOME (or a share's top folder) by mistake: one store
+    makes .opcache there, and every folder of it is named as a chip may be.  clear
+    removes the entries stored, never Documents/ nor src/db/ (named as a bucket is)."""
+    home = tmp_path / "home"
+    mine = {
+        home / "Documents" / "thesis.tex": b"\\begin{document}\n",
+        home / "src" / "db" / "schema.sql": b"create table t (x int);\n",
+        home / SOC / "notes.txt": b"a folder of yours named as a chip\n",
+    }
+    for path, data in mine.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    r = connect(settings(home))
+    r.put(SOC, KEY, *entry())
+    assert (home / ".opcache").is_dir()
+    assert r.clear() == 1
+    assert r.get(SOC, KEY) is None
+    assert all(path.read_bytes() == data for path, data in mine.items())
+
+
 def test_two_machines_share_compiles_through_the_folder(share: Path, tmp_path: Path) -> None:
     compiler = ToyCompiler(tmp_path / "calls")
     request = make_request(0)

@@ -1105,10 +1105,12 @@ class LocalStore:
         never half-deleted entries, and its deletion runs in the background.
         ``only_in_a_cache`` (maintenance: ``opcache clear``, ``remote clear``):
         only where the root holds ``.opcache``, which every cache opcache has
-        stored in holds, trusted (FileNotFoundError, UntrustedFolder): a chip
-        folder is any folder named as a chip may be (``src``, ``docs``), so a
-        root that is no cache (a project, a home, named by mistake) is left
-        alone.  (A compile's ``force`` clears before its first store.)
+        stored in holds, trusted (FileNotFoundError, UntrustedFolder), and only
+        what opcache made in the chip folder (``_clear_own_parts``): a chip
+        folder is any folder named as a chip may be (``src``, ``docs``), and
+        one store into a root named by mistake (a home, a share's top) makes
+        ``.opcache`` there.  (A compile's ``force`` clears the whole folder
+        before its first store, as CANN's does.)
         """
         from .. import trash  # (not on a hit's start-up)
 
@@ -1121,12 +1123,15 @@ class LocalStore:
         try:
             if not fsutil.lexists(soc, root_fd):
                 return False
+            own_parts = only_in_a_cache and not is_cann_chip(soc)
             if only_in_a_cache:
                 self._check_bookkeeping(root_fd)
             trash_fd = self._open_below(root_fd, ("trash",), create=True)
             try:
                 folder = trash.new_folder(trash_fd, f"{soc}.{_HOST}", self.modes)
                 try:
+                    if own_parts:
+                        return self._clear_own_parts(soc, root_fd, trash_fd, folder)
                     return _into_trash(soc, root_fd, trash_fd, folder, later=True) is not None
                 finally:
                     if folder is not None:
@@ -1135,6 +1140,35 @@ class LocalStore:
                 os.close(trash_fd)
         finally:
             os.close(root_fd)
+
+    def _clear_own_parts(
+        self, soc: str, root_fd: int, trash_fd: int, folder: tuple[str, int] | None
+    ) -> bool:
+        """Move what opcache made in the chip folder ``soc`` into the trash ``folder``:
+        its buckets and size counters, each told by its name and by the names in it
+        (``_own_part``).  Anything else stays (CANN's kernels beside opcache's entries,
+        or a folder of yours in a root named by mistake: ``~/db/schema.sql``), and so
+        does the chip folder then.  True if anything was moved."""
+        where = f"{self.root}/{soc}"
+        chip_fd = self._open_dir(soc, root_fd, self.root, create=False)
+        try:
+            names = _names(chip_fd)
+            own = [name for name in names if _own_part(name, chip_fd)]
+            for name in own:
+                if folder is None:  # (no trash folder of ours: each part deleted now)
+                    _into_trash(name, chip_fd, trash_fd, None, later=False)
+                else:
+                    _rename_if_there(name, chip_fd, name, folder[1])
+            left = len(names) - len(own)
+        finally:
+            os.close(chip_fd)
+        if left:
+            what = "a file or folder" if left == 1 else f"{left} files and folders"
+            log.warning("%s: left %s opcache did not make there", where, what)
+        else:
+            with contextlib.suppress(OSError):  # (a store may have begun meanwhile)
+                os.rmdir(soc, dir_fd=root_fd)
+        return bool(own)
 
     def _check_bookkeeping(self, root_fd: int) -> None:
         """FileNotFoundError unless the root open as ``root_fd`` holds ``.opcache``;
@@ -1534,6 +1568,33 @@ def _names(folder_fd: int) -> list[str]:
         return os.listdir(folder_fd)
     except OSError:
         return []
+
+
+def _own_part(name: str, chip_fd: int) -> bool:
+    """Whether ``name`` in a chip folder is opcache's: a bucket (two hex digits)
+    holding only entries (32 hex digits) and temp files, or the size counters
+    (``_size``) holding only their shards (``NN.count``, ``NN.lock``, an older
+    ``NN.json``) and temp files; a folder, never through a link."""
+    if name == SIZE_FOLDER:
+        inside = _SHARD
+    elif _BUCKET.fullmatch(name):
+        inside = _KEY
+    else:
+        return False
+    try:
+        fd = os.open(name, fsutil.DIR_FLAGS, dir_fd=chip_fd)
+    except OSError:
+        return False
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return all(inside.fullmatch(n) or fsutil.is_temp_name(n) for n in names)
+
+
+_SHARD = re.compile(r"[0-9]{2}\.(?:count|lock|json)")
 
 
 def _is_real_dir(name: str, folder_fd: int) -> bool:
