@@ -230,17 +230,25 @@ class CannCache:
         ``kept_accessed``; empty without): about 80 bytes an entry, 40 MB for
         half a million removed.
         """
-        return self._each_chip(soc, lambda fd: self._age_chip(fd, dry_run, names))
+        work = lambda fd: self._age_chip(fd, dry_run, names)  # noqa: E731
+        return self._each_chip(soc, work, deletes=None if dry_run else "aged")
 
     def verify(self, soc: str | None = None, *, fix: bool = False) -> dict[str, object]:
         """Find corrupt entries, orphans, stale temps, old prebuild results (``fix``: remove)."""
-        return self._each_chip(soc, lambda fd: self._verify_chip(fd, fix))
+        work = lambda fd: self._verify_chip(fd, fix)  # noqa: E731
+        return self._each_chip(soc, work, deletes="fixed" if fix else None)
 
     # -- folders ---------------------------------------------------------------
 
-    def _each_chip(self, soc: str | None, work: Callable[[int], dict]) -> dict[str, object]:
+    def _each_chip(
+        self, soc: str | None, work: Callable[[int], dict], *, deletes: str | None = None
+    ) -> dict[str, object]:
+        """``work`` on each chip folder (or ``soc``'s) of the root, after the root is
+        proved CANN's for work that ``deletes`` (what it does, for the message)."""
         root_fd = self._open_root()
         try:
+            if deletes is not None:
+                self._check_cann_root(root_fd, deletes)
             chips = {}
             for name in self._chips(root_fd, soc):
                 try:
@@ -278,6 +286,22 @@ class CannCache:
             os.close(fd)
             raise
         return fd
+
+    def _check_cann_root(self, root_fd: int, deletes: str) -> None:
+        """NoCannCache unless the root holds op_cache.ini, a file: CANN writes it at its
+        first compile there (and wipes a chip folder it finds without one).  A chip
+        folder is any folder named as a chip may be (``src``): a folder of yours put
+        under the root's name (by renames in a team folder) must not lose its
+        ``util.h`` and ``main.o`` as orphans."""
+        try:
+            st = os.stat(INI_NAME, dir_fd=root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise NoCannCache(
+                f"no CANN kernel cache at {self.root}: it holds no {INI_NAME}, which CANN "
+                f"writes at its first compile there, so nothing in it is {deletes}"
+            )
 
     def _chips(self, root_fd: int, soc: str | None) -> list[str]:
         names = []

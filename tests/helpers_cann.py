@@ -120,6 +120,14 @@ def kernel_json(kernel: str, binary: bytes, *, header: bool = False, **fields: o
     return data
 
 
+def _session(chip: Path) -> None:
+    """The chip folder, and op_cache.ini as a CANN compile session writes it first where
+    there is none (``DelCachedFiles``)."""
+    chip.mkdir(parents=True, exist_ok=True)
+    if not os.path.lexists(chip.parent / "op_cache.ini"):
+        write_ini(chip.parent)
+
+
 def store_entry(
     chip: Path,
     kernel: str,
@@ -130,7 +138,7 @@ def store_entry(
     **fields: object,
 ) -> list[Path]:
     """Store one entry as CANN does; returns [json, binary(, header)]."""
-    chip.mkdir(parents=True, exist_ok=True)
+    _session(chip)
     data = kernel_json(kernel, binary, header=header is not None, **fields)
     with cann_lock(chip / f"{kernel}.lock"):
         _copy_into(chip, f"{kernel}.o", binary)
@@ -152,7 +160,7 @@ def store_mix_entry(
     files CANN's aging deletes with it: the main json, the sub-jsons and their
     binaries, not the main binary.
     """
-    chip.mkdir(parents=True, exist_ok=True)
+    _session(chip)
     paths = [chip / f"{kernel}.json"]
     with cann_lock(chip / f"{kernel}.lock"):
         subs = []
@@ -173,7 +181,7 @@ def store_mix_entry(
 
 def store_prebuild(chip: Path, kernel: str) -> Path:
     """``<kernel>_pre.json`` under ``<kernel>_pre.lock``, as ``SetPreCompileResult`` writes it."""
-    chip.mkdir(parents=True, exist_ok=True)
+    _session(chip)
     with cann_lock(chip / f"{kernel}_pre.lock"):
         _copy_into(chip, f"{kernel}_pre.json", json.dumps(PREBUILD, indent=4).encode())
     return chip / f"{kernel}_pre.json"

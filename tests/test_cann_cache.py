@@ -597,11 +597,43 @@ def test_verify_finds_every_fault_and_fix_removes_them_but_not_a_locked_one(base
     assert cann(capsys, base, "verify")[0] == 0  # clean now
 
 
+def test_a_root_cann_never_compiled_in_loses_nothing(base, capsys):
+    """A folder of yours put under the root's name (another member of a team folder
+    renames the cache away and yours in), or a project named kernel_cache: its
+    folders are named as chips may be (src, build) and its files look like a
+    CANN entry's orphans.  Without op_cache.ini, which CANN writes at its first
+    compile, cann verify --fix and cann age delete nothing; reading still works."""
+    root = base / "kernel_cache"
+    files = {
+        root / "src" / "util.h": b"int f(void);\n",
+        root / "build" / "main.o": b"\x7fELF main",
+        root / "build" / "libx.so": b"\x7fELF lib",
+    }
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    set_times(list(files), time.time() - 10 * HOUR)
+    for action in (("verify", "--fix"), ("age",)):
+        status, out, err = cann(capsys, base, *action)
+        assert (status, out) == (1, ""), err
+        assert err == (
+            f"opcache: error: no CANN kernel cache at {root}: it holds no op_cache.ini, "
+            f"which CANN writes at its first compile there, so nothing in it is "
+            f"{'fixed' if action[0] == 'verify' else 'aged'}\n"
+        )
+    assert all(path.read_bytes() == data for path, data in files.items())
+    status, report = cann_json(capsys, base, "verify")
+    assert report["chips"]["build"]["faults"]  # (found, and left: no --fix)
+    assert cann_json(capsys, base, "age", "--dry-run")[0] == 0
+    assert all(path.read_bytes() == data for path, data in files.items())
+
+
 def test_verify_never_removes_an_orphan_whose_writer_holds_the_lock(base, capsys):
     f = Folder(base)
     kernel = kernel_name("Add", "writing")
     binary = f.chip / f"{kernel}.o"
     f.chip.mkdir(parents=True)
+    write_ini(f.chip.parent)  # (as its compile session began)
     binary.write_bytes(b"w" * 100)
     set_times([binary], f.now - HOUR)  # a slow writer: its binary is there, its json not yet
     (f.chip / f"{kernel}.lock").touch()
