@@ -1356,14 +1356,15 @@ def _plan_cc(
     argv: Sequence[str], env: Mapping[str, str], memo: HeaderMemo, base_dir: Path | None = None
 ) -> Plan:
     args = list(argv[1:])
+    # Set, even empty: gcc reads COMPILER_PATH= as "./" and runs ./as from it.
     for name in CC_SIDE_OUTPUT_ENVIRONMENT:
-        if env.get(name):
+        if name in env:
             raise Uncacheable(f"cc: {name} is set")
     for name in CC_PROGRAM_ENVIRONMENT:
-        if env.get(name):
+        if name in env:
             raise Uncacheable(f"cc: {name} is set (the programs gcc runs from it are not keyed)")
     for name in CC_ARGUMENT_ENVIRONMENT:
-        if env.get(name):
+        if name in env:
             raise Uncacheable(f"cc: {name} is set (the flags it adds are not checked)")
     cwd = os.getcwd()
     apparent = _apparent_folder(env, cwd)
@@ -1580,13 +1581,16 @@ def _plan_cc(
     attrs |= _clock_key(argv[0], macros, env, [source, *inputs.paths])
     extra = []  # flags the key decides without holding them
     sanitized = any(a.startswith("-fsanitize=") for a in key_args)
+    # A line table written by hand (.file, .loc in assembly or an asm string) is
+    # debug info too: the assembler names the working folder in it, -g or not.
+    debug = debug or not macros.isdisjoint(cc_driver.LINE_DIRECTIVES)
     if debug or lto or want_deps or sanitized or not macros.isdisjoint(_PATH_MACROS):
         # Debug info, LTO objects, dependency files, __FILE__ and a sanitizer's source
         # locations name the headers where they were found (the same contents in
         # another folder is another object).
         attrs["header_paths"] = inputs.paths
     if want_deps and not has_target:
-        # The dependency file names the object as its target (-MT output below):
+        # The dependency file names the object as its target (-MQ output below):
         # another -o of the same compile is another file (ccache keys it too).
         attrs["dep_target"] = output
     if debug or lto or want_deps:
@@ -1601,7 +1605,7 @@ def _plan_cc(
         extra.append("-fdiagnostics-color")  # replayed without colour where it cannot show
     outputs = {"object": out_path}
     if want_deps:
-        dep_path = dep_file or os.path.splitext(output)[0] + ".d"
+        dep_path = dep_file or _dep_file_of(output)
         outputs["deps"] = Path(fsutil.absolute(dep_path))
     for path in outputs.values():
         # -o /dev/null (configure scripts) or a link: restoring would replace it.
@@ -1615,8 +1619,8 @@ def _plan_cc(
         if want_deps:
             out += [a for a in key_args if a in ("-MD", "-MMD")]
             out += ["-MF", str(workdir / "deps")]
-            if not has_target:
-                out += ["-MT", output]
+            if not has_target:  # (quoted for make, as the driver's own target is)
+                out += ["-MQ", output]
             out += _target_args(key_args)
         return out
 
@@ -1679,7 +1683,8 @@ def _config_files(folders: list[str]) -> list[str]:
 def _gcc_installations(found: str) -> list[str]:
     """Every GCC installation a clang run as ``found`` may choose from: the version
     folders under ``lib*/gcc*/<triple>/`` of the prefix above the folder it is run
-    from (clang's InstalledDir), of its real binary's, and of ``/usr``."""
+    from (clang's InstalledDir), of its real binary's, and of ``/usr``; and the
+    digests of Gentoo's gcc-config files, which pick one."""
     prefixes = (
         os.path.dirname(os.path.dirname(os.path.abspath(found))),
         os.path.dirname(os.path.dirname(os.path.realpath(found))),
@@ -1693,7 +1698,14 @@ def _gcc_installations(found: str) -> list[str]:
                 for triple in _names(folder):
                     versions = _names(os.path.join(folder, triple))
                     found_here += [os.path.join(folder, triple, v) for v in versions]
+    # Gentoo's gcc-config: clang takes the installation its files name (LDPATH).
+    for name in _names(_GENTOO_GCC_CONFIG):
+        path = os.path.join(_GENTOO_GCC_CONFIG, name)
+        found_here.append(f"{path}: {digest(_read(path))}")
     return sorted(found_here)
+
+
+_GENTOO_GCC_CONFIG = "/etc/env.d/gcc"
 
 
 def _names(folder: str) -> list[str]:
@@ -1704,13 +1716,21 @@ def _names(folder: str) -> list[str]:
         return []
 
 
+def _dep_file_of(output: str) -> str:
+    """Where ``-MD`` without ``-MF`` writes: the output's name, its last suffix made
+    ``.d`` (gcc's and clang's rule: ``-o .o`` gives ``.d``, ``-o noext`` ``noext.d``)."""
+    head, tail = os.path.split(output)
+    dot = tail.rfind(".")
+    return os.path.join(head, (tail[:dot] if dot >= 0 else tail) + ".d")
+
+
 def _search_dirs(
     cc: str, identity: str, env: Mapping[str, str], store: LocalStore | None
 ) -> dict[str, str] | None:
     """What ``cc -print-search-dirs`` says, by line (``install``, ``programs``,
     ``libraries``); None if it fails.  Asked once per compiler and
     ``LIBRARY_PATH`` (which the start-file folders begin with)."""
-    asked = [identity, env.get("LIBRARY_PATH", "")]
+    asked = [identity, env.get("LIBRARY_PATH")]  # (None: unset; "" reads ./ as a folder)
     said = _compiler_says(cc, "-print-search-dirs", asked, env, store)
     if said is None:
         return None
@@ -1718,7 +1738,7 @@ def _search_dirs(
 
 
 def _compiler_says(
-    cc: str, flag: str, asked: list[str], env: Mapping[str, str], store: LocalStore | None
+    cc: str, flag: str, asked: list[str | None], env: Mapping[str, str], store: LocalStore | None
 ) -> bytes | None:
     """What ``cc flag`` prints (None if it fails), asked once per ``asked`` (the
     compiler's identity and what else moves the answer) and remembered in the
@@ -1750,14 +1770,20 @@ def _path_assembler(
     of its own (a distribution's gcc): then PATH picks it, and another one
     earlier on PATH (binutils of a module or a conda environment) makes
     another object.  The compiler looks in its own ``programs`` folders
-    (``-print-search-dirs``) first: what the ``as`` of each holds, one
-    ``stat`` each, joins what the answer is remembered by with the compiler,
+    (``-print-search-dirs``) first: what the ``<target>-as`` and ``as`` of each
+    hold, one ``stat`` each, joins what the answer is remembered by with the compiler,
     so an ``as`` installed there later (binutils put in the compiler's own
     prefix) is asked about again.
     """
     # (COMPILER_PATH and GCC_EXEC_PREFIX move where gcc looks for its own)
-    asked = [identity, *(env.get(n, "") for n in ("COMPILER_PATH", "GCC_EXEC_PREFIX"))]
-    asked += filter(None, (_program_held(os.path.join(folder, "as")) for folder in programs))
+    asked = [identity, *(env.get(n) for n in ("COMPILER_PATH", "GCC_EXEC_PREFIX"))]
+    # In each folder gcc tries <its target>-as first (x86_64-linux-gnu-as), then as.
+    machine = os.fsdecode(
+        (_compiler_says(cc, "-dumpmachine", [identity], env, store) or b"").strip()
+    )
+    names = [f"{machine}-as", "as"] if machine else ["as"]
+    places = (os.path.join(folder, name) for folder in programs for name in names)
+    asked += filter(None, map(_program_held, places))
     name = (_compiler_says(cc, "-print-prog-name=as", asked, env, store) or b"").strip()
     if not name:
         return None
@@ -2005,8 +2031,9 @@ class HeaderMemo:
             canonical_json(
                 {
                     # 7: variants with negative lookups, macros, directives and twins;
-                    # 8: none remembered from a file written as cc -M ran
-                    "format": 8,
+                    # 8: none remembered from a file written as cc -M ran; 9: line
+                    # directives, and file directives in any form
+                    "format": 9,
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
@@ -2187,6 +2214,15 @@ def _absent(path: str) -> bool:
 # caches them) only on a miss: compiling them cost every hit a third of a millisecond.
 _QUOTED_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^"\n]+)"'
 _COMPUTED_INCLUDE = rb"(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]"
+# Every include directive, in any form the preprocessor reads: a comment or a line
+# continuation on the way, the digraph %: or the trigraph ??= for '#'; and those
+# in the plain form the two above read.  More of the first: one whose name is not
+# read, taken as a computed include.
+_ANY_INCLUDE = (
+    rb"(?m)^(?:[ \t]|/\*.*?\*/|\\\r?\n)*(?:#|%:|\?\?=)(?:[ \t]|/\*.*?\*/|\\\r?\n)*"
+    rb"(?:include|include_next|import)\b"
+)
+_PLAIN_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*["<A-Za-z_]'
 _HAS_INCLUDE = rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)'
 _COMPUTED_HAS_INCLUDE = rb'__has_include(?:_next)?\s*\(\s*[^"<\s]'
 _HAS_INCLUDE_WRAPPER = (
@@ -2206,6 +2242,14 @@ _NOT_ASKING = (
 _HAS_INCLUDE_WORD = rb"(?<![A-Za-z0-9_])__has_include(?:_next)?(?![A-Za-z0-9_])"
 # A string or character literal, or a comment (one scan: "logs/*.txt" opens none).
 _LITERAL_OR_COMMENT = rb'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/\*.*?\*/|//[^\n]*'
+
+
+def _unread_includes(data: bytes) -> bool:
+    """Whether ``data`` has an include directive whose name ``_QUOTED_INCLUDE`` does not
+    read (``#include /* why */ "x.h"``, ``%:include "x.h"``, a line continued)."""
+    if b"include" not in data and b"import" not in data:
+        return False
+    return len(re.findall(_ANY_INCLUDE, data, re.DOTALL)) > len(re.findall(_PLAIN_INCLUDE, data))
 
 
 def _negative_lookups(
@@ -2281,7 +2325,7 @@ def _negative_lookups(
     for path, data in reads.items():
         beside = os.path.dirname(path)
         quoted_names = [os.fsdecode(raw) for raw in re.findall(_QUOTED_INCLUDE, data)]
-        if re.search(_COMPUTED_INCLUDE, data):
+        if re.search(_COMPUTED_INCLUDE, data) or _unread_includes(data):
             # A name a macro gives is not in the text: every name found, beside it.
             quoted_names += names
             reached.update(

@@ -455,6 +455,26 @@ def test_cc_dependency_file_names_this_compiles_object(csrc):
     assert host(env)["hits"] == 1
 
 
+@pytest.mark.parametrize("output", ["o$x.o", "a b.o", ".o", "noext", "a.b.o"])
+def test_cc_md_writes_the_dependency_file_gcc_writes(csrc, output):
+    """-MD without -MF or -MT: the file gcc names (its last suffix made .d, ".o" gives
+    ".d"), its target quoted for make as gcc quotes it (o$$x.o, a\\ b.o)."""
+    env, src = csrc
+    plain = subprocess.run(
+        ["gcc", "-MD", "-DOFFSET=1", "-c", "k.c", "-o", output], cwd=src, capture_output=True
+    )
+    assert plain.returncode == 0
+    made = sorted(p.name for p in src.iterdir() if p.name.endswith(".d"))
+    expected = {name: (src / name).read_bytes() for name in made}
+    for name in made:
+        (src / name).unlink()
+    for _ in range(2):
+        wrap("gcc", "-MD", "-DOFFSET=1", "-c", "k.c", "-o", output, env=env, cwd=src)
+        assert {n: (src / n).read_bytes() for n in made} == expected
+        assert sorted(p.name for p in src.iterdir() if p.name.endswith(".d")) == made
+    assert host(env)["hits"] == 1
+
+
 def test_cc_mmd_with_mf_and_mt(csrc):
     env, src = csrc
     cmd = ["gcc", "-MMD", "-MF", "deps/k.dep", "-MT", "obj/k.o", "-DOFFSET=1"]

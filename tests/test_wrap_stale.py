@@ -1569,3 +1569,122 @@ def test_which_folder_is_a_system_one_is_keyed_however_it_is_spelt(env, src, pas
     assert plain.returncode == 1
     done = wrap("gcc", *fails, *common, env=env, cwd=src, status=1)
     assert done.stderr == plain.stderr
+
+
+# -- review of 2026-11-29: what a compile read that the key missed -------------------------
+
+
+@pytest.mark.parametrize(
+    "directive",
+    [
+        r".incbin\t\"d.bin\"",
+        r".incbin\x20\"d.bin\"",
+        r".incbin \042d.bin\042",
+        r".include\t\"d.s\"",
+    ],
+)
+def test_an_assembler_directive_naming_a_file_is_never_cached_in_any_form(env, src, directive):
+    # The escapes a C string allows before the name: the assembler reads d.bin all the same.
+    (src / "d.bin").write_bytes(b"AAAA")
+    (src / "d.s").write_text(".byte 1\n")
+    (src / "k.c").write_text(f'__asm__(".section .rodata\\n{directive}\\n");\nint f(void);\n')
+    same_as_gcc(src, env, "-c", "k.c")
+    (src / "d.bin").write_bytes(b"BBBB")
+    (src / "d.s").write_text(".byte 2\n")
+    same_as_gcc(src, env, "-c", "k.c")
+    assert stats(env, "host").get("stores", 0) == 0
+
+
+def test_a_line_table_written_by_hand_names_the_working_folder(env, src):
+    # .file and .loc make the assembler write .debug_line, naming the folder, without -g.
+    code = '.file 1 "k.s"\n.text\n.globl f\nf:\n.loc 1 4\nret\n'
+    for name in ("a", "b"):
+        (src / name).mkdir()
+        (src / name / "k.s").write_text(code)
+        same_as_gcc(src / name, env, "-c", "k.s")
+    assert str(src / "b").encode() in (src / "b" / "k.o").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "form",
+    ['#include /* why */ "x.h"', '%:include "x.h"', '#include \\\n"x.h"', '??=include "x.h"'],
+)
+def test_a_header_made_beside_an_include_in_any_form_is_read(env, src, form):
+    (src / "inc").mkdir()
+    (src / "inc" / "x.h").write_text("#define V 1\n")
+    (src / "k.c").write_text(f"{form}\nint f(void) {{ return V; }}\n")
+    flags = ["-std=c11"] if form.startswith("??=") else []  # (ISO C reads trigraphs)
+    for _ in range(2):
+        same_as_gcc(src, env, *flags, "-Iinc", "-O2", "-c", "k.c")
+    (src / "x.h").write_text("#define V 2\n")  # beside k.c: found before inc/x.h
+    same_as_gcc(src, env, *flags, "-Iinc", "-O2", "-c", "k.c")
+
+
+def test_a_precompiled_header_a_preprocessed_source_loads_is_not_cached(env, src):
+    def header(value: int) -> None:
+        (src / "h.h").write_text(f"#define V {value}\nstatic int g(void) {{ return V; }}\n")
+        subprocess.run([GCC, "-x", "c-header", "h.h", "-o", "h.gch"], cwd=src, check=True)
+
+    header(7)
+    (src / "k.c").write_text('#pragma GCC pch_preprocess "h.gch"\nint f(void) { return g(); }\n')
+    same_as_gcc(src, env, "-fpreprocessed", "-c", "k.c")
+    header(8)
+    same_as_gcc(src, env, "-fpreprocessed", "-c", "k.c")
+
+
+def test_an_empty_compiler_path_or_library_path_is_set(env, src):
+    # gcc reads an empty COMPILER_PATH as "./" (it runs ./as), LIBRARY_PATH's as a
+    # folder of specs: set, even empty, as unset would be wrong.
+    (src / "k.c").write_text("int f(void) { return V; }\n")
+    same_as_gcc(src, {**env, "LIBRARY_PATH": ""}, "-DV=1", "-c", "k.c")
+    (src / "extra.h").write_text("#undef V\n#define V 42\n")
+    (src / "specs").write_text(f"*cpp:\n+ -include {src / 'extra.h'}\n")
+    same_as_gcc(src, {**env, "LIBRARY_PATH": ""}, "-DV=1", "-c", "k.c")
+    assert b"\x2a" in (src / "k.o").read_bytes()
+    (src / "specs").unlink()
+    (src / "as").write_text('#!/bin/sh\nexec as "$@"\n')
+    (src / "as").chmod(0o755)
+    done = wrap(GCC, "-DV=1", "-c", "k.c", "-o", "k.o", env={**env, "COMPILER_PATH": ""}, cwd=src)
+    assert done.returncode == 0
+    assert stats(env, "host")["stores"] == 1  # (the first, with LIBRARY_PATH empty)
+
+
+def test_an_assembler_named_for_the_target_in_the_compilers_folder_is_found(tmp_path):
+    # gcc tries <target>-as before as in each of its program folders: one put there
+    # later is asked about again, not taken for the PATH's as the answer remembered.
+    from opcache import wrap as wrap_module
+    from opcache.storage.local import LocalStore
+
+    programs = tmp_path / "libexec"
+    programs.mkdir()
+    cc = tmp_path / "gcc"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in -dumpmachine) echo x86_64-linux-gnu; exit;; esac\n'
+        f"if [ -x {programs}/x86_64-linux-gnu-as ]; then echo {programs}/x86_64-linux-gnu-as;"
+        " else echo as; fi\n"
+    )
+    cc.chmod(0o755)
+    store = LocalStore(tmp_path / "cache")
+    env = {"PATH": os.environ["PATH"]}
+    before = wrap_module._path_assembler(str(cc), "gcc 1", [str(programs)], env, store)
+    mine = programs / "x86_64-linux-gnu-as"
+    mine.write_text('#!/bin/sh\nexec as "$@"\n')
+    mine.chmod(0o755)
+    after = wrap_module._path_assembler(str(cc), "gcc 1", [str(programs)], env, store)
+    assert before is not None and after is not None and before != after
+
+
+def test_gentoo_s_gcc_config_is_part_of_clang_s_identity(tmp_path, monkeypatch):
+    # clang takes the GCC installation /etc/env.d/gcc names (gcc-config switches it).
+    from opcache import wrap as wrap_module
+
+    config = tmp_path / "env.d" / "gcc"
+    monkeypatch.setattr(wrap_module, "_GENTOO_GCC_CONFIG", str(config))
+    seen = [wrap_module._gcc_installations(GCC)]
+    config.mkdir(parents=True)
+    (config / "config-x86_64-linux-gnu").write_text("CURRENT=x86_64-linux-gnu-12\n")
+    seen.append(wrap_module._gcc_installations(GCC))
+    (config / "config-x86_64-linux-gnu").write_text("CURRENT=x86_64-linux-gnu-13\n")
+    seen.append(wrap_module._gcc_installations(GCC))
+    assert len({"\0".join(s) for s in seen}) == 3

@@ -26,24 +26,49 @@ FILE_DIRECTIVES = {
     ".incbin": "reads a file the key does not hold",
     ".include": "reads a file the key does not hold",
     "#pragma GCC dependency": "compares the time of a file the key does not hold",
+    # (-fpreprocessed: gcc loads the precompiled header it names, which cc -M does not)
+    "#pragma GCC pch_preprocess": "loads a precompiled header the key does not hold",
+    # (clang's -fms-extensions: the header it maps a name to is looked up where the
+    # key's lookups do not look)
+    "#pragma include_alias": "maps a header's name to one the key does not look up",
 }
-_FILE_DIRECTIVE = (
-    rb'(?m)(?:^|[\s";:]|\\[nt])\.(incbin|include)[ \t]*\\?"'
+# The pragmas above, found as their words alone, wherever they are (through a macro,
+# _Pragma, no pragma is written out).
+_PRAGMA_WORDS = {
+    "#pragma GCC pch_preprocess": b"pch_preprocess",
+    "#pragma include_alias": b"include_alias",
+}
+# Assembler directives of a line table: the assembler names the working folder in
+# the object's .debug_line for them, with or without -g.
+LINE_DIRECTIVES = frozenset({".file", ".loc"})
+# An assembler directive in a source, a header or an asm string: after a line's
+# start, a blank, a quote, ';', ':' or a C escape ("\n.loc"), then blanks or C
+# escapes (".incbin\t\"x\"", ".incbin \042x\042") up to what it takes: a
+# quoted name (.incbin, .include), a number or a quoted name (.file), a number (.loc).
+# A member "x.include", or ".include" ending a comment's line, is none.  Or a
+# macro defined as the directive alone (#define INCBIN .incbin).
+_GAP = rb"(?:[ \t]|\\[a-z0-9]+)*"
+_QUOTE = rb'(?:\\?"|\\042|\\x22)'
+_DIRECTIVE = (
+    rb"(?m)(?:^|[\s\";:]|\\[a-z0-9])\."
+    rb"(?:(incbin|include)" + _GAP + _QUOTE + rb"|(file)" + _GAP + rb"(?:[0-9]|" + _QUOTE + rb")"
+    rb"|(loc)" + _GAP + rb"[0-9])"
     rb"|^[ \t]*#[ \t]*define[ \t]+\w+[ \t]+\.(incbin|include)[ \t]*\r?$"
 )
 _PRAGMA_DEPENDENCY = rb"\b(?:GCC|clang)(?:\s|\\\r?\n)+dependency\b"
 
 
 def directives_in(data: bytes) -> list[str]:
-    """The ``FILE_DIRECTIVES`` that ``data`` holds."""
+    """The ``FILE_DIRECTIVES`` and ``LINE_DIRECTIVES`` that ``data`` holds."""
     # (no pattern compiled for most files)
-    pragma = b"dependency" in data and re.search(_PRAGMA_DEPENDENCY, data) is not None
+    named = {pragma for pragma, word in _PRAGMA_WORDS.items() if word in data}
+    if b"dependency" in data and re.search(_PRAGMA_DEPENDENCY, data) is not None:
+        named.add("#pragma GCC dependency")
     lowered = data.lower()
-    if b".inc" not in lowered:
-        return ["#pragma GCC dependency"] if pragma else []
-    found = re.findall(_FILE_DIRECTIVE, lowered)
-    named = {"." + (quoted or defined).decode() for quoted, defined in found}
-    return sorted(named | {"#pragma GCC dependency"} if pragma else named)
+    if b".inc" in lowered or b".file" in lowered or b".loc" in lowered:
+        for groups in re.findall(_DIRECTIVE, lowered):
+            named.update("." + group.decode() for group in groups if group)
+    return sorted(named)
 
 
 def search_list(said: str) -> tuple[list[str], list[str], list[str], bool]:
