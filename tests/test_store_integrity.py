@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -320,6 +321,46 @@ def test_verify_removes_corrupt_entries_and_recounts(tmp_path: Path, compiler: T
     # A second pass finds nothing.
     with opcache.OpCache(settings) as cache:
         assert cache.verify().corrupt == 0
+
+
+def test_a_huge_sparse_artifact_costs_verify_and_export_no_memory(
+    tmp_path: Path, compiler: ToyCompiler
+) -> None:
+    """A member of a shared cache plants an artifact of 2 GiB (a sparse file, a few KB
+    on disk) whose manifest says so: verify reads it a chunk at a time (found corrupt
+    and removed), export leaves it out by its manifest, each within 1 GiB of memory."""
+    key, entry = store_one(tmp_path, compiler)
+    big = 2 << 30
+    with open(entry / binary_name(), "r+b") as f:
+        f.truncate(big)
+
+    def grow(data: dict) -> None:
+        for artifact in data["artifacts"]:
+            if artifact["name"] == binary_name():
+                artifact["size"] = big
+
+    rewrite_manifest(entry, grow)
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "from opcache.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    flags = ["--op_compiler_cache_dir", str(tmp_path / "ops")]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    exported = subprocess.run(
+        [sys.executable, "-c", script, "export", str(tmp_path / "seed.tar"), "--json", *flags],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert exported.returncode == 0 and "Traceback" not in exported.stderr, exported.stderr
+    assert json.loads(exported.stdout)["skipped"][0]["entry"] == f"{SOC}/{key}"
+    verified = subprocess.run(
+        [sys.executable, "-c", script, "verify", "--json", *flags],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert verified.returncode == 0 and "Traceback" not in verified.stderr, verified.stderr
+    assert json.loads(verified.stdout)["corrupt"] == 1
+    assert entry_dirs(settings_for(tmp_path).root) == {}
 
 
 def test_verify_and_age_remove_leftovers_of_dead_writers(

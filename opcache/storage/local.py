@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
+import xxhash
+
 from .. import fsutil, locks, trust
 from .._log import get_logger
 from .._record import Record
@@ -70,6 +72,8 @@ TMP_GRACE_SECONDS = 6 * 3600
 STALE_LOCAL_SECONDS = 60
 # Removals counted in one counter update while trimming.
 _COUNT_EVERY = 64
+# What a check reads of an artifact at once.
+_CHUNK = 1 << 20
 # Entries in one trash folder, deleted by one deleter process.
 TRASH_FOLDER_ENTRIES = 50_000
 # Times a store starts over when force or clear deletes the chip folder under it.
@@ -483,14 +487,7 @@ class LocalStore:
         return self._trusted(entry_fd, f"{self.root}/{soc}/{key[:2]}", key)
 
     def _read_entry(self, key: str, entry_fd: int) -> tuple[Entry, bytes]:
-        raw, mtime = self._read_file(entry_fd, MANIFEST, MAX_MANIFEST)
-        manifest = parse_manifest(raw, key)
-        if self.max_entry_bytes is not None:
-            size = len(raw) + sum(size for _, size, _ in manifest["artifacts"])
-            if size > self.max_entry_bytes:
-                raise CorruptEntry(
-                    f"the manifest says {size} bytes, over {self.max_entry_bytes}", maybe_sound=True
-                )
+        raw, mtime, manifest = self._manifest(key, entry_fd)
         files = {}
         for name, size, want in manifest["artifacts"]:
             # One byte more than the manifest says: a longer file is caught too.
@@ -500,8 +497,48 @@ class LocalStore:
         seconds, modes, reads = manifest["compile_seconds"], manifest["modes"], manifest["reads"]
         return Entry(key, files, seconds, mtime, modes, reads), raw
 
-    def _read_file(self, dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
-        """(up to ``limit`` bytes, mtime) of a regular, trusted file in an entry."""
+    def _check_entry(self, key: str, entry_fd: int) -> int:
+        """The bytes ``put`` counted for a sound entry (its manifest and artifacts), each
+        artifact's digest taken a chunk at a time as it is read; CorruptEntry if it is
+        not sound.  For ``verify``: memory flat in an artifact's size (a member's
+        sparse file of 64 GiB, which its manifest says, costs a read, not 64 GiB)."""
+        raw, _, manifest = self._manifest(key, entry_fd)
+        total = len(raw)
+        for name, size, want in manifest["artifacts"]:
+            fd, _ = self._open_file(entry_fd, name)
+            try:
+                hasher = xxhash.xxh3_128()
+                got = 0
+                while got <= size:  # (a byte more than the manifest says: a longer file)
+                    chunk = os.read(fd, min(size + 1 - got, _CHUNK))
+                    if not chunk:
+                        break
+                    hasher.update(chunk)
+                    got += len(chunk)
+            finally:
+                os.close(fd)
+            if got != size:
+                raise CorruptEntry(f"{name}: {got} bytes, the manifest says {size}")
+            if hasher.hexdigest() != want:
+                raise CorruptEntry(f"{name}: its digest does not match the manifest")
+            total += size
+        return total
+
+    def _manifest(self, key: str, entry_fd: int) -> tuple[bytes, float, dict]:
+        """(bytes, mtime, parsed) of an entry's manifest; CorruptEntry (maybe sound) when
+        it says more bytes than ``max_entry_bytes``, before any artifact is read."""
+        raw, mtime = self._read_file(entry_fd, MANIFEST, MAX_MANIFEST)
+        manifest = parse_manifest(raw, key)
+        if self.max_entry_bytes is not None:
+            size = len(raw) + sum(size for _, size, _ in manifest["artifacts"])
+            if size > self.max_entry_bytes:
+                raise CorruptEntry(
+                    f"the manifest says {size} bytes, over {self.max_entry_bytes}", maybe_sound=True
+                )
+        return raw, mtime, manifest
+
+    def _open_file(self, dir_fd: int, name: str) -> tuple[int, os.stat_result]:
+        """(a descriptor, its fstat) of a regular, trusted file in an entry."""
         try:
             fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
         except OSError as e:
@@ -513,6 +550,15 @@ class LocalStore:
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptEntry(f"{name}: not a regular file")
             trust.check(st, self.modes, f"the cache file {name}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def _read_file(self, dir_fd: int, name: str, limit: int) -> tuple[bytes, float]:
+        """(up to ``limit`` bytes, mtime) of a regular, trusted file in an entry."""
+        fd, st = self._open_file(dir_fd, name)
+        try:
             chunks = []
             remaining = limit
             # What the file holds, and a byte more to see a longer one: a read
@@ -611,7 +657,7 @@ class LocalStore:
         if entry_fd is None:
             return None
         try:
-            entry, manifest = self._read_entry(key, entry_fd)
+            size = self._check_entry(key, entry_fd)
         except CorruptEntry as e:
             if not _still_linked(self.entry_dir(soc, key), entry_fd):
                 return None
@@ -624,8 +670,7 @@ class LocalStore:
             return key, None, e
         finally:
             os.close(entry_fd)
-        # What ``put`` counted: the manifest and the artifacts it names.
-        return key, len(manifest) + sum(map(len, entry.files.values())), None
+        return key, size, None
 
     def _entry_names(
         self,
