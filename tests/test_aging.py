@@ -343,6 +343,57 @@ time.sleep(60)
     assert keys[0] in entry_dirs(root)  # its hit above made it young
 
 
+def test_a_member_holding_the_size_counters_neither_stalls_nor_overtrims_aging(
+    tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process (a member of a shared cache) holds every size-counter shard:
+    a trim still removes just what it must (a count that fails does not make an
+    entry in the trash look kept), and waits for those locks once, not per removal."""
+    from opcache import locks
+    from opcache.storage import local
+
+    monkeypatch.setattr(local, "_COUNT_EVERY", 1)  # (a count after every removal)
+    monkeypatch.setattr(locks, "LOCK_WAIT_SECONDS", 0.2)
+    given_up: list[float] = []  # the waits for a lock that ended without it
+    poll = locks._poll
+
+    def watched(attempt, wait):  # type: ignore[no-untyped-def]
+        took = poll(attempt, wait)
+        if not took:
+            given_up.append(wait)
+        return took
+
+    monkeypatch.setattr(locks, "_poll", watched)
+    clock = FakeClock()
+    settings = limited(tmp_path)
+    with opcache.OpCache(settings, clock=clock) as cache:
+        keys = fill(cache, compiler, clock, tmp_path / "o")
+    shards = sorted(str(p) for p in (root / SOC / "_size").glob("*.lock"))
+    assert shards
+    ready = tmp_path / "holding"
+    holder = run_script(
+        f"""
+import fcntl, os, pathlib, time
+for path in {shards!r}:
+    fcntl.flock(os.open(path, os.O_RDWR), fcntl.LOCK_EX)
+pathlib.Path({str(ready)!r}).touch()
+time.sleep(60)
+""",
+        wait=False,
+    )
+    try:
+        wait_for(ready)
+        clock.now = T0 + 7200
+        with opcache.OpCache(settings, clock=clock) as cache:
+            report = cache.age()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert set(entry_dirs(root)) == set(keys[4:])  # (as test_oldest_entries_go_first...)
+    assert report.removed_entries == 4
+    assert given_up == [0.2] + [0.0] * (len(given_up) - 1)  # (one wait, then one try each)
+
+
 def test_an_entry_used_between_scan_and_delete_is_kept(
     tmp_path: Path, root: Path, compiler: ToyCompiler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
