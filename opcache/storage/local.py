@@ -42,7 +42,7 @@ import xxhash
 from .. import fsutil, locks, trust
 from .._log import get_logger
 from .._record import Record
-from ..counters import CounterFiles
+from ..counters import QUICK_COUNTS, CounterFiles
 from ..request import is_plain_name, is_soc_version
 from .cann_names import is_cann_chip
 from .entry import (
@@ -1635,7 +1635,8 @@ def _own_part(name: str, chip_fd: int) -> bool:
     """Whether ``name`` in a chip folder is opcache's: a bucket (two hex digits)
     holding only entries (32 hex digits) and temp files, or the size counters
     (``_size``) holding only their shards (``NN.count``, ``NN.lock``, an older
-    ``NN.json``) and temp files; a folder, never through a link."""
+    ``NN.json``, the quick hits' ``appended``) and temp files; a folder, never
+    through a link."""
     if name == SIZE_FOLDER:
         inside = _SHARD
     elif _BUCKET.fullmatch(name):
@@ -1655,7 +1656,7 @@ def _own_part(name: str, chip_fd: int) -> bool:
     return all(inside.fullmatch(n) or fsutil.is_temp_name(n) for n in names)
 
 
-_SHARD = re.compile(r"[0-9]{2}\.(?:count|lock|json)")
+_SHARD = re.compile(r"[0-9]{2}\.(?:count|lock|json)|" + re.escape(QUICK_COUNTS))
 
 
 def _is_real_dir(name: str, folder_fd: int) -> bool:
