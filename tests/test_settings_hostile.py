@@ -92,6 +92,7 @@ def test_maintenance_never_acts_on_op_cache_ini_or_the_bookkeeping(tmp_path, env
 def test_maintenance_acts_only_on_a_real_trusted_chip_folder(tmp_path, env, command):
     root = tmp_path / "cache" / "kernel_cache"
     root.mkdir(parents=True)
+    (root / ".opcache").mkdir()  # (a cache opcache stored in: its chip folders judged)
     outside = tmp_path / "outside"
     (outside / "ab").mkdir(parents=True)
     (outside / "ab" / "keep.o").write_text("not the cache's")
