@@ -2217,10 +2217,13 @@ _COMPUTED_INCLUDE = rb"(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A
 # Every include directive, in any form the preprocessor reads: a comment or a line
 # continuation on the way, the digraph %: or the trigraph ??= for '#'; and those
 # in the plain form the two above read.  More of the first: one whose name is not
-# read, taken as a computed include.
+# read, taken as a computed include.  (A comment is matched the one way it can be,
+# to its first */: a lazy .*? let a failed line grow it over the whole file, for
+# every line, and a header of 150 KB took minutes.)
+_PP_GAP = rb"(?:[ \t]|/\*(?:[^*]|\*+[^*/])*\*+/|\\\r?\n)*"
 _ANY_INCLUDE = (
-    rb"(?m)^(?:[ \t]|/\*.*?\*/|\\\r?\n)*(?:#|%:|\?\?=)(?:[ \t]|/\*.*?\*/|\\\r?\n)*"
-    rb"(?:include|include_next|import)\b"
+    rb"(?m)^" + _PP_GAP + rb"(?:#|%:|\?\?=)" + _PP_GAP + rb"(?:include|include_next|import)"
+    rb"(?=" + _PP_GAP + rb"[\"<A-Za-z_])"  # (a name follows: not "#include's" in prose)
 )
 _PLAIN_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*["<A-Za-z_]'
 _HAS_INCLUDE = rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)'
@@ -2249,7 +2252,7 @@ def _unread_includes(data: bytes) -> bool:
     read (``#include /* why */ "x.h"``, ``%:include "x.h"``, a line continued)."""
     if b"include" not in data and b"import" not in data:
         return False
-    return len(re.findall(_ANY_INCLUDE, data, re.DOTALL)) > len(re.findall(_PLAIN_INCLUDE, data))
+    return len(re.findall(_ANY_INCLUDE, data)) > len(re.findall(_PLAIN_INCLUDE, data))
 
 
 def _negative_lookups(

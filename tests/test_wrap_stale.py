@@ -1688,3 +1688,15 @@ def test_gentoo_s_gcc_config_is_part_of_clang_s_identity(tmp_path, monkeypatch):
     (config / "config-x86_64-linux-gnu").write_text("CURRENT=x86_64-linux-gnu-13\n")
     seen.append(wrap_module._gcc_installations(GCC))
     assert len({"\0".join(s) for s in seen}) == 3
+
+
+def test_a_header_of_many_comments_is_read_for_its_includes_in_one_pass():
+    # A lazy comment match grew over the whole file at each line that failed: ICU's
+    # uchar.h (150 KB) took minutes.  Here 20,000 such lines, which took over a minute.
+    code = (
+        "from opcache.wrap import _unread_includes\n"
+        "data = b'#include <a.h>\\n' + b''.join(\n"
+        "    b'/* a comment %d */ int x%d;\\n' % (i, i) for i in range(20000))\n"
+        "assert not _unread_includes(data)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
