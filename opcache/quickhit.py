@@ -49,10 +49,10 @@ if TYPE_CHECKING:
 
 # Bumped with the memo's layout, and whenever the full path finds more a compile
 # reads or refuses more compiles: a memo holds only what the rules that made it
-# read, so each made before goes unused (6: asm directives in any form, include
-# directives whose name is not read, empty COMPILER_PATH and LIBRARY_PATH).
-FORMAT = b"opcache-quick 6"
-CLIENT_FORMAT = b"opcache-client 6"  # a memo the C client reads (opcache_client.c's)
+# read, so each made before goes unused (7: asm directives in any form, include
+# directives in any form, empty COMPILER_PATH and LIBRARY_PATH).
+FORMAT = b"opcache-quick 7"
+CLIENT_FORMAT = b"opcache-client 7"  # a memo the C client reads (opcache_client.c's)
 FOLDER = "quick"
 MAX_MEMO = 1 << 20
 # Variables no compiler and no part of opcache reads, that change from one build

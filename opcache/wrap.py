@@ -1683,8 +1683,8 @@ def _config_files(folders: list[str]) -> list[str]:
 def _gcc_installations(found: str) -> list[str]:
     """Every GCC installation a clang run as ``found`` may choose from: the version
     folders under ``lib*/gcc*/<triple>/`` of the prefix above the folder it is run
-    from (clang's InstalledDir), of its real binary's, and of ``/usr``; and the
-    digests of Gentoo's gcc-config files, which pick one."""
+    from (clang's InstalledDir), of its real binary's, and of ``/usr``; and what
+    Gentoo's gcc-config files, which pick one, are now."""
     prefixes = (
         os.path.dirname(os.path.dirname(os.path.abspath(found))),
         os.path.dirname(os.path.dirname(os.path.realpath(found))),
@@ -1698,10 +1698,10 @@ def _gcc_installations(found: str) -> list[str]:
                 for triple in _names(folder):
                     versions = _names(os.path.join(folder, triple))
                     found_here += [os.path.join(folder, triple, v) for v in versions]
-    # Gentoo's gcc-config: clang takes the installation its files name (LDPATH).
-    for name in _names(_GENTOO_GCC_CONFIG):
-        path = os.path.join(_GENTOO_GCC_CONFIG, name)
-        found_here.append(f"{path}: {digest(_read(path))}")
+    # Gentoo's gcc-config: clang takes the installation its files name (LDPATH); each
+    # file as it is now (a write moves its ctime), a dangling link (.NATIVE) as none.
+    places = (os.path.join(_GENTOO_GCC_CONFIG, name) for name in _names(_GENTOO_GCC_CONFIG))
+    found_here += filter(None, map(_program_held, places))
     return sorted(found_here)
 
 
@@ -2031,9 +2031,9 @@ class HeaderMemo:
             canonical_json(
                 {
                     # 7: variants with negative lookups, macros, directives and twins;
-                    # 8: none remembered from a file written as cc -M ran; 9: line
-                    # directives, and file directives in any form
-                    "format": 9,
+                    # 8: none remembered from a file written as cc -M ran; 10: line
+                    # directives, file directives and includes in any form
+                    "format": 10,
                     "compiler": identity,
                     "args": pass_args,
                     "source": [source, digest(source_data)],
@@ -2214,18 +2214,6 @@ def _absent(path: str) -> bool:
 # caches them) only on a miss: compiling them cost every hit a third of a millisecond.
 _QUOTED_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*"([^"\n]+)"'
 _COMPUTED_INCLUDE = rb"(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[A-Za-z_]"
-# Every include directive, in any form the preprocessor reads: a comment or a line
-# continuation on the way, the digraph %: or the trigraph ??= for '#'; and those
-# in the plain form the two above read.  More of the first: one whose name is not
-# read, taken as a computed include.  (A comment is matched the one way it can be,
-# to its first */: a lazy .*? let a failed line grow it over the whole file, for
-# every line, and a header of 150 KB took minutes.)
-_PP_GAP = rb"(?:[ \t]|/\*(?:[^*]|\*+[^*/])*\*+/|\\\r?\n)*"
-_ANY_INCLUDE = (
-    rb"(?m)^" + _PP_GAP + rb"(?:#|%:|\?\?=)" + _PP_GAP + rb"(?:include|include_next|import)"
-    rb"(?=" + _PP_GAP + rb"[\"<A-Za-z_])"  # (a name follows: not "#include's" in prose)
-)
-_PLAIN_INCLUDE = rb'(?m)^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*["<A-Za-z_]'
 _HAS_INCLUDE = rb'__has_include(_next)?\s*\(\s*(?:"([^"\n]+)"|<([^>\n]+)>)\s*\)'
 _COMPUTED_HAS_INCLUDE = rb'__has_include(?:_next)?\s*\(\s*[^"<\s]'
 _HAS_INCLUDE_WRAPPER = (
@@ -2247,12 +2235,26 @@ _HAS_INCLUDE_WORD = rb"(?<![A-Za-z0-9_])__has_include(?:_next)?(?![A-Za-z0-9_])"
 _LITERAL_OR_COMMENT = rb'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/\*.*?\*/|//[^\n]*'
 
 
-def _unread_includes(data: bytes) -> bool:
-    """Whether ``data`` has an include directive whose name ``_QUOTED_INCLUDE`` does not
-    read (``#include /* why */ "x.h"``, ``%:include "x.h"``, a line continued)."""
-    if b"include" not in data and b"import" not in data:
-        return False
-    return len(re.findall(_ANY_INCLUDE, data)) > len(re.findall(_PLAIN_INCLUDE, data))
+def _include_text(data: bytes) -> bytes:
+    """``data`` as the preprocessor reads its include directives: lines continued by a
+    backslash joined, comments blanked (string literals kept), ``%:`` and ``??=``
+    starting a line read as ``#``.  ``#include /* why */ "x.h"``, ``%:include``,
+    ``#inc\\<newline>lude`` and ``"x\\<newline>.h"`` are then plain directives the
+    patterns read; read as they are, x.h made beside them later hit."""
+    text = data
+    if b"\\\n" in text or b"\\\r\n" in text:
+        text = re.sub(rb"\\\r?\n", b"", text)
+    if b"/*" in text or b"//" in text:
+        # (one pass, left to right: a comment ends at its first */, a literal is kept)
+        text = re.sub(_LITERAL_OR_COMMENT, _blank_comment, text, flags=re.S)
+    if b"%:" in text or b"??=" in text:
+        text = re.sub(rb"(?m)^([ \t]*)(?:%:|\?\?=)", rb"\1#", text)
+    return text
+
+
+def _blank_comment(found: re.Match[bytes]) -> bytes:
+    """A comment ``_LITERAL_OR_COMMENT`` found as a blank; a literal as it is."""
+    return found[0] if found[0][:1] in b"\"'" else b" "
 
 
 def _negative_lookups(
@@ -2327,8 +2329,9 @@ def _negative_lookups(
     reached = {_tidy(name) for name in forced}  # (found beside a file, not on the list)
     for path, data in reads.items():
         beside = os.path.dirname(path)
-        quoted_names = [os.fsdecode(raw) for raw in re.findall(_QUOTED_INCLUDE, data)]
-        if re.search(_COMPUTED_INCLUDE, data) or _unread_includes(data):
+        text = _include_text(data)
+        quoted_names = [os.fsdecode(raw) for raw in re.findall(_QUOTED_INCLUDE, text)]
+        if re.search(_COMPUTED_INCLUDE, text):
             # A name a macro gives is not in the text: every name found, beside it.
             quoted_names += names
             reached.update(

@@ -41,19 +41,19 @@ _PRAGMA_WORDS = {
 # Assembler directives of a line table: the assembler names the working folder in
 # the object's .debug_line for them, with or without -g.
 LINE_DIRECTIVES = frozenset({".file", ".loc"})
-# An assembler directive in a source, a header or an asm string: after a line's
-# start, a blank, a quote, ';', ':' or a C escape ("\n.loc"), then blanks or C
-# escapes (".incbin\t\"x\"", ".incbin \042x\042") up to what it takes: a
-# quoted name (.incbin, .include), a number or a quoted name (.file), a number (.loc).
-# A member "x.include", or ".include" ending a comment's line, is none.  Or a
-# macro defined as the directive alone (#define INCBIN .incbin).
+# An assembler directive in a source, a header or an asm string, as the assembler
+# may be given it: not after a letter (a member "cfg.include" is none) unless that
+# ends a C escape ("\t.include"), then blanks or C escapes (\t, \x20, \042)
+# before what it takes.  .include before a quote, a backslash or a name (a quoted
+# name, a macro, a continued line; not a comment's ".include" ending its line, nor
+# "`.include` directives" in a doc comment); .file before a number (.file "x.c"
+# alone names a symbol, no line table); .loc.  .incbin is found as its word alone,
+# anywhere: a macro may give it its name (.incbin DATA).
+_AFTER = rb"(?:(?<![a-z_$])|(?<=\\[a-z]))\."
 _GAP = rb"(?:[ \t]|\\[a-z0-9]+)*"
-_QUOTE = rb'(?:\\?"|\\042|\\x22)'
 _DIRECTIVE = (
-    rb"(?m)(?:^|[\s\";:]|\\[a-z0-9])\."
-    rb"(?:(incbin|include)" + _GAP + _QUOTE + rb"|(file)" + _GAP + rb"(?:[0-9]|" + _QUOTE + rb")"
-    rb"|(loc)" + _GAP + rb"[0-9])"
-    rb"|^[ \t]*#[ \t]*define[ \t]+\w+[ \t]+\.(incbin|include)[ \t]*\r?$"
+    _AFTER + rb"(?:(include)(?![\w$])" + _GAP + rb"(?=[\"\\a-z_])"
+    rb"|(file)" + _GAP + rb"[0-9]|(loc)" + _GAP + rb"[0-9])"
 )
 _PRAGMA_DEPENDENCY = rb"\b(?:GCC|clang)(?:\s|\\\r?\n)+dependency\b"
 
@@ -65,7 +65,9 @@ def directives_in(data: bytes) -> list[str]:
     if b"dependency" in data and re.search(_PRAGMA_DEPENDENCY, data) is not None:
         named.add("#pragma GCC dependency")
     lowered = data.lower()
-    if b".inc" in lowered or b".file" in lowered or b".loc" in lowered:
+    if b"incbin" in lowered:
+        named.add(".incbin")
+    if b".include" in lowered or b".file" in lowered or b".loc" in lowered:
         for groups in re.findall(_DIRECTIVE, lowered):
             named.update("." + group.decode() for group in groups if group)
     return sorted(named)
