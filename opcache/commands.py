@@ -155,7 +155,10 @@ def _open_cache(args: argparse.Namespace, changes: str | None = None) -> OpCache
                 else ""
             )
         )
-    return OpCache(settings)
+    cache = OpCache(settings)
+    if changes is not None:
+        cache._store.makes_bookkeeping = False  # (checked above; one swapped in since: none)
+    return cache
 
 
 def _holds_a_cache(root: Path) -> bool:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, ToyCompiler, entry_dirs, make_request
+from helpers_cache import SOC, ToyCompiler, entry_dirs, make_request, run_script
 from helpers_cann import base
 
 import opcache
@@ -175,6 +175,72 @@ def test_a_root_that_opcache_never_stored_in_is_not_changed(base, tmp_path, caps
     assert _tree(root) == before
 
 
+@pytest.mark.parametrize("command", [["verify"], ["age"], ["stats", "--zero"], ["clear"]])
+def test_a_folder_put_in_the_roots_place_after_the_check_gets_nothing(
+    cache_dir, tmp_path, capsys, monkeypatch, command
+) -> None:
+    """Another member of a team folder renames the cache away and a private folder
+    into its name just after the command checked the root: nothing is written in
+    it, nor deleted (the command fails with one line)."""
+    from opcache import commands
+
+    fill(cache_dir, tmp_path, 2)
+    root = cache_dir / "kernel_cache"
+    private = tmp_path / "private"
+    (private / "src").mkdir(parents=True)
+    (private / "src" / "main.c").write_text("int main;\n")
+    real = commands.OpCache
+
+    def swapped(settings, *args, **kwargs):  # type: ignore[no-untyped-def]
+        root.rename(tmp_path / "cache.away")
+        private.rename(root)
+        return real(settings, *args, **kwargs)
+
+    monkeypatch.setattr(commands, "OpCache", swapped)
+    status, _, err = run(capsys, *command, "--op_compiler_cache_dir", str(cache_dir))
+    assert _tree(root) == {"src": None, "src/main.c": b"int main;\n"}
+    assert status in (0, 1) and "Traceback" not in err, err
+
+
+def test_a_store_while_clear_takes_the_parts_is_counted(
+    cache_dir, tmp_path, capsys, monkeypatch
+) -> None:
+    """clear moves a chip's buckets, then its counters: a store of another process
+    in between waits for it (the counting lock), then is stored and counted."""
+    from opcache.storage import local
+
+    fill(cache_dir, tmp_path, 3)
+    root = cache_dir / "kernel_cache"
+    key = "ee" + "0" * 30
+    storer = []
+    rename = local._rename_if_there
+
+    def counters_last(src, src_dir_fd, dst, dst_dir_fd):  # type: ignore[no-untyped-def]
+        if src == local.SIZE_FOLDER and not storer:
+            storer.append(
+                run_script(
+                    "import time\n"
+                    "from opcache.storage.entry import make_manifest\n"
+                    "from opcache.storage.local import LocalStore\n"
+                    f"store, files = LocalStore({str(root)!r}), {{'a.o': b'x' * 1000}}\n"
+                    f"manifest = make_manifest({key!r}, files, 1.0, {{}}, time.time())\n"
+                    f"store.put({SOC!r}, {key!r}, manifest, files, now=time.time())\n",
+                    wait=False,
+                )
+            )
+            time.sleep(0.5)  # (time for it to store, if nothing holds it off)
+        return rename(src, src_dir_fd, dst, dst_dir_fd)
+
+    monkeypatch.setattr(local, "_rename_if_there", counters_last)
+    names = local._names
+    monkeypatch.setattr(local, "_names", lambda fd: sorted(names(fd), key=lambda n: n == "_size"))
+    assert run(capsys, "clear", "--op_compiler_cache_dir", str(cache_dir))[0] == 0
+    assert storer[0].wait(timeout=60) == 0
+    store = LocalStore(root)
+    assert (root / SOC / "ee" / key).is_dir()  # (there, and served)
+    assert store.used(SOC)[0] == 1
+
+
 def test_clear_takes_only_what_opcache_made_in_a_chip_folder(cache_dir, tmp_path, capsys) -> None:
     """A cache root shared with CANN (its kernels beside opcache's buckets), or a root
     named by mistake that one compile stored in (a home: ~/db/schema.sql): clear
@@ -198,8 +264,9 @@ def test_clear_takes_only_what_opcache_made_in_a_chip_folder(cache_dir, tmp_path
     assert all(path.read_bytes() == data for path, data in mine.items())
     left = {key for key in keys if (chip / key[:2] / key).exists()}
     assert left == {keys[0]}  # (its bucket holds a file of yours: left whole)
-    assert not (chip / "_size").exists()
     assert f"{chip}: left" in err
+    status, out, _ = run(capsys, "stats", "--json", "--op_compiler_cache_dir", str(cache_dir))
+    assert json.loads(out)["chips"][SOC]["entries"] == 1  # (counted again: the one kept)
 
 
 def test_folders_named_as_no_chip_are_left_alone(cache_dir, tmp_path, capsys) -> None:

@@ -119,6 +119,10 @@ class LocalStore:
         # An entry whose manifest says more is corrupt, its artifacts never read
         # (a shared folder's remote sets it: held to its size cap as any remote is).
         self.max_entry_bytes: int | None = None
+        # False for maintenance, which works only in a cache opcache stored in: a
+        # folder put in the root's place since the command checked it (renames in a
+        # team folder) gets no .opcache, and nothing of its is worked on.
+        self.makes_bookkeeping = True
         book = self.root / BOOKKEEPING
         self.tmp_dir = book / "tmp"
         self.trash_dir = book / "trash"
@@ -227,7 +231,16 @@ class LocalStore:
         fd, where = root_fd, self.root
         try:
             for part in (BOOKKEEPING, *parts):
-                child = self._open_dir(part, fd, where, create=create, trusted=trusted)
+                made = create and (part != BOOKKEEPING or self.makes_bookkeeping)
+                try:
+                    child = self._open_dir(part, fd, where, create=made, trusted=trusted)
+                except FileNotFoundError:
+                    if made or part != BOOKKEEPING:
+                        raise
+                    raise FileNotFoundError(
+                        errno.ENOENT,
+                        f"no cache in {self.root}: it holds no {BOOKKEEPING} folder (moved away?)",
+                    ) from None
                 if fd != root_fd:
                     os.close(fd)
                 fd, where = child, where / part
@@ -1211,24 +1224,31 @@ class LocalStore:
         or a folder of yours in a root named by mistake: ``~/db/schema.sql``), and so
         does the chip folder then.  True if anything was moved."""
         where = f"{self.root}/{soc}"
-        chip_fd = self._open_dir(soc, root_fd, self.root, create=False)
-        try:
-            names = _names(chip_fd)
-            own = [name for name in names if _own_part(name, chip_fd)]
-            for name in own:
-                if folder is None:  # (no trash folder of ours: each part deleted now)
-                    _into_trash(name, chip_fd, trash_fd, None, later=False)
-                else:
-                    _rename_if_there(name, chip_fd, name, folder[1])
-            left = len(names) - len(own)
-        finally:
-            os.close(chip_fd)
-        if left:
-            what = "a file or folder" if left == 1 else f"{left} files and folders"
-            log.warning("%s: left %s opcache did not make there", where, what)
-        else:
-            with contextlib.suppress(OSError):  # (a store may have begun meanwhile)
+        # Stores held off meanwhile: the buckets and their counters go together, as
+        # when the whole folder went in one rename.
+        with self.counting_paused(soc):
+            chip_fd = self._open_dir(soc, root_fd, self.root, create=False)
+            try:
+                names = _names(chip_fd)
+                own = [name for name in names if _own_part(name, chip_fd)]
+                for name in own:
+                    if folder is None:  # (no trash folder of ours: each part deleted now)
+                        _into_trash(name, chip_fd, trash_fd, None, later=False)
+                    else:
+                        _rename_if_there(name, chip_fd, name, folder[1])
+            finally:
+                os.close(chip_fd)
+        left = [name for name in names if name not in own]
+        if not left:
+            with contextlib.suppress(OSError):  # (a store may have begun since)
                 os.rmdir(soc, dir_fd=root_fd)
+            return bool(own)
+        what = "a file or folder" if len(left) == 1 else f"{len(left)} files and folders"
+        log.warning("%s: left %s opcache did not make there", where, what)
+        if any(_BUCKET.fullmatch(name) for name in left):
+            # A bucket kept for a file of someone else's keeps its entries, which the
+            # counters gone with the rest no longer count.
+            self.recount(soc)
         return bool(own)
 
     def _check_bookkeeping(self, root_fd: int) -> None:
