@@ -288,16 +288,17 @@ class CannCache:
         return fd
 
     def _check_cann_root(self, root_fd: int, deletes: str) -> None:
-        """NoCannCache unless the root holds op_cache.ini, a file: CANN writes it at its
-        first compile there (and wipes a chip folder it finds without one).  A chip
-        folder is any folder named as a chip may be (``src``): a folder of yours put
-        under the root's name (by renames in a team folder) must not lose its
-        ``util.h`` and ``main.o`` as orphans."""
+        """NoCannCache unless the root holds op_cache.ini (a file, or a link: an admin's
+        shared one, which CANN reads through realpath).  CANN writes it at its first
+        compile there, and wipes a chip folder it finds without one.  A chip folder
+        is any folder named as a chip may be (``src``): a folder of yours put under
+        the root's name (by renames in a team folder) must not lose its ``util.h``
+        and ``main.o`` as orphans."""
         try:
             st = os.stat(INI_NAME, dir_fd=root_fd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
-        if st is None or not stat.S_ISREG(st.st_mode):
+        if st is None or not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
             raise NoCannCache(
                 f"no CANN kernel cache at {self.root}: it holds no {INI_NAME}, which CANN "
                 f"writes at its first compile there, so nothing in it is {deletes}"
