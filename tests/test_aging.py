@@ -304,6 +304,23 @@ def test_a_hit_writes_a_stamp_when_aging_is_on(
     assert stamp(root, key) == T0 + 30 * 86400
 
 
+def _holding(locks: list[Path], tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Another process holding ``locks`` (flock, made if missing) until killed."""
+    ready = tmp_path / "holding"
+    holder = run_script(
+        f"""
+import fcntl, os, pathlib, time
+for path in {[str(lock) for lock in locks]!r}:
+    fcntl.flock(os.open(path, os.O_RDWR | os.O_CREAT, 0o640), fcntl.LOCK_EX)
+pathlib.Path({str(ready)!r}).touch()
+time.sleep(60)
+""",
+        wait=False,
+    )
+    wait_for(ready)
+    return holder
+
+
 def test_cleanup_lock_held_by_another_process_skips_the_pass(
     tmp_path: Path, root: Path, compiler: ToyCompiler
 ) -> None:
@@ -311,20 +328,8 @@ def test_cleanup_lock_held_by_another_process_skips_the_pass(
     settings = limited(tmp_path)
     with opcache.OpCache(settings, clock=clock) as cache:
         keys = fill(cache, compiler, clock, tmp_path / "o")
-    lock = root / ".opcache" / "locks" / f"{SOC}.cleanup"
-    ready = tmp_path / "holding"
-    holder = run_script(
-        f"""
-import fcntl, os, pathlib, time
-fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o640)
-fcntl.flock(fd, fcntl.LOCK_EX)
-pathlib.Path({str(ready)!r}).touch()
-time.sleep(60)
-""",
-        wait=False,
-    )
+    holder = _holding([root / ".opcache" / "locks" / f"{SOC}.cleanup"], tmp_path)
     try:
-        wait_for(ready)
         clock.now = T0 + 7200
         with opcache.OpCache(settings, clock=clock) as cache:
             # The compile is not blocked by the held lock either.
@@ -368,21 +373,10 @@ def test_a_member_holding_the_size_counters_neither_stalls_nor_overtrims_aging(
     settings = limited(tmp_path)
     with opcache.OpCache(settings, clock=clock) as cache:
         keys = fill(cache, compiler, clock, tmp_path / "o")
-    shards = sorted(str(p) for p in (root / SOC / "_size").glob("*.lock"))
+    shards = sorted((root / SOC / "_size").glob("*.lock"))
     assert shards
-    ready = tmp_path / "holding"
-    holder = run_script(
-        f"""
-import fcntl, os, pathlib, time
-for path in {shards!r}:
-    fcntl.flock(os.open(path, os.O_RDWR), fcntl.LOCK_EX)
-pathlib.Path({str(ready)!r}).touch()
-time.sleep(60)
-""",
-        wait=False,
-    )
+    holder = _holding(shards, tmp_path)
     try:
-        wait_for(ready)
         clock.now = T0 + 7200
         with opcache.OpCache(settings, clock=clock) as cache:
             report = cache.age()

@@ -9,6 +9,7 @@ hit, so a "hit", or the planted bytes in ``out_dir``, is the failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import pwd
 import shutil
 import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -714,52 +716,55 @@ def test_an_outsider_cannot_plant_in_a_team_cache_held_by_a_folder_anyone_writes
         }  # fmt: skip
 
 
-@pytest.mark.skipif(
+needs_useradd = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd"), reason="needs root and useradd"
 )
+
+
+@contextlib.contextmanager
+def _private_group_user(other: str) -> Iterator[tuple[pwd.struct_passwd, str]]:
+    """A user with a private group of its name (useradd -U), and the name ``other``
+    for a second user the test makes; both, and the group, removed after."""
+    tag = f"{os.getpid() % 100000}"
+    owner, other = f"opcpriv{tag}", f"{other}{tag}"
+    subprocess.run(["useradd", "-M", "-U", owner], check=True, capture_output=True)
+    try:
+        yield pwd.getpwnam(owner), other
+    finally:
+        trust._private.clear()
+        subprocess.run(["userdel", other], capture_output=True)
+        subprocess.run(["userdel", owner], capture_output=True)
+        subprocess.run(["groupdel", owner], capture_output=True)
+
+
+@needs_useradd
 def test_a_member_added_to_a_private_group_is_found_by_a_long_lived_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A server runs for hours: once PRIVATE_GROUP_SECONDS have gone, a group that
     gained a member is no private group any more (its 0664 files are not trusted)."""
-    tag = f"{os.getpid() % 100000}"
-    owner, other = f"opcpriv{tag}", f"opcmem{tag}"
     now = [1000.0]
     monkeypatch.setattr(trust, "_clock", lambda: now[0])
     trust._private.clear()
-    subprocess.run(["useradd", "-M", "-U", owner], check=True, capture_output=True)
-    try:
-        user = pwd.getpwnam(owner)
+    with _private_group_user("opcmem") as (user, other):
         assert trust.private_group(user.pw_uid, user.pw_gid)
-        subprocess.run(["useradd", "-M", "-G", owner, other], check=True, capture_output=True)
+        subprocess.run(
+            ["useradd", "-M", "-G", user.pw_name, other], check=True, capture_output=True
+        )
         now[0] += trust.PRIVATE_GROUP_SECONDS - 1
         assert trust.private_group(user.pw_uid, user.pw_gid)  # (kept a while: not asked)
         now[0] += 1
         assert not trust.private_group(user.pw_uid, user.pw_gid)
-    finally:
-        trust._private.clear()
-        subprocess.run(["userdel", other], capture_output=True)
-        subprocess.run(["userdel", owner], capture_output=True)
-        subprocess.run(["groupdel", owner], capture_output=True)
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("useradd"), reason="needs root and useradd"
-)
+@needs_useradd
 def test_a_group_another_user_has_as_primary_group_is_no_private_group() -> None:
     """'useradd -g alice mallory' makes mallory a member of alice's group without
     listing her in it: a 0664 file of alice's was trusted, and mallory could write it."""
-    tag = f"{os.getpid() % 100000}"
-    owner, other = f"opcpriv{tag}", f"opcmal{tag}"
-    subprocess.run(["useradd", "-M", "-U", owner], check=True, capture_output=True)
-    try:
-        user = pwd.getpwnam(owner)
+    with _private_group_user("opcmal") as (user, other):
         assert trust.private_group(user.pw_uid, user.pw_gid)
         trust._private.clear()
-        subprocess.run(["useradd", "-M", "-g", owner, other], check=True, capture_output=True)
+        subprocess.run(
+            ["useradd", "-M", "-g", user.pw_name, other], check=True, capture_output=True
+        )
         assert not trust.private_group(user.pw_uid, user.pw_gid)
-    finally:
-        trust._private.clear()
-        subprocess.run(["userdel", other], capture_output=True)
-        subprocess.run(["userdel", owner], capture_output=True)
-        subprocess.run(["groupdel", owner], capture_output=True)
