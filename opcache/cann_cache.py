@@ -230,13 +230,14 @@ class CannCache:
         ``kept_accessed``; empty without): about 80 bytes an entry, 40 MB for
         half a million removed.
         """
-        work = lambda fd: self._age_chip(fd, dry_run, names)  # noqa: E731
-        return self._each_chip(soc, work, deletes=None if dry_run else "aged")
+        return self._each_chip(
+            soc, lambda fd: self._age_chip(fd, dry_run, names), deletes=None if dry_run else "aged"
+        )
 
     def verify(self, soc: str | None = None, *, fix: bool = False) -> dict[str, object]:
         """Find corrupt entries, orphans, stale temps, old prebuild results (``fix``: remove)."""
-        work = lambda fd: self._verify_chip(fd, fix)  # noqa: E731
-        return self._each_chip(soc, work, deletes="fixed" if fix else None)
+        deletes = "fixed" if fix else None
+        return self._each_chip(soc, lambda fd: self._verify_chip(fd, fix), deletes=deletes)
 
     # -- folders ---------------------------------------------------------------
 
