@@ -72,6 +72,14 @@ _files_there = False
 # Compiles run in <out_dir>/.opcache-build.<host>.<pid>.<random>/.opcache-work.<random>,
 # the outer folder locked while they run (the inner one marks it as opcache's).
 _BUILD_LABEL = ".opcache-build"
+# An out_dir is looked through for the build folders of dead compiles at most this
+# often per process: a listing per miss made each miss into a folder of N files
+# cost O(N) (CANN's kernel_meta holds a whole model's kernels: 10,000 files made
+# a miss 4.5 ms of CPU, not 0.9).  A dead compile's folder waits a minute more.
+_SWEEP_EVERY = 60.0
+_SWEPT_MOST = 4096  # out_dirs remembered (then forgotten all at once: a sweep each again)
+_swept: dict[str, float] = {}  # out_dir as given -> when this process last looked through it
+_sweep_clock = time.monotonic
 # Tries to make a build folder, or a hit's file, in an out_dir that vanishes
 # meanwhile: each compile failing into it removes the out folder it made, which
 # another just found there.
@@ -740,11 +748,25 @@ def _build_folder_in(out: Path) -> tuple[Workdir, list[Path]]:
             if len(missing) > len(made):
                 made[:] = missing
         else:
-            remove_abandoned(out, time.time(), _BUILD_LABEL)
+            _sweep(out)
         # Marked: only a folder holding the mark is taken for a dead compile's there.
         return new_build_folder(out, _BUILD_LABEL, 0o700, marked=True)
 
     return _made_again_if_it_vanishes(make), made
+
+
+def _sweep(out: Path) -> None:
+    """Remove the build folders dead compiles left in ``out``, unless this process
+    looked through it less than ``_SWEEP_EVERY`` seconds ago."""
+    now = _sweep_clock()
+    name = str(out)
+    last = _swept.get(name)
+    if last is not None and now - last < _SWEEP_EVERY:
+        return
+    if len(_swept) >= _SWEPT_MOST:
+        _swept.clear()
+    _swept[name] = now
+    remove_abandoned(out, time.time(), _BUILD_LABEL)
 
 
 def _made_again_if_it_vanishes(make: Callable[[], _T]) -> _T:

@@ -1,8 +1,9 @@
 """What a compile leaves in its out_dir besides the artifacts: nothing.
 
 The compiler runs in a build folder inside out_dir, locked while it runs; a
-compile killed there leaves the folder, and the next compile into that out_dir
-removes it (only once its writer is dead, and nothing else).  A failed compile
+compile killed there leaves the folder, and a later compile into that out_dir
+removes it (only once its writer is dead, and nothing else; a process looks
+through an out_dir at most once a minute).  A failed compile
 leaves no out_dir it made.
 """
 
@@ -27,9 +28,18 @@ def build_folders(out: Path) -> list[Path]:
     return sorted(out.glob(".opcache-build.*"))
 
 
-def test_a_killed_compiles_build_folder_goes_with_the_next_compile_into_its_out_dir(
-    tmp_path: Path,
+def a_minute_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Move this process's clock for looking through out_dirs on by a minute: one
+    looked through a moment ago is looked through again at the next compile."""
+    now = flow._sweep_clock()
+    monkeypatch.setattr(flow, "_sweep_clock", lambda: now + flow._SWEEP_EVERY)
+
+
+def test_a_killed_compiles_build_folder_goes_with_a_compile_into_its_out_dir_a_minute_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A process looks through an out_dir at its first compile into it, then once a
+    minute at most: a listing per compile made a miss into a folder of N files O(N)."""
     with compiling_half_way(tmp_path) as child:
         out = tmp_path / "out" / f"{child.pid}-0"
         (live,) = build_folders(out)
@@ -53,16 +63,19 @@ def test_a_killed_compiles_build_folder_goes_with_the_next_compile_into_its_out_
             assert child.exitcode == -signal.SIGKILL
             assert build_folders(out) == sorted([live, *others[2:]])
             assert cache.compile(make_request(2), compiler, out).status == "miss"
+            assert live.is_dir()  # (looked through a moment ago)
+            a_minute_later(monkeypatch)
+            assert cache.compile(make_request(3), compiler, out).status == "miss"
         assert not live.exists()
         assert all(folder.is_dir() for folder in others)
         assert (out / "user.o").read_bytes() == b"mine"
-        for index in (1, 2):
+        for index in (1, 2, 3):
             for name, data in expected_files(make_request(index)).items():
                 assert (out / name).read_bytes() == data
 
 
 def test_another_hosts_build_folder_still_written_in_is_not_taken_for_dead(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over NFS without locks, another host's build folder is judged by its age.  Its
     compiler writes in the inner marked folder, whose time moves; the outer folder's
@@ -80,6 +93,7 @@ def test_another_hosts_build_folder_still_written_in_is_not_taken_for_dead(
         cache.compile(make_request(0), ToyCompiler(tmp_path / "calls"), out)
     assert (work / "half.o").read_bytes() == b"half"
     os.utime(work, (old, old))  # (and no longer written in either: dead)
+    a_minute_later(monkeypatch)
     with opcache.OpCache(settings_for(tmp_path)) as cache:
         cache.compile(make_request(1), ToyCompiler(tmp_path / "calls"), out)
     assert not live.exists()

@@ -7,7 +7,8 @@ machines are noisy).  Scenarios:
 1. library hit (4 KB, 100 KB, 2 MB artifacts) vs the floor (read, XXH3, write
    with plain Python) and diskcache.Cache
 2. hit and store cost at 1,000 and at 100,000 entries in one chip folder
-3. store: the cost of a miss beyond the compile itself
+3. store: the cost of a miss beyond the compile itself; and a 4 KB miss into an
+   out_dir already holding 10,000 files against one into an empty out_dir
 4. aging: a pass under the limit, and trimming 100,000 entries
 5. wrap: `opcache wrap -- gcc` hit vs `ccache gcc` hit, plain gcc, `python -c pass`,
    all from the bench's own install (an editable one's import hook slows every
@@ -358,6 +359,34 @@ def bench_store(report: Report, tmp: Path, repeat: int) -> None:
     print("3. store: a miss's cost beyond the compile (pre-made bytes) vs the floor")
     for label, size in SIZES.items():
         _bench_store_size(report, tmp / f"store-{label}", label, size, repeat)
+    _bench_full_out_dir(report, tmp / "store-full", repeat)
+
+
+def _bench_full_out_dir(report: Report, folder: Path, repeat: int, files: int = 10_000) -> None:
+    """A miss into an out_dir of ``files`` files (CANN's kernel_meta holds a model's
+    kernels) against one into an empty out_dir, in turns: flat, unless a miss
+    does something per file already there."""
+    compiler = PremadeCompiler(SIZES["4KB"])
+    cache = opcache.OpCache(settings_for(folder))
+    full = folder / "full"
+    full.mkdir(parents=True)
+    for n in range(files):
+        (full / f"te_kernel_{n}.o").write_bytes(b"")
+    counter = iter(range(10**9))
+    times = timeit_side_by_side(
+        {
+            "empty": lambda: cache.compile(
+                request(next(counter)), compiler, folder / "empty" / str(next(counter))
+            ),
+            "full": lambda: cache.compile(request(next(counter)), compiler, full),
+        },
+        repeat,
+    )
+    ratio = statistics.median(times["full"]) / statistics.median(times["empty"])
+    report.add("store", "miss 4KB into an empty out_dir", times["empty"])
+    name = f"miss 4KB into an out_dir of {files:,} files"
+    report.add("store", name, times["full"], vs_empty=ratio)
+    cache.close()
 
 
 def _bench_store_size(report: Report, folder: Path, label: str, size: int, repeat: int) -> None:
