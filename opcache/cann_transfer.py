@@ -47,6 +47,10 @@ folder holds files (of unknown versions: the ini would make CANN keep them).
 The ini is looked at again after each entry is shown, its lock held
 (``IniMark``): a CANN of another toolkit rewrites it, then wipes the folder,
 and would take an entry written after as its own; the writing stops there.
+The driver and the custom packages (``InputsMark``) are looked at again every
+``_INPUTS_EVERY`` seconds and at the end: once they changed, the entries
+written since they were last seen unchanged are taken out, and the writing
+stops.  An entry is taken only if its manifest names the folder's versions.
 
 **The remote's keys.**  Per chip, the head of its index, ``cann:<soc>`` /
 ``#index2``: the namespaces pushed, and when a push last wrote or confirmed each
@@ -227,7 +231,13 @@ def local_namespace(
     the entries written since it last changed (``IniMark``).  Refused when the
     ini is invalid.
     """
-    driver = driver_version(environ) or "none"
+    try:
+        driver = driver_version(environ, strict=True) or "none"
+    except OSError as e:
+        raise Refused(
+            f"the driver's version.info cannot be read ({e.strerror or e}): which driver "
+            "this machine has cannot be told"
+        ) from None
     custom = custom_opp_digest(environ) or ""
     path = root / INI_NAME
     in_ini = ini_versions(path, shared_group)
@@ -407,18 +417,20 @@ def giving_namespace(
 
 def taking_namespace(
     root: Path, soc: str, environ: Mapping[str, str], shared_group: int | None
-) -> tuple[Namespace, IniMark | None]:
-    """The namespace of a chip folder that takes entries (pull, import), and the mark of
+) -> tuple[Namespace, IniMark | None, InputsMark]:
+    """The namespace of a chip folder that takes entries (pull, import), the mark of
     the op_cache.ini it was read from (None when there is none yet: ``create_ini``
-    makes it).  Refused when the ini changed while read."""
+    makes it), and the mark of the driver and custom packages it was digested from
+    (the writer stops when they change).  Refused when the ini changed while read."""
     path = root / INI_NAME
     before = _stamp(path)
+    inputs = InputsMark(environ)  # (before the digest, as giving_namespace marks them)
     ns, missing = local_namespace(root, soc, environ, shared_group, taking=True)
     if missing:
-        return ns, None
+        return ns, None, inputs
     if before is None or _stamp(path) != before:
         raise Refused(f"{path} changed while it was read (a toolkit change?): run it again")
-    return ns, IniMark(path, before)
+    return ns, IniMark(path, before), inputs
 
 
 def create_ini(path: Path, ns: Namespace, shared_group: int | None = None) -> tuple[IniMark, bool]:
@@ -719,25 +731,74 @@ TOOLKIT_CHANGED = (
     "stopped: op_cache.ini changed while entries went in (the folder's toolkit changed? "
     "CANN then wipes the folder, and would take what is written after as its own)"
 )
+INPUTS_CHANGED_TAKING = (
+    "stopped: the driver or a custom operator package changed while entries went in: "
+    "those written since it was last seen unchanged are taken out again"
+)
+WITHDRAWN = "the driver or a custom operator package changed while it went in"
+NOT_THIS_NAMESPACE = "its versions are not this folder's"
+# How often a writer looks at the driver and custom packages again (a stat of each of
+# their files): the entries written in between are taken out when they changed.
+_INPUTS_EVERY = 0.5
 
 
 class _Writer:
-    """Stores bundles into a chip folder open as ``fd`` as CANN stores (module docstring)."""
+    """Stores bundles into a chip folder open as ``fd`` as CANN stores (module docstring).
 
-    def __init__(self, fd: int, limits: Limits, report: dict, ini: IniMark) -> None:
+    ``ns``'s versions are the only ones it takes (``write_given``).  Its driver
+    and custom packages (``inputs``, marked before ``ns`` was digested) are
+    looked at again every ``_INPUTS_EVERY`` seconds and when the writing ends
+    (``finish``): once they changed, the entries written since they were last
+    seen unchanged are taken out and nothing more is written.  Kept, such an
+    entry (of the old driver, dated after the new one) would be pushed as the
+    new one's.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        limits: Limits,
+        report: dict,
+        ini: IniMark,
+        inputs: InputsMark,
+        ns: Namespace,
+    ) -> None:
         self.fd = fd
         self.used = chip_used(fd)  # (the folder's names not held: ``has`` asks it)
         self.limit = limits.max_bytes
         self.report = report
         self.ini = ini
+        self.inputs = inputs
+        self.versions = canonical_json(ns.versions())
         self.stopped: str | None = None  # why nothing more is written, once so
         self._parked: list[int] = []
+        # The entries written since the inputs were last seen unchanged: (kernel,
+        # bytes, (name, device, inode) of each file).
+        self._unconfirmed: list[tuple[str, int, list[tuple[str, int, int]]]] = []
+        self._confirmed_at = time.monotonic()
 
     def close(self) -> None:
         """Close the lock files kept open (``_locked``); call it once the writes are done."""
         for fd in self._parked:
             os.close(fd)
         self._parked.clear()
+
+    def finish(self) -> None:
+        """Once the writing is done: the entries written since the inputs were last
+        seen unchanged are taken out if they changed meanwhile."""
+        try:
+            self._confirm()
+        except _Stop as e:
+            self._stop(e)
+
+    def write_given(self, kernel: str, manifest: bytes, files: dict[str, bytes]) -> None:
+        """``write`` of an entry a remote or an archive gave, with its manifest: refused
+        unless the manifest names this folder's versions (a remote that files one
+        namespace's value under another's, a mirror out of step, an archive's)."""
+        if _versions_of(manifest) != self.versions:
+            self._bad(kernel, NOT_THIS_NAMESPACE)
+            return
+        self.write(Bundle(kernel, _atime_of(manifest), files))
 
     def has(self, kernel: str) -> bool:
         return fsutil.lexists(f"{kernel}.json", self.fd)
@@ -787,7 +848,35 @@ class _Writer:
         self.used += bundle.size
         self.report["written"] += 1
         self.report["bytes"] += bundle.size
+        if time.monotonic() - self._confirmed_at >= _INPUTS_EVERY:
+            self._confirm()
         return None
+
+    def _confirm(self) -> None:
+        """Look at the inputs again: unchanged, the entries written so far are theirs;
+        changed, those written since the last look are taken out (_Stop)."""
+        if not self.inputs.changed():
+            self._unconfirmed.clear()
+            self._confirmed_at = time.monotonic()
+            return
+        for kernel, size, files in self._unconfirmed:
+            self._withdraw(files)
+            self.used -= size
+            self.report["written"] -= 1
+            self.report["bytes"] -= size
+            self.report["rejected"].append({"entry": kernel, "why": WITHDRAWN})
+        self._unconfirmed.clear()
+        raise _Stop(INPUTS_CHANGED_TAKING)
+
+    def _withdraw(self, files: list[tuple[str, int, int]]) -> None:
+        """Remove an entry's files (its json first: no entry is seen half gone), each
+        only while it is still the file written (CANN's aging may have removed it,
+        and a compile made another of that name)."""
+        for name, dev, ino in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    os.unlink(name, dir_fd=self.fd)
 
     def has_room(self, size: int) -> bool:
         """Whether an entry of ``size`` bytes leaves the disk its reserve; when not,
@@ -886,6 +975,11 @@ class _Writer:
                 # after is caught here.  (Its kernel names carry no toolkit version: it
                 # would reuse an old toolkit's kernel.)
                 if not self.ini.changed():
+                    files = []  # (json first: taken out, the entry is gone before its files)
+                    for name in reversed(done):
+                        st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                        files.append((name, st.st_dev, st.st_ino))
+                    self._unconfirmed.append((bundle.kernel, bundle.size, files))
                     return None
                 why = stop = TOOLKIT_CHANGED
         except (OSError, OverflowError, ValueError) as e:  # one entry's bad data ends no run
@@ -1642,7 +1736,7 @@ def _pull_chip(
     dry_run: bool,
     progress: Callable[[int], None] | None,
 ) -> dict:
-    ns, mark = taking_namespace(root, soc, environ, settings.shared_group)
+    ns, mark, inputs = taking_namespace(root, soc, environ, settings.shared_group)
     spaces, _ = _read_head(client, soc)
     if ns.ident not in spaces:
         others = [_described(s) for s in spaces.values()]
@@ -1672,8 +1766,9 @@ def _pull_chip(
         if not _fill_lock(held, chip, report):
             return report
         assert mark is not None
-        writer = _Writer(chip.fd, limits, report, mark)
+        writer = _Writer(chip.fd, limits, report, mark, inputs, ns)
         held.callback(writer.close)
+        held.callback(writer.finish)  # (first: its lock files and the folder still held)
         plan = _Plan(client, ns, writer.has, ns.ident in spaces)
         report["present"] = plan.present
         batches = plan.batches()
@@ -1851,7 +1946,7 @@ def _write_batch(writer: _Writer, batch: list[str], got: dict, report: dict) -> 
             continue
         entry, manifest = value[0], value[1]
         try:
-            writer.write(Bundle(kernel, _atime_of(manifest), entry.files))
+            writer.write_given(kernel, manifest, entry.files)
         except _Full:
             report["stopped_at_limit"] = True
             return False
@@ -1964,8 +2059,8 @@ def import_archive(
     env = os.environ if environ is None else environ
     root = cann_root(settings)
     chips: dict[str, object] = {}
-    taking: dict[str, tuple[_Chip, dict, bytes, IniMark]] = {}
-    writers: dict[str, tuple[_Writer, bytes]] = {}
+    taking: dict[str, tuple[_Chip, dict, Namespace, IniMark, InputsMark]] = {}
+    writers: dict[str, _Writer] = {}
     with contextlib.ExitStack() as held:
         reader = held.enter_context(ArchiveReader(Path(path), CANN))
         found = reader.check(lambda manifest: digest(_versions_of(manifest)).encode())
@@ -1973,7 +2068,7 @@ def import_archive(
             if soc_version and soc != soc_version:
                 continue
             try:
-                ns, mark = taking_namespace(root, soc, env, settings.shared_group)
+                ns, mark, inputs = taking_namespace(root, soc, env, settings.shared_group)
                 if {versions for _, _, versions in rows} != {
                     digest(canonical_json(ns.versions())).encode()
                 }:
@@ -1991,27 +2086,25 @@ def import_archive(
                 continue
             held.callback(chip.close)
             assert mark is not None
-            taking[soc] = chip, report, canonical_json(ns.versions()), mark
+            taking[soc] = chip, report, ns, mark, inputs
         # Every chip's ini read (namespaces, limits) before any aging lock is taken: a
         # file opened and closed while one is held may be a hard link to it, which
         # the close would let go of.
         limits = read_limits(root, env, settings.shared_group) if taking else None
-        for soc, (chip, report, versions, mark) in taking.items():
+        for soc, (chip, report, ns, mark, inputs) in taking.items():
             if _fill_lock(held, chip, report):
                 assert limits is not None
-                writers[soc] = (_Writer(chip.fd, limits, report, mark), versions)
-                held.callback(writers[soc][0].close)
+                writers[soc] = _Writer(chip.fd, limits, report, mark, inputs, ns)
+                held.callback(writers[soc].close)
+                held.callback(writers[soc].finish)
         total = sum(len(found[s]) for s in writers)
         # The same open file again, each entry the one checked above.
         for done, (soc, kernel, entry, manifest) in enumerate(reader.entries(), 1):
-            writer, versions = writers.get(soc, (None, b""))
+            writer = writers.get(soc)
             if writer is None or writer.report["stopped_at_limit"] or writer.stopped:
                 continue
-            if _versions_of(manifest) != versions:
-                writer._bad(kernel, "its versions are not this folder's")
-                continue
             try:
-                writer.write(Bundle(kernel, _atime_of(manifest), entry.files))
+                writer.write_given(kernel, manifest, entry.files)
             except _Full:
                 writer.report["stopped_at_limit"] = True
             if progress is not None:

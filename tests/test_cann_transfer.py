@@ -1914,3 +1914,121 @@ def test_entries_listed_after_the_driver_changed_mid_push_are_not_given(machines
     finally:
         client.close()
     assert _cli(a, "push").returncode == 0  # the next run: the new driver's namespace
+
+
+def _changing_at(monkeypatch, entry: int, change) -> None:  # type: ignore[no-untyped-def]
+    """``change()`` run as the writer of a pull or an import comes to its ``entry``-th
+    entry: an administrator installing a driver or a package meanwhile."""
+    write = cann_transfer._Writer.write
+    seen = [0]
+
+    def writing(self, bundle):  # type: ignore[no-untyped-def]
+        seen[0] += 1
+        if seen[0] == entry:
+            change()
+        return write(self, bundle)
+
+    monkeypatch.setattr(cann_transfer._Writer, "write", writing)
+
+
+@pytest.mark.parametrize("how", ["pull", "import"])
+@pytest.mark.parametrize("what", ["driver", "custom package"])
+@pytest.mark.parametrize("every", ["default", "each entry"])
+def test_a_driver_or_package_changed_while_entries_go_in_leaves_none_to_push_as_the_new(
+    machines, tmp_path, monkeypatch, how, what, every
+):
+    """Entries written after the change are the old driver's or package's, dated after
+    the new one: a push filed them under the new namespace, and every machine with the
+    new one pulled kernels of the old.  Now the writer stops, and those written since
+    it last saw the inputs unchanged are taken out; the ones it saw confirmed (written
+    before the change) stay, and no push gives them (older than the change)."""
+    a, b = machines
+    _custom_package(a, b"tiling v1")
+    _custom_package(b, b"tiling v1")
+    write_ini(b.root)
+    kernels = _fill(a, 12)
+    if every == "each entry":
+        monkeypatch.setattr(cann_transfer, "_INPUTS_EVERY", 0.0)
+    if what == "driver":
+        driver = Path(b.env["ASCEND_DRIVER_PATH"])
+        b.env["ASCEND_DRIVER_PATH"] = str(shutil.copytree(driver, tmp_path / "driver-b"))
+        changed = tmp_path / "driver-b" / "version.info"
+        new = b"Version=25.0.rc1\n"
+    else:
+        changed = b.base / "custom_opp" / "op_impl" / "liboptiling.so"
+        new = b"tiling v2"
+    _changing_at(monkeypatch, 5, lambda: changed.write_bytes(new))
+    if how == "pull":
+        assert a.push()["sent"] == 12
+        report = b.pull()
+    else:
+        cann_transfer.export_archive(tmp_path / "a.tar", settings=a.settings(), environ=a.env)
+        archive = tmp_path / "a.tar"
+        report = cann_transfer.import_archive(archive, settings=b.settings(), environ=b.env)
+        report = report["chips"][SOC]
+    assert any("changed while entries went in" in e for e in report["errors"]), report
+    kept = 4 if every == "each entry" else 0
+    assert report["written"] == kept
+    assert sorted(p.name for p in b.chip.glob("*.json")) == sorted(
+        f"{k}.json" for k in kernels[:kept]
+    )
+    assert len(list(b.chip.glob("*.o"))) == kept
+    time.sleep(0.02)
+    c = Machine(tmp_path / "c", Path(b.env["ASCEND_DRIVER_PATH"]), f"file://{tmp_path}/r2")
+    (tmp_path / "r2").mkdir()
+    b.url = c.url
+    assert b.push()["sent"] == 0
+
+
+def test_a_pulled_value_whose_manifest_names_another_namespace_is_refused(machines, tmp_path):
+    """A remote that files one namespace's value under another's key (a mirror out of
+    step, a copy by hand): the manifest says which it is, and a pull reads it, as an
+    import did."""
+    a, b = machines
+    (kernel,) = _fill(a, 1)
+    a.push()
+    other = cann_transfer.Namespace(SOC, "7.0.RC1", "7.0.RC1", _driver_digest(a))
+    b.env["ASCEND_DRIVER_PATH"] = str(_driver(tmp_path / "driver-b", "25.0.rc1"))
+    write_ini(b.root)
+    mine, _ = cann_transfer.local_namespace(b.root, SOC, b.env, None, taking=True)
+    from opcache.storage import open_remote
+
+    remote = open_remote(a.settings().remote)
+    try:
+        got = remote.get_many(other.remote_chip, [kernel])[kernel]
+        remote.put(mine.remote_chip, kernel, got[1], got[0].files)
+        rows = {kernel: (int(NOW), sum(map(len, got[0].files.values())))}
+        cann_transfer._write_index(remote, mine, rows)
+    finally:
+        remote.close()
+    report = b.pull()
+    assert report["written"] == 0
+    assert report["rejected"] == [{"entry": kernel, "why": "its versions are not this folder's"}]
+    assert not list(b.chip.glob("*.json"))
+
+
+@pytest.mark.parametrize("how", ["push", "pull"])
+def test_a_driver_version_that_cannot_be_read_is_refused_not_taken_for_none(
+    machines, tmp_path, how
+):
+    """Two machines whose drivers' version.info this user cannot read (a driver folder
+    of another group: here a FIFO, which no read waits on) both counted as driver
+    ``none``, and shared kernels across drivers.  A missing one is still ``none``."""
+    a, b = machines
+    _fill(a, 1)
+    unreadable = tmp_path / "driver-x"
+    unreadable.mkdir()
+    os.mkfifo(unreadable / "version.info")
+    if how == "push":
+        a.env["ASCEND_DRIVER_PATH"] = str(unreadable)
+        report = a.push()
+    else:
+        assert a.push()["sent"] == 1
+        b.env["ASCEND_DRIVER_PATH"] = str(unreadable)
+        write_ini(b.root)
+        report = b.pull()
+    assert "the driver's version.info cannot be read" in report["refused"], report
+    assert not b.chip.exists()
+    (unreadable / "version.info").unlink()
+    a.env["ASCEND_DRIVER_PATH"] = b.env["ASCEND_DRIVER_PATH"] = str(unreadable)
+    assert a.push()["namespace"]["driver"] == "none"

@@ -181,12 +181,18 @@ def driver_folder(environ: Mapping[str, str]) -> Path:
     return Path("/usr/local/Ascend/driver")
 
 
-def driver_version(environ: Mapping[str, str]) -> str | None:
+def driver_version(environ: Mapping[str, str], *, strict: bool = False) -> str | None:
     """The digest of the driver's ``version.info`` (CANN requires equal drivers for
-    servers that share a cache); None when there is none."""
+    servers that share a cache); None when there is none.  One there that cannot be
+    read (a driver folder of another group, a FIFO) is None too, unless ``strict``:
+    OSError then (two machines' unreadable drivers must not pass for one)."""
     try:
         return digest(fsutil.read_input(driver_folder(environ) / "version.info"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
     except OSError:
+        if strict:
+            raise
         return None
 
 
