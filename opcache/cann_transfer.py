@@ -433,9 +433,13 @@ def taking_namespace(
     return ns, IniMark(path, before), inputs
 
 
-def create_ini(path: Path, ns: Namespace, shared_group: int | None = None) -> tuple[IniMark, bool]:
+def create_ini(
+    path: Path, ns: Namespace, shared_group: int | None = None, dir_fd: int | None = None
+) -> tuple[IniMark, bool]:
     """op_cache.ini as CANN's ``CreatOpCacheIniFile`` writes it: exactly the section and
     the two versions, mode 0640 narrowed by the umask; never over an existing file.
+    ``dir_fd``: the root folder, reached under the trust rule (``_Chip``), made in
+    through that handle: a link swapped above the root meanwhile leads nowhere.
 
     (its mark, whether this made it).  One another process made meanwhile is
     taken only if it names ``ns``'s versions: a CANN of another toolkit that
@@ -443,7 +447,9 @@ def create_ini(path: Path, ns: Namespace, shared_group: int | None = None) -> tu
     """
     text = f"[{ini.SECTION}]\nadk_version={ns.adk_version}\nops_version={ns.ops_version}\n"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+        name = path if dir_fd is None else path.name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, 0o640, dir_fd=dir_fd)
     except FileExistsError:
         before = _stamp(path)
         found = ini_versions(path, shared_group)
@@ -1065,8 +1071,9 @@ class _Chip:
             # (made where the links of this user's or root's lead, never another's)
             fsutil.makedirs(Path(trust.check_root(root, modes)), modes)
         try:
-            # Reached one folder at a time, each link judged as it is met.
-            root_fd = trust.open_root(root, modes)[0]
+            # Reached one folder at a time, each link judged as it is met; kept open
+            # (``root_fd``): what is made in the root is made through it.
+            self.root_fd = root_fd = trust.open_root(root, modes)[0]
         except (FileNotFoundError, NotADirectoryError):
             raise Refused(f"no CANN kernel cache at {root}: no such folder") from None
         try:
@@ -1078,11 +1085,13 @@ class _Chip:
                 self.fd = open_chip_folder(root_fd, soc, modes, f"{root}/{soc}")
             except FileNotFoundError:
                 raise Refused(f"no CANN kernel cache for {soc} in {root}") from None
-        finally:
+        except BaseException:
             os.close(root_fd)
+            raise
 
     def close(self) -> None:
         os.close(self.fd)
+        os.close(self.root_fd)
 
 
 def _chips(root: Path, soc: str | None) -> tuple[list[str], list[str]]:
@@ -1144,7 +1153,8 @@ def _taking(
     chip = _Chip(root, soc, fsutil.modes_for(settings.shared_group), create=True)
     if mark is None:
         try:
-            mark, report["ini_created"] = create_ini(root / INI_NAME, ns, settings.shared_group)
+            made = create_ini(root / INI_NAME, ns, settings.shared_group, chip.root_fd)
+            mark, report["ini_created"] = made
         except BaseException:
             chip.close()
             raise

@@ -2032,3 +2032,30 @@ def test_a_driver_version_that_cannot_be_read_is_refused_not_taken_for_none(
     (unreadable / "version.info").unlink()
     a.env["ASCEND_DRIVER_PATH"] = b.env["ASCEND_DRIVER_PATH"] = str(unreadable)
     assert a.push()["namespace"]["driver"] == "none"
+
+
+def test_the_ini_a_pull_makes_goes_into_the_root_it_opened_not_through_a_link_swapped_above(
+    machines, tmp_path, monkeypatch
+):
+    """The root's folders are reached one at a time, each link judged; the ini was then
+    made by its path, through whatever another user swapped in above the root
+    meanwhile (a folder of others may write), into another of this user's CANN bases
+    (whose entries of unknown versions CANN would then take as the toolkit's)."""
+    a, b = machines
+    _fill(a, 1)
+    assert a.push()["sent"] == 1
+    b.toolkit()
+    b.base.mkdir(parents=True, exist_ok=True)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "kernel_cache").mkdir(parents=True)
+    real = cann_transfer.create_ini
+
+    def swapped_above(path, *rest):  # type: ignore[no-untyped-def]
+        b.base.rename(tmp_path / "b-moved")
+        b.base.symlink_to(elsewhere)
+        return real(path, *rest)
+
+    monkeypatch.setattr(cann_transfer, "create_ini", swapped_above)
+    b.pull()
+    assert not (elsewhere / "kernel_cache" / "op_cache.ini").exists()
+    assert (tmp_path / "b-moved" / "kernel_cache" / "op_cache.ini").is_file()
