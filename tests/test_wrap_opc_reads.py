@@ -1698,3 +1698,24 @@ def test_a_traced_opc_s_outputs_keep_their_permission_bits(tmp_path):
         assert (root / out / "k.o").stat().st_mode & 0o777 == 0o640, out
     assert runs(env) == 1
     assert stats(env, SOC)["hits"] == 1
+
+
+@needs_strace
+def test_a_driver_version_that_cannot_be_read_is_no_driver_in_the_key(tmp_path):
+    """A driver's version.info this user cannot read (a driver folder of another group:
+    here a FIFO, which no read waits on) counted as no driver: two machines with
+    different drivers, each unreadable, shared kernels.  Now it is keyed by where it
+    is on this host: another is a miss, the same a hit.  (The driver folders sit in
+    the stand-in toolkit's folder, where version files are read too: a FIFO there
+    hung every compile.)"""
+    env, root = project(tmp_path)
+    for name in ("driver-a", "driver-b"):
+        (tmp_path / name).mkdir()
+        os.mkfifo(tmp_path / name / "version.info")
+    env["ASCEND_DRIVER_PATH"] = str(tmp_path / "driver-a")
+    compile_into(env, root, "out1")
+    compile_into(env, root, "out2")
+    assert runs(env) == 1
+    env["ASCEND_DRIVER_PATH"] = str(tmp_path / "driver-b")
+    compile_into(env, root, "out3")
+    assert runs(env) == 2

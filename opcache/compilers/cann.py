@@ -128,7 +128,8 @@ def version_files(home: Path | None, environ: Mapping[str, str]) -> dict[str, st
     found = {}
     for path in paths:
         try:
-            found[str(path)] = digest(path.read_bytes())
+            # (never a wait: a FIFO at a version file's name would hang every compile)
+            found[str(path)] = digest(fsutil.read_input(path))
         except OSError:
             continue
     return found
@@ -151,10 +152,29 @@ def toolkit_fingerprint(
         "python": interpreter_identity(tool, environ),
         "tune_bank": tune_bank_digest(environ, notes),
     }
-    driver = driver_version(environ)
+    try:
+        driver = driver_version(environ, strict=True)
+    except OSError:
+        driver = _unread_driver(environ)
     if driver is not None:  # (no driver installed, as on a build machine: nothing joins)
         parts["driver"] = driver
     return json.dumps(parts, sort_keys=True)
+
+
+def _unread_driver(environ: Mapping[str, str]) -> str:
+    """What stands in a key for a driver whose ``version.info`` this user cannot read
+    (a driver folder of another group): where it is on this host, which no other
+    host's is (taken for 'no driver', two machines' drivers passed for one), and
+    which an upgrade moves (a new file, or its folder's times)."""
+    folder = driver_folder(environ)
+    for path in (folder / "version.info", folder):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        where = f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        return f"unread on {os.uname().nodename}: {where}"
+    return f"unread on {os.uname().nodename}"
 
 
 def keyed_environment(environ: Mapping[str, str]) -> str:
