@@ -535,6 +535,16 @@ def test_a_tool_replaced_with_the_same_size_and_mtime_is_hashed_again(tmp_path):
     assert toolchain.file_identity(tool) != first
 
 
+def test_a_fifo_in_a_keyed_tool_s_place_is_refused_not_waited_on(tmp_path):
+    """A tool or a tuning bank file is looked at, then read for its digest: a FIFO put
+    in its place meanwhile (a folder others may write) hung the compile for good."""
+    from opcache.compilers import toolchain
+
+    os.mkfifo(tmp_path / "mycc")
+    with pytest.raises(OSError, match="not a regular file"):
+        toolchain.file_identity(tmp_path / "mycc")
+
+
 @needs_strace
 def test_cann_opc_upgraded_in_place_under_a_long_lived_compiler_gets_new_keys(toolkit, tmp_path):
     """The fingerprint was taken once per compiler object: after an upgrade in place, one

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from .. import fsutil
 from .._log import get_logger
 from ..errors import CompileError
 from ..key import canonical_json, digest, request_parts
@@ -93,9 +94,11 @@ def _digest_of(real: str, st: os.stat_result, notes: LocalStore | None) -> str:
     known = notes.read_note("tools", stamp) if notes else None
     if known is not None and len(known) == len(stamp) and not known.translate(None, _HEX):
         return known.decode()
-    with open(real, "rb") as f:
-        found = digest(f.read())
-        after = os.fstat(f.fileno())
+    # Read as every input is (fsutil.read_input_stat): a FIFO in a tool's or a tuning
+    # bank file's place (swapped in after it was looked at) is refused, not waited on.
+    data, _ = fsutil.read_input_stat(real)
+    found = digest(data)
+    after = os.stat(real)
     # As ccache does: a file changed while read, or within the clock's
     # resolution of now, may change again unseen; do not remember it.
     unchanged = (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (
