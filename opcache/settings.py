@@ -746,6 +746,9 @@ def _remote_option(name: str, value: object, option: str, variable: str | None) 
     elif name == "password" and _CONTROL.search(str(value)):
         # http.client would refuse it in a header and quote the header, secret and all.
         valid = "a password with no control characters (not even a secret file's last new line)"
+    elif name == "prefix" and not text:
+        # (taken as it was, spaces only: no prefix at all, every key of the database)
+        valid = "a prefix that is not blank (unset: opcache:1:)"
     elif _encodable(str(value)):  # password, prefix: any text the server can be sent
         return text if name == "prefix" else str(value)
     else:

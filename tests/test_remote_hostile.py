@@ -282,15 +282,55 @@ def test_an_http_server_s_status_line_never_reaches_the_terminal_raw(
         _no_control_character(text)
 
 
-def test_a_chip_named_with_control_characters_is_shown_escaped(redis_url: str) -> None:
+def test_a_name_with_control_characters_is_no_chip_of_this_cache(redis_url: str) -> None:
     """A chip's name in ``opcache remote stats`` is part of a key name on the server,
-    which anyone who may write there chooses."""
+    which anyone who may write there chooses: one no soc_version can have is none of
+    this cache's, neither listed (raw, it cleared the screen) nor cleared."""
     r = _open(redis_url)
     r.put(SOC, KEY, *_entry())
     r._redis.set(f"opcache:1:\x1b[2J\rFAKE:{KEY}", b"x")
-    chips = r.usage()["chips"]
-    assert sorted(chips) == [SOC, "\\x1b[2J\\rFAKE"], chips
+    assert sorted(r.usage()["chips"]) == [SOC]
+    assert r.clear() == 1
+    assert r._redis.keys("*") == [f"opcache:1:\x1b[2J\rFAKE:{KEY}".encode()]
     r.close()
+
+
+@pytest.mark.parametrize("odd", ["STRLEN", "INFO"])
+def test_odd_answers_to_remote_stats_end_in_one_line_or_are_shown_safe(
+    tmp_path: Path, monkeypatch, capsys, odd: str
+) -> None:
+    """A proxy or another program speaking RESP: a STRLEN answered with text ended
+    ``opcache remote stats`` in a traceback (int() of it), an INFO whose maxmemory
+    was not a number too (abs() of it), and its eviction policy reached the terminal
+    with its escape sequences."""
+    name = f"opcache:1:{SOC}:{KEY}".encode()
+    policy = b"\x1b[2J\x1b[31mPWNED"
+
+    def reply(words: list[bytes]) -> bytes | None:
+        command = words[0].upper()
+        if command == b"SCAN":
+            return b"*2\r\n$1\r\n0\r\n*1\r\n$%d\r\n%s\r\n" % (len(name), name)
+        if command == b"STRLEN":
+            return b"$10\r\nnotanumber\r\n" if odd == "STRLEN" else b":100\r\n"
+        if command == b"INFO":
+            info = b"# Memory\r\nused_memory:xyz\r\nmaxmemory:-5\r\nmaxmemory_policy:" + policy
+            return b"$%d\r\n%s\r\n" % (len(info), info)
+        return None
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with fake_redis(reply) as port:
+        url = f"redis://127.0.0.1:{port}/0"
+        argv = ["remote", "stats", "--remote", url, "--op_compiler_cache_dir", str(tmp_path / "o")]
+        status = main(argv)
+    out, err = capsys.readouterr()
+    if odd == "STRLEN":
+        assert status == 1
+        assert err.startswith("opcache: error: ") and err.count("\n") == 1, err
+        assert "STRLEN answered" in err
+    else:
+        assert status == 0, err
+        _no_control_character(out + err)
+        assert "PWNED" in out
 
 
 # -- an answer past what its command asked for --------------------------------------------------

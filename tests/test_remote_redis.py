@@ -456,6 +456,44 @@ def test_clear_leaves_a_cache_whose_prefix_begins_with_this_ones(
         claim.release()
 
 
+def test_a_blank_prefix_is_refused_not_taken_for_none() -> None:
+    """``OPCACHE_REMOTE_PREFIX=" "`` was stripped to no prefix at all: every name of the
+    database was under it (an empty one is unset: the default).  Refused as any bad
+    remote option is: the compile goes on without the remote, `opcache remote` says
+    why in one line."""
+    env = {"HOME": "/nowhere", "OPCACHE_REMOTE": "redis://h", "OPCACHE_REMOTE_PREFIX": " "}
+    assert opcache.resolve_settings(environ=env).remote is None
+    done = subprocess.run(
+        [sys.executable, "-m", "opcache", "remote", "clear"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done
+    assert done.stderr.startswith("opcache: error: OPCACHE_REMOTE_PREFIX=' ' is not valid")
+
+
+@pytest.mark.parametrize("prefix", ["myapp:", "team:"])
+def test_clear_under_a_prefix_another_program_shares_takes_only_opcache_s_names(
+    redis_url: str, redis_server, prefix: str
+) -> None:
+    """A database another program uses too, under a prefix it uses: its
+    ``<prefix>session:abc123``, ``<prefix>user:42`` were taken for chips and keys,
+    counted by ``remote stats`` and deleted by ``remote clear``."""
+    client = redis_server.client()
+    others = {f"{prefix}session:abc123", f"{prefix}user:42", f"{prefix}cfg:main:x", "myapp:cfg"}
+    for name in others:
+        client.set(name, b"not opcache's")
+    r = remote(redis_url, prefix=prefix)
+    r.put(SOC, KEY, *entry())
+    claim = r.claim(SOC, OTHER, 60)
+    assert list(r.usage()["chips"]) == [SOC]
+    claim.release()
+    assert r.clear() == 1
+    assert sorted(client.keys("*")) == sorted(name.encode() for name in others)
+
+
 def test_a_prefix_with_glob_characters_matches_only_itself(redis_url: str, redis_server) -> None:
     client = redis_server.client()
     odd = remote(redis_url, prefix="team[a]*:")

@@ -57,7 +57,9 @@ import weakref
 from urllib.parse import urlsplit
 
 from .._log import get_logger
+from ..request import is_soc_version
 from .cann_names import is_cann_chip
+from .local import is_key
 from .remote import (
     MIN_RATE,
     Claim,
@@ -705,6 +707,9 @@ class RedisRemote(Remote):
                 pipe.strlen(name)
             sizes = self._call("STRLEN", pipe.execute)
             for name, size in zip(batch, sizes, strict=True):
+                if type(size) is not int:  # (a proxy, or not a Redis: anything at all)
+                    answer = said(repr(size), self.secrets)
+                    raise RemoteError(f"{self.where}: STRLEN answered {answer}, not a length")
                 # (a name anyone with write access chose: printed by `opcache remote stats`)
                 chip = printable(name[cut:].decode(errors="replace").rpartition(":")[0], 100)
                 row = chips.setdefault(chip, {"entries": 0, "bytes": 0})
@@ -714,9 +719,7 @@ class RedisRemote(Remote):
 
     def _memory(self) -> dict[str, object]:
         """The server's memory: used, its limit, its eviction policy."""
-        memory = self._call("INFO", self._redis.info, "memory")
-        names = ("used_memory", "maxmemory", "maxmemory_policy")
-        return {name: memory.get(name) for name in names}
+        return memory_of([self._call("INFO", self._redis.info, "memory")])
 
     def clear(self, soc: str | None = None) -> int:
         """Delete this cache's entries and claims (of one chip): never another's keys."""
@@ -770,6 +773,25 @@ class _Claim(Claim):
             self._remote._drop(self, mark)
 
 
+def memory_of(servers: list[dict]) -> dict[str, object]:
+    """The memory ``INFO`` of a server, or of each primary of a cluster, summed, as
+    ``usage`` reports it: used, the limit (0: none, as soon as one has none), the
+    eviction policy ("mixed" where they differ).  A server (a proxy, another program
+    speaking RESP) may answer anything, which ``opcache remote stats`` prints: what
+    is not a count is None, a policy is printed safe."""
+
+    def counts(name: str) -> list[int | None]:
+        return [v if type(v := node.get(name)) is int and v >= 0 else None for node in servers]
+
+    used, limits = counts("used_memory"), counts("maxmemory")
+    policies = {str(node.get("maxmemory_policy")) for node in servers}
+    return {
+        "used_memory": None if None in used else sum(used),  # type: ignore[arg-type]
+        "maxmemory": None if None in limits else 0 if 0 in limits else sum(limits),  # type: ignore[arg-type]
+        "maxmemory_policy": printable(policies.pop(), 100) if len(policies) == 1 else "mixed",
+    }
+
+
 def _ours(name: bytes) -> bool:
     """Whether ``name``, the prefix taken off, is one this cache writes: ``<soc>:<key>``,
     CANN's ``cann:<soc>:#index`` (an older opcache's), ``cann:<soc>:#index2`` and
@@ -785,8 +807,10 @@ def _ours(name: bytes) -> bool:
             return False
         chip = b":".join(parts[:2] if index else parts[:3])
         return is_cann_chip(chip.decode(errors="replace"))
+    # A chip and a key of opcache's own shapes: under a prefix shared with another
+    # program (an empty one, ``app:``), its ``session:abc`` or ``user:42`` are not.
     soc, _, key = name.removesuffix(CLAIM_SUFFIX.encode()).partition(b":")
-    return bool(soc) and bool(key) and b":" not in key
+    return is_soc_version(soc.decode(errors="replace")) and is_key(key.decode(errors="replace"))
 
 
 def _glob_escape(text: str) -> str:

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from .redis import CLAIM_SUFFIX, RedisRemote, connection_kind, no_client_setinfo, timed
+from .redis import (
+    CLAIM_SUFFIX,
+    RedisRemote,
+    connection_kind,
+    memory_of,
+    no_client_setinfo,
+    timed,
+)
 from .remote import RemoteError, said, secrets_of
 from .value import checked
 
@@ -151,10 +158,4 @@ class RedisClusterRemote(RedisRemote):
         """Every primary's memory, summed; the eviction policy if they all share one."""
         answers = self._call("INFO", self._redis.info, "memory", target_nodes=self._redis.PRIMARIES)
         each = list(answers.values()) if answers and "used_memory" not in answers else [answers]
-        policies = {node.get("maxmemory_policy") for node in each}
-        limits = [node.get("maxmemory") or 0 for node in each]
-        return {
-            "used_memory": sum(node.get("used_memory") or 0 for node in each),
-            "maxmemory": 0 if 0 in limits else sum(limits),  # one without a limit: none
-            "maxmemory_policy": policies.pop() if len(policies) == 1 else "mixed",
-        }
+        return memory_of(each)
