@@ -56,6 +56,10 @@ Keep = Callable[[str, list[tuple[str, bytes, dict[str, bytes]]]], None]
 # How long a claim outlives its holder's death (renewed while it lives).
 CLAIM_SECONDS = 10.0
 _LOOKED_KEPT = 10_000  # look times remembered before the stale ones are dropped
+# A claim refused again after this many polls found no claim of the key held: the
+# name holds what is no claim of opcache's (another program's key, a proxy's answer),
+# and the key is compiled unclaimed rather than waited for until lock_timeout.
+_REFUSED_UNSEEN = 2
 # How long a key seen claimed by another client is waited for without a claim
 # of its own being tried (a poll looks at it meanwhile).
 _PEEK_FRESH = 0.5
@@ -111,6 +115,8 @@ class RemoteTier:
         self._looked: dict[tuple[str, str], float] = {}
         # When keys were last found claimed by another client (``peek_claims``).
         self._held_elsewhere: dict[tuple[str, str], float] = {}
+        # Keys whose claim the remote refused, by how many polls since found none held.
+        self._refused: dict[tuple[str, str], int] = {}
         self._uncounted = False  # open() failed, with no chip to count it under yet
 
     def open(self) -> None:
@@ -433,6 +439,10 @@ class RemoteTier:
         self._recovered()
         sound = self._sound(soc, got)
         self._note_looked(soc, keys, sound, asked)
+        refused = self._refused
+        for key in keys:
+            if (soc, key) in refused and key not in sound and key not in claimed:
+                refused[(soc, key)] += 1
         return sound, claimed
 
     def _note_looked(self, soc: str, keys: list[str], found: dict, asked: float) -> None:
@@ -481,6 +491,22 @@ class RemoteTier:
             self._failed(e, soc)
             return UNCLAIMED
         self._recovered()
+        refused = self._refused
+        if claim is not None:
+            refused.pop((soc, key), None)
+        elif refused.get((soc, key), 0) >= _REFUSED_UNSEEN:
+            del refused[(soc, key)]
+            log.warning(
+                "the remote refuses a claim of %s/%s, yet no look finds one held (is "
+                "another program's key at its claim's name?): compiling it here unclaimed",
+                soc,
+                key,
+            )
+            return UNCLAIMED
+        else:
+            if len(refused) > _LOOKED_KEPT:
+                refused.clear()  # (the keys of batches gone)
+            refused.setdefault((soc, key), 0)
         return claim
 
     def store(

@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers_cache import SOC, compile_within, fake_server
+from helpers_cache import SOC, ToyCompiler, compile_within, fake_server, machine, make_request
 from helpers_cluster import _CLUSTER_ARGS, _cluster_port
 from helpers_redis import RedisServer, find_server
 
+import opcache
 from opcache import ConfigError, resolve_settings
 from opcache.cli import main
 from opcache.storage import RemoteCorrupt, RemoteError, open_remote
@@ -586,3 +587,36 @@ def test_a_value_over_this_client_s_cap_among_others_is_corrupt_not_a_remote_err
     assert found[small][0].files == files
     big.close()
     mine.close()
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_a_claim_s_name_holding_another_program_s_key_is_compiled_unclaimed(
+    tmp_path: Path, redis_url: str, redis_server, caplog, many: bool
+) -> None:
+    """A hash (another program's, or a proxy that answers no claim) at a key's claim
+    name: SET NX refused the claim, and MGET, which reads no hash, found none held,
+    so the compile waited for a holder that never was until lock_timeout (600 s)."""
+    settings = machine(tmp_path, "a", redis_url)
+    requests = [make_request(0), make_request(1)]
+    with opcache.OpCache(settings) as cache:
+        keys = [cache.explain(r, ToyCompiler(tmp_path / "calls")).key for r in requests]
+    for key in keys:
+        redis_server.client().hset(f"opcache:1:{SOC}:{key}:claim", "f", "v")
+    done: list = []
+
+    def compile_them() -> None:
+        with opcache.OpCache(settings) as cache:
+            compiler = ToyCompiler(tmp_path / "calls")
+            if many:
+                outs = [tmp_path / "o" / str(n) for n in range(2)]
+                done.extend(cache.compile_many(requests, compiler, outs))
+            else:
+                done.append(cache.compile(requests[0], compiler, tmp_path / "o" / "0"))
+
+    with caplog.at_level(logging.WARNING, logger="opcache"):
+        worker = threading.Thread(target=compile_them, daemon=True)
+        worker.start()
+        worker.join(60)
+    assert done, "the compile still waits for a claim no one holds after 60 s"
+    assert [r.status for r in done] == ["miss"] * len(done)
+    assert "yet no look finds one held" in caplog.text
