@@ -16,7 +16,7 @@ from . import _sigint_raises
 TYPE_CHECKING = False  # typing's, without importing typing on `opcache wrap`'s start-up
 if TYPE_CHECKING:
     import logging
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Mapping, MutableMapping, Sequence
     from typing import NoReturn
 
     from .settings import Settings
@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     at once when done, and quietly on a Ctrl-C (see ``_leave``).
     """
     if argv is None:
+        _environ_as_started(os.environ)
         # The quick hit first, before the imports of the full path (quickhit.py).
         _started.append(time.time())
         from . import quickhit
@@ -46,6 +47,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = sys.argv[1:]
         _leave(lambda: _run(args))
     return _run(argv)
+
+
+# What CPython sets LC_CTYPE to as it starts in a C or POSIX locale (PEP 538).
+_COERCED = frozenset({"C.UTF-8", "C.utf8", "UTF-8"})
+
+
+def _environ_as_started(environ: MutableMapping[str, str]) -> None:
+    """Give LC_CTYPE back the value the program was started with (none, or its own).
+
+    CPython in a C or POSIX locale (a container, a CI job, ``env -i``) sets
+    LC_CTYPE to a UTF-8 locale in its own environment as it starts: every
+    compiler opcache ran inherited it, and gcc wrote its messages with UTF-8
+    quotes where the same command alone writes ASCII ones (and the key held a
+    locale the caller never had).  The environment a process started with is
+    ``/proc/self/environ``; it is read only when LC_CTYPE holds such a locale.
+    """
+    now = environ.get("LC_CTYPE")
+    if now not in _COERCED:
+        return
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            started = f.read()
+    except OSError:
+        return
+    for item in started.split(b"\0"):
+        if item.startswith(b"LC_CTYPE="):
+            environ["LC_CTYPE"] = os.fsdecode(item[len(b"LC_CTYPE=") :])
+            return
+    del environ["LC_CTYPE"]
 
 
 # When the program started (a memo's racy rule): a full wrap hit may leave a memo

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 # reads or refuses more compiles: a memo holds only what the rules that made it
 # read, so each made before goes unused (7: asm directives in any form, include
 # directives in any form, empty COMPILER_PATH and LIBRARY_PATH).
-FORMAT = b"opcache-quick 7"
-CLIENT_FORMAT = b"opcache-client 7"  # a memo the C client reads (opcache_client.c's)
+FORMAT = b"opcache-quick 8"
+CLIENT_FORMAT = b"opcache-client 8"  # a memo the C client reads (opcache_client.c's)
 FOLDER = "quick"
 MAX_MEMO = 1 << 20
 # Variables no compiler and no part of opcache reads, that change from one build

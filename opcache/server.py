@@ -338,7 +338,6 @@ def _prctl(option: int, value: int) -> None:
 def _warm_up() -> dict[str, tuple[int, int, int]]:
     """Import what a wrap hit uses (each worker starts with it); opcache's files as loaded."""
     _c_library()  # (loaded once, before the workers: prctl in each of them)
-    _coerced_to[:] = [_c_locale_target()]
     import atexit  # noqa: F401  (the worker's exit)
     import logging  # noqa: F401  (-v, and any warning)
 
@@ -605,7 +604,7 @@ def _serve(
     os.umask(umask)
     fsutil.UMASK = umask  # read once at import: the server's, not the client's
     os.environb.clear()
-    os.environb.update(_as_python_starts(given))
+    os.environb.update(given)  # (as it came: the compiler's, as the program's own, cli.main)
     time.tzset()  # (local time is read from TZ only here: __DATE__'s key is the client's)
     for number, fd in enumerate(fds):
         os.dup2(fd, number)  # (the client's terminal decides colour, as for opcache)
@@ -667,62 +666,6 @@ def _write_client_memo() -> None:
     if data is not None:
         with contextlib.suppress(OSError):
             quickmemo.put(folder, name, data)
-
-
-_coerced_to: list[bytes | None] = []  # the locale CPython takes for a C one here (PEP 538)
-
-
-def _c_locale_target() -> bytes | None:
-    """The first of CPython's UTF-8 locales for a C locale (PEP 538) this machine has."""
-    import locale
-
-    held = locale.setlocale(locale.LC_CTYPE)
-    try:
-        for name in ("C.UTF-8", "C.utf8", "UTF-8"):
-            with contextlib.suppress(locale.Error):
-                locale.setlocale(locale.LC_CTYPE, name)
-                return name.encode()
-        return None
-    finally:
-        locale.setlocale(locale.LC_CTYPE, held)
-
-
-def _as_python_starts(env: dict[bytes, bytes]) -> dict[bytes, bytes]:
-    """The client's environment as the ``opcache`` it would run sees it.
-
-    In a C or POSIX locale CPython sets LC_CTYPE to a UTF-8 one as it starts (PEP
-    538), and opcache keys that, as the compiler it runs sees it.  Taken only where
-    it is plain: no LC_ALL, no PYTHONCOERCECLOCALE, LC_CTYPE (else LANG) unset, empty,
-    C or POSIX, or a locale this machine lacks (which leaves C: ``LANG=en_US.UTF-8``
-    sent by ssh into a container of C.UTF-8 alone).  Elsewhere the environment stays
-    as it is (a key that differs from the Python path's is a call not served, never
-    another hit).
-    """
-    ctype = env.get(b"LC_CTYPE") or env.get(b"LANG") or b""
-    target = _coerced_to[0] if _coerced_to else None
-    if target is None or env.get(b"LC_ALL") or b"PYTHONCOERCECLOCALE" in env:
-        return env
-    plain = ctype in (b"", b"C", b"POSIX") or not _installed_locale(ctype)
-    return {**env, b"LC_CTYPE": target} if plain else env
-
-
-def _installed_locale(name: bytes) -> bool:
-    """Whether ``setlocale`` takes ``name`` (as CPython's start-up tries it)."""
-    import locale
-
-    if name not in _locales:
-        before = locale.setlocale(locale.LC_CTYPE)
-        try:
-            locale.setlocale(locale.LC_CTYPE, os.fsdecode(name))
-            _locales[name] = True
-        except (locale.Error, ValueError):
-            _locales[name] = False
-        finally:
-            locale.setlocale(locale.LC_CTYPE, before)
-    return _locales[name]
-
-
-_locales: dict[bytes, bool] = {}  # (a machine's locales do not change while a server runs)
 
 
 def _environment(env: list[bytes]) -> dict[bytes, bytes]:

@@ -1079,3 +1079,27 @@ def test_the_group_ids_of_a_user_of_thousands_of_groups_are_read_whole(tmp_path)
     gids, got, uts = server._ids(str(tmp_path))
     assert gids == [b"5"] * 4 and uts == "uts:[4026531838]"
     assert got == sorted(str(g).encode() for g in range(20_000))
+
+
+def test_without_a_locale_gcc_s_messages_are_its_own_on_every_path(served):
+    """Python in a C or POSIX locale (no LANG: a container, a CI job, ``env -i``) sets
+    LC_CTYPE to C.UTF-8 in its own environment as it starts (PEP 538), and the gcc
+    opcache ran inherited it (the server did so on purpose, to match): its messages
+    came with UTF-8 quotes where gcc alone writes ASCII ones, on a miss, a served hit
+    and the client's memo alike."""
+    for name in ("LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES"):
+        served.env.pop(name, None)
+    served.socket = served.socket_of(served.env)
+    (served.src / "k.c").write_text(K_C + "int unused(void) { int x; return 0; }\n")
+    args = ["-Wall", *COMPILE]
+    alone = subprocess.run(
+        [GCC, *args], env=served.env, cwd=served.src, capture_output=True, timeout=120
+    )
+    assert b"unused variable 'x'" in alone.stderr, alone.stderr
+    first = warmed(served, *args)
+    before = served.fallbacks()
+    hits = [served.gcc(*args) for _ in range(3)]  # served, then from the client's memo
+    assert served.fallbacks() == before, "the hits were not served"
+    python = python_path(served, *args)
+    for done in (first, *hits, python):
+        assert (done.returncode, done.stderr) == (0, alone.stderr)

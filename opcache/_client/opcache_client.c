@@ -485,7 +485,7 @@ static int replay(const struct buf *r) {
  * server as before.  Once the hit is delivered and counted, an error replaying
  * ends the run as the Python path's would: "opcache: error: ...", 1. */
 
-#define MEMO_FORMAT "opcache-client 7" /* quickhit.CLIENT_FORMAT */
+#define MEMO_FORMAT "opcache-client 8" /* quickhit.CLIENT_FORMAT */
 #define MEMO_FOLDER "quick"            /* quickhit.FOLDER */
 #define MAX_MEMO (1u << 20)            /* quickhit.MAX_MEMO */
 #define NO_SIZE "-1"                   /* quickhit.NO_SIZE: a folder not listed */
