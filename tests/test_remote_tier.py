@@ -223,6 +223,26 @@ def test_the_pause_is_shared_with_other_processes_of_the_cache(
     assert "not used for" not in done.stderr
 
 
+def test_a_pause_further_ahead_than_the_longest_is_no_pause(
+    tmp_path: Path, redis_server, redis_url: str
+) -> None:
+    """A cache folder shared between hosts: one whose clock runs two hours ahead noted
+    a pause until its now + 10 s, and every other host left the remote unused for two
+    hours (so did one host whose clock stepped back)."""
+    redis_server.kill()
+    compiler = ToyCompiler(tmp_path / "calls")
+    settings = machine(tmp_path, "a", redis_url, timeout=1)
+    with opcache.OpCache(settings) as first:
+        first.compile(make_request(0), compiler, tmp_path / "o0")
+        assert remote_stats(first)["remote_errors"] == 1
+    (note,) = (tmp_path / "a").rglob("remote-pause-*")
+    note.write_text(f"{time.time() + 7200 + storage_remote.FIRST_PAUSE:.3f}")
+    redis_server.start()
+    with opcache.OpCache(settings) as second:
+        second.compile(make_request(1), compiler, tmp_path / "o1")
+        assert remote_stats(second)["remote_stores"] == 1
+
+
 def test_big_entries_stay_local(tmp_path: Path, redis_url: str, redis_server) -> None:
     compiler = ToyCompiler(tmp_path / "calls", size=2 << 20)
     with opcache.OpCache(machine(tmp_path, "a", redis_url, max_entry_mb=1)) as a:

@@ -66,9 +66,14 @@ class Backoff:
         self._noted, self._noted_at = 0.0, -_NOTE_FRESH_SECONDS  # another process's pause
 
     def paused(self) -> bool:
-        """Whether the remote is not to be asked now (paused here or by another process)."""
+        """Whether the remote is not to be asked now (paused here or by another process).
+
+        A pause that ends further ahead than ``LAST_PAUSE`` is no pause: it was
+        written by a host whose clock runs ahead (a cache folder shared between
+        hosts), or before this clock stepped back, and would keep the remote
+        unused for hours."""
         now = time.time()
-        return now < self.until or now < self._noted_until()
+        return any(now < until <= now + LAST_PAUSE for until in (self.until, self._noted_until()))
 
     def failed(self, error: object) -> float:
         """Pause after ``error``; returns until when."""
