@@ -681,7 +681,14 @@ class _Batch:
                         return self._park(job)  # another machine compiles it
             # The key's inputs, for the entry's manifest: made again for the few keys
             # compiled, not kept for every key of the batch since its first look.
-            inputs = key_inputs(request, self.compiler.name, flow.fingerprint(self.compiler))
+            try:
+                inputs = key_inputs(request, self.compiler.name, flow.fingerprint(self.compiler))
+            except BaseException:
+                # (a fingerprint that fails now: a tool gone unreadable.  Kept, the claim
+                # was renewed for the process's life, every other machine waiting on it.)
+                if claim is not None:
+                    claim.release()
+                raise
             skipped: list[tuple[int, OSError]] = []
 
             def next_out(error: OSError) -> Path | None:

@@ -321,3 +321,36 @@ def test_the_machines_waiting_for_a_compile_that_fails_compile_it_side_by_side(
     first, *others = sorted(spans.values())
     assert all(start >= first[1] for start, _ in others), spans  # they waited for it
     assert all(start < end for start, _ in others for _, end in others), spans  # side by side
+
+
+class _FingerprintFailsLater(ToyCompiler):
+    """A tool that can be read for the batch's first look, not for its compile."""
+
+    checks_its_tools = True
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.asked = 0
+
+    def fingerprint(self) -> str:
+        self.asked += 1
+        if self.asked > 1:
+            raise PermissionError(13, "Permission denied", "/opt/tool")
+        return super().fingerprint()
+
+
+def test_a_fingerprint_that_fails_after_the_claim_lets_the_claim_go(
+    tmp_path: Path, redis_url: str, redis_server
+) -> None:
+    """compile_many claimed the key in the cluster, then the compiler's fingerprint
+    failed (its tool unreadable now): the error was the request's, but the claim was
+    renewed for the rest of the process's life, every other machine waiting on it."""
+    settings = _machine_settings(tmp_path, "a", redis_url)
+    with opcache.OpCache(settings) as cache:
+        (result,) = cache.compile_many(
+            [make_request(0)], _FingerprintFailsLater(tmp_path / "calls"), [tmp_path / "o"]
+        )
+        assert result.status == "error" and "Permission denied" in str(result.error)
+        claims = [n for n in redis_server.client().keys("*") if n.endswith(b":claim")]
+        held = [n for n in claims if redis_server.client().get(n) not in (None, b"failed")]
+        assert held == []
