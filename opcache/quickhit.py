@@ -140,11 +140,31 @@ def _named(
         # (what may run or be read goes by them too: which() and a shared cache's trust)
         b" ".join(b"%d" % group for group in sorted(os.getgroups())),
         os.fsencode(os.uname().nodename),  # (the cache folder's name may hold it; its bytes)
+        capabilities(),  # (root without CAP_DAC_OVERRIDE may not read what root may)
         b"%d" % len(words),
         *(os.fsencode(word) for word in words),
         *env,
     ]
     return b"\0".join(fields)
+
+
+def capabilities(process: str = "/proc/self") -> bytes:
+    """A process's effective capabilities as its /proc status file writes them
+    (``opcache_client.c``'s ``capabilities`` reads them alike); OSError when they
+    cannot be read."""
+    fd = os.open(f"{process}/status", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = [os.read(fd, 1 << 16)]
+        while chunks[-1]:  # (the Groups line of a user of thousands of groups is long)
+            chunks.append(os.read(fd, 1 << 16))
+    finally:
+        os.close(fd)
+    status = b"".join(chunks)
+    start = status.find(b"\nCapEff:") + len(b"\nCapEff:")
+    if start < len(b"\nCapEff:"):
+        raise OSError(f"{process}/status says no CapEff")
+    end = status.find(b"\n", start)
+    return status[start : end if end >= 0 else len(status)].strip()
 
 
 def count_line(saved: float) -> bytes:

@@ -532,9 +532,10 @@ def _sees_what_we_see(pid: int) -> bool:
 
 def _is_as_we_are(pid: int) -> bool:
     """Whether the client has this worker's group ids (real, effective, saved, file
-    system's; supplementary) and host name (UTS namespace): the worker checks paths, and
-    names the client's memo, with its own (a caller after newgrp, sg or setpriv runs
-    opcache itself, with its own)."""
+    system's; supplementary), effective capabilities, file size limit and host name
+    (UTS namespace): the worker checks paths, writes outputs, and names the client's
+    memo, with its own (a caller after newgrp, sg or setpriv, root without
+    CAP_DAC_OVERRIDE, one under ``ulimit -f``, runs opcache itself, with its own)."""
     try:
         if not _own_ids:
             _own_ids.append(_ids("/proc/self"))  # (a worker's never change)
@@ -559,7 +560,16 @@ def _ids(process: str) -> tuple[object, ...]:
         os.close(fd)
     status = b"".join(chunks)
     gids, groups = _status_line(status, b"Gid"), _status_line(status, b"Groups")
-    return gids.split(), sorted(set(groups.split())), os.readlink(f"{process}/ns/uts")
+    capabilities = _status_line(status, b"CapEff").strip()
+    with open(f"{process}/limits", "rb") as f:
+        size_limit = next((line for line in f if line.startswith(b"Max file size")), b"")
+    return (
+        gids.split(),
+        sorted(set(groups.split())),
+        capabilities,
+        size_limit.split(),
+        os.readlink(f"{process}/ns/uts"),
+    )
 
 
 def _status_line(status: bytes, name: bytes) -> bytes:

@@ -448,7 +448,12 @@ def _run_planned(
         except _AsIs as e:
             cache.record_uncacheable(plan.request.soc_version, f"{kind}: {e}")
             as_is = e
-        if as_is is None:
+        except OSError as e:
+            # A hit that cannot be written into the staging folder (a file size limit,
+            # a full disk): the command meets that itself, as it would alone.
+            log.warning("cannot put the outputs in place: %s; running the command", sentence(e))
+            rerun = True
+        if as_is is None and not rerun:
             rerun = _put_in_place(plan, staging, staging_fd, None if failed else result)
             if rerun and failed is None and result.status == "hit":
                 cache._unserved(result, plan.request.soc_version)  # (the command compiles)

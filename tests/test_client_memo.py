@@ -410,10 +410,11 @@ def left_to_opcache(served: Served, done: subprocess.CompletedProcess, before: i
 def test_a_depfile_folder_made_read_only_is_left_to_opcache_which_runs_the_compiler(served):
     """The reviewer's case through the client: ``chmod a-w deps`` (deps/k.d writable).
     The client cannot make deps/k.d anew: it puts nothing in place and counts nothing;
-    opcache runs gcc (the Python path's warning), which writes k.d in place: 0."""
+    opcache runs gcc (the Python path's warning), which writes k.d in place: 0.  (All of
+    it bound by modes: a memo, and a server, serve callers of their capabilities.)"""
+    bound = served.prefix = bound_by_modes()
     memoized_with_deps(served)
     (served.src / "deps").chmod(0o555)
-    bound = bound_by_modes()
     before = served.fallbacks()
 
     done = subprocess.run(

@@ -71,11 +71,12 @@ def _quick_hits(tmp_path: Path) -> int:
     return len(counts.read_bytes().splitlines()) if counts.exists() else 0
 
 
-def _memoized(tmp_path: Path, env: dict[str, str], src: Path, cmd=CMD) -> None:
-    """A miss, then a full hit that writes the command's memo."""
-    wrap(*cmd, env=env, cwd=src)
+def _memoized(tmp_path: Path, env: dict[str, str], src: Path, cmd=CMD, prefix=()) -> None:
+    """A miss, then a full hit that writes the command's memo (both run under
+    ``prefix``: a memo is a process's of the same capabilities)."""
+    wrap(*cmd, env=env, cwd=src, prefix=list(prefix))
     _age()
-    wrap(*cmd, env=env, cwd=src)
+    wrap(*cmd, env=env, cwd=src, prefix=list(prefix))
     assert len(_memos(tmp_path)) == 1
     assert _quick_hits(tmp_path) == 0
 
@@ -572,11 +573,11 @@ DEPS_CMD = [*CMD, "-MD", "-MF", "deps/k.d"]
 STALE = b"stale: not written by this compile\n"
 
 
-def _with_deps(tmp_path: Path, env: dict[str, str], src: Path) -> None:
+def _with_deps(tmp_path: Path, env: dict[str, str], src: Path, prefix=()) -> None:
     """A memo of DEPS_CMD; then k.o and deps/k.d hold STALE, so what a run leaves shows
     who wrote each (the cache, the compiler, or nobody)."""
     (src / "deps").mkdir(exist_ok=True)
-    _memoized(tmp_path, env, src, DEPS_CMD)
+    _memoized(tmp_path, env, src, DEPS_CMD, prefix)
     for output in (src / "k.o", src / "deps" / "k.d"):
         output.write_bytes(STALE)
 
@@ -586,9 +587,9 @@ def test_a_depfile_folder_made_read_only_runs_the_compiler_with_a_warning(tmp_pa
     cannot make deps/k.d anew, so it puts nothing in place and counts nothing: gcc runs,
     writes k.d in place and k.o, and the compile succeeds as it does alone."""
     env, src = _env(tmp_path), write_project(tmp_path / "src")
-    _with_deps(tmp_path, env, src)
-    (src / "deps").chmod(0o555)
     bound = bound_by_modes()
+    _with_deps(tmp_path, env, src, bound)
+    (src / "deps").chmod(0o555)
 
     done = wrap(*DEPS_CMD, env=env, cwd=src, prefix=bound)
     ran_instead(done, src, "Permission denied")

@@ -68,6 +68,7 @@ class Served:
         self.folder = Path(quickhit.runtime_folder(self.env))
         self.socket = self.socket_of(self.env)
         self.src = write_project(tmp_path / "src")
+        self.prefix: list[str] = []  # what the client runs under (bound_by_modes)
 
     def socket_of(self, env: dict[str, str]) -> Path:
         """The socket of the server for a client run with ``env`` (its start-up's own)."""
@@ -78,7 +79,7 @@ class Served:
         self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
     ) -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["gcc", *args],
+            [*self.prefix, "gcc", *args],
             env=env or self.env,
             cwd=cwd or self.src,
             capture_output=True,
@@ -1072,12 +1073,17 @@ def test_the_group_ids_of_a_user_of_thousands_of_groups_are_read_whole(tmp_path)
     # (a /proc status of a user in 20,000 groups is over 64 KB: the Groups line
     # cut short would refuse the very caller it describes, or match a wrong one)
     groups = " ".join(str(g) for g in range(20_000))
-    status = f"Name:\tcc\nUid:\t1\t1\t1\t1\nGid:\t5\t5\t5\t5\nGroups:\t{groups}\nVmPeak:\t1 kB\n"
+    status = (
+        f"Name:\tcc\nUid:\t1\t1\t1\t1\nGid:\t5\t5\t5\t5\nGroups:\t{groups}\nVmPeak:\t1 kB\n"
+        "CapEff:\t0000000000000000\n"
+    )
     (tmp_path / "status").write_text(status)
+    (tmp_path / "limits").write_text("Max file size             unlimited  unlimited  bytes\n")
     (tmp_path / "ns").mkdir()
     (tmp_path / "ns" / "uts").symlink_to("uts:[4026531838]")
-    gids, got, uts = server._ids(str(tmp_path))
+    gids, got, capabilities, _, uts = server._ids(str(tmp_path))
     assert gids == [b"5"] * 4 and uts == "uts:[4026531838]"
+    assert capabilities == b"0000000000000000"
     assert got == sorted(str(g).encode() for g in range(20_000))
 
 
@@ -1103,3 +1109,58 @@ def test_without_a_locale_gcc_s_messages_are_its_own_on_every_path(served):
     python = python_path(served, *args)
     for done in (first, *hits, python):
         assert (done.returncode, done.stderr) == (0, alone.stderr)
+
+
+def test_a_file_size_limit_is_met_as_gcc_alone_meets_it(served):
+    """Under ``ulimit -f`` the client's memo hit was killed by SIGXFSZ half way (exit
+    153, no message, its temporary file left), and a served hit wrote the object with
+    the worker's limits (exit 0) where gcc alone fails."""
+    import resource
+
+    warmed(served, *COMPILE)
+    for _ in range(2):  # served, then from the client's memo
+        assert served.gcc(*COMPILE).returncode == 0
+    limit = (served.src / "k.o").stat().st_size // 2
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    def run(program: str) -> subprocess.CompletedProcess:
+        (served.src / "k.o").unlink(missing_ok=True)
+        return subprocess.run(
+            [program, *COMPILE], env=served.env, cwd=served.src, capture_output=True,
+            preexec_fn=limited, timeout=120,
+        )  # fmt: skip
+
+    alone = run(GCC)
+    assert alone.returncode != 0
+    left = (served.src / "k.o").exists()
+    for _ in range(2):
+        done = run("gcc")  # (the client, on PATH)
+        assert done.returncode == alone.returncode, done.stderr
+        assert (served.src / "k.o").exists() == left
+        assert not list(served.src.glob(".opcache-wrap.*"))
+
+
+@pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None, reason=NEEDS_ROOT)
+def test_root_without_the_capability_to_read_any_file_is_not_served_what_root_read(served):
+    """A header of another user's (0600) that root read for the first compile: root
+    without CAP_DAC_OVERRIDE may not read it, and gcc alone fails; the client's memo
+    (named by uid, gid and groups alone) and the server (which compared those) served
+    the object all the same."""
+    (served.src / "k.h").write_text("#define FROM_K_H 1\n")
+    os.chown(served.src / "k.h", NOBODY, NOBODY)
+    os.chmod(served.src / "k.h", 0o600)
+    (served.src / "k.c").write_text('#include "k.h"\n' + K_C)
+    args = COMPILE
+    warmed(served, *args)
+    for _ in range(2):  # served, then from the client's memo
+        assert served.gcc(*args).returncode == 0
+    drop = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+            "--bounding-set=-dac_override,-dac_read_search", "--"]  # fmt: skip
+    run = {"env": served.env, "cwd": served.src, "capture_output": True, "timeout": 120}
+    alone = subprocess.run([*drop, GCC, *args], **run)
+    assert alone.returncode != 0 and b"Permission denied" in alone.stderr
+    for _ in range(2):
+        done = subprocess.run([*drop, "gcc", *args], **run)
+        assert (done.returncode, b"Permission denied" in done.stderr) == (alone.returncode, True)

@@ -562,6 +562,35 @@ static int unkeyed(const char *entry, size_t len) {
     return 0;
 }
 
+/* This process's effective capabilities as /proc/self/status writes them (into out),
+ * as quickhit.capabilities reads them: root without CAP_DAC_OVERRIDE may not read
+ * what root may.  0, or -1 when they cannot be read. */
+static int capabilities(char *out, size_t size) {
+    int fd = open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    struct buf b = {0};
+    char chunk[4096];
+    ssize_t n;
+    int bad = 0;
+    while (!bad && (n = read(fd, chunk, sizeof chunk)) > 0) bad = put(&b, chunk, (size_t)n);
+    close(fd);
+    bad |= n < 0 || put(&b, "", 1);
+    const char *at = bad ? NULL : strstr(b.data, "\nCapEff:");
+    if (at != NULL) {
+        at += strlen("\nCapEff:");
+        at += strspn(at, " \t");
+        size_t len = strcspn(at, " \t\n");
+        if (len < size) {
+            memcpy(out, at, len);
+            out[len] = '\0';
+        } else {
+            at = NULL;
+        }
+    }
+    free(b.data);
+    return at == NULL ? -1 : 0;
+}
+
 /* The memo's name, as quickhit.client_memo_name makes it (into name[34]): 0, or -1
  * when this process's environment is not one the server would have named alike (a
  * variable given twice, an entry without a name). */
@@ -595,6 +624,7 @@ static int memo_name(char **line, const char *cwd, char *name) {
     bad |= put(&b, "", 1);
     struct utsname uts;
     bad |= uname(&uts) != 0 || put_str(&b, uts.nodename);
+    bad |= capabilities(text, sizeof text) != 0 || put_str(&b, text);
     int argc = 0;
     while (line[argc] != NULL) argc++;
     snprintf(text, sizeof text, "%d", argc);
@@ -810,6 +840,9 @@ static int open_place(struct artifact *a) {
  * too).  A Ctrl-C waits until the outputs are in place and counted, or none is
  * half made. */
 static int deliver(struct artifact *outputs, size_t count_of, char **counts) {
+    /* Past a file size limit (ulimit -f) a write fails (EFBIG: not served, the command
+     * runs and meets the limit itself), rather than killing the client half way. */
+    signal(SIGXFSZ, SIG_IGN);
     sigset_t block, held;
     sigemptyset(&block);
     sigaddset(&block, SIGINT);
