@@ -746,6 +746,7 @@ NOT_THIS_NAMESPACE = "its versions are not this folder's"
 # How often a writer looks at the driver and custom packages again (a stat of each of
 # their files): the entries written in between are taken out when they changed.
 _INPUTS_EVERY = 0.5
+_INPUTS_SPACING = 4  # and at least this many times as long as the last look took
 
 
 class _Writer:
@@ -782,6 +783,7 @@ class _Writer:
         # bytes, (name, device, inode) of each file).
         self._unconfirmed: list[tuple[str, int, list[tuple[str, int, int]]]] = []
         self._confirmed_at = time.monotonic()
+        self._every = _INPUTS_EVERY  # (seconds until the next look)
 
     def close(self) -> None:
         """Close the lock files kept open (``_locked``); call it once the writes are done."""
@@ -854,16 +856,25 @@ class _Writer:
         self.used += bundle.size
         self.report["written"] += 1
         self.report["bytes"] += bundle.size
-        if time.monotonic() - self._confirmed_at >= _INPUTS_EVERY:
+        if time.monotonic() - self._confirmed_at >= self._every:
             self._confirm()
         return None
 
     def _confirm(self) -> None:
         """Look at the inputs again: unchanged, the entries written so far are theirs;
-        changed, those written since the last look are taken out (_Stop)."""
-        if not self.inputs.changed():
+        changed (or no longer to be told: a package grown past what is read), those
+        written since the last look are taken out (_Stop).  The next look is due in
+        ``_INPUTS_EVERY`` or ``_INPUTS_SPACING`` times this one's length, whichever is
+        longer: big packages on a slow file system never take most of the run."""
+        started = time.monotonic()
+        try:
+            changed = self.inputs.changed()
+        except Refused:
+            changed = True
+        if not changed:
             self._unconfirmed.clear()
             self._confirmed_at = time.monotonic()
+            self._every = max(_INPUTS_EVERY, _INPUTS_SPACING * (self._confirmed_at - started))
             return
         for kernel, size, files in self._unconfirmed:
             self._withdraw(files)

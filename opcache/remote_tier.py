@@ -60,6 +60,7 @@ _LOOKED_KEPT = 10_000  # look times remembered before the stale ones are dropped
 # name holds what is no claim of opcache's (another program's key, a proxy's answer),
 # and the key is compiled unclaimed rather than waited for until lock_timeout.
 _REFUSED_UNSEEN = 2
+_REFUSED_KEPT = 200_000  # keys so counted at once (past it, counted anew: a batch's keys)
 # How long a key seen claimed by another client is waited for without a claim
 # of its own being tried (a poll looks at it meanwhile).
 _PEEK_FRESH = 0.5
@@ -441,7 +442,11 @@ class RemoteTier:
         self._note_looked(soc, keys, sound, asked)
         refused = self._refused
         for key in keys:
-            if (soc, key) in refused and key not in sound and key not in claimed:
+            if (soc, key) not in refused:
+                continue
+            if key in sound:
+                del refused[(soc, key)]  # (settled: its holder stored it)
+            elif key not in claimed:
                 refused[(soc, key)] += 1
         return sound, claimed
 
@@ -504,8 +509,8 @@ class RemoteTier:
             )
             return UNCLAIMED
         else:
-            if len(refused) > _LOOKED_KEPT:
-                refused.clear()  # (the keys of batches gone)
+            if len(refused) > _REFUSED_KEPT:
+                refused.clear()  # (the keys of batches gone, mostly: settled otherwise)
             refused.setdefault((soc, key), 0)
         return claim
 

@@ -1949,6 +1949,7 @@ def test_a_driver_or_package_changed_while_entries_go_in_leaves_none_to_push_as_
     kernels = _fill(a, 12)
     if every == "each entry":
         monkeypatch.setattr(cann_transfer, "_INPUTS_EVERY", 0.0)
+        monkeypatch.setattr(cann_transfer, "_INPUTS_SPACING", 0)
     if what == "driver":
         driver = Path(b.env["ASCEND_DRIVER_PATH"])
         b.env["ASCEND_DRIVER_PATH"] = str(shutil.copytree(driver, tmp_path / "driver-b"))
@@ -2059,3 +2060,24 @@ def test_the_ini_a_pull_makes_goes_into_the_root_it_opened_not_through_a_link_sw
     b.pull()
     assert not (elsewhere / "kernel_cache" / "op_cache.ini").exists()
     assert (tmp_path / "b-moved" / "kernel_cache" / "op_cache.ini").is_file()
+
+
+def test_packages_that_can_no_longer_be_told_take_out_what_went_in_since_last_seen(
+    machines, monkeypatch
+):
+    """A custom package grown past what is read (Refused) while a pull wrote: taken
+    for a change, not for the inputs as they were (the entries were kept)."""
+    a, b = machines
+    write_ini(b.root)
+    _fill(a, 6)
+    assert a.push()["sent"] == 6
+
+    def grown(self):  # type: ignore[no-untyped-def]
+        raise cann_transfer.Refused("the custom operator packages hold over 100000 files")
+
+    mark = cann_transfer.InputsMark
+    _changing_at(monkeypatch, 3, lambda: monkeypatch.setattr(mark, "changed", grown))
+    report = b.pull()
+    assert any("changed while entries went in" in e for e in report["errors"]), report
+    assert report["written"] == 0
+    assert not list(b.chip.glob("*.json"))

@@ -620,3 +620,12 @@ def test_a_claim_s_name_holding_another_program_s_key_is_compiled_unclaimed(
     assert done, "the compile still waits for a claim no one holds after 60 s"
     assert [r.status for r in done] == ["miss"] * len(done)
     assert "yet no look finds one held" in caplog.text
+
+
+def test_a_server_that_names_no_eviction_policy_is_reported_as_none() -> None:
+    """(not as the text "None", which `remote stats` printed as a policy, with its
+    warning that the server never evicts)"""
+    from opcache.storage.redis import memory_of
+
+    assert memory_of([{"used_memory": 5}])["maxmemory_policy"] is None
+    assert memory_of([{"maxmemory_policy": "allkeys-lru"}])["maxmemory_policy"] == "allkeys-lru"

@@ -784,11 +784,13 @@ def memory_of(servers: list[dict]) -> dict[str, object]:
         return [v if type(v := node.get(name)) is int and v >= 0 else None for node in servers]
 
     used, limits = counts("used_memory"), counts("maxmemory")
-    policies = {str(node.get("maxmemory_policy")) for node in servers}
+    policies = {node.get("maxmemory_policy") for node in servers}
+    policy = policies.pop() if len(policies) == 1 else "mixed"
     return {
         "used_memory": None if None in used else sum(used),  # type: ignore[arg-type]
         "maxmemory": None if None in limits else 0 if 0 in limits else sum(limits),  # type: ignore[arg-type]
-        "maxmemory_policy": printable(policies.pop(), 100) if len(policies) == 1 else "mixed",
+        # (None: it says none, as a server that is no Redis: `remote stats` says nothing)
+        "maxmemory_policy": None if policy is None else printable(str(policy), 100),
     }
 
 
