@@ -548,17 +548,9 @@ _own_ids: list[tuple[object, ...]] = []
 
 
 def _ids(process: str) -> tuple[object, ...]:
-    """A process's group ids and UTS namespace, from its /proc folder: of the status
-    file, one read and its two lines (split whole, with a file object, it cost a call
-    three times as much)."""
-    fd = os.open(f"{process}/status", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = [os.read(fd, 1 << 16)]
-        while chunks[-1]:  # (the Groups line of a user of thousands of groups is long)
-            chunks.append(os.read(fd, 1 << 16))
-    finally:
-        os.close(fd)
-    status = b"".join(chunks)
+    """A process's group ids, effective capabilities, file size limit and UTS
+    namespace, from its /proc folder."""
+    status = quickhit.proc_status(process)
     gids, groups = _status_line(status, b"Gid"), _status_line(status, b"Groups")
     capabilities = _status_line(status, b"CapEff").strip()
     with open(f"{process}/limits", "rb") as f:

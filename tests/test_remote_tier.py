@@ -189,15 +189,22 @@ def test_a_server_killed_mid_run_never_fails_a_compile_and_is_used_again(
     assert len(entry_names(redis_server)) == 1
 
 
-def test_the_pause_is_shared_with_other_processes_of_the_cache(
-    tmp_path: Path, redis_server, redis_url: str
-) -> None:
+def _paused_by_a_failure(tmp_path: Path, redis_server, redis_url: str):  # type: ignore[no-untyped-def]
+    """(a compiler, the settings of machine a) once a compile found the server down:
+    the remote paused, the pause noted in a's cache folder."""
     redis_server.kill()
     compiler = ToyCompiler(tmp_path / "calls")
     settings = machine(tmp_path, "a", redis_url, timeout=1)
     with opcache.OpCache(settings) as first:
         first.compile(make_request(0), compiler, tmp_path / "o")
         assert remote_stats(first)["remote_errors"] == 1
+    return compiler, settings
+
+
+def test_the_pause_is_shared_with_other_processes_of_the_cache(
+    tmp_path: Path, redis_server, redis_url: str
+) -> None:
+    _paused_by_a_failure(tmp_path, redis_server, redis_url)
     # Another process of the same cache folder: it skips the remote while paused.
     code = (
         "import json, sys, opcache\n"
@@ -229,12 +236,7 @@ def test_a_pause_further_ahead_than_the_longest_is_no_pause(
     """A cache folder shared between hosts: one whose clock runs two hours ahead noted
     a pause until its now + 10 s, and every other host left the remote unused for two
     hours (so did one host whose clock stepped back)."""
-    redis_server.kill()
-    compiler = ToyCompiler(tmp_path / "calls")
-    settings = machine(tmp_path, "a", redis_url, timeout=1)
-    with opcache.OpCache(settings) as first:
-        first.compile(make_request(0), compiler, tmp_path / "o0")
-        assert remote_stats(first)["remote_errors"] == 1
+    compiler, settings = _paused_by_a_failure(tmp_path, redis_server, redis_url)
     (note,) = (tmp_path / "a").rglob("remote-pause-*")
     note.write_text(f"{time.time() + 7200 + storage_remote.FIRST_PAUSE:.3f}")
     redis_server.start()
