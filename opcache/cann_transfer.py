@@ -206,12 +206,15 @@ def _described(versions: dict[str, str]) -> str:
 # -- versions ---------------------------------------------------------------------------
 
 
-def ini_versions(path: Path, shared_group: int | None = None) -> tuple[str, str] | None:
+def ini_versions(
+    path: Path, shared_group: int | None = None, dir_fd: int | None = None
+) -> tuple[str, str] | None:
     """(adk_version, ops_version) of ``op_cache.ini`` read as CANN reads it
-    (``ini.read_cann_versions``); None when there is no file.  Refused when CANN
-    would not use it, when it is not a regular file or the trust rule refuses it."""
+    (``ini.read_cann_versions``, through ``dir_fd`` when given); None when there is
+    no file.  Refused when CANN would not use it, when it is not a regular file or
+    the trust rule refuses it."""
     try:
-        return ini.read_cann_versions(path, shared_group)
+        return ini.read_cann_versions(path, shared_group, dir_fd)
     except ValueError as e:
         raise Refused(str(e)) from None
     except OSError as e:
@@ -391,9 +394,9 @@ def _input_stamps(environ: Mapping[str, str]) -> dict[str, tuple[int, int, int, 
     return stamps
 
 
-def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+def _stamp(path: Path, dir_fd: int | None = None) -> tuple[int, int, int, int] | None:
     try:
-        st = os.stat(path, follow_symlinks=False)
+        st = os.stat(path if dir_fd is None else path.name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
@@ -439,7 +442,8 @@ def create_ini(
     """op_cache.ini as CANN's ``CreatOpCacheIniFile`` writes it: exactly the section and
     the two versions, mode 0640 narrowed by the umask; never over an existing file.
     ``dir_fd``: the root folder, reached under the trust rule (``_Chip``), made in
-    through that handle: a link swapped above the root meanwhile leads nowhere.
+    (or, made meanwhile, read) through that handle: a link swapped above the root
+    meanwhile leads nowhere.
 
     (its mark, whether this made it).  One another process made meanwhile is
     taken only if it names ``ns``'s versions: a CANN of another toolkit that
@@ -451,15 +455,15 @@ def create_ini(
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(name, flags, 0o640, dir_fd=dir_fd)
     except FileExistsError:
-        before = _stamp(path)
-        found = ini_versions(path, shared_group)
+        before = _stamp(path, dir_fd)
+        found = ini_versions(path, shared_group, dir_fd)
         if found != (ns.adk_version, ns.ops_version):
             said = f"adk_version {found[0]}, ops_version {found[1]}" if found else "nothing"
             raise Refused(
                 f"{path} was made meanwhile, and says {said}, not this toolkit's "
                 f"{ns.adk_version}, {ns.ops_version} (a CANN of another toolkit?): nothing written"
             ) from None
-        if before is None or _stamp(path) != before:
+        if before is None or _stamp(path, dir_fd) != before:
             raise Refused(
                 f"{path} changed while it was read (a toolkit change?): run it again"
             ) from None

@@ -115,10 +115,13 @@ def read_size_limits(path: Path, shared_group: int | None = None) -> SizeLimits 
     return limits
 
 
-def _read(path: Path, shared_group: int | None) -> tuple[bytes, str | None]:
+def _read(
+    path: Path, shared_group: int | None, dir_fd: int | None = None
+) -> tuple[bytes, str | None]:
     """(its bytes, one more than a config may hold; why the trust rule refuses it,
-    or None); OSError unless it is a regular file."""
-    fd, st = fsutil.open_regular(path)
+    or None); OSError unless it is a regular file.  ``dir_fd``: its folder, open
+    (``path``'s name is read in it)."""
+    fd, st = fsutil.open_regular(path if dir_fd is None else path.name, dir_fd=dir_fd)
     try:
         with open(fd, "rb", closefd=False) as f:
             modes = fsutil.modes_for(shared_group)
@@ -260,16 +263,19 @@ def _cann_config(
     return None, f"no [{SECTION}] section with adk_version and ops_version in it"
 
 
-def read_cann_versions(path: Path, shared_group: int | None = None) -> tuple[str, str] | None:
+def read_cann_versions(
+    path: Path, shared_group: int | None = None, dir_fd: int | None = None
+) -> tuple[str, str] | None:
     """(adk_version, ops_version) as CANN takes them from the op_cache.ini at ``path``
-    (``_cann_sections``, ``_cann_config``); None when there is no file.
+    (``_cann_sections``, ``_cann_config``); None when there is no file.  ``dir_fd``:
+    its folder, open (read through it, not through ``path``'s folders).
 
     ValueError saying why when CANN would not use the file (it then neither
     checks the versions nor repairs the file), when the trust rule refuses it
     or it is over 1 MiB; OSError when it cannot be read (a link, a FIFO...).
     """
     try:
-        raw, untrusted = _read(path, shared_group)
+        raw, untrusted = _read(path, shared_group, dir_fd)
     except (FileNotFoundError, NotADirectoryError):
         return None
     if untrusted:

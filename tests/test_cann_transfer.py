@@ -2081,3 +2081,32 @@ def test_packages_that_can_no_longer_be_told_take_out_what_went_in_since_last_se
     assert any("changed while entries went in" in e for e in report["errors"]), report
     assert report["written"] == 0
     assert not list(b.chip.glob("*.json"))
+
+
+def test_an_ini_made_meanwhile_is_read_in_the_root_opened_not_through_a_link_swapped_above(
+    machines, tmp_path, monkeypatch
+):
+    """No ini when the pull read it; a CANN of another toolkit made one as the pull went
+    to make its own, and a link swapped in above the root meanwhile led the pull's read
+    of it to another base's ini naming this toolkit: the pull took that one and wrote
+    its kernels into a folder CANN takes for the other toolkit's."""
+    a, b = machines
+    _fill(a, 2)
+    assert a.push()["sent"] == 2
+    b.toolkit()  # 7.0.RC1, as A's ini
+    b.base.mkdir(parents=True, exist_ok=True)
+    elsewhere = tmp_path / "elsewhere"
+    write_ini(elsewhere / "kernel_cache")  # (7.0.RC1: this toolkit's)
+    real = cann_transfer.create_ini
+
+    def made_meanwhile(path, *rest):  # type: ignore[no-untyped-def]
+        path.write_text("[op_compiler_cache]\nadk_version=8.0.0\nops_version=8.0.0\n")
+        b.base.rename(tmp_path / "b-moved")
+        b.base.symlink_to(elsewhere)
+        return real(path, *rest)
+
+    monkeypatch.setattr(cann_transfer, "create_ini", made_meanwhile)
+    report = b.pull()
+    assert "says adk_version 8.0.0, ops_version 8.0.0" in report["refused"], report
+    moved = tmp_path / "b-moved" / "kernel_cache" / SOC
+    assert not [p for p in moved.iterdir() if p.name.endswith((".json", ".o"))]
